@@ -1,0 +1,1 @@
+"""Backends: one module per backend, each exposing `BACKEND` (see oracle/backend.py)."""

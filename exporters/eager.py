@@ -1,0 +1,77 @@
+"""`eager`: the production torch model itself, fp32 or bf16.
+
+Also the home of the helpers every torch-based backend shares: running one block of a
+production model on the reference's calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.layers import Transformer, reset_state
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def block_fn(model: Transformer, layer: int | None, kind: str):
+    """(module to reset, fn(x [1, T, H], pos [T]) -> output) for one block of the production model."""
+    if kind == "final_norm":
+        return model.norm, lambda x, pos: model.norm(x)
+    if kind == "logits":
+        return model.lm_head, lambda x, pos: model.lm_head(x)
+    dec = model.layers[layer]
+    if kind == "attention":
+        return dec.attn, dec.attn
+    if kind == "layer":
+        return dec, dec
+    if kind == "moe":
+        return dec.mlp, lambda x, pos: dec.mlp(x)
+    if kind == "router":
+        return dec.mlp.gate, lambda x, pos: dec.mlp.gate(x.reshape(-1, x.shape[-1]))
+    raise KeyError(kind)
+
+
+class TorchCandidate:
+    """A production torch model as a candidate (eager execution)."""
+
+    block_mode = "isolated"
+
+    def __init__(self, model: Transformer, dtype: torch.dtype, info: dict | None = None):
+        self.model, self.dtype = model, dtype
+        self.info = info or {"executor": f"torch {torch.__version__} eager"}
+
+    @torch.no_grad()
+    def prefill(self, tokens):
+        reset_state(self.model)
+        return self.model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
+
+    @torch.no_grad()
+    def decode(self, token, pos):
+        return self.model(torch.tensor([[token]]), torch.tensor([pos]))[0, -1]
+
+    @torch.no_grad()
+    def run_block(self, layer, kind, calls):
+        module, fn = block_fn(self.model, layer, kind)
+        reset_state(module)
+        return [fn(c.x.to(self.dtype), c.pos) for c in calls]
+
+
+class EagerBackend:
+    """`transform(model)` may modify the built model in place: how faults are injected."""
+
+    precisions = tuple(DTYPES)
+
+    def __init__(self, name: str = "eager", transform=None):
+        self.name, self.transform = name, transform
+
+    def availability(self):
+        return True, ""
+
+    def load(self, model, spec):
+        m = model.build_production(DTYPES[spec.precision])
+        if self.transform is not None:
+            self.transform(m)
+        return TorchCandidate(m, DTYPES[spec.precision])
+
+
+BACKEND = EagerBackend()

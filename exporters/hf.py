@@ -1,0 +1,80 @@
+"""`hf`: HF transformers itself as the candidate: a sanity check of the harness that must
+always pass (fp32: identical computation; bf16: HF in bf16 against HF in fp32).
+
+Blocks are isolated without knowing HF's call signatures: the whole model is re-run on
+the reference token sequence while hooks substitute the reference's captured input for
+every block of one kind and record what that block returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oracle.reference import _normalize_output, block_modules, load_hf_model
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class HFCandidate:
+    block_mode = "isolated"
+
+    def __init__(self, model, family, dtype):
+        self.model, self.family, self.dtype = model, family, dtype
+        self.modules = block_modules(model, family)
+        self.cache = None
+        self.info = {"executor": "transformers eager"}
+
+    @torch.no_grad()
+    def prefill(self, tokens):
+        out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[0]
+
+    @torch.no_grad()
+    def decode(self, token, pos):
+        out = self.model(input_ids=torch.tensor([[token]]), past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[0, -1]
+
+    @torch.no_grad()
+    def run_block(self, layer, kind, calls):
+        target = self.modules[layer, kind]
+        outputs, n = [], [0]
+
+        def pre(mod, args, kwargs):
+            x = calls[n[0]].x.to(self.dtype)
+            if args and torch.is_tensor(args[0]):
+                return (x.reshape(args[0].shape), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x.reshape(kwargs["hidden_states"].shape)}
+
+        def post(mod, args, kwargs, out):
+            o = _normalize_output(kind, out)
+            outputs.append(o[:2] if kind == "router" else o)
+            n[0] += 1
+
+        h1 = target.register_forward_pre_hook(pre, with_kwargs=True)
+        h2 = target.register_forward_hook(post, with_kwargs=True)
+        try:
+            cache = None
+            for c in calls:
+                out = self.model(input_ids=torch.tensor([c.tokens]), past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+        finally:
+            h1.remove()
+            h2.remove()
+        return outputs
+
+
+class HFBackend:
+    name = "hf"
+    precisions = tuple(DTYPES)
+
+    def availability(self):
+        return True, ""
+
+    def load(self, model, spec):
+        m = load_hf_model(model.family, model.model_dir, DTYPES[spec.precision])
+        return HFCandidate(m, model.family, DTYPES[spec.precision])
+
+
+BACKEND = HFBackend()

@@ -1,0 +1,118 @@
+"""Model families: one module per family, registered here.
+
+A family module defines `FAMILY = Family(...)`: the HF classes of the reference, a tiny
+config, the config mapping to `ModelArgs`, and `sanitize()` (HF checkpoint names and
+layouts -> the production model's parameter names).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from models.checkpoint import CheckpointError, load_state
+from models.layers import ModelArgs, Transformer
+
+FAMILY_NAMES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")
+
+# Families transformers has but the harness cannot yet reproduce, and the missing feature.
+UNSUPPORTED = {
+    "deepseek_v3": "multi-head latent attention (MLA) and grouped sigmoid routing with a score-correction bias",
+    "deepseek_v2": "multi-head latent attention (MLA)",
+    "gpt_oss": "attention sinks and the clamped gated-SwiGLU expert activation",
+    "glm4_moe": "grouped sigmoid routing with a score-correction bias (e_score_correction_bias)",
+    "dots1": "grouped sigmoid routing with a score-correction bias (e_score_correction_bias)",
+    "ernie4_5_moe": "interleaved RoPE and the expert-bias router",
+    "phimoe": "sparsemixer routing",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # config.json model_type values this family reads
+    hf_module: str  # transformers.models.<hf_module>
+    hf_class_name: str  # the CausalLM class used as reference
+    hf_config_name: str
+    tiny_config: dict
+    to_args: Callable  # HF config object -> ModelArgs
+    sanitize: Callable  # (weights, ModelArgs) -> production state dict
+    # where the reference's blocks live inside an HF decoder layer (first that exists)
+    hf_attention: tuple[str, ...] = ("self_attn", "linear_attn")
+    hf_moe: str = "mlp"
+    hf_router: str = "mlp.gate"
+
+    def hf_class(self):
+        return getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_class_name)
+
+    def hf_config(self, cfg: dict):
+        cls = getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_config_name)
+        cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+        return cls(**cfg)
+
+    def args(self, cfg: dict, max_seq_len: int = 256) -> ModelArgs:
+        """ModelArgs from a config.json dict, resolved through HF's own config class so that
+        defaults are exactly the reference's."""
+        args = self.to_args(self.hf_config(cfg))
+        return ModelArgs(**{**args.__dict__, "max_seq_len": max_seq_len})
+
+    def build(self, cfg: dict, weights: dict, dtype=torch.float32, max_seq_len: int = 256) -> Transformer:
+        """The production model with the checkpoint's weights (strict name/shape check)."""
+        args = self.args(cfg, max_seq_len)
+        model = Transformer(args, dtype)
+        load_state(model, self.sanitize(weights, args), dtype)
+        return model.eval()
+
+
+def get_family(name: str) -> Family:
+    if name in FAMILY_NAMES:
+        return importlib.import_module(f"models.{name}").FAMILY
+    raise KeyError(name)
+
+
+def family_for_model_type(model_type: str) -> str | None:
+    for name in FAMILY_NAMES:
+        if model_type in get_family(name).model_types:
+            return name
+    return None
+
+
+def rope_theta(config) -> float:
+    rp = getattr(config, "rope_parameters", None) or {}
+    rope_type = rp.get("rope_type", "default")
+    if rope_type != "default":
+        raise CheckpointError(f"rope_type {rope_type!r} is not supported yet (only 'default' RoPE)")
+    if "rope_theta" not in rp:
+        raise CheckpointError("config has no rope_parameters.rope_theta")
+    return float(rp["rope_theta"])
+
+
+def strip_prefix(weights: dict, prefixes=("model.",), drop=()) -> dict:
+    """Checkpoint keys without the HF base-model prefix; keys starting with `drop` are ignored."""
+    out = {}
+    for k, t in weights.items():
+        if any(k.startswith(d) for d in drop):
+            continue
+        for p in prefixes:
+            if k.startswith(p):
+                k = k[len(p) :]
+                break
+        out[k] = t
+    return out
+
+
+def tie_embeddings(weights: dict, args: ModelArgs) -> dict:
+    if args.tie_word_embeddings and "lm_head.weight" not in weights and "embed_tokens.weight" in weights:
+        weights = {**weights, "lm_head.weight": weights["embed_tokens.weight"]}
+    return weights
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise CheckpointError(message)
+
+
+__all__ = ["Family", "FAMILY_NAMES", "UNSUPPORTED", "get_family", "family_for_model_type", "ModelArgs"]

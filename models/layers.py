@@ -1,0 +1,379 @@
+"""Shared layers of the production MoE models.
+
+Export-friendly: static-shape state buffers (KV cache, conv state, recurrent state),
+no data-dependent Python control flow, positions passed explicitly. One forward
+serves prefill (T tokens) and decode (T == 1); state is carried in registered
+buffers and reset by a call at position 0.
+
+Module names mirror the HF checkpoints (self_attn / linear_attn / mlp.gate /
+mlp.experts / mlp.shared_expert ...) so that a family's `sanitize()` is mostly a
+prefix strip plus the expert stacking.
+
+Shapes: B batch (1), T tokens in this call, S max_seq_len, H hidden, E experts,
+k experts per token, I expert intermediate, nh/kvh heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FULL, LINEAR = "full_attention", "linear_attention"
+STATE_BUFFERS = ("k_cache", "v_cache", "conv_state", "recurrent_state")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    layer_types: tuple[str, ...]
+    partial_rotary_factor: float = 1.0
+    norm_offset: bool = False  # (1 + w) RMSNorm, zero-centred weights (Qwen3.5)
+    qk_norm: str = "none"  # none | head (per head, Qwen3) | flat (whole projection, OLMoE)
+    attn_output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+    router_weights_in_model_dtype: bool = True  # Mixtral keeps top-k weights in fp32
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    tie_word_embeddings: bool = False
+    max_seq_len: int = 256
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+class RMSNorm(nn.Module):
+    """HF RMSNorm: normalise in fp32. offset=False: w * x.to(dtype); offset=True: (x * (1 + w)).to(dtype)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * silu(z), the Gated DeltaNet output norm."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, z):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rope(nn.Module):
+    """Rotate-half RoPE on the first `rotary_dim` dims of each head (partial rotary)."""
+
+    def __init__(self, head_dim: int, theta: float, partial: float = 1.0):
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial)
+        inv = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x, pos):  # x [B, nh, T, hd], pos [T]
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, rd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        rot = rot * cos + rotate_half(rot) * sin
+        return torch.cat((rot, rest), dim=-1)
+
+
+class Attention(nn.Module):
+    """Full causal attention over a static KV cache [B, kvh, S, hd]."""
+
+    def __init__(self, a: ModelArgs, dtype=torch.float32):
+        super().__init__()
+        self.nh, self.kvh, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.gated = a.attn_output_gate
+        q_out = self.nh * self.hd * (2 if self.gated else 1)
+        self.q_proj = nn.Linear(a.hidden_size, q_out, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=a.o_bias)
+        self.qk_norm = a.qk_norm
+        if a.qk_norm == "head":
+            self.q_norm = RMSNorm(self.hd, a.rms_norm_eps, a.norm_offset)
+            self.k_norm = RMSNorm(self.hd, a.rms_norm_eps, a.norm_offset)
+        elif a.qk_norm == "flat":
+            self.q_norm = RMSNorm(self.nh * self.hd, a.rms_norm_eps, a.norm_offset)
+            self.k_norm = RMSNorm(self.kvh * self.hd, a.rms_norm_eps, a.norm_offset)
+        self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor)
+        self.scale = self.hd**-0.5
+        self.window = a.sliding_window
+        S = a.max_seq_len
+        self.register_buffer("k_cache", torch.zeros(1, self.kvh, S, self.hd, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(1, self.kvh, S, self.hd, dtype=dtype))
+        self.register_buffer("cache_pos", torch.arange(S), persistent=False)
+
+    def forward(self, x, pos):  # x [B, T, H], pos [T]
+        B, T, _ = x.shape
+        q = self.q_proj(x)
+        if self.gated:
+            q, gate = q.view(B, T, self.nh, 2 * self.hd).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, self.nh * self.hd)
+        k, v = self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "flat":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(B, T, self.nh, self.hd)
+        k = k.view(B, T, self.kvh, self.hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.rope(q.transpose(1, 2), pos)  # [B, nh, T, hd]
+        k = self.rope(k.transpose(1, 2), pos)  # [B, kvh, T, hd]
+        v = v.view(B, T, self.kvh, self.hd).transpose(1, 2)
+        self.k_cache[:, :, pos] = k
+        self.v_cache[:, :, pos] = v
+        rep = self.nh // self.kvh
+        kc = self.k_cache.repeat_interleave(rep, dim=1)  # [B, nh, S, hd]
+        vc = self.v_cache.repeat_interleave(rep, dim=1)
+        # causal mask built here from positions (never from HF's mask builder)
+        visible = self.cache_pos[None, :] <= pos[:, None]  # [T, S]
+        if self.window is not None:
+            visible = visible & (pos[:, None] - self.cache_pos[None, :] < self.window)
+        scores = (q @ kc.transpose(2, 3)) * self.scale  # [B, nh, T, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        y = (probs @ vc).transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        if self.gated:
+            y = y * torch.sigmoid(gate)
+        return self.o_proj(y)
+
+
+def l2norm(x, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q, k, v, g, beta, state, max_len: int):
+    """Gated delta rule over T tokens in closed form (one chunk), fp32.
+
+    q, k [B, h, T, dk] (l2-normalised, q scaled), v [B, h, T, dv], g, beta [B, h, T],
+    state [B, h, dk, dv]. Per token: S <- e^g S; u = beta (v - S^T k); S <- S + k u^T;
+    o = S^T q. With G = cumsum(g), the pseudo-values U solve (I + A) U = R where
+    A[t, s] = beta_t e^(G_t - G_s) k_t.k_s (s < t), R = beta (V - e^G K S0); A is
+    strictly lower triangular, so (I + A)^-1 = prod_j (I + (-A)^(2^j)) exactly once
+    2^j reaches T: a fixed number of matmuls, no loop over tokens.
+    Returns o [B, h, T, dv] and the new state.
+    """
+    T = q.shape[2]
+    G = g.cumsum(-1)  # [B, h, T]
+    idx = torch.arange(T, device=q.device)
+    strict = idx[None, :] < idx[:, None]  # [t, s]: s < t
+    incl = idx[None, :] <= idx[:, None]
+    dG = G[..., :, None] - G[..., None, :]  # G_t - G_s
+    decay_strict = torch.where(strict, dG, float("-inf")).exp()
+    decay_incl = torch.where(incl, dG, float("-inf")).exp()
+    eG = G.exp()[..., None]  # [B, h, T, 1]
+    A = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay_strict  # [B, h, T, T]
+    U = beta[..., None] * (v - eG * (k @ state))  # [B, h, T, dv]
+    M = -A
+    for _ in range(max(1, math.ceil(math.log2(max(max_len, 2))))):
+        U = U + M @ U
+        M = M @ M
+    o = eG * (q @ state) + ((q @ k.transpose(-1, -2)) * decay_incl) @ U
+    G_last = G[..., -1:]  # [B, h, 1]
+    w = (G_last - G).exp()[..., None]  # e^(G_T - G_s)  [B, h, T, 1]
+    new_state = G_last.exp()[..., None] * state + (k * w).transpose(-1, -2) @ U
+    return o, new_state
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 linear attention: causal depthwise conv + gated delta rule, state in buffers."""
+
+    def __init__(self, a: ModelArgs, dtype=torch.float32):
+        super().__init__()
+        self.nk, self.nv = a.linear_num_key_heads, a.linear_num_value_heads
+        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.K = a.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.max_len = a.max_seq_len
+        self.in_proj_qkv = nn.Linear(a.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(a.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(a.hidden_size, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(a.hidden_size, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.K, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, a.hidden_size, bias=False)
+        self.register_buffer("conv_state", torch.zeros(1, self.conv_dim, self.K - 1, dtype=dtype))
+        # the recurrent state is kept in fp32 at every precision, as HF does
+        self.register_buffer("recurrent_state", torch.zeros(1, self.nv, self.dk, self.dv))
+
+    def forward(self, x, pos):  # x [B, T, H], pos [T]
+        B, T, _ = x.shape
+        keep = (pos[0] != 0).to(x.dtype)  # a call at position 0 starts a new sequence
+        self.conv_state.mul_(keep)
+        self.recurrent_state.mul_(keep.float())
+        qkv = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        z = self.in_proj_z(x).view(B, T, self.nv, self.dv)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, nv]
+        conv_in = torch.cat([self.conv_state, qkv], dim=-1)  # [B, C, K-1+T]
+        self.conv_state.copy_(conv_in[:, :, -(self.K - 1) :])
+        conv = F.silu(F.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim))  # [B, C, T]
+        conv = conv.transpose(1, 2)
+        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.nk, self.dk).float()
+        k = k.reshape(B, T, self.nk, self.dk).float()
+        v = v.reshape(B, T, self.nv, self.dv).float()
+        if self.nv != self.nk:
+            q = q.repeat_interleave(self.nv // self.nk, dim=2)
+            k = k.repeat_interleave(self.nv // self.nk, dim=2)
+        q = l2norm(q).transpose(1, 2) * self.dk**-0.5  # [B, nv, T, dk]
+        k = l2norm(k).transpose(1, 2)
+        v = v.transpose(1, 2)
+        beta = torch.sigmoid(b.float()).transpose(1, 2)  # [B, nv, T]
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
+        o, state = gated_delta_rule(q, k, v, g, beta, self.recurrent_state, self.max_len)
+        self.recurrent_state.copy_(state)
+        o = o.transpose(1, 2).to(x.dtype)  # [B, T, nv, dv]
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(B, T, self.value_dim)
+        return self.out_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """softmax over all experts (fp32) -> top-k -> optional renormalisation."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(a.num_experts, a.hidden_size))
+        self.top_k, self.norm_topk = a.num_experts_per_tok, a.norm_topk_prob
+        self.cast = a.router_weights_in_model_dtype
+
+    def forward(self, x):  # x [N, H] -> weights [N, k], indices [N, k]
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return (w.to(logits.dtype) if self.cast else w), idx
+
+
+class Experts(nn.Module):
+    """Stacked expert weights, gathered by expert index (exports; no per-expert loop)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        E, H, I = a.num_experts, a.hidden_size, a.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # gate rows, then up rows
+        self.down_proj = nn.Parameter(torch.zeros(E, H, I))
+
+    def forward(self, x, idx, w):  # x [N, H], idx/w [N, k]
+        gu = self.gate_up_proj[idx] @ x[:, None, :, None]  # [N, k, 2I, 1]
+        gate, up = gu.squeeze(-1).chunk(2, dim=-1)
+        h = F.silu(gate) * up  # [N, k, I]
+        y = (self.down_proj[idx] @ h[..., None]).squeeze(-1)  # [N, k, H]
+        return (y * w[..., None]).sum(dim=1).to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate = Router(a)
+        self.experts = Experts(a)
+        self.shared_expert = None
+        if a.shared_expert_intermediate_size:
+            self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+
+    def forward(self, x):  # [B, T, H]
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, idx = self.gate(x)
+        y = self.experts(x, idx, w)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, i: int, dtype=torch.float32):
+        super().__init__()
+        self.layer_type = a.layer_types[i]
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(a, dtype)
+        else:
+            self.self_attn = Attention(a, dtype)
+        self.mlp = SparseMoE(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
+
+    @property
+    def attn(self) -> nn.Module:
+        return self.linear_attn if self.layer_type == LINEAR else self.self_attn
+
+    def forward(self, x, pos):
+        h = x + self.attn(self.input_layernorm(x), pos)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """tokens [B, T] + positions [T] -> logits [B, T, V]; state carried in buffers."""
+
+    def __init__(self, a: ModelArgs, dtype=torch.float32):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a, i, dtype) for i in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+
+    def forward(self, tokens, pos):
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, pos)
+        return self.lm_head(self.norm(x))
+
+
+def reset_state(module: nn.Module) -> None:
+    """Zero every state buffer under `module` (KV cache, conv and recurrent state)."""
+    for name, buf in module.named_buffers():
+        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
+            buf.zero_()

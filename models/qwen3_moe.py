@@ -1,0 +1,41 @@
+"""Qwen3-MoE: per-head q/k RMSNorm, softmax top-k routing with renormalisation, no shared expert."""
+
+from models import Family, ModelArgs, require, rope_theta, strip_prefix, tie_embeddings
+from models.checkpoint import stack_hf_experts
+from models.layers import FULL
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+)
+
+
+def to_args(c) -> ModelArgs:
+    require(not c.mlp_only_layers and c.decoder_sparse_step == 1,
+            "qwen3_moe: dense MLP layers (mlp_only_layers / decoder_sparse_step > 1) are not supported yet")
+    require(not c.use_sliding_window, "qwen3_moe: use_sliding_window is not supported yet")
+    return ModelArgs(
+        family="qwen3_moe", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c), qk_norm="head",
+        qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+        layer_types=(FULL,) * c.num_hidden_layers, tie_word_embeddings=c.tie_word_embeddings,
+    )
+
+
+def sanitize(weights: dict, args: ModelArgs) -> dict:
+    w = strip_prefix(weights)
+    w = stack_hf_experts(w)
+    return tie_embeddings(w, args)
+
+
+FAMILY = Family(
+    name="qwen3_moe", model_types=("qwen3_moe",), hf_module="qwen3_moe", hf_class_name="Qwen3MoeForCausalLM",
+    hf_config_name="Qwen3MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+)

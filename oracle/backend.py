@@ -1,0 +1,116 @@
+"""The backend protocol. A backend is any object with these members:
+
+    name: str
+    def availability(self) -> tuple[bool, str]:
+        (True, "") or (False, "the exact reason, e.g. 'torch is a CPU build'")
+    def load(self, model: ModelSource, spec: CheckSpec) -> Candidate
+
+and a Candidate (what `load` returns) has:
+
+    def prefill(self, tokens: list[int]) -> array [T or 1, V]
+        logits of a new sequence (state reset); the last row is the last token's logits
+    def decode(self, token: int, pos: int) -> array [V] (or [1, V])
+        one step, carrying the state of the previous calls
+    def run_block(self, layer: int | None, kind: str, calls: list[BlockCall]) -> list | None
+        the block `kind` of `layer` on the reference's inputs, one output per call, state
+        carried from call to call and fresh at the first; kinds: attention, router, moe,
+        layer (per layer), final_norm, logits (layer None). router returns
+        (weights [T, k], indices [T, k]); the others [1, T, H] (logits [1, T, V]).
+        Return None for a kind the backend cannot isolate (the row is reported 'n/a').
+    info: dict  (optional) executor, artifacts (name, sha256, cached) -> result provenance
+    block_mode: str (optional) 'isolated' (default) or 'in-situ'
+
+Arrays may be torch tensors or numpy arrays. Built-in backends are named; a user's own
+is given as `package.module:attr` (an object as above, or a class / factory making one).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+BUILTIN = {
+    "eager": "exporters.eager:BACKEND",
+    "hf": "exporters.hf:BACKEND",
+}
+
+
+class BackendError(ValueError):
+    """Bad --backend value (unknown name or unimportable plugin)."""
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    family: str
+    backend: str
+    precision: str = "fp32"
+    prompt_len: int = 8
+    decode_tokens: int = 8
+    seed: int = 0
+    model_dir: str | None = None  # None: the family's tiny checkpoint for `seed`
+    options: dict = field(default_factory=dict)  # backend-specific options
+
+
+@dataclass
+class ModelSource:
+    """What a backend is given: the family, the checkpoint and the resolved production args."""
+
+    family: Any  # models.Family
+    model_dir: Path
+    config: dict
+    args: Any  # models.layers.ModelArgs (max_seq_len set for this check)
+    checkpoint_sha256: str
+
+    def weights(self) -> dict:
+        from models.checkpoint import read_weights
+
+        return read_weights(self.model_dir)
+
+    def build_production(self, dtype):
+        """The family's production torch model with the checkpoint's weights."""
+        return self.family.build(self.config, self.weights(), dtype, self.args.max_seq_len)
+
+
+class Candidate(Protocol):
+    def prefill(self, tokens: list[int]): ...
+    def decode(self, token: int, pos: int): ...
+    def run_block(self, layer, kind: str, calls: list): ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def availability(self) -> tuple[bool, str]: ...
+    def load(self, model: ModelSource, spec: CheckSpec) -> Candidate: ...
+
+
+def builtin_names() -> list[str]:
+    return list(BUILTIN)
+
+
+def resolve(name: str) -> Backend:
+    """A built-in backend by name, or `package.module:attr` for a plugin."""
+    target = BUILTIN.get(name)
+    if target is None:
+        if ":" not in name:
+            raise BackendError(
+                f"unknown backend {name!r}; built-in: {', '.join(BUILTIN)}; "
+                "or give a plugin as package.module:attr"
+            )
+        target = name
+    mod_name, _, attr = target.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or the plugin module failing on import
+        raise BackendError(f"backend {name!r}: cannot import module {mod_name!r}: {type(e).__name__}: {e}") from None
+    obj = getattr(mod, attr, None)
+    if obj is None:
+        raise BackendError(f"backend {name!r}: module {mod_name!r} has no attribute {attr!r}")
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "load")):
+        obj = obj()
+    for member in ("name", "availability", "load"):
+        if not hasattr(obj, member):
+            raise BackendError(f"backend {name!r}: {target} has no {member!r} (see oracle/backend.py for the protocol)")
+    return obj

@@ -1,0 +1,146 @@
+"""`oracle`: the command line.
+
+Exit codes: 0 pass (or skipped without --require), 1 fail, 2 bad input,
+3 skipped with --require, 4 backend error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+EXIT = {"pass": 0, "fail": 1, "bad_input": 2, "skipped_required": 3, "error": 4}
+
+
+def _quiet():
+    """Keep third-party chatter (progress bars, fallback warnings) out of the report."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oracle", description="Numerical-validation oracle for MoE LLM backends.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="check one family on one backend against HF transformers fp32")
+    c.add_argument("--family", required=True)
+    c.add_argument("--backend", required=True, help="built-in name (see `oracle backends`) or package.module:attr")
+    src = c.add_mutually_exclusive_group()
+    src.add_argument("--model-dir", help="HF checkpoint directory (config.json + *.safetensors)")
+    src.add_argument("--tiny", action="store_true", help="the family's tiny seeded checkpoint (default)")
+    c.add_argument("--precision", default="fp32", help="fp32 (default) or bf16")
+    c.add_argument("--prompt-len", type=positive_int, default=8)
+    c.add_argument("--decode-tokens", type=positive_int, default=8,
+                   help="single-token decode steps after the prefill (default 8)")
+    c.add_argument("--seed", type=int, default=0, help="tiny weights and prompt tokens (default 0)")
+    c.add_argument("--json", help="write the JSON report here")
+    c.add_argument("--markdown", help="write the markdown summary here")
+    c.add_argument("--require", action="store_true", help="a skipped (unavailable) backend is a failure: exit 3")
+    sub.add_parser("families", help="list model families")
+    sub.add_parser("backends", help="list backends and whether they are available here")
+    return p
+
+
+def cmd_families() -> int:
+    from models import FAMILY_NAMES, UNSUPPORTED, get_family
+
+    for name in FAMILY_NAMES:
+        f = get_family(name)
+        print(f"{name:14s} supported    HF {f.hf_class_name} (model_type {', '.join(f.model_types)})")
+    for name, why in UNSUPPORTED.items():
+        print(f"{name:14s} unsupported  missing: {why}")
+    return 0
+
+
+def cmd_backends() -> int:
+    from oracle.backend import BackendError, builtin_names, resolve
+
+    for name in builtin_names():
+        try:
+            ok, reason = resolve(name).availability()
+        except BackendError as e:
+            ok, reason = False, str(e)
+        print(f"{name:18s} {'available' if ok else 'unavailable'}{'' if ok else ': ' + reason}")
+    return 0
+
+
+def progress_reporter():
+    """A rich progress line on a terminal; nothing in CI logs."""
+    if not sys.stderr.isatty():
+        return None, None
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+    task = prog.add_task("starting")
+
+    def update(stage, done=0, total=0):
+        prog.update(task, description=f"{stage} {done + 1}/{total}" if total else stage)
+
+    return prog, update
+
+
+def cmd_check(a) -> int:
+    from oracle.backend import CheckSpec
+    from oracle.check import InputError, run_check, validate
+    from oracle.report import markdown
+    from oracle.result import dumps, write_atomic
+
+    spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
+                     decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir)
+    prog, update = progress_reporter()
+    try:
+        backend = validate(spec)
+        if prog:
+            with prog:
+                result = run_check(spec, backend, update)
+        else:
+            result = run_check(spec, backend)
+    except InputError as e:
+        print(f"oracle: error: {e}", file=sys.stderr)
+        return EXIT["bad_input"]
+    doc_json = dumps(result)
+    md = markdown(result.to_dict())
+    if a.json:
+        write_atomic(a.json, doc_json)
+    if a.markdown:
+        write_atomic(a.markdown, md)
+    print(md, end="")
+    if result.status == "error":
+        print(result.error, file=sys.stderr)
+        return EXIT["error"]
+    if result.status == "skipped":
+        return EXIT["skipped_required"] if a.require else EXIT["pass"]
+    return EXIT[result.status]
+
+
+def main(argv=None) -> int:
+    _quiet()
+    a = parser().parse_args(argv)
+    if a.cmd == "families":
+        return cmd_families()
+    if a.cmd == "backends":
+        return cmd_backends()
+    return cmd_check(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Comparison metrics: pure functions of a reference and a candidate array.
+
+Every comparison is done in float64. A non-finite candidate value is counted and fails
+whatever limit it is checked against (NaN compares False, so it must be caught first).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def as_f64(x) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def tensor_metrics(ref, cand, atol: float, rtol: float) -> dict:
+    """max_abs, rel_l2 (RMS of diff / RMS of ref), cosine, nonfinite, and the first element
+    outside |c - r| <= atol + rtol |r| (flat order; index as a tuple into the shape)."""
+    r, c = as_f64(ref), as_f64(cand)
+    if r.shape != c.shape:
+        return {"shape_mismatch": f"reference {list(r.shape)} vs candidate {list(c.shape)}", "nonfinite": 0}
+    nonfinite = int(np.size(c) - np.isfinite(c).sum())
+    d = np.abs(c - r)
+    finite = np.isfinite(d)
+    rms_ref = math.sqrt(float(np.mean(r * r))) if r.size else 0.0
+    out = {
+        "max_abs": float(d[finite].max()) if finite.any() else 0.0,
+        "rel_l2": float(math.sqrt(float(np.mean(np.where(finite, d, 0.0) ** 2))) / max(rms_ref, 1e-30)),
+        "cosine": cosine(r, np.where(np.isfinite(c), c, 0.0)),
+        "nonfinite": nonfinite,
+        "ref_rms": rms_ref,
+        "allclose_ratio": 0.0,
+        "first_divergence": None,
+    }
+    tol = atol + rtol * np.abs(r)
+    excess = np.where(finite, d / tol, np.inf)
+    out["allclose_ratio"] = float(excess.max()) if excess.size else 0.0
+    bad = np.flatnonzero(~(excess <= 1.0))
+    if bad.size:
+        i = int(bad[0])
+        idx = np.unravel_index(i, r.shape)
+        out["first_divergence"] = {
+            "index": [int(v) for v in idx],
+            "reference": float(r.flat[i]),
+            "candidate": float(c.flat[i]) if np.isfinite(c.flat[i]) else str(c.flat[i]),
+        }
+    return out
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    return float(np.dot(a.ravel(), b.ravel()) / (na * nb))
+
+
+def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_probs, tie_gap: float) -> dict:
+    """Top-k routing agreement per token (as sets of experts) and the weight difference
+    on tokens that agree. A token whose reference k-th and (k+1)-th expert probabilities
+    are closer than `tie_gap` is a tie: a disagreement there is counted apart, not hidden."""
+    rw, cw, p = as_f64(ref_w), as_f64(cand_w), as_f64(ref_probs)
+    ri, ci = np.asarray(ref_idx).astype(np.int64), np.asarray(cand_idx).astype(np.int64)
+    if ri.shape != ci.shape or rw.shape != cw.shape:
+        return {"shape_mismatch": f"reference {list(ri.shape)} vs candidate {list(ci.shape)}", "nonfinite": 0}
+    n, k = ri.shape
+    nonfinite = int(cw.size - np.isfinite(cw).sum())
+    srt = np.sort(p, axis=-1)[:, ::-1]
+    gap = srt[:, k - 1] - srt[:, k] if p.shape[-1] > k else np.full(n, np.inf)
+    agree = np.array([set(ri[t]) == set(ci[t]) for t in range(n)], dtype=bool)
+    tie = gap < tie_gap
+    max_w = 0.0
+    for t in np.flatnonzero(agree):
+        ro, co = np.argsort(ri[t]), np.argsort(ci[t])
+        dw = np.abs(rw[t][ro] - cw[t][co])
+        max_w = max(max_w, float(dw.max()) if np.isfinite(dw).all() else math.inf)
+    counted = ~tie | agree  # ties that disagree are not held against the candidate
+    return {
+        "tokens": int(n),
+        "topk_agreement": float(agree[counted].mean()) if counted.any() else 1.0,
+        "disagree_tokens": [int(t) for t in np.flatnonzero(~agree & ~tie)],
+        "tie_disagreements": int((~agree & tie).sum()),
+        "weight_max_abs": max_w,
+        "min_ref_gap": float(gap.min()) if n else math.inf,
+        "nonfinite": nonfinite,
+    }
+
+
+def top2_margin(logits) -> float:
+    v = np.sort(as_f64(logits).ravel())
+    return float(v[-1] - v[-2])

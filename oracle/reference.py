@@ -1,0 +1,152 @@
+"""The HF transformers fp32 reference: prompt prefill + greedy decode with HF's own cache,
+with hooks recording every block's input and output on every call."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LAYER_KINDS = ("attention", "router", "moe", "layer")
+MODEL_KINDS = ("final_norm", "logits")
+
+
+@dataclass
+class BlockCall:
+    """One call of a block: input x [1, T, H] (fp32) at positions pos [T]. The first call of
+    a sequence starts at position 0 (fresh state); later calls continue that state."""
+
+    x: torch.Tensor
+    pos: torch.Tensor
+    tokens: list[int]  # the token ids the reference model consumed in this call
+
+
+@dataclass
+class Reference:
+    tokens: list[int]  # prompt + greedy continuation
+    prompt_len: int
+    positions: list[torch.Tensor]  # per call: prefill [P], then one per decode step
+    logits: list[torch.Tensor]  # per call: [T, V] fp32
+    inputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [BlockCall per call]
+    outputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [tensor | (weights, idx)]
+    router_probs: dict = field(default_factory=dict)  # layer -> [probs [T, E] per call]
+
+    def block_keys(self) -> list[tuple[int | None, str]]:
+        return list(self.inputs)
+
+
+def load_hf_model(family, model_dir: Path, dtype=torch.float32):
+    """HF's own model class, eager attention and eager (per-expert loop) experts."""
+    from transformers.utils import logging as hf_logging
+
+    from models.checkpoint import CheckpointError
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    model, info = family.hf_class().from_pretrained(
+        model_dir,
+        dtype=dtype,
+        attn_implementation="eager",
+        experts_implementation="eager",
+        use_safetensors=True,
+        output_loading_info=True,
+    )
+    bad = list(info.get("missing_keys", [])) + [str(k) for k in info.get("mismatched_keys", [])]
+    if bad:
+        raise CheckpointError(f"transformers could not load {len(bad)} tensor(s), e.g. {sorted(bad)[0]}")
+    return model.eval()
+
+
+def _first_tensor(args, kwargs):
+    if args and torch.is_tensor(args[0]):
+        return args[0]
+    return kwargs["hidden_states"]
+
+
+def _submodule(root, path: str):
+    for part in path.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
+def block_modules(model, family) -> dict:
+    """(layer|None, kind) -> the HF module computing that block."""
+    decoder = model.get_decoder()
+    out = {}
+    for i, layer in enumerate(decoder.layers):
+        attn = next(m for p in family.hf_attention if (m := _submodule(layer, p)) is not None)
+        out[i, "attention"] = attn
+        out[i, "router"] = _submodule(layer, family.hf_router)
+        out[i, "moe"] = _submodule(layer, family.hf_moe)
+        out[i, "layer"] = layer
+    out[None, "final_norm"] = decoder.norm
+    out[None, "logits"] = model.get_output_embeddings()
+    return out
+
+
+def _normalize_output(kind: str, out):
+    if kind == "router":  # HF routers return (logits, top-k weights, top-k indices)
+        logits, weights, idx = out
+        return weights.detach().float(), idx.detach(), torch.softmax(logits.detach().float(), dim=-1)
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.detach().float()
+
+
+def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):
+    """Prefill the prompt, then n_decode single-token steps feeding back the argmax.
+    Returns (tokens, positions per call, logits per call)."""
+    tokens = list(prompt)
+    positions, logits = [], []
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model(input_ids=ids, use_cache=True)
+        positions.append(torch.arange(len(prompt)))
+        logits.append(out.logits[0].float())
+        for step in range(n_decode):
+            tokens.append(int(logits[-1][-1].argmax()))
+            pos = len(tokens) - 1
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            positions.append(torch.tensor([pos]))
+            logits.append(out.logits[0].float())
+            if on_call:
+                on_call(step)
+        tokens.append(int(logits[-1][-1].argmax()))
+    return tokens, positions, logits
+
+
+def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Reference:
+    """Run the reference and record every block's input and output on every call."""
+    modules = block_modules(model, family)
+    recs = defaultdict(lambda: ([], []))
+
+    def hook(key):
+        def fn(mod, args, kwargs, out):
+            x = _first_tensor(args, kwargs).detach().float()
+            recs[key][0].append(x.reshape(1, -1, x.shape[-1]).clone())
+            recs[key][1].append(_normalize_output(key[1], out))
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(k), with_kwargs=True) for k, m in modules.items()]
+    try:
+        tokens, positions, logits = greedy_run(model, prompt, n_decode, on_call)
+    finally:
+        for h in handles:
+            h.remove()
+    ref = Reference(tokens=tokens, prompt_len=len(prompt), positions=positions, logits=logits)
+    for key in modules:
+        xs, outs = recs[key]
+        if len(xs) != len(positions):
+            raise RuntimeError(f"reference hook {key} fired {len(xs)} times for {len(positions)} calls")
+        ref.inputs[key] = [BlockCall(x, p, tokens[int(p[0]) : int(p[-1]) + 1]) for x, p in zip(xs, positions)]
+        if key[1] == "router":
+            ref.outputs[key] = [(w, i) for w, i, _ in outs]
+            ref.router_probs[key[0]] = [p for _, _, p in outs]
+        else:
+            ref.outputs[key] = outs
+    return ref

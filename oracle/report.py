@@ -1,0 +1,76 @@
+"""Renderings of a CheckResult dict (the JSON document): markdown for PR comments."""
+
+from __future__ import annotations
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)
+
+
+def _where(row: dict) -> str:
+    layer = "model" if row["layer"] is None else f"layer {row['layer']}"
+    detail = f" ({row['detail']})" if row.get("detail") else ""
+    return f"{layer} {row['kind']}{detail}"
+
+
+def _metric_line(row: dict) -> str:
+    m = row["metrics"]
+    if row["kind"] == "router":
+        return (f"top-k agreement {_fmt(m.get('topk_agreement'))}, weight max_abs {_fmt(m.get('weight_max_abs'))}"
+                f" (limit {_fmt(row['limits'].get('weight_atol'))})")
+    if "shape_mismatch" in m:
+        return f"shape mismatch: {m['shape_mismatch']}"
+    s = (f"max_abs {_fmt(m.get('max_abs'))}, rel_l2 {_fmt(m.get('rel_l2'))} (limit {_fmt(row['limits'].get('rel_l2'))}),"
+         f" cosine {_fmt(m.get('cosine'))}")
+    if m.get("nonfinite"):
+        s += f", **{m['nonfinite']} NaN/Inf**"
+    return s
+
+
+def markdown(doc: dict, top: int = 5) -> str:
+    spec = doc["spec"]
+    icon = {"pass": "✅", "fail": "❌", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
+    src = "tiny" if spec.get("model_dir") is None else spec["model_dir"]
+    lines = [f"### {icon} oracle check `{spec['family']}` on `{spec['backend']}` ({spec['precision']}, {src}):"
+             f" **{doc['status']}**", ""]
+    if doc["status"] == "skipped":
+        return "\n".join(lines + [f"Skipped: {doc['skipped_reason']}", ""])
+    if doc["status"] == "error":
+        first = (doc.get("error") or "").splitlines()[:1]
+        return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""])
+    rows = [r for r in doc["blocks"] if r["status"] != "n/a"]
+    failing = sum(r["status"] == "fail" for r in rows)
+    lines.append(f"Blocks: {len(rows) - failing}/{len(rows)} pass ({rows[0]['mode'] if rows else 'isolated'})")
+    if doc.get("worst"):
+        lines.append(f"Localised fault: **{_where(doc['worst'])}**: {_metric_line(doc['worst'])}")
+    lines += ["", "| block | status | max_abs | rel_l2 | limit | ratio |", "|---|---|---|---|---|---|"]
+
+    def key(r):
+        ratio = r["ratio"]
+        return -(float("inf") if isinstance(ratio, str) else ratio)
+
+    for r in sorted(rows, key=key)[:top]:
+        m = r["metrics"]
+        if r["kind"] == "router":
+            vals = (m.get("weight_max_abs"), f"agree {_fmt(m.get('topk_agreement'))}", r["limits"].get("weight_atol"))
+        else:
+            vals = (m.get("max_abs"), m.get("rel_l2"), r["limits"].get("rel_l2"))
+        lines.append(f"| {_where(r)} | {r['status']} | {_fmt(vals[0])} | {_fmt(vals[1])} | {_fmt(vals[2])} |"
+                     f" {_fmt(r['ratio'])} |")
+    e = doc.get("e2e")
+    if e:
+        worst = max((s["max_abs"] for s in e["steps"] if isinstance(s["max_abs"], float)), default=0.0)
+        lines += ["", f"e2e: **{e['status']}**, tokens {'exact' if e['token_exact'] else 'NOT exact'}"
+                      f" ({len(e['reference_tokens'])} greedy tokens), logits max_abs {_fmt(worst)}"
+                      + (f", ties at steps {e['ties']}" if e["ties"] else "")]
+        fm = e.get("first_mismatch")
+        if fm:
+            lines.append(f"First divergence: step {fm['step']} (position {fm['position']}): reference token"
+                         f" {fm['reference_token']}, candidate {fm['candidate_token']}, reference top-2 margin"
+                         f" {_fmt(fm['reference_margin'])}{' (near tie)' if fm['tie'] else ''}")
+    for g in doc.get("gates", []):
+        lines.append(f"Gate {g['name']}: {g['status']} ({_fmt(g['value'])} vs limit {_fmt(g['limit'])})"
+                     + (f" {g['message']}" if g.get("message") else ""))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,119 @@
+"""CheckResult and its JSON form (schema oracle-report/v1). Everything here is data:
+renderers never recompute numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA = "oracle-report/v1"
+STATUSES = ("pass", "fail", "skipped", "error")
+# composite blocks contain others: a fault is localised to the most specific failing block
+SPECIFICITY = {"router": 0, "attention": 1, "moe": 1, "layer": 2, "final_norm": 3, "logits": 3}
+
+
+@dataclass
+class BlockRow:
+    layer: int | None
+    kind: str
+    status: str  # pass | fail | n/a
+    mode: str  # isolated: fed the reference's inputs; in-situ: the candidate's own intermediate
+    metrics: dict
+    limits: dict
+    ratio: float  # worst metric / its limit; > 1 fails
+    detail: str = ""  # e.g. 'linear_attention'
+
+
+@dataclass
+class E2E:
+    status: str
+    prompt_tokens: list[int]
+    reference_tokens: list[int]  # greedy continuation of the reference
+    candidate_tokens: list[int]  # candidate argmax at each step, fed the reference's tokens
+    token_exact: bool
+    steps: list[dict]  # per step: step, pos, max_abs, rel_l2, ratio, ref_margin, ref/cand token, status
+    limits: dict
+    first_mismatch: dict | None = None
+    ties: list[int] = field(default_factory=list)
+    note: str = (
+        "teacher forcing: the candidate is fed the reference's tokens, so per-step logits stay "
+        "comparable after a divergence; up to the first mismatch this is the candidate's own greedy run"
+    )
+
+
+@dataclass
+class GateRow:
+    name: str
+    status: str
+    value: object
+    limit: object
+    message: str = ""
+
+
+@dataclass
+class CheckResult:
+    spec: dict
+    status: str
+    provenance: dict
+    blocks: list[BlockRow] = field(default_factory=list)
+    e2e: E2E | None = None
+    gates: list[GateRow] = field(default_factory=list)
+    reference: dict = field(default_factory=dict)  # margins of the reference (how far from ties)
+    worst: dict | None = None  # the localised fault: the most specific failing block row
+    error: str | None = None
+    skipped_reason: str | None = None
+    timings: dict = field(default_factory=dict)
+    schema: str = SCHEMA
+
+    def to_dict(self) -> dict:
+        return _clean(asdict(self))
+
+
+def worst_row(rows: list[BlockRow]) -> BlockRow | None:
+    """The failing row that localises the fault: the most specific failing kind (a router
+    inside a failing MoE, an attention inside a failing layer), then the largest ratio."""
+    failing = [r for r in rows if r.status == "fail"]
+    if not failing:
+        return None
+    return min(failing, key=lambda r: (SPECIFICITY.get(r.kind, 9), -_num(r.ratio)))
+
+
+def _num(x) -> float:
+    return x if isinstance(x, (int, float)) else math.inf
+
+
+def _clean(obj):
+    """JSON-safe and stable: non-finite floats as strings, floats to 7 significant digits."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return float(f"{obj:.7g}")
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def dumps(result: CheckResult) -> str:
+    return json.dumps(result.to_dict(), indent=1, sort_keys=True) + "\n"
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write via a temp file in the same directory + rename: never a half-written report."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

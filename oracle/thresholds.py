@@ -1,0 +1,60 @@
+"""Thresholds are data: `thresholds.toml`, keyed by precision and block kind, with
+`[[override]]` entries per family / backend (`*` matches any)."""
+
+from __future__ import annotations
+
+import functools
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+DEFAULT_PATH = Path(__file__).with_name("thresholds.toml")
+
+
+@functools.cache
+def load(path: Path = DEFAULT_PATH) -> dict:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def precisions(path: Path = DEFAULT_PATH) -> list[str]:
+    return [k for k in load(path) if k != "override"]
+
+
+def limits(precision: str, kind: str, family: str = "*", backend: str = "*", path: Path = DEFAULT_PATH) -> dict:
+    """The limits for one block kind (or 'e2e'), with matching overrides applied in file order."""
+    data = load(path)
+    if precision not in data:
+        raise KeyError(f"no thresholds for precision {precision!r} (known: {', '.join(precisions(path))})")
+    table = data[precision]
+    out = dict(table.get(kind, {}))
+    for ov in data.get("override", []):
+        if (
+            fnmatch(family, ov.get("family", "*"))
+            and fnmatch(backend, ov.get("backend", "*"))
+            and fnmatch(precision, ov.get("precision", "*"))
+            and fnmatch(kind, ov.get("kind", "*"))
+        ):
+            out.update({k: v for k, v in ov.items() if k not in ("family", "backend", "precision", "kind", "why")})
+    if not out:
+        raise KeyError(f"no thresholds for {precision}.{kind}")
+    return out
+
+
+def judge_tensor(m: dict, lim: dict) -> tuple[str, float]:
+    """(status, ratio): ratio is the worst metric / limit; > 1 fails. NaN/Inf always fails."""
+    if "shape_mismatch" in m:
+        return "fail", float("inf")
+    if m["nonfinite"]:
+        return "fail", float("inf")
+    ratio = max(m["allclose_ratio"], m["rel_l2"] / lim["rel_l2"])
+    return ("pass" if ratio <= 1.0 else "fail"), ratio
+
+
+def judge_router(m: dict, lim: dict) -> tuple[str, float]:
+    if "shape_mismatch" in m or m["nonfinite"]:
+        return "fail", float("inf")
+    allowed = max(1.0 - lim["min_agreement"], 1e-3)
+    ratio = max(m["weight_max_abs"] / lim["weight_atol"], (1.0 - m["topk_agreement"]) / allowed)
+    ok = m["weight_max_abs"] <= lim["weight_atol"] and m["topk_agreement"] >= lim["min_agreement"]
+    return ("pass" if ok else "fail"), ratio
