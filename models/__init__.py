@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from models.checkpoint import CheckpointError, load_state
+from models.checkpoint import CheckpointError, load_state, validate_state
 from models.layers import ModelArgs, Transformer
 
 FAMILY_NAMES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")
@@ -58,6 +58,15 @@ class Family:
         defaults are exactly the reference's."""
         args = self.to_args(self.hf_config(cfg))
         return ModelArgs(**{**args.__dict__, "max_seq_len": max_seq_len})
+
+    def validate(self, cfg: dict, weights: dict, max_seq_len: int = 256) -> ModelArgs:
+        """Resolve the config and check the checkpoint's tensors against the production
+        model's (names and shapes) without allocating it."""
+        args = self.args(cfg, max_seq_len)
+        with torch.device("meta"):
+            model = Transformer(args)
+        validate_state(model, self.sanitize(weights, args))
+        return args
 
     def build(self, cfg: dict, weights: dict, dtype=torch.float32, max_seq_len: int = 256) -> Transformer:
         """The production model with the checkpoint's weights (strict name/shape check)."""

@@ -142,9 +142,9 @@ def stack_hf_experts(weights: dict) -> dict:
     return stack_experts(weights, PER_EXPERT, ("gate_proj", "up_proj", "down_proj"))
 
 
-def load_state(model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Copy `weights` into `model`'s parameters, strictly: every missing, unexpected or
-    mis-shaped tensor is an error naming it. State buffers are not loaded."""
+def validate_state(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Every parameter of `model` present in `weights` with its shape, nothing unexpected;
+    each problem is an error naming the tensor. Works on a meta-device model."""
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(weights))
     unexpected = sorted(set(weights) - set(params))
@@ -161,8 +161,15 @@ def load_state(model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.
             raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
         if not torch.is_floating_point(t):
             raise CheckpointError(f"tensor {name} has dtype {t.dtype}, expected a floating-point tensor")
-        with torch.no_grad():
-            p.data = t.detach().to(dtype).clone()
+
+
+def load_state(model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Copy `weights` into `model`'s parameters, strictly (see validate_state). State
+    buffers are not loaded."""
+    validate_state(model, weights)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = weights[name].detach().to(dtype).clone()
 
 
 def _draw(name: str, shape, gen: torch.Generator) -> torch.Tensor:

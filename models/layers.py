@@ -142,8 +142,17 @@ class Attention(nn.Module):
         self.register_buffer("cache_pos", torch.arange(S), persistent=False)
 
     def forward(self, x, pos):  # x [B, T, H], pos [T]
+        q, k, v, gate = self.project(x, pos)
+        kc, vc = self.update_cache(k, v, pos)
+        y = self.attend(q, kc, vc, self.mask(pos))  # [B, T, nh * hd]
+        if self.gated:
+            y = y * torch.sigmoid(gate)
+        return self.o_proj(y)
+
+    def project(self, x, pos):
+        """q [B, nh, T, hd], k/v [B, kvh, T, hd] after q/k norm and RoPE; the output gate."""
         B, T, _ = x.shape
-        q = self.q_proj(x)
+        q, gate = self.q_proj(x), None
         if self.gated:
             q, gate = q.view(B, T, self.nh, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.nh * self.hd)
@@ -154,25 +163,31 @@ class Attention(nn.Module):
         k = k.view(B, T, self.kvh, self.hd)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rope(q.transpose(1, 2), pos)  # [B, nh, T, hd]
-        k = self.rope(k.transpose(1, 2), pos)  # [B, kvh, T, hd]
-        v = v.view(B, T, self.kvh, self.hd).transpose(1, 2)
+        q = self.rope(q.transpose(1, 2), pos)
+        k = self.rope(k.transpose(1, 2), pos)
+        return q, k, v.view(B, T, self.kvh, self.hd).transpose(1, 2), gate
+
+    def update_cache(self, k, v, pos):
         self.k_cache[:, :, pos] = k
         self.v_cache[:, :, pos] = v
-        rep = self.nh // self.kvh
-        kc = self.k_cache.repeat_interleave(rep, dim=1)  # [B, nh, S, hd]
-        vc = self.v_cache.repeat_interleave(rep, dim=1)
-        # causal mask built here from positions (never from HF's mask builder)
-        visible = self.cache_pos[None, :] <= pos[:, None]  # [T, S]
+        return self.k_cache, self.v_cache
+
+    def mask(self, pos):
+        """[T, S] True where key position s is visible from query position pos[t] (causal)."""
+        visible = self.cache_pos[None, :] <= pos[:, None]
         if self.window is not None:
             visible = visible & (pos[:, None] - self.cache_pos[None, :] < self.window)
+        return visible
+
+    def attend(self, q, kc, vc, visible):
+        B, _, T, _ = q.shape
+        rep = self.nh // self.kvh
+        kc = kc.repeat_interleave(rep, dim=1)  # [B, nh, S, hd]
+        vc = vc.repeat_interleave(rep, dim=1)
         scores = (q @ kc.transpose(2, 3)) * self.scale  # [B, nh, T, S]
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        y = (probs @ vc).transpose(1, 2).reshape(B, T, self.nh * self.hd)
-        if self.gated:
-            y = y * torch.sigmoid(gate)
-        return self.o_proj(y)
+        return (probs @ vc).transpose(1, 2).reshape(B, T, self.nh * self.hd)
 
 
 def l2norm(x, eps=1e-6):
@@ -238,16 +253,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, pos):  # x [B, T, H], pos [T]
         B, T, _ = x.shape
-        keep = (pos[0] != 0).to(x.dtype)  # a call at position 0 starts a new sequence
-        self.conv_state.mul_(keep)
-        self.recurrent_state.mul_(keep.float())
-        qkv = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        self.reset_at_start(pos)
         z = self.in_proj_z(x).view(B, T, self.nv, self.dv)
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, nv]
-        conv_in = torch.cat([self.conv_state, qkv], dim=-1)  # [B, C, K-1+T]
-        self.conv_state.copy_(conv_in[:, :, -(self.K - 1) :])
-        conv = F.silu(F.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim))  # [B, C, T]
-        conv = conv.transpose(1, 2)
+        conv = self.conv(self.in_proj_qkv(x).transpose(1, 2)).transpose(1, 2)  # [B, T, C]
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.nk, self.dk).float()
         k = k.reshape(B, T, self.nk, self.dk).float()
@@ -257,14 +266,26 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.nv // self.nk, dim=2)
         q = l2norm(q).transpose(1, 2) * self.dk**-0.5  # [B, nv, T, dk]
         k = l2norm(k).transpose(1, 2)
-        v = v.transpose(1, 2)
         beta = torch.sigmoid(b.float()).transpose(1, 2)  # [B, nv, T]
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
-        o, state = gated_delta_rule(q, k, v, g, beta, self.recurrent_state, self.max_len)
-        self.recurrent_state.copy_(state)
-        o = o.transpose(1, 2).to(x.dtype)  # [B, T, nv, dv]
+        o = self.delta_rule(q, k, v.transpose(1, 2), g, beta).transpose(1, 2).to(x.dtype)  # [B, T, nv, dv]
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(B, T, self.value_dim)
         return self.out_proj(o)
+
+    def reset_at_start(self, pos):
+        keep = (pos[0] != 0).to(self.conv_state.dtype)  # a call at position 0 starts a new sequence
+        self.conv_state.mul_(keep)
+        self.recurrent_state.mul_(keep.float())
+
+    def conv(self, qkv):  # [B, C, T] -> silu(causal depthwise conv) [B, C, T], carrying conv_state
+        conv_in = torch.cat([self.conv_state, qkv], dim=-1)  # [B, C, K-1+T]
+        self.conv_state.copy_(conv_in[:, :, -(self.K - 1) :])
+        return F.silu(F.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim))
+
+    def delta_rule(self, q, k, v, g, beta):  # carrying recurrent_state
+        o, state = gated_delta_rule(q, k, v, g, beta, self.recurrent_state, self.max_len)
+        self.recurrent_state.copy_(state)
+        return o
 
 
 class MLP(nn.Module):
@@ -289,11 +310,15 @@ class Router(nn.Module):
 
     def forward(self, x):  # x [N, H] -> weights [N, k], indices [N, k]
         logits = F.linear(x, self.weight)
+        w, idx = self.route(logits)
+        return (w.to(logits.dtype) if self.cast else w), idx
+
+    def route(self, logits):  # [N, E] -> fp32 top-k weights, indices
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             w = w / w.sum(dim=-1, keepdim=True)
-        return (w.to(logits.dtype) if self.cast else w), idx
+        return w, idx
 
 
 class Experts(nn.Module):
@@ -306,11 +331,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(E, H, I))
 
     def forward(self, x, idx, w):  # x [N, H], idx/w [N, k]
+        y = self.expert_mlp(x, idx)  # [N, k, H]
+        return (y * w[..., None]).sum(dim=1).to(x.dtype)
+
+    def expert_mlp(self, x, idx):
         gu = self.gate_up_proj[idx] @ x[:, None, :, None]  # [N, k, 2I, 1]
         gate, up = gu.squeeze(-1).chunk(2, dim=-1)
         h = F.silu(gate) * up  # [N, k, I]
-        y = (self.down_proj[idx] @ h[..., None]).squeeze(-1)  # [N, k, H]
-        return (y * w[..., None]).sum(dim=1).to(x.dtype)
+        return (self.down_proj[idx] @ h[..., None]).squeeze(-1)
 
 
 class SparseMoE(nn.Module):
@@ -329,8 +357,11 @@ class SparseMoE(nn.Module):
         w, idx = self.gate(x)
         y = self.experts(x, idx, w)
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            y = y + self.shared(x)
         return y.view(shape)
+
+    def shared(self, x):
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class DecoderLayer(nn.Module):

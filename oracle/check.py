@@ -81,12 +81,12 @@ def model_source(spec: CheckSpec) -> ModelSource:
             hint = f" (that is family {other!r})" if other else (
                 f" (not supported yet: missing {UNSUPPORTED[mt]})" if mt in UNSUPPORTED else "")
             raise InputError(f"{model_dir}/config.json has model_type {mt!r}, not a {spec.family} checkpoint{hint}")
-        read_weights(model_dir)  # validates shards before any expensive work
         max_len = spec.prompt_len + spec.decode_tokens
         limit = config.get("max_position_embeddings")
         if limit and max_len > limit:
             raise InputError(f"prompt-len + decode-tokens = {max_len} exceeds max_position_embeddings {limit}")
-        args = family.args(config, max_seq_len=max_len)
+        # every tensor checked (names, shapes, shards) before any expensive work
+        args = family.validate(config, read_weights(model_dir), max_seq_len=max_len)
         return ModelSource(family, model_dir, config, args, dir_digest(model_dir))
     except CheckpointError as e:
         raise InputError(str(e)) from None
@@ -195,7 +195,11 @@ def run_check(spec: CheckSpec, backend=None, progress=None) -> CheckResult:
     progress("reference")
     t = time.perf_counter()
     prompt = prompt_tokens(spec, src.args.vocab_size)
-    ref = reference_for(spec.family, str(src.model_dir), src.checkpoint_sha256, tuple(prompt), spec.decode_tokens)
+    try:
+        ref = reference_for(spec.family, str(src.model_dir), src.checkpoint_sha256, tuple(prompt),
+                            spec.decode_tokens)
+    except CheckpointError as e:
+        raise InputError(f"the HF reference cannot load {src.model_dir}: {e}") from None
     timings["reference_s"] = time.perf_counter() - t
     result.reference = reference_margins(ref, src.args.num_experts_per_tok)
 

@@ -22,8 +22,10 @@ def _quiet():
     warnings.filterwarnings("ignore")
     import logging
 
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch").setLevel(logging.ERROR)
+    import torch  # noqa: F401  (torch configures its loggers on import; quiet them after)
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def positive_int(s: str) -> int:

@@ -1,0 +1,27 @@
+# make check: set up .venv (first use) and run the main job on the tiny default.
+# make test:  set up .venv (first use) and run the whole test suite.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: check test setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: pip takes the CPU build on disk; unpinned it pulls a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+check: $(STAMP)
+	$(VENV)/bin/oracle check --family olmoe --backend eager --json reports/check-olmoe-eager.json \
+		--markdown reports/check-olmoe-eager.md
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

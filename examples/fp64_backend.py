@@ -1,0 +1,49 @@
+"""An example backend plugin: the family's production model run in float64.
+
+    oracle check --family olmoe --backend examples.fp64_backend:BACKEND
+
+A backend is any object with `name`, `availability()` and `load(model, spec)`; `load`
+returns a candidate with `prefill`, `decode` and `run_block` (see oracle/backend.py).
+"""
+
+import torch
+
+from exporters.eager import block_fn
+from models.layers import reset_state
+
+
+class Fp64Candidate:
+    block_mode = "isolated"  # blocks are fed the reference's captured inputs
+
+    def __init__(self, model):
+        self.model = model
+        self.info = {"executor": "torch eager, float64"}
+
+    @torch.no_grad()
+    def prefill(self, tokens):  # -> logits [T, V]; a new sequence
+        reset_state(self.model)
+        return self.model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
+
+    @torch.no_grad()
+    def decode(self, token, pos):  # -> logits [V]; carries the state
+        return self.model(torch.tensor([[token]]), torch.tensor([pos]))[0, -1]
+
+    @torch.no_grad()
+    def run_block(self, layer, kind, calls):  # one output per call, state fresh at the first
+        module, fn = block_fn(self.model, layer, kind)
+        reset_state(module)
+        return [fn(c.x.double(), c.pos) for c in calls]
+
+
+class Fp64Backend:
+    name = "fp64"
+    precisions = ("fp32",)  # judged against the fp32 thresholds
+
+    def availability(self):
+        return True, ""
+
+    def load(self, model, spec):
+        return Fp64Candidate(model.build_production(torch.float64))
+
+
+BACKEND = Fp64Backend()

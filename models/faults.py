@@ -1,0 +1,352 @@
+"""A catalogue of seeded faults in the production model: the bugs seen in real ports.
+
+Each fault modifies one block of a built production model in place (by overriding one
+small method or attribute of one module instance), so it works for every backend that
+runs or exports the production model. `expected(args)` is where a correct oracle must
+localise it: (layer, block kind).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from models.layers import FULL, LINEAR, Attention, Experts, GatedDeltaNet, ModelArgs, Router, Transformer
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    kind: str  # the block kind the oracle must name
+    target: str  # which layer: full (last full-attention), linear (last Gated DeltaNet), last, model
+    what: str
+    apply: Callable  # (module at the target, args) -> None
+    applies: Callable = lambda a: True
+
+    def layer(self, a: ModelArgs) -> int | None:
+        if self.target == "model":
+            return None
+        if self.target == "last":
+            return a.num_hidden_layers - 1
+        want = FULL if self.target == "full" else LINEAR
+        return max(i for i, t in enumerate(a.layer_types) if t == want)
+
+    def is_applicable(self, a: ModelArgs) -> bool:
+        if self.target == "linear" and LINEAR not in a.layer_types:
+            return False
+        return self.applies(a)
+
+    def inject(self, model: Transformer) -> None:
+        a = model.args
+        i = self.layer(a)
+        if i is None:
+            self.apply(model, a)
+        elif self.kind == "attention":
+            self.apply(model.layers[i].attn, a)
+        else:
+            self.apply(model.layers[i], a)
+
+
+def patch(obj, name: str, fn) -> None:
+    """Override one method on this instance only."""
+    setattr(obj, name, fn)
+
+
+# ------------------------------------------------------------------ router
+def _softmax_after_topk(layer, a):
+    r: Router = layer.mlp.gate
+    patch(r, "route", lambda logits: (lambda v, i: (torch.softmax(v.float(), -1), i))(*torch.topk(logits, r.top_k)))
+
+
+def _no_renorm(layer, a):
+    layer.mlp.gate.norm_topk = False
+
+
+def _wrong_num_experts(layer, a):
+    r: Router = layer.mlp.gate
+    patch(r, "route", lambda logits: Router.route(r, logits[:, :-1]))
+
+
+def _sigmoid_router(layer, a):
+    r: Router = layer.mlp.gate
+
+    def route(logits):
+        w, idx = torch.topk(torch.sigmoid(logits.float()), r.top_k)
+        return (w / w.sum(-1, keepdim=True) if r.norm_topk else w), idx
+
+    patch(r, "route", route)
+
+
+# ------------------------------------------------------------------ experts / moe
+def _gate_up_swapped(layer, a):
+    ex: Experts = layer.mlp.experts
+
+    def expert_mlp(x, idx):
+        up, gate = (ex.gate_up_proj[idx] @ x[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)
+        return (ex.down_proj[idx] @ (F.silu(gate) * up)[..., None]).squeeze(-1)
+
+    patch(ex, "expert_mlp", expert_mlp)
+
+
+def _one_expert_off(layer, a):
+    """The first token's top expert gets every weight off by 1e-3 (an expert that is used)."""
+    ex: Experts = layer.mlp.experts
+    done = []
+
+    def forward(x, idx, w):
+        if not done:
+            e = int(idx[0, 0])
+            with torch.no_grad():
+                ex.gate_up_proj[e] += 1e-3
+                ex.down_proj[e] += 1e-3
+            done.append(e)
+        return Experts.forward(ex, x, idx, w)
+
+    patch(ex, "forward", forward)
+
+
+def _expert_index_off_by_one(layer, a):
+    ex: Experts = layer.mlp.experts
+    patch(ex, "expert_mlp", lambda x, idx: Experts.expert_mlp(ex, x, (idx + 1) % a.num_experts))
+
+
+def _weights_not_applied(layer, a):
+    ex: Experts = layer.mlp.experts
+    patch(ex, "forward", lambda x, idx, w: ex.expert_mlp(x, idx).sum(dim=1).to(x.dtype))
+
+
+def _shared_gate_no_sigmoid(layer, a):
+    moe = layer.mlp
+    patch(moe, "shared", lambda x: moe.shared_expert_gate(x) * moe.shared_expert(x))
+
+
+def _shared_missing(layer, a):
+    moe = layer.mlp
+    patch(moe, "shared", lambda x: torch.zeros_like(x))
+
+
+def _stray_bf16(layer, a):
+    moe = layer.mlp
+    fwd = type(moe).forward
+    patch(moe, "forward", lambda x: fwd(moe, x).to(torch.bfloat16).to(x.dtype))
+
+
+# ------------------------------------------------------------------ full attention
+def _rope_theta_wrong(attn: Attention, a):
+    theta = 1e4 if a.rope_theta != 1e4 else 1e6  # the classic qwen2_moe / mlx-lm default mix-up
+    rd = attn.rope.rotary_dim
+    attn.rope.inv_freq.copy_(1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd)))
+
+
+def _rope_interleaved(attn: Attention, a):
+    rope = attn.rope
+
+    def forward(x, pos):  # GPT-J pairs (x0, x1), (x2, x3) instead of rotate-half
+        freqs = pos.float()[:, None] * rope.inv_freq[None, :]
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        rot, rest = x[..., : rope.rotary_dim], x[..., rope.rotary_dim :]
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((out, rest), dim=-1)
+
+    patch(rope, "forward", forward)
+
+
+def _rotary_fraction_wrong(attn: Attention, a):
+    rope = attn.rope
+    rd = attn.hd if rope.rotary_dim < attn.hd else attn.hd // 2
+    theta = a.rope_theta
+    rope.rotary_dim = rd
+    rope.inv_freq = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
+
+
+def _qk_norm_missing(attn: Attention, a):
+    attn.qk_norm = "none"
+
+
+def _qk_norm_per_head_for_flat(attn: Attention, a):
+    """Normalise each head although the checkpoint's norm spans the whole projection."""
+    qn, kn = attn.q_norm, attn.k_norm
+
+    def per_head(norm, heads):
+        def fwd(x):  # x [B, T, heads*hd]
+            xs = x.view(*x.shape[:-1], heads, attn.hd).float()
+            xs = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + norm.eps)
+            return norm.weight * xs.flatten(-2).to(x.dtype)
+
+        return fwd
+
+    patch(qn, "forward", per_head(qn, attn.nh))
+    patch(kn, "forward", per_head(kn, attn.kvh))
+
+
+def _qk_norm_flat_for_per_head(attn: Attention, a):
+    """Normalise the whole projection although the checkpoint's norm is per head."""
+    qn, kn = attn.q_norm, attn.k_norm
+
+    def flat(norm):
+        def fwd(x):  # x [B, T, heads, hd]
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean((-2, -1), keepdim=True) + norm.eps)
+            w = (1.0 + norm.weight.float()) if norm.offset else norm.weight.float()
+            return (xf * w).to(x.dtype)
+
+        return fwd
+
+    patch(qn, "forward", flat(qn))
+    patch(kn, "forward", flat(kn))
+
+
+def _kv_off_by_one(attn: Attention, a):
+    S = attn.k_cache.shape[2]
+    patch(attn, "update_cache", lambda k, v, pos: Attention.update_cache(attn, k, v, (pos + 1) % S))
+
+
+def _not_causal(attn: Attention, a):
+    patch(attn, "mask", lambda pos: (attn.cache_pos <= pos.max())[None, :].expand(pos.shape[0], -1))
+
+
+def _scale_wrong(attn: Attention, a):
+    attn.scale = 1.0 / attn.hd
+
+
+def _gqa_repeat_wrong(attn: Attention, a):
+    """kv heads tiled (0, 1, 0, 1) instead of repeated (0, 0, 1, 1) to match the q heads."""
+    rep = attn.nh // attn.kvh
+
+    def attend(q, kc, vc, visible):
+        B, _, T, _ = q.shape
+        kc, vc = kc.repeat(1, rep, 1, 1), vc.repeat(1, rep, 1, 1)
+        scores = ((q @ kc.transpose(2, 3)) * attn.scale).masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+        return (probs @ vc).transpose(1, 2).reshape(B, T, attn.nh * attn.hd)
+
+    patch(attn, "attend", attend)
+
+
+def _output_gate_no_sigmoid(attn: Attention, a):
+    def forward(x, pos):
+        q, k, v, gate = attn.project(x, pos)
+        kc, vc = attn.update_cache(k, v, pos)
+        return attn.o_proj(attn.attend(q, kc, vc, attn.mask(pos)) * gate)
+
+    patch(attn, "forward", forward)
+
+
+# ------------------------------------------------------------------ Gated DeltaNet
+def _gdn_state_not_carried(gdn: GatedDeltaNet, a):
+    def delta_rule(q, k, v, g, beta):
+        gdn.recurrent_state.zero_()
+        return GatedDeltaNet.delta_rule(gdn, q, k, v, g, beta)
+
+    patch(gdn, "delta_rule", delta_rule)
+
+
+def _gdn_conv_state_not_carried(gdn: GatedDeltaNet, a):
+    def conv(qkv):
+        gdn.conv_state.zero_()
+        return GatedDeltaNet.conv(gdn, qkv)
+
+    patch(gdn, "conv", conv)
+
+
+def _gdn_chunked_prefill(gdn: GatedDeltaNet, a):
+    """Prefill in two chunks where the second starts from a zero state: chunked prefill
+    that differs from one-shot prefill."""
+
+    def delta_rule(q, k, v, g, beta):
+        T = q.shape[2]
+        if T < 2:
+            return GatedDeltaNet.delta_rule(gdn, q, k, v, g, beta)
+        h = T // 2
+        o1 = GatedDeltaNet.delta_rule(gdn, q[:, :, :h], k[:, :, :h], v[:, :, :h], g[..., :h], beta[..., :h])
+        gdn.recurrent_state.zero_()
+        o2 = GatedDeltaNet.delta_rule(gdn, q[:, :, h:], k[:, :, h:], v[:, :, h:], g[..., h:], beta[..., h:])
+        return torch.cat([o1, o2], dim=2)
+
+    patch(gdn, "delta_rule", delta_rule)
+
+
+# ------------------------------------------------------------------ layer / model
+def _input_norm_eps(layer, a):
+    layer.input_layernorm.eps = a.rms_norm_eps * 1e3
+
+
+def _norm_offset_missing(layer, a):
+    layer.post_attention_layernorm.offset = False
+
+
+def _residual_missing(layer, a):
+    patch(layer, "forward", lambda x, pos: (lambda h: h + layer.mlp(layer.post_attention_layernorm(h)))(
+        layer.attn(layer.input_layernorm(x), pos)))
+
+
+def _final_norm_eps(model, a):
+    model.norm.eps = a.rms_norm_eps * 1e3
+
+
+def _has_shared(a):
+    return a.shared_expert_intermediate_size > 0
+
+
+CATALOGUE: tuple[Fault, ...] = (
+    Fault("router_softmax_after_topk", "router", "last", "softmax over the top-k logits instead of over all experts",
+          _softmax_after_topk, lambda a: not a.norm_topk_prob),
+    Fault("router_no_renorm", "router", "last", "missing norm_topk_prob renormalisation", _no_renorm,
+          lambda a: a.norm_topk_prob),
+    Fault("router_wrong_num_experts", "router", "last", "router sees one expert fewer than the checkpoint has",
+          _wrong_num_experts),
+    Fault("router_sigmoid", "router", "last", "sigmoid scoring instead of softmax", _sigmoid_router),
+    Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", _gate_up_swapped),
+    Fault("expert_weights_off_1e-3", "moe", "last", "one (used) expert's weights off by 1e-3", _one_expert_off),
+    Fault("expert_index_off_by_one", "moe", "last", "expert weights gathered at index + 1", _expert_index_off_by_one),
+    Fault("expert_weights_not_applied", "moe", "last", "expert outputs summed without routing weights",
+          _weights_not_applied),
+    Fault("shared_expert_gate_no_sigmoid", "moe", "last", "shared-expert gate used without sigmoid",
+          _shared_gate_no_sigmoid, _has_shared),
+    Fault("shared_expert_missing", "moe", "last", "shared expert dropped", _shared_missing, _has_shared),
+    Fault("stray_bf16_downcast", "moe", "last", "a stray downcast to bf16 inside an fp32 program", _stray_bf16),
+    Fault("rope_theta_wrong", "attention", "full", "wrong rope theta (1e4 vs the checkpoint's)", _rope_theta_wrong),
+    Fault("rope_interleaved", "attention", "full", "interleaved (GPT-J) rotation instead of rotate-half",
+          _rope_interleaved),
+    Fault("rotary_fraction_wrong", "attention", "full", "partial-rotary fraction wrong", _rotary_fraction_wrong),
+    Fault("qk_norm_missing", "attention", "full", "q/k RMSNorm missing", _qk_norm_missing,
+          lambda a: a.qk_norm != "none"),
+    Fault("qk_norm_per_head_for_flat", "attention", "full", "per-head q/k norm where the family's is flat",
+          _qk_norm_per_head_for_flat, lambda a: a.qk_norm == "flat"),
+    Fault("qk_norm_flat_for_per_head", "attention", "full", "flat q/k norm where the family's is per head",
+          _qk_norm_flat_for_per_head, lambda a: a.qk_norm == "head"),
+    Fault("kv_cache_write_off_by_one", "attention", "full", "KV cache written one position late", _kv_off_by_one),
+    Fault("attention_not_causal", "attention", "full", "attention mask not causal", _not_causal),
+    Fault("attention_scale_wrong", "attention", "full", "softmax scale 1/d instead of 1/sqrt(d)", _scale_wrong),
+    Fault("gqa_kv_heads_tiled", "attention", "full", "kv heads tiled instead of repeated for GQA",
+          _gqa_repeat_wrong, lambda a: a.num_attention_heads != a.num_key_value_heads),
+    Fault("attention_gate_no_sigmoid", "attention", "full", "attention output gate without sigmoid",
+          _output_gate_no_sigmoid, lambda a: a.attn_output_gate),
+    Fault("gdn_state_not_carried", "attention", "linear", "Gated DeltaNet recurrent state not carried",
+          _gdn_state_not_carried),
+    Fault("gdn_conv_state_not_carried", "attention", "linear", "Gated DeltaNet conv state not carried",
+          _gdn_conv_state_not_carried),
+    Fault("gdn_chunked_prefill_differs", "attention", "linear", "chunked prefill differs from one-shot prefill",
+          _gdn_chunked_prefill),
+    Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", _input_norm_eps),
+    Fault("norm_offset_missing", "layer", "last", "(1 + w) RMSNorm offset missing", _norm_offset_missing,
+          lambda a: a.norm_offset),
+    Fault("residual_missing", "layer", "last", "attention residual connection dropped", _residual_missing),
+    Fault("final_norm_eps_wrong", "final_norm", "model", "final RMSNorm eps 1000x too large", _final_norm_eps),
+)
+
+
+def get(name: str) -> Fault:
+    for f in CATALOGUE:
+        if f.name == name:
+            return f
+    raise KeyError(f"unknown fault {name!r}; known: {', '.join(f.name for f in CATALOGUE)}")
+
+
+def applicable(a: ModelArgs) -> list[Fault]:
+    return [f for f in CATALOGUE if f.is_applicable(a)]
+

@@ -1,0 +1,31 @@
+"""Backends for the tests: unavailable, crashing, producing NaN."""
+
+import torch
+
+from exporters.eager import EagerBackend
+
+
+class Unavailable:
+    name = "unavailable"
+
+    def availability(self):
+        return False, "needs a flux capacitor"
+
+    def load(self, model, spec):
+        raise AssertionError("never loaded")
+
+
+class Crashing(EagerBackend):
+    def load(self, model, spec):
+        raise RuntimeError("kernel exploded")
+
+
+def _nan_moe(model):
+    moe = model.layers[0].mlp
+    fwd = type(moe).forward
+    moe.forward = lambda x: fwd(moe, x) * torch.where(torch.rand(()) < 2, float("nan"), 1.0)
+
+
+UNAVAILABLE = Unavailable()
+CRASHING = Crashing(name="crashing")
+NAN_IN_MOE = EagerBackend(name="nan", transform=_nan_moe)

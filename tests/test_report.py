@@ -1,0 +1,50 @@
+"""Reports: deterministic JSON (apart from timings), atomic writes, the markdown summary."""
+
+import json
+
+from exporters.eager import EagerBackend
+from models import faults
+from oracle.check import CheckSpec, run_check
+from oracle.report import markdown
+from oracle.result import dumps, write_atomic
+
+
+def _strip_timings(doc):
+    doc = dict(doc)
+    doc.pop("timings")
+    return doc
+
+
+def test_same_spec_same_json():
+    spec = CheckSpec(family="qwen2_moe", backend="eager", seed=3)
+    a, b = json.loads(dumps(run_check(spec))), json.loads(dumps(run_check(spec)))
+    assert a["timings"] and _strip_timings(a) == _strip_timings(b)
+    assert json.dumps(_strip_timings(a), sort_keys=True) == json.dumps(_strip_timings(b), sort_keys=True)
+
+
+def test_seed_changes_weights_and_prompt():
+    a = run_check(CheckSpec(family="olmoe", backend="eager", seed=1))
+    b = run_check(CheckSpec(family="olmoe", backend="eager", seed=2))
+    assert a.e2e.prompt_tokens != b.e2e.prompt_tokens
+    assert a.provenance["checkpoint"]["sha256"] != b.provenance["checkpoint"]["sha256"]
+
+
+def test_markdown_names_the_fault():
+    spec = CheckSpec(family="qwen3_moe", backend="eager")
+    r = run_check(spec, EagerBackend(transform=faults.get("rope_theta_wrong").inject))
+    md = markdown(r.to_dict())
+    assert "**fail**" in md and "Localised fault: **layer 1 attention (full_attention)**" in md
+    assert "First divergence: step" in md
+    assert len(md.splitlines()) < 30
+
+
+def test_nonfinite_json_is_valid():
+    from oracle.result import _clean
+
+    assert _clean({"a": float("nan"), "b": [float("inf")]}) == {"a": "nan", "b": ["inf"]}
+
+
+def test_write_atomic_leaves_no_temp(tmp_path):
+    p = tmp_path / "sub" / "r.json"
+    write_atomic(p, "{}\n")
+    assert p.read_text() == "{}\n" and [x.name for x in p.parent.iterdir()] == ["r.json"]
