@@ -38,6 +38,17 @@ class HFCandidate:
 
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
+        probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
+        calls = [c for c in calls if not c.probe]
+        outs = self._replay(layer, kind, calls)
+        for c in probes:
+            x = c.x.to(self.dtype)
+            o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
+            o = _normalize_output(kind, o)
+            outs.append(o[:2] if kind == "router" else o)
+        return outs
+
+    def _replay(self, layer, kind, calls):
         target = self.modules[layer, kind]
         outputs, n = [], [0]
 

@@ -92,20 +92,13 @@ def _gate_up_swapped(layer, a):
 
 
 def _one_expert_off(layer, a):
-    """The first token's top expert gets every weight off by 1e-3 (an expert that is used)."""
+    """One expert's weights off by 1e-3, applied to the weights (static, so it exports).
+    The expert is the one with the largest router row norm: the most often routed to."""
     ex: Experts = layer.mlp.experts
-    done = []
-
-    def forward(x, idx, w):
-        if not done:
-            e = int(idx[0, 0])
-            with torch.no_grad():
-                ex.gate_up_proj[e] += 1e-3
-                ex.down_proj[e] += 1e-3
-            done.append(e)
-        return Experts.forward(ex, x, idx, w)
-
-    patch(ex, "forward", forward)
+    e = int(layer.mlp.gate.weight.norm(dim=1).argmax())
+    with torch.no_grad():
+        ex.gate_up_proj[e] += 1e-3
+        ex.down_proj[e] += 1e-3
 
 
 def _expert_index_off_by_one(layer, a):

@@ -124,7 +124,8 @@ def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
             # tokens whose reference routing is a near tie at this precision: a flipped
             # expert there is the precision's doing, reported as a count, not compared
             router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
-            probs = torch.cat(ref.router_probs[layer]).sort(dim=-1, descending=True).values
+            # router calls = the sequence's calls, then the expert probes (moe has both, layer none)
+            probs = torch.cat(ref.router_probs[layer])[: r.shape[0]].sort(dim=-1, descending=True).values
             k = ref.outputs[layer, "router"][0][1].shape[-1]
             keep = (probs[:, k - 1] - probs[:, k] >= router_lim["tie_gap"]).numpy()
             r, c = r[keep], c[keep]
@@ -257,7 +258,8 @@ def reference_margins(ref, k: int) -> dict:
         p = torch.cat(probs).sort(dim=-1, descending=True).values
         gaps.append(float((p[:, k - 1] - p[:, k]).min()))
     return {"min_token_margin": min(margins), "token_margins": margins,
-            "min_router_gap": min(gaps) if gaps else None, "prompt_len": P}
+            "min_router_gap": min(gaps) if gaps else None, "prompt_len": P,
+            "expert_coverage": {str(k): v for k, v in ref.coverage.items()}}
 
 
 __all__ = ["run_check", "CheckSpec", "InputError", "GateRow"]

@@ -21,6 +21,7 @@ class BlockCall:
     x: torch.Tensor
     pos: torch.Tensor
     tokens: list[int]  # the token ids the reference model consumed in this call
+    probe: bool = False  # an expert-coverage probe (stateless blocks only), not from the sequence
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Reference:
     inputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [BlockCall per call]
     outputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [tensor | (weights, idx)]
     router_probs: dict = field(default_factory=dict)  # layer -> [probs [T, E] per call]
+    coverage: dict = field(default_factory=dict)  # layer -> experts routed to by the sequence
 
     def block_keys(self) -> list[tuple[int | None, str]]:
         return list(self.inputs)
@@ -149,4 +151,28 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             ref.router_probs[key[0]] = [p for _, _, p in outs]
         else:
             ref.outputs[key] = outs
+    add_expert_probes(ref, modules)
     return ref
+
+
+def add_expert_probes(ref: Reference, modules: dict) -> None:
+    """A prompt rarely routes to every expert, and a bug in an expert nobody routes to is
+    invisible. So the stateless router and moe blocks also get one single-token probe per
+    expert e: x = router row e scaled to RMS 1, which puts e first in the top-k. The
+    reference computes the probe outputs with its own modules."""
+    with torch.no_grad():
+        for (layer, kind), router in list(modules.items()):
+            if kind != "router":
+                continue
+            used = torch.cat([i for _, i in ref.outputs[layer, "router"]]).unique()
+            ref.coverage[layer] = {"experts": int(router.weight.shape[0]), "routed_by_sequence": int(used.numel())}
+            w = router.weight.detach().float()
+            for e in range(w.shape[0]):
+                x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
+                call = BlockCall(x, torch.tensor([0]), [], probe=True)
+                logits, weights, idx = router(x.reshape(1, -1).to(router.weight.dtype))
+                ref.inputs[layer, "router"].append(call)
+                ref.outputs[layer, "router"].append((weights.float(), idx))
+                ref.router_probs[layer].append(torch.softmax(logits.float(), dim=-1))
+                ref.inputs[layer, "moe"].append(call)
+                ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)))
