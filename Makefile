@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: pip takes the CPU build on disk; unpinned it pulls a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	# every backend that runs on Linux: iree, mlx (CPU), executorch (pinned in pyproject.toml)
+	$(PY) -m pip install -q -e ".[all]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -61,8 +61,8 @@ class EagerBackend:
 
     precisions = tuple(DTYPES)
 
-    def __init__(self, name: str = "eager", transform=None):
-        self.name, self.transform = name, transform
+    def __init__(self, name: str = "eager", transform=None, transform_id: str | None = None):
+        self.name, self.transform, self.transform_id = name, transform, transform_id
 
     def availability(self):
         return True, ""

@@ -17,8 +17,15 @@ and a Candidate (what `load` returns) has:
         layer (per layer), final_norm, logits (layer None). router returns
         (weights [T, k], indices [T, k]); the others [1, T, H] (logits [1, T, V]).
         Return None for a kind the backend cannot isolate (the row is reported 'n/a').
-    info: dict  (optional) executor, artifacts (name, sha256, cached) -> result provenance
+    info: dict  (optional) executor etc. -> result provenance; info["artifacts"]: a list of
+        oracle.artifacts.Artifact.as_dict() (name, path, sha256, cached, build_s)
     block_mode: str (optional) 'isolated' (default) or 'in-situ'
+    gates(): list[GateRow] (optional) structural / cast-count / golden gates
+
+Optional backend members: `precisions` (tuple of the precisions it supports) and
+`export(model, spec, output_dir) -> list[Path]` (for `oracle export`). Torch-based
+backends take `transform` (a callable modifying the built production model, how seeded
+faults are injected) and `transform_id` (part of every artifact cache key).
 
 Arrays may be torch tensors or numpy arrays. Built-in backends are named; a user's own
 is given as `package.module:attr` (an object as above, or a class / factory making one).
@@ -34,6 +41,8 @@ from typing import Any, Protocol
 BUILTIN = {
     "eager": "exporters.eager:BACKEND",
     "hf": "exporters.hf:BACKEND",
+    "iree-llvm-cpu": "exporters.iree:BACKEND",
+    "mlx": "exporters.mlx:BACKEND",
 }
 
 

@@ -209,7 +209,12 @@ def run_check(spec: CheckSpec, backend=None, progress=None) -> CheckResult:
         t = time.perf_counter()
         cand = backend.load(src, spec)
         timings["load_s"] = time.perf_counter() - t
-        result.provenance["backend"] = dict(getattr(cand, "info", {}) or {})
+        info = dict(getattr(cand, "info", {}) or {})
+        artifacts = info.pop("artifacts", [])
+        result.provenance["backend"] = info
+        result.provenance["artifacts"] = [{"name": a["name"], "sha256": a["sha256"]} for a in artifacts]
+        result.cache = {"artifacts": [{k: a[k] for k in ("name", "cached", "build_s", "path")} for a in artifacts],
+                        "all_cached": bool(artifacts) and all(a["cached"] for a in artifacts)}
 
         t = time.perf_counter()
         keys = ref.block_keys()

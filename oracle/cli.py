@@ -55,9 +55,46 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", help="write the JSON report here")
     c.add_argument("--markdown", help="write the markdown summary here")
     c.add_argument("--require", action="store_true", help="a skipped (unavailable) backend is a failure: exit 3")
+    backend_options(c)
+    e = sub.add_parser("export", help="write a backend's compiled artifacts and a manifest")
+    e.add_argument("--family", required=True)
+    e.add_argument("--backend", required=True)
+    esrc = e.add_mutually_exclusive_group()
+    esrc.add_argument("--model-dir")
+    esrc.add_argument("--tiny-test", action="store_true", help="the family's tiny seeded checkpoint (default)")
+    e.add_argument("--output-dir", required=True)
+    e.add_argument("--precision", default="fp32")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--max-seq-len", type=positive_int, default=128, help="static cache length (default 128)")
+    e.add_argument("--prompt-len", type=positive_int, default=8, help="prefill length where it is static")
+    e.add_argument("--qlinear", choices=["4w", "8w", "8da4w"], help="weight quantization (ExecuTorch exporters)")
+    e.add_argument("--qlinear-group-size", type=positive_int, help="quantization group size")
+    e.add_argument("--sample", action="store_true", help="fuse the on-device sampler (where supported)")
+    backend_options(e)
     sub.add_parser("families", help="list model families")
     sub.add_parser("backends", help="list backends and whether they are available here")
     return p
+
+
+def backend_options(p) -> None:
+    p.add_argument("--device", choices=["cpu", "gpu"], help="where the backend runs (mlx: cpu or gpu)")
+    p.add_argument("--group-size", type=positive_int, help="quantization group size (mlx q8/q4: 32 or 64)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a backend-specific option (repeatable)")
+
+
+def options_of(a) -> dict:
+    opts = {}
+    for kv in a.option:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"oracle: error: --option expects KEY=VALUE, got {kv!r}")
+        opts[k] = v
+    for name in ("device", "group_size", "qlinear", "qlinear_group_size", "sample", "max_seq_len"):
+        v = getattr(a, name, None)
+        if v not in (None, False):
+            opts[name] = v
+    return opts
 
 
 def cmd_families() -> int:
@@ -107,7 +144,7 @@ def cmd_check(a) -> int:
     from oracle.result import dumps, write_atomic
 
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
-                     decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir)
+                     decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, options=options_of(a))
     prog, update = progress_reporter()
     try:
         backend = validate(spec)
@@ -134,6 +171,26 @@ def cmd_check(a) -> int:
     return EXIT[result.status]
 
 
+def cmd_export(a) -> int:
+    from oracle.backend import CheckSpec
+    from oracle.check import InputError
+    from oracle.export import run_export
+
+    spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, seed=a.seed,
+                     prompt_len=a.prompt_len, decode_tokens=max(1, a.max_seq_len - a.prompt_len),
+                     model_dir=a.model_dir, options=options_of(a))
+    try:
+        manifest = run_export(spec, a.output_dir)
+    except InputError as e:
+        print(f"oracle: error: {e}", file=sys.stderr)
+        return EXIT["bad_input"]
+    except Exception as e:  # the exporter itself failed
+        print(f"oracle: export failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT["error"]
+    print(f"wrote {manifest}")
+    return 0
+
+
 def main(argv=None) -> int:
     _quiet()
     a = parser().parse_args(argv)
@@ -141,6 +198,8 @@ def main(argv=None) -> int:
         return cmd_families()
     if a.cmd == "backends":
         return cmd_backends()
+    if a.cmd == "export":
+        return cmd_export(a)
     return cmd_check(a)
 
 

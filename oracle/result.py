@@ -67,6 +67,7 @@ class CheckResult:
     error: str | None = None
     skipped_reason: str | None = None
     timings: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # artifacts: name, sha256, cached (run state, like timings)
     schema: str = SCHEMA
 
     def to_dict(self) -> dict:

@@ -1,0 +1,100 @@
+"""Compiled artifacts (.vmfb, .pte, ...), cached by content hash, and export manifests.
+
+A key is the sha256 of everything that determines the artifact: the checkpoint's sha256,
+the options, the fault/transform id, and the versions of the tools that build it. A second
+identical check finds the artifact and builds nothing; the result says which it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from models.checkpoint import cache_root
+
+
+@dataclass
+class Artifact:
+    name: str
+    path: str
+    sha256: str
+    cached: bool  # True: found in the cache, nothing was built
+    build_s: float  # seconds spent building (0 when cached)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def versions(*packages: str) -> dict:
+    out = {}
+    for p in packages:
+        try:
+            out[p] = importlib.metadata.version(p)
+        except importlib.metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def key_of(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cached_artifact(namespace: str, parts: dict, filename: str, build: Callable[[Path], None],
+                    name: str | None = None) -> Artifact:
+    """The artifact for `parts`, built by `build(path)` into a temp dir on a miss and then
+    moved into place atomically (a crashed build leaves nothing behind)."""
+    d = cache_root() / "artifacts" / namespace / key_of(parts)
+    target = d / filename
+    if target.is_file() and (d / "sha256").is_file():
+        return Artifact(name or filename, str(target), (d / "sha256").read_text().strip(), True, 0.0)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
+    try:
+        t = time.perf_counter()
+        build(tmp / filename)
+        build_s = time.perf_counter() - t
+        digest = sha256_file(tmp / filename)
+        (tmp / "sha256").write_text(digest + "\n")
+        (tmp / "key.json").write_text(json.dumps(parts, sort_keys=True, indent=1, default=str))
+        if d.exists():  # a concurrent build won: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.rename(tmp, d)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Artifact(name or filename, str(target), digest, False, build_s)
+
+
+def write_manifest(output_dir: Path, family: str, config: dict, options: dict, files: list[Path],
+                   extra: dict | None = None) -> Path:
+    """manifest.json beside exported files: family, config, options, sha256 of each file."""
+    from oracle.result import write_atomic
+
+    doc = {
+        "schema": "oracle-export/v1",
+        "family": family,
+        "config": config,
+        "options": options,
+        "files": {Path(f).name: {"sha256": sha256_file(Path(f)), "bytes": Path(f).stat().st_size} for f in files},
+        **(extra or {}),
+    }
+    path = Path(output_dir) / "manifest.json"
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
+    return path

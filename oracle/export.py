@@ -1,0 +1,27 @@
+"""`oracle export`: a backend's artifacts for one family, plus manifest.json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from oracle.artifacts import write_manifest
+from oracle.backend import CheckSpec
+from oracle.check import InputError, model_source, validate
+
+
+def run_export(spec: CheckSpec, output_dir: str) -> Path:
+    backend = validate(spec)
+    export = getattr(backend, "export", None)
+    if export is None:
+        raise InputError(f"backend {spec.backend} has no exporter (nothing to write)")
+    ok, reason = backend.availability()
+    if not ok:
+        raise InputError(f"backend {spec.backend} is unavailable here: {reason}")
+    src = model_source(spec)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = export(src, spec, out)
+    options = {k: v for k, v in asdict(spec).items() if k not in ("family", "model_dir")}
+    return write_manifest(out, spec.family, src.config, options, files,
+                          extra={"checkpoint_sha256": src.checkpoint_sha256, "backend": spec.backend})
