@@ -22,17 +22,23 @@ class Fp64Candidate:
     @torch.no_grad()
     def prefill(self, tokens):  # -> logits [T, V]; a new sequence
         reset_state(self.model)
-        return self.model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
+        return self.model(torch.tensor([tokens]), torch.arange(len(tokens)))[0].float()
 
     @torch.no_grad()
     def decode(self, token, pos):  # -> logits [V]; carries the state
-        return self.model(torch.tensor([[token]]), torch.tensor([pos]))[0, -1]
+        return self.model(torch.tensor([[token]]), torch.tensor([pos]))[0, -1].float()
 
     @torch.no_grad()
     def run_block(self, layer, kind, calls):  # one output per call, state fresh at the first
         module, fn = block_fn(self.model, layer, kind)
         reset_state(module)
-        return [fn(c.x.double(), c.pos) for c in calls]
+        # computed in float64, returned in the checked precision's dtype (fp32): the harness
+        # gates the output dtype, so a candidate reports what its model declares
+        return [_float(fn(c.x.double(), c.pos)) for c in calls]
+
+
+def _float(out):
+    return tuple(t.float() if t.is_floating_point() else t for t in out) if isinstance(out, tuple) else out.float()
 
 
 class Fp64Backend:

@@ -67,6 +67,10 @@ class EagerBackend:
     def availability(self):
         return True, ""
 
+    def with_fault(self, fault):
+        """This backend with a seeded fault (models/faults.py) injected into the production model."""
+        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
+
     def load(self, model, spec):
         m = model.build_production(DTYPES[spec.precision])
         if self.transform is not None:

@@ -25,6 +25,7 @@ class Fault:
     what: str
     apply: Callable  # (module at the target, args) -> None
     applies: Callable = lambda a: True
+    precision: str = "fp32"  # the precision the fault shows at (dtype faults need bf16)
 
     def layer(self, a: ModelArgs) -> int | None:
         if self.target == "model":
@@ -125,6 +126,20 @@ def _stray_bf16(layer, a):
     moe = layer.mlp
     fwd = type(moe).forward
     patch(moe, "forward", lambda x: fwd(moe, x).to(torch.bfloat16).to(x.dtype))
+
+
+def _moe_output_upcast(layer, a):
+    """The MoE forward casts its output to float unconditionally (right for the CUDA
+    kernels' fp32 accumulators, wrong elsewhere): the block's output dtype changes."""
+    moe = layer.mlp
+    fwd = type(moe).forward
+    patch(moe, "forward", lambda x: fwd(moe, x).float())
+
+
+def _logits_to_float(model, a):
+    head = model.lm_head
+    fwd = type(head).forward
+    patch(head, "forward", lambda x: fwd(head, x).float())
 
 
 # ------------------------------------------------------------------ full attention
@@ -330,6 +345,10 @@ CATALOGUE: tuple[Fault, ...] = (
           lambda a: a.norm_offset),
     Fault("residual_missing", "layer", "last", "attention residual connection dropped", _residual_missing),
     Fault("final_norm_eps_wrong", "final_norm", "model", "final RMSNorm eps 1000x too large", _final_norm_eps),
+    Fault("moe_output_upcast", "moe", "last", "an unconditional cast that changes the MoE output dtype (bf16 model)",
+          _moe_output_upcast, precision="bf16"),
+    Fault("logits_cast_to_float", "logits", "model", "final logits cast to float where the model's dtype is bf16",
+          _logits_to_float, precision="bf16"),
 )
 
 

@@ -43,6 +43,9 @@ BUILTIN = {
     "hf": "exporters.hf:BACKEND",
     "iree-llvm-cpu": "exporters.iree:BACKEND",
     "mlx": "exporters.mlx:BACKEND",
+    "executorch": "exporters.executorch:BACKEND",
+    "executorch-cuda": "exporters.executorch_cuda:BACKEND",
+    "executorch-metal": "exporters.executorch_metal:BACKEND",
 }
 
 

@@ -104,6 +104,19 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     return capture(model, family, list(prompt), n)
 
 
+def dtype_name(x) -> str | None:
+    """The dtype a candidate returned: torch and numpy arrays; None when unknown."""
+    dt = getattr(x, "dtype", None)
+    return None if dt is None else str(dt).replace("torch.", "")
+
+
+def expected_dtype(spec) -> str | None:
+    try:
+        return thresholds.limits(spec.precision, "output", spec.family, spec.backend).get("dtype")
+    except KeyError:
+        return None
+
+
 def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
     layer, kind = key
     lim = thresholds.limits(spec.precision, kind, spec.family, spec.backend)
@@ -130,6 +143,9 @@ def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
             keep = (probs[:, k - 1] - probs[:, k] >= router_lim["tie_gap"]).numpy()
             r, c = r[keep], c[keep]
         m = tensor_metrics(r, c, lim["atol"], lim["rtol"])
+        want, got = expected_dtype(spec), dtype_name(outs[0]) if outs else None
+        if want and got and got != want:  # e.g. an unconditional cast that changes the output dtype
+            m["dtype_mismatch"] = f"{got} (expected {want})"
         if keep is not None:
             m["tie_tokens_excluded"] = int((~keep).sum())
             if m.get("first_divergence"):  # back to the token index of the whole sequence
@@ -142,15 +158,18 @@ def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
 def run_e2e(ref, cand, spec) -> E2E:
     lim = thresholds.limits(spec.precision, "e2e", spec.family, spec.backend)
     P = ref.prompt_len
-    steps, cand_tokens, ties, first = [], [], [], None
+    steps, cand_tokens, ties, first, dtypes = [], [], [], None, set()
     for k in range(len(ref.logits)):
         if k == 0:
-            out = as_f64(cand.prefill(ref.tokens[:P]))
+            raw = cand.prefill(ref.tokens[:P])
+            out = as_f64(raw)
             out = out.reshape(-1, out.shape[-1])
             r = ref.logits[0][-out.shape[0]:]
         else:
-            out = as_f64(cand.decode(ref.tokens[P + k - 1], P + k - 1)).reshape(1, -1)
+            raw = cand.decode(ref.tokens[P + k - 1], P + k - 1)
+            out = as_f64(raw).reshape(1, -1)
             r = ref.logits[k]
+        dtypes.add(dtype_name(raw))
         m = tensor_metrics(r, out, lim["atol"], lim["rtol"])
         status, ratio = thresholds.judge_tensor(m, lim)
         ref_tok, margin = int(r[-1].argmax()), top2_margin(r[-1])
@@ -171,8 +190,14 @@ def run_e2e(ref, cand, spec) -> E2E:
                       "first_divergence": m.get("first_divergence")})
     exact = all(s["token"] == "match" for s in steps)
     ok = all(s["logits_status"] == "pass" and s["token"] != "mismatch" for s in steps)
-    return E2E("pass" if ok else "fail", ref.tokens[:P], ref.tokens[P:], cand_tokens, exact, steps, lim,
-               first, ties)
+    e2e = E2E("pass" if ok else "fail", ref.tokens[:P], ref.tokens[P:], cand_tokens, exact, steps, lim,
+              first, ties)
+    want, got = expected_dtype(spec), sorted(d for d in dtypes if d)
+    gate = None
+    if want and got:
+        gate = GateRow("logits_dtype", "pass" if got == [want] else "fail", ", ".join(got), want,
+                       "the logits keep the model's declared dtype (no unconditional cast)")
+    return e2e, gate
 
 
 def run_check(spec: CheckSpec, backend=None, progress=None) -> CheckResult:
@@ -204,6 +229,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None) -> CheckResult:
     timings["reference_s"] = time.perf_counter() - t
     result.reference = reference_margins(ref, src.args.num_experts_per_tok)
 
+    stage = "load"
     try:
         progress("load")
         t = time.perf_counter()
@@ -216,6 +242,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None) -> CheckResult:
         result.cache = {"artifacts": [{k: a[k] for k in ("name", "cached", "build_s", "path")} for a in artifacts],
                         "all_cached": bool(artifacts) and all(a["cached"] for a in artifacts)}
 
+        stage = "blocks"
         t = time.perf_counter()
         keys = ref.block_keys()
         mode = getattr(cand, "block_mode", "isolated")
@@ -230,25 +257,25 @@ def run_check(spec: CheckSpec, backend=None, progress=None) -> CheckResult:
             result.blocks.append(row)
         timings["blocks_s"] = time.perf_counter() - t
 
+        stage = "e2e"
         progress("e2e")
         t = time.perf_counter()
-        result.e2e = run_e2e(ref, cand, spec)
+        result.e2e, dtype_gate = run_e2e(ref, cand, spec)
+        if dtype_gate:
+            result.gates.append(dtype_gate)
         timings["e2e_s"] = time.perf_counter() - t
+        stage = "gates"
         gates = getattr(cand, "gates", None)
         if gates is not None:
-            result.gates = list(gates())
+            result.gates += list(gates())
     except Exception as e:  # the backend crashed: this check is an error, not the run
-        result.status = "error"
-        result.error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-8))
-        timings["total_s"] = time.perf_counter() - t0
-        result.timings = timings
-        return result
+        result.error = f"{stage}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-8))
 
-    w = worst_row(result.blocks)
+    w = worst_row(result.blocks)  # rows measured before a crash still localise
     result.worst = asdict(w) if w else None
     failed = (w is not None or (result.e2e and result.e2e.status == "fail")
               or any(g.status == "fail" for g in result.gates))
-    result.status = "fail" if failed else "pass"
+    result.status = "error" if result.error else "fail" if failed else "pass"
     timings["total_s"] = time.perf_counter() - t0
     result.timings = timings
     return result

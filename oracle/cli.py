@@ -71,6 +71,12 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--qlinear-group-size", type=positive_int, help="quantization group size")
     e.add_argument("--sample", action="store_true", help="fuse the on-device sampler (where supported)")
     backend_options(e)
+    s = sub.add_parser("selftest", help="run the seeded-fault catalogue: does the oracle catch and localise?")
+    s.add_argument("--family", action="append", help="limit to this family (repeatable; default all five)")
+    s.add_argument("--backend", default="eager")
+    s.add_argument("--seeds", default="0,1,2", help="seeds of the clean (no-fault) runs (default 0,1,2)")
+    s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
+    s.add_argument("--json", help="write the selftest report here")
     sub.add_parser("families", help="list model families")
     sub.add_parser("backends", help="list backends and whether they are available here")
     return p
@@ -191,6 +197,34 @@ def cmd_export(a) -> int:
     return 0
 
 
+def cmd_selftest(a) -> int:
+    import json
+
+    from oracle.check import InputError
+    from oracle.result import write_atomic
+    from oracle.selftest import render, run_selftest
+
+    try:
+        seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    except ValueError:
+        print(f"oracle: error: --seeds expects comma-separated integers, got {a.seeds!r}", file=sys.stderr)
+        return EXIT["bad_input"]
+    prog, update = progress_reporter()
+    try:
+        if prog:
+            with prog:
+                res = run_selftest(a.backend, a.family, seeds, a.fault, lambda m: update(m))
+        else:
+            res = run_selftest(a.backend, a.family, seeds, a.fault)
+    except InputError as e:
+        print(f"oracle: error: {e}", file=sys.stderr)
+        return EXIT["bad_input"]
+    print(render(res), end="")
+    if a.json:
+        write_atomic(a.json, json.dumps(res.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
+    return 0 if res.summary()["ok"] else EXIT["fail"]
+
+
 def main(argv=None) -> int:
     _quiet()
     a = parser().parse_args(argv)
@@ -200,6 +234,8 @@ def main(argv=None) -> int:
         return cmd_backends()
     if a.cmd == "export":
         return cmd_export(a)
+    if a.cmd == "selftest":
+        return cmd_selftest(a)
     return cmd_check(a)
 
 

@@ -43,7 +43,7 @@ def limits(precision: str, kind: str, family: str = "*", backend: str = "*", pat
 
 def judge_tensor(m: dict, lim: dict) -> tuple[str, float]:
     """(status, ratio): ratio is the worst metric / limit; > 1 fails. NaN/Inf always fails."""
-    if "shape_mismatch" in m:
+    if "shape_mismatch" in m or "dtype_mismatch" in m:
         return "fail", float("inf")
     if m["nonfinite"]:
         return "fail", float("inf")

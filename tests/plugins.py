@@ -29,3 +29,13 @@ def _nan_moe(model):
 UNAVAILABLE = Unavailable()
 CRASHING = Crashing(name="crashing")
 NAN_IN_MOE = EagerBackend(name="nan", transform=_nan_moe)
+
+
+class FaultBlind(EagerBackend):
+    """Claims to inject faults but does not: the selftest must notice."""
+
+    def with_fault(self, fault):
+        return EagerBackend(name=f"blind+{fault.name}")
+
+
+FAULT_BLIND = FaultBlind(name="blind")

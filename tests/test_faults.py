@@ -19,7 +19,7 @@ NAMED = [
 
 
 def _check(family, fault):
-    spec = CheckSpec(family=family, backend="eager")
+    spec = CheckSpec(family=family, backend="eager", precision=fault.precision)
     args = model_source(spec).args
     r = run_check(spec, EagerBackend(transform=fault.inject))
     return r, (fault.layer(args), fault.kind)
@@ -50,9 +50,12 @@ def _all_cases():
 @pytest.mark.parametrize("family,name", list(_all_cases()))
 def test_catalogue(family, name):
     r, expected = _check(family, faults.get(name))
-    assert r.status == "fail"
+    # moe_output_upcast makes eager torch itself crash downstream (fp32 hidden state into a
+    # bf16 lm_head): the check is an error, and the rows measured before it still localise
+    assert r.status == ("error" if name == "moe_output_upcast" else "fail")
     assert (r.worst["layer"], r.worst["kind"]) == expected
 
 
-def test_catalogue_size():
+def test_catalogue_size_and_precisions():
     assert len(faults.CATALOGUE) >= 20
+    assert {f.precision for f in faults.CATALOGUE} == {"fp32", "bf16"}

@@ -1,0 +1,396 @@
+"""`executorch`: the production model through ExecuTorch on the CPU: torch.export (strict,
+with the state buffers) -> to_edge_transform_and_lower(XNNPACK) -> .pte -> executorch.runtime.
+
+One program, two methods sharing the model's state (KV cache, conv and recurrent state in
+mutable buffers planned once for the whole program, as production ExecuTorch LLM exports do):
+
+    prefill(tokens [1, T], pos [T]) -> logits [1, T, V]    T dynamic in [2, S - 1]
+    decode(tokens [1, 1], pos [1])  -> logits [1, 1, V]
+
+A call at position 0 starts a new sequence: the model itself zeroes the Gated DeltaNet state
+(a multiply when pos[0] == 0) and the causal mask hides the stale KV cache.
+
+The check's program is the production program plus what the block rows need:
+- prefill and decode also return every block's output (intermediate_output_tap, one rule per
+  block path): the rows of the reference's token sequence are the runtime's own
+  intermediates, fed by its own previous blocks (`in-situ`);
+- one `probe_<layer>` method per layer, that layer's MoE block alone, x [N, H] ->
+  (moe [1, N, H], router weights [N, k], indices [N, k]): the expert-coverage probes are
+  fed the reference's inputs (`isolated`).
+`oracle export` writes the production program alone (no taps, no probe methods).
+
+Also home of what the CUDA and Metal exporters share with this one: the strict export of
+the two methods, the taps, the probe methods, the cache key and the runtime candidate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.layers import LINEAR, STATE_BUFFERS, Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQUENCE_MODE, PROBE_MODE = "in-situ", "isolated"
+
+
+def missing_executorch() -> str | None:
+    """Why ExecuTorch cannot be used here, or None."""
+    try:
+        import executorch.exir  # noqa: F401
+        import executorch.runtime  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install failing on import
+        return f"executorch is not installed ({type(e).__name__}: {e}); pip install 'moe-oracle[executorch]'"
+    return None
+
+
+def block_paths(args) -> list[tuple[tuple, str]]:
+    """((layer, kind), module path) of every block the harness checks, in the harness's order."""
+    out = []
+    for i, lt in enumerate(args.layer_types):
+        attn = "linear_attn" if lt == LINEAR else "self_attn"
+        out += [((i, "attention"), f"layers.{i}.{attn}"), ((i, "router"), f"layers.{i}.mlp.gate"),
+                ((i, "moe"), f"layers.{i}.mlp"), ((i, "layer"), f"layers.{i}")]
+    return out + [((None, "final_norm"), "norm"), ((None, "logits"), "lm_head")]
+
+
+def export_methods(model: Transformer) -> dict:
+    """torch.export (strict: the state buffers are updated in place) of prefill and decode.
+    The prefill example has the largest length, as the CUDA/AOTI exports need."""
+    from torch.export import Dim, export
+
+    S = model.args.max_seq_len
+    long = dict(dtype=torch.long)
+    with torch.no_grad():
+        out = {"decode": export(model, (torch.zeros(1, 1, **long), torch.zeros(1, **long)), strict=True)}
+        if S >= 3:  # a prefill of 2..S-1 tokens (S - 1 leaves room for one decode step)
+            T = Dim("T", min=2, max=S - 1)
+            out["prefill"] = export(model, (torch.zeros(1, S - 1, **long), torch.arange(S - 1)),
+                                    dynamic_shapes=({1: T}, {0: T}), strict=True)
+    return out
+
+
+def add_taps(ep, args) -> list[list]:
+    """Make every block's output an extra output of `ep` (in place). Returns [layer, kind,
+    output index] per tap; routers have two taps (weights and indices, told apart by dtype)."""
+    from executorch.devtools.intermediate_output_tap import FULL_TENSOR, select_by_module_path, tap_intermediate_outputs_
+
+    hit = {}
+
+    def rule(key, path):
+        inside = select_by_module_path(path)  # the nodes whose value leaves the block
+
+        def select(n):  # not in-place state writes or asserts (nothing uses their value)
+            if n.users and str(n.target) != "aten._assert_tensor_metadata.default" and inside(n):
+                hit[n.name] = key
+                return True
+            return False
+
+        return select, FULL_TENSOR
+
+    # one rule per block: with several patterns in one rule a parent would hide its children
+    _, specs = tap_intermediate_outputs_(ep, [rule(k, p) for k, p in block_paths(args)])
+    return [[*hit[s.node_name], s.output_index] for s in specs]
+
+
+class MoeProbe(nn.Module):
+    """One layer's MoE block alone: x [N, H] -> (moe [1, N, H], router weights [N, k], indices [N, k])."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        w, idx = self.moe.gate(x)
+        return self.moe(x[None]), w, idx
+
+
+def export_probes(model: Transformer) -> dict:
+    """One probe method per layer (traced from that layer's own module: a seeded fault stays)."""
+    from torch.export import Dim, export
+
+    a = model.args
+    N = Dim("N", min=1, max=max(a.num_experts, 2))
+    x = torch.zeros(max(a.num_experts, 2), a.hidden_size, dtype=model.embed_tokens.weight.dtype)
+    with torch.no_grad():
+        return {f"probe_{i}": export(MoeProbe(layer.mlp), (x,), dynamic_shapes=({0: N},), strict=True)
+                for i, layer in enumerate(model.layers)}
+
+
+def metadata(args) -> dict:
+    """Constant methods, as the production LLM exports carry them for their runners."""
+    return {"get_max_seq_len": args.max_seq_len, "get_vocab_size": args.vocab_size,
+            "get_n_layers": args.num_hidden_layers, "use_kv_cache": True, "enable_dynamic_shape": True}
+
+
+def op_histogram(ep) -> dict:
+    """call_function targets of an exported program and their counts."""
+    counts = {}
+    for n in ep.graph.nodes:
+        if n.op == "call_function":
+            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def source_digest(*files: str) -> str:
+    """sha256 of the code that determines an artifact (the production model and the exporter)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update((ROOT / f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_parts(backend: str, model, spec, program: str, transform_id, options: dict, exporter: str) -> dict:
+    """Everything that determines a .pte: checkpoint, resolved args, options, fault, code, tools."""
+    from oracle.artifacts import versions
+
+    return {"backend": backend, "program": program, "family": spec.family, "precision": spec.precision,
+            "checkpoint": model.checkpoint_sha256, "args": repr(model.args), "max_seq_len": model.args.max_seq_len,
+            "options": options, "transform_id": transform_id,
+            "source": source_digest("models/layers.py", "exporters/executorch.py", exporter),
+            "versions": versions("torch", "executorch", "torchao")}
+
+
+def qlinear_options(spec, allowed: tuple) -> dict:
+    """`--qlinear` / `--qlinear-group-size` from the spec, refused unless `allowed`."""
+    q = spec.options.get("qlinear")
+    if not q:
+        return {}
+    if q not in allowed:
+        from oracle.check import InputError
+
+        raise InputError(f"backend {spec.backend}: --qlinear {q} is not supported here "
+                         f"(supported: {', '.join(allowed) or 'none'})")
+    return {"qlinear": q, "qlinear_group_size": int(spec.options.get("qlinear_group_size") or 32)}
+
+
+def quantize_linears(model: nn.Module, q: dict, packing_format=None) -> None:
+    """torchao source-transform quantization of the nn.Linear layers, as the ExecuTorch LLM
+    exports do. The stacked expert weights are not nn.Linear: they stay unquantized."""
+    from executorch.extension.llm.export.quantize import quantize_model_
+
+    quantize_model_(model, qlinear_config=q["qlinear"], qlinear_group_size=q["qlinear_group_size"],
+                    qlinear_packing_format=packing_format, skip_incompatible_shapes=True)
+
+
+def read_taps(pte: Path) -> dict:
+    return json.loads(Path(pte).with_name("taps.json").read_text())
+
+
+def save(prog, path: Path) -> None:
+    """model.pte, and the tensor data a delegate keeps outside it (.ptd) beside it."""
+    path.write_bytes(prog.buffer)
+    if prog._tensor_data:
+        prog.write_tensor_data_to_file(str(path.parent))
+
+
+def build_program(model: Transformer, lower, path: Path, check: bool) -> None:
+    """The production program (prefill, decode) at `path`; the check's program also has the
+    taps and the probe methods, and its tap table beside it (taps.json)."""
+    methods = export_methods(model)
+    if check:
+        taps = {name: add_taps(ep, model.args) for name, ep in methods.items()}
+        methods.update(export_probes(model))
+        path.with_name("taps.json").write_text(json.dumps(taps))
+    save(lower(methods, model.args), path)
+
+
+def lower_cpu(methods: dict, args):
+    """XNNPACK where it can, portable kernels elsewhere; state buffers shared by the methods."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.devtools.intermediate_output_tap import strip_taps_
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+
+    edge = to_edge_transform_and_lower(
+        methods, partitioner=[XnnpackPartitioner()], constant_methods=metadata(args),
+        # ExecuTorch 1.5.1's IR arg validator specialises the dynamic length to the example's
+        compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    strip_taps_(edge)  # after partitioning (no-op without taps)
+    prog = edge.to_executorch(ExecutorchBackendConfig(
+        # state starts at zero (not the arena's garbage: 0 * NaN would survive the reset)
+        passes=[InitializedMutableBufferPass(list(STATE_BUFFERS))],
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=True),
+        emit_mutable_buffer_names=True))
+    return prog
+
+
+class ExecutorchCandidate:
+    """A .pte with prefill/decode (+ taps) and probe methods, run by executorch.runtime.
+    Rows of the reference's sequence are in-situ; router/moe expert probes are isolated."""
+
+    block_mode = SEQUENCE_MODE  # the harness's one mode today; the per-kind truth is below
+    block_modes = {"attention": SEQUENCE_MODE, "layer": SEQUENCE_MODE, "final_norm": SEQUENCE_MODE,
+                   "logits": SEQUENCE_MODE, "router": f"{SEQUENCE_MODE} (sequence) + {PROBE_MODE} (expert probes)",
+                   "moe": f"{SEQUENCE_MODE} (sequence) + {PROBE_MODE} (expert probes)"}
+
+    def __init__(self, pte: Path, taps: dict, info: dict, data_path: Path | None = None):
+        from executorch.runtime import Runtime
+
+        self.program = Runtime.get().load_program(str(pte), data_path=str(data_path) if data_path else None)
+        self.taps, self.info = taps, info
+        # every method up front: loading a method initialises the shared state buffers, so a
+        # method loaded after a prefill would wipe that prefill's KV cache and recurrent state
+        self.methods = {n: self.program.load_method(n) for n in sorted(self.program.method_names)
+                        if n in ("prefill", "decode") or n.startswith("probe_")}
+        self._seq = (None, None)
+
+    def method(self, name: str):
+        return self.methods[name]
+
+    def run(self, tokens, pos) -> tuple[str, list]:
+        name = "prefill" if len(tokens) > 1 else "decode"
+        outs = self.method(name).execute([torch.tensor([list(tokens)]), torch.as_tensor(pos, dtype=torch.long)])
+        return name, [o.clone() for o in outs]  # outputs may alias the method's memory: the next call overwrites them
+
+    def prefill(self, tokens):
+        return self.run(tokens, torch.arange(len(tokens)))[1][0][0]
+
+    def decode(self, token, pos):
+        return self.run([token], [pos])[1][0][0, -1]
+
+    def sequence_taps(self, calls) -> list[dict]:
+        """Per call of the sequence: (layer, kind) -> tapped outputs, from one run of the program."""
+        key = tuple((tuple(c.tokens), tuple(c.pos.tolist())) for c in calls)
+        if self._seq[0] != key:
+            if calls and int(calls[0].pos[0]) != 0:
+                raise ValueError("the block calls must start a sequence at position 0")
+            rows = []
+            for c in calls:
+                name, outs = self.run(c.tokens, c.pos)
+                row = {}
+                for layer, kind, i in self.taps[name]:
+                    row.setdefault((layer, kind), []).append(outs[i])
+                rows.append(row)
+            self._seq = (key, rows)
+        return self._seq[1]
+
+    def probe(self, layer: int, calls) -> list[tuple]:
+        """(moe, weights, indices) per probe call, from the layer's probe method."""
+        x = torch.cat([c.x.reshape(-1, c.x.shape[-1]) for c in calls]).float()
+        moe, w, idx = [o.clone() for o in self.method(f"probe_{layer}").execute([x])[:3]]
+        out, n = [], 0
+        for c in calls:
+            t = c.x.reshape(-1, c.x.shape[-1]).shape[0]
+            out.append((moe[:, n:n + t], w[n:n + t], idx[n:n + t]))
+            n += t
+        return out
+
+    def run_block(self, layer, kind, calls):
+        seq = [c for c in calls if not c.probe]
+        taps = self.sequence_taps(seq)
+        if any((layer, kind) not in t for t in taps):
+            return None  # no node of the program is this block's output (not tapped)
+        seq_outs = iter([block_output(kind, t[layer, kind]) for t in taps])
+        probes = [c for c in calls if c.probe]
+        if probes and kind not in ("router", "moe"):
+            return None
+        probe_outs = iter(self.probe(layer, probes) if probes else [])
+        out = []
+        for c in calls:
+            if not c.probe:
+                out.append(next(seq_outs))
+            else:
+                moe, w, idx = next(probe_outs)
+                out.append((w, idx) if kind == "router" else moe)
+        return out
+
+
+def block_output(kind: str, tensors: list):
+    if kind == "router":
+        w = next(t for t in tensors if t.is_floating_point())
+        idx = next(t for t in tensors if not t.is_floating_point())
+        return w, idx
+    return tensors[0]
+
+
+class ExecutorchBackend:
+    """`transform(model)` modifies the built production model before export (how faults are
+    injected); `transform_id` names it in the artifact cache key.
+
+    The CUDA and Metal backends are this class with another lowering, dtype and quantization."""
+
+    kind = "executorch"  # cache namespace and name of the backend without a fault suffix
+    source = "exporters/executorch.py"
+    precisions = ("fp32",)
+    qlinear = ("8da4w",)  # XNNPACK's recipe: int8 dynamic activations, int4 grouped weights
+    executor = "XNNPACK + portable kernels"
+
+    def __init__(self, name: str | None = None, transform=None, transform_id: str | None = None):
+        if transform is not None and not transform_id:
+            raise ValueError("a transform needs a transform_id (it is part of the artifact cache key)")
+        self.name, self.transform, self.transform_id = name or self.kind, transform, transform_id
+
+    def with_fault(self, fault):
+        """This backend with a seeded fault (models/faults.py) injected before export."""
+        if fault.precision not in self.precisions:
+            return None
+        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
+
+    def unavailable(self) -> str | None:
+        return missing_executorch()
+
+    def availability(self):
+        reason = self.unavailable()
+        return (False, reason) if reason else (True, "")
+
+    def lower(self, methods: dict, args):
+        return lower_cpu(methods, args)
+
+    def quantize(self, model: Transformer, q: dict) -> None:
+        quantize_linears(model, q)
+
+    def production_model(self, model, spec, q: dict) -> Transformer:
+        from exporters.eager import DTYPES
+
+        m = model.build_production(DTYPES[spec.precision])
+        if self.transform is not None:
+            self.transform(m)
+        if q:
+            self.quantize(m, q)
+        return m
+
+    def artifact(self, model, spec, check: bool):
+        """The check's program or the production program, from the cache or built."""
+        from oracle.artifacts import cached_artifact
+
+        q = qlinear_options(spec, self.qlinear)
+        program = "check" if check else "production"
+
+        def build(path):
+            build_program(self.production_model(model, spec, q), self.lower, path, check)
+
+        parts = cache_parts(self.kind, model, spec, program, self.transform_id, q, self.source)
+        return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte")
+
+    def load(self, model, spec):
+        if spec.options.get("qlinear"):
+            raise ValueError("a quantized program cannot be judged by the fp32/bf16 thresholds: check it "
+                             "unquantized, or write it with `oracle export --qlinear`")
+        art = self.artifact(model, spec, True)
+        from importlib.metadata import version
+
+        pte = Path(art.path)
+        info = {"executor": f"executorch {version('executorch')} runtime ({self.executor})",
+                "methods": ["prefill", "decode"] + [f"probe_{i}" for i in range(model.args.num_hidden_layers)],
+                "block_modes": ExecutorchCandidate.block_modes, "artifacts": [art.as_dict()]}
+        ptd = sorted(pte.parent.glob("*.ptd"))
+        return ExecutorchCandidate(pte, read_taps(pte), info, ptd[0] if ptd else None)
+
+    def export(self, model, spec, output_dir) -> list[Path]:
+        """model.pte (and the .ptd a delegate writes beside it) in output_dir."""
+        pte = Path(self.artifact(model, spec, False).path)
+        out = []
+        for f in [pte, *sorted(pte.parent.glob("*.ptd"))]:
+            out.append(Path(output_dir) / f.name)
+            shutil.copyfile(f, out[-1])
+        return out
+
+
+BACKEND = ExecutorchBackend()

@@ -1,0 +1,533 @@
+"""`mlx`: the family's mlx-lm model, built from the same HF checkpoint as the reference.
+
+mlx-lm's own modules, `sanitize()`, caches and quantizer; nothing re-implemented but the
+config conversion (below) and the checkpoint's expert layout. mlx runs on the CPU on
+Linux (`mlx[cpu]`) and on the Metal GPU on Apple silicon (`--device cpu|gpu`, default gpu
+where there is one). mlx and mlx-lm are imported lazily: without them the backend is
+`unavailable` with the import error as the reason.
+
+Precisions: fp32, bf16, and q8 / q4: mlx-lm's affine quantizer (`mlx_lm.utils.quantize_model`
+with the model's own quant_predicate, as `mlx_lm.convert -q` does it) applied to the fp32
+model, `--group-size 32|64` (default 64, mlx-lm's default). mlx-lm leaves a layer whose input
+dim is not divisible by the group size unquantized without a word: `info["quantization"]`
+lists every weight-carrying module as quantized (bits, group size) or not (and why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.metadata
+import io
+import platform
+import re
+import sys
+
+import numpy as np
+
+from models import get_family, rope_theta
+from models.checkpoint import CheckpointError, shard_files
+from models.layers import FULL, LINEAR
+
+# bf16 only where a GPU can be: mlx's CPU gather_mm (the experts) is float32-only (0.32.4)
+PRECISIONS = ("fp32", "bf16", "q8", "q4") if sys.platform == "darwin" else ("fp32", "q8", "q4")
+QUANT_BITS = {"q8": 8, "q4": 4}
+GROUP_SIZES = (32, 64)
+DEFAULT_GROUP_SIZE = 64  # mlx_lm.convert's default; real MoE dims are multiples of 64
+MLX_MODULE = {"qwen3_5_moe": "qwen3_5_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
+              "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}
+
+
+class ConfigError(CheckpointError):
+    """The HF config asks for something the family's mlx-lm model does not do."""
+
+
+# ---------------------------------------------------------------- config conversion
+# For every field of the family's mlx-lm ModelArgs (qwen3_5_moe: TextModelArgs), where its
+# value comes from, given the HF config object as HF's own config class resolves it (the
+# reference's values): "name" copies HF's attribute, a callable computes it. Every field is
+# passed explicitly; a field mlx-lm has that the table does not list is an error, never
+# mlx-lm's default (its rope_theta default 1e6 silently breaks qwen2_moe, where HF's is 1e4).
+# REQUIRE: what mlx-lm hard-codes (reads from no field): the HF config must agree.
+
+
+def _const(value):
+    return lambda c: value
+
+
+def _head_dim(c):
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def _rope_parameters(c):
+    """qwen3_5: mlx-lm reads rope_theta and partial_rotary_factor out of rope_parameters
+    (with defaults 1e5 and 0.25): pass all three keys, as HF resolves them."""
+    rp = c.rope_parameters or {}
+    partial = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    return {"type": "default", "rope_theta": rope_theta(c), "partial_rotary_factor": partial}
+
+
+def _full_attention_interval(c):
+    """mlx-lm's Qwen3.5 ignores layer_types: layer i is full attention iff (i + 1) % n == 0."""
+    types = list(c.layer_types)
+    n = types.index(FULL) + 1 if FULL in types else 0
+    want = [FULL if n and (i + 1) % n == 0 else LINEAR for i in range(len(types))]
+    if types != want:
+        raise ConfigError(f"qwen3_5_moe: layer_types {types} is not periodic (linear_attention x (n-1), "
+                          "full_attention): mlx-lm derives the layer kinds from full_attention_interval only")
+    return n
+
+
+_ROPE = dict(rope_theta=rope_theta, rope_traditional=_const(False), rope_scaling=_const(None))
+
+CONFIG = {
+    "olmoe": dict(
+        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
+        num_key_value_heads="num_key_value_heads", head_dim=_head_dim, rms_norm_eps="rms_norm_eps",
+        vocab_size="vocab_size", max_position_embeddings="max_position_embeddings",
+        num_experts="num_experts", num_experts_per_tok="num_experts_per_tok", norm_topk_prob="norm_topk_prob",
+        attention_bias="attention_bias", mlp_bias=_const(False),  # HF's OLMoE experts have no bias
+        tie_word_embeddings="tie_word_embeddings", **_ROPE,
+    ),
+    "qwen2_moe": dict(
+        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        intermediate_size="intermediate_size",  # dense-MLP size: mlx-lm's qwen2_moe has none (REQUIRE)
+        num_attention_heads="num_attention_heads", num_key_value_heads="num_key_value_heads",
+        rms_norm_eps="rms_norm_eps", vocab_size="vocab_size", num_experts="num_experts",
+        num_experts_per_tok="num_experts_per_tok", moe_intermediate_size="moe_intermediate_size",
+        shared_expert_intermediate_size="shared_expert_intermediate_size",
+        tie_word_embeddings="tie_word_embeddings", **_ROPE,
+    ),
+    "qwen3_moe": dict(
+        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
+        num_key_value_heads="num_key_value_heads", head_dim=_head_dim, rms_norm_eps="rms_norm_eps",
+        vocab_size="vocab_size", max_position_embeddings="max_position_embeddings",
+        num_experts="num_experts",  # HF saves num_local_experts; its config class maps the name
+        num_experts_per_tok="num_experts_per_tok", norm_topk_prob="norm_topk_prob",
+        decoder_sparse_step="decoder_sparse_step", mlp_only_layers="mlp_only_layers",
+        moe_intermediate_size="moe_intermediate_size", tie_word_embeddings="tie_word_embeddings",
+        rope_theta=rope_theta, rope_scaling=_const(None),
+    ),
+    "mixtral": dict(
+        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
+        num_key_value_heads="num_key_value_heads", rms_norm_eps="rms_norm_eps", vocab_size="vocab_size",
+        num_local_experts="num_local_experts", num_experts_per_tok="num_experts_per_tok",
+        tie_word_embeddings="tie_word_embeddings", **_ROPE,
+    ),
+    "qwen3_5_moe": dict(  # mlx-lm's TextModelArgs (the text_config of qwen3_5_moe's ModelArgs)
+        model_type=_const("qwen3_5_moe"),  # HF's text model_type is qwen3_5_moe_text
+        hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        num_attention_heads="num_attention_heads", num_key_value_heads="num_key_value_heads",
+        head_dim="head_dim", rms_norm_eps="rms_norm_eps", vocab_size="vocab_size",
+        max_position_embeddings="max_position_embeddings", attention_bias="attention_bias",
+        tie_word_embeddings="tie_word_embeddings",
+        linear_num_value_heads="linear_num_value_heads", linear_num_key_heads="linear_num_key_heads",
+        linear_key_head_dim="linear_key_head_dim", linear_value_head_dim="linear_value_head_dim",
+        linear_conv_kernel_dim="linear_conv_kernel_dim",
+        full_attention_interval=_full_attention_interval,
+        num_experts="num_experts", num_experts_per_tok="num_experts_per_tok",
+        moe_intermediate_size="moe_intermediate_size",
+        shared_expert_intermediate_size="shared_expert_intermediate_size",
+        norm_topk_prob=_const(True),  # HF's Qwen3.5-MoE router always renormalises
+        intermediate_size=_const(0),  # dense-MLP size, read only when num_experts == 0 (REQUIRE)
+        decoder_sparse_step=_const(1),  # not read by mlx-lm's qwen3_5: every layer is MoE, as in HF
+        rope_parameters=_rope_parameters, rope_scaling=_rope_parameters,  # mlx-lm: rope_scaling = rope_parameters
+        rope_theta=rope_theta, partial_rotary_factor=lambda c: _rope_parameters(c)["partial_rotary_factor"],
+    ),
+}
+
+REQUIRE = {
+    "*": [(lambda c: c.hidden_act == "silu", "hidden_act other than silu (mlx-lm's experts are SwiGLU)")],
+    "olmoe": [(lambda c: c.clip_qkv is None, "clip_qkv (mlx-lm's olmoe does not clamp q/k/v)")],
+    "qwen2_moe": [
+        (lambda c: c.qkv_bias, "qkv_bias=False (mlx-lm's qwen2_moe always has q/k/v biases)"),
+        (lambda c: not c.norm_topk_prob, "norm_topk_prob=True (mlx-lm's qwen2_moe never renormalises top-k)"),
+        (lambda c: not c.use_sliding_window, "use_sliding_window (mlx-lm's qwen2_moe has none)"),
+        (lambda c: not c.mlp_only_layers and c.decoder_sparse_step == 1,
+         "dense MLP layers (mlx-lm's qwen2_moe puts an MoE in every layer)"),
+    ],
+    "qwen3_moe": [
+        (lambda c: not c.attention_bias, "attention_bias (mlx-lm's qwen3_moe has no attention biases)"),
+        (lambda c: not c.use_sliding_window, "use_sliding_window (mlx-lm's qwen3_moe has none)"),
+    ],
+    "mixtral": [
+        (lambda c: c.head_dim in (None, c.hidden_size // c.num_attention_heads),
+         "head_dim != hidden_size / num_attention_heads (mlx-lm's mixtral derives it)"),
+        (lambda c: c.sliding_window is None, "sliding_window (mlx-lm's mixtral has none)"),
+    ],
+    "qwen3_5_moe": [(lambda c: c.num_experts > 0, "num_experts == 0 (a dense Qwen3.5, not this family)")],
+}
+
+
+def mlx_args_class(family: str):
+    """The dataclass whose fields CONFIG[family] must cover."""
+    if family == "qwen3_5_moe":
+        return importlib.import_module("mlx_lm.models.qwen3_5").TextModelArgs
+    return importlib.import_module(f"mlx_lm.models.{MLX_MODULE[family]}").ModelArgs
+
+
+def mlx_config(family: str, config: dict) -> dict:
+    """config.json -> the explicit field values of the family's mlx-lm ModelArgs."""
+    c = get_family(family).hf_config(config)
+    for ok, what in REQUIRE["*"] + REQUIRE[family]:
+        if not ok(c):
+            raise ConfigError(f"{family}: the checkpoint's config has {what}")
+    table = CONFIG[family]
+    fields = {f.name for f in dataclasses.fields(mlx_args_class(family))}
+    if set(table) != fields:  # a new mlx-lm field would otherwise take its default silently
+        raise ConfigError(f"{family}: mlx-lm's ModelArgs fields differ from the conversion table: "
+                          f"unmapped {sorted(fields - set(table))}, unknown {sorted(set(table) - fields)}")
+    return {k: getattr(c, src) if isinstance(src, str) else src(c) for k, src in table.items()}
+
+
+def naive_mlx_config(family: str, config: dict) -> dict:
+    """What mlx_lm.utils.load_model does: config.json straight into ModelArgs.from_dict, so
+    every key it does not find takes mlx-lm's default. Only for showing the traps."""
+    cls = importlib.import_module(f"mlx_lm.models.{MLX_MODULE[family]}").ModelArgs
+    return dataclasses.asdict(cls.from_dict({**config, "model_type": MLX_MODULE[family]}))
+
+
+def build_model(family: str, fields: dict):
+    """The mlx-lm Model for the converted fields; checks mlx-lm kept every value."""
+    mod = importlib.import_module(f"mlx_lm.models.{MLX_MODULE[family]}")
+    if family == "qwen3_5_moe":
+        args = fields if "text_config" in fields else {"model_type": "qwen3_5_moe", "text_config": fields}
+        model = mod.Model(mod.ModelArgs(**args))
+        got, want = model.language_model.args, args["text_config"]
+    else:
+        model = mod.Model(mod.ModelArgs(**fields))
+        got, want = model.args, fields
+    changed = {k: (v, getattr(got, k)) for k, v in want.items() if getattr(got, k) != v}
+    if changed:
+        raise ConfigError(f"{family}: mlx-lm changed config values while building the model: {changed}")
+    return model
+
+
+# ---------------------------------------------------------------- weights
+EXPERT_KEY = re.compile(r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+FUSED_KEY = re.compile(r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
+ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def expert_layout(family: str, weights: dict) -> dict:
+    """The checkpoint's expert tensors (per-expert as save_pretrained writes them, or fused
+    experts.gate_up_proj [E, 2I, H] + down_proj [E, H, I]) in the layout the family's
+    mlx-lm sanitize() stacks: fused for qwen3_5_moe (its sanitize accepts nothing else),
+    per-expert for the others (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2)."""
+    import mlx.core as mx
+
+    out, experts = {}, {}
+    for k, v in weights.items():
+        if m := EXPERT_KEY.fullmatch(k):
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[ROLE[m[3]]] = v
+        elif m := FUSED_KEY.fullmatch(k):
+            ex = experts.setdefault(m[1], {})
+            half = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                parts = {"gate": v[e, :half], "up": v[e, half:]} if m[2] == "gate_up_proj" else {"down": v[e]}
+                ex.setdefault(e, {}).update(parts)
+        else:
+            out[k] = v
+    for prefix, ex in experts.items():
+        for e in range(len(ex)):
+            if set(ex.get(e, {})) != {"gate", "up", "down"}:
+                raise CheckpointError(f"{prefix}: expert {e} lacks gate/up/down tensors (experts 0..{len(ex) - 1})")
+        if family == "qwen3_5_moe":
+            out[f"{prefix}.mlp.experts.gate_up_proj"] = mx.stack(
+                [mx.concatenate([ex[e]["gate"], ex[e]["up"]]) for e in range(len(ex))])
+            out[f"{prefix}.mlp.experts.down_proj"] = mx.stack([ex[e]["down"] for e in range(len(ex))])
+            continue
+        names = ({"gate": "w1", "up": "w3", "down": "w2"} if family == "mixtral"
+                 else {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+        moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+        for e in range(len(ex)):
+            for role, name in names.items():
+                out[f"{prefix}.{moe}.experts.{e}.{name}.weight"] = ex[e][role]
+    if family == "mixtral":  # transformers' in-memory name for the MoE block is mlp
+        out = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in out.items()}
+    if family == "qwen3_5_moe":
+        # mlx-lm's sanitize adds 1 to the (1 + w) RMSNorm weights only while conv1d is still
+        # HF-shaped [C, 1, K]: anything else would silently drop the offset
+        for k, v in out.items():
+            if k.endswith("conv1d.weight") and not (v.ndim == 3 and v.shape[1] == 1 and v.shape[2] > 1):
+                raise CheckpointError(f"{k} has shape {list(v.shape)}, expected HF's [C, 1, K>1]: mlx-lm's "
+                                      "sanitize would then not add 1 to the (1 + w) RMSNorm weights")
+    return out
+
+
+def load_model(src, config_fn=mlx_config):
+    """(mlx-lm model with the checkpoint's weights through its sanitize(), converted fields)."""
+    import mlx.core as mx
+
+    family = src.family.name
+    fields = config_fn(family, src.config)
+    model = build_model(family, fields)
+    weights = {}
+    for shard in shard_files(src.model_dir):
+        weights.update(mx.load(str(shard)))
+    weights = model.sanitize(expert_layout(family, weights))
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    return model, fields
+
+
+def cast(model, dtype) -> None:
+    """Floating parameters to `dtype`, except what the model's cast_predicate keeps (as mlx_lm.convert)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    model.update(tree_map_with_path(
+        lambda k, v: v.astype(dtype) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+        model.parameters()))
+
+
+def quantize(model, bits: int, group_size: int) -> dict:
+    """mlx-lm's quantizer as mlx_lm.convert runs it; returns what was and was not quantized."""
+    from mlx_lm.utils import quantize_model
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
+        quantize_model(model, {}, group_size, bits, mode="affine")
+    done, skipped = {}, {}
+    for path, m in sorted(model.named_modules()):
+        w = m.get("weight") if isinstance(m, dict) else None
+        if w is None or w.ndim < 2 or m.children():
+            continue
+        if "scales" in m:
+            done[path] = {"bits": m.bits, "group_size": m.group_size}
+        elif not hasattr(m, "to_quantized"):
+            skipped[path] = f"{type(m).__name__}: mlx has no quantized form"
+        elif w.shape[-1] % group_size:
+            skipped[path] = f"input dim {w.shape[-1]} not divisible by group size {group_size}"
+        else:
+            skipped[path] = "left out by the model's quant_predicate"
+    return {"bits": bits, "group_size": group_size, "mode": "affine", "quantized": done, "not_quantized": skipped}
+
+
+# ---------------------------------------------------------------- running
+def text_model(model):
+    return getattr(model, "language_model", model)
+
+
+def moe_block(layer):
+    return layer.block_sparse_moe if "block_sparse_moe" in layer else layer.mlp
+
+
+def attention_block(layer):
+    return layer.linear_attn if getattr(layer, "is_linear", False) else layer.self_attn
+
+
+# How each mlx-lm MoE block routes (read off its __call__ in mlx_lm/models/<family>.py),
+# reading the block's own attributes (gate, top_k, norm_topk_prob). tests/test_mlx.py checks
+# each mirror against the weights the block itself applies, so a change in mlx-lm shows.
+def _route_olmoe(moe, x):  # olmoe: softmax over all, top-k by -probs, optional renorm
+    import mlx.core as mx
+
+    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
+    inds = mx.argpartition(-probs, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if moe.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return scores, inds
+
+
+def _route_qwen2_moe(moe, x):  # qwen2_moe: as olmoe, never renormalised
+    import mlx.core as mx
+
+    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
+    inds = mx.argpartition(-probs, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
+    return mx.take_along_axis(probs, inds, axis=-1), inds
+
+
+def _route_qwen3(moe, x):  # qwen3_moe, qwen3_next (Qwen3.5): top-k as the last k of argpartition
+    import mlx.core as mx
+
+    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
+    inds = mx.argpartition(probs, kth=-moe.top_k, axis=-1)[..., -moe.top_k :]
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if moe.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return scores, inds
+
+
+def _route_mixtral(moe, x):  # mixtral: top-k of the logits, softmax over those k
+    import mlx.core as mx
+
+    logits = moe.gate(x)
+    k = moe.num_experts_per_tok
+    inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
+
+
+ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
+         "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
+         "MixtralSparseMoeBlock": _route_mixtral}
+
+
+def route(moe, x):
+    """(weights [.., k], indices [.., k]) as the mlx-lm MoE block computes them. A seeded
+    fault that changes routing sets `oracle_route` on the block (its patched __call__ uses
+    it too): mlx-lm routes inline, there is no router module to patch."""
+    fn = getattr(moe, "oracle_route", None)
+    if fn is not None:
+        return fn(x)
+    name = type(moe).__name__
+    if name not in ROUTE:
+        raise NotImplementedError(f"no routing mirror for mlx-lm's {name}")
+    return ROUTE[name](moe, x)
+
+
+class MLXCandidate:
+    block_mode = "isolated"
+
+    def __init__(self, model, dtype, device, info):
+        import mlx.core as mx
+
+        self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
+        self.cache, self.pos = None, 0
+
+    def _in(self, x):  # the reference's fp32 torch input -> mx at the model's activation dtype
+        return self.mx.array(x.detach().float().numpy()).astype(self.dtype)
+
+    def _out(self, a):
+        """numpy fp32; bf16 as a torch bf16 tensor (numpy has no bf16; the dtype is checked)."""
+        out = np.array(a.astype(self.mx.float32))
+        if a.dtype == self.mx.bfloat16:
+            import torch
+
+            return torch.from_numpy(out).to(torch.bfloat16)
+        return out
+
+    def prefill(self, tokens):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        with self.mx.stream(self.device):
+            self.cache, self.pos = make_prompt_cache(self.model), len(tokens)
+            return self._out(self.model(self.mx.array([tokens]), cache=self.cache)[0])
+
+    def decode(self, token, pos):
+        if pos != self.pos:
+            raise ValueError(f"decode at position {pos}, but the cache holds {self.pos} tokens")
+        with self.mx.stream(self.device):
+            self.pos += 1
+            return self._out(self.model(self.mx.array([[token]]), cache=self.cache)[0, -1])
+
+    def run_block(self, layer, kind, calls):
+        with self.mx.stream(self.device):
+            fn = self._block(layer, kind)
+            return [fn(self._in(c.x), c) for c in calls]
+
+    def _block(self, layer, kind):
+        """fn(x [1, T, H], call) for one block; stateful blocks own a fresh mlx-lm cache."""
+        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+        from mlx_lm.models.cache import make_prompt_cache
+
+        tm = text_model(self.model)
+        if kind == "final_norm":
+            return lambda x, c: self._out(tm.model.norm(x))
+        if kind == "logits":
+            head = tm.model.embed_tokens.as_linear if tm.args.tie_word_embeddings else tm.lm_head
+            return lambda x, c: self._out(head(x))
+        dec = self.model.layers[layer]
+        if kind == "moe":
+            return lambda x, c: self._out(moe_block(dec)(x))
+        if kind == "router":
+            def router(x, c):
+                w, idx = route(moe_block(dec), x)
+                return self._out(w.reshape(-1, w.shape[-1])), np.array(idx).reshape(-1, idx.shape[-1])
+
+            return router
+        module = {"attention": attention_block(dec), "layer": dec}[kind]
+        cache, pos = make_prompt_cache(self.model)[layer], [0]
+        linear = getattr(dec, "is_linear", False)
+
+        def fn(x, c):
+            if c.probe or int(c.pos[0]) != pos[0]:
+                raise ValueError(f"{kind} of layer {layer}: call at position {int(c.pos[0])}, state at {pos[0]}")
+            pos[0] += x.shape[1]
+            mask = create_ssm_mask(x, cache) if linear else create_attention_mask(x, cache)
+            return self._out(module(x, mask, cache))
+
+        return fn
+
+
+class MLXBackend:
+    """`transform(model)` modifies the loaded mlx-lm model in place (how exporters/mlx_faults.py
+    injects faults), before any quantization. `config_fn(family, config.json dict)` gives the
+    ModelArgs fields (naive_mlx_config shows what mlx-lm's own loader would do)."""
+
+    precisions = PRECISIONS
+
+    def __init__(self, name: str = "mlx", transform=None, transform_id: str | None = None, config_fn=mlx_config):
+        self.name, self.transform, self.transform_id, self.config_fn = name, transform, transform_id, config_fn
+
+    def availability(self):
+        try:
+            import mlx.core  # noqa: F401
+            import mlx_lm.models.cache  # noqa: F401
+        except Exception as e:  # ImportError, or a native library that fails to load
+            return False, (f"mlx / mlx-lm cannot be imported ({type(e).__name__}: {e}); "
+                           "install the extra: pip install 'moe-oracle[mlx]'")
+        return True, ""
+
+    def with_fault(self, fault):
+        """This backend with a seeded fault (models/faults.py name) on mlx-lm's model; None
+        where the fault has no natural form there (exporters/mlx_faults.py)."""
+        from exporters import mlx_faults
+
+        if fault.name not in mlx_faults.FAULTS:
+            return None
+        return type(self)(f"{self.name}+{fault.name}", lambda m: mlx_faults.inject(fault, m), fault.name,
+                          self.config_fn)
+
+    def load(self, model, spec):
+        import mlx.core as mx
+
+        opts = spec.options or {}
+        device = device_of(opts.get("device"))
+        group_size = opts.get("group_size")
+        if group_size is not None and spec.precision not in QUANT_BITS:
+            raise ValueError(f"--group-size applies to q8/q4, not {spec.precision}")
+        if spec.precision == "bf16" and device == mx.cpu:
+            raise ValueError("bf16 needs --device gpu: mlx's CPU gather_mm (the MoE experts) is float32-only")
+        group_size = int(group_size or DEFAULT_GROUP_SIZE)
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"--group-size {group_size}: mlx-lm quantizes with group size 32 or 64")
+        with mx.stream(device):
+            m, fields = load_model(model, self.config_fn)
+            dtype = mx.bfloat16 if spec.precision == "bf16" else mx.float32
+            cast(m, dtype)
+            if self.transform is not None:
+                self.transform(m)
+            quant = quantize(m, QUANT_BITS[spec.precision], group_size) if spec.precision in QUANT_BITS else None
+            mx.eval(m.parameters())
+        versions = {p: importlib.metadata.version(p) for p in ("mlx", "mlx-lm")}
+        dev = "gpu" if device == mx.gpu else "cpu"
+        info = {"executor": f"mlx-lm {versions['mlx-lm']} on mlx {versions['mlx']} ({dev})", "device": dev, "mlx_model": f"mlx_lm.models.{MLX_MODULE[model.family.name]}",
+                "config": fields, "dtype": str(dtype).split(".")[-1]}
+        if quant:
+            info["quantization"] = quant
+        if self.transform_id:
+            info["transform"] = self.transform_id
+        return MLXCandidate(m, dtype, device, info)
+
+
+def device_of(name: str | None):
+    """--device: gpu (Metal, Apple silicon; the default there) or cpu (the default elsewhere)."""
+    import mlx.core as mx
+
+    has_gpu = mx.is_available(mx.gpu)
+    name = name or ("gpu" if has_gpu else "cpu")
+    if name not in ("cpu", "gpu"):
+        raise ValueError(f"--device {name}: mlx runs on cpu or gpu")
+    if name == "gpu" and not has_gpu:
+        raise ValueError(f"--device gpu: mlx has no GPU backend on this host ({platform.system()} "
+                         f"{platform.machine()}; mlx[cpu] runs on the CPU only): use --device cpu")
+    return mx.gpu if name == "gpu" else mx.cpu
+
+
+BACKEND = MLXBackend()

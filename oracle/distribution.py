@@ -1,0 +1,73 @@
+"""Distribution metrics of a candidate's logits against the reference's: how quantized
+precisions are judged (token exactness is reported for them, not required).
+
+Over all positions (the prompt's rows, then one per decode step), with P = softmax of the
+reference's logits and Q = softmax of the candidate's:
+- KL(P || Q) per position, nats: mean, 99th percentile (linear interpolation), max;
+- same-top-1 rate: share of positions where argmax Q == argmax P;
+- delta-p: Q(t) - P(t) for the reference's top-1 token t (llama.cpp's "Δp" with the
+  reference's greedy token as the correct one): mean, RMS, max |delta-p|.
+Everything in float64; a non-finite candidate logit fails whatever the limits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from oracle.metrics import as_f64
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise log softmax of [N, V] logits, stable (max subtracted first)."""
+    x = as_f64(x)
+    z = x - x.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def kl_per_position(ref_logits, cand_logits) -> np.ndarray:
+    """KL(P_ref || P_cand) per row, >= 0 (rounding clipped)."""
+    lp, lq = log_softmax(ref_logits), log_softmax(cand_logits)
+    return np.maximum((np.exp(lp) * (lp - lq)).sum(axis=-1), 0.0)
+
+
+def distribution_metrics(ref_logits, cand_logits) -> dict:
+    """ref and cand logits [N, V] (or [V]) -> the metrics above plus `positions` and `nonfinite`."""
+    r, c = as_f64(ref_logits), as_f64(cand_logits)
+    r, c = r.reshape(-1, r.shape[-1]), c.reshape(-1, c.shape[-1])
+    if r.shape != c.shape:
+        return {"shape_mismatch": f"reference {list(r.shape)} vs candidate {list(c.shape)}", "nonfinite": 0}
+    nonfinite = int(c.size - np.isfinite(c).sum())
+    if nonfinite or not r.size:
+        return {"positions": int(r.shape[0]), "nonfinite": nonfinite, "kl_mean": math.inf, "kl_p99": math.inf,
+                "kl_max": math.inf, "same_top1": 0.0, "delta_p_mean": math.nan, "delta_p_rms": math.nan,
+                "delta_p_max_abs": math.inf}
+    kl = kl_per_position(r, c)
+    top = r.argmax(axis=-1)
+    rows = np.arange(r.shape[0])
+    dp = np.exp(log_softmax(c)[rows, top]) - np.exp(log_softmax(r)[rows, top])
+    return {
+        "positions": int(r.shape[0]),
+        "nonfinite": 0,
+        "kl_mean": float(kl.mean()),
+        "kl_p99": float(np.percentile(kl, 99)),
+        "kl_max": float(kl.max()),
+        "same_top1": float((c.argmax(axis=-1) == top).mean()),
+        "delta_p_mean": float(dp.mean()),
+        "delta_p_rms": float(np.sqrt((dp * dp).mean())),
+        "delta_p_max_abs": float(np.abs(dp).max()),
+    }
+
+
+def judge_distribution(m: dict, lim: dict) -> tuple[str, float]:
+    """(status, ratio) against kl_mean, kl_p99, kl_max, min_same_top1, delta_p_max_abs;
+    ratio is the worst metric / its limit (> 1 fails); NaN/Inf or a shape mismatch fails."""
+    if "shape_mismatch" in m or m["nonfinite"]:
+        return "fail", math.inf
+    allowed = max(1.0 - lim["min_same_top1"], 1e-3)
+    ratios = [m["kl_mean"] / lim["kl_mean"], m["kl_p99"] / lim["kl_p99"], m["kl_max"] / lim["kl_max"],
+              m["delta_p_max_abs"] / lim["delta_p_max_abs"], (1.0 - m["same_top1"]) / allowed]
+    ok = (m["kl_mean"] <= lim["kl_mean"] and m["kl_p99"] <= lim["kl_p99"] and m["kl_max"] <= lim["kl_max"]
+          and m["delta_p_max_abs"] <= lim["delta_p_max_abs"] and m["same_top1"] >= lim["min_same_top1"])
+    return ("pass" if ok else "fail"), max(ratios)

@@ -1,0 +1,82 @@
+"""`oracle selftest`: the fault catalogue through the eager backend, and the fixes the
+oracle needed to catch faults it first missed (each with why the fix is principled)."""
+
+import json
+
+import torch
+
+from exporters.eager import EagerBackend
+from models import FAMILY_NAMES, faults
+from oracle.check import CheckSpec, model_source, run_check
+from oracle.selftest import run_selftest
+
+
+def test_selftest_eager_catches_and_localises_everything():
+    res = run_selftest("eager", seeds=(0, 1, 2))
+    s = res.summary()
+    assert s["faults"] >= 20 and s["distinct_faults"] >= 20
+    assert s["detected"] == s["faults"]
+    assert s["localized"] >= 0.9 * s["faults"]
+    assert s["false_alarms"] == 0 and s["clean_runs"] == 15  # five families x three seeds
+    assert {r.family for r in res.false_alarms} == set(FAMILY_NAMES)
+    assert res.summary_line().startswith(f"detected {s['faults']}/{s['faults']}, localized")
+
+
+def test_selftest_cli_subset(cli, tmp_path):
+    j = tmp_path / "st.json"
+    r = cli("selftest", "--backend", "eager", "--family", "qwen2_moe", "--fault", "rope_theta_wrong",
+            "--fault", "shared_expert_missing", "--seeds", "0,1", "--json", str(j))
+    assert r.returncode == 0, r.stderr
+    assert "detected 2/2, localized 2/2, false alarms 0/2" in r.stdout
+    doc = json.loads(j.read_text())
+    worst = {row["fault"]: row["worst"]["kind"] for row in doc["faults"]}
+    assert doc["summary"]["ok"] and worst == {"rope_theta_wrong": "attention", "shared_expert_missing": "moe"}
+
+
+def test_selftest_fails_when_the_oracle_misses(cli, tmp_path):
+    """A backend that hides faults (ignores with_fault) makes the selftest exit 1."""
+    r = cli("selftest", "--backend", "tests.plugins:FAULT_BLIND", "--family", "olmoe", "--fault",
+            "qk_norm_missing", "--seeds", "0")
+    assert r.returncode == 1 and "detected 0/1" in r.stdout
+
+
+def test_fix_expert_probes():
+    """Missed before: `expert_weights_off_1e-3` passed for mixtral seed 0, because the
+    8+8-token sequence never routes layer 1 to the faulty expert (the prompt covers 5 of 8
+    experts there). No comparison of the sequence can see an expert nobody routes to, so
+    the fix is coverage: the router and moe blocks also get one probe token per expert.
+    The failing values must come from the probe rows, after the sequence's 16 rows."""
+    spec = CheckSpec(family="mixtral", backend="eager", seed=0)
+    f = faults.get("expert_weights_off_1e-3")
+    r = run_check(spec, EagerBackend().with_fault(f))
+    assert r.status == "fail" and (r.worst["layer"], r.worst["kind"]) == (1, "moe")
+    assert r.reference["expert_coverage"]["1"]["routed_by_sequence"] < 8
+    assert r.worst["metrics"]["first_divergence"]["index"][0] >= 16
+
+
+def test_fix_output_dtype():
+    """Missed before: `moe_output_upcast` (an unconditional float cast in a bf16 model) is
+    numerically harmless in isolation, so value metrics alone pass it; the wrong dtype then
+    breaks or slows every backend downstream. The fix: each block and the logits must keep
+    the model's declared dtype ([<precision>.output] in thresholds.toml)."""
+    r = run_check(CheckSpec(family="qwen3_moe", backend="eager", precision="bf16"),
+                  EagerBackend().with_fault(faults.get("moe_output_upcast")))
+    assert r.worst["kind"] == "moe" and "dtype_mismatch" in r.worst["metrics"]
+    r = run_check(CheckSpec(family="qwen3_moe", backend="eager", precision="bf16"),
+                  EagerBackend().with_fault(faults.get("logits_cast_to_float")))
+    gate = [g for g in r.gates if g.name == "logits_dtype"][0]
+    assert gate.status == "fail" and gate.value == "float32" and gate.limit == "bfloat16"
+
+
+def test_faults_do_not_leak_between_checks():
+    """with_fault builds a new model per check: a clean check after a faulty one passes."""
+    spec = CheckSpec(family="olmoe", backend="eager")
+    assert run_check(spec, EagerBackend().with_fault(faults.get("residual_missing"))).status == "fail"
+    assert run_check(spec, EagerBackend()).status == "pass"
+
+
+def test_every_fault_applies_to_some_family():
+    applicable = {f.name for fam in FAMILY_NAMES
+                  for f in faults.applicable(model_source(CheckSpec(family=fam, backend="eager")).args)}
+    assert applicable == {f.name for f in faults.CATALOGUE}
+    assert torch.is_grad_enabled()  # no global state left behind by the checks
