@@ -1,6 +1,8 @@
 # make check: set up .venv (first use) and run the main job on the tiny default.
 # make test:  set up .venv (first use) and run the whole test suite.
 PYTHON ?= python3
+# a CUDA machine passes e.g. TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_INDEX ?=
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -10,7 +12,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: pip takes the CPU build on disk; unpinned it pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# every backend that runs on Linux: iree, mlx (CPU), executorch (pinned in pyproject.toml)
 	$(PY) -m pip install -q -e ".[all]"
 	touch $(STAMP)

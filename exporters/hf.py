@@ -44,7 +44,7 @@ class HFCandidate:
         for c in probes:
             x = c.x.to(self.dtype)
             o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
-            o = _normalize_output(kind, o)
+            o = _normalize_output(kind, o, keep_dtype=True)
             outs.append(o[:2] if kind == "router" else o)
         return outs
 
@@ -59,7 +59,7 @@ class HFCandidate:
             return args, {**kwargs, "hidden_states": x.reshape(kwargs["hidden_states"].shape)}
 
         def post(mod, args, kwargs, out):
-            o = _normalize_output(kind, out)
+            o = _normalize_output(kind, out, keep_dtype=True)
             outputs.append(o[:2] if kind == "router" else o)
             n[0] += 1
 

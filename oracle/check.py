@@ -17,6 +17,7 @@ import torch
 
 from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family
 from models.checkpoint import CheckpointError, dir_digest, read_config, read_weights, tiny_checkpoint
+from oracle import goldens as golden_files
 from oracle import thresholds
 from oracle.backend import BackendError, CheckSpec, ModelSource, resolve
 from oracle.metrics import as_f64, router_metrics, tensor_metrics, top2_margin
@@ -200,8 +201,9 @@ def run_e2e(ref, cand, spec) -> E2E:
     return e2e, gate
 
 
-def run_check(spec: CheckSpec, backend=None, progress=None) -> CheckResult:
-    """Run one check. Raises InputError for bad input; a backend failure is status 'error'."""
+def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True) -> CheckResult:
+    """Run one check. Raises InputError for bad input; a backend failure is status 'error'.
+    goldens=False leaves out the golden gates (how `oracle goldens freeze` checks)."""
     progress = progress or (lambda stage, done=0, total=0: None)
     t0 = time.perf_counter()
     timings = {}
@@ -268,6 +270,12 @@ def run_check(spec: CheckSpec, backend=None, progress=None) -> CheckResult:
         gates = getattr(cand, "gates", None)
         if gates is not None:
             result.gates += list(gates())
+        structures = getattr(cand, "structures", None)
+        if structures is not None:
+            result.structures = dict(structures())
+        if goldens:
+            tok = golden_files.token_gate(spec, result.e2e.candidate_tokens)
+            result.gates += ([tok] if tok else []) + golden_files.structure_gates(spec, result.structures)
     except Exception as e:  # the backend crashed: this check is an error, not the run
         result.error = f"{stage}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-8))
 

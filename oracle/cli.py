@@ -11,6 +11,7 @@ import os
 import sys
 import warnings
 
+FAMILIES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")  # models.FAMILY_NAMES, without the import
 EXIT = {"pass": 0, "fail": 1, "bad_input": 2, "skipped_required": 3, "error": 4}
 
 
@@ -77,6 +78,33 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seeds", default="0,1,2", help="seeds of the clean (no-fault) runs (default 0,1,2)")
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
     s.add_argument("--json", help="write the selftest report here")
+    m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
+    m.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all five)")
+    m.add_argument("--backends", default="eager", help="comma-separated (default: eager)")
+    m.add_argument("--precisions", default="fp32", help="comma-separated (default: fp32)")
+    m.add_argument("--shard", help="I/N: run shard I of N (deterministic split)")
+    m.add_argument("--report-dir", required=True)
+    m.add_argument("--timeout", type=positive_int, default=1800, help="per-check timeout in seconds")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--require", action="store_true", help="an unavailable backend fails the matrix")
+    m.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
+    rep = sub.add_parser("report", help="join sharded matrix runs, or diff two runs for a pull request")
+    rsub = rep.add_subparsers(dest="report_cmd", required=True)
+    mg = rsub.add_parser("merge", help="join shard report dirs into one")
+    mg.add_argument("dirs", nargs="+")
+    mg.add_argument("--report-dir", required=True)
+    df = rsub.add_parser("diff", help="markdown comment: what changed against a baseline (exit 1 on regression)")
+    df.add_argument("--baseline", required=True, help="baseline summary.json")
+    df.add_argument("--current", required=True, help="current summary.json")
+    df.add_argument("--format", choices=["md", "json"], default="md")
+    df.add_argument("--factor", type=float, default=4.0, help="a block regressed when its error grew more (4)")
+    g = sub.add_parser("goldens", help="check or freeze golden tokens and structural goldens")
+    gsub = g.add_subparsers(dest="goldens_cmd", required=True)
+    for name, hlp in (("check", "run the checks that have goldens and compare"),
+                      ("freeze", "write goldens for family/backend after its numeric check passes")):
+        gp = gsub.add_parser(name, help=hlp)
+        gp.add_argument("--family", action="append", help="limit to this family (repeatable)")
+        gp.add_argument("--backend", action="append", help="limit to this backend (repeatable)")
     sub.add_parser("families", help="list model families")
     sub.add_parser("backends", help="list backends and whether they are available here")
     return p
@@ -225,6 +253,102 @@ def cmd_selftest(a) -> int:
     return 0 if res.summary()["ok"] else EXIT["fail"]
 
 
+def cmd_matrix(a) -> int:
+    from oracle.matrix import combos, parse_shard, run_matrix, shard
+
+    fams = [x for x in a.families.split(",") if x]
+    unknown = [f for f in fams if f not in FAMILIES]
+    if unknown:
+        print(f"oracle: error: unknown family {unknown[0]!r}; known: {', '.join(FAMILIES)}", file=sys.stderr)
+        return EXIT["bad_input"]
+    cs = combos(fams, [x for x in a.backends.split(",") if x], [x for x in a.precisions.split(",") if x])
+    if a.shard:
+        try:
+            cs = shard(cs, *parse_shard(a.shard))
+        except ValueError as e:
+            print(f"oracle: error: {e}", file=sys.stderr)
+            return EXIT["bad_input"]
+    prog, update = progress_reporter()
+    from pathlib import Path
+
+    extra = [x for kv in a.option for x in ("--option", kv)] + (["--require"] if a.require else [])
+    if prog:
+        with prog:
+            summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, progress=update,
+                                 require=a.require)
+    else:
+        summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, require=a.require)
+    from oracle.summary import markdown
+
+    print(markdown(summary), end="")
+    return 0 if summary["status"] == "pass" else EXIT["fail"]
+
+
+def cmd_report(a) -> int:
+    import json
+    from pathlib import Path
+
+    from oracle import summary as S
+
+    try:
+        if a.report_cmd == "merge":
+            from oracle.matrix import merge_dirs
+
+            merged = merge_dirs([Path(d) for d in a.dirs], Path(a.report_dir))
+            print(S.markdown(merged), end="")
+            return 0 if merged["status"] == "pass" else EXIT["fail"]
+        d = S.diff(S.load(a.baseline), S.load(a.current), a.factor)
+    except (OSError, ValueError) as e:
+        print(f"oracle: error: {e}", file=sys.stderr)
+        return EXIT["bad_input"]
+    print(json.dumps(d, indent=1) if a.format == "json" else S.diff_markdown(d), end="")
+    return EXIT["fail"] if d["regressed"] else 0
+
+
+def cmd_goldens(a) -> int:
+    from oracle import goldens
+    from oracle.backend import BackendError, resolve
+    from oracle.check import InputError, run_check
+
+    if a.goldens_cmd == "freeze":
+        backends = a.backend or ["eager"]
+        families = a.family or list(FAMILIES)
+        rc = 0
+        for b in backends:
+            for f in families:
+                try:
+                    ok, msg, _ = goldens.freeze(goldens.default_spec(f, b))
+                except InputError as e:
+                    print(f"oracle: error: {e}", file=sys.stderr)
+                    return EXIT["bad_input"]
+                print(msg)
+                rc = rc or (0 if ok else EXIT["fail"])
+        return rc
+    pairs = [(f, b) for f, b in goldens.present()
+             if (not a.family or f in a.family) and (not a.backend or b in a.backend)]
+    if not pairs:
+        print("oracle: no goldens to check", file=sys.stderr)
+        return EXIT["bad_input"]
+    rc = 0
+    for f, b in pairs:
+        try:
+            ok, reason = resolve(b).availability()
+        except BackendError as e:
+            ok, reason = False, str(e)
+        if not ok:
+            print(f"{f}/{b}: skipped ({reason})")
+            continue
+        r = run_check(goldens.default_spec(f, b))
+        gates = [g for g in r.gates if g.name == "golden_tokens" or g.name.startswith("structure:")]
+        bad = [g for g in gates if g.status != "pass"]
+        print(f"{f}/{b}: {r.status}; goldens " + (", ".join(f"{g.name} {g.status}" for g in gates) or "none applied"))
+        for g in bad:
+            print(f"  {g.message}")
+        if bad or r.status != "pass":
+            rc = EXIT["fail"]
+    return rc
+
+
 def main(argv=None) -> int:
     _quiet()
     a = parser().parse_args(argv)
@@ -236,6 +360,12 @@ def main(argv=None) -> int:
         return cmd_export(a)
     if a.cmd == "selftest":
         return cmd_selftest(a)
+    if a.cmd == "matrix":
+        return cmd_matrix(a)
+    if a.cmd == "goldens":
+        return cmd_goldens(a)
+    if a.cmd == "report":
+        return cmd_report(a)
     return cmd_check(a)
 
 

@@ -90,13 +90,15 @@ def block_modules(model, family) -> dict:
     return out
 
 
-def _normalize_output(kind: str, out):
+def _normalize_output(kind: str, out, keep_dtype: bool = False):
+    """HF module output -> tensor (router: weights, indices, probs); fp32 unless keep_dtype."""
+    cast = (lambda t: t.detach()) if keep_dtype else (lambda t: t.detach().float())
     if kind == "router":  # HF routers return (logits, top-k weights, top-k indices)
         logits, weights, idx = out
-        return weights.detach().float(), idx.detach(), torch.softmax(logits.detach().float(), dim=-1)
+        return cast(weights), idx.detach(), torch.softmax(logits.detach().float(), dim=-1)
     if isinstance(out, tuple):
         out = out[0]
-    return out.detach().float()
+    return cast(out)
 
 
 def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):

@@ -62,6 +62,7 @@ class CheckResult:
     blocks: list[BlockRow] = field(default_factory=list)
     e2e: E2E | None = None
     gates: list[GateRow] = field(default_factory=list)
+    structures: dict = field(default_factory=dict)  # name -> canonical text (op/node histograms)
     reference: dict = field(default_factory=dict)  # margins of the reference (how far from ties)
     worst: dict | None = None  # the localised fault: the most specific failing block row
     error: str | None = None

@@ -39,3 +39,35 @@ class FaultBlind(EagerBackend):
 
 
 FAULT_BLIND = FaultBlind(name="blind")
+
+
+class Switchable(EagerBackend):
+    """Correct, unless ORACLE_TEST_BREAK names a fault to inject (a regression to diff)."""
+
+    def load(self, model, spec):
+        import os
+
+        from models import faults
+
+        name = os.environ.get("ORACLE_TEST_BREAK")
+        self.transform = faults.get(name).inject if name else None
+        return super().load(model, spec)
+
+
+class Dies(EagerBackend):
+    def load(self, model, spec):
+        import os
+
+        os._exit(9)  # a hard crash: no exception, no report
+
+
+class Hangs(EagerBackend):
+    def load(self, model, spec):
+        import time
+
+        time.sleep(600)
+
+
+SWITCHABLE = Switchable(name="switchable")
+DIES = Dies(name="dies")
+HANGS = Hangs(name="hangs")

@@ -1,0 +1,181 @@
+"""Matrix summaries: one row per check, and their renderings (markdown, JUnit XML), the
+merge of sharded runs and the diff of two runs for a pull request."""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+SCHEMA = "oracle-matrix/v1"
+RANK = {"pass": 0, "skipped": 1, "fail": 2, "error": 3}
+
+
+def check_id(family: str, backend: str, precision: str) -> str:
+    return f"{family}__{backend}__{precision}"
+
+
+def _num(x) -> float:
+    return x if isinstance(x, (int, float)) else math.inf
+
+
+def row_of(doc: dict, json_name: str | None) -> dict:
+    """The summary row of one check's JSON document."""
+    spec = doc["spec"]
+    w = doc.get("worst")
+    e = doc.get("e2e")
+    blocks = {f"{'model' if b['layer'] is None else b['layer']}.{b['kind']}": b["ratio"]
+              for b in doc.get("blocks", []) if b["status"] != "n/a"}
+    return {
+        "id": check_id(spec["family"], spec["backend"], spec["precision"]),
+        "family": spec["family"], "backend": spec["backend"], "precision": spec["precision"],
+        "status": doc["status"],
+        "reason": doc.get("skipped_reason") or ((doc.get("error") or "").splitlines() or [""])[0] or None,
+        "worst": None if not w else {"layer": w["layer"], "kind": w["kind"], "ratio": w["ratio"]},
+        "blocks": blocks,
+        "e2e": None if not e else {"status": e["status"], "token_exact": e["token_exact"],
+                                   "max_abs": max((_num(s["max_abs"]) for s in e["steps"]), default=0.0)},
+        "gates": [{"name": g["name"], "status": g["status"]} for g in doc.get("gates", [])],
+        "json": json_name,
+    }
+
+
+def synthetic_row(family, backend, precision, status, reason) -> dict:
+    """A row for a check that produced no JSON (skipped up front, crashed, hung)."""
+    return {"id": check_id(family, backend, precision), "family": family, "backend": backend,
+            "precision": precision, "status": status, "reason": reason, "worst": None, "blocks": {},
+            "e2e": None, "gates": [], "json": None}
+
+
+def file_id(cid: str) -> str:
+    """A check id usable as a file name (plugin backends are named package.module:attr)."""
+    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in cid)
+
+
+def summarize(rows: list[dict], timings: dict | None = None, require: bool = False) -> dict:
+    """require: a skipped check (unavailable backend) fails the matrix too."""
+    rows = sorted(rows, key=lambda r: r["id"])
+    counts = {s: sum(r["status"] == s for r in rows) for s in RANK}
+    bad = counts["fail"] + counts["error"] + (counts["skipped"] if require else 0)
+    return {"schema": SCHEMA, "status": "pass" if bad == 0 else "fail", "require": require, "counts": counts,
+            "rows": rows, "timings": timings or {}}
+
+
+def merge(summaries: list[dict]) -> dict:
+    """Join sharded runs: rows by id (a check in two shards is an error in the sharding)."""
+    rows, timings = {}, {}
+    for s in summaries:
+        for r in s["rows"]:
+            if r["id"] in rows:
+                raise ValueError(f"check {r['id']} appears in more than one shard")
+            rows[r["id"]] = r
+        timings.update(s.get("timings", {}))
+    return summarize(list(rows.values()), timings, any(s.get("require") for s in summaries))
+
+
+def markdown(summary: dict) -> str:
+    c = summary["counts"]
+    icon = "✅" if summary["status"] == "pass" else "❌"
+    lines = [f"### {icon} oracle matrix: {c['pass']} pass, {c['fail']} fail, {c['error']} error, "
+             f"{c['skipped']} skipped", "", "| check | status | worst block | e2e |", "|---|---|---|---|"]
+    for r in sorted(summary["rows"], key=lambda r: (-RANK[r["status"]], r["id"])):
+        w = r["worst"]
+        worst = "" if not w else f"{'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}" \
+                                 f" ({_g(w['ratio'])}x limit)"
+        e = r["e2e"]
+        e2e = "" if not e else f"{e['status']}{'' if e['token_exact'] else ', tokens differ'}"
+        note = f" ({r['reason']})" if r["status"] in ("skipped", "error") and r["reason"] else ""
+        lines.append(f"| {r['family']} / {r['backend']} / {r['precision']} | {r['status']}{note} | {worst} | {e2e} |")
+    return "\n".join(lines) + "\n"
+
+
+def junit(summary: dict) -> str:
+    """One testcase per check; skipped checks are <skipped> with the reason."""
+    c = summary["counts"]
+    suite = ET.Element("testsuite", name="oracle", tests=str(len(summary["rows"])), failures=str(c["fail"]),
+                       errors=str(c["error"]), skipped=str(c["skipped"]))
+    for r in summary["rows"]:
+        tc = ET.SubElement(suite, "testcase", classname=f"oracle.{r['backend']}",
+                           name=f"{r['family']}[{r['precision']}]",
+                           time=f"{summary.get('timings', {}).get(r['id'], 0.0):.1f}")
+        if r["status"] == "skipped":
+            ET.SubElement(tc, "skipped", message=r["reason"] or "skipped")
+        elif r["status"] == "error":
+            ET.SubElement(tc, "error", message=r["reason"] or "error")
+        elif r["status"] == "fail":
+            w = r["worst"]
+            msg = "e2e failed" if not w else f"worst block: layer {w['layer']} {w['kind']}, {_g(w['ratio'])}x limit"
+            ET.SubElement(tc, "failure", message=msg)
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def diff(baseline: dict, current: dict, factor: float = 4.0, floor: float = 0.05) -> dict:
+    """What changed between two matrix runs. A regression: a check whose status got worse,
+    a check that is new and not passing, or a block whose ratio to its limit grew by more
+    than `factor` (ignored while it stays under `floor` of its limit: noise far from the
+    limit is not news)."""
+    base = {r["id"]: r for r in baseline["rows"]}
+    cur = {r["id"]: r for r in current["rows"]}
+    status_changes, grown, new_skips, regressions = [], [], [], []
+    for cid, r in cur.items():
+        b = base.get(cid)
+        if b is None:
+            if r["status"] in ("fail", "error"):
+                status_changes.append({"id": cid, "from": None, "to": r["status"], "reason": r["reason"]})
+                regressions.append(cid)
+            continue
+        if r["status"] != b["status"]:
+            status_changes.append({"id": cid, "from": b["status"], "to": r["status"], "reason": r["reason"]})
+            if r["status"] == "skipped":
+                new_skips.append({"id": cid, "reason": r["reason"]})
+            elif RANK[r["status"]] > RANK[b["status"]]:
+                regressions.append(cid)
+        for blk, ratio in r["blocks"].items():
+            old = b["blocks"].get(blk)
+            if old is None:
+                continue
+            new, old = _num(ratio), _num(old)
+            if new > floor and new > factor * max(old, 1e-12):
+                grown.append({"id": cid, "block": blk, "from": old, "to": new, "growth": new / max(old, 1e-12)})
+                regressions.append(cid)
+    status_changes.sort(key=lambda c: (-RANK.get(c["to"], 0), c["id"]))
+    grown.sort(key=lambda g: -g["to"])
+    return {"status_changes": status_changes, "grown_blocks": grown, "new_skips": new_skips,
+            "regressed": sorted(set(regressions)), "factor": factor}
+
+
+def diff_markdown(d: dict) -> str:
+    if not (d["status_changes"] or d["grown_blocks"] or d["new_skips"]):
+        return "### ✅ oracle: no change against the baseline\n"
+    head = "❌ oracle: regressions" if d["regressed"] else "ℹ️ oracle: changes (no regression)"
+    lines = [f"### {head} against the baseline", ""]
+    if d["regressed"]:
+        lines.append("Regressed: " + ", ".join(f"`{c}`" for c in d["regressed"]))
+        lines.append("")
+    if d["status_changes"]:
+        lines += ["| check | was | now | why |", "|---|---|---|---|"]
+        for c in d["status_changes"]:
+            lines.append(f"| {c['id']} | {c['from'] or 'new'} | {c['to']} | {c['reason'] or ''} |")
+        lines.append("")
+    if d["grown_blocks"]:
+        lines += [f"Blocks whose error grew more than {d['factor']:g}x (ratio to limit):", "",
+                  "| check | block | was | now |", "|---|---|---|---|"]
+        for g in d["grown_blocks"][:20]:
+            lines.append(f"| {g['id']} | {g['block']} | {_g(g['from'])} | {_g(g['to'])} |")
+        lines.append("")
+    if d["new_skips"]:
+        lines.append("New skips: " + "; ".join(f"`{s['id']}` ({s['reason']})" for s in d["new_skips"]))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def load(path: str | Path) -> dict:
+    doc = json.loads(Path(path).read_text())
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not a matrix summary (schema {doc.get('schema')!r}, expected {SCHEMA!r})")
+    return doc
+
+
+def _g(x) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)

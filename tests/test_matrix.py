@@ -1,0 +1,159 @@
+"""oracle matrix / report merge / report diff / report.html / goldens / the nightly workflow."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from oracle.matrix import OUTPUTS, combos, shard
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMS = "olmoe,mixtral,qwen2_moe"
+
+
+def _strip(summary):
+    return {k: v for k, v in summary.items() if k != "timings"}
+
+
+@pytest.fixture(scope="module")
+def full_run(cli, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    r = cli("matrix", "--families", FAMS, "--backends", "eager,hf", "--report-dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def test_matrix_writes_every_output(full_run):
+    for name in OUTPUTS:
+        assert (full_run / name).is_file(), name
+    summary = json.loads((full_run / "summary.json").read_text())
+    assert summary["counts"]["pass"] == 6 and summary["status"] == "pass"
+    assert len(list((full_run / "checks").glob("*.json"))) == 6
+    junit = (full_run / "junit.xml").read_text()
+    assert junit.count("<testcase") == 6 and "<failure" not in junit
+
+
+def test_two_shards_merged_equal_one_run(cli, full_run, tmp_path):
+    for i in (1, 2):
+        r = cli("matrix", "--families", FAMS, "--backends", "eager,hf", "--shard", f"{i}/2",
+                "--report-dir", str(tmp_path / f"s{i}"))
+        assert r.returncode == 0, r.stderr
+    r = cli("report", "merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--report-dir", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    merged = json.loads((tmp_path / "m" / "summary.json").read_text())
+    one = json.loads((full_run / "summary.json").read_text())
+    assert _strip(merged) == _strip(one)
+    for name in OUTPUTS:
+        assert (tmp_path / "m" / name).is_file()
+
+
+def test_shards_cover_the_matrix_once():
+    cs = combos(["a", "b", "c"], ["x", "y"], ["fp32", "bf16"])
+    parts = [shard(cs, i, 5) for i in range(1, 6)]
+    assert sorted(c.id for p in parts for c in p) == sorted(c.id for c in cs)
+    assert shard(cs, 2, 5) == shard(cs, 2, 5)  # deterministic
+
+
+def test_hang_is_an_error_row(cli, tmp_path):
+    r = cli("matrix", "--families", "olmoe", "--backends", "tests.plugins:HANGS", "--timeout", "20",
+            "--report-dir", str(tmp_path))
+    assert r.returncode == 1  # the hang fails the matrix; the run itself finished
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert rows[0]["status"] == "error" and rows[0]["reason"] == "timed out after 20 s"
+
+
+def test_isolation_crash_skip_unsupported(cli, tmp_path):
+    r = cli("matrix", "--families", "olmoe", "--backends",
+            "tests.plugins:DIES,tests.plugins:UNAVAILABLE,examples.fp64_backend:BACKEND",
+            "--precisions", "fp32,bf16", "--report-dir", str(tmp_path))
+    assert r.returncode == 1  # the crash fails the matrix; the run itself finished
+    rows = {row["id"]: row for row in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert rows["olmoe__tests.plugins:DIES__fp32"]["status"] == "error"
+    assert "exit 9" in rows["olmoe__tests.plugins:DIES__fp32"]["reason"]
+    assert rows["olmoe__tests.plugins:UNAVAILABLE__fp32"]["status"] == "skipped"
+    assert rows["olmoe__examples.fp64_backend:BACKEND__fp32"]["status"] == "pass"
+    assert "does not support precision bf16" in rows["olmoe__examples.fp64_backend:BACKEND__bf16"]["reason"]
+    junit = (tmp_path / "junit.xml").read_text()
+    assert '<skipped message="needs a flux capacitor"' in junit and "<error" in junit
+
+
+def test_diff_names_the_broken_backend(cli, tmp_path):
+    args = ["matrix", "--families", "qwen3_moe,olmoe", "--backends", "tests.plugins:SWITCHABLE"]
+    assert cli(*args, "--report-dir", str(tmp_path / "base")).returncode == 0
+    r = cli(*args, "--report-dir", str(tmp_path / "cur"), env={"ORACLE_TEST_BREAK": "qk_norm_missing"})
+    assert r.returncode == 1
+    d = cli("report", "diff", "--baseline", str(tmp_path / "base" / "summary.json"),
+            "--current", str(tmp_path / "cur" / "summary.json"), "--format", "md")
+    assert d.returncode == 1, d.stdout
+    assert "regressions" in d.stdout and "qwen3_moe__tests.plugins:SWITCHABLE__fp32" in d.stdout
+    assert "| pass | fail |" in d.stdout
+    same = cli("report", "diff", "--baseline", str(tmp_path / "base" / "summary.json"),
+               "--current", str(tmp_path / "base" / "summary.json"))
+    assert same.returncode == 0 and "no change" in same.stdout
+
+
+def test_report_html_in_headless_chromium(full_run):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium not installed (Debian package chromium; .ci/run installs it)")
+    shot = full_run / "report.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={full_run / 'chromium-profile'}", "--window-size=1200,1600",
+                    f"--screenshot={shot}", (full_run / "report.html").as_uri()],
+                   capture_output=True, timeout=120)
+    assert shot.is_file()
+    from PIL import Image
+
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1200, 1600)
+    colors = img.getcolors(maxcolors=1 << 20)
+    assert len(colors) > 200  # a rendered page with plots and tables, not a blank or error page
+    # the plot's limit line and the green 'pass' cells are on the page
+    px = set(img.getdata())
+    assert any(r > 150 and g < 80 and b < 80 for r, g, b in px)  # red limit line
+    assert any(g > 100 and r < 60 and b < 110 for r, g, b in px)  # green pass
+    html = (full_run / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 6 and "First divergence" not in html
+
+
+def test_goldens_check_passes_and_an_edit_fails(cli, tmp_path):
+    r = cli("goldens", "check", "--backend", "eager")
+    assert r.returncode == 0, r.stdout + r.stderr
+    golden = tmp_path / "goldens"
+    shutil.copytree(ROOT / "goldens", golden)
+    path = golden / "qwen2_moe" / "eager" / "tokens.json"
+    doc = json.loads(path.read_text())
+    doc["tokens"][4] = (doc["tokens"][4] + 1) % 256
+    path.write_text(json.dumps(doc))
+    r = cli("goldens", "check", "--backend", "eager", "--family", "qwen2_moe", env={"MOE_ORACLE_GOLDENS": str(golden)})
+    assert r.returncode == 1
+    assert "qwen2_moe/eager: golden token mismatch at position 4" in r.stdout
+
+
+def test_freeze_refuses_a_failing_check_and_touches_nothing_else(cli, tmp_path):
+    golden = tmp_path / "goldens"
+    shutil.copytree(ROOT / "goldens", golden)
+    before = {p: p.read_bytes() for p in golden.rglob("*") if p.is_file()}
+    env = {"MOE_ORACLE_GOLDENS": str(golden), "ORACLE_TEST_BREAK": "router_sigmoid"}
+    r = cli("goldens", "freeze", "--family", "olmoe", "--backend", "tests.plugins:SWITCHABLE", env=env)
+    assert r.returncode == 1 and "not freezing" in r.stdout
+    r = cli("goldens", "freeze", "--family", "olmoe", "--backend", "tests.plugins:SWITCHABLE",
+            env={"MOE_ORACLE_GOLDENS": str(golden)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = {p: p.read_bytes() for p in golden.rglob("*") if p.is_file()}
+    new = set(after) - set(before)
+    assert {p.relative_to(golden).as_posix() for p in new} == {"olmoe/tests.plugins:SWITCHABLE/tokens.json"}
+    assert all(after[p] == before[p] for p in before)
+
+
+def test_nightly_workflow_is_valid():
+    r = subprocess.run([str(Path(shutil.which("check-jsonschema") or ROOT / ".venv/bin/check-jsonschema")),
+                        "--builtin-schema", "vendor.github-workflows",
+                        str(ROOT / ".github/workflows/oracle-nightly.yml")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = (ROOT / ".github/workflows/oracle-nightly.yml").read_text()
+    for needle in ("--shard ${{ matrix.shard }}/4", "macos-14", "executorch-cuda", "--require", "report diff"):
+        assert needle in text
