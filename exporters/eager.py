@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from models.layers import Transformer, reset_state
+from models.sampling import Sampler, check_args
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -54,6 +55,24 @@ class TorchCandidate:
         module, fn = block_fn(self.model, layer, kind)
         reset_state(module)
         return [fn(c.x.to(self.dtype), c.pos) for c in calls]
+
+    # the on-device sampler (models/sampling.py), run eagerly
+    sampler = Sampler()
+
+    @torch.no_grad()
+    def sample_logits(self, logits, temperature, top_p, seed):
+        check_args(temperature, top_p)
+        lg = torch.as_tensor(logits).reshape(1, -1)
+        return int(self.sampler(lg, torch.tensor(float(temperature)), torch.tensor(float(top_p)),
+                                torch.tensor(int(seed)))[0])
+
+    def sample_prefill(self, tokens, temperature, top_p, seed):
+        check_args(temperature, top_p)
+        return self.sample_logits(self.prefill(tokens)[-1], temperature, top_p, seed)
+
+    def sample_decode(self, token, pos, temperature, top_p, seed):
+        check_args(temperature, top_p)
+        return self.sample_logits(self.decode(token, pos), temperature, top_p, seed)
 
 
 class EagerBackend:

@@ -484,19 +484,37 @@ class MLXBackend:
         return type(self)(f"{self.name}+{fault.name}", lambda m: mlx_faults.inject(fault, m), fault.name,
                           self.config_fn)
 
+    def check_options(self, spec) -> str | None:
+        """What is wrong with spec.options for this backend on this host (None: nothing).
+        For the harness to refuse before any work (bad input); load() raises it as well."""
+        opts = spec.options or {}
+        group_size = opts.get("group_size")
+        if group_size is not None and spec.precision not in QUANT_BITS:
+            return f"--group-size applies to q8/q4, not {spec.precision}"
+        if group_size is not None and str(group_size) not in map(str, GROUP_SIZES):
+            return f"--group-size {group_size}: mlx-lm quantizes with group size 32 or 64"
+        if opts.get("device") not in (None, "cpu", "gpu"):
+            return f"--device {opts['device']}: mlx runs on cpu or gpu"
+        if self.availability()[0]:
+            import mlx.core as mx
+
+            has_gpu = mx.is_available(mx.gpu)
+            if opts.get("device") == "gpu" and not has_gpu:
+                return (f"--device gpu: mlx has no GPU backend on this host ({platform.system()} "
+                        f"{platform.machine()}; mlx[cpu] runs on the CPU only): use --device cpu")
+            if spec.precision == "bf16" and (opts.get("device") == "cpu" or not has_gpu):
+                return "bf16 needs --device gpu: mlx's CPU gather_mm (the MoE experts) is float32-only"
+        return None
+
     def load(self, model, spec):
         import mlx.core as mx
 
+        problem = self.check_options(spec)
+        if problem:
+            raise ValueError(problem)
         opts = spec.options or {}
         device = device_of(opts.get("device"))
-        group_size = opts.get("group_size")
-        if group_size is not None and spec.precision not in QUANT_BITS:
-            raise ValueError(f"--group-size applies to q8/q4, not {spec.precision}")
-        if spec.precision == "bf16" and device == mx.cpu:
-            raise ValueError("bf16 needs --device gpu: mlx's CPU gather_mm (the MoE experts) is float32-only")
-        group_size = int(group_size or DEFAULT_GROUP_SIZE)
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"--group-size {group_size}: mlx-lm quantizes with group size 32 or 64")
+        group_size = int(opts.get("group_size") or DEFAULT_GROUP_SIZE)
         with mx.stream(device):
             m, fields = load_model(model, self.config_fn)
             dtype = mx.bfloat16 if spec.precision == "bf16" else mx.float32
@@ -517,16 +535,11 @@ class MLXBackend:
 
 
 def device_of(name: str | None):
-    """--device: gpu (Metal, Apple silicon; the default there) or cpu (the default elsewhere)."""
+    """--device (checked by check_options): gpu (Metal, Apple silicon; the default there) or
+    cpu (the default elsewhere)."""
     import mlx.core as mx
 
-    has_gpu = mx.is_available(mx.gpu)
-    name = name or ("gpu" if has_gpu else "cpu")
-    if name not in ("cpu", "gpu"):
-        raise ValueError(f"--device {name}: mlx runs on cpu or gpu")
-    if name == "gpu" and not has_gpu:
-        raise ValueError(f"--device gpu: mlx has no GPU backend on this host ({platform.system()} "
-                         f"{platform.machine()}; mlx[cpu] runs on the CPU only): use --device cpu")
+    name = name or ("gpu" if mx.is_available(mx.gpu) else "cpu")
     return mx.gpu if name == "gpu" else mx.cpu
 
 

@@ -20,8 +20,10 @@ from models.checkpoint import CheckpointError, dir_digest, read_config, read_wei
 from oracle import goldens as golden_files
 from oracle import thresholds
 from oracle.backend import BackendError, CheckSpec, ModelSource, resolve
+from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import as_f64, router_metrics, tensor_metrics, top2_margin
 from oracle.reference import LAYER_KINDS, MODEL_KINDS, capture, load_hf_model
+from oracle.sampling import sampling_gates
 from oracle.result import E2E, BlockRow, CheckResult, GateRow, worst_row
 
 PACKAGES = ("torch", "transformers", "safetensors", "numpy", "executorch", "iree-base-compiler",
@@ -68,6 +70,10 @@ def validate(spec: CheckSpec):
     if supported is not None and spec.precision not in supported:
         raise InputError(f"backend {spec.backend} does not support precision {spec.precision} "
                          f"(supports {', '.join(supported)})")
+    check_options = getattr(backend, "check_options", None)
+    problem = check_options(spec) if check_options else None
+    if problem:
+        raise InputError(f"backend {spec.backend}: {problem}")
     return backend
 
 
@@ -160,6 +166,7 @@ def run_e2e(ref, cand, spec) -> E2E:
     lim = thresholds.limits(spec.precision, "e2e", spec.family, spec.backend)
     P = ref.prompt_len
     steps, cand_tokens, ties, first, dtypes = [], [], [], None, set()
+    ref_rows, cand_rows = [], []  # every position's logits, for the distribution metrics
     for k in range(len(ref.logits)):
         if k == 0:
             raw = cand.prefill(ref.tokens[:P])
@@ -171,6 +178,8 @@ def run_e2e(ref, cand, spec) -> E2E:
             out = as_f64(raw).reshape(1, -1)
             r = ref.logits[k]
         dtypes.add(dtype_name(raw))
+        ref_rows.append(as_f64(r).reshape(-1, out.shape[-1]))
+        cand_rows.append(out)
         m = tensor_metrics(r, out, lim["atol"], lim["rtol"])
         status, ratio = thresholds.judge_tensor(m, lim)
         ref_tok, margin = int(r[-1].argmax()), top2_margin(r[-1])
@@ -191,8 +200,13 @@ def run_e2e(ref, cand, spec) -> E2E:
                       "first_divergence": m.get("first_divergence")})
     exact = all(s["token"] == "match" for s in steps)
     ok = all(s["logits_status"] == "pass" and s["token"] != "mismatch" for s in steps)
+    distribution = None
+    if "kl_mean" in lim:  # quantized precisions: judged by the logits' distribution, tokens reported
+        distribution = distribution_metrics(np.concatenate(ref_rows), np.concatenate(cand_rows))
+        distribution["status"], distribution["ratio"] = judge_distribution(distribution, lim)
+        ok = distribution["status"] == "pass"
     e2e = E2E("pass" if ok else "fail", ref.tokens[:P], ref.tokens[P:], cand_tokens, exact, steps, lim,
-              first, ties)
+              first, ties, distribution)
     want, got = expected_dtype(spec), sorted(d for d in dtypes if d)
     gate = None
     if want and got:
@@ -270,6 +284,14 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         gates = getattr(cand, "gates", None)
         if gates is not None:
             result.gates += list(gates())
+        sampling = spec.options.get("sampling")
+        if sampling is not None:
+            stage = "sampling"
+            progress("sampling")
+            t = time.perf_counter()
+            result.gates += sampling_gates(ref, cand, float(sampling["temperature"]), float(sampling["top_p"]),
+                                           spec.seed, thresholds.limits(spec.precision, "e2e")["tie_margin"])
+            timings["sampling_s"] = time.perf_counter() - t
         structures = getattr(cand, "structures", None)
         if structures is not None:
             result.structures = dict(structures())

@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", help="write the JSON report here")
     c.add_argument("--markdown", help="write the markdown summary here")
     c.add_argument("--require", action="store_true", help="a skipped (unavailable) backend is a failure: exit 3")
+    c.add_argument("--sampling", action="store_true", help="add the on-device sampler gate rows")
+    c.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; >= 0)")
+    c.add_argument("--top-p", type=float, default=0.9, help="sampling top-p (default 0.9; in (0, 1])")
     backend_options(c)
     e = sub.add_parser("export", help="write a backend's compiled artifacts and a manifest")
     e.add_argument("--family", required=True)
@@ -177,8 +180,18 @@ def cmd_check(a) -> int:
     from oracle.report import markdown
     from oracle.result import dumps, write_atomic
 
+    options = options_of(a)
+    if a.sampling:
+        from models.sampling import check_args
+
+        try:
+            check_args(a.temperature, a.top_p)
+        except ValueError as e:
+            print(f"oracle: error: {e}", file=sys.stderr)
+            return EXIT["bad_input"]
+        options["sampling"] = {"temperature": a.temperature, "top_p": a.top_p}
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
-                     decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, options=options_of(a))
+                     decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, options=options)
     prog, update = progress_reporter()
     try:
         backend = validate(spec)

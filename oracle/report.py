@@ -65,6 +65,11 @@ def markdown(doc: dict, top: int = 5) -> str:
         lines += ["", f"e2e: **{e['status']}**, tokens {'exact' if e['token_exact'] else 'NOT exact'}"
                       f" ({len(e['reference_tokens'])} greedy tokens), logits max_abs {_fmt(worst)}"
                       + (f", ties at steps {e['ties']}" if e["ties"] else "")]
+        d = e.get("distribution")
+        if d:
+            lines.append(f"Logits distribution: **{d['status']}**, KL mean {_fmt(d['kl_mean'])} (p99 {_fmt(d['kl_p99'])},"
+                         f" max {_fmt(d['kl_max'])}), same top-1 {_fmt(d['same_top1'])}, max abs delta-p"
+                         f" {_fmt(d['delta_p_max_abs'])} over {d['positions']} positions (tokens reported, not required)")
         fm = e.get("first_mismatch")
         if fm:
             lines.append(f"First divergence: step {fm['step']} (position {fm['position']}): reference token"

@@ -39,6 +39,8 @@ class E2E:
     limits: dict
     first_mismatch: dict | None = None
     ties: list[int] = field(default_factory=list)
+    # quantized precisions: KL mean/p99/max, same_top1, delta_p_* over all positions, status, ratio
+    distribution: dict | None = None
     note: str = (
         "teacher forcing: the candidate is fed the reference's tokens, so per-step logits stay "
         "comparable after a divergence; up to the first mismatch this is the candidate's own greedy run"

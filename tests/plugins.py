@@ -71,3 +71,49 @@ class Hangs(EagerBackend):
 SWITCHABLE = Switchable(name="switchable")
 DIES = Dies(name="dies")
 HANGS = Hangs(name="hangs")
+
+
+class _EpsGreedyCandidate:
+    """temperature 0 replaced by 1e-5 with Gumbel noise (the 'avoid dividing by zero' bug)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def sample_logits(self, logits, temperature, top_p, seed):
+        return self.inner.sample_logits(logits, temperature or 1e-5, top_p, seed)
+
+    def sample_prefill(self, tokens, temperature, top_p, seed):
+        return self.sample_logits(self.inner.prefill(tokens)[-1], temperature, top_p, seed)
+
+    def sample_decode(self, token, pos, temperature, top_p, seed):
+        return self.sample_logits(self.inner.decode(token, pos), temperature, top_p, seed)
+
+
+class _StuckSeedCandidate(_EpsGreedyCandidate):
+    """The runner forgets to advance the seed: every decode step reuses the prefill's."""
+
+    def sample_logits(self, logits, temperature, top_p, seed):
+        return self.inner.sample_logits(logits, temperature, top_p, seed)
+
+    def sample_prefill(self, tokens, temperature, top_p, seed):
+        self.seed0 = seed
+        return super().sample_prefill(tokens, temperature, top_p, seed)
+
+    def sample_decode(self, token, pos, temperature, top_p, seed):
+        return super().sample_decode(token, pos, temperature, top_p, self.seed0)
+
+
+class Wrapping(EagerBackend):
+    def __init__(self, name, wrapper):
+        super().__init__(name)
+        self.wrapper = wrapper
+
+    def load(self, model, spec):
+        return self.wrapper(super().load(model, spec))
+
+
+EPS_GREEDY = Wrapping("eps-greedy", _EpsGreedyCandidate)
+STUCK_SEED = Wrapping("stuck-seed", _StuckSeedCandidate)

@@ -1,0 +1,249 @@
+"""The mlx backend (exporters/mlx.py) against the real HF fp32 reference: fp32 block + e2e
+for the five families, q8 judged by its logits' distribution, the explicit config
+conversion and the rope_theta trap it exists for, the routing mirrors, seeded faults on
+mlx-lm's model, and the backend's absence on a host without mlx."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models import FAMILY_NAMES, faults, get_family
+from models.checkpoint import read_config, tiny_checkpoint
+from oracle import thresholds
+from oracle.check import CheckSpec, model_source, prompt_tokens, reference_for, run_check
+from oracle.distribution import distribution_metrics, judge_distribution
+from oracle.metrics import as_f64
+from oracle.reference import LAYER_KINDS, MODEL_KINDS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# a few seeded faults per family, about one per block kind (`oracle selftest --backend mlx` runs all)
+FAULTS = {
+    "qwen3_5_moe": ["gdn_state_not_carried", "attention_gate_no_sigmoid", "router_no_renorm", "norm_offset_missing"],
+    "qwen3_moe": ["qk_norm_flat_for_per_head", "expert_weights_not_applied"],
+    "olmoe": ["qk_norm_missing", "router_softmax_after_topk", "kv_cache_write_off_by_one"],
+    "qwen2_moe": ["shared_expert_gate_no_sigmoid", "rope_theta_wrong"],
+    "mixtral": ["gqa_kv_heads_tiled", "expert_gate_up_swapped", "final_norm_eps_wrong"],
+}
+
+
+@pytest.fixture(scope="module")
+def mlx():
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from exporters import mlx
+
+    return mlx
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def family(request):
+    """Module-scoped, so pytest runs each family's tests together: the reference (cached
+    in-process by oracle.check.reference_for) is captured once per family."""
+    return request.param
+
+
+class Recording:
+    """A backend whose candidate keeps its e2e logits: the distribution judgement of
+    quantized precisions, until oracle/check.py's run_e2e does it (notes/mlx.md)."""
+
+    def __init__(self, backend):
+        self.backend, self.name, self.precisions = backend, backend.name, backend.precisions
+        self.logits = []
+
+    def availability(self):
+        return self.backend.availability()
+
+    def load(self, model, spec):
+        cand, logits = self.backend.load(model, spec), self.logits
+        prefill, decode = cand.prefill, cand.decode
+        cand.prefill = lambda tokens: logits.append(prefill(tokens)) or logits[-1]
+        cand.decode = lambda token, pos: logits.append(decode(token, pos)) or logits[-1]
+        return cand
+
+
+def distribution_verdict(spec, recorded):
+    """What run_e2e will do for q8/q4: all positions' logits against the reference's."""
+    src = model_source(spec)
+    ref = reference_for(spec.family, str(src.model_dir), src.checkpoint_sha256,
+                        tuple(prompt_tokens(spec, src.args.vocab_size)), spec.decode_tokens)
+    cand = np.concatenate([as_f64(x).reshape(-1, ref.logits[0].shape[-1]) for x in recorded])
+    m = distribution_metrics(np.concatenate([r.double().numpy() for r in ref.logits]), cand)
+    return m, judge_distribution(m, thresholds.limits(spec.precision, "e2e", spec.family, spec.backend))
+
+
+def test_fp32_blocks_and_e2e(mlx, family):
+    r = run_check(CheckSpec(family=family, backend="mlx"))
+    assert r.status == "pass", (r.error, r.worst)
+    n = len({row.layer for row in r.blocks if row.layer is not None})
+    assert {(row.layer, row.kind) for row in r.blocks} == (
+        {(i, k) for i in range(n) for k in LAYER_KINDS} | {(None, k) for k in MODEL_KINDS})
+    assert all(row.status == "pass" and row.mode == "isolated" for row in r.blocks)
+    assert r.e2e.token_exact and r.e2e.candidate_tokens == r.e2e.reference_tokens
+    info = r.provenance["backend"]
+    assert info["device"] == ("gpu" if sys.platform == "darwin" else "cpu") and info["dtype"] == "float32"
+    want = get_family(family).args(read_config(tiny_checkpoint(get_family(family), 0))).rope_theta
+    assert info["config"]["rope_theta"] == want  # out of rope_parameters, not mlx-lm's default
+
+
+def test_q8_passes_by_distribution(mlx, family):
+    spec = CheckSpec(family=family, backend="mlx", precision="q8", options={"group_size": 32})
+    rec = Recording(mlx.MLXBackend())
+    r = run_check(spec, rec)
+    assert r.status == "pass", (r.error, r.worst)
+    q = r.provenance["backend"]["quantization"]
+    assert q["bits"] == 8 and q["group_size"] == 32 and q["quantized"]
+    # at group 32 every linear / embedding / expert projection is quantized (conv1d cannot be)
+    assert all(why.startswith("Conv1d") for why in q["not_quantized"].values()), q["not_quantized"]
+    m, (status, ratio) = distribution_verdict(spec, rec.logits)
+    assert status == "pass", m
+    assert m["positions"] == spec.prompt_len + spec.decode_tokens and m["kl_mean"] > 0
+
+
+def test_router_mirror_is_what_the_block_applies(mlx, family):
+    """exporters.mlx.route mirrors each mlx-lm MoE block's routing: run the block itself with
+    its experts replaced by one-hot rows, so its own weighted sum returns the weights it
+    applies (exact), and compare, on random tokens and on single tokens."""
+    import mlx.core as mx
+
+    model, _ = mlx.load_model(model_source(CheckSpec(family=family, backend="mlx")))
+    for layer in model.layers:
+        moe = mlx.moe_block(layer)
+        for T in (5, 1):
+            x = mx.random.normal((1, T, moe.gate.weight.shape[1]), key=mx.random.key(T))
+            w, idx = mlx.route(moe, x)
+            seen = {}
+
+            def experts(h, indices):
+                seen["idx"] = indices
+                eye = mx.eye(indices.shape[-1], h.shape[-1], dtype=h.dtype)
+                return mx.broadcast_to(eye, (*indices.shape, h.shape[-1]))
+
+            saved = {k: moe[k] for k in ("switch_mlp", "shared_expert") if k in moe}
+            moe["switch_mlp"] = experts
+            if "shared_expert" in saved:
+                moe["shared_expert"] = mx.zeros_like
+            try:
+                y = moe(x)
+            finally:
+                for k, v in saved.items():
+                    moe[k] = v
+            k = idx.shape[-1]
+            assert np.array_equal(np.array(idx).reshape(-1, k), np.array(seen["idx"]).reshape(-1, k))
+            assert np.array_equal(np.array(w).reshape(-1, k), np.array(y).reshape(-1, y.shape[-1])[:, :k])
+
+
+def test_config_table_covers_every_mlx_field(mlx, family):
+    """Every field of mlx-lm's ModelArgs is explicitly mapped: none is left to its default."""
+    fields = {f.name for f in dataclasses.fields(mlx.mlx_args_class(family))}
+    assert set(mlx.CONFIG[family]) == fields
+    cfg = read_config(tiny_checkpoint(get_family(family), 0))
+    converted = mlx.mlx_config(family, cfg)
+    model = mlx.build_model(family, converted)
+    args = mlx.text_model(model).args
+    assert all(getattr(args, k) == v for k, v in converted.items())
+    hf = get_family(family).args(cfg)
+    assert args.rope_theta == hf.rope_theta and args.num_experts_per_tok == hf.num_experts_per_tok
+    assert (getattr(args, "num_experts", None) or args.num_local_experts) == hf.num_experts
+
+
+def test_seeded_faults_fail_where_expected(mlx, family):
+    spec = CheckSpec(family=family, backend="mlx")
+    args = model_source(spec).args
+    for name in FAULTS[family]:
+        fault = faults.get(name)
+        r = run_check(spec, mlx.BACKEND.with_fault(fault))
+        assert r.status == "fail", name
+        assert (r.worst["layer"], r.worst["kind"]) == (fault.layer(args), fault.kind), name
+
+
+def test_rope_theta_trap_is_caught(mlx):
+    """mlx-lm's own loader (config.json straight into ModelArgs.from_dict) gives qwen2_moe
+    mlx-lm's default rope_theta 1e6 instead of HF's 1e4: the check fails, at attention."""
+    cfg = read_config(tiny_checkpoint(get_family("qwen2_moe"), 0))
+    assert mlx.naive_mlx_config("qwen2_moe", cfg)["rope_theta"] == 1e6
+    assert mlx.mlx_config("qwen2_moe", cfg)["rope_theta"] == 1e4
+    r = run_check(CheckSpec(family="qwen2_moe", backend="mlx"),
+                  mlx.MLXBackend("mlx-naive", config_fn=mlx.naive_mlx_config))
+    assert r.status == "fail" and r.worst["kind"] == "attention"
+    failing = {(row.layer, row.kind) for row in r.blocks if row.status == "fail"}
+    assert {k for _, k in failing} == {"attention", "layer"}  # layers fail through their attention
+    assert {(i, "attention") for i in range(2)} <= failing
+    assert r.e2e.status == "fail"
+
+
+def test_expert_layout_accepts_both_checkpoint_layouts(mlx):
+    """Per-expert (save_pretrained) and fused experts.gate_up_proj / down_proj give the same
+    tensors in the layout each family's sanitize() expects."""
+    import mlx.core as mx
+
+    per_expert = mx.load(str(tiny_checkpoint(get_family("olmoe"), 0) / "model.safetensors"))
+    fused = mlx.expert_layout("qwen3_5_moe", per_expert)  # Qwen3.5's sanitize takes only this
+    assert fused["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    assert not any(".experts.0." in k for k in fused)
+    back = mlx.expert_layout("olmoe", fused)
+    assert set(back) == set(per_expert)
+    assert all(mx.array_equal(back[k], per_expert[k]).item() for k in per_expert)
+    mixtral = mlx.expert_layout("mixtral", fused)
+    assert mx.array_equal(mixtral["model.layers.0.block_sparse_moe.experts.3.w3.weight"],
+                          per_expert["model.layers.0.mlp.experts.3.up_proj.weight"]).item()
+    assert "model.layers.0.block_sparse_moe.gate.weight" in mixtral
+
+
+def test_conversion_refuses_what_mlx_lm_would_get_wrong(mlx):
+    cfg = read_config(tiny_checkpoint(get_family("qwen2_moe"), 0))
+    with pytest.raises(mlx.ConfigError, match="never renormalises"):
+        mlx.mlx_config("qwen2_moe", {**cfg, "norm_topk_prob": True})
+    cfg = read_config(tiny_checkpoint(get_family("qwen3_5_moe"), 0))
+    assert mlx.mlx_config("qwen3_5_moe", cfg)["full_attention_interval"] == 4
+    odd = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    with pytest.raises(mlx.ConfigError, match="not periodic"):
+        mlx.mlx_config("qwen3_5_moe", {**cfg, "layer_types": odd})
+
+
+def test_group_size_64_lists_what_mlx_lm_skips(mlx):
+    spec = CheckSpec(family="mixtral", backend="mlx", precision="q4", options={"group_size": 64})
+    q = mlx.BACKEND.load(model_source(spec), spec).info["quantization"]
+    assert q["not_quantized"] == {f"model.layers.{i}.block_sparse_moe.switch_mlp.down_proj":
+                                  "input dim 32 not divisible by group size 64" for i in range(2)}
+    assert q["quantized"]["model.layers.0.block_sparse_moe.gate"] == {"bits": 4, "group_size": 64}
+
+
+@pytest.mark.parametrize("options,precision,message", [
+    ({"group_size": 32}, "fp32", "--group-size applies to q8/q4, not fp32"),
+    ({"group_size": 128}, "q8", "--group-size 128: mlx-lm quantizes with group size 32 or 64"),
+    ({"device": "gpu"}, "fp32", "--device gpu: mlx has no GPU backend on this host"),
+])
+def test_bad_options_are_refused_with_the_reason(mlx, options, precision, message):
+    import mlx.core as mx
+
+    if options.get("device") == "gpu" and mx.is_available(mx.gpu):
+        pytest.skip("this host has an mlx GPU")
+    spec = CheckSpec(family="olmoe", backend="mlx", precision=precision, options=options)
+    assert message in mlx.BACKEND.check_options(spec)
+    with pytest.raises(ValueError, match=message):
+        mlx.BACKEND.load(model_source(spec), spec)
+
+
+def test_without_mlx_the_backend_is_unavailable_and_skipped(tmp_path):
+    """A host without mlx (simulated: an `mlx` package that fails to import shadows the real
+    one): `oracle backends` says why, the check is skipped (exit 0; --require: 3)."""
+    fake = tmp_path / "mlx"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('no mlx on this host (simulated)')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    script = (
+        "import sys; from oracle import cli; "
+        "rc = [cli.main(['backends']), cli.main(['check', '--family', 'olmoe', '--backend', 'mlx']), "
+        "cli.main(['check', '--family', 'olmoe', '--backend', 'mlx', '--require'])]; print('RC', rc)"
+    )
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert "Traceback" not in p.stderr, p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("mlx "))
+    assert "unavailable: mlx / mlx-lm cannot be imported (ImportError: no mlx on this host (simulated))" in line
+    assert "skipped" in p.stdout and "RC [0, 0, 3]" in p.stdout
