@@ -99,18 +99,30 @@ def rope_theta(config) -> float:
     return float(rp["rope_theta"])
 
 
-def strip_prefix(weights: dict, prefixes=("model.",), drop=()) -> dict:
-    """Checkpoint keys without the HF base-model prefix; keys starting with `drop` are ignored."""
-    out = {}
-    for k, t in weights.items():
-        if any(k.startswith(d) for d in drop):
-            continue
-        for p in prefixes:
-            if k.startswith(p):
-                k = k[len(p) :]
-                break
-        out[k] = t
-    return out
+def hf_args(c, family: str, **specific) -> ModelArgs:
+    """ModelArgs with the fields every family reads the same way from an HF config object;
+    `specific` sets (or overrides) the rest."""
+    common = dict(
+        family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c), num_experts_per_tok=c.num_experts_per_tok,
+        layer_types=("full_attention",) * c.num_hidden_layers, tie_word_embeddings=c.tie_word_embeddings,
+    )
+    return ModelArgs(**{**common, **specific})
+
+
+def sanitize_hf(weights: dict, args: ModelArgs) -> dict:
+    """The common checkpoint mapping: strip `model.`, stack per-expert tensors, tie embeddings."""
+    from models.checkpoint import stack_hf_experts
+
+    return tie_embeddings(stack_hf_experts(strip_prefix(weights)), args)
+
+
+def strip_prefix(weights: dict, prefix: str = "model.") -> dict:
+    """Checkpoint keys without the HF base-model prefix."""
+    return {k[len(prefix):] if k.startswith(prefix) else k: t for k, t in weights.items()}
 
 
 def tie_embeddings(weights: dict, args: ModelArgs) -> dict:

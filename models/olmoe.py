@@ -1,8 +1,6 @@
 """OLMoE: flat q/k RMSNorm over the whole projection, softmax top-k routing, no shared expert."""
 
-from models import Family, ModelArgs, require, rope_theta, strip_prefix, tie_embeddings
-from models.checkpoint import stack_hf_experts
-from models.layers import FULL
+from models import Family, ModelArgs, hf_args, require, sanitize_hf
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -14,25 +12,14 @@ TINY = dict(
 
 def to_args(c) -> ModelArgs:
     require(c.clip_qkv is None, "olmoe: clip_qkv is not supported yet (q/k/v clamping)")
-    return ModelArgs(
-        family="olmoe", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c), qk_norm="flat",
-        qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+    return hf_args(
+        c, "olmoe", head_dim=c.hidden_size // c.num_attention_heads, qk_norm="flat",
+        qkv_bias=c.attention_bias, o_bias=c.attention_bias, num_experts=c.num_experts,
         moe_intermediate_size=c.intermediate_size, norm_topk_prob=c.norm_topk_prob,
-        layer_types=(FULL,) * c.num_hidden_layers, tie_word_embeddings=c.tie_word_embeddings,
     )
-
-
-def sanitize(weights: dict, args: ModelArgs) -> dict:
-    w = strip_prefix(weights)
-    w = stack_hf_experts(w)
-    return tie_embeddings(w, args)
 
 
 FAMILY = Family(
     name="olmoe", model_types=("olmoe",), hf_module="olmoe", hf_class_name="OlmoeForCausalLM",
-    hf_config_name="OlmoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+    hf_config_name="OlmoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf,
 )

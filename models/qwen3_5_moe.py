@@ -2,8 +2,7 @@
 per-head q/k norm), (1 + w) RMSNorm, softmax top-k routing with renormalisation and a
 sigmoid-gated shared expert."""
 
-from models import Family, ModelArgs, require, rope_theta, strip_prefix, tie_embeddings
-from models.checkpoint import stack_hf_experts
+from models import Family, ModelArgs, hf_args, require, sanitize_hf
 from models.layers import FULL, LINEAR
 
 TINY = dict(
@@ -21,27 +20,22 @@ def to_args(c) -> ModelArgs:
     rp = c.rope_parameters or {}
     partial = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     require(set(c.layer_types) <= {FULL, LINEAR}, f"qwen3_5_moe: unknown layer_types {sorted(set(c.layer_types))}")
-    return ModelArgs(
-        family="qwen3_5_moe", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=rope_theta(c), partial_rotary_factor=partial, norm_offset=True, qk_norm="head",
+    return hf_args(
+        c, "qwen3_5_moe", partial_rotary_factor=partial, norm_offset=True, qk_norm="head",
         attn_output_gate=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-        moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True,
-        shared_expert_intermediate_size=c.shared_expert_intermediate_size,
-        layer_types=tuple(c.layer_types), linear_num_key_heads=c.linear_num_key_heads,
-        linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
-        linear_value_head_dim=c.linear_value_head_dim, linear_conv_kernel_dim=c.linear_conv_kernel_dim,
-        tie_word_embeddings=c.tie_word_embeddings,
+        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True,
+        shared_expert_intermediate_size=c.shared_expert_intermediate_size, layer_types=tuple(c.layer_types),
+        linear_num_key_heads=c.linear_num_key_heads, linear_num_value_heads=c.linear_num_value_heads,
+        linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
+        linear_conv_kernel_dim=c.linear_conv_kernel_dim,
     )
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:
     # text-only checkpoints use model.*, the multimodal release model.language_model.*
-    w = strip_prefix(weights, prefixes=("model.language_model.", "model."), drop=("mtp.", "model.visual."))
-    w = stack_hf_experts(w)
-    return tie_embeddings(w, args)
+    w = {k.replace("model.language_model.", "model.", 1): t for k, t in weights.items()
+         if not k.startswith(("mtp.", "model.visual."))}
+    return sanitize_hf(w, args)
 
 
 FAMILY = Family(

@@ -1,8 +1,6 @@
 """Qwen3-MoE: per-head q/k RMSNorm, softmax top-k routing with renormalisation, no shared expert."""
 
-from models import Family, ModelArgs, require, rope_theta, strip_prefix, tie_embeddings
-from models.checkpoint import stack_hf_experts
-from models.layers import FULL
+from models import Family, ModelArgs, hf_args, require, sanitize_hf
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -16,26 +14,13 @@ def to_args(c) -> ModelArgs:
     require(not c.mlp_only_layers and c.decoder_sparse_step == 1,
             "qwen3_moe: dense MLP layers (mlp_only_layers / decoder_sparse_step > 1) are not supported yet")
     require(not c.use_sliding_window, "qwen3_moe: use_sliding_window is not supported yet")
-    return ModelArgs(
-        family="qwen3_moe", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c), qk_norm="head",
-        qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-        moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
-        layer_types=(FULL,) * c.num_hidden_layers, tie_word_embeddings=c.tie_word_embeddings,
+    return hf_args(
+        c, "qwen3_moe", qk_norm="head", qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
     )
-
-
-def sanitize(weights: dict, args: ModelArgs) -> dict:
-    w = strip_prefix(weights)
-    w = stack_hf_experts(w)
-    return tie_embeddings(w, args)
 
 
 FAMILY = Family(
     name="qwen3_moe", model_types=("qwen3_moe",), hf_module="qwen3_moe", hf_class_name="Qwen3MoeForCausalLM",
-    hf_config_name="Qwen3MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+    hf_config_name="Qwen3MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf,
 )
