@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from exporters.eager import DTYPES
 from models.layers import LINEAR, STATE_BUFFERS, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,22 +111,33 @@ class MoeProbe(nn.Module):
         return self.moe(x[None]), w, idx
 
 
+def probe_rows(args) -> int:
+    """Most probe inputs per call of a probe method: one per expert."""
+    return max(args.num_experts, 2)
+
+
 def export_probes(model: Transformer) -> dict:
     """One probe method per layer (traced from that layer's own module: a seeded fault stays)."""
     from torch.export import Dim, export
 
     a = model.args
-    N = Dim("N", min=1, max=max(a.num_experts, 2))
-    x = torch.zeros(max(a.num_experts, 2), a.hidden_size, dtype=model.embed_tokens.weight.dtype)
+    N = Dim("N", min=1, max=probe_rows(a))
+    x = torch.zeros(probe_rows(a), a.hidden_size, dtype=model.embed_tokens.weight.dtype)
     with torch.no_grad():
         return {f"probe_{i}": export(MoeProbe(layer.mlp), (x,), dynamic_shapes=({0: N},), strict=True)
                 for i, layer in enumerate(model.layers)}
 
 
-def metadata(args) -> dict:
+def metadata(model: Transformer) -> dict:
     """Constant methods, as the production LLM exports carry them for their runners."""
-    return {"get_max_seq_len": args.max_seq_len, "get_vocab_size": args.vocab_size,
-            "get_n_layers": args.num_hidden_layers, "use_kv_cache": True, "enable_dynamic_shape": True}
+    a = model.args
+    return {"get_max_seq_len": a.max_seq_len, "get_vocab_size": a.vocab_size, "get_n_layers": a.num_hidden_layers,
+            "use_kv_cache": True, "enable_dynamic_shape": True}
+
+
+def state_buffer_names(model: Transformer) -> list[str]:
+    """The per-sequence state (mutable buffers), as the CUDA export records it."""
+    return sorted(n for n, _ in model.named_buffers() if n.rsplit(".", 1)[-1] in STATE_BUFFERS)
 
 
 def op_histogram(ep) -> dict:
@@ -169,6 +181,13 @@ def qlinear_options(spec, allowed: tuple) -> dict:
     return {"qlinear": q, "qlinear_group_size": int(spec.options.get("qlinear_group_size") or 32)}
 
 
+def refuse_sample(spec) -> None:
+    if spec.options.get("sample"):
+        from oracle.check import InputError
+
+        raise InputError(f"backend {spec.backend}: on-device sampling (--sample) is not implemented yet (issue 9)")
+
+
 def quantize_linears(model: nn.Module, q: dict, packing_format=None) -> None:
     """torchao source-transform quantization of the nn.Linear layers, as the ExecuTorch LLM
     exports do. The stacked expert weights are not nn.Linear: they stay unquantized."""
@@ -179,7 +198,9 @@ def quantize_linears(model: nn.Module, q: dict, packing_format=None) -> None:
 
 
 def read_taps(pte: Path) -> dict:
-    return json.loads(Path(pte).with_name("taps.json").read_text())
+    """The check program's tap table; none for a production program."""
+    f = Path(pte).with_name("taps.json")
+    return json.loads(f.read_text()) if f.is_file() else {}
 
 
 def save(prog, path: Path) -> None:
@@ -190,18 +211,19 @@ def save(prog, path: Path) -> None:
 
 
 def build_program(model: Transformer, lower, path: Path, check: bool) -> None:
-    """The production program (prefill, decode) at `path`; the check's program also has the
-    taps and the probe methods, and its tap table beside it (taps.json)."""
+    """The production program (prefill, decode) at `path`, by `lower(methods, model)`; the
+    check's program also has the taps and the probe methods, its tap table beside it."""
     methods = export_methods(model)
     if check:
         taps = {name: add_taps(ep, model.args) for name, ep in methods.items()}
         methods.update(export_probes(model))
         path.with_name("taps.json").write_text(json.dumps(taps))
-    save(lower(methods, model.args), path)
+    save(lower(methods, model), path)
 
 
-def lower_cpu(methods: dict, args):
-    """XNNPACK where it can, portable kernels elsewhere; state buffers shared by the methods."""
+def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True):
+    """XNNPACK where it can, portable kernels elsewhere (everywhere without `xnnpack`); the
+    state buffers are planned once and shared by the methods."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.intermediate_output_tap import strip_taps_
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
@@ -209,7 +231,7 @@ def lower_cpu(methods: dict, args):
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
     edge = to_edge_transform_and_lower(
-        methods, partitioner=[XnnpackPartitioner()], constant_methods=metadata(args),
+        methods, partitioner=[XnnpackPartitioner()] if xnnpack else [], constant_methods=metadata(model),
         # ExecuTorch 1.5.1's IR arg validator specialises the dynamic length to the example's
         compile_config=EdgeCompileConfig(_check_ir_validity=False))
     strip_taps_(edge)  # after partitioning (no-op without taps)
@@ -230,11 +252,12 @@ class ExecutorchCandidate:
                    "logits": SEQUENCE_MODE, "router": f"{SEQUENCE_MODE} (sequence) + {PROBE_MODE} (expert probes)",
                    "moe": f"{SEQUENCE_MODE} (sequence) + {PROBE_MODE} (expert probes)"}
 
-    def __init__(self, pte: Path, taps: dict, info: dict, data_path: Path | None = None):
+    def __init__(self, pte: Path, info: dict, dtype=torch.float32, probe_rows: int = 2, data_path: Path | None = None):
         from executorch.runtime import Runtime
 
         self.program = Runtime.get().load_program(str(pte), data_path=str(data_path) if data_path else None)
-        self.taps, self.info = taps, info
+        self.taps, self.info = read_taps(pte), info
+        self.dtype, self.probe_rows = dtype, probe_rows  # probe inputs: the model's dtype, at most rows per call
         # every method up front: loading a method initialises the shared state buffers, so a
         # method loaded after a prefill would wipe that prefill's KV cache and recurrent state
         self.methods = {n: self.program.load_method(n) for n in sorted(self.program.method_names)
@@ -273,8 +296,10 @@ class ExecutorchCandidate:
 
     def probe(self, layer: int, calls) -> list[tuple]:
         """(moe, weights, indices) per probe call, from the layer's probe method."""
-        x = torch.cat([c.x.reshape(-1, c.x.shape[-1]) for c in calls]).float()
-        moe, w, idx = [o.clone() for o in self.method(f"probe_{layer}").execute([x])[:3]]
+        x = torch.cat([c.x.reshape(-1, c.x.shape[-1]) for c in calls]).to(self.dtype)
+        runs = [[o.clone() for o in self.method(f"probe_{layer}").execute([x[i:i + self.probe_rows]])]
+                for i in range(0, x.shape[0], self.probe_rows)]  # clone: the next call reuses the memory
+        moe, w, idx = (torch.cat([r[j] for r in runs], dim=d) for j, d in ((0, 1), (1, 0), (2, 0)))
         out, n = [], 0
         for c in calls:
             t = c.x.reshape(-1, c.x.shape[-1]).shape[0]
@@ -320,7 +345,6 @@ class ExecutorchBackend:
     source = "exporters/executorch.py"
     precisions = ("fp32",)
     qlinear = ("8da4w",)  # XNNPACK's recipe: int8 dynamic activations, int4 grouped weights
-    executor = "XNNPACK + portable kernels"
 
     def __init__(self, name: str | None = None, transform=None, transform_id: str | None = None):
         if transform is not None and not transform_id:
@@ -340,33 +364,48 @@ class ExecutorchBackend:
         reason = self.unavailable()
         return (False, reason) if reason else (True, "")
 
-    def lower(self, methods: dict, args):
-        return lower_cpu(methods, args)
+    def options(self, spec) -> dict:
+        """The options that shape the artifact, validated (part of the cache key).
+        `--option partitioner=portable`: portable kernels only (no XNNPACK), about 4x faster
+        to lower; tells a delegate's fault from the model's."""
+        refuse_sample(spec)
+        opts = qlinear_options(spec, self.qlinear)
+        part = spec.options.get("partitioner", "xnnpack")
+        if part not in ("xnnpack", "portable"):
+            from oracle.check import InputError
 
-    def quantize(self, model: Transformer, q: dict) -> None:
-        quantize_linears(model, q)
+            raise InputError(f"backend {spec.backend}: partitioner {part!r} is not one of xnnpack, portable")
+        return {**opts, "partitioner": part}
 
-    def production_model(self, model, spec, q: dict) -> Transformer:
-        from exporters.eager import DTYPES
+    def executor(self, opts: dict) -> str:
+        return "XNNPACK + portable kernels" if opts["partitioner"] == "xnnpack" else "portable kernels"
 
+    def lower(self, methods: dict, model: Transformer, opts: dict):
+        return lower_cpu(methods, model, xnnpack=opts["partitioner"] == "xnnpack")
+
+    def quantize(self, model: Transformer, opts: dict) -> None:
+        quantize_linears(model, opts)
+
+    def production_model(self, model, spec, opts: dict) -> Transformer:
         m = model.build_production(DTYPES[spec.precision])
         if self.transform is not None:
             self.transform(m)
-        if q:
-            self.quantize(m, q)
+        if opts.get("qlinear"):
+            self.quantize(m, opts)
         return m
 
     def artifact(self, model, spec, check: bool):
         """The check's program or the production program, from the cache or built."""
         from oracle.artifacts import cached_artifact
 
-        q = qlinear_options(spec, self.qlinear)
+        opts = self.options(spec)
         program = "check" if check else "production"
 
         def build(path):
-            build_program(self.production_model(model, spec, q), self.lower, path, check)
+            m = self.production_model(model, spec, opts)
+            build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check)
 
-        parts = cache_parts(self.kind, model, spec, program, self.transform_id, q, self.source)
+        parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
         return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte")
 
     def load(self, model, spec):
@@ -377,11 +416,11 @@ class ExecutorchBackend:
         from importlib.metadata import version
 
         pte = Path(art.path)
-        info = {"executor": f"executorch {version('executorch')} runtime ({self.executor})",
+        info = {"executor": f"executorch {version('executorch')} runtime ({self.executor(self.options(spec))})",
                 "methods": ["prefill", "decode"] + [f"probe_{i}" for i in range(model.args.num_hidden_layers)],
                 "block_modes": ExecutorchCandidate.block_modes, "artifacts": [art.as_dict()]}
         ptd = sorted(pte.parent.glob("*.ptd"))
-        return ExecutorchCandidate(pte, read_taps(pte), info, ptd[0] if ptd else None)
+        return ExecutorchCandidate(pte, info, DTYPES[spec.precision], probe_rows(model.args), ptd[0] if ptd else None)
 
     def export(self, model, spec, output_dir) -> list[Path]:
         """model.pte (and the .ptd a delegate writes beside it) in output_dir."""

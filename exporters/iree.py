@@ -1,16 +1,16 @@
 """`iree-llvm-cpu`: the production torch model (models/layers.py) exported with iree-turbine,
 compiled by iree-compile for the host CPU (llvm-cpu) and run by iree.runtime on local-task.
 
-Two programs per check, each a .vmfb cached by content hash (oracle.artifacts):
-
-- `model.vmfb`, the whole model: entry points `prefill` (T = prompt length) and `decode`
-  (T = 1) exported by one `aot.FxProgramsBuilder`, so the state buffers (KV cache, conv and
-  recurrent state) become module globals shared by both. Every prefill runs in a fresh
-  runtime context (fresh globals), which is also how a new sequence starts.
-- `blocks.vmfb`, every block kind: one program per kind (and per structurally different
-  layer: full vs linear attention, or a layer a fault patched), taking the block's weights
-  and state as inputs and returning (output, new state), so one program runs every layer.
-  Entry points `<program>_t<T>` for T = prompt length and T = 1.
+One program per check, `model.vmfb`, cached by content hash (oracle.artifacts), with:
+- `prefill` (T = prompt length) and `decode` (T = 1): the whole model, exported from one
+  `aot.FxProgramsBuilder`, so its state buffers (KV cache, conv and recurrent state) become
+  module globals shared by both. Every prefill runs in a fresh runtime context (fresh
+  globals), which is how a new sequence starts.
+- `block_<program>_t<T>` (T = prompt length and 1): one program per block kind (and per
+  structurally different layer: full vs linear attention, or a layer a fault patched) with
+  the block's weights and state as inputs and (output, *new state) as results, so one
+  program runs every layer. The block programs share their dispatches with the model's
+  (iree-compile deduplicates them): one module compiles in ~60% of the time of two.
 
 Shapes are static (prompt length and max_seq_len are in the cache key): a dynamic token
 dimension exports and compiles, but computed wrong logits (~0.4 off) with iree 3.13.
@@ -18,9 +18,10 @@ dimension exports and compiles, but computed wrong logits (~0.4 off) with iree 3
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import platform
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from exporters.eager import block_fn
+from models import faults, layers
 from models.layers import STATE_BUFFERS, Transformer
 from oracle.artifacts import Artifact, cached_artifact, sha256_file, versions
 
@@ -39,8 +41,6 @@ FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backe
          "--iree-llvmcpu-target-cpu=host")
 TOOLS = ("iree-base-compiler", "iree-base-runtime", "iree-turbine", "torch")
 LAYER_KINDS = ("attention", "router", "moe", "layer")
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("models/layers.py", "exporters/eager.py", "exporters/iree.py")  # code that shapes a program
 
 
 def host_cpu() -> str:
@@ -54,10 +54,23 @@ def host_cpu() -> str:
     return f"{platform.machine()}-{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
 
 
-def code_digest() -> str:
-    h = hashlib.sha256()
-    for rel in SOURCES:
-        h.update((ROOT / rel).read_bytes())
+@functools.cache
+def code_digest(faulted: bool) -> str:
+    """The code a program is traced from, as imported: the production layers, block_fn, this
+    file, and faults.py for a faulted build (its transform_id names the fault, not its code)."""
+    h = hashlib.sha256(inspect.getsource(block_fn).encode())
+    for f in (layers.__file__, __file__, *([faults.__file__] if faulted else [])):
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def model_digest(model: Transformer) -> str:
+    """The built (and transformed) production model: its args and weights (not its state)."""
+    h = hashlib.sha256(repr(model.args).encode())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.rsplit(".", 1)[-1] not in STATE_BUFFERS:
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -75,15 +88,12 @@ class _Call(nn.Module):
 
 @dataclass
 class BlockProgram:
-    name: str  # entry points f"{name}_t{T}"
+    name: str  # entry points f"block_{name}_t{T}"
     kind: str
     call: _Call  # the block of the first layer using this program (what gets traced)
     weights: list[str]  # input names, in order: every parameter and non-state buffer
     state: list[str]  # state buffers: inputs and (after the output) results, in order
     fingerprint: str
-
-    def tensors(self, call: _Call) -> dict[str, torch.Tensor]:
-        return dict(list(call.named_parameters()) + list(call.named_buffers()))
 
     def entry(self) -> Callable:
         """The exported function: (root, weights, state, x, pos) -> (*outputs, *new_state)."""
@@ -96,6 +106,10 @@ class BlockProgram:
             return (*(out if isinstance(out, tuple) else (out,)), *new_state)
 
         return entry
+
+
+def block_tensors(call: _Call) -> dict[str, torch.Tensor]:
+    return dict(list(call.named_parameters()) + list(call.named_buffers()))
 
 
 def fingerprint(module: nn.Module, where: str) -> str:
@@ -124,7 +138,7 @@ def block_programs(model: Transformer) -> tuple[dict[str, BlockProgram], dict]:
         fp = fingerprint(call.m, f"{layer}.{kind}")
         if (kind, fp) not in by_fp:
             name = f"{kind}{sum(p.kind == kind for p in programs.values())}"
-            tensors = dict(list(call.named_parameters()) + list(call.named_buffers()))
+            tensors = block_tensors(call)
             state = [n for n in tensors if n.rsplit(".", 1)[-1] in STATE_BUFFERS]
             weights = [n for n in tensors if n not in state]
             programs[name] = by_fp[kind, fp] = BlockProgram(name, kind, call, weights, state, fp)
@@ -133,23 +147,18 @@ def block_programs(model: Transformer) -> tuple[dict[str, BlockProgram], dict]:
 
 
 # ------------------------------------------------------------------ export and compile
-def export_model(model: Transformer, prompt_len: int):
-    """prefill + decode entry points over one module: mutated buffers become shared globals."""
+def export_program(model: Transformer, programs: dict[str, BlockProgram], prompt_len: int):
+    """One module: the model's prefill + decode over shared globals, and every block program."""
     from iree.turbine import aot
 
     fxb = aot.FxProgramsBuilder(model)
     for name, T in (("prefill", prompt_len), ("decode", 1)):
         fxb.export_program(lambda m, tokens, pos: m(tokens, pos), name=name, strict=False,
                            args=(torch.zeros(1, T, dtype=torch.long), torch.arange(T)))
-    return aot.export(fxb)
-
-
-def export_blocks(programs: dict[str, BlockProgram], prompt_len: int, hidden: int, dtype):
-    from iree.turbine import aot
-
-    fxb = aot.FxProgramsBuilder(nn.Module())
+    blocks = aot.FxProgramsBuilder(nn.Module())  # weights are inputs: nothing to lift
+    dtype, hidden = model.embed_tokens.weight.dtype, model.args.hidden_size
     for p in programs.values():
-        tensors = p.tensors(p.call)
+        tensors = block_tensors(p.call)
         weights = [tensors[n].detach().clone() for n in p.weights]
         state = [torch.zeros_like(tensors[n]) for n in p.state]
         # non-strict torch.export of a functional_call that mutates a state input leaves fake
@@ -157,17 +166,21 @@ def export_blocks(programs: dict[str, BlockProgram], prompt_len: int, hidden: in
         saved = [(m, dict(m._parameters), dict(m._buffers)) for m in p.call.modules()]
         try:
             for T in sorted({prompt_len, 1}):
-                fxb.export_program(p.entry(), name=f"{p.name}_t{T}", strict=False,
-                                   args=(weights, state, torch.zeros(1, T, hidden, dtype=dtype), torch.arange(T)))
+                blocks.export_program(p.entry(), name=f"block_{p.name}_t{T}", strict=False,
+                                      args=(weights, state, torch.zeros(1, T, hidden, dtype=dtype), torch.arange(T)))
         finally:
             for m, params, buffers in saved:
                 m._parameters.update(params)
                 m._buffers.update(buffers)
-    return aot.export(fxb)
+    both = aot.FxPrograms()
+    both.programs.update(fxb.programs)
+    both.programs.update(blocks.programs)
+    return aot.export(both)
 
 
 def compile_to(exported, path: Path) -> None:
-    """iree-compile (a subprocess: a failure raises CompilerToolError carrying its stderr)."""
+    """iree-compile the exported module into `path` (a subprocess: a failure raises
+    CompilerToolError carrying the compiler's stderr)."""
     import iree.compiler
 
     mlir = path.with_suffix(".mlirbc")
@@ -187,43 +200,46 @@ def _host(result) -> list[np.ndarray]:
 class IreeCandidate:
     block_mode = "isolated"
 
-    def __init__(self, model_vmfb: bytes, blocks_vmfb: bytes, which: dict, prompt_len: int, info: dict):
+    def __init__(self, vmfb: bytes, which: dict, prompt_len: int, info: dict):
         import iree.runtime as rt
 
         self.rt, self.config = rt, rt.Config("local-task")
-        self.model_vmfb, self.prompt_len, self.info = model_vmfb, prompt_len, info
-        self.model = None
-        self.blocks = self.module(blocks_vmfb)
-        # (layer, kind) -> (program, its weights as numpy, in the program's input order)
+        self.vmfb, self.prompt_len, self.info = vmfb, prompt_len, info
+        self.seq = None  # the context of the current sequence (prefill, then decode)
+        self.blocks = self.context()
+        # (layer, kind) -> (program, its weights as numpy in input order, its fresh state)
         self.which = {}
         for key, (p, call) in which.items():
-            tensors = p.tensors(call)
+            tensors = block_tensors(call)
             self.which[key] = (p, [tensors[n].detach().numpy() for n in p.weights],
                                [np.zeros(tuple(tensors[n].shape), np.float32) for n in p.state])
 
-    def module(self, vmfb: bytes):
+    def context(self):
+        """A fresh runtime context for the program: its globals (the model's state) initialised."""
         ctx = self.rt.SystemContext(config=self.config)
-        ctx.add_vm_module(self.rt.VmModule.copy_buffer(ctx.instance, vmfb))
+        ctx.add_vm_module(self.rt.VmModule.copy_buffer(ctx.instance, self.vmfb))
         return ctx.modules.module
 
     def prefill(self, tokens):
         if len(tokens) != self.prompt_len:
             raise ValueError(f"model.vmfb's prefill is compiled for {self.prompt_len} tokens, got {len(tokens)}")
-        self.model = self.module(self.model_vmfb)  # fresh globals: a new sequence
-        return _host(self.model.prefill(np.array([tokens], np.int64), np.arange(len(tokens), dtype=np.int64)))[0][0]
+        self.seq = self.context()  # a new sequence: fresh state
+        return _host(self.seq.prefill(np.array([tokens], np.int64), np.arange(len(tokens), dtype=np.int64)))[0][0]
 
     def decode(self, token, pos):
-        return _host(self.model.decode(np.array([[token]], np.int64), np.array([pos], np.int64)))[0][0, -1]
+        if self.seq is None:
+            raise RuntimeError("decode() before prefill(): no sequence")
+        return _host(self.seq.decode(np.array([[token]], np.int64), np.array([pos], np.int64)))[0][0, -1]
 
     def run_block(self, layer, kind, calls):
         p, weights, state = self.which[layer, kind]
         outs = []
         for c in calls:
-            T = c.x.shape[1]
-            if f"{p.name}_t{T}" not in self.blocks.vm_module.function_names:
-                raise ValueError(f"blocks.vmfb has no {p.name} program for {T} tokens")
-            res = self.blocks[f"{p.name}_t{T}"](*weights, *state, np.ascontiguousarray(c.x.numpy()),
-                                                c.pos.numpy().astype(np.int64))
+            entry = f"block_{p.name}_t{c.x.shape[1]}"
+            if entry not in self.blocks.vm_module.function_names:
+                raise ValueError(f"model.vmfb has no {entry} (compiled for T = {self.prompt_len} and 1)")
+            x, pos = np.ascontiguousarray(c.x.numpy()), c.pos.numpy().astype(np.int64)
+            res = self.blocks[entry](*weights, *state, x, pos)
             res = res if isinstance(res, (list, tuple)) else [res]
             n_out = len(res) - len(p.state)
             state = res[n_out:]  # device arrays, passed straight back
@@ -260,55 +276,51 @@ class IreeBackend:
             return None
         return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
 
-    def key(self, src, spec) -> dict:
+    def key(self, src, spec, model: Transformer, programs: dict) -> dict:
         return {"backend": "iree-llvm-cpu", "family": spec.family, "checkpoint": src.checkpoint_sha256,
                 "precision": spec.precision, "prompt_len": spec.prompt_len, "max_seq_len": src.args.max_seq_len,
-                "options": spec.options, "transform_id": self.transform_id, "versions": versions(*TOOLS),
-                "flags": FLAGS, "host_cpu": host_cpu(), "code": code_digest()}
+                "options": {k: v for k, v in spec.options.items() if k != "max_seq_len"},  # max_seq_len: above
+                "transform_id": self.transform_id, "versions": versions(*TOOLS), "flags": FLAGS,
+                "host_cpu": host_cpu(), "code": code_digest(self.transform is not None),
+                "model": model_digest(model),
+                "blocks": [(p.name, p.fingerprint) for p in programs.values()]}
 
-    def artifact(self, parts: dict, filename: str, build: Callable[[Path], None]) -> tuple[Artifact, bytes]:
-        if self.transform is not None and self.transform_id is None:  # unnamed transform: build, don't cache
-            tmp = Path(tempfile.mkdtemp(prefix="moe-oracle-iree-"))
-            try:
-                t = time.perf_counter()
-                build(tmp / filename)
-                data = (tmp / filename).read_bytes()
-                return Artifact(filename, "", sha256_file(tmp / filename), False, time.perf_counter() - t), data
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        a = cached_artifact("iree", parts, filename, build)
-        return a, Path(a.path).read_bytes()
-
-    def build(self, src, spec) -> Transformer:
+    def program(self, src, spec):
+        """(block programs, (layer, kind) -> (program, block), artifact, vmfb bytes): built
+        (export + compile) on a cache miss, else read from the cache."""
+        if spec.precision not in self.precisions:
+            raise ValueError(f"{self.name} runs {', '.join(self.precisions)} only, not {spec.precision}")
         m = src.build_production(torch.float32)
         if self.transform is not None:
             self.transform(m)
-        return m
+        programs, which = block_programs(m)
 
-    def model_artifact(self, m: Transformer, src, spec):
-        return self.artifact({**self.key(src, spec), "program": "model"}, "model.vmfb",
-                             lambda path: compile_to(export_model(m, spec.prompt_len), path))
+        def build(path: Path):
+            compile_to(export_program(m, programs, spec.prompt_len), path)
+
+        if self.transform is not None and self.transform_id is None:  # an unnamed transform: never cached
+            with tempfile.TemporaryDirectory(prefix="moe-oracle-iree-") as tmp:
+                t, path = time.perf_counter(), Path(tmp) / "model.vmfb"
+                build(path)
+                art = Artifact("model.vmfb", "", sha256_file(path), False, time.perf_counter() - t)
+                return programs, which, art, path.read_bytes()
+        art = cached_artifact("iree", self.key(src, spec, m, programs), "model.vmfb", build)
+        return programs, which, art, Path(art.path).read_bytes()
 
     def load(self, src, spec):
-        m = self.build(src, spec)
-        model_art, model_vmfb = self.model_artifact(m, src, spec)
-        programs, which = block_programs(m)
-        blocks = [(p.name, p.fingerprint) for p in programs.values()]
-        blocks_art, blocks_vmfb = self.artifact(
-            {**self.key(src, spec), "program": "blocks", "blocks": blocks}, "blocks.vmfb",
-            lambda path: compile_to(export_blocks(programs, spec.prompt_len, src.args.hidden_size, torch.float32), path))
+        programs, which, art, vmfb = self.program(src, spec)
         info = {"executor": f"iree.runtime {versions('iree-base-runtime')['iree-base-runtime']} local-task, "
                             f"llvm-cpu ({host_cpu()})",
                 "state": "model: module globals (prefill/decode); blocks: explicit inputs/results",
                 "block_programs": {p.name: sorted(f"{k[0]}.{k[1]}" if k[0] is not None else k[1]
                                                   for k, (q, _) in which.items() if q is p)
                                    for p in programs.values()},
-                "artifacts": [model_art.as_dict(), blocks_art.as_dict()]}
-        return IreeCandidate(model_vmfb, blocks_vmfb, which, spec.prompt_len, info)
+                "artifacts": [art.as_dict()]}
+        return IreeCandidate(vmfb, which, spec.prompt_len, info)
 
     def export(self, src, spec, output_dir: Path) -> list[Path]:
-        """`oracle export`: model.vmfb (prefill + decode over module globals) into output_dir."""
-        _, vmfb = self.model_artifact(self.build(src, spec), src, spec)
+        """`oracle export`: model.vmfb, the very program a check with these shapes runs."""
+        *_, vmfb = self.program(src, spec)
         out = Path(output_dir) / "model.vmfb"
         out.write_bytes(vmfb)
         return [out]

@@ -46,6 +46,7 @@ BUILTIN = {
     "executorch": "exporters.executorch:BACKEND",
     "executorch-cuda": "exporters.executorch_cuda:BACKEND",
     "executorch-metal": "exporters.executorch_metal:BACKEND",
+    "executorch-mlx": "exporters.executorch_mlx:BACKEND",
 }
 
 

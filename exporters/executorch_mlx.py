@@ -1,0 +1,395 @@
+"""`executorch-mlx`: the production model through ExecuTorch's MLX delegate.
+
+    production model (models/layers.py, a seeded fault applied first)
+      -> MLX source transformations (exporters/executorch_mlx_transforms.py)
+      -> torch.export (strict: the state buffers are updated in place)
+      -> to_edge_transform_and_lower(MLXPartitioner, the delegate's default passes) -> .pte
+      -> the ExecuTorch runtime with the MLX delegate (macOS), or this project's interpreter
+         of the MLX instruction graph on the `mlx` package (exporters/executorch_mlx_interp.py)
+
+The delegate is made importable from the pip wheel by exporters/executorch_mlx_setup.py.
+
+One method `forward(tokens [1, T], pos [T]) -> logits [1, T, V]`, T dynamic in [1, S - 1],
+as ExecuTorch's MLX LLM exports have it (prefill and decode are the same method; the KV
+cache, conv and recurrent state are the delegate's mutable buffers, carried across calls; a
+call at position 0 starts a new sequence). The check's program adds one method per block,
+each lowered the same way and fed the reference's inputs (`isolated` rows):
+`attention_<i>` and `layer_<i>` (x, pos; own state), `moe_<i>` (x -> moe, router weights,
+indices), `final_norm`, `logits`.
+
+Gated DeltaNet: the production graph uses the delegate's Metal kernel (MetalKernelNode) where
+the delegate can emit it (key head dim a multiple of 32; else its ScanNode fallback). A
+MetalKernelNode runs only on Metal, so the check's program uses the scan fallback unless the
+executor is the real runtime on a Mac; the gates and the structural golden always come from
+the production graph (the check program's own `forward` when both agree on the kernel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import platform
+import shutil
+import tomllib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from exporters.eager import DTYPES
+from models.layers import LINEAR, Transformer
+
+KIND = "executorch-mlx"
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("models/layers.py", "exporters/executorch_mlx.py", "exporters/executorch_mlx_transforms.py")
+EXECUTORS = ("auto", "interpreter", "runtime")
+MLX_METADATA = {"use_sdpa_with_kv_cache": False, "use_sampling": False}
+
+
+# ---------------------------------------------------------------- availability
+def missing() -> str | None:
+    """Why this backend cannot lower (or run) here, or None."""
+    from exporters.executorch import missing_executorch
+
+    problem = missing_executorch()
+    if problem:
+        return problem
+    try:
+        import mlx.core  # noqa: F401
+    except Exception as e:
+        return f"mlx is not installed ({type(e).__name__}: {e}); pip install 'moe-oracle[mlx]'"
+    from exporters.executorch_mlx_setup import delegate_problem
+
+    return delegate_problem()
+
+
+def runtime_has_mlx() -> bool:
+    """An ExecuTorch runtime with the MLX delegate registered (macOS builds with it)."""
+    try:
+        from executorch.runtime import Runtime
+
+        return Runtime.get().backend_registry.is_available("MLXBackend")
+    except Exception:
+        return False
+
+
+def executor_of(spec) -> str:
+    """interpreter or runtime, from --option executor=auto|interpreter|runtime."""
+    want = spec.options.get("executor", "auto")
+    if want not in EXECUTORS:
+        from oracle.check import InputError
+
+        raise InputError(f"backend {spec.backend}: executor {want!r} is not one of {', '.join(EXECUTORS)}")
+    if want == "runtime" and not runtime_has_mlx():
+        from oracle.check import InputError
+
+        raise InputError(f"backend {spec.backend}: executor=runtime: this ExecuTorch runtime has no MLX delegate "
+                         f"(registered: {registered_backends()})")
+    if want == "auto":
+        return "runtime" if runtime_has_mlx() else "interpreter"
+    return want
+
+
+def registered_backends() -> str:
+    try:
+        from executorch.runtime import Runtime
+
+        return ", ".join(Runtime.get().backend_registry.registered_backend_names)
+    except Exception as e:
+        return f"unknown ({type(e).__name__})"
+
+
+def uses_kernel(args) -> bool:
+    """Whether the production graph has the Gated DeltaNet Metal kernel (the delegate emits it
+    for a key head dim that is a multiple of 32, its SIMD width)."""
+    return LINEAR in args.layer_types and args.linear_key_head_dim % 32 == 0
+
+
+def metal_here() -> bool:
+    try:
+        import mlx.core as mx
+
+        return platform.system() == "Darwin" and mx.metal.is_available()
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------- the program
+class Block(nn.Module):
+    """One block of the model as a method: x [1, T, H] (+ pos [T]) -> its output."""
+
+    def __init__(self, name: str, module: nn.Module, kind: str):
+        super().__init__()
+        # the module under the method's name: the delegate keys its constants by a hash of the
+        # graph and their names, and the graphs of two layers' blocks are otherwise the same
+        self.add_module(name, module)
+        self.name, self.kind = name, kind
+
+    def forward(self, x, pos=None):
+        block = getattr(self, self.name)
+        if self.kind in ("attention", "layer"):
+            return block(x, pos)
+        if self.kind == "moe":  # the MoE block and its router: (moe [1, T, H], weights [T, k], indices [T, k])
+            w, idx = block.gate(x.reshape(-1, x.shape[-1]))
+            return block(x), w, idx
+        return block(x)
+
+
+def export_methods(model: Transformer, check: bool) -> dict:
+    """torch.export (strict) of `forward`, and for the check's program of every block."""
+    from torch.export import Dim, export
+
+    a = model.args
+    S, dtype = a.max_seq_len, model.embed_tokens.weight.dtype
+    T = Dim("T", min=1, max=S - 1)
+    x, pos = torch.zeros(1, 2, a.hidden_size, dtype=dtype), torch.arange(2)
+    with torch.no_grad():
+        out = {"forward": export(model, (torch.zeros(1, 2, dtype=torch.long), pos),
+                                 dynamic_shapes=({1: T}, {0: T}), strict=True)}
+        if check:
+            blocks = [Block("final_norm", model.norm, "final_norm"), Block("logits", model.lm_head, "logits")]
+            for i, layer in enumerate(model.layers):
+                blocks += [Block(f"attention_{i}", layer.attn, "attention"), Block(f"moe_{i}", layer.mlp, "moe"),
+                           Block(f"layer_{i}", layer, "layer")]
+            for b in blocks:
+                stateful = b.kind in ("attention", "layer")
+                out[b.name] = export(b, (x, pos) if stateful else (x,),
+                                   dynamic_shapes=({1: T}, {0: T}) if stateful else ({1: T},), strict=True)
+    return out
+
+
+def metadata(model: Transformer) -> dict:
+    from exporters.executorch import metadata as et_metadata
+
+    return {**et_metadata(model), **MLX_METADATA, "get_max_prefill_chunk": model.args.max_seq_len - 1}
+
+
+def lower(methods: dict, model: Transformer):
+    """MLX partitioner with the delegate's default passes, as ExecuTorch's MLX LLM exports lower."""
+    from executorch.backends.mlx import MLXPartitioner
+    from executorch.backends.mlx.passes import get_default_passes
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    edge = to_edge_transform_and_lower(
+        methods, transform_passes=get_default_passes(), partitioner=[MLXPartitioner()],
+        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+        constant_methods=metadata(model))
+    return edge.to_executorch(ExecutorchBackendConfig(
+        extract_delegate_segments=True, memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False)))
+
+
+def source_digest() -> str:
+    h = hashlib.sha256()
+    for f in SOURCES:
+        h.update((ROOT / f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- gates and structure
+def node_histogram(pte: Path, method: str = "forward") -> dict[str, int]:
+    """Instructions per MLX node type over every chain of every MLX delegate of `method`."""
+    from exporters.executorch_mlx_interp import graphs
+
+    out = {}
+    for g in graphs(Path(pte).read_bytes(), method):
+        for name, n in g.histogram().items():
+            out[name] = out.get(name, 0) + n
+    return dict(sorted(out.items()))
+
+
+def histogram_text(hist: dict[str, int]) -> str:
+    """The structural golden: one `<node type> <count>` line per node type, sorted, and the total."""
+    lines = ["# MLX delegate instructions of the production program's `forward`, every chain (node type, count)"]
+    lines += [f"{k} {v}" for k, v in sorted(hist.items())] + [f"total {sum(hist.values())}"]
+    return "\n".join(lines) + "\n"
+
+
+def node_gates(family: str, hist: dict[str, int], where: str) -> list:
+    """goldens/<family>/executorch-mlx/gates.toml: [max] and [min] node counts ("A+B" sums)."""
+    from oracle.goldens import golden_dir
+    from oracle.result import GateRow
+
+    path = golden_dir(family, KIND) / "gates.toml"
+    if not path.is_file():
+        return []
+    doc = tomllib.loads(path.read_text())
+    rows = []
+    for bound, sign in (("max", "<="), ("min", ">=")):
+        for name, limit in doc.get(bound, {}).items():
+            count = sum(hist.get(n, 0) for n in name.split("+"))
+            ok = count <= limit if bound == "max" else count >= limit
+            rows.append(GateRow(f"mlx_nodes:{name} {sign} {limit}", "pass" if ok else "fail", count, limit,
+                                f"{name}: {count} in the lowered MLX graph ({where}); limit {sign} {limit} "
+                                f"(goldens/{family}/{KIND}/gates.toml)"))
+    return rows
+
+
+# ---------------------------------------------------------------- running it
+class RuntimeProgram:
+    """The real ExecuTorch runtime (with the MLX delegate), with the interpreter's interface."""
+
+    def __init__(self, pte: Path):
+        from executorch.runtime import Runtime
+
+        self.path = pte
+        self.program = Runtime.get().load_program(str(pte))
+        self.method_names = set(self.program.method_names)
+        self.methods = {}
+
+    def load_method(self, name: str):
+        return self.program.load_method(name)
+
+
+class MlxCandidate:
+    """forward (prefill / decode) and the block methods of the check's program."""
+
+    block_mode = "isolated"
+
+    def __init__(self, program, info: dict, dtype, production_hist: dict, family: str, tiny: bool):
+        self.program, self.info, self.dtype = program, info, dtype
+        self.hist, self.family, self.tiny = production_hist, family, tiny
+        self.loaded = {}
+
+    def fresh(self, name: str):
+        """The method with its state fresh (zeroed buffers), as at load."""
+        m = self.loaded.get(name)
+        if m is not None and hasattr(m, "reset"):
+            m.reset()
+        else:  # the runtime: a method loaded anew starts from zeroed buffers
+            m = self.loaded[name] = self.program.load_method(name)
+        return m
+
+    def call(self, name: str, *args):
+        return self.loaded[name].execute(list(args))
+
+    @torch.no_grad()
+    def prefill(self, tokens):
+        self.fresh("forward")
+        return self.call("forward", torch.tensor([tokens]), torch.arange(len(tokens)))[0][0]
+
+    @torch.no_grad()
+    def decode(self, token, pos):
+        return self.call("forward", torch.tensor([[token]]), torch.tensor([pos]))[0][0, -1]
+
+    @torch.no_grad()
+    def run_block(self, layer, kind, calls):
+        name = {"router": f"moe_{layer}", "moe": f"moe_{layer}", "attention": f"attention_{layer}",
+                "layer": f"layer_{layer}"}.get(kind, kind)
+        if name not in self.program.method_names:
+            return None
+        self.fresh(name)
+        out = []
+        for c in calls:
+            x = c.x.reshape(1, -1, c.x.shape[-1]).to(self.dtype)
+            if kind in ("attention", "layer"):
+                out.append(self.call(name, x, c.pos)[0])
+            elif kind in ("router", "moe"):
+                moe, w, idx = self.call(name, x)
+                out.append((w, idx) if kind == "router" else moe)
+            else:
+                out.append(self.call(name, x)[0])
+        return out
+
+    def gates(self):
+        if not self.tiny:  # the limits are the tiny model's
+            return []
+        return node_gates(self.family, self.hist, "production program, forward, all chains")
+
+    def structures(self):
+        return {"mlx_nodes": histogram_text(self.hist)}
+
+
+class ExecutorchMlxBackend:
+    """`transform(model)` modifies the built production model before the MLX source
+    transformations (how faults are injected); `transform_id` names it in the cache key."""
+
+    name = KIND
+    precisions = ("fp32", "bf16")
+
+    def __init__(self, name: str | None = None, transform=None, transform_id: str | None = None):
+        if transform is not None and not transform_id:
+            raise ValueError("a transform needs a transform_id (it is part of the artifact cache key)")
+        self.name, self.transform, self.transform_id = name or KIND, transform, transform_id
+
+    def with_fault(self, fault):
+        """This backend with a seeded fault (models/faults.py) injected before the MLX transformations."""
+        if fault.precision not in self.precisions:
+            return None
+        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
+
+    def availability(self):
+        reason = missing()
+        return (False, reason) if reason else (True, "")
+
+    def check_options(self, spec) -> str | None:
+        want = spec.options.get("executor", "auto")
+        if want not in EXECUTORS:
+            return f"executor {want!r} is not one of {', '.join(EXECUTORS)}"
+        return None
+
+    def production_model(self, model, spec, use_custom_kernel: bool) -> Transformer:
+        from exporters.executorch_mlx_setup import import_delegate
+        from exporters.executorch_mlx_transforms import mlx_source_transformations
+
+        import_delegate()
+        m = model.build_production(DTYPES[spec.precision])
+        if self.transform is not None:
+            self.transform(m)
+        return mlx_source_transformations(m, use_custom_kernel=use_custom_kernel)
+
+    def artifact(self, model, spec, check: bool, kernel: bool):
+        """The check's program (forward + blocks) or the production program (forward), cached."""
+        from oracle.artifacts import cached_artifact, versions
+
+        program = "check" if check else "production"
+        parts = {"backend": KIND, "program": program, "family": spec.family, "precision": spec.precision,
+                 "checkpoint": model.checkpoint_sha256, "args": repr(model.args), "kernel": kernel,
+                 "transform_id": self.transform_id, "source": source_digest(),
+                 "versions": versions("torch", "executorch", "mlx", "torchao")}
+
+        def build(path: Path):
+            m = self.production_model(model, spec, kernel)
+            prog = lower(export_methods(m, check), m)
+            path.write_bytes(prog.buffer)
+            if prog._tensor_data:
+                prog.write_tensor_data_to_file(str(path.parent))
+
+        return cached_artifact(KIND, parts, "model.pte", build, name=f"{spec.family}.{spec.precision}.{program}.pte")
+
+    def load(self, model, spec):
+        executor = executor_of(spec)
+        kernel = uses_kernel(model.args)
+        run_kernel = kernel and executor == "runtime" and metal_here()
+        check = self.artifact(model, spec, True, run_kernel)
+        arts = [check]
+        prod = check
+        if run_kernel != kernel:  # the production graph differs from the executed one (Metal kernel)
+            prod = self.artifact(model, spec, False, kernel)
+            arts.append(prod)
+        hist = node_histogram(Path(prod.path))
+        if executor == "runtime":
+            program = RuntimeProgram(Path(check.path))
+            how = f"executorch {importlib.metadata.version('executorch')} runtime (MLX delegate)"
+        else:
+            from exporters.executorch_mlx_interp import Program
+
+            program = Program.load(check.path)
+            how = (f"moe-oracle MLX-graph interpreter on mlx {importlib.metadata.version('mlx')} (cpu), "
+                   f"ExecuTorch {importlib.metadata.version('executorch')} MLX delegate graph")
+        info = {"executor": how, "gated_delta_rule": ("scan fallback" if not run_kernel else "Metal kernel")
+                + (f" (production graph: {'Metal kernel' if kernel else 'scan fallback'})" if kernel != run_kernel else ""),
+                "methods": sorted(program.method_names), "artifacts": [a.as_dict() for a in arts]}
+        return MlxCandidate(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None)
+
+    def export(self, model, spec, output_dir) -> list[Path]:
+        """The production program (forward only, the Metal kernel where the delegate emits it)."""
+        pte = Path(self.artifact(model, spec, False, uses_kernel(model.args)).path)
+        out = []
+        for f in [pte, *sorted(pte.parent.glob("*.ptd"))]:
+            out.append(Path(output_dir) / f.name)
+            shutil.copyfile(f, out[-1])
+        return out
+
+
+BACKEND = ExecutorchMlxBackend()

@@ -1,0 +1,226 @@
+"""The MLX source transformations of the production model (models/layers.py), in the spirit of
+ExecuTorch's `examples/models/qwen3_5_moe/mlx_source_transformations.py`:
+
+- RMSNorm (plain, (1 + w), gated) -> `F.rms_norm` (MLX `fast::rms_norm`), no fp32 casts; the
+  (1 + w) offset folded into the weight once
+- router: softmax / top-k / renormalisation in the model's dtype (no fp32 casts)
+- stacked experts -> `mlx::moe_gather_inputs` + `mlx::gather_mm` (ExecuTorch's SwitchLinear,
+  gate / up / down) + `mlx::moe_scatter_outputs`, sorted by expert for prefill
+- RoPE -> `mlx::rope` (base theta; explicit frequencies only when the module's differ from it)
+- KV cache -> `mlx::kv_cache_update`; causal attention -> `mlx::custom_sdpa` (MLX `fast::sdpa`)
+- Gated DeltaNet -> the `mlx::gated_delta_rule` custom op, without fp32 casts, its recurrent
+  state in the model's dtype (MetalKernelNode, or ScanNode with `use_custom_kernel=False`)
+
+Each replacement overrides one method of one module instance, the same methods the seeded
+faults (models/faults.py) override. A method a fault has already overridden on an instance
+is left alone (`swap` returns False), so a fault injected before the transformations stays in
+the lowered program, computed by the production model's own torch code.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from models.layers import Attention, Experts, GatedDeltaNet, GatedRMSNorm, RMSNorm, Router, Transformer
+
+
+def swap(obj, name: str, fn) -> bool:
+    """Override `obj.name` with `fn` bound to `obj`, unless the instance already overrides it."""
+    if name in obj.__dict__:
+        return False
+    setattr(obj, name, types.MethodType(fn, obj))
+    return True
+
+
+def start_of(pos, limit: int):
+    """The first position of the call as a SymInt (what the MLX ops take), bounded for export."""
+    start = pos[0].item()
+    torch._check(start >= 0)
+    torch._check(start + pos.shape[0] <= limit)
+    return start
+
+
+# ---------------------------------------------------------------- norms
+def rms_norm_forward(self, x):
+    return F.rms_norm(x, (x.shape[-1],), self.mlx_weight, self.eps)
+
+
+def gated_rms_norm_forward(self, x, z):
+    return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps) * F.silu(z)
+
+
+def transform_norm(norm: RMSNorm) -> None:
+    if "forward" in norm.__dict__:
+        return
+    w = norm.weight.detach().float()
+    norm.register_buffer("mlx_weight", ((1.0 + w) if norm.offset else w).to(norm.weight.dtype))
+    swap(norm, "forward", rms_norm_forward)
+
+
+# ---------------------------------------------------------------- router and experts
+def route(self, logits):
+    w, idx = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    if self.norm_topk:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, idx
+
+
+def transform_router(router: Router) -> None:
+    swap(router, "route", route)  # weights in the model's dtype: Router.forward's cast is a no-op
+
+
+def expert_mlp(self, x, idx):  # x [N, H], idx [N, k] -> [N, k, H]
+    k = idx.shape[-1]
+    xs, flat, srt, inv = torch.ops.mlx.moe_gather_inputs(x, idx, k, self.sort_cutoff)
+    h = F.silu(self.gate(xs, flat, sorted_indices=srt)) * self.up(xs, flat, sorted_indices=srt)
+    return torch.ops.mlx.moe_scatter_outputs(self.down(h, flat, sorted_indices=srt), srt, inv, k)
+
+
+def transform_experts(ex: Experts, sort_cutoff: int = 1) -> None:
+    """Stacked [E, out, in] weights -> ExecuTorch's SwitchLinear ([E, in, out] for gather_mm)."""
+    from executorch.backends.mlx.llm.switch import SwitchLinear
+
+    if "expert_mlp" in ex.__dict__:
+        return
+    E, I2, H = ex.gate_up_proj.shape
+    I = I2 // 2
+    for name, w in (("gate", ex.gate_up_proj[:, :I]), ("up", ex.gate_up_proj[:, I:]), ("down", ex.down_proj)):
+        lin = SwitchLinear(w.shape[2], w.shape[1], E).to(w.dtype)
+        with torch.no_grad():
+            for e in range(E):
+                lin.experts[e].weight.copy_(w[e])
+        lin.pack()  # [E, in, out] buffer
+        setattr(ex, name, lin)
+    ex.sort_cutoff = sort_cutoff  # sort tokens by expert when more than this many (prefill)
+    swap(ex, "expert_mlp", expert_mlp)
+    del ex.gate_up_proj, ex.down_proj
+
+
+# ---------------------------------------------------------------- attention
+def rope_forward(self, x, pos):  # x [B, h, T, hd]
+    start = start_of(pos, self.mlx_limit)
+    return torch.ops.mlx.rope(x, self.rotary_dim, start, False, self.mlx_base, 1.0, self.mlx_freqs)
+
+
+def transform_rope(rope, theta: float, limit: int) -> None:
+    rd = rope.rotary_dim
+    standard = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
+    rope.mlx_limit, rope.mlx_base, rope.mlx_freqs = limit, float(theta), None
+    if not torch.equal(rope.inv_freq, standard):  # a module with other frequencies than theta's
+        rope.mlx_freqs = 1.0 / rope.inv_freq.detach()
+    swap(rope, "forward", rope_forward)
+
+
+def update_cache(self, k, v, pos):
+    start = start_of(pos, self.k_cache.shape[2])
+    torch.ops.mlx.kv_cache_update(self.k_cache, k, start)
+    torch.ops.mlx.kv_cache_update(self.v_cache, v, start)
+    return self.k_cache[:, :, :, :], self.v_cache[:, :, :, :]
+
+
+def mask_positions(self, pos):
+    """The MLX attention takes the causal mask as the call's positions (see `attend`)."""
+    return pos
+
+
+def attend(self, q, kc, vc, pos):  # pos: what `mask_positions` returned
+    B, _, T, _ = q.shape
+    start = start_of(pos, kc.shape[2])
+    y = torch.ops.mlx.custom_sdpa(q, kc, vc, start, None, 0.0, True, self.scale)  # [B, nh, T, hd]
+    return y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+
+
+def transform_attention(attn: Attention, theta: float) -> None:
+    S = attn.k_cache.shape[2]
+    if "forward" not in attn.rope.__dict__:
+        transform_rope(attn.rope, theta, S)
+    swap(attn, "update_cache", update_cache)
+    # the causal mask and the attention together, or neither (a fault in one keeps both in torch)
+    if attn.window is None and "mask" not in attn.__dict__ and "attend" not in attn.__dict__:
+        swap(attn, "mask", mask_positions)
+        swap(attn, "attend", attend)
+
+
+# ---------------------------------------------------------------- Gated DeltaNet
+def gdn_forward(self, x, pos):  # x [B, T, H], pos [T]
+    B, T, _ = x.shape
+    self.reset_at_start(pos)
+    z = self.in_proj_z(x).view(B, T, self.nv, self.dv)
+    b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, nv]
+    conv = self.conv(self.in_proj_qkv(x).transpose(1, 2)).transpose(1, 2)  # [B, T, C]
+    q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    # l2norm(x, eps) = rms_norm(x, eps / dk) / sqrt(dk); q also carries the dk^-1/2 attention scale
+    # (the scales as tensors of the model's dtype: a Python float becomes an fp32 constant and a cast)
+    scale = torch.tensor(self.dk**-0.5, dtype=x.dtype)
+    q = F.rms_norm(q.reshape(B, T, self.nk, self.dk), (self.dk,), None, 1e-6 / self.dk) * (scale * scale)
+    k = F.rms_norm(k.reshape(B, T, self.nk, self.dk), (self.dk,), None, 1e-6 / self.dk) * scale
+    beta = torch.sigmoid(b)
+    ab = a + self.dt_bias
+    g = -torch.exp(self.A_log) * torch.logaddexp(ab, torch.zeros_like(ab))  # log decay (softplus)
+    o = self.delta_rule(q, k, v.reshape(B, T, self.nv, self.dv), g, beta)  # [B, T, nv, dv]
+    o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(B, T, self.value_dim)
+    return self.out_proj(o)
+
+
+def reset_at_start(self, pos):
+    keep = (pos[0] != 0).to(self.conv_state.dtype)  # a call at position 0 starts a new sequence
+    self.conv_state.mul_(keep)
+    self.recurrent_state.mul_(keep)
+
+
+def delta_rule(self, q, k, v, g, beta):
+    """q, k [B, T, nk, dk], v [B, T, nv, dv], g (log decay), beta [B, T, nv] -> [B, T, nv, dv]."""
+    return torch.ops.mlx.gated_delta_rule(q, k, v, torch.exp(g), beta, self.recurrent_state, self.use_custom_kernel)
+
+
+def delta_rule_torch_layout(self, q, k, v, g, beta):
+    """The production model's own delta_rule (overridden by a fault): its layout, fp32 and state."""
+    t = lambda u: u.transpose(1, 2).float()  # noqa: E731
+    rep = self.nv // self.nk
+    q, k = (u.repeat_interleave(rep, dim=2) if rep > 1 else u for u in (q, k))
+    return self.mlx_torch_delta_rule(t(q), t(k), t(v), t(g), t(beta)).transpose(1, 2).to(v.dtype)
+
+
+def transform_gdn(gdn: GatedDeltaNet, dtype, use_custom_kernel: bool) -> None:
+    """The recurrent state moves to the model's dtype and to the op's layout [B, nv, dv, dk]."""
+    if "forward" in gdn.__dict__:
+        return
+    gdn.use_custom_kernel = use_custom_kernel
+    if "delta_rule" in gdn.__dict__:  # a fault: its own delta rule, on the production state
+        gdn.mlx_torch_delta_rule = gdn.delta_rule
+        del gdn.delta_rule
+        swap(gdn, "delta_rule", delta_rule_torch_layout)
+    else:
+        state = gdn.recurrent_state.transpose(-1, -2).contiguous().to(dtype)
+        del gdn.recurrent_state
+        gdn.register_buffer("recurrent_state", state)
+        swap(gdn, "delta_rule", delta_rule)
+        swap(gdn, "reset_at_start", reset_at_start)
+    swap(gdn, "forward", gdn_forward)
+    swap(gdn.norm, "forward", gated_rms_norm_forward)
+
+
+# ---------------------------------------------------------------- the model
+def mlx_source_transformations(model: Transformer, use_custom_kernel: bool = True) -> Transformer:
+    """Apply every transformation the model has modules for (in place); returns the model."""
+    import executorch.backends.mlx.custom_kernel_ops.gated_delta_rule  # noqa: F401  registers the op
+    import executorch.backends.mlx.custom_ops  # noqa: F401  registers mlx::rope, gather_mm, ...
+
+    dtype = model.embed_tokens.weight.dtype
+    for m in list(model.modules()):
+        if isinstance(m, RMSNorm):
+            transform_norm(m)
+        elif isinstance(m, GatedRMSNorm):
+            pass  # with its Gated DeltaNet
+        elif isinstance(m, Router):
+            transform_router(m)
+        elif isinstance(m, Experts):
+            transform_experts(m)
+        elif isinstance(m, Attention):
+            transform_attention(m, model.args.rope_theta)
+        elif isinstance(m, GatedDeltaNet):
+            transform_gdn(m, dtype, use_custom_kernel)
+    return model

@@ -1,0 +1,195 @@
+"""`iree-llvm-cpu`: real numbers against the HF fp32 reference. Compiled programs are shared
+through the artifact cache (conftest.py puts it inside the checkout), so only the first
+session compiles; every check here also runs cached in a later session."""
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("iree.runtime", reason="iree is not installed (pip install 'moe-oracle[iree]')")
+pytest.importorskip("iree.turbine.aot", reason="iree-turbine is not installed (pip install 'moe-oracle[iree]')")
+
+import exporters.iree as iree_backend  # noqa: E402
+from exporters.iree import BACKEND, IreeBackend, block_programs  # noqa: E402
+from models import faults  # noqa: E402
+from oracle.check import CheckSpec, model_source, run_check  # noqa: E402
+
+NAME = "iree-llvm-cpu"
+
+
+def _spec(family):
+    return CheckSpec(family=family, backend=NAME)
+
+
+def _timed_check(spec, backend=BACKEND):
+    t = time.perf_counter()
+    r = run_check(spec, backend)
+    return r, time.perf_counter() - t
+
+
+@pytest.fixture(scope="session")
+def qwen2_runs():
+    """The same check twice: (first, its seconds, second, its seconds)."""
+    first, t1 = _timed_check(_spec("qwen2_moe"))
+    second, t2 = _timed_check(_spec("qwen2_moe"))
+    return first, t1, second, t2
+
+
+def _assert_pass(r):
+    assert r.status == "pass", r.error or r.worst
+    assert r.blocks and all(b.status == "pass" for b in r.blocks)
+    assert r.e2e.token_exact and len(r.e2e.steps) == 9  # prefill + 8 decode steps
+    assert max(b.ratio for b in r.blocks) < 0.5  # well inside the fp32 limits, not marginal
+
+
+def test_available():
+    assert BACKEND.availability() == (True, "")
+
+
+def test_missing_package_is_a_reason_not_a_traceback(monkeypatch):
+    monkeypatch.setattr(iree_backend, "versions", lambda *p: {n: None if n == "iree-base-runtime" else "1" for n in p})
+    ok, reason = BACKEND.availability()
+    assert not ok and "iree-base-runtime not installed" in reason
+
+
+def test_qwen2_moe_passes_blocks_and_e2e(qwen2_runs):
+    first, _, _, _ = qwen2_runs
+    _assert_pass(first)
+    assert first.e2e.steps[0]["max_abs"] < 1e-5
+    assert [a["name"] for a in first.cache["artifacts"]] == ["model.vmfb"]
+    # one program per block kind, run for both layers
+    assert first.provenance["backend"]["block_programs"]["moe0"] == ["0.moe", "1.moe"]
+
+
+def test_second_run_is_cached_and_fast(qwen2_runs):
+    first, t1, second, t2 = qwen2_runs
+    _assert_pass(second)
+    assert second.cache["all_cached"]
+    assert all(a["build_s"] == 0 for a in second.cache["artifacts"])
+    if not first.cache["all_cached"]:  # a cold first run: the warm one takes a fraction of it
+        assert t2 < t1 / 4, (t1, t2)
+
+
+def test_qwen3_5_moe_passes():
+    """Gated DeltaNet conv and recurrent state: module globals in the model, explicit in blocks."""
+    r, _ = _timed_check(_spec("qwen3_5_moe"))
+    _assert_pass(r)
+    programs = r.provenance["backend"]["block_programs"]
+    assert programs["attention0"] == ["0.attention", "1.attention", "2.attention"]  # Gated DeltaNet
+    assert programs["attention1"] == ["3.attention"]  # full attention
+
+
+def test_prefill_starts_a_new_sequence(qwen2_runs):
+    src = model_source(_spec("qwen2_moe"))
+    cand = BACKEND.load(src, _spec("qwen2_moe"))  # cached by qwen2_runs
+    prompt = list(range(3, 11))
+    a = cand.prefill(prompt)
+    d1 = [cand.decode(t, 8 + i) for i, t in enumerate((5, 7))]
+    b = cand.prefill(prompt)
+    d2 = [cand.decode(t, 8 + i) for i, t in enumerate((5, 7))]
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.stack(d1), np.stack(d2))
+    eager = src.build_production(torch.float32)
+    with torch.no_grad():
+        ref = eager(torch.tensor([prompt]), torch.arange(8))[0]
+    np.testing.assert_allclose(a, ref.numpy(), atol=1e-5)
+
+
+def test_faulted_layer_gets_its_own_program():
+    src = model_source(_spec("qwen3_5_moe"))
+    m = src.build_production(torch.float32)
+    faults.get("gdn_state_not_carried").inject(m)  # patches layer 2's Gated DeltaNet
+    programs, which = block_programs(m)
+    assert which[0, "attention"][0] is which[1, "attention"][0]
+    assert which[2, "attention"][0] is not which[0, "attention"][0]
+    assert which[2, "layer"][0] is not which[0, "layer"][0]
+    assert which[2, "moe"][0] is which[0, "moe"][0]  # untouched blocks still share
+
+
+def test_not_causal_attention_fails_at_that_block():
+    """The known IREE trap: a mask that silently stops being causal must fail the check."""
+    fault = faults.get("attention_not_causal")
+    spec = _spec("qwen2_moe")
+    r, _ = _timed_check(spec, BACKEND.with_fault(fault))
+    assert r.status == "fail" and r.e2e.status == "fail"
+    assert fault.layer(model_source(spec).args) == 1
+    assert (r.worst["layer"], r.worst["kind"]) == (1, "attention")
+    assert r.worst["ratio"] > 10
+
+
+def test_faults_survive_export_and_fail_exactly_their_blocks():
+    """Two faults in one program (one compile): a patched method in a stateful block (the
+    Gated DeltaNet state of layer 2 not carried) and a changed buffer (layer 3's RoPE
+    inv_freq, a program input). Exactly the blocks containing them fail."""
+    gdn, rope = faults.get("gdn_state_not_carried"), faults.get("rope_theta_wrong")
+
+    def both(model):
+        gdn.inject(model)
+        rope.inject(model)
+
+    spec = _spec("qwen3_5_moe")
+    r, _ = _timed_check(spec, IreeBackend(transform=both, transform_id="gdn_state_not_carried+rope_theta_wrong"))
+    assert r.status == "fail" and r.e2e.status == "fail"
+    failed = {(b.layer, b.kind) for b in r.blocks if b.status == "fail"}
+    assert failed == {(2, "attention"), (2, "layer"), (3, "attention"), (3, "layer")}
+    row = next(b for b in r.blocks if (b.layer, b.kind) == (2, "attention"))
+    assert row.metrics["first_divergence"]["index"][0] >= 8  # state lost between calls: prefill rows match
+
+
+def _histc(model):
+    """An op IREE cannot legalize (torch.aten.histc) inside the final norm."""
+    norm = model.norm
+    fwd = type(norm).forward
+    norm.forward = lambda x: fwd(norm, x) + 0 * torch.histc(x, bins=4).sum()
+
+
+HISTC = IreeBackend(name="iree-histc", transform=_histc)  # no transform_id: never cached
+
+
+def test_compile_failure_is_an_error_with_the_compilers_message(cli, tmp_path):
+    out = tmp_path / "r.json"
+    p = cli("check", "--family", "qwen2_moe", "--backend", "tests.test_iree:HISTC", "--json", str(out))
+    assert p.returncode == 4, p.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["status"] == "error"
+    for text in ("iree-compile", "failed to legalize", "torch.aten.histc"):  # the compiler's own diagnostics
+        assert text in doc["error"]
+
+
+def test_runtime_error_is_an_error(qwen2_runs, tmp_path, monkeypatch):
+    """A corrupt cached program: iree.runtime's message ends up in the result."""
+    _, _, second, _ = qwen2_runs
+    cache = tmp_path / "cache"
+    for a in second.cache["artifacts"]:
+        src_dir = Path(a["path"]).parent
+        dst = cache / "artifacts" / "iree" / src_dir.name
+        shutil.copytree(src_dir, dst)
+        (dst / a["name"]).write_bytes(b"not a vmfb" * 100)
+    shutil.copytree(Path(second.provenance["checkpoint"]["dir"]).parent, cache / "checkpoints")
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(cache))
+    r = run_check(_spec("qwen2_moe"))
+    assert r.status == "error" and r.error.startswith("load:")
+    assert "flatbuffer" in r.error.lower() or "invalid" in r.error.lower(), r.error[:500]
+
+
+def test_export_writes_vmfb_and_manifest(cli, tmp_path, qwen2_runs):
+    p = cli("export", "--family", "qwen2_moe", "--backend", NAME, "--output-dir", str(tmp_path), "--tiny-test",
+            "--max-seq-len", "16", "--prompt-len", "8")  # the check's shapes: the cached program
+    assert p.returncode == 0, p.stderr[-2000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["family"] == "qwen2_moe" and set(manifest["files"]) == {"model.vmfb"}
+    vmfb = (tmp_path / "model.vmfb").read_bytes()
+    assert manifest["files"]["model.vmfb"]["sha256"] == hashlib.sha256(vmfb).hexdigest()
+    # the very program the check ran (and its sha256 in the check's provenance)
+    assert manifest["files"]["model.vmfb"]["sha256"] == qwen2_runs[2].provenance["artifacts"][0]["sha256"]
+    import iree.runtime as rt
+
+    ctx = rt.SystemContext(config=rt.Config("local-task"))
+    ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
+    assert {"prefill", "decode", "block_moe0_t1"} <= set(ctx.modules.module.vm_module.function_names)
