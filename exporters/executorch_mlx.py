@@ -1,31 +1,31 @@
 """`executorch-mlx`: the production model through ExecuTorch's MLX delegate.
 
     production model (models/layers.py, a seeded fault applied first)
-      -> MLX source transformations (exporters/executorch_mlx_transforms.py)
-      -> torch.export (strict: the state buffers are updated in place)
-      -> to_edge_transform_and_lower(MLXPartitioner, the delegate's default passes) -> .pte
-      -> the ExecuTorch runtime with the MLX delegate (macOS), or this project's interpreter
-         of the MLX instruction graph on the `mlx` package (exporters/executorch_mlx_interp.py)
+      -> MLX source transformations, torch.export, MLX partitioner   (executorch_mlx_export.py)
+      -> .pte, cached by content hash
+      -> the ExecuTorch runtime with the MLX delegate (macOS builds that have it), or this
+         project's interpreter of the MLX instruction graph on `mlx`  (executorch_mlx_interp.py)
 
-The delegate is made importable from the pip wheel by exporters/executorch_mlx_setup.py.
+The delegate is made importable from the pip wheel by executorch_mlx_setup.py.
 
-One method `forward(tokens [1, T], pos [T]) -> logits [1, T, V]`, T dynamic in [1, S - 1],
-as ExecuTorch's MLX LLM exports have it (prefill and decode are the same method; the KV
-cache, conv and recurrent state are the delegate's mutable buffers, carried across calls; a
-call at position 0 starts a new sequence). The check's program adds one method per block,
-each lowered the same way and fed the reference's inputs (`isolated` rows):
-`attention_<i>` and `layer_<i>` (x, pos; own state), `moe_<i>` (x -> moe, router weights,
-indices), `final_norm`, `logits`.
+The check's program is the production program's `forward` plus one method per block, each
+lowered the same way and fed the reference's inputs (`isolated` rows): `attention_<i>` and
+`layer_<i>` (x, pos; their own state, fresh at a block's first call), `moe_<i>` (x -> moe,
+router weights, indices: the router and moe rows and the expert-coverage probes), `final_norm`,
+`logits`. e2e runs `forward`: prefill at position 0 (fresh state), then one call per token.
 
 Gated DeltaNet: the production graph uses the delegate's Metal kernel (MetalKernelNode) where
-the delegate can emit it (key head dim a multiple of 32; else its ScanNode fallback). A
-MetalKernelNode runs only on Metal, so the check's program uses the scan fallback unless the
-executor is the real runtime on a Mac; the gates and the structural golden always come from
-the production graph (the check program's own `forward` when both agree on the kernel).
+the delegate emits it (a key head dim that is a multiple of 32; otherwise it refuses the kernel
+and the production graph has its ScanNode fallback, as for the tiny checkpoint, key head dim
+16). A MetalKernelNode runs only on Metal, so the check's program uses the scan fallback unless
+the executor is the real runtime on a Mac, and the production program is then lowered apart:
+the gates and the structural golden always count the production graph (the check program's own
+`forward` when both agree on the kernel: the block methods are lowered apart and leave it as is).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import platform
@@ -34,16 +34,14 @@ import tomllib
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from exporters.eager import DTYPES
 from models.layers import LINEAR, Transformer
 
 KIND = "executorch-mlx"
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("models/layers.py", "exporters/executorch_mlx.py", "exporters/executorch_mlx_transforms.py")
+SOURCES = ("models/layers.py", "exporters/executorch_mlx_export.py")  # what determines a .pte
 EXECUTORS = ("auto", "interpreter", "runtime")
-MLX_METADATA = {"use_sdpa_with_kv_cache": False, "use_sampling": False}
 
 
 # ---------------------------------------------------------------- availability
@@ -73,18 +71,22 @@ def runtime_has_mlx() -> bool:
         return False
 
 
-def executor_of(spec) -> str:
-    """interpreter or runtime, from --option executor=auto|interpreter|runtime."""
+def executor_problem(spec) -> str | None:
     want = spec.options.get("executor", "auto")
     if want not in EXECUTORS:
-        from oracle.check import InputError
-
-        raise InputError(f"backend {spec.backend}: executor {want!r} is not one of {', '.join(EXECUTORS)}")
+        return f"executor {want!r} is not one of {', '.join(EXECUTORS)}"
     if want == "runtime" and not runtime_has_mlx():
-        from oracle.check import InputError
+        return f"executor=runtime: this ExecuTorch runtime has no MLX delegate (registered: {registered_backends()})"
+    return None
 
-        raise InputError(f"backend {spec.backend}: executor=runtime: this ExecuTorch runtime has no MLX delegate "
-                         f"(registered: {registered_backends()})")
+
+def executor_of(spec) -> str:
+    """interpreter or runtime, from --option executor=auto|interpreter|runtime (auto: the runtime
+    where it has the MLX delegate)."""
+    problem = executor_problem(spec)
+    if problem:
+        raise ValueError(problem)
+    want = spec.options.get("executor", "auto")
     if want == "auto":
         return "runtime" if runtime_has_mlx() else "interpreter"
     return want
@@ -112,71 +114,6 @@ def metal_here() -> bool:
         return platform.system() == "Darwin" and mx.metal.is_available()
     except Exception:
         return False
-
-
-# ---------------------------------------------------------------- the program
-class Block(nn.Module):
-    """One block of the model as a method: x [1, T, H] (+ pos [T]) -> its output."""
-
-    def __init__(self, name: str, module: nn.Module, kind: str):
-        super().__init__()
-        # the module under the method's name: the delegate keys its constants by a hash of the
-        # graph and their names, and the graphs of two layers' blocks are otherwise the same
-        self.add_module(name, module)
-        self.name, self.kind = name, kind
-
-    def forward(self, x, pos=None):
-        block = getattr(self, self.name)
-        if self.kind in ("attention", "layer"):
-            return block(x, pos)
-        if self.kind == "moe":  # the MoE block and its router: (moe [1, T, H], weights [T, k], indices [T, k])
-            w, idx = block.gate(x.reshape(-1, x.shape[-1]))
-            return block(x), w, idx
-        return block(x)
-
-
-def export_methods(model: Transformer, check: bool) -> dict:
-    """torch.export (strict) of `forward`, and for the check's program of every block."""
-    from torch.export import Dim, export
-
-    a = model.args
-    S, dtype = a.max_seq_len, model.embed_tokens.weight.dtype
-    T = Dim("T", min=1, max=S - 1)
-    x, pos = torch.zeros(1, 2, a.hidden_size, dtype=dtype), torch.arange(2)
-    with torch.no_grad():
-        out = {"forward": export(model, (torch.zeros(1, 2, dtype=torch.long), pos),
-                                 dynamic_shapes=({1: T}, {0: T}), strict=True)}
-        if check:
-            blocks = [Block("final_norm", model.norm, "final_norm"), Block("logits", model.lm_head, "logits")]
-            for i, layer in enumerate(model.layers):
-                blocks += [Block(f"attention_{i}", layer.attn, "attention"), Block(f"moe_{i}", layer.mlp, "moe"),
-                           Block(f"layer_{i}", layer, "layer")]
-            for b in blocks:
-                stateful = b.kind in ("attention", "layer")
-                out[b.name] = export(b, (x, pos) if stateful else (x,),
-                                   dynamic_shapes=({1: T}, {0: T}) if stateful else ({1: T},), strict=True)
-    return out
-
-
-def metadata(model: Transformer) -> dict:
-    from exporters.executorch import metadata as et_metadata
-
-    return {**et_metadata(model), **MLX_METADATA, "get_max_prefill_chunk": model.args.max_seq_len - 1}
-
-
-def lower(methods: dict, model: Transformer):
-    """MLX partitioner with the delegate's default passes, as ExecuTorch's MLX LLM exports lower."""
-    from executorch.backends.mlx import MLXPartitioner
-    from executorch.backends.mlx.passes import get_default_passes
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
-
-    edge = to_edge_transform_and_lower(
-        methods, transform_passes=get_default_passes(), partitioner=[MLXPartitioner()],
-        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-        constant_methods=metadata(model))
-    return edge.to_executorch(ExecutorchBackendConfig(
-        extract_delegate_segments=True, memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False)))
 
 
 def source_digest() -> str:
@@ -226,21 +163,6 @@ def node_gates(family: str, hist: dict[str, int], where: str) -> list:
 
 
 # ---------------------------------------------------------------- running it
-class RuntimeProgram:
-    """The real ExecuTorch runtime (with the MLX delegate), with the interpreter's interface."""
-
-    def __init__(self, pte: Path):
-        from executorch.runtime import Runtime
-
-        self.path = pte
-        self.program = Runtime.get().load_program(str(pte))
-        self.method_names = set(self.program.method_names)
-        self.methods = {}
-
-    def load_method(self, name: str):
-        return self.program.load_method(name)
-
-
 class MlxCandidate:
     """forward (prefill / decode) and the block methods of the check's program."""
 
@@ -261,7 +183,8 @@ class MlxCandidate:
         return m
 
     def call(self, name: str, *args):
-        return self.loaded[name].execute(list(args))
+        # the runtime's outputs may alias the method's memory (the next call overwrites them)
+        return [o.clone() if torch.is_tensor(o) else o for o in self.loaded[name].execute(list(args))]
 
     @torch.no_grad()
     def prefill(self, tokens):
@@ -313,9 +236,14 @@ class ExecutorchMlxBackend:
         self.name, self.transform, self.transform_id = name or KIND, transform, transform_id
 
     def with_fault(self, fault):
-        """This backend with a seeded fault (models/faults.py) injected before the MLX transformations."""
-        if fault.precision not in self.precisions:
+        """This backend with a seeded fault (models/faults.py) injected before the MLX transformations;
+        None for a fault the delegate cannot express (executorch_mlx_export.NOT_EXPRESSIBLE)."""
+        from exporters.executorch_mlx_export import MLX_FAULTS, NOT_EXPRESSIBLE
+
+        if fault.precision not in self.precisions or fault.name in NOT_EXPRESSIBLE:
             return None
+        if fault.name in MLX_FAULTS:  # the same bug in the program's own op (the torch form does not lower)
+            fault = dataclasses.replace(fault, apply=MLX_FAULTS[fault.name])
         return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
 
     def availability(self):
@@ -323,14 +251,11 @@ class ExecutorchMlxBackend:
         return (False, reason) if reason else (True, "")
 
     def check_options(self, spec) -> str | None:
-        want = spec.options.get("executor", "auto")
-        if want not in EXECUTORS:
-            return f"executor {want!r} is not one of {', '.join(EXECUTORS)}"
-        return None
+        return executor_problem(spec)
 
     def production_model(self, model, spec, use_custom_kernel: bool) -> Transformer:
+        from exporters.executorch_mlx_export import mlx_source_transformations
         from exporters.executorch_mlx_setup import import_delegate
-        from exporters.executorch_mlx_transforms import mlx_source_transformations
 
         import_delegate()
         m = model.build_production(DTYPES[spec.precision])
@@ -349,8 +274,10 @@ class ExecutorchMlxBackend:
                  "versions": versions("torch", "executorch", "mlx", "torchao")}
 
         def build(path: Path):
+            from exporters.executorch_mlx_export import export_methods, lower, metadata
+
             m = self.production_model(model, spec, kernel)
-            prog = lower(export_methods(m, check), m)
+            prog = lower(export_methods(m, check), metadata(m.args))
             path.write_bytes(prog.buffer)
             if prog._tensor_data:
                 prog.write_tensor_data_to_file(str(path.parent))
@@ -369,7 +296,9 @@ class ExecutorchMlxBackend:
             arts.append(prod)
         hist = node_histogram(Path(prod.path))
         if executor == "runtime":
-            program = RuntimeProgram(Path(check.path))
+            from executorch.runtime import Runtime
+
+            program = Runtime.get().load_program(check.path)
             how = f"executorch {importlib.metadata.version('executorch')} runtime (MLX delegate)"
         else:
             from exporters.executorch_mlx_interp import Program
@@ -377,9 +306,13 @@ class ExecutorchMlxBackend:
             program = Program.load(check.path)
             how = (f"moe-oracle MLX-graph interpreter on mlx {importlib.metadata.version('mlx')} (cpu), "
                    f"ExecuTorch {importlib.metadata.version('executorch')} MLX delegate graph")
-        info = {"executor": how, "gated_delta_rule": ("scan fallback" if not run_kernel else "Metal kernel")
-                + (f" (production graph: {'Metal kernel' if kernel else 'scan fallback'})" if kernel != run_kernel else ""),
-                "methods": sorted(program.method_names), "artifacts": [a.as_dict() for a in arts]}
+        from exporters.executorch_mlx_export import metadata
+
+        info = {"executor": how, "methods": sorted(set(program.method_names) - set(metadata(model.args))),
+                "artifacts": [a.as_dict() for a in arts]}
+        if LINEAR in model.args.layer_types:
+            info["gated_delta_rule"] = {"executed": "Metal kernel" if run_kernel else "scan fallback",
+                                        "production": "Metal kernel" if kernel else "scan fallback"}
         return MlxCandidate(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None)
 
     def export(self, model, spec, output_dir) -> list[Path]:

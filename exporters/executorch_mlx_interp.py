@@ -74,7 +74,7 @@ class Graph:
                 if "error" in ins or "parse_error" in ins:
                     raise ValueError(f"cannot parse MLX instruction {ins}")
         self.main, self.init = fb.MainChainIdx(), fb.InitChainIdx()
-        self.num_constants, self.num_values = fb.NumConstantTensors(), fb.NumValues()
+        self.num_constants = fb.NumConstantTensors()
         self.inputs = [(s.Idx(), s.SlotType()) for s in map(fb.InputMap, range(fb.InputMapLength()))]
         self.outputs = [(s.Idx(), s.SlotType()) for s in map(fb.OutputMap, range(fb.OutputMapLength()))]
         self.mutable = [s.Idx() for s in map(fb.MutableBufferMap, range(fb.MutableBufferMapLength()))]
@@ -268,10 +268,6 @@ def _metal_kernel(n, s):
                               "on this host): lower the program with the scan fallback (use_custom_kernel=False)")
 
 
-def _floordiv_int(a: int, b: int) -> int:
-    return a // b  # Python floors, as the runtime's adjusted C++ division
-
-
 OPS = {
     "NoopNode": lambda n, s: None,
     "IdCopyNode": lambda n, s: s.set(n["out"], s.t(n["x"])),
@@ -281,7 +277,7 @@ OPS = {
     "AddIntNode": _int_op(lambda a, b: a + b),
     "SubtractIntNode": _int_op(lambda a, b: a - b),
     "MultiplyIntNode": _int_op(lambda a, b: a * b),
-    "FloorDivideIntNode": _int_op(_floordiv_int),
+    "FloorDivideIntNode": _int_op(lambda a, b: a // b),  # floors, as the runtime adjusts C++ division
     "ModIntNode": _int_op(lambda a, b: a % b),
     "ExpandDimsNode": lambda n, s: s.set(n["out"], mx().expand_dims(s.t(n["x"]), n["axis"])),
     "TakeAlongAxisNode": lambda n, s: s.set(n["out"], mx().take_along_axis(s.t(n["x"]), s.t(n["indices"]),
@@ -457,9 +453,14 @@ class Method:
                 n_in = len(d.graph.inputs)
                 outs = d.execute([values[a] for a in call.args[:n_in]])
                 values.update(zip(call.args[n_in:], outs))
-        # outputs in the dtypes the program declares (the runtime casts its arrays likewise)
-        return [to_torch(values[o].astype(dtype_of(int(self.plan.values[o].val.scalar_type))))
-                for o in self.plan.outputs]
+        return [self.output(values, o) for o in self.plan.outputs]
+
+    def output(self, values: dict, o: int):
+        val = self.plan.values[o].val
+        if o not in values:  # a constant (the constant methods: get_max_seq_len, ...)
+            return next(getattr(val, f) for f in ("int_val", "bool_val", "double_val") if hasattr(val, f))
+        # in the dtype the program declares (the runtime casts its arrays likewise)
+        return to_torch(values[o].astype(dtype_of(int(val.scalar_type))))
 
     def reset(self) -> None:
         for d in self.delegates:

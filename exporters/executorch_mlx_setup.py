@@ -126,3 +126,11 @@ def delegate_problem() -> str | None:
     except Exception as e:
         return f"the ExecuTorch MLX delegate cannot be set up ({type(e).__name__}: {e})"
     return None
+
+
+if __name__ == "__main__":  # the wheel's pte_inspector with the delegate set up, e.g. as ExecuTorch's CI counts:
+    # python -m exporters.executorch_mlx_setup model.pte --mlx-instructions | grep -c AsTypeNode
+    import_delegate()
+    from executorch.backends.mlx import pte_inspector
+
+    pte_inspector.main()

@@ -261,10 +261,9 @@ class IreeBackend:
         missing = [p for p, v in versions(*TOOLS[:3]).items() if v is None]
         if missing:
             return False, f"{', '.join(missing)} not installed (pip install 'moe-oracle[iree]')"
-        try:
+        try:  # iree.turbine (export) is imported on a cache miss only: its import takes seconds
             import iree.compiler  # noqa: F401
             import iree.runtime  # noqa: F401
-            import iree.turbine.aot  # noqa: F401
         except Exception as e:  # a broken install: say why, never a traceback
             return False, f"iree cannot be imported: {type(e).__name__}: {e}"
         return True, ""

@@ -5,8 +5,8 @@ lowering, the refusals).
 Frugal: a .pte is cached by content hash (tests/conftest.py points the cache into the
 checkout) and each family is lowered at most once per session: olmoe's check program with
 XNNPACK (the backend as shipped); with portable kernels only (`partitioner=portable`, faster
-to lower): mixtral's check program with a seeded fault, qwen2_moe's production program
-(`oracle export`) and Qwen3.5's production program (the state tests). That every family
+to lower): mixtral's check program with a seeded fault and Qwen3.5's production program (the
+state tests, and `oracle export`, which finds it in the cache). That every family
 passes the full check with XNNPACK is measured by benchmarks/executorch_bench.py."""
 
 import json
@@ -156,12 +156,13 @@ def test_with_fault_needs_an_id_and_skips_other_precisions():
 
 # ------------------------------------------------------------------ CPU: oracle export
 @needs_executorch
-def test_export_writes_the_production_program_and_a_manifest(cli, tmp_path):
-    p = cli("export", "--family", "qwen2_moe", "--backend", "executorch", "--option", "partitioner=portable",
-            "--max-seq-len", "32", "--output-dir", str(tmp_path))
+def test_export_writes_the_production_program_and_a_manifest(cli, tmp_path, qwen35_program):
+    """The same options as the qwen35_program fixture (S = 10, portable): served from the cache."""
+    p = cli("export", "--family", "qwen3_5_moe", "--backend", "executorch", "--option", "partitioner=portable",
+            "--max-seq-len", "10", "--prompt-len", "6", "--output-dir", str(tmp_path))
     assert p.returncode == 0, p.stderr
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["family"] == "qwen2_moe" and set(manifest["files"]) == {"model.pte"}
+    assert manifest["family"] == "qwen3_5_moe" and set(manifest["files"]) == {"model.pte"}
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(str(tmp_path / "model.pte"))

@@ -1,5 +1,9 @@
-"""The MLX source transformations of the production model (models/layers.py), in the spirit of
-ExecuTorch's `examples/models/qwen3_5_moe/mlx_source_transformations.py`:
+"""Everything that determines an `executorch-mlx` .pte (its artifact cache key hashes this file
+and models/layers.py): the MLX source transformations of the production model, the export of
+its methods, and the lowering to ExecuTorch's MLX delegate.
+
+The source transformations, in the spirit of ExecuTorch's
+`examples/models/qwen3_5_moe/mlx_source_transformations.py`:
 
 - RMSNorm (plain, (1 + w), gated) -> `F.rms_norm` (MLX `fast::rms_norm`), no fp32 casts; the
   (1 + w) offset folded into the weight once
@@ -15,6 +19,11 @@ Each replacement overrides one method of one module instance, the same methods t
 faults (models/faults.py) override. A method a fault has already overridden on an instance
 is left alone (`swap` returns False), so a fault injected before the transformations stays in
 the lowered program, computed by the production model's own torch code.
+
+The program: `forward(tokens [1, T], pos [T]) -> logits [1, T, V]`, T dynamic in [1, S - 1], as
+ExecuTorch's MLX LLM exports have it (prefill and decode are one method; the KV cache, conv and
+recurrent state are the delegate's mutable buffers, carried across calls; a call at position 0
+starts a new sequence). The check's program adds one method per block (`Block`).
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ import types
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from models.layers import Attention, Experts, GatedDeltaNet, GatedRMSNorm, RMSNorm, Router, Transformer
+from models.layers import Attention, Experts, GatedDeltaNet, RMSNorm, Router, Transformer
 
 
 def swap(obj, name: str, fn) -> bool:
@@ -121,6 +131,16 @@ def update_cache(self, k, v, pos):
     return self.k_cache[:, :, :, :], self.v_cache[:, :, :, :]
 
 
+def update_cache_off_by_one(self, k, v, pos):
+    """The seeded fault kv_cache_write_off_by_one in this program's own KV cache op: written one
+    position late, wrapping at the cache end (the fault's torch form, index_put on the cache
+    buffer, is not something the MLX delegate lowers)."""
+    start, S = start_of(pos, self.k_cache.shape[2]), self.k_cache.shape[2]
+    torch.ops.mlx.kv_cache_update(self.k_cache, k, start + 1, S)
+    torch.ops.mlx.kv_cache_update(self.v_cache, v, start + 1, S)
+    return self.k_cache[:, :, :, :], self.v_cache[:, :, :, :]
+
+
 def mask_positions(self, pos):
     """The MLX attention takes the causal mask as the call's positions (see `attend`)."""
     return pos
@@ -142,6 +162,15 @@ def transform_attention(attn: Attention, theta: float) -> None:
     if attn.window is None and "mask" not in attn.__dict__ and "attend" not in attn.__dict__:
         swap(attn, "mask", mask_positions)
         swap(attn, "attend", attend)
+
+
+# seeded faults (models/faults.py) whose torch code the MLX delegate cannot lower, in this
+# program's own ops: fault name -> apply(module at the fault's target, args)
+MLX_FAULTS = {"kv_cache_write_off_by_one": lambda attn, a: swap(attn, "update_cache", update_cache_off_by_one)}
+# and those it cannot express at all, with the reason
+NOT_EXPRESSIBLE = {
+    "gdn_chunked_prefill_differs": "its torch code branches on the call's length (`if T < 2`), and one method "
+    "serves prefill and decode (T dynamic in [1, S - 1]): torch.export refuses the branch"}
 
 
 # ---------------------------------------------------------------- Gated DeltaNet
@@ -213,8 +242,6 @@ def mlx_source_transformations(model: Transformer, use_custom_kernel: bool = Tru
     for m in list(model.modules()):
         if isinstance(m, RMSNorm):
             transform_norm(m)
-        elif isinstance(m, GatedRMSNorm):
-            pass  # with its Gated DeltaNet
         elif isinstance(m, Router):
             transform_router(m)
         elif isinstance(m, Experts):
@@ -224,3 +251,69 @@ def mlx_source_transformations(model: Transformer, use_custom_kernel: bool = Tru
         elif isinstance(m, GatedDeltaNet):
             transform_gdn(m, dtype, use_custom_kernel)
     return model
+
+
+# ---------------------------------------------------------------- the program
+class Block(nn.Module):
+    """One block of the model as a method: x [1, T, H] (+ pos [T]) -> its output."""
+
+    def __init__(self, name: str, module: nn.Module, kind: str):
+        super().__init__()
+        # the module under the method's name: the delegate keys its constants by a hash of the
+        # graph and their names, and the graphs of two layers' blocks are otherwise the same
+        self.add_module(name, module)
+        self.name, self.kind = name, kind
+
+    def forward(self, x, pos=None):
+        block = getattr(self, self.name)
+        if self.kind in ("attention", "layer"):
+            return block(x, pos)
+        if self.kind == "moe":  # the MoE block and its router: (moe [1, T, H], weights [T, k], indices [T, k])
+            w, idx = block.gate(x.reshape(-1, x.shape[-1]))
+            return block(x), w, idx
+        return block(x)
+
+
+def export_methods(model: Transformer, check: bool) -> dict:
+    """torch.export (strict) of `forward`, and for the check's program of every block."""
+    from torch.export import Dim, export
+
+    a = model.args
+    S, dtype = a.max_seq_len, model.embed_tokens.weight.dtype
+    T = Dim("T", min=1, max=S - 1)
+    x, pos = torch.zeros(1, 2, a.hidden_size, dtype=dtype), torch.arange(2)
+    with torch.no_grad():
+        out = {"forward": export(model, (torch.zeros(1, 2, dtype=torch.long), pos),
+                                 dynamic_shapes=({1: T}, {0: T}), strict=True)}
+        if check:
+            blocks = [Block("final_norm", model.norm, "final_norm"), Block("logits", model.lm_head, "logits")]
+            for i, layer in enumerate(model.layers):
+                blocks += [Block(f"attention_{i}", layer.attn, "attention"), Block(f"moe_{i}", layer.mlp, "moe"),
+                           Block(f"layer_{i}", layer, "layer")]
+            for b in blocks:
+                stateful = b.kind in ("attention", "layer")
+                out[b.name] = export(b, (x, pos) if stateful else (x,),
+                                   dynamic_shapes=({1: T}, {0: T}) if stateful else ({1: T},), strict=True)
+    return out
+
+
+def metadata(a) -> dict:
+    """Constant methods (for ModelArgs `a`), as ExecuTorch's MLX LLM exports carry them for their runners."""
+    return {"get_max_seq_len": a.max_seq_len, "get_vocab_size": a.vocab_size, "get_n_layers": a.num_hidden_layers,
+            "get_max_prefill_chunk": a.max_seq_len - 1, "use_kv_cache": True, "use_sdpa_with_kv_cache": False,
+            "enable_dynamic_shape": True, "use_sampling": False}
+
+
+def lower(methods: dict, constant_methods: dict | None = None):
+    """MLX partitioner with the delegate's default passes, as ExecuTorch's MLX LLM exports lower."""
+    from executorch.backends.mlx import MLXPartitioner
+    from executorch.backends.mlx.passes import get_default_passes
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    edge = to_edge_transform_and_lower(
+        methods, transform_passes=get_default_passes(), partitioner=[MLXPartitioner()],
+        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+        constant_methods=constant_methods)
+    return edge.to_executorch(ExecutorchBackendConfig(
+        extract_delegate_segments=True, memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False)))
