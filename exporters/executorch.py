@@ -247,7 +247,7 @@ class ExecutorchCandidate:
     """A .pte with prefill/decode (+ taps) and probe methods, run by executorch.runtime.
     Rows of the reference's sequence are in-situ; router/moe expert probes are isolated."""
 
-    block_mode = SEQUENCE_MODE  # the harness's one mode today; the per-kind truth is below
+    block_mode = SEQUENCE_MODE  # the default; per kind (read by the harness) below
     block_modes = {"attention": SEQUENCE_MODE, "layer": SEQUENCE_MODE, "final_norm": SEQUENCE_MODE,
                    "logits": SEQUENCE_MODE, "router": f"{SEQUENCE_MODE} (sequence) + {PROBE_MODE} (expert probes)",
                    "moe": f"{SEQUENCE_MODE} (sequence) + {PROBE_MODE} (expert probes)"}

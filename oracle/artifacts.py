@@ -62,7 +62,10 @@ def cached_artifact(namespace: str, parts: dict, filename: str, build: Callable[
     d = cache_root() / "artifacts" / namespace / key_of(parts)
     target = d / filename
     if target.is_file() and (d / "sha256").is_file():
-        return Artifact(name or filename, str(target), (d / "sha256").read_text().strip(), True, 0.0)
+        digest = (d / "sha256").read_text().strip()
+        if sha256_file(target) == digest:
+            return Artifact(name or filename, str(target), digest, True, 0.0)
+        shutil.rmtree(d, ignore_errors=True)  # corrupted in the cache: build it again
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
     try:

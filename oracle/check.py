@@ -106,9 +106,24 @@ def prompt_tokens(spec: CheckSpec, vocab: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4)
 def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: int):
-    family = get_family(family_name)
-    model = load_hf_model(family, Path(model_dir))
-    return capture(model, family, list(prompt), n)
+    """The HF reference for this checkpoint and prompt: in memory, else from the disk cache
+    (keyed by the checkpoint's sha256, prompt, steps, and the code and versions that capture
+    it), else captured and saved."""
+    from oracle import reference
+    from oracle.artifacts import key_of, versions
+    from models.checkpoint import cache_root
+
+    code = hashlib.sha256(Path(reference.__file__).read_bytes()).hexdigest()
+    key = key_of({"family": family_name, "sha": sha, "prompt": list(prompt), "n": n, "code": code,
+                  **versions("torch", "transformers", "safetensors")})
+    path = cache_root() / "references" / key
+    ref = reference.load(path)
+    if ref is None:
+        family = get_family(family_name)
+        ref = capture(load_hf_model(family, Path(model_dir)), family, list(prompt), n)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        reference.save(ref, path)
+    return ref
 
 
 def dtype_name(x) -> str | None:
@@ -261,9 +276,10 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         stage = "blocks"
         t = time.perf_counter()
         keys = ref.block_keys()
-        mode = getattr(cand, "block_mode", "isolated")
+        modes = getattr(cand, "block_modes", {})
         for n, key in enumerate(keys):
             progress("blocks", n, len(keys))
+            mode = modes.get(key[1], getattr(cand, "block_mode", "isolated"))
             outs = cand.run_block(key[0], key[1], ref.inputs[key])
             if outs is None:
                 result.blocks.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))

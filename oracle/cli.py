@@ -81,6 +81,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seeds", default="0,1,2", help="seeds of the clean (no-fault) runs (default 0,1,2)")
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
     s.add_argument("--json", help="write the selftest report here")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
     m.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all five)")
     m.add_argument("--backends", default="eager", help="comma-separated (default: eager)")
@@ -125,7 +126,8 @@ def options_of(a) -> dict:
     for kv in a.option:
         k, sep, v = kv.partition("=")
         if not sep or not k:
-            raise SystemExit(f"oracle: error: --option expects KEY=VALUE, got {kv!r}")
+            print(f"oracle: error: --option expects KEY=VALUE, got {kv!r}", file=sys.stderr)
+            raise SystemExit(EXIT["bad_input"])
         opts[k] = v
     for name in ("device", "group_size", "qlinear", "qlinear_group_size", "sample", "max_seq_len"):
         v = getattr(a, name, None)
@@ -254,9 +256,9 @@ def cmd_selftest(a) -> int:
     try:
         if prog:
             with prog:
-                res = run_selftest(a.backend, a.family, seeds, a.fault, lambda m: update(m))
+                res = run_selftest(a.backend, a.family, seeds, a.fault, lambda m: update(m), options_of(a))
         else:
-            res = run_selftest(a.backend, a.family, seeds, a.fault)
+            res = run_selftest(a.backend, a.family, seeds, a.fault, options=options_of(a))
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]

@@ -178,3 +178,64 @@ def add_expert_probes(ref: Reference, modules: dict) -> None:
                 ref.router_probs[layer].append(torch.softmax(logits.float(), dim=-1))
                 ref.inputs[layer, "moe"].append(call)
                 ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)))
+
+
+def save(ref: Reference, path: Path) -> None:
+    """The reference as <path>.safetensors (every tensor) + <path>.json (the structure),
+    each written atomically."""
+    from safetensors.torch import save_file
+
+    from oracle.result import write_atomic
+
+    tensors, blocks = {}, []
+    for i, (p, lg) in enumerate(zip(ref.positions, ref.logits)):
+        tensors[f"pos.{i}"], tensors[f"logits.{i}"] = p, lg
+    for key, calls in ref.inputs.items():
+        name = f"{key[0]}.{key[1]}"
+        for i, (c, o) in enumerate(zip(calls, ref.outputs[key])):
+            tensors[f"in.{name}.{i}"] = c.x
+            tensors[f"inpos.{name}.{i}"] = c.pos
+            if key[1] == "router":
+                tensors[f"out.{name}.{i}"], tensors[f"idx.{name}.{i}"] = o
+            else:
+                tensors[f"out.{name}.{i}"] = o
+        blocks.append({"layer": key[0], "kind": key[1], "tokens": [c.tokens for c in calls],
+                       "probe": [c.probe for c in calls]})
+    for layer, probs in ref.router_probs.items():
+        for i, p in enumerate(probs):
+            tensors[f"probs.{layer}.{i}"] = p
+    meta = {"tokens": ref.tokens, "prompt_len": ref.prompt_len, "calls": len(ref.positions), "blocks": blocks,
+            "router_layers": {str(k): len(v) for k, v in ref.router_probs.items()},
+            "coverage": {str(k): v for k, v in ref.coverage.items()}}
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    save_file({k: v.detach().clone().contiguous() for k, v in tensors.items()}, str(tmp))
+    import os
+    import json
+
+    os.replace(tmp, path.with_suffix(".safetensors"))
+    write_atomic(path.with_suffix(".json"), json.dumps(meta))
+
+
+def load(path: Path) -> Reference | None:
+    """A saved reference, or None if it is not there (or unreadable: then it is rebuilt)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+        t = load_file(str(path.with_suffix(".safetensors")))
+    except (OSError, ValueError):
+        return None
+    n = meta["calls"]
+    ref = Reference(meta["tokens"], meta["prompt_len"], [t[f"pos.{i}"] for i in range(n)],
+                    [t[f"logits.{i}"] for i in range(n)])
+    for b in meta["blocks"]:
+        key, name = (b["layer"], b["kind"]), f"{b['layer']}.{b['kind']}"
+        ref.inputs[key] = [BlockCall(t[f"in.{name}.{i}"], t[f"inpos.{name}.{i}"], toks, probe)
+                           for i, (toks, probe) in enumerate(zip(b["tokens"], b["probe"]))]
+        ref.outputs[key] = [(t[f"out.{name}.{i}"], t[f"idx.{name}.{i}"]) if b["kind"] == "router"
+                            else t[f"out.{name}.{i}"] for i in range(len(b["tokens"]))]
+    ref.router_probs = {int(k): [t[f"probs.{k}.{i}"] for i in range(m)] for k, m in meta["router_layers"].items()}
+    ref.coverage = {int(k): v for k, v in meta["coverage"].items()}
+    return ref

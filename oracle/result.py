@@ -77,12 +77,25 @@ class CheckResult:
         return _clean(asdict(self))
 
 
+# where each block runs inside a decoder layer (for in-situ rows: program order)
+PROGRAM_ORDER = {"attention": 0, "router": 1, "moe": 2, "layer": 3}
+
+
 def worst_row(rows: list[BlockRow]) -> BlockRow | None:
-    """The failing row that localises the fault: the most specific failing kind (a router
-    inside a failing MoE, an attention inside a failing layer), then the largest ratio."""
+    """The failing row that localises the fault.
+
+    Isolated rows (fed the reference's inputs) fail only where the fault is: take the most
+    specific failing kind (a router inside a failing MoE, an attention inside a failing
+    layer), then the largest ratio. In-situ rows (the candidate's own intermediates) also
+    fail downstream of the fault: if any failing row is in-situ, take the first failing
+    block in program order (layer by layer, sub-blocks before their layer, then the final
+    norm and the logits)."""
     failing = [r for r in rows if r.status == "fail"]
     if not failing:
         return None
+    if any("in-situ" in r.mode for r in failing):
+        return min(failing, key=lambda r: (math.inf if r.layer is None else r.layer,
+                                           PROGRAM_ORDER.get(r.kind, SPECIFICITY.get(r.kind, 9) + 4)))
     return min(failing, key=lambda r: (SPECIFICITY.get(r.kind, 9), -_num(r.ratio)))
 
 

@@ -11,7 +11,7 @@ cannot be expressed on this backend, e.g. it patches a torch module mlx-lm does 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from models import FAMILY_NAMES, faults
 from oracle.backend import CheckSpec
@@ -92,7 +92,7 @@ def _worst(doc_worst: dict | None) -> dict | None:
 
 
 def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
-                 progress=None) -> SelftestResult:
+                 progress=None, options: dict | None = None) -> SelftestResult:
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
     base = validate(CheckSpec(family=families[0], backend=backend_name))
@@ -103,7 +103,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
     res = SelftestResult(backend_name, families, list(seeds))
     for family in families:
-        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0])
+        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options or {}))
         args = model_source(spec).args
         for fault in faults.applicable(args):
             if fault_names and fault.name not in fault_names:
@@ -114,8 +114,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 continue
             progress(f"{family} {fault.name}")
             t = time.perf_counter()
-            r = run_check(CheckSpec(family=family, backend=backend_name, seed=seeds[0], precision=fault.precision),
-                          variant)
+            r = run_check(replace(spec, precision=fault.precision), variant)
             expected = {"layer": fault.layer(args), "kind": fault.kind}
             w = r.worst
             localized = bool(w) and w["layer"] == expected["layer"] and w["kind"] == expected["kind"]
@@ -126,7 +125,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
         for seed in seeds:
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
-            r = run_check(CheckSpec(family=family, backend=backend_name, seed=seed), base)
+            r = run_check(replace(spec, seed=seed), base)
             res.false_alarms.append(AlarmRow(family, seed, r.status, _worst(r.worst), time.perf_counter() - t))
     return res
 
