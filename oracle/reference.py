@@ -224,7 +224,8 @@ def load(path: Path) -> Reference | None:
 
     try:
         meta = json.loads(path.with_suffix(".json").read_text())
-        t = load_file(str(path.with_suffix(".safetensors")))
+        # cloned: fresh (aligned) memory, as a captured tensor has; BLAS can round differently otherwise
+        t = {k: v.clone() for k, v in load_file(str(path.with_suffix(".safetensors"))).items()}
     except (OSError, ValueError):
         return None
     n = meta["calls"]
