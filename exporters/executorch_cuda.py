@@ -12,7 +12,7 @@ Triton kernels), as examples/models/qwen3_5_moe/export.py does it for Qwen3.5-Mo
 A check runs the same program as the CPU backend's candidate does (taps, probe methods).
 Needs a CUDA build of torch, a GPU and the CUDA backend (triton); elsewhere it is
 unavailable with the reason. On-device sampling (`--sample`) is not implemented (issue 9).
-Untested on a device: see notes/executorch.md.
+Untested on a device: see docs/executorch.md.
 """
 
 from __future__ import annotations

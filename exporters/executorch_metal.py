@@ -10,7 +10,7 @@ for Apple GPUs), as examples/models/qwen3_5_moe/export.py does it:
 
 A check runs the same program as the CPU backend's candidate does (taps, probe methods).
 Needs macOS with a Metal (MPS) device and the Metal backend; elsewhere it is unavailable
-with the reason. Untested on a device: see notes/executorch.md.
+with the reason. Untested on a device: see docs/executorch.md.
 """
 
 from __future__ import annotations

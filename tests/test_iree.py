@@ -163,7 +163,7 @@ def test_compile_failure_is_an_error_with_the_compilers_message(cli, tmp_path):
 
 
 def test_runtime_error_is_an_error(qwen2_runs, tmp_path, monkeypatch):
-    """A corrupt cached program: iree.runtime's message ends up in the result."""
+    """A bad cached program: iree.runtime's message ends up in the result."""
     _, _, second, _ = qwen2_runs
     cache = tmp_path / "cache"
     for a in second.cache["artifacts"]:
@@ -171,6 +171,9 @@ def test_runtime_error_is_an_error(qwen2_runs, tmp_path, monkeypatch):
         dst = cache / "artifacts" / "iree" / src_dir.name
         shutil.copytree(src_dir, dst)
         (dst / a["name"]).write_bytes(b"not a vmfb" * 100)
+        # a garbage program the cache believes in (its sha256 recorded): a corrupted file whose
+        # sha256 no longer matches would be rebuilt instead (test_artifacts)
+        (dst / "sha256").write_text(hashlib.sha256(b"not a vmfb" * 100).hexdigest() + "\n")
     shutil.copytree(Path(second.provenance["checkpoint"]["dir"]).parent, cache / "checkpoints")
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(cache))
     r = run_check(_spec("qwen2_moe"))

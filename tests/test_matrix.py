@@ -10,7 +10,7 @@ import pytest
 from oracle.matrix import OUTPUTS, combos, shard
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMS = "olmoe,mixtral,qwen2_moe"
+FAMS = "olmoe,mixtral"
 
 
 def _strip(summary):
@@ -29,10 +29,10 @@ def test_matrix_writes_every_output(full_run):
     for name in OUTPUTS:
         assert (full_run / name).is_file(), name
     summary = json.loads((full_run / "summary.json").read_text())
-    assert summary["counts"]["pass"] == 6 and summary["status"] == "pass"
-    assert len(list((full_run / "checks").glob("*.json"))) == 6
+    assert summary["counts"]["pass"] == 4 and summary["status"] == "pass"
+    assert len(list((full_run / "checks").glob("*.json"))) == 4
     junit = (full_run / "junit.xml").read_text()
-    assert junit.count("<testcase") == 6 and "<failure" not in junit
+    assert junit.count("<testcase") == 4 and "<failure" not in junit
 
 
 def test_two_shards_merged_equal_one_run(cli, full_run, tmp_path):
@@ -80,7 +80,7 @@ def test_isolation_crash_skip_unsupported(cli, tmp_path):
 
 
 def test_diff_names_the_broken_backend(cli, tmp_path):
-    args = ["matrix", "--families", "qwen3_moe,olmoe", "--backends", "tests.plugins:SWITCHABLE"]
+    args = ["matrix", "--families", "qwen3_moe", "--backends", "tests.plugins:SWITCHABLE"]
     assert cli(*args, "--report-dir", str(tmp_path / "base")).returncode == 0
     r = cli(*args, "--report-dir", str(tmp_path / "cur"), env={"ORACLE_TEST_BREAK": "qk_norm_missing"})
     assert r.returncode == 1
@@ -116,12 +116,12 @@ def test_report_html_in_headless_chromium(full_run):
     assert any(r > 150 and g < 80 and b < 80 for r, g, b in px)  # red limit line
     assert any(g > 100 and r < 60 and b < 110 for r, g, b in px)  # green pass
     html = (full_run / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 6 and "First divergence" not in html
+    assert html.count("data:image/png;base64,") == 4 and "First divergence" not in html
 
 
 def test_goldens_check_passes_and_an_edit_fails(cli, tmp_path):
-    r = cli("goldens", "check", "--backend", "eager")
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = cli("goldens", "check", "--backend", "eager", "--family", "qwen2_moe")
+    assert r.returncode == 0, r.stdout + r.stderr  # the full `oracle goldens check` runs nightly
     golden = tmp_path / "goldens"
     shutil.copytree(ROOT / "goldens", golden)
     path = golden / "qwen2_moe" / "eager" / "tokens.json"

@@ -104,3 +104,12 @@ def test_router_nan_weights_fail():
 
 def test_top2_margin():
     assert top2_margin(np.array([0.1, 3.0, 2.5])) == pytest.approx(0.5)
+
+
+def test_every_backend_precision_has_thresholds():
+    from oracle.backend import BUILTIN, resolve
+
+    for name in BUILTIN:
+        for p in getattr(resolve(name), "precisions", ()):
+            for kind in ("attention", "router", "moe", "layer", "final_norm", "logits", "e2e"):
+                assert thresholds.limits(p, kind), (name, p, kind)

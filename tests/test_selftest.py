@@ -3,6 +3,7 @@ oracle needed to catch faults it first missed (each with why the fix is principl
 
 import json
 
+import pytest
 import torch
 
 from exporters.eager import EagerBackend
@@ -80,3 +81,23 @@ def test_every_fault_applies_to_some_family():
                   for f in faults.applicable(model_source(CheckSpec(family=fam, backend="eager")).args)}
     assert applicable == {f.name for f in faults.CATALOGUE}
     assert torch.is_grad_enabled()  # no global state left behind by the checks
+
+
+def _available(name):
+    from oracle.backend import resolve
+
+    return resolve(name).availability()[0]
+
+
+@pytest.mark.parametrize("backend,family,fault_names", [
+    ("mlx", "qwen3_5_moe", ["gdn_state_not_carried", "router_no_renorm", "shared_expert_gate_no_sigmoid",
+                            "rope_theta_wrong"]),
+    ("iree-llvm-cpu", "qwen2_moe", ["attention_not_causal"]),  # compiled by test_iree already (cached)
+])
+def test_selftest_subset_on_compiled_backends(backend, family, fault_names):
+    """The nightly runs the whole catalogue through these backends; here a subset."""
+    if not _available(backend):
+        pytest.skip(f"{backend} unavailable")
+    res = run_selftest(backend, families=[family], seeds=(0,), fault_names=fault_names)
+    s = res.summary()
+    assert s["faults"] == len(fault_names) and s["ok"], res.summary_line()

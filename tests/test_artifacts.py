@@ -1,0 +1,45 @@
+"""The artifact cache: content-addressed, atomic, and a corrupted entry is rebuilt."""
+
+from oracle.artifacts import cached_artifact, write_manifest
+
+
+def test_cache_hit_miss_and_corruption(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+    builds = []
+
+    def build(path):
+        builds.append(path)
+        path.write_bytes(b"program")
+
+    a = cached_artifact("t", {"x": 1}, "p.bin", build)
+    b = cached_artifact("t", {"x": 1}, "p.bin", build)
+    assert (a.cached, b.cached, len(builds)) == (False, True, 1) and a.sha256 == b.sha256
+    assert cached_artifact("t", {"x": 2}, "p.bin", build).cached is False  # another key
+    with open(b.path, "wb") as f:
+        f.write(b"bit rot")
+    c = cached_artifact("t", {"x": 1}, "p.bin", build)
+    assert c.cached is False and c.sha256 == a.sha256 and len(builds) == 3
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+
+    def build(path):
+        path.write_bytes(b"half")
+        raise RuntimeError("compiler crashed")
+
+    try:
+        cached_artifact("t", {"x": 1}, "p.bin", build)
+    except RuntimeError:
+        pass
+    assert list((tmp_path / "artifacts" / "t").iterdir()) == []
+
+
+def test_manifest(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"abc")
+    m = write_manifest(tmp_path, "olmoe", {"a": 1}, {"precision": "fp32"}, [f])
+    import json
+
+    doc = json.loads(m.read_text())
+    assert doc["files"]["model.bin"]["sha256"] == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
