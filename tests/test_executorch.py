@@ -61,7 +61,7 @@ def test_olmoe_passes_with_block_rows_from_the_runtime(olmoe_check):
     assert r.e2e.token_exact and len(r.e2e.steps) == 9  # prefill + 8 decode steps
     kinds = {b.kind for b in r.blocks}
     assert kinds == {"attention", "router", "moe", "layer", "final_norm", "logits"}
-    assert all(b.status == "pass" and b.mode == "in-situ" for b in r.blocks)
+    assert all(b.status == "pass" and b.mode.startswith("in-situ") for b in r.blocks)
     backend = r.provenance["backend"]
     assert "XNNPACK" in backend["executor"]
     assert backend["block_modes"]["moe"].endswith("isolated (expert probes)")
