@@ -22,6 +22,7 @@ import functools
 import hashlib
 import inspect
 import platform
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from exporters.eager import block_fn
 from models import faults, layers
 from models.layers import STATE_BUFFERS, Transformer
 from oracle.artifacts import Artifact, cached_artifact, sha256_file, versions
+from oracle.goldens import histogram_text
 
 FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
          "--iree-llvmcpu-target-cpu=host")
@@ -186,8 +188,25 @@ def compile_to(exported, path: Path) -> None:
     mlir = path.with_suffix(".mlirbc")
     with open(mlir, "wb") as f:
         exported.mlir_module.write_bytecode(f)
+    path.with_name(OPS_FILE).write_text(histogram_text(mlir_ops(str(exported.mlir_module)),
+                                                       "ops of the input MLIR (torch dialect), all entry points"))
     iree.compiler.compile_file(str(mlir), output_file=str(path), extra_args=list(FLAGS))
     mlir.unlink()
+
+
+OPS_FILE = "mlir_ops.txt"
+_OP = re.compile(r"^\s*(?:%[^=]*=\s*)?\"?([a-z_][\w]*\.[\w.]+)\"?[\s(<{:]")
+
+
+def mlir_ops(text: str) -> dict:
+    """Op name -> count over the module's text (one op per line), up to the `{-# dialect_resources`
+    trailer: its blob names encode shapes (the cache length), not ops."""
+    counts = {}
+    for line in text.split("\n{-#")[0].splitlines():
+        m = _OP.match(line)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
 
 
 # ------------------------------------------------------------------ runtime
@@ -200,9 +219,10 @@ def _host(result) -> list[np.ndarray]:
 class IreeCandidate:
     block_mode = "isolated"
 
-    def __init__(self, vmfb: bytes, which: dict, prompt_len: int, info: dict):
+    def __init__(self, vmfb: bytes, which: dict, prompt_len: int, info: dict, ops: str | None = None):
         import iree.runtime as rt
 
+        self.ops = ops
         self.rt, self.config = rt, rt.Config("local-task")
         self.vmfb, self.prompt_len, self.info = vmfb, prompt_len, info
         self.seq = None  # the context of the current sequence (prefill, then decode)
@@ -230,6 +250,10 @@ class IreeCandidate:
         if self.seq is None:
             raise RuntimeError("decode() before prefill(): no sequence")
         return _host(self.seq.decode(np.array([[token]], np.int64), np.array([pos], np.int64)))[0][0, -1]
+
+    def structures(self) -> dict:
+        """The structural golden: the op histogram of the MLIR that went into iree-compile."""
+        return {"mlir_ops": self.ops} if self.ops else {}
 
     def run_block(self, layer, kind, calls):
         p, weights, state = self.which[layer, kind]
@@ -315,7 +339,9 @@ class IreeBackend:
                                                   for k, (q, _) in which.items() if q is p)
                                    for p in programs.values()},
                 "artifacts": [art.as_dict()]}
-        return IreeCandidate(vmfb, which, spec.prompt_len, info)
+        ops = Path(art.path).with_name(OPS_FILE) if art.path else None
+        return IreeCandidate(vmfb, which, spec.prompt_len, info,
+                             ops.read_text() if ops is not None and ops.is_file() else None)
 
     def export(self, src, spec, output_dir: Path) -> list[Path]:
         """`oracle export`: model.vmfb, the very program a check with these shapes runs."""

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from oracle.result import GateRow, write_atomic
 
-TOKEN_SPEC_KEYS = ("seed", "prompt_len", "decode_tokens", "precision")
+# a golden applies to the spec it was frozen for: these fields and the backend options (an
+# option can change the artifact, e.g. a partitioner, or the tokens, e.g. weight quantization)
+TOKEN_SPEC_KEYS = ("seed", "prompt_len", "decode_tokens", "precision", "options")
 
 
 def root() -> Path:
@@ -31,18 +33,36 @@ def golden_dir(family: str, backend: str) -> Path:
     return root() / family / backend
 
 
+def histogram_text(counts: dict, header: str) -> str:
+    """A structural golden's canonical text: a header line, then `name count` sorted by name."""
+    return f"# {header}\n" + "".join(f"{k} {v}\n" for k, v in sorted(counts.items()))
+
+
 def _token_spec(spec) -> dict:
     return {k: getattr(spec, k) for k in TOKEN_SPEC_KEYS}
+
+
+def frozen_spec(family: str, backend: str) -> dict | None:
+    """The spec fields the goldens of family/backend were frozen with (None: no goldens)."""
+    path = golden_dir(family, backend) / "tokens.json"
+    if not path.is_file():
+        return None
+    return {"options": {}, **json.loads(path.read_text())["spec"]}  # goldens frozen before options counted
+
+
+def applies(spec, keys=TOKEN_SPEC_KEYS) -> bool:
+    """Goldens compare only for the tiny model and the spec they were frozen for (these fields of it)."""
+    frozen = frozen_spec(spec.family, spec.backend)
+    return (spec.model_dir is None and frozen is not None
+            and all(frozen.get(k) == getattr(spec, k) for k in keys))
 
 
 def token_gate(spec, candidate_tokens: list[int]) -> GateRow | None:
     """Exact golden tokens, when the golden was frozen for this spec (tiny model only)."""
     path = golden_dir(spec.family, spec.backend) / "tokens.json"
-    if spec.model_dir is not None or not path.is_file():
+    if not applies(spec):
         return None
     doc = json.loads(path.read_text())
-    if doc["spec"] != _token_spec(spec):
-        return None
     want = doc["tokens"]
     if candidate_tokens == want:
         return GateRow("golden_tokens", "pass", len(want), len(want), f"{path.relative_to(root())}")
@@ -56,11 +76,16 @@ def token_gate(spec, candidate_tokens: list[int]) -> GateRow | None:
 
 
 def structure_gates(spec, structures: dict[str, str]) -> list[GateRow]:
-    """Byte-exact structural goldens, with a readable line diff on mismatch."""
+    """Byte-exact structural goldens, with a readable line diff on mismatch. Compared when the
+    check builds with the options they were frozen with (a partitioner or a sampler is another
+    graph), at any precision and length: a graph's node histogram does not depend on them
+    (executorch-mlx: identical in fp32 and bf16; prefill lengths are dynamic dimensions)."""
     rows = []
+    if not applies(spec, ("options",)):
+        return rows
     for name, text in sorted(structures.items()):
         path = golden_dir(spec.family, spec.backend) / f"{name}.txt"
-        if spec.model_dir is not None or not path.is_file():
+        if not path.is_file():
             continue
         want = path.read_text()
         if text == want:
@@ -106,7 +131,7 @@ def default_spec(family: str, backend: str, like=None):
     from oracle.backend import CheckSpec
 
     spec = CheckSpec(family=family, backend=backend)
-    path = golden_dir(family, backend) / "tokens.json"
-    if path.is_file():
-        spec = replace(spec, **json.loads(path.read_text())["spec"])
+    frozen = frozen_spec(family, backend)
+    if frozen is not None:
+        spec = replace(spec, **frozen)
     return spec if like is None else replace(like, **{k: v for k, v in asdict(spec).items() if k in TOKEN_SPEC_KEYS})

@@ -65,6 +65,32 @@ def test_qwen2_moe_passes_blocks_and_e2e(qwen2_runs):
     assert [a["name"] for a in first.cache["artifacts"]] == ["model.vmfb"]
     # one program per block kind, run for both layers
     assert first.provenance["backend"]["block_programs"]["moe0"] == ["0.moe", "1.moe"]
+    # the goldens: tokens, and the op histogram of the MLIR that went into iree-compile
+    gates = {g.name: g.status for g in first.gates}
+    assert gates["golden_tokens"] == "pass" and gates["structure:mlir_ops"] == "pass"
+    assert "torch.aten.index.Tensor" in first.structures["mlir_ops"]
+
+
+def test_mlir_ops_counts_ops_not_resource_names():
+    text = """module {
+  util.global private @__auto.constant_1_4_16_16_torch.float32 = #stream.parameter.named<"model"::"x"> : tensor<1x4x16x16xf32>
+  func.func @decode(%arg0: !torch.vtensor<[1,1],si64>) -> !torch.vtensor<[1,1,256],f32> {
+    %0 = torch.aten.embedding %w, %arg0, %int-1, %false, %false : !torch.vtensor<[256,64],f32>
+    %1 = util.global.load @__auto.constant_1_4_16_16_torch.float32 : tensor<1x4x16x16xf32>
+    return %0 : !torch.vtensor<[1,1,256],f32>
+  }
+}
+
+{-#
+  dialect_resources: {
+    builtin: {
+      torch_tensor_16_torch.int64: "0x0800000000"
+    }
+  }
+#-}
+"""
+    assert iree_backend.mlir_ops(text) == {"func.func": 1, "torch.aten.embedding": 1, "util.global": 1,
+                                           "util.global.load": 1}
 
 
 def test_second_run_is_cached_and_fast(qwen2_runs):

@@ -57,11 +57,11 @@ def test_shards_cover_the_matrix_once():
 
 
 def test_hang_is_an_error_row(cli, tmp_path):
-    r = cli("matrix", "--families", "olmoe", "--backends", "tests.plugins:HANGS", "--timeout", "20",
+    r = cli("matrix", "--families", "olmoe", "--backends", "tests.plugins:HANGS", "--timeout", "8",
             "--report-dir", str(tmp_path))
     assert r.returncode == 1  # the hang fails the matrix; the run itself finished
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
-    assert rows[0]["status"] == "error" and rows[0]["reason"] == "timed out after 20 s"
+    assert rows[0]["status"] == "error" and rows[0]["reason"] == "timed out after 8 s"
 
 
 def test_isolation_crash_skip_unsupported(cli, tmp_path):
@@ -131,6 +131,30 @@ def test_goldens_check_passes_and_an_edit_fails(cli, tmp_path):
     r = cli("goldens", "check", "--backend", "eager", "--family", "qwen2_moe", env={"MOE_ORACLE_GOLDENS": str(golden)})
     assert r.returncode == 1
     assert "qwen2_moe/eager: golden token mismatch at position 4" in r.stdout
+
+
+def test_goldens_apply_to_the_spec_they_were_frozen_for(tmp_path, monkeypatch):
+    """Tokens: the frozen seed, lengths, precision and options. Structures: the frozen options
+    only (a partitioner is another graph; a precision or a length is not, see the docs)."""
+    from oracle import goldens
+    from oracle.backend import CheckSpec
+
+    monkeypatch.setenv("MOE_ORACLE_GOLDENS", str(tmp_path))
+    d = tmp_path / "olmoe" / "b"
+    d.mkdir(parents=True)
+    (d / "tokens.json").write_text(json.dumps({"spec": {"seed": 0, "prompt_len": 8, "decode_tokens": 8,
+                                                        "precision": "fp32"}, "tokens": [1, 2]}))
+    (d / "ops.txt").write_text("# ops\na 1\nb 2\n")
+    frozen = CheckSpec(family="olmoe", backend="b")
+    assert goldens.token_gate(frozen, [1, 2]).status == "pass"
+    assert goldens.token_gate(CheckSpec(family="olmoe", backend="b", prompt_len=5), [1, 2]) is None
+    other = CheckSpec(family="olmoe", backend="b", options={"partitioner": "portable"})
+    assert goldens.token_gate(other, [1, 2]) is None and goldens.structure_gates(other, {"ops": "x"}) == []
+    bf16 = CheckSpec(family="olmoe", backend="b", precision="bf16")
+    assert goldens.structure_gates(bf16, {"ops": "# ops\na 1\nb 2\n"})[0].status == "pass"
+    row = goldens.structure_gates(frozen, {"ops": "# ops\na 1\nb 3\n"})[0]
+    assert row.status == "fail" and "olmoe/b ops differs from the golden" in row.message
+    assert "-b 2\n+b 3" in row.message  # a readable line diff
 
 
 def test_freeze_refuses_a_failing_check_and_touches_nothing_else(cli, tmp_path):
