@@ -35,6 +35,7 @@ from torch import nn
 
 from exporters.eager import DTYPES
 from models.layers import LINEAR, STATE_BUFFERS, Transformer
+from oracle.goldens import histogram_text
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQUENCE_MODE, PROBE_MODE = "in-situ", "isolated"
@@ -140,12 +141,21 @@ def state_buffer_names(model: Transformer) -> list[str]:
     return sorted(n for n, _ in model.named_buffers() if n.rsplit(".", 1)[-1] in STATE_BUFFERS)
 
 
+def target_name(t) -> str:
+    """A call_function target's stable name: `aten.mm.default`, `executorch_prim.mul.Scalar`,
+    `executorch.exir.memory.alloc`, `operator.getitem` (never a repr with a memory address)."""
+    name = getattr(t, "name", None)
+    if callable(name):  # OpOverload, EdgeOpOverload, HigherOrderOperator
+        return name().replace("::", ".")
+    return f"{getattr(t, '__module__', '').lstrip('_')}.{getattr(t, '__qualname__', t)}"
+
+
 def op_histogram(ep) -> dict:
     """call_function targets of an exported program and their counts."""
     counts = {}
     for n in ep.graph.nodes:
         if n.op == "call_function":
-            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+            counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
     return dict(sorted(counts.items()))
 
 
@@ -197,6 +207,9 @@ def quantize_linears(model: nn.Module, q: dict, packing_format=None) -> None:
                     qlinear_packing_format=packing_format, skip_incompatible_shapes=True)
 
 
+OPS_FILE = "ops.txt"
+
+
 def read_taps(pte: Path) -> dict:
     """The check program's tap table; none for a production program."""
     f = Path(pte).with_name("taps.json")
@@ -218,7 +231,14 @@ def build_program(model: Transformer, lower, path: Path, check: bool) -> None:
         taps = {name: add_taps(ep, model.args) for name, ep in methods.items()}
         methods.update(export_probes(model))
         path.with_name("taps.json").write_text(json.dumps(taps))
-    save(lower(methods, model), path)
+    prog = lower(methods, model)
+    save(prog, path)
+    # the structural golden: ops of the lowered prefill and decode (delegate calls included)
+    counts = {}
+    for name in ("prefill", "decode"):
+        for op, n in op_histogram(prog.exported_program(name)).items():
+            counts[f"{name} {op}"] = n
+    path.with_name(OPS_FILE).write_text(histogram_text(counts, "ops of the lowered prefill and decode methods"))
 
 
 def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True):
@@ -257,12 +277,17 @@ class ExecutorchCandidate:
 
         self.program = Runtime.get().load_program(str(pte), data_path=str(data_path) if data_path else None)
         self.taps, self.info = read_taps(pte), info
+        self.ops = Path(pte).with_name(OPS_FILE)
         self.dtype, self.probe_rows = dtype, probe_rows  # probe inputs: the model's dtype, at most rows per call
         # every method up front: loading a method initialises the shared state buffers, so a
         # method loaded after a prefill would wipe that prefill's KV cache and recurrent state
         self.methods = {n: self.program.load_method(n) for n in sorted(self.program.method_names)
                         if n in ("prefill", "decode") or n.startswith("probe_")}
         self._seq = (None, None)
+
+    def structures(self) -> dict:
+        """The structural golden: the op histogram of the lowered prefill and decode."""
+        return {"ops": self.ops.read_text()} if self.ops.is_file() else {}
 
     def method(self, name: str):
         return self.methods[name]

@@ -66,6 +66,11 @@ def test_olmoe_passes_with_block_rows_from_the_runtime(olmoe_check):
     assert "XNNPACK" in backend["executor"]
     assert backend["block_modes"]["moe"].endswith("isolated (expert probes)")
     assert r.cache["artifacts"][0]["name"] == "olmoe.check.pte"
+    # the goldens: tokens, and the ops of the lowered prefill and decode (stable names only)
+    gates = {g.name: g.status for g in r.gates}
+    assert gates["golden_tokens"] == "pass" and gates["structure:ops"] == "pass"
+    ops = r.structures["ops"]
+    assert "decode executorch_call_delegate" in ops and " at 0x" not in ops
 
 
 @needs_executorch
