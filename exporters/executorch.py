@@ -19,6 +19,14 @@ The check's program is the production program plus what the block rows need:
   fed the reference's inputs (`isolated`).
 `oracle export` writes the production program alone (no taps, no probe methods).
 
+The on-device sampler (models/sampling.py, Gumbel-max with temperature and top-p from an
+explicit seed): `oracle export --sample` fuses it into the production methods, which then
+take (tokens, pos, temperature [], top_p [], seed []) and return the token [1] (int64), with
+a `use_sampling` constant method for the runner, as the seed exporters do. `oracle check
+--sampling` adds that fused program's methods to the check's program as `sample_prefill` /
+`sample_decode` (their own state: the buffers of the wrapped model), and the head alone as
+`sample_logits(logits [1, V], temperature, top_p, seed)`; the harness is the runner.
+
 Also home of what the CUDA and Metal exporters share with this one: the strict export of
 the two methods, the taps, the probe methods, the cache key and the runtime candidate.
 """
@@ -28,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import types
 from pathlib import Path
 
 import torch
@@ -35,6 +44,7 @@ from torch import nn
 
 from exporters.eager import DTYPES
 from models.layers import LINEAR, STATE_BUFFERS, Transformer
+from models.sampling import Sampler, SampledModel, check_args
 from oracle.goldens import histogram_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,19 +71,37 @@ def block_paths(args) -> list[tuple[tuple, str]]:
     return out + [((None, "final_norm"), "norm"), ((None, "logits"), "lm_head")]
 
 
-def export_methods(model: Transformer) -> dict:
+def sample_example() -> tuple:
+    """Example (temperature, top_p, seed) of the fused sampler's inputs: 0-d float32, float32, int64."""
+    return torch.tensor(0.8), torch.tensor(0.9), torch.tensor(0)
+
+
+def export_methods(model: Transformer, sample: bool = False) -> dict:
     """torch.export (strict: the state buffers are updated in place) of prefill and decode.
-    The prefill example has the largest length, as the CUDA/AOTI exports need."""
+    The prefill example has the largest length, as the CUDA/AOTI exports need. With `sample`
+    the sampler is fused (SampledModel: the token instead of the logits)."""
     from torch.export import Dim, export
 
     S = model.args.max_seq_len
     long = dict(dtype=torch.long)
+    module, extra = (SampledModel(model), sample_example()) if sample else (model, ())
     with torch.no_grad():
-        out = {"decode": export(model, (torch.zeros(1, 1, **long), torch.zeros(1, **long)), strict=True)}
+        out = {"decode": export(module, (torch.zeros(1, 1, **long), torch.zeros(1, **long), *extra), strict=True)}
         if S >= 3:  # a prefill of 2..S-1 tokens (S - 1 leaves room for one decode step)
             T = Dim("T", min=2, max=S - 1)
-            out["prefill"] = export(model, (torch.zeros(1, S - 1, **long), torch.arange(S - 1)),
-                                    dynamic_shapes=({1: T}, {0: T}), strict=True)
+            out["prefill"] = export(module, (torch.zeros(1, S - 1, **long), torch.arange(S - 1), *extra),
+                                    dynamic_shapes=({1: T}, {0: T}, *(None,) * len(extra)), strict=True)
+    return out
+
+
+def export_sampling(model: Transformer) -> dict:
+    """The check program's sampler methods: the fused program's prefill and decode, and the head alone."""
+    from torch.export import export
+
+    out = {f"sample_{name}": ep for name, ep in export_methods(model, sample=True).items()}
+    logits = torch.zeros(1, model.args.vocab_size, dtype=model.lm_head.weight.dtype)
+    with torch.no_grad():
+        out["sample_logits"] = export(Sampler(), (logits, *sample_example()), strict=True)
     return out
 
 
@@ -129,25 +157,29 @@ def export_probes(model: Transformer) -> dict:
                 for i, layer in enumerate(model.layers)}
 
 
-def metadata(model: Transformer) -> dict:
+def metadata(model: Transformer, sample: bool = False) -> dict:
     """Constant methods, as the production LLM exports carry them for their runners."""
     a = model.args
     return {"get_max_seq_len": a.max_seq_len, "get_vocab_size": a.vocab_size, "get_n_layers": a.num_hidden_layers,
-            "use_kv_cache": True, "enable_dynamic_shape": True}
+            "use_kv_cache": True, "enable_dynamic_shape": True, "use_sampling": sample}
 
 
-def state_buffer_names(model: Transformer) -> list[str]:
-    """The per-sequence state (mutable buffers), as the CUDA export records it."""
-    return sorted(n for n, _ in model.named_buffers() if n.rsplit(".", 1)[-1] in STATE_BUFFERS)
+def state_buffer_names(model: Transformer, sample: bool = False) -> list[str]:
+    """The per-sequence state (mutable buffers) of the exported methods, as the CUDA export
+    records it (the fused sampler's methods hold the model as `model`)."""
+    prefix = "model." if sample else ""
+    return sorted(prefix + n for n, _ in model.named_buffers() if n.rsplit(".", 1)[-1] in STATE_BUFFERS)
 
 
 def target_name(t) -> str:
     """A call_function target's stable name: `aten.mm.default`, `executorch_prim.mul.Scalar`,
     `executorch.exir.memory.alloc`, `operator.getitem` (never a repr with a memory address)."""
+    if isinstance(t, torch._ops.OpOverload):
+        return str(t)  # with its overload, `.default` included
+    if isinstance(t, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"{t.__module__.lstrip('_')}.{t.__qualname__}"
     name = getattr(t, "name", None)
-    if callable(name):  # OpOverload, EdgeOpOverload, HigherOrderOperator
-        return name().replace("::", ".")
-    return f"{getattr(t, '__module__', '').lstrip('_')}.{getattr(t, '__qualname__', t)}"
+    return name().replace("::", ".") if callable(name) else str(t)  # EdgeOpOverload, HigherOrderOperator
 
 
 def op_histogram(ep) -> dict:
@@ -191,11 +223,12 @@ def qlinear_options(spec, allowed: tuple) -> dict:
     return {"qlinear": q, "qlinear_group_size": int(spec.options.get("qlinear_group_size") or 32)}
 
 
-def refuse_sample(spec) -> None:
-    if spec.options.get("sample"):
-        from oracle.check import InputError
-
-        raise InputError(f"backend {spec.backend}: on-device sampling (--sample) is not implemented yet (issue 9)")
+def sampling_options(spec) -> dict:
+    """What of the on-device sampler shapes a program (part of the cache key): `sample` (oracle
+    export --sample: the production methods return a sampled token) and `sampling` (oracle
+    check --sampling: the check program gets the sample_* methods). Temperature, top_p and
+    the seed are runtime inputs."""
+    return {k: True for k in ("sample", "sampling") if spec.options.get(k)}
 
 
 def quantize_linears(model: nn.Module, q: dict, packing_format=None) -> None:
@@ -223,13 +256,16 @@ def save(prog, path: Path) -> None:
         prog.write_tensor_data_to_file(str(path.parent))
 
 
-def build_program(model: Transformer, lower, path: Path, check: bool) -> None:
-    """The production program (prefill, decode) at `path`, by `lower(methods, model)`; the
-    check's program also has the taps and the probe methods, its tap table beside it."""
-    methods = export_methods(model)
+def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict) -> None:
+    """The production program (prefill, decode; the sampler fused with opts["sample"]) at
+    `path`, by `lower(methods, model)`; the check's program also has the taps and the probe
+    methods, its tap table beside it, and with opts["sampling"] the sampler's methods."""
+    methods = export_methods(model, sample=bool(opts.get("sample")))
     if check:
         taps = {name: add_taps(ep, model.args) for name, ep in methods.items()}
         methods.update(export_probes(model))
+        if opts.get("sampling"):
+            methods.update(export_sampling(model))
         path.with_name("taps.json").write_text(json.dumps(taps))
     prog = lower(methods, model)
     save(prog, path)
@@ -241,7 +277,7 @@ def build_program(model: Transformer, lower, path: Path, check: bool) -> None:
     path.with_name(OPS_FILE).write_text(histogram_text(counts, "ops of the lowered prefill and decode methods"))
 
 
-def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True):
+def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: bool = False):
     """XNNPACK where it can, portable kernels elsewhere (everywhere without `xnnpack`); the
     state buffers are planned once and shared by the methods."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -251,7 +287,7 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True):
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
     edge = to_edge_transform_and_lower(
-        methods, partitioner=[XnnpackPartitioner()] if xnnpack else [], constant_methods=metadata(model),
+        methods, partitioner=[XnnpackPartitioner()] if xnnpack else [], constant_methods=metadata(model, sample),
         # ExecuTorch 1.5.1's IR arg validator specialises the dynamic length to the example's
         compile_config=EdgeCompileConfig(_check_ir_validity=False))
     strip_taps_(edge)  # after partitioning (no-op without taps)
@@ -282,7 +318,7 @@ class ExecutorchCandidate:
         # every method up front: loading a method initialises the shared state buffers, so a
         # method loaded after a prefill would wipe that prefill's KV cache and recurrent state
         self.methods = {n: self.program.load_method(n) for n in sorted(self.program.method_names)
-                        if n in ("prefill", "decode") or n.startswith("probe_")}
+                        if n in ("prefill", "decode") or n.startswith(("probe_", "sample_"))}
         self._seq = (None, None)
 
     def structures(self) -> dict:
@@ -352,6 +388,28 @@ class ExecutorchCandidate:
         return out
 
 
+class ExecutorchSamplingCandidate(ExecutorchCandidate):
+    """A check program with the sampler's methods (oracle check --sampling). The harness is
+    the runner: arguments are validated here, on the host (a program cannot refuse its inputs)."""
+
+    @staticmethod
+    def _args(temperature, top_p, seed) -> list:
+        check_args(temperature, top_p)
+        return [torch.tensor(float(temperature)), torch.tensor(float(top_p)), torch.tensor(int(seed))]
+
+    def sample_prefill(self, tokens, temperature, top_p, seed) -> int:
+        args = [torch.tensor([list(tokens)]), torch.arange(len(tokens)), *self._args(temperature, top_p, seed)]
+        return int(self.method("sample_prefill").execute(args)[0][0])
+
+    def sample_decode(self, token, pos, temperature, top_p, seed) -> int:
+        args = [torch.tensor([[token]]), torch.tensor([pos]), *self._args(temperature, top_p, seed)]
+        return int(self.method("sample_decode").execute(args)[0][0])
+
+    def sample_logits(self, logits, temperature, top_p, seed) -> int:
+        lg = torch.as_tensor(logits).reshape(1, -1).to(self.dtype)
+        return int(self.method("sample_logits").execute([lg, *self._args(temperature, top_p, seed)])[0][0])
+
+
 def block_output(kind: str, tensors: list):
     if kind == "router":
         w = next(t for t in tensors if t.is_floating_point())
@@ -393,8 +451,7 @@ class ExecutorchBackend:
         """The options that shape the artifact, validated (part of the cache key).
         `--option partitioner=portable`: portable kernels only (no XNNPACK), about 4x faster
         to lower; tells a delegate's fault from the model's."""
-        refuse_sample(spec)
-        opts = qlinear_options(spec, self.qlinear)
+        opts = {**qlinear_options(spec, self.qlinear), **sampling_options(spec)}
         part = spec.options.get("partitioner", "xnnpack")
         if part not in ("xnnpack", "portable"):
             from oracle.check import InputError
@@ -406,7 +463,7 @@ class ExecutorchBackend:
         return "XNNPACK + portable kernels" if opts["partitioner"] == "xnnpack" else "portable kernels"
 
     def lower(self, methods: dict, model: Transformer, opts: dict):
-        return lower_cpu(methods, model, xnnpack=opts["partitioner"] == "xnnpack")
+        return lower_cpu(methods, model, xnnpack=opts["partitioner"] == "xnnpack", sample=bool(opts.get("sample")))
 
     def quantize(self, model: Transformer, opts: dict) -> None:
         quantize_linears(model, opts)
@@ -423,12 +480,14 @@ class ExecutorchBackend:
         """The check's program or the production program, from the cache or built."""
         from oracle.artifacts import cached_artifact
 
-        opts = self.options(spec)
         program = "check" if check else "production"
+        # the check program never fuses the sampler into prefill/decode (it needs the logits);
+        # the production program never carries the check's sampler methods
+        opts = {k: v for k, v in self.options(spec).items() if k != ("sample" if check else "sampling")}
 
         def build(path):
             m = self.production_model(model, spec, opts)
-            build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check)
+            build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check, opts)
 
         parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
         return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte")
@@ -441,11 +500,15 @@ class ExecutorchBackend:
         from importlib.metadata import version
 
         pte = Path(art.path)
-        info = {"executor": f"executorch {version('executorch')} runtime ({self.executor(self.options(spec))})",
-                "methods": ["prefill", "decode"] + [f"probe_{i}" for i in range(model.args.num_hidden_layers)],
+        opts = self.options(spec)
+        sampling = bool(opts.get("sampling"))  # a backend whose options leave it out has no sampler methods
+        info = {"executor": f"executorch {version('executorch')} runtime ({self.executor(opts)})",
+                "methods": ["prefill", "decode"] + [f"probe_{i}" for i in range(model.args.num_hidden_layers)]
+                + (["sample_decode", "sample_logits", "sample_prefill"] if sampling else []),
                 "block_modes": ExecutorchCandidate.block_modes, "artifacts": [art.as_dict()]}
         ptd = sorted(pte.parent.glob("*.ptd"))
-        return ExecutorchCandidate(pte, info, DTYPES[spec.precision], probe_rows(model.args), ptd[0] if ptd else None)
+        cls = ExecutorchSamplingCandidate if sampling else ExecutorchCandidate
+        return cls(pte, info, DTYPES[spec.precision], probe_rows(model.args), ptd[0] if ptd else None)
 
     def export(self, model, spec, output_dir) -> list[Path]:
         """model.pte (and the .ptd a delegate writes beside it) in output_dir."""

@@ -11,7 +11,9 @@ Triton kernels), as examples/models/qwen3_5_moe/export.py does it for Qwen3.5-Mo
 
 A check runs the same program as the CPU backend's candidate does (taps, probe methods).
 Needs a CUDA build of torch, a GPU and the CUDA backend (triton); elsewhere it is
-unavailable with the reason. On-device sampling (`--sample`) is not implemented (issue 9).
+unavailable with the reason. `--sample` fuses the on-device sampler into prefill and decode
+(models/sampling.py: they take temperature, top_p and seed and return the token; a
+`use_sampling` constant method tells the runner), as the seed's CUDA export does.
 Untested on a device: see docs/executorch.md.
 """
 
@@ -22,7 +24,7 @@ import json
 import torch
 
 from exporters.executorch import ExecutorchBackend, export_methods, metadata, missing_executorch, qlinear_options, \
-    quantize_linears, refuse_sample, state_buffer_names
+    quantize_linears, sampling_options, state_buffer_names
 
 
 class ExecutorchCudaBackend(ExecutorchBackend):
@@ -47,8 +49,7 @@ class ExecutorchCudaBackend(ExecutorchBackend):
         return None
 
     def options(self, spec) -> dict:
-        refuse_sample(spec)
-        return qlinear_options(spec, self.qlinear)
+        return {**qlinear_options(spec, self.qlinear), **sampling_options(spec)}
 
     def executor(self, opts: dict) -> str:
         return "CUDA backend (AOTInductor)"
@@ -62,7 +63,8 @@ class ExecutorchCudaBackend(ExecutorchBackend):
     def exported_programs(self, model, spec) -> dict:
         """The programs this exporter lowers (torch.export, before lowering): no device needed
         unless quantizing."""
-        return export_methods(self.production_model(model, spec, self.options(spec)))
+        opts = self.options(spec)
+        return export_methods(self.production_model(model, spec, opts), sample=bool(opts.get("sample")))
 
     def lower(self, methods: dict, model, opts: dict):
         import torch._inductor.config as inductor_config
@@ -83,8 +85,10 @@ class ExecutorchCudaBackend(ExecutorchBackend):
                                      CompileSpec("max_autotune", b"ON"),
                                      CompileSpec("autotune_at_compile_time", b"ON")])]
 
-        meta = {**metadata(model), "get_mutable_buffer_metadata":
-                json.dumps({"version": 1, "mutable_buffers": state_buffer_names(model)})}
+        sample = bool(opts.get("sample"))
+        state = state_buffer_names(model, sample) + (state_buffer_names(model, True) if opts.get("sampling") else [])
+        meta = {**metadata(model, sample), "get_mutable_buffer_metadata":
+                json.dumps({"version": 1, "mutable_buffers": state})}
         edge = to_edge_transform_and_lower(
             methods, partitioner={n: partitioner(n) for n in methods}, constant_methods=meta,
             compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))

@@ -20,7 +20,7 @@ import platform
 import torch
 
 from exporters.executorch import ExecutorchBackend, export_methods, metadata, missing_executorch, qlinear_options, \
-    quantize_linears, refuse_sample
+    quantize_linears
 
 
 class ExecutorchMetalBackend(ExecutorchBackend):
@@ -45,7 +45,12 @@ class ExecutorchMetalBackend(ExecutorchBackend):
         return None
 
     def options(self, spec) -> dict:
-        refuse_sample(spec)
+        """No sampler in the program (`--sampling` rows are skipped): `--sample` is refused."""
+        if spec.options.get("sample"):
+            from oracle.check import InputError
+
+            raise InputError(f"backend {spec.backend}: the Metal export keeps the sampler on the host, as the "
+                             "seed's Metal export does (--sample fuses it for executorch and executorch-cuda)")
         return qlinear_options(spec, self.qlinear)
 
     def executor(self, opts: dict) -> str:

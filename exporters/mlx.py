@@ -29,6 +29,7 @@ import numpy as np
 from models import get_family, rope_theta
 from models.checkpoint import CheckpointError, shard_files
 from models.layers import FULL, LINEAR
+from models.sampling import check_args
 
 # bf16 only where a GPU can be: mlx's CPU gather_mm (the experts) is float32-only (0.32.4)
 PRECISIONS = ("fp32", "bf16", "q8", "q4") if sys.platform == "darwin" else ("fp32", "q8", "q4")
@@ -415,6 +416,50 @@ class MLXCandidate:
         with self.mx.stream(self.device):
             self.pos += 1
             return self._out(self.model(self.mx.array([[token]]), cache=self.cache)[0, -1])
+
+    # The on-device sampler is mlx-lm's own (mlx_lm.sample_utils.make_sampler: top-p, then
+    # mx.random.categorical at the temperature; temperature 0 is its argmax), on the
+    # log-probabilities as mlx_lm.generate hands them over, seeded per call with
+    # mx.random.seed as a runner would seed it. The harness is the runner (seed s + k at step k)
+    # and validates the arguments, which mlx-lm's sampler does not refuse. mlx-lm takes the
+    # top-p nucleus of the unscaled distribution (apply_top_p on the log-probabilities, the
+    # temperature only in categorical_sampling): the distribution row judges it as such.
+    top_p_after_temperature = False
+
+    def sample_logits(self, logits, temperature, top_p, seed) -> int:
+        check_args(temperature, top_p)
+        from mlx_lm.sample_utils import make_sampler
+
+        mx = self.mx
+        with mx.stream(self.device):
+            lg = (logits if isinstance(logits, mx.array) else mx.array(np.asarray(logits, np.float32)))
+            lg = lg.reshape(1, -1).astype(mx.float32)
+            mx.random.seed(int(seed))
+            return int(make_sampler(temp=temperature, top_p=top_p)(lg - mx.logsumexp(lg, axis=-1, keepdims=True)).item())
+
+    def sample_prefill(self, tokens, temperature, top_p, seed) -> int:
+        check_args(temperature, top_p)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        with self.mx.stream(self.device):
+            self.cache, self.pos = make_prompt_cache(self.model), len(tokens)
+            return self.sample_logits(self.model(self.mx.array([tokens]), cache=self.cache)[0, -1],
+                                      temperature, top_p, seed)
+
+    def sample_decode(self, token, pos, temperature, top_p, seed) -> int:
+        check_args(temperature, top_p)
+        if pos != self.pos:
+            raise ValueError(f"decode at position {pos}, but the cache holds {self.pos} tokens")
+        with self.mx.stream(self.device):
+            self.pos += 1
+            return self.sample_logits(self.model(self.mx.array([[token]]), cache=self.cache)[0, -1],
+                                      temperature, top_p, seed)
+
+    def host_sampler(self, logits, temperature, top_p, seed) -> tuple[int, None]:
+        """The seed schedule's reference: the same mlx-lm sampler on the HF reference's logits
+        (its Gumbel noise is mlx's own, drawn inside mx.random.categorical: no margin to report)."""
+        with self.mx.stream(self.mx.cpu):
+            return self.sample_logits(np.asarray(logits, np.float32), temperature, top_p, seed), None
 
     def run_block(self, layer, kind, calls):
         with self.mx.stream(self.device):

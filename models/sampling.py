@@ -26,19 +26,25 @@ def check_args(temperature: float, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x >> k for 0 <= x < 2^32, as a floor division: ExecuTorch's portable kernels have no
+    `__rshift__` (the bits are the same)."""
+    return torch.div(x, 1 << k, rounding_mode="floor")
+
+
 def hash32(x: torch.Tensor) -> torch.Tensor:
     """lowbias32 (C. Wellons) on int64 tensors holding 32-bit values."""
-    x = x ^ (x >> 16)
+    x = x ^ _shr(x, 16)
     x = (x * 0x7FEB352D) & MASK32
-    x = x ^ (x >> 15)
+    x = x ^ _shr(x, 15)
     x = (x * 0x846CA68B) & MASK32
-    return x ^ (x >> 16)
+    return x ^ _shr(x, 16)
 
 
 def gumbel_noise(seed: torch.Tensor, n: int) -> torch.Tensor:
     """[n] float32 Gumbel(0, 1) noise for `seed` (0-d int64)."""
     i = torch.arange(n, dtype=torch.int64)
-    bits = hash32(hash32(seed.to(torch.int64) & MASK32) ^ i) >> 8  # 24 random bits
+    bits = _shr(hash32(hash32(seed.to(torch.int64) & MASK32) ^ i), 8)  # 24 random bits
     u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), exactly representable
     return -torch.log(-torch.log(u))
 

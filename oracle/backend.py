@@ -20,7 +20,11 @@ and a Candidate (what `load` returns) has:
     info: dict  (optional) executor etc. -> result provenance; info["artifacts"]: a list of
         oracle.artifacts.Artifact.as_dict() (name, path, sha256, cached, build_s)
     block_mode: str (optional) 'isolated' (default) or 'in-situ'
-    gates(): list[GateRow] (optional) structural / cast-count / golden gates
+    gates(): list[GateRow] (optional) backend gates (e.g. cast counts)
+    structures(): dict[str, str] (optional) name -> canonical text of a lowered graph (an op
+        or node histogram), compared byte-exact with goldens/<family>/<backend>/<name>.txt
+    sample_prefill / sample_decode / sample_logits, host_sampler, top_p_after_temperature
+        (optional) an on-device sampler: see oracle/sampling.py (`--sampling` rows)
 
 Optional backend members: `precisions` (tuple of the precisions it supports) and
 `export(model, spec, output_dir) -> list[Path]` (for `oracle export`). Torch-based

@@ -5,6 +5,10 @@ A candidate with a fused sampler offers (all optional; without them the rows are
     sample_prefill(tokens, temperature, top_p, seed) -> int     a new sequence, last token
     sample_decode(token, pos, temperature, top_p, seed) -> int  one step, carrying state
     sample_logits(logits [V], temperature, top_p, seed) -> int  the sampling head alone
+    host_sampler(logits [V], temperature, top_p, seed) -> (token, margin | None)
+        the host's implementation of the backend's sampler, for the seed-schedule row
+        (default: `reference_sample` below, for models/sampling.py's sampler); margin None:
+        unknown, so a difference is never excused as a near tie
 
 and must raise ValueError for top_p outside (0, 1] or a negative temperature. The harness
 is the runner: the prefill uses seed s, decode step k uses s + k. The reference sampler
@@ -38,14 +42,23 @@ def reference_noise(seed: int, n: int) -> np.ndarray:
     return -np.log(-np.log(u))
 
 
-def nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """(probabilities of softmax(logits / T), boolean mask of the top-p nucleus)."""
+def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
     z = logits.astype(np.float64) / max(temperature, 1e-6)
     p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    before = np.cumsum(p[order]) - p[order]
-    keep = np.zeros_like(p, dtype=bool)
+    return p / p.sum()
+
+
+def nucleus(logits: np.ndarray, temperature: float, top_p: float,
+            top_p_after_temperature: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(probabilities of softmax(logits / T), boolean mask of the top-p nucleus: the most
+    probable tokens whose mass before them is below top_p). The nucleus is taken of
+    softmax(logits / T) (temperature first, as models/sampling.py, HF and vLLM do) or, with
+    `top_p_after_temperature=False`, of softmax(logits) (top-p first, as mlx-lm does)."""
+    p = _softmax(logits, temperature)
+    q = p if top_p_after_temperature else _softmax(logits, 1.0)
+    order = np.argsort(-q, kind="stable")
+    before = np.cumsum(q[order]) - q[order]
+    keep = np.zeros_like(q, dtype=bool)
     keep[order[before < top_p]] = True
     return p, keep
 
@@ -108,8 +121,9 @@ def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_m
                         f"seed {seed}: {a}; again: {b}; seed {seed + 1000}: {c}"))
 
     # 3. the seed schedule (prefill s, decode step k: s + k) matches the host reference sampler
-    host = [reference_sample(ref.logits[k][-1], t_r, top_p, seed + k) for k in range(steps)]
-    diff = [k for k in range(steps) if a[k] != host[k][0] and host[k][1] >= tie_margin]
+    host_sample = getattr(cand, "host_sampler", reference_sample)
+    host = [host_sample(ref.logits[k][-1], t_r, top_p, seed + k) for k in range(steps)]
+    diff = [k for k in range(steps) if a[k] != host[k][0] and (host[k][1] is None or host[k][1] >= tie_margin)]
     rows.append(GateRow("sampling_seed_schedule", "fail" if diff else "pass",
                         f"{len(diff)} steps differ" if diff else "match", "match",
                         f"candidate {a} vs host reference sampler {[h[0] for h in host]}"
@@ -135,19 +149,23 @@ def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_m
         draws = np.array([int(cand.sample_logits(logits, t_r, top_p, 10_000 + i)) for i in range(N_DRAWS)])
     else:
         draws = np.array([int(cand.sample_prefill(ref.tokens[:P], t_r, top_p, 10_000 + i)) for i in range(N_DRAWS)])
-    rows.append(distribution_gate(np.asarray(ref.logits[0][-1]), draws, t_r, top_p))
+    rows.append(distribution_gate(np.asarray(ref.logits[0][-1]), draws, t_r, top_p,
+                                  getattr(cand, "top_p_after_temperature", True)))
     return rows
 
 
-def distribution_gate(logits: np.ndarray, draws: np.ndarray, temperature: float, top_p: float) -> GateRow:
+def distribution_gate(logits: np.ndarray, draws: np.ndarray, temperature: float, top_p: float,
+                      top_p_after_temperature: bool = True) -> GateRow:
     """Chi-square goodness of fit of the drawn tokens against softmax(logits / T) restricted
-    to the top-p nucleus (renormalised); bins with expected count < 5 are pooled; any draw
-    outside the nucleus fails outright."""
-    p, keep = nucleus(logits, temperature, top_p)
+    to the top-p nucleus (renormalised; the nucleus as the sampler declares it, see
+    `nucleus`); bins with expected count < 5 are pooled; any draw outside the nucleus fails
+    outright."""
+    p, keep = nucleus(logits, temperature, top_p, top_p_after_temperature)
+    order = "temperature, then top-p" if top_p_after_temperature else "top-p, then temperature"
     outside = int((~keep[draws]).sum())
     if outside:
         return GateRow("sampling_distribution", "fail", f"{outside} draws outside the top-p nucleus", 0,
-                       f"temperature {temperature}, top_p {top_p}")
+                       f"temperature {temperature}, top_p {top_p} ({order})")
     q = np.where(keep, p, 0.0)
     q /= q.sum()
     idx = np.flatnonzero(keep)
@@ -162,4 +180,4 @@ def distribution_gate(logits: np.ndarray, draws: np.ndarray, temperature: float,
         pval = float(stats.chisquare(o, e).pvalue)
     return GateRow("sampling_distribution", "pass" if pval >= ALPHA else "fail", round(pval, 6), ALPHA,
                    f"chi-square p-value over {draws.size} seeds, {len(e)} bins, temperature {temperature}, "
-                   f"top_p {top_p} (a correct sampler fails with probability {ALPHA})")
+                   f"top_p {top_p} ({order}; a correct sampler fails with probability {ALPHA})")

@@ -211,11 +211,68 @@ def test_unavailable_device_backends_refuse(cli, tmp_path, backend):
     assert "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("backend", [BACKEND, CUDA, METAL], ids=lambda b: b.name)
-def test_sample_is_refused_until_issue_9(backend):
-    spec = CheckSpec(family="olmoe", backend=backend.name, options={"sample": True})
-    with pytest.raises(InputError, match="issue 9"):
-        backend.options(spec)
+def test_metal_refuses_sample_with_the_reason():
+    spec = CheckSpec(family="olmoe", backend=METAL.name, options={"sample": True})
+    with pytest.raises(InputError, match="keeps the sampler on the host"):
+        METAL.options(spec)
+
+
+# ------------------------------------------------------------------ the on-device sampler
+SAMPLING = {"sampling": {"temperature": 0.8, "top_p": 0.9}}
+
+
+@needs_executorch
+def test_sampling_rows_pass_through_the_runtime():
+    """`oracle check --sampling`: the fused sampler's methods and the head, run by the runtime
+    (portable kernels: the sampler's int64 hash, sort and cumsum are portable ops either way)."""
+    r = run_check(CheckSpec(family="olmoe", backend="executorch", options={**PORTABLE, **SAMPLING}))
+    gates = {g.name: g for g in r.gates if g.name.startswith("sampling_")}
+    assert len(gates) == 5 and all(g.status == "pass" for g in gates.values()), gates
+    assert r.status == "pass", r.worst or r.error
+    assert {"sample_prefill", "sample_decode", "sample_logits"} <= set(r.provenance["backend"]["methods"])
+
+
+@needs_executorch
+def test_export_sample_fuses_the_sampler(cli, tmp_path):
+    """`oracle export --sample`: prefill/decode take (tokens, pos, temperature, top_p, seed) and
+    return the token the eager sampled model picks, and `use_sampling` tells the runner."""
+    from executorch.runtime import Runtime
+
+    from models.sampling import SampledModel
+
+    p = cli("export", "--family", "olmoe", "--backend", "executorch", "--sample", "--option", "partitioner=portable",
+            "--max-seq-len", "16", "--output-dir", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    program = Runtime.get().load_program(str(tmp_path / "model.pte"))
+    assert bool(program.load_method("use_sampling").execute([])[0])
+    prefill, decode = program.load_method("prefill"), program.load_method("decode")
+    eager = SampledModel(model_source(CheckSpec(family="olmoe", backend="executorch")).build_production(torch.float32))
+    tokens = torch.tensor([[5, 17, 3, 99]])
+    for seed, t in [(s, t) for s in range(4) for t in (0.0, 0.8)]:
+        args = [torch.tensor(t), torch.tensor(0.9), torch.tensor(seed)]
+        reset_state(eager.model)
+        want = [int(eager(tokens, torch.arange(4), *args)[0]), int(eager(torch.tensor([[7]]), torch.tensor([4]), *args)[0])]
+        got = prefill.execute([tokens, torch.arange(4), *args])[0]
+        assert got.dtype == torch.int64 and got.shape == (1,)
+        assert [int(got[0]), int(decode.execute([torch.tensor([[7]]), torch.tensor([4]), *args])[0][0])] == want
+
+
+@needs_executorch
+def test_cuda_sample_exports_the_fused_sampler():
+    """What the CUDA exporter lowers with --sample: the seed's forward(tokens, input_pos,
+    temperature, top_p, seed) -> token, strict, no data-dependent op, state in place."""
+    spec = CheckSpec(family="olmoe", backend="executorch-cuda", precision="bf16", options={"sample": True})
+    programs = CUDA.exported_programs(model_source(spec), spec)
+    for name, ep in programs.items():
+        inputs = [s for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        assert len(inputs) == 5, name
+        out = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
+        user_out = out[len(ep.graph_signature.buffers_to_mutate):]
+        assert len(user_out) == 1 and user_out[0].meta["val"].dtype == torch.int64
+        h = op_histogram(ep)
+        assert h["aten.argmax.default"] == 2  # the greedy and the Gumbel-max pick
+        assert not {"aten.nonzero.default", "aten.item.default", "aten._local_scalar_dense.default"} & set(h)
+        assert all(v.startswith("model.") for v in ep.graph_signature.buffers_to_mutate.values())
 
 
 @needs_executorch

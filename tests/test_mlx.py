@@ -247,3 +247,29 @@ def test_without_mlx_the_backend_is_unavailable_and_skipped(tmp_path):
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("mlx "))
     assert "unavailable: mlx / mlx-lm cannot be imported (ImportError: no mlx on this host (simulated))" in line
     assert "skipped" in p.stdout and "RC [0, 0, 3]" in p.stdout
+
+
+SAMPLING = {"sampling": {"temperature": 0.8, "top_p": 0.9}}
+
+
+def test_sampling_rows_pass_with_mlx_lms_sampler(mlx):
+    """`--sampling` on mlx: mlx-lm's own sampler (make_sampler), seeded per step by the runner."""
+    r = run_check(CheckSpec(family="qwen3_5_moe", backend="mlx", options=SAMPLING))
+    gates = {g.name: g for g in r.gates if g.name.startswith("sampling_")}
+    assert len(gates) == 5 and all(g.status == "pass" for g in gates.values()), gates
+    assert "top-p, then temperature" in gates["sampling_distribution"].message
+    assert r.status == "pass"
+
+
+def test_mlx_lm_takes_top_p_before_the_temperature(mlx):
+    """Why the mlx candidate declares top_p_after_temperature = False: judged as a
+    temperature-first sampler, mlx-lm's draws fall outside that nucleus."""
+    from oracle.sampling import distribution_gate
+
+    spec = CheckSpec(family="olmoe", backend="mlx")
+    cand = mlx.BACKEND.load(model_source(spec), spec)
+    logits = np.asarray(cand.prefill(prompt_tokens(spec, 256)), np.float32)[-1]
+    draws = np.array([cand.sample_logits(logits, 0.5, 0.8, 10_000 + i) for i in range(2000)])
+    assert distribution_gate(logits, draws, 0.5, 0.8, top_p_after_temperature=False).status == "pass"
+    row = distribution_gate(logits, draws, 0.5, 0.8, top_p_after_temperature=True)
+    assert row.status == "fail" and "outside the top-p nucleus" in row.value
