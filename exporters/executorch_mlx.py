@@ -37,6 +37,7 @@ import torch
 
 from exporters.eager import DTYPES
 from models.layers import LINEAR, Transformer
+from oracle import goldens
 
 KIND = "executorch-mlx"
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,9 +138,8 @@ def node_histogram(pte: Path, method: str = "forward") -> dict[str, int]:
 
 def histogram_text(hist: dict[str, int]) -> str:
     """The structural golden: one `<node type> <count>` line per node type, sorted, and the total."""
-    lines = ["# MLX delegate instructions of the production program's `forward`, every chain (node type, count)"]
-    lines += [f"{k} {v}" for k, v in sorted(hist.items())] + [f"total {sum(hist.values())}"]
-    return "\n".join(lines) + "\n"
+    header = "MLX delegate instructions of the production program's `forward`, every chain (node type, count)"
+    return goldens.histogram_text(hist, header) + f"total {sum(hist.values())}\n"
 
 
 def node_gates(family: str, hist: dict[str, int], where: str) -> list:
