@@ -28,6 +28,8 @@ starts a new sequence). The check's program adds one method per block (`Block`).
 
 from __future__ import annotations
 
+import logging
+import os
 import types
 
 import torch
@@ -304,9 +306,19 @@ def metadata(a) -> dict:
             "enable_dynamic_shape": True, "use_sampling": False}
 
 
+def _unsupported_only(record) -> bool:
+    """The MLX partitioner logs an op-support summary at INFO for every method: keep its
+    `[UNSUPPORTED xN] op` lines and warnings, drop the banners (ET_MLX_DEBUG=1 shows all)."""
+    return record.levelno > logging.INFO or "[UNSUPPORTED" in record.getMessage() or bool(os.environ.get("ET_MLX_DEBUG"))
+
+
 def lower(methods: dict, constant_methods: dict | None = None):
     """MLX partitioner with the delegate's default passes, as ExecuTorch's MLX LLM exports lower."""
     from executorch.backends.mlx import MLXPartitioner
+    from executorch.backends.mlx._logging import logger
+
+    if _unsupported_only not in logger.filters:
+        logger.addFilter(_unsupported_only)
     from executorch.backends.mlx.passes import get_default_passes
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
