@@ -458,8 +458,7 @@ class MLXCandidate:
     def host_sampler(self, logits, temperature, top_p, seed) -> tuple[int, None]:
         """The seed schedule's reference: the same mlx-lm sampler on the HF reference's logits
         (its Gumbel noise is mlx's own, drawn inside mx.random.categorical: no margin to report)."""
-        with self.mx.stream(self.mx.cpu):
-            return self.sample_logits(np.asarray(logits, np.float32), temperature, top_p, seed), None
+        return self.sample_logits(np.asarray(logits, np.float32), temperature, top_p, seed), None
 
     def run_block(self, layer, kind, calls):
         with self.mx.stream(self.device):
