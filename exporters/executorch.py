@@ -44,7 +44,7 @@ from torch import nn
 
 from exporters.eager import DTYPES
 from models.layers import LINEAR, STATE_BUFFERS, Transformer
-from models.sampling import Sampler, SampledModel, check_args
+from models.sampling import Sampler, SampledModel, example_args, runtime_args
 from oracle.goldens import histogram_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,11 +71,6 @@ def block_paths(args) -> list[tuple[tuple, str]]:
     return out + [((None, "final_norm"), "norm"), ((None, "logits"), "lm_head")]
 
 
-def sample_example() -> tuple:
-    """Example (temperature, top_p, seed) of the fused sampler's inputs: 0-d float32, float32, int64."""
-    return torch.tensor(0.8), torch.tensor(0.9), torch.tensor(0)
-
-
 def export_methods(model: Transformer, sample: bool = False) -> dict:
     """torch.export (strict: the state buffers are updated in place) of prefill and decode.
     The prefill example has the largest length, as the CUDA/AOTI exports need. With `sample`
@@ -84,7 +79,7 @@ def export_methods(model: Transformer, sample: bool = False) -> dict:
 
     S = model.args.max_seq_len
     long = dict(dtype=torch.long)
-    module, extra = (SampledModel(model), sample_example()) if sample else (model, ())
+    module, extra = (SampledModel(model), example_args()) if sample else (model, ())
     with torch.no_grad():
         out = {"decode": export(module, (torch.zeros(1, 1, **long), torch.zeros(1, **long), *extra), strict=True)}
         if S >= 3:  # a prefill of 2..S-1 tokens (S - 1 leaves room for one decode step)
@@ -101,7 +96,7 @@ def export_sampling(model: Transformer) -> dict:
     out = {f"sample_{name}": ep for name, ep in export_methods(model, sample=True).items()}
     logits = torch.zeros(1, model.args.vocab_size, dtype=model.lm_head.weight.dtype)
     with torch.no_grad():
-        out["sample_logits"] = export(Sampler(), (logits, *sample_example()), strict=True)
+        out["sample_logits"] = export(Sampler(), (logits, *example_args()), strict=True)
     return out
 
 
@@ -392,22 +387,17 @@ class ExecutorchSamplingCandidate(ExecutorchCandidate):
     """A check program with the sampler's methods (oracle check --sampling). The harness is
     the runner: arguments are validated here, on the host (a program cannot refuse its inputs)."""
 
-    @staticmethod
-    def _args(temperature, top_p, seed) -> list:
-        check_args(temperature, top_p)
-        return [torch.tensor(float(temperature)), torch.tensor(float(top_p)), torch.tensor(int(seed))]
-
     def sample_prefill(self, tokens, temperature, top_p, seed) -> int:
-        args = [torch.tensor([list(tokens)]), torch.arange(len(tokens)), *self._args(temperature, top_p, seed)]
+        args = [torch.tensor([list(tokens)]), torch.arange(len(tokens)), *runtime_args(temperature, top_p, seed)]
         return int(self.method("sample_prefill").execute(args)[0][0])
 
     def sample_decode(self, token, pos, temperature, top_p, seed) -> int:
-        args = [torch.tensor([[token]]), torch.tensor([pos]), *self._args(temperature, top_p, seed)]
+        args = [torch.tensor([[token]]), torch.tensor([pos]), *runtime_args(temperature, top_p, seed)]
         return int(self.method("sample_decode").execute(args)[0][0])
 
     def sample_logits(self, logits, temperature, top_p, seed) -> int:
         lg = torch.as_tensor(logits).reshape(1, -1).to(self.dtype)
-        return int(self.method("sample_logits").execute([lg, *self._args(temperature, top_p, seed)])[0][0])
+        return int(self.method("sample_logits").execute([lg, *runtime_args(temperature, top_p, seed)])[0][0])
 
 
 def block_output(kind: str, tensors: list):

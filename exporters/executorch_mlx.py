@@ -33,15 +33,17 @@ import shutil
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from exporters.eager import DTYPES
 from models.layers import LINEAR, Transformer
+from models.sampling import runtime_args
 from oracle import goldens
 
 KIND = "executorch-mlx"
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("models/layers.py", "exporters/executorch_mlx_export.py")  # what determines a .pte
+SOURCES = ("models/layers.py", "models/sampling.py", "exporters/executorch_mlx_export.py")  # what determines a .pte
 EXECUTORS = ("auto", "interpreter", "runtime")
 
 
@@ -223,6 +225,29 @@ class MlxCandidate:
         return {"mlx_nodes": histogram_text(self.hist)}
 
 
+class MlxSamplingCandidate(MlxCandidate):
+    """A check program lowered with --sampling: the sampler's methods, run like the others.
+    The harness is the runner; runtime_args validates its arguments."""
+
+    def _loaded(self, name: str):
+        if name not in self.loaded:
+            self.fresh(name)
+        return name
+
+    def sample_prefill(self, tokens, temperature, top_p, seed) -> int:
+        args = runtime_args(temperature, top_p, seed)
+        self.fresh("sample_forward")
+        return int(self.call("sample_forward", torch.tensor([tokens]), torch.arange(len(tokens)), *args)[0][0])
+
+    def sample_decode(self, token, pos, temperature, top_p, seed) -> int:
+        args = runtime_args(temperature, top_p, seed)
+        return int(self.call("sample_forward", torch.tensor([[token]]), torch.tensor([pos]), *args)[0][0])
+
+    def sample_logits(self, logits, temperature, top_p, seed) -> int:
+        lg = torch.as_tensor(np.asarray(logits, np.float32)).reshape(1, -1).to(self.dtype)
+        return int(self.call(self._loaded("sample_logits"), lg, *runtime_args(temperature, top_p, seed))[0][0])
+
+
 class ExecutorchMlxBackend:
     """`transform(model)` modifies the built production model before the MLX source
     transformations (how faults are injected); `transform_id` names it in the cache key."""
@@ -268,8 +293,9 @@ class ExecutorchMlxBackend:
         from oracle.artifacts import cached_artifact, versions
 
         program = "check" if check else "production"
+        sampling = check and bool(spec.options.get("sampling"))  # the check program's sampler methods
         parts = {"backend": KIND, "program": program, "family": spec.family, "precision": spec.precision,
-                 "checkpoint": model.checkpoint_sha256, "args": repr(model.args), "kernel": kernel,
+                 "checkpoint": model.checkpoint_sha256, "args": repr(model.args), "kernel": kernel, "sampling": sampling,
                  "transform_id": self.transform_id, "source": source_digest(),
                  "versions": versions("torch", "executorch", "mlx", "torchao")}
 
@@ -277,12 +303,13 @@ class ExecutorchMlxBackend:
             from exporters.executorch_mlx_export import export_methods, lower, metadata
 
             m = self.production_model(model, spec, kernel)
-            prog = lower(export_methods(m, check), metadata(m.args))
+            prog = lower(export_methods(m, check, sampling), metadata(m.args))
             path.write_bytes(prog.buffer)
             if prog._tensor_data:
                 prog.write_tensor_data_to_file(str(path.parent))
 
-        return cached_artifact(KIND, parts, "model.pte", build, name=f"{spec.family}.{spec.precision}.{program}.pte")
+        name = f"{spec.family}.{spec.precision}.{program}{'.sampling' if sampling else ''}.pte"
+        return cached_artifact(KIND, parts, "model.pte", build, name=name)
 
     def load(self, model, spec):
         executor = executor_of(spec)
@@ -313,7 +340,8 @@ class ExecutorchMlxBackend:
         if LINEAR in model.args.layer_types:
             info["gated_delta_rule"] = {"executed": "Metal kernel" if run_kernel else "scan fallback",
                                         "production": "Metal kernel" if kernel else "scan fallback"}
-        return MlxCandidate(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None)
+        cls = MlxSamplingCandidate if "sample_forward" in program.method_names else MlxCandidate
+        return cls(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None)
 
     def export(self, model, spec, output_dir) -> list[Path]:
         """The production program (forward only, the Metal kernel where the delegate emits it)."""

@@ -276,9 +276,13 @@ class Block(nn.Module):
         return block(x)
 
 
-def export_methods(model: Transformer, check: bool) -> dict:
-    """torch.export (strict) of `forward`, and for the check's program of every block."""
+def export_methods(model: Transformer, check: bool, sampling: bool = False) -> dict:
+    """torch.export (strict) of `forward`, and for the check's program of every block; with
+    `sampling` also `sample_forward` (the model with the sampler fused, models/sampling.py:
+    its own state) and `sample_logits` (the head alone)."""
     from torch.export import Dim, export
+
+    from models.sampling import Sampler, SampledModel, example_args
 
     a = model.args
     S, dtype = a.max_seq_len, model.embed_tokens.weight.dtype
@@ -296,6 +300,11 @@ def export_methods(model: Transformer, check: bool) -> dict:
                 stateful = b.kind in ("attention", "layer")
                 out[b.name] = export(b, (x, pos) if stateful else (x,),
                                    dynamic_shapes=({1: T}, {0: T}) if stateful else ({1: T},), strict=True)
+        if sampling:
+            out["sample_forward"] = export(SampledModel(model), (torch.zeros(1, 2, dtype=torch.long), pos, *example_args()),
+                                           dynamic_shapes=({1: T}, {0: T}, None, None, None), strict=True)
+            out["sample_logits"] = export(Sampler(), (torch.zeros(1, a.vocab_size, dtype=dtype), *example_args()),
+                                          strict=True)
     return out
 
 

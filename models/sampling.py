@@ -7,8 +7,9 @@ sample exactly. The runner's schedule: the prefill uses seed s, decode step k us
 
 temperature == 0 is exactly greedy (argmax, selected with torch.where: no epsilon
 temperature); top_p keeps the smallest set of most probable tokens whose mass reaches
-top_p (the most probable is always kept). Arguments are validated on the host
-(`check_args`): an exported program cannot refuse its inputs.
+top_p (the most probable is always kept; tokens tied with the least probable kept one
+too). Arguments are validated on the host (`check_args`): an exported program cannot
+refuse its inputs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
     """x >> k for 0 <= x < 2^32, as a floor division: ExecuTorch's portable kernels have no
     `__rshift__` (the bits are the same)."""
     return torch.div(x, 1 << k, rounding_mode="floor")
+
+
+def example_args() -> tuple:
+    """Example (temperature, top_p, seed) for torch.export: 0-d float32, float32, int64."""
+    return torch.tensor(0.8), torch.tensor(0.9), torch.tensor(0)
+
+
+def runtime_args(temperature: float, top_p: float, seed: int) -> list:
+    """(temperature, top_p, seed) as an exported sampler takes them, validated first (the
+    runner's job: a program cannot refuse its inputs)."""
+    check_args(temperature, top_p)
+    return [torch.tensor(float(temperature)), torch.tensor(float(top_p)), torch.tensor(int(seed))]
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -57,9 +70,12 @@ class Sampler(nn.Module):
         greedy = logits.argmax(dim=-1)
         scaled = logits / temperature.clamp(min=1e-6)
         probs = torch.softmax(scaled, dim=-1)
-        sp, order = torch.topk(probs, probs.shape[-1], dim=-1)  # sorted, descending
-        keep_sorted = (sp.cumsum(dim=-1) - sp) < top_p  # mass before this token < top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        sp = torch.topk(probs, probs.shape[-1], dim=-1).values  # sorted, descending (no portable sort kernel)
+        keep_sorted = (sp.cumsum(dim=-1) - sp) < top_p  # mass before this token < top_p: a prefix
+        # the nucleus as a threshold (the least probable kept probability), not a scatter of the
+        # sorted mask: the MLX delegate has no scatter; a tie at the threshold keeps both tokens
+        threshold = torch.where(keep_sorted, sp, 2.0).amin(dim=-1, keepdim=True)
+        keep = probs >= threshold
         noisy = torch.where(keep, scaled + gumbel_noise(seed, logits.shape[-1]), float("-inf"))
         return torch.where(temperature > 0, noisy.argmax(dim=-1), greedy)
 

@@ -51,16 +51,15 @@ def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
 def nucleus(logits: np.ndarray, temperature: float, top_p: float,
             top_p_after_temperature: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(probabilities of softmax(logits / T), boolean mask of the top-p nucleus: the most
-    probable tokens whose mass before them is below top_p). The nucleus is taken of
+    probable tokens whose mass before them is below top_p, and any tied with the least
+    probable of those). The nucleus is taken of
     softmax(logits / T) (temperature first, as models/sampling.py, HF and vLLM do) or, with
     `top_p_after_temperature=False`, of softmax(logits) (top-p first, as mlx-lm does)."""
     p = _softmax(logits, temperature)
     q = p if top_p_after_temperature else _softmax(logits, 1.0)
-    order = np.argsort(-q, kind="stable")
-    before = np.cumsum(q[order]) - q[order]
-    keep = np.zeros_like(q, dtype=bool)
-    keep[order[before < top_p]] = True
-    return p, keep
+    sq = np.sort(q)[::-1]
+    kept = sq[np.cumsum(sq) - sq < top_p]
+    return p, q >= kept[-1]  # ties with the least probable kept token are kept too
 
 
 def reference_sample(logits, temperature: float, top_p: float, seed: int) -> tuple[int, float]:

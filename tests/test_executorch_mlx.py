@@ -174,6 +174,29 @@ def test_integer_floor_divide_rounds_down_like_torch(xs, d, neg):
     assert got.tolist() == torch.div(a, b, rounding_mode="floor").tolist()
 
 
+@SMALL
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=12), st.integers(0, 2**32 - 1))
+def test_bitwise_nodes_on_int64_hash_words(xs, y):
+    """The sampler's counter-based hash: xor and mask on int64 holding 32-bit values."""
+    a, b = torch.tensor(xs, dtype=torch.int64), torch.full((len(xs),), y, dtype=torch.int64)
+    assert run_node("BitwiseXorNode", [a, b], a=T0, b=T1, out=OUT)[0].tolist() == (a ^ b).tolist()
+    assert run_node("BitwiseAndNode", [a, b], a=T0, b=T1, out=OUT)[0].tolist() == (a & b).tolist()
+
+
+@SMALL
+@given(shapes, seeds, st.sampled_from(["min", "max", "both"]))
+def test_clip_node(shape, seed, bounds):
+    x = randn(shape, seed)
+    lo, hi = torch.tensor(-0.5), torch.tensor(0.7)
+    kw, ins, want = {}, [x], {"min": (lo, None), "max": (None, hi), "both": (lo, hi)}[bounds]
+    for name, v in zip(("a_min", "a_max"), want):
+        if v is not None:
+            kw[name] = [T1, T2][len(ins) - 1]
+            ins.append(v)
+    got, _ = run_node("ClipNode", ins, x=T0, out=OUT, **kw)
+    torch.testing.assert_close(got, torch.clamp(x, *want))
+
+
 def test_logical_and_where_nodes():
     a, b = torch.tensor([True, False, True, False]), torch.tensor([True, True, False, False])
     assert run_node("LogicalAndNode", [a, b], a=T0, b=T1, out=OUT)[0].tolist() == (a & b).tolist()
@@ -274,7 +297,7 @@ def test_split_node(sizes, seed):
 @given(shapes, seeds, st.booleans())
 def test_reductions_and_softmax(shape, seed, keep):
     x = randn(shape, seed)
-    for name, fn in (("SumNode", torch.sum), ("MeanNode", torch.mean), ("MaxNode", torch.amax)):
+    for name, fn in (("SumNode", torch.sum), ("MeanNode", torch.mean), ("MaxNode", torch.amax), ("MinNode", torch.amin)):
         got, _ = run_node(name, [x], x=T0, out=OUT, axes=[-1], keepdims=keep)
         torch.testing.assert_close(got, fn(x, dim=-1, keepdim=keep), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(run_node("SoftmaxNode", [x], x=T0, out=OUT, axis=-1, precise=False)[0],
@@ -435,6 +458,15 @@ def test_scan_node_carries_state_over_the_scan_axis(T, seed):
     assert not to_torch(d.buffers[50]).any()
 
 
+def test_sampling_rows_pass_through_the_lowered_sampler():
+    """`--sampling`: models/sampling.py's head lowered by the MLX delegate (the model with it
+    fused, and alone) and run by the interpreter; every sampling row passes."""
+    r = run_check(CheckSpec(family="olmoe", backend=KIND, options={"sampling": {"temperature": 0.8, "top_p": 0.9}}))
+    gates = {g.name: g for g in r.gates if g.name.startswith("sampling_")}
+    assert len(gates) == 5 and all(g.status == "pass" for g in gates.values()), gates
+    assert r.status == "pass" and {"sample_forward", "sample_logits"} <= set(r.provenance["backend"]["methods"])
+
+
 def test_every_supported_node_type_has_a_test():
     from exporters.executorch_mlx_interp import OPS
 
@@ -443,7 +475,7 @@ def test_every_supported_node_type_has_a_test():
         "MultiplyIntNode", "FloorDivideIntNode", "ModIntNode", "SymSizeNode", "IdCopyNode", "ReshapeNode",
         "TransposeNode", "ExpandDimsNode", "SqueezeNode", "RepeatNode", "TileNode", "BroadcastToNode",
         "ConcatenateNode", "StackNode", "SliceNode", "SliceUpdateNode", "TakeNode", "TakeAlongAxisNode", "SplitNode",
-        "SumNode", "MeanNode", "MaxNode", "SoftmaxNode", "CumsumNode", "ArgmaxNode", "SortNode", "ArgsortNode",
+        "SumNode", "MeanNode", "MaxNode", "MinNode", "ClipNode", "BitwiseAndNode", "BitwiseXorNode", "SoftmaxNode", "CumsumNode", "ArgmaxNode", "SortNode", "ArgsortNode",
         "PartitionNode", "ArgPartitionNode", "AddmmNode", "GatherMmNode", "AsTypeNode", "FullNode", "FullLikeNode",
         "ARangeNode", "ItemIntNode", "NoopNode", "RMSNormNode", "RopeNode", "SdpaNode", "Conv1DNode",
         "MetalKernelNode"}
