@@ -301,7 +301,8 @@ def export_methods(model: Transformer, check: bool, sampling: bool = False) -> d
                 out[b.name] = export(b, (x, pos) if stateful else (x,),
                                    dynamic_shapes=({1: T}, {0: T}) if stateful else ({1: T},), strict=True)
         if sampling:
-            out["sample_forward"] = export(SampledModel(model), (torch.zeros(1, 2, dtype=torch.long), pos, *example_args()),
+            tokens = torch.zeros(1, 2, dtype=torch.long)
+            out["sample_forward"] = export(SampledModel(model), (tokens, pos, *example_args()),
                                            dynamic_shapes=({1: T}, {0: T}, None, None, None), strict=True)
             out["sample_logits"] = export(Sampler(), (torch.zeros(1, a.vocab_size, dtype=dtype), *example_args()),
                                           strict=True)
@@ -325,12 +326,12 @@ def lower(methods: dict, constant_methods: dict | None = None):
     """MLX partitioner with the delegate's default passes, as ExecuTorch's MLX LLM exports lower."""
     from executorch.backends.mlx import MLXPartitioner
     from executorch.backends.mlx._logging import logger
-
-    if _unsupported_only not in logger.filters:
-        logger.addFilter(_unsupported_only)
     from executorch.backends.mlx.passes import get_default_passes
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
+
+    if _unsupported_only not in logger.filters:
+        logger.addFilter(_unsupported_only)
 
     edge = to_edge_transform_and_lower(
         methods, transform_passes=get_default_passes(), partitioner=[MLXPartitioner()],
