@@ -458,15 +458,6 @@ def test_scan_node_carries_state_over_the_scan_axis(T, seed):
     assert not to_torch(d.buffers[50]).any()
 
 
-def test_sampling_rows_pass_through_the_lowered_sampler():
-    """`--sampling`: models/sampling.py's head lowered by the MLX delegate (the model with it
-    fused, and alone) and run by the interpreter; every sampling row passes."""
-    r = run_check(CheckSpec(family="olmoe", backend=KIND, options={"sampling": {"temperature": 0.8, "top_p": 0.9}}))
-    gates = {g.name: g for g in r.gates if g.name.startswith("sampling_")}
-    assert len(gates) == 5 and all(g.status == "pass" for g in gates.values()), gates
-    assert r.status == "pass" and {"sample_forward", "sample_logits"} <= set(r.provenance["backend"]["methods"])
-
-
 def test_every_supported_node_type_has_a_test():
     from exporters.executorch_mlx_interp import OPS
 
@@ -491,7 +482,9 @@ def qwen35_bf16():
 
 @pytest.fixture(scope="session")
 def olmoe_fp32():
-    spec = CheckSpec(family="olmoe", backend=KIND)
+    """With --sampling: one lowering serves the block/e2e tests and the sampler's (its methods are
+    lowered apart from `forward`, which test_gates_come_from_the_production_graph checks)."""
+    spec = CheckSpec(family="olmoe", backend=KIND, options={"sampling": {"temperature": 0.8, "top_p": 0.9}})
     return spec, run_check(spec)
 
 
@@ -523,7 +516,7 @@ def test_olmoe_fp32_passes_every_block_isolated(olmoe_fp32):
     assert r.status == "pass", r.worst or r.error
     assert r.e2e.token_exact and len(r.blocks) == 10
     assert max(b.ratio for b in r.blocks) < 0.2  # fp32: 1e-7-level differences
-    assert {a["name"] for a in r.cache["artifacts"]} == {"olmoe.fp32.check.pte"}
+    assert {a["name"] for a in r.cache["artifacts"]} == {"olmoe.fp32.check.sampling.pte"}
 
 
 def test_gates_come_from_the_production_graph(olmoe_fp32):
@@ -537,6 +530,15 @@ def test_gates_come_from_the_production_graph(olmoe_fp32):
     from exporters.executorch_mlx_interp import Program
 
     assert {n for n, m in Program.load(prod.path).methods.items() if m.delegates} == {"forward"}
+
+
+def test_sampling_rows_pass_through_the_lowered_sampler(olmoe_fp32):
+    """`--sampling`: models/sampling.py's head lowered by the MLX delegate (the model with it
+    fused, and alone) and run by the interpreter; every sampling row passes."""
+    _, r = olmoe_fp32
+    gates = {g.name: g for g in r.gates if g.name.startswith("sampling_")}
+    assert len(gates) == 5 and all(g.status == "pass" for g in gates.values()), gates
+    assert r.status == "pass" and {"sample_forward", "sample_logits"} <= set(r.provenance["backend"]["methods"])
 
 
 def test_a_stray_cast_in_the_transformations_fails_the_astype_gate(monkeypatch):
