@@ -403,19 +403,27 @@ class MLXCandidate:
             return torch.from_numpy(out).to(torch.bfloat16)
         return out
 
-    def prefill(self, tokens):
+    def _prefill(self, tokens):
+        """mx logits [T, V] of a new sequence (a fresh mlx-lm cache)."""
         from mlx_lm.models.cache import make_prompt_cache
 
         with self.mx.stream(self.device):
             self.cache, self.pos = make_prompt_cache(self.model), len(tokens)
-            return self._out(self.model(self.mx.array([tokens]), cache=self.cache)[0])
+            return self.model(self.mx.array([tokens]), cache=self.cache)[0]
 
-    def decode(self, token, pos):
+    def _decode(self, token, pos):
+        """mx logits [V] of one step on the carried cache."""
         if pos != self.pos:
             raise ValueError(f"decode at position {pos}, but the cache holds {self.pos} tokens")
         with self.mx.stream(self.device):
             self.pos += 1
-            return self._out(self.model(self.mx.array([[token]]), cache=self.cache)[0, -1])
+            return self.model(self.mx.array([[token]]), cache=self.cache)[0, -1]
+
+    def prefill(self, tokens):
+        return self._out(self._prefill(tokens))
+
+    def decode(self, token, pos):
+        return self._out(self._decode(token, pos))
 
     # The on-device sampler is mlx-lm's own (mlx_lm.sample_utils.make_sampler: top-p, then
     # mx.random.categorical at the temperature; temperature 0 is its argmax), on the
@@ -438,22 +446,12 @@ class MLXCandidate:
             return int(make_sampler(temp=temperature, top_p=top_p)(lg - mx.logsumexp(lg, axis=-1, keepdims=True)).item())
 
     def sample_prefill(self, tokens, temperature, top_p, seed) -> int:
-        check_args(temperature, top_p)
-        from mlx_lm.models.cache import make_prompt_cache
-
-        with self.mx.stream(self.device):
-            self.cache, self.pos = make_prompt_cache(self.model), len(tokens)
-            return self.sample_logits(self.model(self.mx.array([tokens]), cache=self.cache)[0, -1],
-                                      temperature, top_p, seed)
+        check_args(temperature, top_p)  # before the model runs: a refused call changes no state
+        return self.sample_logits(self._prefill(tokens)[-1], temperature, top_p, seed)
 
     def sample_decode(self, token, pos, temperature, top_p, seed) -> int:
         check_args(temperature, top_p)
-        if pos != self.pos:
-            raise ValueError(f"decode at position {pos}, but the cache holds {self.pos} tokens")
-        with self.mx.stream(self.device):
-            self.pos += 1
-            return self.sample_logits(self.model(self.mx.array([[token]]), cache=self.cache)[0, -1],
-                                      temperature, top_p, seed)
+        return self.sample_logits(self._decode(token, pos), temperature, top_p, seed)
 
     def host_sampler(self, logits, temperature, top_p, seed) -> tuple[int, None]:
         """The seed schedule's reference: the same mlx-lm sampler on the HF reference's logits
