@@ -45,6 +45,7 @@ from torch import nn
 from exporters.eager import DTYPES
 from models.layers import LINEAR, STATE_BUFFERS, Transformer
 from models.sampling import Sampler, SampledModel, example_args, runtime_args
+from oracle.backend import InputError, Option
 from oracle.goldens import histogram_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,11 +212,21 @@ def qlinear_options(spec, allowed: tuple) -> dict:
     if not q:
         return {}
     if q not in allowed:
-        from oracle.check import InputError
-
         raise InputError(f"backend {spec.backend}: --qlinear {q} is not supported here "
                          f"(supported: {', '.join(allowed) or 'none'})")
     return {"qlinear": q, "qlinear_group_size": int(spec.options.get("qlinear_group_size") or 32)}
+
+
+def export_options(qlinear: tuple, sample: bool) -> tuple:
+    """The options of an ExecuTorch exporter that apply to `oracle export` only."""
+    opts = (Option("qlinear", str, qlinear, None, "weight quantization of the nn.Linear layers",
+                   "--qlinear", ("export",)),
+            Option("qlinear_group_size", int, (), 32, "quantization group size", "--qlinear-group-size",
+                   ("export",)))
+    if sample:
+        opts += (Option("sample", bool, (), False, "fuse the on-device sampler into prefill/decode",
+                        "--sample", ("export",)),)
+    return opts
 
 
 def sampling_options(spec) -> dict:
@@ -418,6 +429,12 @@ class ExecutorchBackend:
     source = "exporters/executorch.py"
     precisions = ("fp32",)
     qlinear = ("8da4w",)  # XNNPACK's recipe: int8 dynamic activations, int4 grouped weights
+    option_schema = (
+        Option("partitioner", str, ("xnnpack", "portable"), "xnnpack",
+               "portable kernels only (no XNNPACK): about 4x faster to lower; tells a delegate's fault "
+               "from the model's"),
+        *export_options(qlinear, sample=True),
+    )
 
     def __init__(self, name: str | None = None, transform=None, transform_id: str | None = None):
         if transform is not None and not transform_id:
@@ -444,8 +461,6 @@ class ExecutorchBackend:
         opts = {**qlinear_options(spec, self.qlinear), **sampling_options(spec)}
         part = spec.options.get("partitioner", "xnnpack")
         if part not in ("xnnpack", "portable"):
-            from oracle.check import InputError
-
             raise InputError(f"backend {spec.backend}: partitioner {part!r} is not one of xnnpack, portable")
         return {**opts, "partitioner": part}
 

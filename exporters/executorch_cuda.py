@@ -23,8 +23,8 @@ import json
 
 import torch
 
-from exporters.executorch import ExecutorchBackend, export_methods, metadata, missing_executorch, qlinear_options, \
-    quantize_linears, sampling_options, state_buffer_names
+from exporters.executorch import ExecutorchBackend, export_methods, export_options, metadata, missing_executorch, \
+    qlinear_options, quantize_linears, sampling_options, state_buffer_names
 
 
 class ExecutorchCudaBackend(ExecutorchBackend):
@@ -32,6 +32,7 @@ class ExecutorchCudaBackend(ExecutorchBackend):
     source = "exporters/executorch_cuda.py"
     precisions = ("bf16", "fp32")
     qlinear = ("4w", "8w")
+    option_schema = export_options(qlinear, sample=True)
 
     def unavailable(self) -> str | None:
         if torch.version.cuda is None:

@@ -19,8 +19,8 @@ import platform
 
 import torch
 
-from exporters.executorch import ExecutorchBackend, export_methods, metadata, missing_executorch, qlinear_options, \
-    quantize_linears
+from exporters.executorch import ExecutorchBackend, export_methods, export_options, metadata, missing_executorch, \
+    qlinear_options, quantize_linears
 
 
 class ExecutorchMetalBackend(ExecutorchBackend):
@@ -28,6 +28,9 @@ class ExecutorchMetalBackend(ExecutorchBackend):
     source = "exporters/executorch_metal.py"
     precisions = ("bf16", "fp32")
     qlinear = ("4w",)
+    # no `sample`: the Metal export keeps the sampler on the host, as the seed's Metal export
+    # does (--sample fuses it for executorch and executorch-cuda)
+    option_schema = export_options(qlinear, sample=False)
 
     def unavailable(self) -> str | None:
         if platform.system() != "Darwin":
@@ -45,12 +48,7 @@ class ExecutorchMetalBackend(ExecutorchBackend):
         return None
 
     def options(self, spec) -> dict:
-        """No sampler in the program (`--sampling` rows are skipped): `--sample` is refused."""
-        if spec.options.get("sample"):
-            from oracle.check import InputError
-
-            raise InputError(f"backend {spec.backend}: the Metal export keeps the sampler on the host, as the "
-                             "seed's Metal export does (--sample fuses it for executorch and executorch-cuda)")
+        """No sampler in the program (`--sampling` rows are skipped; `sample` is not an option)."""
         return qlinear_options(spec, self.qlinear)
 
     def executor(self, opts: dict) -> str:

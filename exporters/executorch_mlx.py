@@ -40,6 +40,7 @@ from exporters.eager import DTYPES
 from models.layers import LINEAR, Transformer
 from models.sampling import runtime_args
 from oracle import goldens
+from oracle.backend import Option
 
 KIND = "executorch-mlx"
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,6 +255,10 @@ class ExecutorchMlxBackend:
 
     name = KIND
     precisions = ("fp32", "bf16")
+    option_schema = (Option("executor", str, EXECUTORS, "auto",
+                            "what runs the lowered program: the ExecuTorch runtime with the MLX delegate "
+                            "(macOS builds) or moe-oracle's interpreter of the MLX graph; auto: the runtime "
+                            "where it has the delegate", commands=("check",)),)
 
     def __init__(self, name: str | None = None, transform=None, transform_id: str | None = None):
         if transform is not None and not transform_id:

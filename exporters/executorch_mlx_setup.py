@@ -19,6 +19,7 @@ table) come from the cache and everything else from the wheel.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -64,7 +65,8 @@ def generate(site_mlx: Path, flatc: Path, out: Path) -> None:
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"flatc failed: {r.stderr.strip()}")
-    gen._fixup_flatc_imports()
+    with contextlib.redirect_stdout(sys.stderr):  # its progress line is not part of any command's output
+        gen._fixup_flatc_imports()
     schema = gen.parse_fbs(gen.SCHEMA_FBS)
     for fn, path in ((gen.generate_python_schema, gen.GENERATED_SCHEMA_PY),
                      (gen.generate_python_serializers, gen.GENERATED_SERIALIZERS),

@@ -30,6 +30,7 @@ from models import get_family, rope_theta
 from models.checkpoint import CheckpointError, shard_files
 from models.layers import FULL, LINEAR
 from models.sampling import check_args
+from oracle.backend import Option
 
 # bf16 only where a GPU can be: mlx's CPU gather_mm (the experts) is float32-only (0.32.4)
 PRECISIONS = ("fp32", "bf16", "q8", "q4") if sys.platform == "darwin" else ("fp32", "q8", "q4")
@@ -503,6 +504,12 @@ class MLXBackend:
     ModelArgs fields (naive_mlx_config shows what mlx-lm's own loader would do)."""
 
     precisions = PRECISIONS
+    option_schema = (
+        Option("device", str, ("cpu", "gpu"), "gpu where mlx has one, else cpu",
+               "where mlx runs (gpu: Metal on Apple silicon)", "--device"),
+        Option("group_size", int, GROUP_SIZES, DEFAULT_GROUP_SIZE, "quantization group size (q8/q4 only)",
+               "--group-size"),
+    )
 
     def __init__(self, name: str = "mlx", transform=None, transform_id: str | None = None, config_fn=mlx_config):
         self.name, self.transform, self.transform_id, self.config_fn = name, transform, transform_id, config_fn
@@ -533,10 +540,6 @@ class MLXBackend:
         group_size = opts.get("group_size")
         if group_size is not None and spec.precision not in QUANT_BITS:
             return f"--group-size applies to q8/q4, not {spec.precision}"
-        if group_size is not None and str(group_size) not in map(str, GROUP_SIZES):
-            return f"--group-size {group_size}: mlx-lm quantizes with group size 32 or 64"
-        if opts.get("device") not in (None, "cpu", "gpu"):
-            return f"--device {opts['device']}: mlx runs on cpu or gpu"
         if self.availability()[0]:
             import mlx.core as mx
 

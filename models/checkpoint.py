@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -64,6 +65,15 @@ def shard_files(model_dir: Path) -> list[Path]:
         return [model_dir / n for n in names]
     shards = sorted(model_dir.glob("*.safetensors"))
     if shards:
+        # no index but the names say how many there are (model-00001-of-00004): a partial download
+        numbered = [m for p in shards if (m := re.fullmatch(r"(.*)-(\d+)-of-(\d+)\.safetensors", p.name))]
+        if numbered:
+            stem, width, total = numbered[0].group(1), len(numbered[0].group(2)), int(numbered[0].group(3))
+            want = [f"{stem}-{i:0{width}d}-of-{total:0{width}d}.safetensors" for i in range(1, total + 1)]
+            missing = [n for n in want if not (model_dir / n).is_file()]
+            if missing:
+                raise CheckpointError(f"{model_dir}: shard(s) missing: {', '.join(missing)} "
+                                      "(and no model.safetensors.index.json)")
         return shards
     pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -75,36 +85,160 @@ def shard_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
 
 
-def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint; truncated/corrupt shards and index mismatches are errors."""
+# safetensors dtype names -> torch dtypes (the ones a checkpoint can hold)
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+             "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _open(shard: Path):
+    """safe_open with the checkpoint's own error for every way a shard can be unreadable."""
+    try:
+        open(shard, "rb").close()  # safetensors reports a permission problem as a missing file
+        return safe_open(str(shard), framework="pt")
+    except OSError as e:
+        raise CheckpointError(f"{shard}: cannot read ({e.strerror})") from None
+    except Exception as e:  # safetensors raises its own error types for bad headers / short files
+        raise CheckpointError(f"{shard}: truncated or corrupt safetensors file ({e})") from None
+
+
+def tensor_index(model_dir: Path) -> dict[str, tuple[Path, torch.dtype, tuple]]:
+    """name -> (shard, dtype, shape) of every tensor, from the safetensors headers only (no
+    tensor data is read). Truncated or corrupt shards, a name in two shards, and an index
+    that lists a tensor no shard has are errors."""
     model_dir = Path(model_dir)
-    weights: dict[str, torch.Tensor] = {}
+    out: dict[str, tuple[Path, torch.dtype, tuple]] = {}
     for shard in shard_files(model_dir):
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                for name in f.keys():
-                    weights[name] = f.get_tensor(name)
-        except Exception as e:  # safetensors raises its own error types for bad headers / short files
-            raise CheckpointError(f"{shard}: truncated or corrupt safetensors file ({e})") from None
+        with _open(shard) as f:
+            for name in f.keys():
+                if name in out:
+                    raise CheckpointError(f"tensor {name} is in two shards: {out[name][0].name} and {shard.name}")
+                sl = f.get_slice(name)
+                dtype = ST_DTYPES.get(sl.get_dtype())
+                if dtype is None:
+                    raise CheckpointError(f"{shard.name}: tensor {name} has unsupported dtype {sl.get_dtype()}")
+                out[name] = (shard, dtype, tuple(sl.get_shape()))
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         listed = set(json.loads(index.read_text())["weight_map"])
-        absent = sorted(listed - set(weights))
+        absent = sorted(listed - set(out))
         if absent:
             raise CheckpointError(f"{index}: {len(absent)} tensor(s) listed but not in any shard, e.g. {absent[0]}")
+    return out
+
+
+def meta_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint as a meta tensor (name, shape, dtype; no data): what a
+    family's sanitize() and the strict name/shape check need, at no memory cost."""
+    return {name: torch.empty(shape, dtype=dtype, device="meta")
+            for name, (_, dtype, shape) in tensor_index(model_dir).items()}
+
+
+def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint; truncated/corrupt shards and index mismatches are errors."""
+    weights: dict[str, torch.Tensor] = {}
+    for name, (shard, _, _) in tensor_index(model_dir).items():
+        with _open(shard) as f:
+            weights[name] = f.get_tensor(name)
     return weights
+
+
+# bit patterns of a non-finite value (exponent all ones) per floating dtype: (uint view, mask)
+_NONFINITE_BITS = {"F64": (np.uint64, 0x7FF0000000000000), "F32": (np.uint32, 0x7F800000),
+                   "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80),
+                   "F8_E4M3": (np.uint8, 0x7F), "F8_E5M2": (np.uint8, 0x7C)}
+_CHUNK = 64 << 20  # bytes read at a time (a multiple of every element size)
+
+
+def _scan_file(path: Path, h) -> list[tuple[str, int]]:
+    """Feed the file's bytes to `h` in order, one pass, and count the non-finite values of
+    every floating tensor on the way: [(tensor name, count)] of the bad ones."""
+    bad = []
+    with open(path, "rb") as f:
+        if path.suffix != ".safetensors":
+            for chunk in iter(lambda: f.read(_CHUNK), b""):
+                h.update(chunk)
+            return bad
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        header_bytes = f.read(n)
+        h.update(head)
+        h.update(header_bytes)
+        header = json.loads(header_bytes)
+        header.pop("__metadata__", None)
+        pos = 0  # relative to the data section
+        for name, t in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = t["data_offsets"]
+            if begin > pos:
+                h.update(f.read(begin - pos))
+            view = _NONFINITE_BITS.get(t["dtype"])
+            count = 0
+            for start in range(begin, end, _CHUNK):
+                chunk = f.read(min(_CHUNK, end - start))
+                h.update(chunk)
+                if view is not None:
+                    bits = np.frombuffer(chunk, dtype=view[0])
+                    count += int(np.count_nonzero((bits & view[1]) == view[1]))
+            pos = max(pos, end)
+            if count:
+                bad.append((name, count))
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return bad
+
+
+def checkpoint_identity(model_dir: Path) -> str:
+    """The checkpoint's sha256 (config.json and the weight files, names and bytes), computed
+    in one streamed pass that also checks every floating tensor for NaN/Inf (a non-finite
+    weight is an error naming the tensor: the checkpoint is bad, not the backend).
+
+    Cached like git's index: keyed by each file's path, size and mtime, so a second check of
+    an unchanged directory reads no tensor data."""
+    model_dir = Path(model_dir).resolve()
+    files = [model_dir / "config.json", *shard_files(model_dir)]
+    stamp = []
+    for p in files:
+        try:
+            st = p.stat()
+            stamp.append([p.name, st.st_size, st.st_mtime_ns])
+        except OSError as e:
+            raise CheckpointError(f"{p}: cannot read ({e.strerror})") from None
+    entry = cache_root() / "identities" / (hashlib.sha256(str(model_dir).encode()).hexdigest()[:24] + ".json")
+    try:
+        doc = json.loads(entry.read_text())
+        if doc.get("files") == stamp:
+            return doc["sha256"]
+    except (OSError, ValueError):
+        pass
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        try:
+            bad = _scan_file(p, h)
+        except PermissionError as e:
+            raise CheckpointError(f"{p}: cannot read ({e.strerror})") from None
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{p}: truncated or corrupt file ({type(e).__name__}: {e})") from None
+        if bad:
+            name, count = bad[0]
+            more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+            raise CheckpointError(f"checkpoint tensor {name} in {p.name} has {count} NaN/Inf value(s){more}: "
+                                  "the checkpoint is bad, no backend can be judged on it")
+    digest = h.hexdigest()
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=entry.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"dir": str(model_dir), "files": stamp, "sha256": digest}) + "\n")
+        os.replace(tmp, entry)
+    except OSError:
+        pass  # a read-only cache: the identity is recomputed next time
+    return digest
 
 
 def dir_digest(model_dir: Path) -> str:
     """sha256 over config.json and the weight files (names + bytes): the checkpoint's identity."""
-    h = hashlib.sha256()
-    model_dir = Path(model_dir)
-    for p in [model_dir / "config.json", *shard_files(model_dir)]:
-        h.update(p.name.encode())
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    return checkpoint_identity(model_dir)
 
 
 def stack_experts(weights: dict, pattern: str, names: tuple[str, str, str]) -> dict:

@@ -26,7 +26,10 @@ and a Candidate (what `load` returns) has:
     sample_prefill / sample_decode / sample_logits, host_sampler, top_p_after_temperature
         (optional) an on-device sampler: see oracle/sampling.py (`--sampling` rows)
 
-Optional backend members: `precisions` (tuple of the precisions it supports) and
+Optional backend members: `precisions` (tuple of the precisions it supports),
+`option_schema` (a tuple of `Option`: the only options it accepts; none when absent; the
+harness refuses unknown or ill-typed ones before any work), `check_options(spec) -> str | None`
+(what is wrong with a combination of options on this host, e.g. `--device gpu` without one) and
 `export(model, spec, output_dir) -> list[Path]` (for `oracle export`). Torch-based
 backends take `transform` (a callable modifying the built production model, how seeded
 faults are injected) and `transform_id` (part of every artifact cache key).
@@ -54,8 +57,83 @@ BUILTIN = {
 }
 
 
-class BackendError(ValueError):
-    """Bad --backend value (unknown name or unimportable plugin)."""
+class InputError(ValueError):
+    """Bad input (options, paths, checkpoint, lengths): the CLI prints the message and exits 2;
+    nothing is written. Backends raise it for input they refuse."""
+
+
+class BackendError(InputError):
+    """Bad --backend value (unknown name, unimportable plugin, a protocol member missing)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One backend option: `--option name=VALUE`, or the CLI flag `flag` where it has one."""
+
+    name: str
+    type: type = str  # str | int | float | bool
+    choices: tuple = ()  # allowed values (after conversion); empty: any value of the type
+    default: Any = None  # what the backend does when the option is absent (documentation)
+    help: str = ""
+    flag: str | None = None  # e.g. "--group-size"
+    commands: tuple[str, ...] = ("check", "export")  # the commands it applies to
+
+    def parse(self, value) -> Any:
+        """The value converted to the option's type and checked against its choices."""
+        if self.type is bool and isinstance(value, str):
+            v = {"1": True, "true": True, "yes": True, "on": True,
+                 "0": False, "false": False, "no": False, "off": False}.get(value.lower())
+            if v is None:
+                raise InputError(f"{self.spelling()}: expected true or false, got {value!r}")
+        else:
+            try:
+                v = self.type(value)
+            except (TypeError, ValueError):
+                raise InputError(f"{self.spelling()}: expected {self.type.__name__}, got {value!r}") from None
+            if self.type is int and v <= 0:
+                raise InputError(f"{self.spelling()}: expected a positive integer, got {value!r}")
+        if self.choices and v not in self.choices:
+            raise InputError(f"{self.spelling()}={value}: allowed values are {', '.join(map(str, self.choices))}")
+        return v
+
+    def spelling(self) -> str:
+        return self.flag or f"--option {self.name}"
+
+    def describe(self) -> str:
+        values = "|".join(map(str, self.choices)) if self.choices else self.type.__name__.upper()
+        if self.type is bool and self.flag:
+            how = self.flag
+        else:
+            how = f"{self.flag} {values}" if self.flag else f"--option {self.name}={values}"
+        default = "" if self.default is None else f" (default {self.default})"
+        only = "" if set(self.commands) == {"check", "export"} else f" [{'/'.join(self.commands)} only]"
+        return f"{how}{default}{only}: {self.help}"
+
+
+# options the harness sets itself from its own flags (never a backend's): --sampling, --max-seq-len
+HARNESS_OPTIONS = {"sampling": "check", "max_seq_len": "export"}
+
+
+def validate_options(backend, options: dict, command: str = "check") -> dict:
+    """`options` converted to each option's declared type; InputError for an option the
+    backend does not declare, one that does not apply to `command`, or a bad value."""
+    schema = {o.name: o for o in getattr(backend, "option_schema", ())}
+    name = getattr(backend, "name", "?")
+    out = {}
+    for key, value in options.items():
+        if key in HARNESS_OPTIONS:
+            out[key] = value
+            continue
+        opt = schema.get(key)
+        if opt is None:
+            known = ", ".join(sorted(schema)) or "none (it takes no options)"
+            flag = "--" + key.replace("_", "-")
+            raise InputError(f"backend {name} has no option {key!r} ({flag} / --option {key}=...); known: {known}")
+        if command not in opt.commands:
+            raise InputError(f"backend {name}: {opt.spelling()} applies to `oracle {'/'.join(opt.commands)}`, "
+                             f"not `oracle {command}`")
+        out[key] = opt.parse(value)
+    return out
 
 
 @dataclass(frozen=True)

@@ -16,22 +16,18 @@ import numpy as np
 import torch
 
 from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family
-from models.checkpoint import CheckpointError, dir_digest, read_config, read_weights, tiny_checkpoint
+from models.checkpoint import CheckpointError, checkpoint_identity, meta_weights, read_config, tiny_checkpoint
 from oracle import goldens as golden_files
 from oracle import thresholds
-from oracle.backend import BackendError, CheckSpec, ModelSource, resolve
+from oracle.backend import CheckSpec, InputError, ModelSource, resolve, validate_options
 from oracle.distribution import distribution_metrics, judge_distribution
-from oracle.metrics import as_f64, router_metrics, tensor_metrics, top2_margin
-from oracle.reference import LAYER_KINDS, MODEL_KINDS, capture, load_hf_model
+from oracle.metrics import OutputError, as_array, as_f64, router_metrics, tensor_metrics, top2_margin
+from oracle.reference import capture, load_hf_model
 from oracle.sampling import sampling_gates
 from oracle.result import E2E, BlockRow, CheckResult, GateRow, worst_row
 
 PACKAGES = ("torch", "transformers", "safetensors", "numpy", "executorch", "iree-base-compiler",
             "iree-base-runtime", "iree-turbine", "mlx", "mlx-lm", "moe-oracle")
-
-
-class InputError(ValueError):
-    """Bad input: the CLI prints the message and exits 2; nothing is written."""
 
 
 def provenance(spec: CheckSpec) -> dict:
@@ -51,8 +47,9 @@ def provenance(spec: CheckSpec) -> dict:
     }
 
 
-def validate(spec: CheckSpec):
-    """Everything about the spec that can be refused before any work; returns the backend."""
+def validate(spec: CheckSpec, command: str = "check"):
+    """Everything about the spec that can be refused before any work; returns the backend.
+    spec.options are converted to the types the backend's option schema declares."""
     if spec.family not in FAMILY_NAMES:
         if spec.family in UNSUPPORTED:
             raise InputError(f"family {spec.family!r} is not supported yet: missing {UNSUPPORTED[spec.family]}")
@@ -62,14 +59,12 @@ def validate(spec: CheckSpec):
             raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(spec, name)}")
     if spec.precision not in thresholds.precisions():
         raise InputError(f"unknown precision {spec.precision!r}; known: {', '.join(thresholds.precisions())}")
-    try:
-        backend = resolve(spec.backend)
-    except BackendError as e:
-        raise InputError(str(e)) from None
+    backend = resolve(spec.backend)
     supported = getattr(backend, "precisions", None)
     if supported is not None and spec.precision not in supported:
         raise InputError(f"backend {spec.backend} does not support precision {spec.precision} "
                          f"(supports {', '.join(supported)})")
+    spec.options.update(validate_options(backend, spec.options, command))
     check_options = getattr(backend, "check_options", None)
     problem = check_options(spec) if check_options else None
     if problem:
@@ -92,9 +87,10 @@ def model_source(spec: CheckSpec) -> ModelSource:
         limit = config.get("max_position_embeddings")
         if limit and max_len > limit:
             raise InputError(f"prompt-len + decode-tokens = {max_len} exceeds max_position_embeddings {limit}")
-        # every tensor checked (names, shapes, shards) before any expensive work
-        args = family.validate(config, read_weights(model_dir), max_seq_len=max_len)
-        return ModelSource(family, model_dir, config, args, dir_digest(model_dir))
+        # every tensor checked (names, shapes, dtypes, shards) from the headers alone, then the
+        # identity: one streamed pass (cached by path, size and mtime) that refuses NaN/Inf weights
+        args = family.validate(config, meta_weights(model_dir), max_seq_len=max_len)
+        return ModelSource(family, model_dir, config, args, checkpoint_identity(model_dir))
     except CheckpointError as e:
         raise InputError(str(e)) from None
 
@@ -121,6 +117,10 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     if ref is None:
         family = get_family(family_name)
         ref = capture(load_hf_model(family, Path(model_dir)), family, list(prompt), n)
+        bad = reference.first_nonfinite(ref)
+        if bad:
+            raise InputError(f"the HF fp32 reference itself produces NaN/Inf, first at {bad}: the checkpoint "
+                             f"{model_dir} (weights or config) is bad; no backend can be judged against it")
         path.parent.mkdir(parents=True, exist_ok=True)
         reference.save(ref, path)
     return ref
@@ -129,7 +129,7 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
 def dtype_name(x) -> str | None:
     """The dtype a candidate returned: torch and numpy arrays; None when unknown."""
     dt = getattr(x, "dtype", None)
-    return None if dt is None else str(dt).replace("torch.", "")
+    return None if dt is None else str(dt).rsplit(".", 1)[-1]  # torch.float32, mlx.core.float32, float32
 
 
 def expected_dtype(spec) -> str | None:
@@ -139,21 +139,78 @@ def expected_dtype(spec) -> str | None:
         return None
 
 
+def _shape(a) -> str:
+    return "[" + ", ".join(map(str, a.shape)) + "]"
+
+
+def _rows(a: np.ndarray, width: int) -> np.ndarray:
+    """[..., width] -> [N, width] (a candidate may drop or keep the batch dimension)."""
+    return a.reshape(-1, width) if a.ndim and a.shape[-1] == width else a.reshape(1, -1)
+
+
+def candidate_arrays(kind: str, outs, ref_outs) -> list:
+    """A candidate's outputs for one block as host arrays, one per call, each the
+    reference's shape up to leading 1s: router (weights [T, k] float64, indices [T, k] int64),
+    others [T, H] float64. OutputError says what is wrong (count, None, a tuple where an
+    array is expected, a shape) and for which call."""
+    if not isinstance(outs, (list, tuple)):
+        raise OutputError(f"run_block returned a {type(outs).__name__}, expected a list with one output per call")
+    if len(outs) != len(ref_outs):
+        raise OutputError(f"{len(outs)} output(s) for {len(ref_outs)} call(s)")
+    arrays = []
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        try:
+            if kind == "router":
+                if not isinstance(o, (tuple, list)) or len(o) != 2:
+                    what = "None" if o is None else f"a {type(o).__name__}" + (
+                        f" of {len(o)}" if isinstance(o, (tuple, list)) else "")
+                    raise OutputError(f"{what} where (weights [T, k], indices [T, k]) is expected")
+                rw, ri = r
+                want = (int(ri.numel() // ri.shape[-1]), int(ri.shape[-1]))
+                w, idx = as_array(o[0]), as_array(o[1], np.int64)
+                for name, a in (("weights", w), ("indices", idx)):
+                    a2 = _rows(a, want[1]) if a.ndim else a.reshape(1, 1)
+                    if a2.shape != want:
+                        got = a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
+                        raise OutputError(f"{name} shape {_shape(got)} vs reference [{want[0]}, {want[1]}]")
+                arrays.append((w.reshape(want), idx.reshape(want)))
+            else:
+                want = (int(r.numel() // r.shape[-1]), int(r.shape[-1]))
+                a = as_array(o)
+                if a.size != want[0] * want[1] or (a.ndim and a.shape[-1] != want[1]):
+                    got = a.reshape(-1, a.shape[-1]) if a.ndim else a
+                    raise OutputError(f"shape {_shape(got)} vs reference [{want[0]}, {want[1]}]")
+                arrays.append(a.reshape(want))
+        except OutputError as e:
+            raise OutputError(f"call {i}: {e}") from None
+    return arrays
+
+
+def invalid_row(key, mode, lim, detail, reason: str, status: str = "fail") -> BlockRow:
+    """A row the candidate's output could not be compared for (fail) or whose block raised (error)."""
+    field = "exception" if status == "error" else "invalid_output"
+    return BlockRow(key[0], key[1], status, mode, {field: reason, "nonfinite": 0}, lim, float("inf"), detail)
+
+
 def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
     layer, kind = key
     lim = thresholds.limits(spec.precision, kind, spec.family, spec.backend)
     detail = layer_types[layer] if kind == "attention" else ""
+    try:
+        arrays = candidate_arrays(kind, outs, ref.outputs[key])
+    except OutputError as e:
+        return invalid_row(key, "isolated", lim, detail, str(e))
     if kind == "router":
-        ref_w = torch.cat([w for w, _ in ref.outputs[key]])
-        ref_i = torch.cat([i for _, i in ref.outputs[key]])
-        cand_w = np.concatenate([as_f64(w).reshape(-1, ref_w.shape[-1]) for w, _ in outs])
-        cand_i = np.concatenate([np.asarray(i).reshape(-1, ref_i.shape[-1]) for _, i in outs])
+        ref_w = torch.cat([w.reshape(-1, w.shape[-1]) for w, _ in ref.outputs[key]])
+        ref_i = torch.cat([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[key]])
+        cand_w = np.concatenate([w for w, _ in arrays])
+        cand_i = np.concatenate([i for _, i in arrays])
         probs = torch.cat(ref.router_probs[layer])
         m = router_metrics(ref_w, ref_i, cand_w, cand_i, probs, lim["tie_gap"])
         status, ratio = thresholds.judge_router(m, lim)
     else:
         r = torch.cat([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).double()
-        c = np.concatenate([as_f64(o).reshape(-1, as_f64(o).shape[-1]) for o in outs])
+        c = np.concatenate(arrays)
         keep = None
         if kind in ("moe", "layer") and r.shape[0] == c.shape[0]:
             # tokens whose reference routing is a near tie at this precision: a flipped
@@ -177,27 +234,54 @@ def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
     return BlockRow(layer, kind, status, "isolated", m, lim, ratio, detail)
 
 
+def _step_logits(raw, k: int, ref_rows: int, vocab: int) -> np.ndarray:
+    """A candidate's logits for e2e step k as [rows, V]: prefill [T or 1, V], decode [V]."""
+    out = as_array(raw)
+    if out.ndim == 0 or out.shape[-1] != vocab:
+        raise OutputError(f"logits shape {_shape(out)}: the last dimension must be the vocabulary ({vocab})")
+    out = out.reshape(-1, vocab)
+    allowed = (ref_rows, 1) if k == 0 else (1,)
+    if out.shape[0] not in allowed:
+        what = f"{ref_rows} (every prompt token) or 1 (the last)" if k == 0 else "1"
+        raise OutputError(f"logits shape {_shape(out)}: {out.shape[0]} row(s), expected {what}")
+    return out
+
+
 def run_e2e(ref, cand, spec) -> E2E:
     lim = thresholds.limits(spec.precision, "e2e", spec.family, spec.backend)
     P = ref.prompt_len
-    steps, cand_tokens, ties, first, dtypes = [], [], [], None, set()
+    steps, cand_tokens, ties, first, dtypes, error = [], [], [], None, set(), None
     ref_rows, cand_rows = [], []  # every position's logits, for the distribution metrics
     for k in range(len(ref.logits)):
-        if k == 0:
-            raw = cand.prefill(ref.tokens[:P])
-            out = as_f64(raw)
-            out = out.reshape(-1, out.shape[-1])
-            r = ref.logits[0][-out.shape[0]:]
-        else:
-            raw = cand.decode(ref.tokens[P + k - 1], P + k - 1)
-            out = as_f64(raw).reshape(1, -1)
-            r = ref.logits[k]
+        r_all = ref.logits[k]
+        vocab = r_all.shape[-1]
+        try:
+            if k == 0:
+                raw = cand.prefill(ref.tokens[:P])
+            else:
+                raw = cand.decode(ref.tokens[P + k - 1], P + k - 1)
+        except Exception as e:  # the candidate raised: the state is unknown, later steps are not run
+            error = f"step {k} ({'prefill' if k == 0 else 'decode'}): {type(e).__name__}: {e}"
+            break
+        ref_tok, margin = int(r_all[-1].argmax()), top2_margin(r_all[-1])
+        try:
+            out = _step_logits(raw, k, r_all.shape[0], vocab)
+        except OutputError as e:
+            cand_tokens.append(-1)
+            steps.append({"step": k, "max_abs": None, "rel_l2": None, "nonfinite": 0, "ratio": float("inf"),
+                          "logits_status": "fail", "invalid_output": str(e), "reference_margin": margin,
+                          "reference_token": ref_tok, "candidate_token": -1, "token": "mismatch",
+                          "first_divergence": None})
+            if first is None:
+                first = {"step": k, "position": P + k - 1 if k else P - 1, "reference_token": ref_tok,
+                         "candidate_token": -1, "reference_margin": margin, "tie": False}
+            continue
+        r = r_all[-out.shape[0]:]
         dtypes.add(dtype_name(raw))
-        ref_rows.append(as_f64(r).reshape(-1, out.shape[-1]))
+        ref_rows.append(as_f64(r).reshape(-1, vocab))
         cand_rows.append(out)
         m = tensor_metrics(r, out, lim["atol"], lim["rtol"])
         status, ratio = thresholds.judge_tensor(m, lim)
-        ref_tok, margin = int(r[-1].argmax()), top2_margin(r[-1])
         cand_tok = int(np.nanargmax(out[-1])) if np.isfinite(out[-1]).any() else -1
         cand_tokens.append(cand_tok)
         token_status = "match"
@@ -213,15 +297,17 @@ def run_e2e(ref, cand, spec) -> E2E:
                       "reference_margin": margin, "reference_token": ref_tok,
                       "candidate_token": cand_tok, "token": token_status,
                       "first_divergence": m.get("first_divergence")})
-    exact = all(s["token"] == "match" for s in steps)
-    ok = all(s["logits_status"] == "pass" and s["token"] != "mismatch" for s in steps)
+    complete = error is None and len(steps) == len(ref.logits)
+    exact = complete and all(s["token"] == "match" for s in steps)
+    ok = complete and all(s["logits_status"] == "pass" and s["token"] != "mismatch" for s in steps)
     distribution = None
-    if "kl_mean" in lim:  # quantized precisions: judged by the logits' distribution, tokens reported
+    if "kl_mean" in lim and cand_rows:  # quantized precisions: judged by the logits' distribution, tokens reported
         distribution = distribution_metrics(np.concatenate(ref_rows), np.concatenate(cand_rows))
         distribution["status"], distribution["ratio"] = judge_distribution(distribution, lim)
-        ok = distribution["status"] == "pass"
-    e2e = E2E("pass" if ok else "fail", ref.tokens[:P], ref.tokens[P:], cand_tokens, exact, steps, lim,
-              first, ties, distribution)
+        ok = distribution["status"] == "pass" and complete and not any("invalid_output" in s for s in steps)
+    status = "error" if error else "pass" if ok else "fail"
+    e2e = E2E(status, ref.tokens[:P], ref.tokens[P:], cand_tokens, exact, steps, lim,
+              first, ties, distribution, error=error)
     want, got = expected_dtype(spec), sorted(d for d in dtypes if d)
     gate = None
     if want and got:
@@ -230,14 +316,29 @@ def run_e2e(ref, cand, spec) -> E2E:
     return e2e, gate
 
 
+def _contained(result, name: str, fn):
+    """Run an optional stage of the candidate (its gates, structures, sampler): an exception
+    there is that stage's `error` gate row, not the end of the check."""
+    try:
+        return fn()
+    except Exception as e:
+        result.gates.append(GateRow(name, "error", None, None, f"{type(e).__name__}: {e}"))
+        return None
+
+
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True) -> CheckResult:
-    """Run one check. Raises InputError for bad input; a backend failure is status 'error'.
+    """Run one check. Raises InputError for bad input. A crash in the backend's load() (or in
+    every block) is status 'error'; a crash or malformed output in one block, one e2e step or
+    one optional stage is that row's error/fail and the check goes on.
     goldens=False leaves out the golden gates (how `oracle goldens freeze` checks)."""
     progress = progress or (lambda stage, done=0, total=0: None)
     t0 = time.perf_counter()
     timings = {}
     if backend is None:
         backend = validate(spec)
+    if goldens and not golden_files.root().is_dir():  # a broken install would silently drop every golden gate
+        raise InputError(f"the goldens directory {golden_files.root()} is missing (a broken install?): "
+                         "reinstall moe-oracle, or set MOE_ORACLE_GOLDENS")
     result = CheckResult(spec=asdict(spec), status="pass", provenance=provenance(spec))
     ok, reason = backend.availability()
     if not ok:
@@ -277,10 +378,19 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         t = time.perf_counter()
         keys = ref.block_keys()
         modes = getattr(cand, "block_modes", {})
+        errors = []
         for n, key in enumerate(keys):
             progress("blocks", n, len(keys))
             mode = modes.get(key[1], getattr(cand, "block_mode", "isolated"))
-            outs = cand.run_block(key[0], key[1], ref.inputs[key])
+            try:
+                outs = cand.run_block(key[0], key[1], ref.inputs[key])
+            except Exception as e:  # this block crashed: its row is an error, the others are still measured
+                lim = thresholds.limits(spec.precision, key[1], spec.family, spec.backend)
+                detail = src.args.layer_types[key[0]] if key[1] == "attention" else ""
+                reason = f"{type(e).__name__}: {e}"
+                errors.append(f"{key[0]} {key[1]}: {reason}")
+                result.blocks.append(invalid_row(key, mode, lim, detail, reason, "error"))
+                continue
             if outs is None:
                 result.blocks.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))
                 continue
@@ -288,6 +398,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             row.mode = mode
             result.blocks.append(row)
         timings["blocks_s"] = time.perf_counter() - t
+        if errors and len(errors) == len(keys):
+            raise RuntimeError(f"every block raised; the first: {errors[0]}")
 
         stage = "e2e"
         progress("e2e")
@@ -299,28 +411,30 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         stage = "gates"
         gates = getattr(cand, "gates", None)
         if gates is not None:
-            result.gates += list(gates())
+            result.gates += _contained(result, "backend_gates", lambda: list(gates())) or []
         sampling = spec.options.get("sampling")
         if sampling is not None:
             stage = "sampling"
             progress("sampling")
             t = time.perf_counter()
-            result.gates += sampling_gates(ref, cand, float(sampling["temperature"]), float(sampling["top_p"]),
-                                           spec.seed, thresholds.limits(spec.precision, "e2e")["tie_margin"])
+            result.gates += _contained(result, "sampling", lambda: sampling_gates(
+                ref, cand, float(sampling["temperature"]), float(sampling["top_p"]), spec.seed,
+                thresholds.limits(spec.precision, "e2e")["tie_margin"])) or []
             timings["sampling_s"] = time.perf_counter() - t
         structures = getattr(cand, "structures", None)
         if structures is not None:
-            result.structures = dict(structures())
+            result.structures = dict(_contained(result, "structures", structures) or {})
         if goldens:
+            stage = "goldens"
             tok = golden_files.token_gate(spec, result.e2e.candidate_tokens)
             result.gates += ([tok] if tok else []) + golden_files.structure_gates(spec, result.structures)
-    except Exception as e:  # the backend crashed: this check is an error, not the run
+    except Exception as e:  # load() crashed (or every block did): this check is an error, not the run
         result.error = f"{stage}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-8))
 
     w = worst_row(result.blocks)  # rows measured before a crash still localise
     result.worst = asdict(w) if w else None
-    failed = (w is not None or (result.e2e and result.e2e.status == "fail")
-              or any(g.status == "fail" for g in result.gates))
+    failed = (w is not None or (result.e2e and result.e2e.status in ("fail", "error"))
+              or any(g.status in ("fail", "error") for g in result.gates))
     result.status = "error" if result.error else "fail" if failed else "pass"
     timings["total_s"] = time.perf_counter() - t0
     result.timings = timings

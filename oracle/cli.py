@@ -39,8 +39,25 @@ def positive_int(s: str) -> int:
     return v
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (and the exit code 2 of every bad input)."""
+
+    def error(self, message):
+        self.exit(EXIT["bad_input"], f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("moe-oracle")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="oracle", description="Numerical-validation oracle for MoE LLM backends.")
+    p = Parser(prog="oracle", description="Numerical-validation oracle for MoE LLM backends.")
+    p.add_argument("--version", action="version", version=f"moe-oracle {version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="check one family on one backend against HF transformers fp32")
     c.add_argument("--family", required=True)
@@ -53,8 +70,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--decode-tokens", type=positive_int, default=8,
                    help="single-token decode steps after the prefill (default 8)")
     c.add_argument("--seed", type=int, default=0, help="tiny weights and prompt tokens (default 0)")
-    c.add_argument("--json", help="write the JSON report here")
-    c.add_argument("--markdown", help="write the markdown summary here")
+    c.add_argument("--json", help="write the JSON report here ('-': standard output, instead of the summary)")
+    c.add_argument("--markdown", help="write the markdown summary here ('-': standard output)")
     c.add_argument("--require", action="store_true", help="a skipped (unavailable) backend is a failure: exit 3")
     c.add_argument("--sampling", action="store_true", help="add the on-device sampler gate rows")
     c.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; >= 0)")
@@ -121,13 +138,32 @@ def backend_options(p) -> None:
                    help="a backend-specific option (repeatable)")
 
 
+def fail_input(message: str):
+    """Bad input: one line on stderr, exit 2, nothing written."""
+    print(f"oracle: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT["bad_input"])
+
+
+def check_outputs(files=(), dirs=()) -> None:
+    """Every output path writable (directories created) before any work."""
+    from oracle.result import output_problem
+
+    for flag, path, directory in [(f, p, False) for f, p in files] + [(f, p, True) for f, p in dirs]:
+        problem = path is not None and output_problem(path, directory)
+        if problem:
+            fail_input(f"{flag}: {problem}")
+
+
 def options_of(a) -> dict:
+    from oracle.backend import HARNESS_OPTIONS
+
     opts = {}
     for kv in a.option:
         k, sep, v = kv.partition("=")
         if not sep or not k:
-            print(f"oracle: error: --option expects KEY=VALUE, got {kv!r}", file=sys.stderr)
-            raise SystemExit(EXIT["bad_input"])
+            fail_input(f"--option expects KEY=VALUE, got {kv!r}")
+        if k in HARNESS_OPTIONS:
+            fail_input(f"--option {k}: set by the harness; use --{k.replace('_', '-')}")
         opts[k] = v
     for name in ("device", "group_size", "qlinear", "qlinear_group_size", "sample", "max_seq_len"):
         v = getattr(a, name, None)
@@ -152,10 +188,20 @@ def cmd_backends() -> int:
 
     for name in builtin_names():
         try:
-            ok, reason = resolve(name).availability()
+            b = resolve(name)
+            ok, reason = b.availability()
         except BackendError as e:
-            ok, reason = False, str(e)
+            b, ok, reason = None, False, str(e)
         print(f"{name:18s} {'available' if ok else 'unavailable'}{'' if ok else ': ' + reason}")
+        if b is not None:
+            precisions = getattr(b, "precisions", None)
+            if precisions:
+                print(f"    precisions: {', '.join(precisions)}")
+            schema = getattr(b, "option_schema", ())
+            for o in schema:
+                print(f"    {o.describe()}")
+            if not schema:
+                print("    options: none")
     return 0
 
 
@@ -177,11 +223,14 @@ def progress_reporter():
 
 
 def cmd_check(a) -> int:
-    from oracle.backend import CheckSpec
-    from oracle.check import InputError, run_check, validate
+    from oracle.backend import CheckSpec, InputError
+    from oracle.check import run_check, validate
     from oracle.report import markdown
     from oracle.result import dumps, write_atomic
 
+    if a.json == "-" and a.markdown == "-":
+        fail_input("--json - and --markdown - cannot both be standard output")
+    check_outputs(files=[("--json", a.json), ("--markdown", a.markdown)])
     options = options_of(a)
     if a.sampling:
         from models.sampling import check_args
@@ -211,7 +260,8 @@ def cmd_check(a) -> int:
         write_atomic(a.json, doc_json)
     if a.markdown:
         write_atomic(a.markdown, md)
-    print(md, end="")
+    if "-" not in (a.json, a.markdown):  # standard output carries only what was asked for
+        print(md, end="")
     if result.status == "error":
         print(result.error, file=sys.stderr)
         return EXIT["error"]
@@ -221,10 +271,10 @@ def cmd_check(a) -> int:
 
 
 def cmd_export(a) -> int:
-    from oracle.backend import CheckSpec
-    from oracle.check import InputError
+    from oracle.backend import CheckSpec, InputError
     from oracle.export import run_export
 
+    check_outputs(dirs=[("--output-dir", a.output_dir)])
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, seed=a.seed,
                      prompt_len=a.prompt_len, decode_tokens=max(1, a.max_seq_len - a.prompt_len),
                      model_dir=a.model_dir, options=options_of(a))
@@ -243,10 +293,11 @@ def cmd_export(a) -> int:
 def cmd_selftest(a) -> int:
     import json
 
-    from oracle.check import InputError
+    from oracle.backend import InputError
     from oracle.result import write_atomic
     from oracle.selftest import render, run_selftest
 
+    check_outputs(files=[("--json", a.json)])
     try:
         seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
     except ValueError:
@@ -262,7 +313,7 @@ def cmd_selftest(a) -> int:
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]
-    print(render(res), end="")
+    print(render(res), end="", file=sys.stderr if a.json == "-" else sys.stdout)
     if a.json:
         write_atomic(a.json, json.dumps(res.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
     return 0 if res.summary()["ok"] else EXIT["fail"]
@@ -271,6 +322,7 @@ def cmd_selftest(a) -> int:
 def cmd_matrix(a) -> int:
     from oracle.matrix import combos, parse_shard, run_matrix, shard
 
+    check_outputs(dirs=[("--report-dir", a.report_dir)])
     fams = [x for x in a.families.split(",") if x]
     unknown = [f for f in fams if f not in FAMILIES]
     if unknown:
@@ -305,6 +357,8 @@ def cmd_report(a) -> int:
 
     from oracle import summary as S
 
+    if a.report_cmd == "merge":
+        check_outputs(dirs=[("--report-dir", a.report_dir)])
     try:
         if a.report_cmd == "merge":
             from oracle.matrix import merge_dirs
@@ -322,8 +376,8 @@ def cmd_report(a) -> int:
 
 def cmd_goldens(a) -> int:
     from oracle import goldens
-    from oracle.backend import BackendError, resolve
-    from oracle.check import InputError, run_check
+    from oracle.backend import BackendError, InputError, resolve
+    from oracle.check import run_check
 
     if a.goldens_cmd == "freeze":
         backends = a.backend or ["eager"]
@@ -353,7 +407,11 @@ def cmd_goldens(a) -> int:
         if not ok:
             print(f"{f}/{b}: skipped ({reason})")
             continue
-        r = run_check(goldens.default_spec(f, b))
+        try:
+            r = run_check(goldens.default_spec(f, b))
+        except InputError as e:
+            print(f"oracle: error: {e}", file=sys.stderr)
+            return EXIT["bad_input"]
         gates = [g for g in r.gates if g.name == "golden_tokens" or g.name.startswith("structure:")]
         bad = [g for g in gates if g.status != "pass"]
         print(f"{f}/{b}: {r.status}; goldens " + (", ".join(f"{g.name} {g.status}" for g in gates) or "none applied"))

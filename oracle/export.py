@@ -7,11 +7,12 @@ from pathlib import Path
 
 from oracle.artifacts import write_manifest
 from oracle.backend import CheckSpec
-from oracle.check import InputError, model_source, validate
+from oracle.backend import InputError
+from oracle.check import model_source, validate
 
 
 def run_export(spec: CheckSpec, output_dir: str) -> Path:
-    backend = validate(spec)
+    backend = validate(spec, "export")
     export = getattr(backend, "export", None)
     if export is None:
         raise InputError(f"backend {spec.backend} has no exporter (nothing to write)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,19 +71,37 @@ def run_one(c: Combo, out_dir: Path, timeout: float, seed: int, extra: list[str]
     json_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "oracle.cli", "check", "--family", c.family, "--backend", c.backend,
            "--precision", c.precision, "--seed", str(seed), "--json", str(json_path), *extra]
+    # its own session (process group): on a timeout the whole group goes, compilers it started included
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        kill_group(proc)
         return S.synthetic_row(c.family, c.backend, c.precision, "error",
                                f"timed out after {timeout:g} s"), time.perf_counter() - t
+    except BaseException:  # interrupted: leave no check running behind
+        kill_group(proc)
+        raise
     if json_path.is_file():
         doc = json.loads(json_path.read_text())
         return S.row_of(doc, f"checks/{json_path.name}"), time.perf_counter() - t
-    tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    tail = (stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
     status = "skipped" if proc.returncode == 2 else "error"  # 2: refused as bad input, e.g. unsupported
     return S.synthetic_row(c.family, c.backend, c.precision, status,
                            f"exit {proc.returncode}: {tail}"), time.perf_counter() - t
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (it and every process it started), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):  # not read: a process that left the group may still hold it
+        if pipe:
+            pipe.close()
 
 
 def write_outputs(report_dir: Path, summary: dict) -> None:

@@ -11,10 +11,39 @@ import math
 import numpy as np
 
 
+class OutputError(ValueError):
+    """A candidate output that is not an array (None, a tuple, an object numpy cannot read)."""
+
+
+def as_array(x, dtype=np.float64) -> np.ndarray:
+    """Any array a candidate returns -> a host numpy array of `dtype`: torch tensors on any
+    device (CUDA, MPS), of any dtype (bf16/fp16/fp8, which numpy cannot hold, go through
+    fp32/fp64), requiring grad or not; mlx arrays (bf16 included); numpy arrays; sequences
+    of numbers. Every conversion of a candidate's output goes through here."""
+    if x is None:
+        raise OutputError("None where an array is expected")
+    if isinstance(x, (tuple, list)) and x and not isinstance(x[0], (int, float, np.number)):
+        raise OutputError(f"a {type(x).__name__} of {len(x)} where one array is expected")
+    if hasattr(x, "detach") and hasattr(x, "is_floating_point"):  # torch, any device
+        x = x.detach().cpu()
+        if x.is_floating_point():
+            x = x.double()
+        return np.asarray(x.numpy(), dtype=dtype)
+    mod = type(x).__module__ or ""
+    if mod.startswith("mlx"):  # mlx.core.array: numpy cannot read bfloat16
+        import mlx.core as mx
+
+        if mx.issubdtype(x.dtype, mx.floating):
+            x = x.astype(mx.float32)
+        return np.asarray(np.array(x), dtype=dtype)
+    try:
+        return np.asarray(x, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise OutputError(f"cannot read a {type(x).__name__} as an array ({e})") from None
+
+
 def as_f64(x) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch
-        x = x.detach().float().cpu().numpy()
-    return np.asarray(x, dtype=np.float64)
+    return as_array(x, np.float64)
 
 
 def tensor_metrics(ref, cand, atol: float, rtol: float) -> dict:

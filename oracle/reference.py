@@ -180,6 +180,22 @@ def add_expert_probes(ref: Reference, modules: dict) -> None:
                 ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)))
 
 
+def first_nonfinite(ref: Reference) -> str | None:
+    """Where the reference itself first produces NaN/Inf (program order: layer by layer, then
+    the final norm and the logits), or None."""
+    order = {"attention": 0, "router": 1, "moe": 2, "layer": 3, "final_norm": 4, "logits": 5}
+    for key in sorted(ref.outputs, key=lambda k: (k[0] is None, k[0] or 0, order.get(k[1], 9))):
+        for i, out in enumerate(ref.outputs[key]):
+            t = out[0] if isinstance(out, tuple) else out
+            if not torch.isfinite(t).all():
+                layer = "model" if key[0] is None else f"layer {key[0]}"
+                return f"{layer} {key[1]} (call {i}{', an expert probe' if ref.inputs[key][i].probe else ''})"
+    for i, lg in enumerate(ref.logits):
+        if not torch.isfinite(lg).all():
+            return f"the logits (call {i})"
+    return None
+
+
 def save(ref: Reference, path: Path) -> None:
     """The reference as <path>.safetensors (every tensor) + <path>.json (the structure),
     each written atomically."""

@@ -17,6 +17,10 @@ def _where(row: dict) -> str:
 
 def _metric_line(row: dict) -> str:
     m = row["metrics"]
+    if "exception" in m:
+        return f"the candidate raised: {m['exception']}"
+    if "invalid_output" in m:
+        return f"invalid output: {m['invalid_output']}"
     if row["kind"] == "router":
         return (f"top-k agreement {_fmt(m.get('topk_agreement'))}, weight max_abs {_fmt(m.get('weight_max_abs'))}"
                 f" (limit {_fmt(row['limits'].get('weight_atol'))})")
@@ -41,7 +45,7 @@ def markdown(doc: dict, top: int = 5) -> str:
         first = (doc.get("error") or "").splitlines()[:1]
         return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""])
     rows = [r for r in doc["blocks"] if r["status"] != "n/a"]
-    failing = sum(r["status"] == "fail" for r in rows)
+    failing = sum(r["status"] in ("fail", "error") for r in rows)
     lines.append(f"Blocks: {len(rows) - failing}/{len(rows)} pass ({rows[0]['mode'] if rows else 'isolated'})")
     if doc.get("worst"):
         lines.append(f"Localised fault: **{_where(doc['worst'])}**: {_metric_line(doc['worst'])}")
@@ -53,6 +57,9 @@ def markdown(doc: dict, top: int = 5) -> str:
 
     for r in sorted(rows, key=key)[:top]:
         m = r["metrics"]
+        if "exception" in m or "invalid_output" in m:
+            lines.append(f"| {_where(r)} | {r['status']} | {_metric_line(r)} | | | inf |")
+            continue
         if r["kind"] == "router":
             vals = (m.get("weight_max_abs"), f"agree {_fmt(m.get('topk_agreement'))}", r["limits"].get("weight_atol"))
         else:
@@ -62,6 +69,8 @@ def markdown(doc: dict, top: int = 5) -> str:
     e = doc.get("e2e")
     if e:
         worst = max((s["max_abs"] for s in e["steps"] if isinstance(s["max_abs"], float)), default=0.0)
+        if e.get("error"):
+            lines += ["", f"The candidate raised at e2e {e['error']}; the later steps were not run."]
         lines += ["", f"e2e: **{e['status']}**, tokens {'exact' if e['token_exact'] else 'NOT exact'}"
                       f" ({len(e['reference_tokens'])} greedy tokens), logits max_abs {_fmt(worst)}"
                       + (f", ties at steps {e['ties']}" if e["ties"] else "")]

@@ -20,7 +20,7 @@ SPECIFICITY = {"router": 0, "attention": 1, "moe": 1, "layer": 2, "final_norm": 
 class BlockRow:
     layer: int | None
     kind: str
-    status: str  # pass | fail | n/a
+    status: str  # pass | fail | error (the candidate raised) | n/a
     mode: str  # isolated: fed the reference's inputs; in-situ: the candidate's own intermediate
     metrics: dict
     limits: dict
@@ -41,6 +41,7 @@ class E2E:
     ties: list[int] = field(default_factory=list)
     # quantized precisions: KL mean/p99/max, same_top1, delta_p_* over all positions, status, ratio
     distribution: dict | None = None
+    error: str | None = None  # the candidate raised at this step; the later steps were not run
     note: str = (
         "teacher forcing: the candidate is fed the reference's tokens, so per-step logits stay "
         "comparable after a divergence; up to the first mismatch this is the candidate's own greedy run"
@@ -90,7 +91,7 @@ def worst_row(rows: list[BlockRow]) -> BlockRow | None:
     fail downstream of the fault: if any failing row is in-situ, take the first failing
     block in program order (layer by layer, sub-blocks before their layer, then the final
     norm and the logits)."""
-    failing = [r for r in rows if r.status == "fail"]
+    failing = [r for r in rows if r.status in ("fail", "error")]
     if not failing:
         return None
     if any("in-situ" in r.mode for r in failing):
@@ -122,8 +123,37 @@ def dumps(result: CheckResult) -> str:
     return json.dumps(result.to_dict(), indent=1, sort_keys=True) + "\n"
 
 
+def output_problem(path: str | Path, directory: bool = False) -> str | None:
+    """What stops `path` (a report file, or with directory=True a report directory) from being
+    written, checked before any work: its directory is created if missing and must take a
+    file. None when it can be written; "-" (standard output) always can."""
+    if str(path) == "-" and not directory:
+        return None
+    p = Path(path)
+    if not directory and p.is_dir():
+        return f"{p} is a directory"
+    if directory and p.exists() and not p.is_dir():
+        return f"{p} exists and is not a directory"
+    d = p if directory else p.parent
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".oracle-write-test-", dir=d)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        return f"cannot write {p}: {e.strerror or e} ({e.filename or d})"
+    return None
+
+
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write via a temp file in the same directory + rename: never a half-written report."""
+    """Write via a temp file in the same directory + rename: never a half-written report.
+    "-" writes to standard output."""
+    if str(path) == "-":
+        import sys
+
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

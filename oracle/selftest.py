@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from models import FAMILY_NAMES, faults
 from oracle.backend import CheckSpec
-from oracle.check import InputError, model_source, run_check, validate
+from oracle.backend import InputError
+from oracle.check import model_source, run_check, validate
 
 SCHEMA = "oracle-selftest/v1"
 LOCALIZE_MIN = 0.9  # share of detected faults whose worst row must name the right block
@@ -95,7 +96,9 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                  progress=None, options: dict | None = None) -> SelftestResult:
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
-    base = validate(CheckSpec(family=families[0], backend=backend_name))
+    options = dict(options or {})
+    for family in families:  # every family and option refused up front, not half-way through
+        base = validate(CheckSpec(family=family, backend=backend_name, options=options))
     if not hasattr(base, "with_fault"):
         raise InputError(f"backend {backend_name} cannot take seeded faults (it has no with_fault())")
     ok, reason = base.availability()
@@ -103,7 +106,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
     res = SelftestResult(backend_name, families, list(seeds))
     for family in families:
-        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options or {}))
+        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options))
         args = model_source(spec).args
         for fault in faults.applicable(args):
             if fault_names and fault.name not in fault_names:

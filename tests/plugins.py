@@ -117,3 +117,136 @@ class Wrapping(EagerBackend):
 
 EPS_GREEDY = Wrapping("eps-greedy", _EpsGreedyCandidate)
 STUCK_SEED = Wrapping("stuck-seed", _StuckSeedCandidate)
+
+
+# ------------------------------------------------------------- malformed candidate outputs
+# Each is the eager candidate with one output broken the way a real runtime breaks it; the
+# check must fail (or error) that row only and still measure the others, the e2e and gates.
+class _Broken:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _RouterKMinus1(_Broken):
+    """The router returns k-1 experts per token (a top-k off by one)."""
+
+    def run_block(self, layer, kind, calls):
+        outs = self.inner.run_block(layer, kind, calls)
+        if kind == "router" and layer == 0:
+            outs = [(w[:, :-1], i[:, :-1]) for w, i in outs]
+        return outs
+
+
+class _ForeignArrays(_Broken):
+    """Outputs as a device runtime hands them back: torch tensors that still require grad
+    (np.asarray refuses them, as it refuses CUDA tensors), mlx arrays, numpy arrays."""
+
+    def run_block(self, layer, kind, calls):
+        outs = self.inner.run_block(layer, kind, calls)
+        if kind == "router":
+            return [(w.clone().requires_grad_(True), i) for w, i in outs]
+        if kind == "moe":
+            try:
+                import mlx.core as mx
+            except ImportError:
+                return [o.numpy() for o in outs]
+            return [mx.array(o.numpy()) for o in outs]
+        return [o.clone().requires_grad_(True) for o in outs]
+
+    def prefill(self, tokens):
+        return self.inner.prefill(tokens).clone().requires_grad_(True)
+
+
+class _RaisesInOneBlock(_Broken):
+    def run_block(self, layer, kind, calls):
+        if (layer, kind) == (1, "attention"):
+            raise RuntimeError("kernel launch failed: invalid configuration argument")
+        return self.inner.run_block(layer, kind, calls)
+
+
+class _NoneForOneCall(_Broken):
+    def run_block(self, layer, kind, calls):
+        outs = self.inner.run_block(layer, kind, calls)
+        if (layer, kind) == (0, "moe"):
+            outs[2] = None
+        return outs
+
+
+class _TupleForTensor(_Broken):
+    def run_block(self, layer, kind, calls):
+        outs = self.inner.run_block(layer, kind, calls)
+        if (layer, kind) == (0, "attention"):
+            outs = [(o, o) for o in outs]
+        return outs
+
+
+class _OneCallShort(_Broken):
+    def run_block(self, layer, kind, calls):
+        outs = self.inner.run_block(layer, kind, calls)
+        return outs[:-1] if (layer, kind) == (1, "layer") else outs
+
+
+class _DecodeDropsLastLogit(_Broken):
+    def decode(self, token, pos):
+        return self.inner.decode(token, pos)[:-1]
+
+
+class _DecodeRaisesAtStep3(_Broken):
+    def prefill(self, tokens):
+        self.steps = 0
+        return self.inner.prefill(tokens)
+
+    def decode(self, token, pos):
+        self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("device lost")
+        return self.inner.decode(token, pos)
+
+
+class _EveryBlockRaises(_Broken):
+    def run_block(self, layer, kind, calls):
+        raise RuntimeError("no kernels for this device")
+
+
+ROUTER_K_MINUS_1 = Wrapping("router-k-1", _RouterKMinus1)
+FOREIGN_ARRAYS = Wrapping("foreign-arrays", _ForeignArrays)
+RAISES_IN_ONE_BLOCK = Wrapping("raises-in-one-block", _RaisesInOneBlock)
+NONE_FOR_ONE_CALL = Wrapping("none-for-one-call", _NoneForOneCall)
+TUPLE_FOR_TENSOR = Wrapping("tuple-for-tensor", _TupleForTensor)
+ONE_CALL_SHORT = Wrapping("one-call-short", _OneCallShort)
+DECODE_DROPS_LAST_LOGIT = Wrapping("decode-drops-last-logit", _DecodeDropsLastLogit)
+DECODE_RAISES = Wrapping("decode-raises", _DecodeRaisesAtStep3)
+EVERY_BLOCK_RAISES = Wrapping("every-block-raises", _EveryBlockRaises)
+
+
+class NoLoad:
+    """A plugin missing a protocol member (`load`)."""
+
+    name = "no-load"
+
+    def availability(self):
+        return True, ""
+
+
+NO_LOAD = NoLoad()
+
+
+class HangsWithChild(EagerBackend):
+    """Starts a long-lived child (as a compiler would) and hangs: a timeout must kill both.
+    The child's pid goes to $ORACLE_TEST_CHILD_PID."""
+
+    def load(self, model, spec):
+        import os
+        import subprocess
+        import time
+
+        child = subprocess.Popen(["sleep", "600"])
+        with open(os.environ["ORACLE_TEST_CHILD_PID"], "w") as f:
+            f.write(str(child.pid))
+        time.sleep(600)
+
+
+HANGS_WITH_CHILD = HangsWithChild(name="hangs-with-child")

@@ -2,11 +2,9 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from models import get_family
 from models.checkpoint import tiny_checkpoint
@@ -33,28 +31,6 @@ def test_families_and_backends(cli):
     assert r.returncode == 0 and "eager" in r.stdout and "available" in r.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--family", "llama"], "unknown family 'llama'; known: qwen3_5_moe"),
-    (["--family", "deepseek_v3"], "multi-head latent attention"),
-    (["--family", "gpt_oss"], "attention sinks"),
-    (["--family", "olmoe", "--prompt-len", "0"], "must be a positive integer"),
-    (["--family", "olmoe", "--decode-tokens", "-3"], "must be a positive integer"),
-    (["--family", "olmoe", "--backend", "nosuch"], "unknown backend 'nosuch'"),
-    (["--family", "olmoe", "--backend", "no_such_pkg.mod:BACKEND"], "cannot import module 'no_such_pkg.mod'"),
-    (["--family", "olmoe", "--backend", "examples.fp64_backend:NOPE"], "has no attribute 'NOPE'"),
-    (["--family", "olmoe", "--precision", "fp8"], "unknown precision 'fp8'"),
-])
-def test_bad_input_exit_2(cli, tmp_path, args, needle):
-    if "--backend" not in args:
-        args = args + ["--backend", "eager"]
-    j = tmp_path / "r.json"
-    r = cli("check", *args, "--json", str(j))
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert needle in r.stderr
-    assert not j.exists()  # nothing half-written
-    assert "Traceback" not in r.stderr
-
-
 @pytest.fixture()
 def tiny_copy(tmp_path):
     src = tiny_checkpoint(get_family("olmoe"), 0)
@@ -63,68 +39,10 @@ def tiny_copy(tmp_path):
     return dst
 
 
-def _bad_dir(cli, tmp_path, model_dir, family="olmoe"):
-    j = tmp_path / "r.json"
-    r = cli("check", "--family", family, "--backend", "eager", "--model-dir", str(model_dir), "--json", str(j))
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert not j.exists() and "Traceback" not in r.stderr
-    return r.stderr
-
-
+# bad checkpoints, options, paths and candidates: tests/test_bad_inputs.py
 def test_model_dir_ok(cli, tiny_copy, tmp_path):
     r = cli("check", "--family", "olmoe", "--backend", "eager", "--model-dir", str(tiny_copy))
     assert r.returncode == 0, r.stderr
-
-
-def test_model_dir_missing_config(cli, tiny_copy, tmp_path):
-    (tiny_copy / "config.json").unlink()
-    assert "no config.json" in _bad_dir(cli, tmp_path, tiny_copy)
-
-
-def test_model_dir_other_family(cli, tiny_copy, tmp_path):
-    assert "model_type 'olmoe', not a mixtral checkpoint (that is family 'olmoe')" in _bad_dir(
-        cli, tmp_path, tiny_copy, family="mixtral")
-
-
-def test_model_dir_truncated_shard(cli, tiny_copy, tmp_path):
-    shard = tiny_copy / "model.safetensors"
-    shard.write_bytes(shard.read_bytes()[:-1000])
-    assert "truncated or corrupt" in _bad_dir(cli, tmp_path, tiny_copy)
-
-
-def test_model_dir_missing_shard(cli, tiny_copy, tmp_path):
-    shard = tiny_copy / "model.safetensors"
-    shard.rename(tiny_copy / "model-00001-of-00002.safetensors")
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-                                             "b": "model-00002-of-00002.safetensors"}}
-    (tiny_copy / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert "missing: model-00002-of-00002.safetensors" in _bad_dir(cli, tmp_path, tiny_copy)
-
-
-def test_model_dir_pickles_refused(cli, tiny_copy, tmp_path):
-    (tiny_copy / "model.safetensors").unlink()
-    torch.save({"x": torch.zeros(1)}, tiny_copy / "pytorch_model.bin")
-    assert "refused, safetensors only" in _bad_dir(cli, tmp_path, tiny_copy)
-
-
-def test_model_dir_missing_tensor_named(cli, tiny_copy, tmp_path):
-    from safetensors.torch import load_file
-
-    w = load_file(tiny_copy / "model.safetensors")
-    del w["model.layers.1.self_attn.k_norm.weight"]
-    save_file(w, tiny_copy / "model.safetensors", metadata={"format": "pt"})
-    err = _bad_dir(cli, tmp_path, tiny_copy)
-    assert "layers.1.self_attn.k_norm.weight" in err
-
-
-def test_model_dir_misshaped_tensor_named(cli, tiny_copy, tmp_path):
-    from safetensors.torch import load_file
-
-    w = load_file(tiny_copy / "model.safetensors")
-    w["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 32)
-    save_file(w, tiny_copy / "model.safetensors", metadata={"format": "pt"})
-    err = _bad_dir(cli, tmp_path, tiny_copy)
-    assert "o_proj.weight" in err and "(64, 32)" in err
 
 
 def test_plugin_backend(cli, tmp_path):
@@ -159,3 +77,46 @@ def test_nan_never_passes(cli, tmp_path):
     moe = [b for b in doc["blocks"] if b["kind"] == "moe" and b["layer"] == 0][0]
     assert moe["status"] == "fail" and moe["metrics"]["nonfinite"] > 0
     assert doc["e2e"]["status"] == "fail"
+
+
+def test_json_to_stdout(cli, tmp_path):
+    """`--json -`: the JSON report on standard output, and nothing else there (a file named '-'
+    is never created)."""
+    r = cli("check", "--family", "olmoe", "--backend", "eager", "--json", "-", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["status"] == "pass"
+    assert not (tmp_path / "-").exists()
+
+
+def test_version_and_module_entry_point(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    for argv in (["-m", "oracle", "--version"], ["-m", "oracle.cli", "--version"]):
+        r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith("moe-oracle "), r.stderr
+
+
+def test_wheel_ships_goldens_and_thresholds(tmp_path):
+    """A wheel install keeps every golden gate: goldens/ (and thresholds.toml) are in the wheel,
+    where oracle/goldens.py looks for them (beside the oracle package)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    names = zipfile.ZipFile(next(tmp_path.glob("moe_oracle-*.whl"))).namelist()
+    golden = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "goldens").rglob("*") if p.is_file())
+    assert golden and set(golden) <= set(names), sorted(set(golden) - set(names))[:5]
+    assert "oracle/thresholds.toml" in names and "oracle/__main__.py" in names
+
+
+def test_missing_goldens_refused(cli, tmp_path):
+    r = cli("check", "--family", "olmoe", "--backend", "eager", env={"MOE_ORACLE_GOLDENS": str(tmp_path / "none")})
+    assert r.returncode == 2 and "goldens directory" in r.stderr and "is missing" in r.stderr

@@ -211,10 +211,14 @@ def test_unavailable_device_backends_refuse(cli, tmp_path, backend):
     assert "Traceback" not in p.stderr
 
 
-def test_metal_refuses_sample_with_the_reason():
-    spec = CheckSpec(family="olmoe", backend=METAL.name, options={"sample": True})
-    with pytest.raises(InputError, match="keeps the sampler on the host"):
-        METAL.options(spec)
+def test_metal_refuses_sample():
+    """The Metal export keeps the sampler on the host (the seed's Metal export): `sample` is not
+    one of its options, refused before any work."""
+    from oracle.backend import validate_options
+
+    assert "sample" not in {o.name for o in METAL.option_schema}
+    with pytest.raises(InputError, match="has no option 'sample'"):
+        validate_options(METAL, {"sample": True}, "export")
 
 
 # ------------------------------------------------------------------ the on-device sampler

@@ -57,11 +57,28 @@ def test_shards_cover_the_matrix_once():
 
 
 def test_hang_is_an_error_row(cli, tmp_path):
-    r = cli("matrix", "--families", "olmoe", "--backends", "tests.plugins:HANGS", "--timeout", "8",
-            "--report-dir", str(tmp_path))
+    """A hung check is killed with everything it started (its process group: a compiler it
+    spawned does not outlive it) and is that check's error row."""
+    pid_file = tmp_path / "child.pid"
+    r = cli("matrix", "--families", "olmoe", "--backends", "tests.plugins:HANGS_WITH_CHILD", "--timeout", "8",
+            "--report-dir", str(tmp_path / "m"), env={"ORACLE_TEST_CHILD_PID": str(pid_file)})
     assert r.returncode == 1  # the hang fails the matrix; the run itself finished
-    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "m" / "summary.json").read_text())["rows"]
     assert rows[0]["status"] == "error" and rows[0]["reason"] == "timed out after 8 s"
+    child = int(pid_file.read_text())
+    import os
+    import time
+
+    for _ in range(50):  # reaped by init shortly after the kill
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{child}/stat").is_file() and Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break  # killed, a zombie waiting for its reaper
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hung check's child {child} survived the timeout")
 
 
 def test_isolation_crash_skip_unsupported(cli, tmp_path):
