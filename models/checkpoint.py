@@ -368,3 +368,137 @@ def tiny_checkpoint(family, seed: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+# ------------------------------------------------------------------ real configs, seeded
+CONFIGS_DIR = Path(__file__).with_name("configs")
+SHARD_BYTES = 5 * 10**9  # the 5 GB shards the published checkpoints use
+
+
+def config_names() -> list[str]:
+    """The published configs shipped in models/configs/ (by lower-cased repository name)."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
+def published_config(name: str, layers: int | None = None) -> dict:
+    """models/configs/<name>.json (or a config.json path of your own), with the depth cut to
+    `layers` when given. A cut keeps the pattern's last `layers` entries of `layer_types` (a
+    hybrid model keeps both kinds)."""
+    path = Path(name) if name.endswith(".json") else CONFIGS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise CheckpointError(f"--config {name}: no such published config (or .json file); "
+                              f"known: {', '.join(config_names())}")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise CheckpointError(f"{path}: no 'model_type' key")
+    if layers is not None:
+        text = cfg.get("text_config", cfg)
+        if layers > text["num_hidden_layers"]:
+            raise CheckpointError(f"--layers {layers}: {name} has {text['num_hidden_layers']} layers")
+        text["num_hidden_layers"] = layers
+        if isinstance(text.get("layer_types"), list):
+            text["layer_types"] = text["layer_types"][-layers:]
+    return cfg
+
+
+def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=torch.bfloat16,
+                            shard_bytes: int = SHARD_BYTES, progress=None) -> None:
+    """A checkpoint of `cfg`'s shapes with weights from HF's own initialisation (normal with the
+    config's initializer_range, norms at identity), seeded, written as save_pretrained writes
+    it (HF's reverse weight conversion: per-expert names; sharded with an index), one decoder
+    layer at a time: peak memory is one layer in fp32, not the model."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    hf_cfg = family.hf_config(cfg)
+    with torch.device("meta"):
+        model = family.hf_class()(hf_cfg)
+    torch.manual_seed(seed)
+    decoder = model.get_decoder()
+    prefix = next(n for n, m in model.named_modules() if m is decoder)
+    groups = [(f"{prefix}.layers.{i}.", layer) for i, layer in enumerate(decoder.layers)]
+    shards, pending, size = [], {}, 0
+
+    def flush():
+        nonlocal pending, size
+        if pending:
+            path = out / f".shard-{len(shards):05d}.safetensors"
+            save_file(pending, str(path), metadata={"format": "pt"})
+            shards.append((path, sorted(pending)))
+            pending, size = {}, 0
+
+    def add(module, name_prefix):
+        nonlocal size
+        module.to_empty(device="cpu")
+        for sub in module.modules():
+            model._init_weights(sub)
+        sd = {name_prefix + k: v for k, v in module.state_dict().items()}
+        for k, v in revert_weight_conversion(model, sd).items():
+            t = v.to(dtype) if v.is_floating_point() else v
+            pending[k] = t.contiguous()
+            size += t.numel() * t.element_size()
+        module.to("meta")  # freed
+        if size >= shard_bytes:
+            flush()
+
+    for n, (name_prefix, layer) in enumerate(groups):
+        if progress:
+            progress(f"layer {n + 1}/{len(groups)}")
+        add(layer, name_prefix)
+    # then the modules outside the decoder layers (embeddings, final norm, head), initialised the
+    # same way; a tied head is not written (as save_pretrained does)
+    done = {id(layer) for _, layer in groups}
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    for name, _ in list(model.named_parameters(remove_duplicate=False)):
+        mod_name = name.rpartition(".")[0]
+        mod = model.get_submodule(mod_name)
+        if any(name.startswith(g) for g, _ in groups) or id(mod) in done:
+            continue
+        done.add(id(mod))
+        if tied and mod is model.get_output_embeddings():
+            continue
+        add(mod, mod_name + ".")
+    flush()
+    total = len(shards)
+    weight_map = {}
+    for i, (path, names) in enumerate(shards):
+        final = out / (f"model-{i + 1:05d}-of-{total:05d}.safetensors" if total > 1 else "model.safetensors")
+        os.replace(path, final)
+        weight_map.update({k: final.name for k in names})
+    if total > 1:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: str = "bf16",
+                      progress=None) -> Path:
+    """The seeded checkpoint of a published config (--config NAME [--layers N]), built once into
+    the content-addressed cache."""
+    import transformers
+
+    cfg = published_config(name, layers)
+    name = Path(name).stem if name.endswith(".json") else name
+    recipe = {"family": family.name, "config": cfg, "seed": seed, "dtype": dtype, "format": TINY_FORMAT,
+              "transformers": transformers.__version__}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:20]
+    final = cache_root() / "checkpoints" / f"{name}-L{layers or 'all'}-s{seed}-{dtype}-{key}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        write_seeded_checkpoint(family, cfg, seed, tmp, torch_dtype, progress=progress)
+        (tmp / "oracle_seeded.json").write_text(json.dumps(recipe, indent=1, sort_keys=True))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -144,7 +144,9 @@ class CheckSpec:
     prompt_len: int = 8
     decode_tokens: int = 8
     seed: int = 0
-    model_dir: str | None = None  # None: the family's tiny checkpoint for `seed`
+    model_dir: str | None = None  # None: the family's tiny checkpoint for `seed` (or `config`'s)
+    config: str | None = None  # a published config (models/configs/NAME.json): a seeded checkpoint of it
+    layers: int | None = None  # with `config`: the depth cut to this many layers
     options: dict = field(default_factory=dict)  # backend-specific options
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family
-from models.checkpoint import CheckpointError, checkpoint_identity, meta_weights, read_config, tiny_checkpoint
+from models.checkpoint import CheckpointError, checkpoint_identity, config_checkpoint, meta_weights, \
+    published_config, read_config, tiny_checkpoint
 from oracle import goldens as golden_files
 from oracle import thresholds
 from oracle.backend import CheckSpec, InputError, ModelSource, resolve, validate_options
@@ -54,6 +55,8 @@ def validate(spec: CheckSpec, command: str = "check"):
         if spec.family in UNSUPPORTED:
             raise InputError(f"family {spec.family!r} is not supported yet: missing {UNSUPPORTED[spec.family]}")
         raise InputError(f"unknown family {spec.family!r}; known: {', '.join(FAMILY_NAMES)}")
+    if spec.layers is not None and not spec.config:
+        raise InputError("--layers applies to --config (a seeded checkpoint of a published config)")
     for name in ("prompt_len", "decode_tokens"):
         if getattr(spec, name) <= 0:
             raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(spec, name)}")
@@ -72,17 +75,27 @@ def validate(spec: CheckSpec, command: str = "check"):
     return backend
 
 
-def model_source(spec: CheckSpec) -> ModelSource:
+def require_family(family, config: dict, where: str) -> None:
+    mt = config["model_type"]
+    if mt not in family.model_types:
+        other = family_for_model_type(mt)
+        hint = f" (that is family {other!r})" if other else (
+            f" (not supported yet: missing {UNSUPPORTED[mt]})" if mt in UNSUPPORTED else "")
+        raise InputError(f"{where} has model_type {mt!r}, not a {family.name} checkpoint{hint}")
+
+
+def model_source(spec: CheckSpec, progress=None) -> ModelSource:
     family = get_family(spec.family)
     try:
-        model_dir = Path(spec.model_dir) if spec.model_dir else tiny_checkpoint(family, spec.seed)
+        if spec.model_dir:
+            model_dir = Path(spec.model_dir)
+        elif spec.config:
+            require_family(family, published_config(spec.config, spec.layers), f"--config {spec.config}")
+            model_dir = config_checkpoint(family, spec.config, spec.layers, spec.seed, progress=progress)
+        else:
+            model_dir = tiny_checkpoint(family, spec.seed)
         config = read_config(model_dir)
-        mt = config["model_type"]
-        if mt not in family.model_types:
-            other = family_for_model_type(mt)
-            hint = f" (that is family {other!r})" if other else (
-                f" (not supported yet: missing {UNSUPPORTED[mt]})" if mt in UNSUPPORTED else "")
-            raise InputError(f"{model_dir}/config.json has model_type {mt!r}, not a {spec.family} checkpoint{hint}")
+        require_family(family, config, f"{model_dir}/config.json")
         max_len = spec.prompt_len + spec.decode_tokens
         limit = config.get("max_position_embeddings")
         if limit and max_len > limit:
@@ -345,9 +358,9 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         result.status, result.skipped_reason = "skipped", reason
         return result
     progress("checkpoint")
-    src = model_source(spec)
+    src = model_source(spec, lambda msg: progress(f"checkpoint: {msg}"))
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
-                                       "tiny": spec.model_dir is None}
+                                       "tiny": spec.model_dir is None and spec.config is None}
     timings["checkpoint_s"] = time.perf_counter() - t0
 
     progress("reference")

@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
     src = c.add_mutually_exclusive_group()
     src.add_argument("--model-dir", help="HF checkpoint directory (config.json + *.safetensors)")
     src.add_argument("--tiny", action="store_true", help="the family's tiny seeded checkpoint (default)")
+    src.add_argument("--config", help="a seeded checkpoint of a published config: NAME in models/configs/ "
+                     "(see `oracle families`) or a config.json path")
+    c.add_argument("--layers", type=positive_int, help="with --config: cut the depth to N layers")
     c.add_argument("--precision", default="fp32", help="fp32 (default) or bf16")
     c.add_argument("--prompt-len", type=positive_int, default=8)
     c.add_argument("--decode-tokens", type=positive_int, default=8,
@@ -108,6 +111,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--timeout", type=positive_int, default=1800, help="per-check timeout in seconds")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--require", action="store_true", help="an unavailable backend fails the matrix")
+    msrc = m.add_mutually_exclusive_group()
+    msrc.add_argument("--model-dir", help="check this HF checkpoint directory (one family: --families F)")
+    msrc.add_argument("--config", help="a seeded checkpoint of a published config (see `oracle check --config`)")
+    m.add_argument("--layers", type=positive_int, help="with --config: cut the depth to N layers")
     m.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
     rep = sub.add_parser("report", help="join sharded matrix runs, or diff two runs for a pull request")
     rsub = rep.add_subparsers(dest="report_cmd", required=True)
@@ -180,6 +187,9 @@ def cmd_families() -> int:
         print(f"{name:14s} supported    HF {f.hf_class_name} (model_type {', '.join(f.model_types)})")
     for name, why in UNSUPPORTED.items():
         print(f"{name:14s} unsupported  missing: {why}")
+    from models.checkpoint import config_names
+
+    print(f"published configs (--config NAME [--layers N]): {', '.join(config_names())}")
     return 0
 
 
@@ -242,7 +252,8 @@ def cmd_check(a) -> int:
             return EXIT["bad_input"]
         options["sampling"] = {"temperature": a.temperature, "top_p": a.top_p}
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
-                     decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, options=options)
+                     decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
+                     layers=a.layers, options=options)
     prog, update = progress_reporter()
     try:
         backend = validate(spec)
@@ -339,6 +350,13 @@ def cmd_matrix(a) -> int:
     from pathlib import Path
 
     extra = [x for kv in a.option for x in ("--option", kv)] + (["--require"] if a.require else [])
+    if (a.model_dir or a.config) and len(fams) != 1:
+        fail_input("--model-dir / --config name one checkpoint: give its family alone with --families")
+    if a.layers and not a.config:
+        fail_input("--layers applies to --config")
+    for flag, value in (("--model-dir", a.model_dir), ("--config", a.config), ("--layers", a.layers)):
+        if value is not None:
+            extra += [flag, str(value)]
     if prog:
         with prog:
             summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, progress=update,

@@ -65,3 +65,74 @@ def test_tiny_weights_have_std_about_0_1():
     w = read_weights(tiny_checkpoint(get_family("qwen3_moe"), 0))
     std = w["model.layers.0.self_attn.q_proj.weight"].std().item()
     assert 0.09 < std < 0.11
+
+
+# ------------------------------------------------------------------ seeded checkpoints of configs
+def test_seeded_checkpoint_is_sharded_like_save_pretrained(tmp_path):
+    """One decoder layer at a time, HF's own initialisation with the config's
+    initializer_range, HF's reverse weight conversion (per-expert names), shards + index:
+    transformers loads it with nothing missing, and its weights have the config's std."""
+    from models.checkpoint import checkpoint_identity, tensor_index, write_seeded_checkpoint
+    from oracle.reference import load_hf_model
+
+    fam = get_family("qwen2_moe")
+    cfg = dict(fam.tiny_config, model_type="qwen2_moe", initializer_range=0.05)
+    write_seeded_checkpoint(fam, cfg, 3, tmp_path, torch.bfloat16, shard_bytes=60_000)
+    index = tensor_index(tmp_path)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in index  # the per-expert layout HF writes
+    assert {dt for _, dt, _ in index.values()} == {torch.bfloat16}
+    model = load_hf_model(fam, tmp_path)  # raises on any missing or mismatched tensor
+    w = model.model.layers[1].mlp.experts.gate_up_proj.detach()
+    assert 0.045 < float(w.std()) < 0.055
+    assert checkpoint_identity(tmp_path) == checkpoint_identity(tmp_path)
+
+
+def test_identity_is_cached_by_path_size_mtime(tmp_path, monkeypatch):
+    """A second check of an unchanged checkpoint does not re-read (re-hash) it; a changed file is."""
+    import shutil
+
+    from models import checkpoint as C
+
+    d = tmp_path / "c"
+    shutil.copytree(tiny_checkpoint(get_family("olmoe"), 0), d)
+    first = C.checkpoint_identity(d)
+    reads = []
+    monkeypatch.setattr(C, "_scan_file", lambda p, h: reads.append(p) or [])
+    assert C.checkpoint_identity(d) == first and reads == []
+    (d / "config.json").write_text((d / "config.json").read_text() + " ")
+    C.checkpoint_identity(d)
+    assert reads  # the changed directory was read again
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b-v0.1"])
+def test_published_configs_resolve(name):
+    """The shipped published configs map onto their family (HF's config class + ModelArgs)."""
+    from models import family_for_model_type
+    from models.checkpoint import published_config
+
+    cfg = published_config(name, layers=2)
+    fam = get_family(family_for_model_type(cfg["model_type"]))
+    args = fam.args(cfg)
+    assert args.num_hidden_layers == 2 and args.hidden_size >= 2048 and args.num_experts >= 8
+
+
+def test_check_on_a_config(tmp_path, capsys):
+    """--config takes a published name or a config.json; --layers cuts it; the check passes."""
+    import json
+
+    from oracle.cli import main
+
+    fam = get_family("olmoe")
+    path = tmp_path / "olmoe-small.json"
+    path.write_text(json.dumps(dict(fam.tiny_config, model_type="olmoe", initializer_range=0.05,
+                                    num_hidden_layers=3)))
+    report = tmp_path / "r.json"
+    code = main(["check", "--family", "olmoe", "--backend", "eager", "--config", str(path), "--layers", "2",
+                 "--json", str(report)])
+    assert code == 0, capsys.readouterr()
+    doc = json.loads(report.read_text())
+    assert doc["spec"]["config"] == str(path) and doc["spec"]["layers"] == 2
+    assert len([b for b in doc["blocks"] if b["kind"] == "layer"]) == 2
+    assert main(["check", "--family", "olmoe", "--backend", "eager", "--layers", "2"]) == 2
