@@ -93,7 +93,8 @@ class Option:
             if self.type is int and v <= 0:
                 raise InputError(f"{self.spelling()}: expected a positive integer, got {value!r}")
         if self.choices and v not in self.choices:
-            raise InputError(f"{self.spelling()}={value}: allowed values are {', '.join(map(str, self.choices))}")
+            given = f"{self.flag} {value}" if self.flag else f"--option {self.name}={value}"
+            raise InputError(f"{given}: allowed values are {', '.join(map(str, self.choices))}")
         return v
 
     def spelling(self) -> str:
@@ -132,7 +133,10 @@ def validate_options(backend, options: dict, command: str = "check") -> dict:
         if command not in opt.commands:
             raise InputError(f"backend {name}: {opt.spelling()} applies to `oracle {'/'.join(opt.commands)}`, "
                              f"not `oracle {command}`")
-        out[key] = opt.parse(value)
+        try:
+            out[key] = opt.parse(value)
+        except InputError as e:
+            raise InputError(f"backend {name}: {e}") from None
     return out
 
 

@@ -170,13 +170,13 @@ FIRST_UNSUPPORTED = next(iter(UNSUPPORTED))
 CASES = [
     # options: one schema per backend, checked before any work
     Case("option-value-not-allowed", check("--option", "partitioner=nope", backend="executorch"), 2,
-         "partitioner=nope: allowed values are xnnpack, portable"),
+         "backend executorch: --option partitioner=nope: allowed values are xnnpack, portable"),
     Case("option-unknown", check("--option", "bogus=1", backend="iree-llvm-cpu"), 2,
          "backend iree-llvm-cpu has no option 'bogus'"),
     Case("option-unknown-lists-known", check("--option", "bogus=1", backend="executorch"), 2,
          "known: partitioner, qlinear, qlinear_group_size, sample"),
     Case("option-ill-typed", check("--option", "group_size=big", "--precision", "q4", backend="mlx"), 2,
-         "--group-size: expected int, got 'big'"),
+         "backend mlx: --group-size: expected int, got 'big'"),
     Case("option-export-only", check("--option", "qlinear=8da4w", backend="executorch"), 2,
          "applies to `oracle export`, not `oracle check`"),
     Case("option-not-key-value", check("--option", "partitioner"), 2, "--option expects KEY=VALUE"),
