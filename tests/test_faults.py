@@ -51,8 +51,11 @@ def _all_cases():
 def test_catalogue(family, name):
     r, expected = _check(family, faults.get(name))
     # moe_output_upcast makes eager torch itself crash downstream (fp32 hidden state into a
-    # bf16 lm_head): the check is an error, and the rows measured before it still localise
-    assert r.status == ("error" if name == "moe_output_upcast" else "fail")
+    # bf16 lm_head): contained, that is the e2e's error (and the rows that raised), the check
+    # fails, and the moe row localises it
+    assert r.status == "fail" and r.error is None
+    if name == "moe_output_upcast":
+        assert r.e2e.status == "error" and "RuntimeError" in r.e2e.error
     assert (r.worst["layer"], r.worst["kind"]) == expected
 
 

@@ -215,18 +215,24 @@ def test_group_size_64_lists_what_mlx_lm_skips(mlx):
 
 @pytest.mark.parametrize("options,precision,message", [
     ({"group_size": 32}, "fp32", "--group-size applies to q8/q4, not fp32"),
-    ({"group_size": 128}, "q8", "--group-size 128: mlx-lm quantizes with group size 32 or 64"),
+    ({"group_size": 128}, "q8", "--group-size 128: allowed values are 32, 64"),  # the option schema
     ({"device": "gpu"}, "fp32", "--device gpu: mlx has no GPU backend on this host"),
 ])
 def test_bad_options_are_refused_with_the_reason(mlx, options, precision, message):
     import mlx.core as mx
 
+    from oracle.backend import InputError
+    from oracle.check import validate
+
     if options.get("device") == "gpu" and mx.is_available(mx.gpu):
         pytest.skip("this host has an mlx GPU")
-    spec = CheckSpec(family="olmoe", backend="mlx", precision=precision, options=options)
-    assert message in mlx.BACKEND.check_options(spec)
-    with pytest.raises(ValueError, match=message):
-        mlx.BACKEND.load(model_source(spec), spec)
+    spec = CheckSpec(family="olmoe", backend="mlx", precision=precision, options=dict(options))
+    with pytest.raises(InputError, match=message):  # refused before any work
+        validate(spec)
+    if "allowed values" not in message:  # combinations: load() refuses them too
+        assert message in mlx.BACKEND.check_options(spec)
+        with pytest.raises(ValueError, match=message):
+            mlx.BACKEND.load(model_source(spec), spec)
 
 
 def test_without_mlx_the_backend_is_unavailable_and_skipped(tmp_path):
