@@ -75,13 +75,11 @@ def test_olmoe_passes_with_block_rows_from_the_runtime(olmoe_check):
 
 @needs_executorch
 def test_second_check_reuses_the_pte(olmoe_check):
-    first, first_s = olmoe_check
-    again, again_s = timed_check(CheckSpec(family="olmoe", backend="executorch"))
+    first, _ = olmoe_check
+    again, _ = timed_check(CheckSpec(family="olmoe", backend="executorch"))
     assert again.status == "pass" and again.cache["all_cached"]
     assert again.cache["artifacts"][0]["path"] == first.cache["artifacts"][0]["path"]
-    assert again.timings["load_s"] < 10
-    if not first.cache["all_cached"]:  # the first one lowered in this session
-        assert again_s < first_s / 4
+    assert again.cache["artifacts"][0]["build_s"] == 0  # nothing lowered (speed: benchmarks/, not a timed test)
 
 
 @needs_executorch
