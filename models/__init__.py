@@ -50,7 +50,7 @@ class Family:
 
     def hf_config(self, cfg: dict):
         cls = getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_config_name)
-        cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+        cfg = {k: v for k, v in text_config(cfg).items() if k not in ("architectures", "transformers_version")}
         return cls(**cfg)
 
     def args(self, cfg: dict, max_seq_len: int = 256) -> ModelArgs:
@@ -74,6 +74,16 @@ class Family:
         model = Transformer(args, dtype)
         load_state(model, self.sanitize(weights, args), dtype)
         return model.eval()
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's config: a composite (multimodal) release's `text_config`, with the
+    top-level keys it leaves out (e.g. tie_word_embeddings); any other config as it is."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    inherited = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg and k not in text}
+    return {**text, **inherited}
 
 
 def get_family(name: str) -> Family:

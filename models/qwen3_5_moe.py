@@ -39,7 +39,8 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
 
 
 FAMILY = Family(
-    name="qwen3_5_moe", model_types=("qwen3_5_moe_text",), hf_module="qwen3_5_moe",
+    # the text-only config, or the multimodal release's composite one (its text_config is read)
+    name="qwen3_5_moe", model_types=("qwen3_5_moe_text", "qwen3_5_moe"), hf_module="qwen3_5_moe",
     hf_class_name="Qwen3_5MoeForCausalLM", hf_config_name="Qwen3_5MoeTextConfig",
     tiny_config=TINY, to_args=to_args, sanitize=sanitize,
 )

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family
+from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family, text_config
 from models.checkpoint import CheckpointError, checkpoint_identity, config_checkpoint, meta_weights, \
     published_config, read_config, tiny_checkpoint
 from oracle import goldens as golden_files
@@ -97,7 +97,7 @@ def model_source(spec: CheckSpec, progress=None) -> ModelSource:
         config = read_config(model_dir)
         require_family(family, config, f"{model_dir}/config.json")
         max_len = spec.prompt_len + spec.decode_tokens
-        limit = config.get("max_position_embeddings")
+        limit = text_config(config).get("max_position_embeddings")
         if limit and max_len > limit:
             raise InputError(f"prompt-len + decode-tokens = {max_len} exceeds max_position_embeddings {limit}")
         # every tensor checked (names, shapes, dtypes, shards) from the headers alone, then the

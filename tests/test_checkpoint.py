@@ -136,3 +136,40 @@ def test_check_on_a_config(tmp_path, capsys):
     assert doc["spec"]["config"] == str(path) and doc["spec"]["layers"] == 2
     assert len([b for b in doc["blocks"] if b["kind"] == "layer"]) == 2
     assert main(["check", "--family", "olmoe", "--backend", "eager", "--layers", "2"]) == 2
+
+
+def _composite_qwen35(dst):
+    """The tiny Qwen3.5-MoE as the multimodal release lays it out: composite config.json
+    (model_type qwen3_5_moe, text_config, vision_config) and model.language_model.* names."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint(get_family("qwen3_5_moe"), 0)
+    text = {k: v for k, v in json.loads((src / "config.json").read_text()).items() if k != "architectures"}
+    cfg = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+           "text_config": text, "tie_word_embeddings": False,
+           "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64}}
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(cfg))
+    w = load_file(src / "model.safetensors")
+    save_file({("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in w.items()},
+              dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("backend", ["eager", "hf", "mlx"])
+def test_composite_qwen35_config_loads(tmp_path, capsys, backend):
+    """A real Qwen3.5-MoE release config (composite, text_config) is read, not refused."""
+    import json
+
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    from oracle.cli import main
+
+    d = _composite_qwen35(tmp_path / "composite")
+    report = tmp_path / "r.json"
+    code = main(["check", "--family", "qwen3_5_moe", "--backend", backend, "--model-dir", str(d),
+                 "--json", str(report)])
+    assert code == 0, capsys.readouterr()
+    assert json.loads(report.read_text())["e2e"]["token_exact"]
