@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from models.checkpoint import CheckpointError, load_state, validate_state
+from models.checkpoint import CheckpointError, layer_groups, load_state, read_tensors, tensor_index, validate_state
 from models.layers import ModelArgs, Transformer
 
 FAMILY_NAMES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")
@@ -73,6 +73,37 @@ class Family:
         args = self.args(cfg, max_seq_len)
         model = Transformer(args, dtype)
         load_state(model, self.sanitize(weights, args), dtype)
+        return model.eval()
+
+    def build_from(self, cfg: dict, model_dir, dtype=torch.float32, max_seq_len: int = 256) -> Transformer:
+        """The production model from a checkpoint directory, one decoder layer at a time: the
+        parameters start on the meta device (accelerate's init_empty_weights; buffers are real),
+        each layer's tensors are read from the safetensors files, sanitized, converted to
+        `dtype` and assigned, then dropped. Peak memory: the model in `dtype` plus one layer."""
+        from accelerate import init_empty_weights
+        from accelerate.utils import set_module_tensor_to_device
+
+        args = self.args(cfg, max_seq_len)
+        with init_empty_weights(include_buffers=False):
+            model = Transformer(args, dtype)
+        params = dict(model.named_parameters())
+        index = tensor_index(model_dir)
+        for names in layer_groups(index):
+            for name, t in self.sanitize(read_tensors(index, names), args).items():
+                if name not in params:
+                    raise CheckpointError(f"unexpected tensor {name} (a feature this family does not implement?)")
+                if tuple(t.shape) != tuple(params[name].shape):
+                    raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, "
+                                          f"expected {tuple(params[name].shape)}")
+                if not t.is_floating_point():
+                    raise CheckpointError(f"tensor {name} has dtype {t.dtype}, expected a floating-point tensor")
+                # fresh memory either way (a tensor read from a shard can sit at an alignment
+                # that makes BLAS round differently from run to run of the same weights)
+                value = t.to(dtype) if t.dtype != dtype else t.clone()
+                set_module_tensor_to_device(model, name, "cpu", value=value, dtype=dtype)
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise CheckpointError(f"missing tensor(s): {', '.join(missing[:6])}")
         return model.eval()
 
 

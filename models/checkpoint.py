@@ -134,6 +134,31 @@ def meta_weights(model_dir: Path) -> dict[str, torch.Tensor]:
             for name, (_, dtype, shape) in tensor_index(model_dir).items()}
 
 
+def layer_groups(index: dict) -> list[list[str]]:
+    """Tensor names grouped by decoder layer (`...layers.N.`), then everything else (embeddings,
+    final norm, head: kept together, a tied head needs the embedding). Each group is what a
+    family's sanitize() needs at once (a layer's experts are stacked together)."""
+    groups: dict = {}
+    for name in index:
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        groups.setdefault(int(m.group(1)) if m else -1, []).append(name)
+    return [sorted(groups[k]) for k in sorted(groups, key=lambda k: (k < 0, k))]
+
+
+def read_tensors(index: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """These tensors of a checkpoint (`index`: tensor_index of it), each read once from its
+    shard's memory map."""
+    by_shard: dict = {}
+    for n in names:
+        by_shard.setdefault(index[n][0], []).append(n)
+    out = {}
+    for shard, ns in by_shard.items():
+        with _open(shard) as f:
+            for n in ns:
+                out[n] = f.get_tensor(n)
+    return out
+
+
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint; truncated/corrupt shards and index mismatches are errors."""
     weights: dict[str, torch.Tensor] = {}
