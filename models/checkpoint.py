@@ -40,6 +40,11 @@ def read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: no config.json (expected an HF save_pretrained directory)")
+    return read_config_file(path)
+
+
+def read_config_file(path: Path) -> dict:
+    """A config.json: valid JSON, an object with a model_type."""
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -375,24 +380,9 @@ def tiny_checkpoint(family, seed: int) -> Path:
         "format": TINY_FORMAT,
         "transformers": transformers.__version__,
     }
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:20]
-    final = cache_root() / "checkpoints" / f"{family.name}-s{seed}-{key}"
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-    try:
-        cfg = family.hf_config(family.tiny_config)
-        write_tiny_checkpoint(cfg, family.hf_class(), seed, tmp)
-        (tmp / "oracle_tiny.json").write_text(json.dumps(recipe, indent=1, sort_keys=True))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process won the race: theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return cached_dir(recipe, f"{family.name}-s{seed}", "oracle_tiny.json",
+                      lambda out: write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(),
+                                                        seed, out))
 
 
 # ------------------------------------------------------------------ real configs, seeded
@@ -413,12 +403,7 @@ def published_config(name: str, layers: int | None = None) -> dict:
     if not path.is_file():
         raise CheckpointError(f"--config {name}: no such published config (or .json file); "
                               f"known: {', '.join(config_names())}")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
-        raise CheckpointError(f"{path}: no 'model_type' key")
+    cfg = read_config_file(path)
     if layers is not None:
         text = cfg.get("text_config", cfg)
         if layers > text["num_hidden_layers"]:
@@ -509,19 +494,26 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
     name = Path(name).stem if name.endswith(".json") else name
     recipe = {"family": family.name, "config": cfg, "seed": seed, "dtype": dtype, "format": TINY_FORMAT,
               "transformers": transformers.__version__}
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}", "oracle_seeded.json",
+                      lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype, progress=progress))
+
+
+def cached_dir(recipe: dict, stem: str, recipe_file: str, build) -> Path:
+    """cache_root()/checkpoints/<stem>-<hash of recipe>: built once by `build(dir)` into a temp
+    dir and renamed into place (a crash leaves nothing; a concurrent identical build wins)."""
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:20]
-    final = cache_root() / "checkpoints" / f"{name}-L{layers or 'all'}-s{seed}-{dtype}-{key}"
+    final = cache_root() / "checkpoints" / f"{stem}-{key}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
-        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-        write_seeded_checkpoint(family, cfg, seed, tmp, torch_dtype, progress=progress)
-        (tmp / "oracle_seeded.json").write_text(json.dumps(recipe, indent=1, sort_keys=True))
+        build(tmp)
+        (tmp / recipe_file).write_text(json.dumps(recipe, indent=1, sort_keys=True))
         try:
             os.rename(tmp, final)
-        except OSError:
+        except OSError:  # another process won the race: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
