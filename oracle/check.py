@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import math
 import os
+import tempfile
 import platform
 import time
 import traceback
@@ -16,8 +18,8 @@ import numpy as np
 import torch
 
 from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family, text_config
-from models.checkpoint import CheckpointError, checkpoint_identity, config_checkpoint, meta_weights, \
-    published_config, read_config, tiny_checkpoint
+from models.checkpoint import CheckpointError, cache_root, checkpoint_identity, config_checkpoint, meta_weights, \
+    published_config, read_config, tensor_index, tiny_checkpoint
 from oracle import goldens as golden_files
 from oracle import thresholds
 from oracle.backend import CheckSpec, InputError, ModelSource, resolve, validate_options
@@ -120,7 +122,6 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     it), else captured and saved."""
     from oracle import reference
     from oracle.artifacts import key_of, versions
-    from models.checkpoint import cache_root
 
     code = hashlib.sha256(Path(reference.__file__).read_bytes()).hexdigest()
     key = key_of({"family": family_name, "sha": sha, "prompt": list(prompt), "n": n, "code": code,
@@ -129,7 +130,13 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     ref = reference.load(path)
     if ref is None:
         family = get_family(family_name)
-        ref = capture(load_hf_model(family, Path(model_dir)), family, list(prompt), n)
+        if reference_mode(Path(model_dir)) == "streamed":
+            (cache_root() / "offload").mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache_root() / "offload") as offload:
+                ref = capture(load_hf_model(family, Path(model_dir), offload_dir=Path(offload)), family,
+                              list(prompt), n)
+        else:
+            ref = capture(load_hf_model(family, Path(model_dir)), family, list(prompt), n)
         bad = reference.first_nonfinite(ref)
         if bad:
             raise InputError(f"the HF fp32 reference itself produces NaN/Inf, first at {bad}: the checkpoint "
@@ -137,6 +144,21 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
         path.parent.mkdir(parents=True, exist_ok=True)
         reference.save(ref, path)
     return ref
+
+
+STREAM_ABOVE = 4 << 30  # fp32 bytes of the model above which the reference is streamed
+
+
+def reference_mode(model_dir: Path) -> str:
+    """How the HF reference holds the model: "whole" (from_pretrained into memory, fastest for
+    small models) or "streamed" (decoder layers offloaded to disk, loaded one module at a time:
+    memory about one layer plus the embedding and the head, whatever the depth). Auto by the
+    model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes."""
+    mode = os.environ.get("MOE_ORACLE_REFERENCE", "auto")
+    if mode in ("whole", "streamed"):
+        return mode
+    fp32 = sum(4 * math.prod(shape) for _, _, shape in tensor_index(model_dir).values())
+    return "streamed" if fp32 > STREAM_ABOVE else "whole"
 
 
 def dtype_name(x) -> str | None:

@@ -3,6 +3,7 @@ with hooks recording every block's input and output on every call."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,14 +40,23 @@ class Reference:
         return list(self.inputs)
 
 
-def load_hf_model(family, model_dir: Path, dtype=torch.float32):
-    """HF's own model class, eager attention and eager (per-expert loop) experts."""
+def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Path | None = None):
+    """HF's own model class, eager attention and eager (per-expert loop) experts.
+
+    offload_dir: streamed. Every decoder layer is offloaded to disk by HF's own big-model
+    loading (accelerate): its weights stay in the checkpoint's safetensors files (or, where
+    HF converts them, e.g. per-expert -> fused, in `offload_dir`), and accelerate's hooks load
+    each module's weights just before its forward and drop them after. Resident: the
+    embedding, the final norm, the head. Same modules, same weights, same numbers."""
     from transformers.utils import logging as hf_logging
 
     from models.checkpoint import CheckpointError
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    kwargs = {}
+    if offload_dir is not None:
+        kwargs = {"device_map": streamed_device_map(family, model_dir), "offload_folder": str(offload_dir)}
     model, info = family.hf_class().from_pretrained(
         model_dir,
         dtype=dtype,
@@ -54,11 +64,28 @@ def load_hf_model(family, model_dir: Path, dtype=torch.float32):
         experts_implementation="eager",
         use_safetensors=True,
         output_loading_info=True,
+        **kwargs,
     )
     bad = list(info.get("missing_keys", [])) + [str(k) for k in info.get("mismatched_keys", [])]
     if bad:
         raise CheckpointError(f"transformers could not load {len(bad)} tensor(s), e.g. {sorted(bad)[0]}")
     return model.eval()
+
+
+def streamed_device_map(family, model_dir: Path) -> dict:
+    """Every decoder layer on "disk", everything else on the CPU (HF's device_map form)."""
+    from accelerate import init_empty_weights
+
+    from models.checkpoint import read_config
+
+    with init_empty_weights():
+        skeleton = family.hf_class()(family.hf_config(read_config(model_dir)))
+    decoder = skeleton.get_decoder()
+    prefix = next(n for n, m in skeleton.named_modules() if m is decoder)
+    layers = {f"{prefix}.layers.{i}": "disk" for i in range(len(decoder.layers))}
+    rest = {n: "cpu" for n, _ in skeleton.named_children() if n != prefix.split(".")[0]}
+    rest.update({f"{prefix}.{n}": "cpu" for n, _ in decoder.named_children() if n != "layers"})
+    return {**rest, **layers}
 
 
 def _first_tensor(args, kwargs):
@@ -157,6 +184,21 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
     return ref
 
 
+@contextlib.contextmanager
+def materialized(module):
+    """A module's weights loaded for code that reads them outside its forward (a streamed
+    model's modules hold them only during their own forward: accelerate's hook)."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        yield module
+        return
+    hook.pre_forward(module)
+    try:
+        yield module
+    finally:
+        hook.post_forward(module, None)
+
+
 def add_expert_probes(ref: Reference, modules: dict) -> None:
     """A prompt rarely routes to every expert, and a bug in an expert nobody routes to is
     invisible. So the stateless router and moe blocks also get one single-token probe per
@@ -168,7 +210,8 @@ def add_expert_probes(ref: Reference, modules: dict) -> None:
                 continue
             used = torch.cat([i for _, i in ref.outputs[layer, "router"]]).unique()
             ref.coverage[layer] = {"experts": int(router.weight.shape[0]), "routed_by_sequence": int(used.numel())}
-            w = router.weight.detach().float()
+            with materialized(router):
+                w = router.weight.detach().float().clone()
             for e in range(w.shape[0]):
                 x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
                 call = BlockCall(x, torch.tensor([0]), [], probe=True)
