@@ -45,7 +45,7 @@ from torch import nn
 from exporters.eager import DTYPES
 from models.layers import LINEAR, STATE_BUFFERS, Transformer
 from models.sampling import Sampler, SampledModel, example_args, runtime_args
-from oracle.backend import InputError, Option
+from oracle.backend import Option
 from oracle.goldens import histogram_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,14 +206,12 @@ def cache_parts(backend: str, model, spec, program: str, transform_id, options: 
             "versions": versions("torch", "executorch", "torchao")}
 
 
-def qlinear_options(spec, allowed: tuple) -> dict:
-    """`--qlinear` / `--qlinear-group-size` from the spec, refused unless `allowed`."""
+def qlinear_options(spec) -> dict:
+    """`--qlinear` / `--qlinear-group-size` from the spec (their values were checked against the
+    backend's option schema before any work)."""
     q = spec.options.get("qlinear")
     if not q:
         return {}
-    if q not in allowed:
-        raise InputError(f"backend {spec.backend}: --qlinear {q} is not supported here "
-                         f"(supported: {', '.join(allowed) or 'none'})")
     return {"qlinear": q, "qlinear_group_size": int(spec.options.get("qlinear_group_size") or 32)}
 
 
@@ -458,11 +456,8 @@ class ExecutorchBackend:
         """The options that shape the artifact, validated (part of the cache key).
         `--option partitioner=portable`: portable kernels only (no XNNPACK), about 4x faster
         to lower; tells a delegate's fault from the model's."""
-        opts = {**qlinear_options(spec, self.qlinear), **sampling_options(spec)}
-        part = spec.options.get("partitioner", "xnnpack")
-        if part not in ("xnnpack", "portable"):
-            raise InputError(f"backend {spec.backend}: partitioner {part!r} is not one of xnnpack, portable")
-        return {**opts, "partitioner": part}
+        opts = {**qlinear_options(spec), **sampling_options(spec)}
+        return {**opts, "partitioner": spec.options.get("partitioner", "xnnpack")}
 
     def executor(self, opts: dict) -> str:
         return "XNNPACK + portable kernels" if opts["partitioner"] == "xnnpack" else "portable kernels"

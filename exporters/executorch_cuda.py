@@ -50,7 +50,7 @@ class ExecutorchCudaBackend(ExecutorchBackend):
         return None
 
     def options(self, spec) -> dict:
-        return {**qlinear_options(spec, self.qlinear), **sampling_options(spec)}
+        return {**qlinear_options(spec), **sampling_options(spec)}
 
     def executor(self, opts: dict) -> str:
         return "CUDA backend (AOTInductor)"

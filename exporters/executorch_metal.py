@@ -49,7 +49,7 @@ class ExecutorchMetalBackend(ExecutorchBackend):
 
     def options(self, spec) -> dict:
         """No sampler in the program (`--sampling` rows are skipped; `sample` is not an option)."""
-        return qlinear_options(spec, self.qlinear)
+        return qlinear_options(spec)
 
     def executor(self, opts: dict) -> str:
         return "Metal backend (AOTInductor)"

@@ -166,11 +166,8 @@ def read_tensors(index: dict, names: list[str]) -> dict[str, torch.Tensor]:
 
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint; truncated/corrupt shards and index mismatches are errors."""
-    weights: dict[str, torch.Tensor] = {}
-    for name, (shard, _, _) in tensor_index(model_dir).items():
-        with _open(shard) as f:
-            weights[name] = f.get_tensor(name)
-    return weights
+    index = tensor_index(model_dir)
+    return read_tensors(index, list(index))
 
 
 # bit patterns of a non-finite value (exponent all ones) per floating dtype: (uint view, mask)
@@ -264,11 +261,6 @@ def checkpoint_identity(model_dir: Path) -> str:
     except OSError:
         pass  # a read-only cache: the identity is recomputed next time
     return digest
-
-
-def dir_digest(model_dir: Path) -> str:
-    """sha256 over config.json and the weight files (names + bytes): the checkpoint's identity."""
-    return checkpoint_identity(model_dir)
 
 
 def stack_experts(weights: dict, pattern: str, names: tuple[str, str, str]) -> dict:
