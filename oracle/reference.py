@@ -41,22 +41,16 @@ class Reference:
 
 
 def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Path | None = None):
-    """HF's own model class, eager attention and eager (per-expert loop) experts.
-
-    offload_dir: streamed. Every decoder layer is offloaded to disk by HF's own big-model
-    loading (accelerate): its weights stay in the checkpoint's safetensors files (or, where
-    HF converts them, e.g. per-expert -> fused, in `offload_dir`), and accelerate's hooks load
-    each module's weights just before its forward and drop them after. Resident: the
-    embedding, the final norm, the head. Same modules, same weights, same numbers."""
+    """HF's own model class, eager attention and eager (per-expert loop) experts; streamed
+    (`load_streamed`) when offload_dir is given."""
     from transformers.utils import logging as hf_logging
 
     from models.checkpoint import CheckpointError
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    kwargs = {}
     if offload_dir is not None:
-        kwargs = {"device_map": streamed_device_map(family, model_dir), "offload_folder": str(offload_dir)}
+        return load_streamed(family, Path(model_dir), Path(offload_dir))
     model, info = family.hf_class().from_pretrained(
         model_dir,
         dtype=dtype,
@@ -64,7 +58,6 @@ def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Pat
         experts_implementation="eager",
         use_safetensors=True,
         output_loading_info=True,
-        **kwargs,
     )
     bad = list(info.get("missing_keys", [])) + [str(k) for k in info.get("mismatched_keys", [])]
     if bad:
@@ -72,18 +65,81 @@ def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Pat
     return model.eval()
 
 
-def streamed_device_map(family, model_dir: Path) -> dict:
+def load_streamed(family, model_dir: Path, offload_dir: Path):
+    """The same HF model (fp32, same modules, same numbers) with every decoder layer offloaded
+    to disk: accelerate's hooks load a module's weights just before its forward and drop them
+    after. Resident: the embedding, the final norm, the head.
+
+    HF's own from_pretrained(device_map=...) does this too, but it maps every shard for the
+    whole load, so every page it reads stays resident (the checkpoint's size in RSS). Here the
+    same HF loading step (`convert_and_load_state_dict_in_model`: renames, per-expert -> fused
+    conversion, offload writes) runs one decoder layer at a time with only that layer's shards
+    mapped. Offloaded tensors are written in the checkpoint's own dtype (fp32 if it mixes
+    dtypes) and upcast to fp32 when a hook loads them: exact either way."""
+    import contextlib
+
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.integrations.accelerate import accelerate_disk_offload, accelerate_dispatch
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    from models.checkpoint import CheckpointError, _open, layer_groups, read_config, tensor_index
+
+    index = tensor_index(model_dir)
+    floats = {d for _, d, _ in index.values() if d.is_floating_point}
+    store = floats.pop() if len(floats) == 1 else torch.float32
+    cls = family.hf_class()
+    config = family.hf_config(read_config(model_dir))
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    with contextlib.ExitStack() as stack:  # HF's own from_pretrained skeleton: meta, no init
+        for ctx in cls.get_init_context(torch.float32, False, False, None):
+            stack.enter_context(ctx)
+        model = cls(config)
+    for name, p in list(model.named_parameters()):  # loaded in the stored dtype, upcast below
+        if p.is_floating_point():
+            set_module_tensor_to_device(model, name, "meta", dtype=store)
+    device_map = streamed_device_map(model)
+    mapping = get_model_conversion_mapping(model)
+    load = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), device_map=device_map,
+                               disk_offload_folder=str(offload_dir), dtype=store, weight_mapping=mapping,
+                               use_safetensors=True)
+    shards = sorted({s for s, _, _ in index.values()})
+    sharded = {"weight_map": {n: s.name for n, (s, _, _) in index.items()}}
+    offload = accelerate_disk_offload(model, str(offload_dir), [str(s) for s in shards], device_map, sharded, mapping)
+    expected = set(model.state_dict())
+    loaded, info = set(), None
+    for names in layer_groups(index):
+        with contextlib.ExitStack() as stack:  # only this group's shards mapped, unmapped after
+            files = {s: stack.enter_context(_open(s)) for s in sorted({index[n][0] for n in names})}
+            part, offload = convert_and_load_state_dict_in_model(
+                model, {n: files[index[n][0]].get_slice(n) for n in names}, load, offload)
+        loaded |= expected - part.missing_keys
+        if info is None:
+            info = part
+        else:
+            info.unexpected_keys |= part.unexpected_keys
+            info.mismatched_keys |= part.mismatched_keys
+            info.conversion_errors.update(part.conversion_errors)
+            info.error_msgs += part.error_msgs
+    info.missing_keys = expected - loaded
+    model._weight_conversions = [m for m in mapping if m.was_used()]
+    cls._finalize_model_loading(model, load, info)
+    bad = sorted(info.missing_keys) + sorted(str(k) for k in info.mismatched_keys)
+    if bad:
+        raise CheckpointError(f"transformers could not load {len(bad)} tensor(s), e.g. {bad[0]}")
+    model.float()  # meta parameters become fp32 meta: the hooks upcast what they load to it
+    accelerate_dispatch(model, None, device_map, str(offload_dir), offload, False)
+    return model.eval()
+
+
+def streamed_device_map(model) -> dict:
     """Every decoder layer on "disk", everything else on the CPU (HF's device_map form)."""
-    from accelerate import init_empty_weights
-
-    from models.checkpoint import read_config
-
-    with init_empty_weights():
-        skeleton = family.hf_class()(family.hf_config(read_config(model_dir)))
-    decoder = skeleton.get_decoder()
-    prefix = next(n for n, m in skeleton.named_modules() if m is decoder)
+    decoder = model.get_decoder()
+    prefix = next(n for n, m in model.named_modules() if m is decoder)
     layers = {f"{prefix}.layers.{i}": "disk" for i in range(len(decoder.layers))}
-    rest = {n: "cpu" for n, _ in skeleton.named_children() if n != prefix.split(".")[0]}
+    rest = {n: "cpu" for n, _ in model.named_children() if n != prefix.split(".")[0]}
     rest.update({f"{prefix}.{n}": "cpu" for n, _ in decoder.named_children() if n != "layers"})
     return {**rest, **layers}
 
@@ -186,17 +242,19 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
 
 @contextlib.contextmanager
 def materialized(module):
-    """A module's weights loaded for code that reads them outside its forward (a streamed
-    model's modules hold them only during their own forward: accelerate's hook)."""
-    hook = getattr(module, "_hf_hook", None)
-    if hook is None:
-        yield module
-        return
-    hook.pre_forward(module)
+    """A module's weights (and its submodules') loaded for the duration: for code that reads
+    them outside a forward, or calls the module many times (a streamed model's modules hold
+    their weights only during their own forward: accelerate's hooks)."""
+    pinned = [(m, m._hf_hook) for m in module.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    for m, hook in pinned:
+        hook.pre_forward(m)
+        hook.offload = False  # its forward neither reloads nor drops the weights now
     try:
         yield module
     finally:
-        hook.post_forward(module, None)
+        for m, hook in pinned:
+            hook.offload = True
+            hook.post_forward(m, None)
 
 
 def add_expert_probes(ref: Reference, modules: dict) -> None:
@@ -210,17 +268,17 @@ def add_expert_probes(ref: Reference, modules: dict) -> None:
                 continue
             used = torch.cat([i for _, i in ref.outputs[layer, "router"]]).unique()
             ref.coverage[layer] = {"experts": int(router.weight.shape[0]), "routed_by_sequence": int(used.numel())}
-            with materialized(router):
+            with materialized(modules[layer, "moe"]), materialized(router):
                 w = router.weight.detach().float().clone()
-            for e in range(w.shape[0]):
-                x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
-                call = BlockCall(x, torch.tensor([0]), [], probe=True)
-                logits, weights, idx = router(x.reshape(1, -1).to(router.weight.dtype))
-                ref.inputs[layer, "router"].append(call)
-                ref.outputs[layer, "router"].append((weights.float(), idx))
-                ref.router_probs[layer].append(torch.softmax(logits.float(), dim=-1))
-                ref.inputs[layer, "moe"].append(call)
-                ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)))
+                for e in range(w.shape[0]):
+                    x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
+                    call = BlockCall(x, torch.tensor([0]), [], probe=True)
+                    logits, weights, idx = router(x.reshape(1, -1).to(router.weight.dtype))
+                    ref.inputs[layer, "router"].append(call)
+                    ref.outputs[layer, "router"].append((weights.float(), idx))
+                    ref.router_probs[layer].append(torch.softmax(logits.float(), dim=-1))
+                    ref.inputs[layer, "moe"].append(call)
+                    ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)))
 
 
 def first_nonfinite(ref: Reference) -> str | None:

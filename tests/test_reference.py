@@ -34,3 +34,58 @@ def test_streamed_reference_is_bitwise_the_whole_one(family):
         assert streamed.tokens == whole.tokens and streamed.coverage == whole.coverage
         a, b = _tensors(whole), _tensors(streamed)
         assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# A sharded bf16 checkpoint whose layers dominate it: 10 decoder layers of ~218 MB each in fp32
+# (32 experts of 3 x 1024 x 512) and a small embedding and head (vocab 1024).
+WIDE = dict(vocab_size=1024, hidden_size=1024, intermediate_size=512, num_hidden_layers=10,
+            num_attention_heads=8, num_key_value_heads=8, num_experts=32, num_experts_per_tok=8,
+            norm_topk_prob=False, max_position_embeddings=256, initializer_range=0.02,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+            model_type="olmoe")
+
+CHILD = """
+import json, sys, tempfile
+from pathlib import Path
+from models import get_family
+from oracle.reference import capture, first_nonfinite, load_hf_model
+fam = get_family("olmoe")
+with tempfile.TemporaryDirectory(dir=sys.argv[2]) as off:
+    ref = capture(load_hf_model(fam, Path(sys.argv[1]), offload_dir=Path(off)), fam, [3, 17, 99, 5, 200, 42, 7, 1], 3)
+peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) * 1024
+print(json.dumps({"peak": peak, "tokens": ref.tokens, "bad": first_nonfinite(ref), "blocks": len(ref.inputs)}))
+"""
+
+
+def test_streamed_reference_memory_stays_under_the_bound(tmp_path):
+    """The streamed reference's peak resident memory (VmHWM of a fresh process: imports, load,
+    capture of prefill + 3 decode steps and every expert probe) stays under the issue's bound,
+    two fp32 decoder layers + the fp32 embedding and head + 1 GiB, on a checkpoint whose
+    whole-model fp32 weights alone are larger than that bound."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    from models.checkpoint import tensor_index, write_seeded_checkpoint
+
+    fam = get_family("olmoe")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_seeded_checkpoint(fam, WIDE, 0, ckpt, torch.bfloat16, shard_bytes=400 << 20)
+    index = tensor_index(ckpt)
+    assert len({s for s, _, _ in index.values()}) > 1  # sharded, with an index
+    assert {d for _, d, _ in index.values()} == {torch.bfloat16}
+    fp32 = {n: 4 * math.prod(shape) for n, (_, _, shape) in index.items()}
+    layer = sum(v for n, v in fp32.items() if ".layers.0." in n)
+    outside = sum(v for n, v in fp32.items() if ".layers." not in n)
+    bound = 2 * layer + outside + (1 << 30)
+    assert sum(fp32.values()) > bound  # the whole model in fp32 would not fit under it
+    out = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(tmp_path)], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[1], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["bad"] is None and len(got["tokens"]) == 8 + 3 + 1 and got["blocks"] == 4 * 10 + 2
+    assert got["peak"] < bound, f"peak {got['peak'] / 2**30:.2f} GiB over the bound {bound / 2**30:.2f} GiB"
+    print(f"streamed reference peak {got['peak'] / 2**30:.2f} GiB, bound {bound / 2**30:.2f} GiB, "
+          f"whole fp32 weights {sum(fp32.values()) / 2**30:.2f} GiB")
