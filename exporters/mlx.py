@@ -567,6 +567,10 @@ class MLXBackend:
             if self.transform is not None:
                 self.transform(m)
             quant = quantize(m, QUANT_BITS[spec.precision], group_size) if spec.precision in QUANT_BITS else None
+            # evaluated a decoder layer at a time: the lazily loaded checkpoint arrays of one layer
+            # (and their fp32/quantization intermediates) are live at once, not the model's
+            for layer in text_model(m).layers:
+                mx.eval(layer.parameters())
             mx.eval(m.parameters())
         versions = {p: importlib.metadata.version(p) for p in ("mlx", "mlx-lm")}
         dev = "gpu" if device == mx.gpu else "cpu"

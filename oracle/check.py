@@ -146,7 +146,7 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     return ref
 
 
-STREAM_ABOVE = 4 << 30  # fp32 bytes of the model above which the reference is streamed
+STREAM_ABOVE = 1 << 30  # fp32 bytes of the model above which the reference is streamed (whole: ~2.5x that at peak)
 
 
 def reference_mode(model_dir: Path) -> str:
@@ -361,6 +361,18 @@ def _contained(result, name: str, fn):
         return None
 
 
+def peak_rss_gib() -> float | None:
+    """This process's peak resident memory so far (Linux VmHWM: anonymous and mapped file
+    pages), in GiB; None where /proc is not there. Recorded with the timings: after the
+    reference (its side of the check) and at the end (the whole check)."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kb / 2**20, 3)
+
+
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True) -> CheckResult:
     """Run one check. Raises InputError for bad input. A crash in the backend's load() (or in
     every block) is status 'error'; a crash or malformed output in one block, one e2e step or
@@ -394,6 +406,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     except CheckpointError as e:
         raise InputError(f"the HF reference cannot load {src.model_dir}: {e}") from None
     timings["reference_s"] = time.perf_counter() - t
+    timings["reference_peak_rss_gib"] = peak_rss_gib()
     result.reference = reference_margins(ref, src.args.num_experts_per_tok)
 
     stage = "load"
@@ -472,6 +485,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
               or any(g.status in ("fail", "error") for g in result.gates))
     result.status = "error" if result.error else "fail" if failed else "pass"
     timings["total_s"] = time.perf_counter() - t0
+    timings["peak_rss_gib"] = peak_rss_gib()
     result.timings = timings
     return result
 
