@@ -79,6 +79,9 @@ class EagerBackend:
     """`transform(model)` may modify the built model in place: how faults are injected."""
 
     precisions = tuple(DTYPES)
+    # the production model in its precision, plus one layer's tensors as read (fresh, 10% slack)
+    memory_per_param = {"fp32": 4.4, "bf16": 2.4}
+    memory_note = "the production model in memory"
 
     def __init__(self, name: str = "eager", transform=None, transform_id: str | None = None):
         self.name, self.transform, self.transform_id = name, transform, transform_id

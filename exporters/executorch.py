@@ -426,6 +426,9 @@ class ExecutorchBackend:
     kind = "executorch"  # cache namespace and name of the backend without a fault suffix
     source = "exporters/executorch.py"
     precisions = ("fp32",)
+    # torch.export + to_edge + XNNPACK lowering hold the fp32 weights several times over
+    memory_per_param = {"fp32": 12.0}
+    memory_note = "torch.export and the XNNPACK lowering hold several copies of the fp32 weights"
     qlinear = ("8da4w",)  # XNNPACK's recipe: int8 dynamic activations, int4 grouped weights
     option_schema = (
         Option("partitioner", str, ("xnnpack", "portable"), "xnnpack",

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from oracle.reference import _normalize_output, block_modules, load_hf_model
+import tempfile
+from pathlib import Path
+
+from oracle.reference import _normalize_output, block_modules, load_hf_model, materialized, reference_mode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -41,11 +44,12 @@ class HFCandidate:
         probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
         calls = [c for c in calls if not c.probe]
         outs = self._replay(layer, kind, calls)
-        for c in probes:
-            x = c.x.to(self.dtype)
-            o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
-            o = _normalize_output(kind, o, keep_dtype=True)
-            outs.append(o[:2] if kind == "router" else o)
+        with materialized(self.modules[layer, kind]):  # a streamed model: loaded once for every probe
+            for c in probes:
+                x = c.x.to(self.dtype)
+                o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
+                o = _normalize_output(kind, o, keep_dtype=True)
+                outs.append(o[:2] if kind == "router" else o)
         return outs
 
     def _replay(self, layer, kind, calls):
@@ -83,9 +87,22 @@ class HFBackend:
     def availability(self):
         return True, ""
 
+    # whole: from_pretrained holds the mapped bf16 checkpoint and the model (measured ~10 bytes per
+    # parameter at fp32); streamed (above 1 GiB of fp32 weights): the embedding, the head and one
+    # module's weights at a time (0.63 GiB for a 0.55 B-parameter checkpoint, tests/test_reference.py)
+    memory_per_param = {"fp32": 1.0, "bf16": 1.0}
+    memory_note = "streamed: the decoder layers stay on disk, a module's weights are loaded for its forward"
+
     def load(self, model, spec):
-        m = load_hf_model(model.family, model.model_dir, DTYPES[spec.precision])
-        return HFCandidate(m, model.family, DTYPES[spec.precision])
+        dtype = DTYPES[spec.precision]
+        if reference_mode(model.model_dir) == "streamed":  # as the reference: layers offloaded to disk
+            offload = tempfile.TemporaryDirectory(prefix="moe-oracle-hf-")
+            cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, Path(offload.name)),
+                               model.family, dtype)
+            cand.offload = offload  # removed with the candidate
+            cand.info["executor"] += " (decoder layers streamed from disk by accelerate hooks)"
+            return cand
+        return HFCandidate(load_hf_model(model.family, model.model_dir, dtype), model.family, dtype)
 
 
 BACKEND = HFBackend()

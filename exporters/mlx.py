@@ -504,6 +504,10 @@ class MLXBackend:
     ModelArgs fields (naive_mlx_config shows what mlx-lm's own loader would do)."""
 
     precisions = PRECISIONS
+    # the model at its precision (q8/q4: packed weights + a scale and a bias per group of 32),
+    # plus one layer's arrays while it is evaluated
+    memory_per_param = {"fp32": 4.4, "bf16": 2.4, "q8": 1.6, "q4": 1.1}
+    memory_note = "the mlx model at its precision, evaluated a layer at a time"
     option_schema = (
         Option("device", str, ("cpu", "gpu"), "gpu where mlx has one, else cpu",
                "where mlx runs (gpu: Metal on Apple silicon)", "--device"),

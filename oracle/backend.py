@@ -30,7 +30,10 @@ Optional backend members: `precisions` (tuple of the precisions it supports),
 `option_schema` (a tuple of `Option`: the only options it accepts; none when absent; the
 harness refuses unknown or ill-typed ones before any work), `check_options(spec) -> str | None`
 (what is wrong with a combination of options on this host, e.g. `--device gpu` without one) and
-`export(model, spec, output_dir) -> list[Path]` (for `oracle export`). Torch-based
+`export(model, spec, output_dir) -> list[Path]` (for `oracle export`) and
+`memory_per_param` (precision -> peak bytes per checkpoint parameter its load/build needs, with
+`memory_note` saying what is held: a model that would not fit in the available memory is
+refused with exit 2 and the estimate, instead of being killed mid-build). Torch-based
 backends take `transform` (a callable modifying the built production model, how seeded
 faults are injected) and `transform_id` (part of every artifact cache key).
 
@@ -169,6 +172,14 @@ class ModelSource:
 
         return read_weights(self.model_dir)
 
+    def parameter_count(self) -> int:
+        """Parameters in the checkpoint (from the safetensors headers)."""
+        import math
+
+        from models.checkpoint import tensor_index
+
+        return sum(math.prod(shape) for _, _, shape in tensor_index(self.model_dir).values())
+
     def build_production(self, dtype):
         """The family's production torch model with the checkpoint's weights."""
         return self.family.build_from(self.config, self.model_dir, dtype, self.args.max_seq_len)
@@ -215,3 +226,46 @@ def resolve(name: str) -> Backend:
         if not hasattr(obj, member):
             raise BackendError(f"backend {name!r}: {target} has no {member!r} (see oracle/backend.py for the protocol)")
     return obj
+
+
+GIB = 1 << 30
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still take: the kernel's MemAvailable, capped by a cgroup (v2 or
+    v1) limit when there is one; None where neither can be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            cap = int(Path(limit).read_text().strip()) - int(Path(usage).read_text().strip())
+        except (OSError, ValueError):  # "max": no limit
+            continue
+        if cap < 1 << 60:
+            avail = min(avail, max(cap, 0))
+    return avail
+
+
+def memory_refusal(backend, src: ModelSource, spec: CheckSpec) -> str | None:
+    """Why this backend cannot hold this model here (its declared peak bytes per parameter at
+    this precision, + 1 GiB, above the available memory), or None. $MOE_ORACLE_MEMORY_CHECK=off
+    skips it (e.g. with swap the kernel does not count)."""
+    import os
+
+    per = (getattr(backend, "memory_per_param", None) or {}).get(spec.precision)
+    if per is None or os.environ.get("MOE_ORACLE_MEMORY_CHECK", "on") == "off":
+        return None
+    avail = available_memory()
+    params = src.parameter_count()
+    need = int(params * per) + GIB
+    if avail is None or need <= avail:
+        return None
+    note = getattr(backend, "memory_note", "")
+    return (f"{spec.backend} --precision {spec.precision} would need about {need / GIB:.1f} GiB for this "
+            f"checkpoint ({params / 1e9:.2f} B parameters x {per:g} bytes{f': {note}' if note else ''}, "
+            f"+ 1 GiB) and {avail / GIB:.1f} GiB is available: use a machine with more memory, a lower "
+            f"precision, or --layers N to check a cut of the model (MOE_ORACLE_MEMORY_CHECK=off to try anyway)")

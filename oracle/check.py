@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
-import math
 import os
 import tempfile
 import platform
@@ -19,13 +18,13 @@ import torch
 
 from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family, text_config
 from models.checkpoint import CheckpointError, cache_root, checkpoint_identity, config_checkpoint, meta_weights, \
-    published_config, read_config, tensor_index, tiny_checkpoint
+    published_config, read_config, tiny_checkpoint
 from oracle import goldens as golden_files
 from oracle import thresholds
-from oracle.backend import CheckSpec, InputError, ModelSource, resolve, validate_options
+from oracle.backend import CheckSpec, InputError, ModelSource, memory_refusal, resolve, validate_options
 from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import OutputError, as_array, as_f64, router_metrics, tensor_metrics, top2_margin
-from oracle.reference import capture, load_hf_model
+from oracle.reference import capture, load_hf_model, reference_mode
 from oracle.sampling import sampling_gates
 from oracle.result import E2E, BlockRow, CheckResult, GateRow, worst_row
 
@@ -144,21 +143,6 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
         path.parent.mkdir(parents=True, exist_ok=True)
         reference.save(ref, path)
     return ref
-
-
-STREAM_ABOVE = 1 << 30  # fp32 bytes of the model above which the reference is streamed (whole: ~2.5x that at peak)
-
-
-def reference_mode(model_dir: Path) -> str:
-    """How the HF reference holds the model: "whole" (from_pretrained into memory, fastest for
-    small models) or "streamed" (decoder layers offloaded to disk, loaded one module at a time:
-    memory about one layer plus the embedding and the head, whatever the depth). Auto by the
-    model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes."""
-    mode = os.environ.get("MOE_ORACLE_REFERENCE", "auto")
-    if mode in ("whole", "streamed"):
-        return mode
-    fp32 = sum(4 * math.prod(shape) for _, _, shape in tensor_index(model_dir).values())
-    return "streamed" if fp32 > STREAM_ABOVE else "whole"
 
 
 def dtype_name(x) -> str | None:
@@ -396,6 +380,9 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
                                        "tiny": spec.model_dir is None and spec.config is None}
     timings["checkpoint_s"] = time.perf_counter() - t0
+    refusal = memory_refusal(backend, src, spec)
+    if refusal:
+        raise InputError(refusal)
 
     progress("reference")
     t = time.perf_counter()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from oracle.artifacts import write_manifest
 from oracle.backend import CheckSpec
-from oracle.backend import InputError
+from oracle.backend import InputError, memory_refusal
 from oracle.check import model_source, validate
 
 
@@ -20,6 +20,9 @@ def run_export(spec: CheckSpec, output_dir: str) -> Path:
     if not ok:
         raise InputError(f"backend {spec.backend} is unavailable here: {reason}")
     src = model_source(spec)
+    refusal = memory_refusal(backend, src, spec)
+    if refusal:
+        raise InputError(refusal)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = export(src, spec, out)

@@ -4,6 +4,8 @@ with hooks recording every block's input and output on every call."""
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,23 @@ class Reference:
         return list(self.inputs)
 
 
+STREAM_ABOVE = 1 << 30  # fp32 bytes of the model above which the reference is streamed (whole: ~2.5x that at peak)
+
+
+def reference_mode(model_dir: Path) -> str:
+    """How the HF reference holds the model: "whole" (from_pretrained into memory, fastest for
+    small models) or "streamed" (decoder layers offloaded to disk, loaded one module at a time:
+    memory about one layer plus the embedding and the head, whatever the depth). Auto by the
+    model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes."""
+    mode = os.environ.get("MOE_ORACLE_REFERENCE", "auto")
+    if mode in ("whole", "streamed"):
+        return mode
+    from models.checkpoint import tensor_index
+
+    fp32 = sum(4 * math.prod(shape) for _, _, shape in tensor_index(model_dir).values())
+    return "streamed" if fp32 > STREAM_ABOVE else "whole"
+
+
 def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Path | None = None):
     """HF's own model class, eager attention and eager (per-expert loop) experts; streamed
     (`load_streamed`) when offload_dir is given."""
@@ -50,7 +69,7 @@ def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Pat
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if offload_dir is not None:
-        return load_streamed(family, Path(model_dir), Path(offload_dir))
+        return load_streamed(family, Path(model_dir), Path(offload_dir), dtype)
     model, info = family.hf_class().from_pretrained(
         model_dir,
         dtype=dtype,
@@ -65,8 +84,8 @@ def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Pat
     return model.eval()
 
 
-def load_streamed(family, model_dir: Path, offload_dir: Path):
-    """The same HF model (fp32, same modules, same numbers) with every decoder layer offloaded
+def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=torch.float32):
+    """The same HF model (in `dtype`, same modules, same numbers) with every decoder layer offloaded
     to disk: accelerate's hooks load a module's weights just before its forward and drop them
     after. Resident: the embedding, the final norm, the head.
 
@@ -75,7 +94,7 @@ def load_streamed(family, model_dir: Path, offload_dir: Path):
     same HF loading step (`convert_and_load_state_dict_in_model`: renames, per-expert -> fused
     conversion, offload writes) runs one decoder layer at a time with only that layer's shards
     mapped. Offloaded tensors are written in the checkpoint's own dtype (fp32 if it mixes
-    dtypes) and upcast to fp32 when a hook loads them: exact either way."""
+    dtypes) and cast to `dtype` when a hook loads them: exact for fp32."""
     import contextlib
 
     from accelerate.utils import set_module_tensor_to_device
@@ -94,7 +113,7 @@ def load_streamed(family, model_dir: Path, offload_dir: Path):
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     with contextlib.ExitStack() as stack:  # HF's own from_pretrained skeleton: meta, no init
-        for ctx in cls.get_init_context(torch.float32, False, False, None):
+        for ctx in cls.get_init_context(dtype, False, False, None):
             stack.enter_context(ctx)
         model = cls(config)
     for name, p in list(model.named_parameters()):  # loaded in the stored dtype, upcast below
@@ -129,7 +148,10 @@ def load_streamed(family, model_dir: Path, offload_dir: Path):
     bad = sorted(info.missing_keys) + sorted(str(k) for k in info.mismatched_keys)
     if bad:
         raise CheckpointError(f"transformers could not load {len(bad)} tensor(s), e.g. {bad[0]}")
-    model.float()  # meta parameters become fp32 meta: the hooks upcast what they load to it
+    for name, p in list(model.named_parameters()):  # a hook casts what it loads to its meta parameter's dtype
+        if p.is_floating_point():
+            set_module_tensor_to_device(model, name, p.device, value=p.to(dtype) if not p.is_meta else None,
+                                        dtype=dtype)
     accelerate_dispatch(model, None, device_map, str(offload_dir), offload, False)
     return model.eval()
 

@@ -343,3 +343,21 @@ def test_unreadable_shard_is_bad_input(ckpt, tmp_path):
     assert r.returncode == 2, r.stderr
     assert f"{shard}: cannot read (Permission denied)" in r.stderr
     assert "Traceback" not in r.stderr and not report.exists()
+
+
+def test_model_too_big_for_the_memory_is_refused(ckpt, tmp_path, capsys, monkeypatch):
+    """A backend that would need more memory than there is refuses with exit 2 and its
+    estimate, before the reference or any build: never an out-of-memory kill mid-build."""
+    import oracle.backend
+
+    monkeypatch.setattr(oracle.backend, "available_memory", lambda: 100 << 20)
+    report = tmp_path / "out" / "r.json"
+    code, out, err = run_main(["check", "--family", "olmoe", "--backend", "executorch", "--model-dir", str(ckpt),
+                               "--json", str(report)], capsys)
+    assert code == 2 and not report.exists(), err
+    assert "executorch --precision fp32 would need about 1.0 GiB" in err and "0.1 GiB is available" in err, err
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("MOE_ORACLE_MEMORY_CHECK", "off")  # the user's override: the check runs
+    code, out, err = run_main(["check", "--family", "olmoe", "--backend", "eager", "--model-dir", str(ckpt),
+                               "--json", str(report)], capsys)
+    assert code == 0 and report.exists(), err
