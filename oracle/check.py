@@ -85,6 +85,24 @@ def require_family(family, config: dict, where: str) -> None:
         raise InputError(f"{where} has model_type {mt!r}, not a {family.name} checkpoint{hint}")
 
 
+def family_of(model_dir: str | None, config: str | None, layers: int | None = None) -> str:
+    """The family a checkpoint directory's (or a published) config.json names by its model_type:
+    what --family defaults to with --model-dir or --config."""
+    if model_dir is None and config is None:
+        raise InputError("--family is required with the tiny checkpoint (or give --model-dir / --config)")
+    try:
+        cfg = read_config(Path(model_dir)) if model_dir else published_config(config, layers)
+    except CheckpointError as e:
+        raise InputError(str(e)) from None
+    mt = cfg.get("model_type")
+    name = family_for_model_type(mt) or family_for_model_type(text_config(cfg).get("model_type"))
+    if name is None:
+        hint = f": not supported yet, missing {UNSUPPORTED[mt]}" if mt in UNSUPPORTED else ""
+        raise InputError(f"{model_dir or config}: no family reads model_type {mt!r}{hint} "
+                         f"(families: {', '.join(FAMILY_NAMES)})")
+    return name
+
+
 def model_source(spec: CheckSpec, progress=None) -> ModelSource:
     family = get_family(spec.family)
     try:

@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"moe-oracle {version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="check one family on one backend against HF transformers fp32")
-    c.add_argument("--family", required=True)
+    c.add_argument("--family", help="default: the family the --model-dir / --config config.json names")
     c.add_argument("--backend", required=True, help="built-in name (see `oracle backends`) or package.module:attr")
     src = c.add_mutually_exclusive_group()
     src.add_argument("--model-dir", help="HF checkpoint directory (config.json + *.safetensors)")
@@ -251,6 +251,14 @@ def cmd_check(a) -> int:
             print(f"oracle: error: {e}", file=sys.stderr)
             return EXIT["bad_input"]
         options["sampling"] = {"temperature": a.temperature, "top_p": a.top_p}
+    if a.family is None:
+        from oracle.check import family_of
+
+        try:
+            a.family = family_of(a.model_dir, a.config, a.layers)
+        except InputError as e:
+            print(f"oracle: error: {e}", file=sys.stderr)
+            return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
                      layers=a.layers, options=options)

@@ -235,6 +235,11 @@ CASES = [
     Case("config-missing", model_dir(), 2, "no config.json (expected an HF save_pretrained directory)",
          lambda d: (d / "config.json").unlink()),
     Case("model-dir-absent", check("--model-dir", "{tmp}/nowhere"), 2, "not a directory"),
+    Case("family-missing-tiny", ["check", "--backend", "eager"], 2,
+         "--family is required with the tiny checkpoint (or give --model-dir / --config)"),
+    Case("family-unknown-model-type", ["check", "--backend", "eager", "--model-dir", "{ckpt}"], 2,
+         "no family reads model_type 'gpt_oss': not supported yet, missing attention sinks",
+         lambda d: (d / "config.json").write_text('{"model_type": "gpt_oss"}')),
     # candidate faults: that row fails (or errors), everything else is still measured
     Case("router-k-minus-1", check(backend="tests.plugins:ROUTER_K_MINUS_1"), 1,
          "call 0: weights shape [8, 1] vs reference [8, 2]", report=True,
