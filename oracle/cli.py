@@ -103,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write the selftest report here")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
-    m.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all five)")
+    m.add_argument("--families", help="comma-separated (default: all five; with --model-dir / --config, the family its config names)")
     m.add_argument("--backends", default="eager", help="comma-separated (default: eager)")
     m.add_argument("--precisions", default="fp32", help="comma-separated (default: fp32)")
     m.add_argument("--shard", help="I/N: run shard I of N (deterministic split)")
@@ -342,7 +342,15 @@ def cmd_matrix(a) -> int:
     from oracle.matrix import combos, parse_shard, run_matrix, shard
 
     check_outputs(dirs=[("--report-dir", a.report_dir)])
-    fams = [x for x in a.families.split(",") if x]
+    if a.families is None and (a.model_dir or a.config):  # the one family that checkpoint's config names
+        from oracle.backend import InputError
+        from oracle.check import family_of
+
+        try:
+            a.families = family_of(a.model_dir, a.config, a.layers)
+        except InputError as e:
+            fail_input(str(e))
+    fams = [x for x in (a.families or ",".join(FAMILIES)).split(",") if x]
     unknown = [f for f in fams if f not in FAMILIES]
     if unknown:
         print(f"oracle: error: unknown family {unknown[0]!r}; known: {', '.join(FAMILIES)}", file=sys.stderr)

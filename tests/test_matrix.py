@@ -201,15 +201,17 @@ def test_nightly_workflow_is_valid():
 
 
 def test_matrix_takes_a_checkpoint(cli, tmp_path):
-    """--model-dir / --config [--layers] go to every check; they name one family's checkpoint."""
+    """--model-dir / --config [--layers] go to every check; they name one family's checkpoint
+    (the family defaults to the one its config names)."""
     from models import get_family
 
     cfg = tmp_path / "olmoe-small.json"
     cfg.write_text(json.dumps(dict(get_family("olmoe").tiny_config, model_type="olmoe", initializer_range=0.05,
                                    num_hidden_layers=3)))
-    r = cli("matrix", "--families", "olmoe", "--config", str(cfg), "--layers", "2", "--report-dir", str(tmp_path / "m"))
+    r = cli("matrix", "--config", str(cfg), "--layers", "2", "--report-dir", str(tmp_path / "m"))
     assert r.returncode == 0, r.stderr
     doc = json.loads(next((tmp_path / "m" / "checks").glob("*.json")).read_text())
     assert doc["spec"]["config"] == str(cfg) and doc["spec"]["layers"] == 2 and doc["status"] == "pass"
-    r = cli("matrix", "--config", str(cfg), "--report-dir", str(tmp_path / "m2"))
+    assert doc["spec"]["family"] == "olmoe"
+    r = cli("matrix", "--families", "olmoe,mixtral", "--config", str(cfg), "--report-dir", str(tmp_path / "m2"))
     assert r.returncode == 2 and "give its family alone" in r.stderr
