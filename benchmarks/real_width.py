@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("olmoe-1b-7b-0924", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "qwen3.5-35b-a3b", "mixtral-8x7b-v0.1")
-CHECKS = "eager:fp32,eager:bf16,hf:fp32,hf:bf16,mlx:fp32,mlx:bf16,mlx:q8,mlx:q4,iree-llvm-cpu:fp32,executorch:fp32"
+CHECKS = "eager:fp32,eager:bf16,hf:fp32,hf:bf16,mlx:fp32,mlx:q8,mlx:q4,iree-llvm-cpu:fp32,executorch:fp32"
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,17 @@
 """`iree-llvm-cpu`: the production torch model (models/layers.py) exported with iree-turbine,
 compiled by iree-compile for the host CPU (llvm-cpu) and run by iree.runtime on local-task.
 
-One program per check, `model.vmfb`, cached by content hash (oracle.artifacts), with:
+One program per check, `model.vmfb`, and its weights, `model.irpa`, built and cached
+together by content hash (oracle.artifacts), with:
 - `prefill` (T = prompt length) and `decode` (T = 1): the whole model, exported from one
   `aot.FxProgramsBuilder`, so its state buffers (KV cache, conv and recurrent state) become
   module globals shared by both. Every prefill runs in a fresh runtime context (fresh
   globals), which is how a new sequence starts.
+  The model's parameters are not in the program, as in a real IREE deployment: they are
+  external (`#flow.parameter.named<"model"::name>`, the production model's parameter names)
+  and live in an IREE parameter archive, `model.irpa`, beside model.vmfb. The runtime maps it
+  (`iree.runtime.ParameterIndex`) and serves it through an `io_parameters` module; a cached
+  vmfb whose archive is missing or changed is built again, never run without its weights.
 - `block_<program>_t<T>` (T = prompt length and 1): one program per block kind (and per
   structurally different layer: full vs linear attention, or a layer a fault patched) with
   the block's weights and state as inputs and (output, *new state) as results, so one
@@ -21,11 +27,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
 import platform
 import re
+import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +51,9 @@ FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backe
          "--iree-llvmcpu-target-cpu=host")
 TOOLS = ("iree-base-compiler", "iree-base-runtime", "iree-turbine", "torch")
 LAYER_KINDS = ("attention", "router", "moe", "layer")
+PARAMS_FILE = "model.irpa"  # the model's parameters, beside model.vmfb
+PARAMS_INFO = "model.irpa.json"  # its sha256, size and mtime, written with it
+PARAM_SCOPE = "model"  # the scope of every `#flow.parameter.named<scope::name>`
 
 
 def host_cpu() -> str:
@@ -149,8 +160,100 @@ def block_programs(model: Transformer) -> tuple[dict[str, BlockProgram], dict]:
 
 
 # ------------------------------------------------------------------ export and compile
-def export_program(model: Transformer, programs: dict[str, BlockProgram], prompt_len: int):
-    """One module: the model's prefill + decode over shared globals, and every block program."""
+def save_parameters(model: Transformer, path: Path) -> dict:
+    """The IREE parameter archive of every parameter of `model` (its `named_parameters()`
+    names, scope PARAM_SCOPE), and PARAMS_INFO beside it. Buffers are not parameters: the
+    state buffers are module globals that prefill/decode mutate, and the derived constants
+    (RoPE `inv_freq`, `cache_pos`) stay small constants of the program."""
+    from iree.turbine import aot
+
+    t = time.perf_counter()
+    builder = aot.ParameterArchiveBuilder()
+    for name, p in model.named_parameters():
+        builder.add_tensor(name, p.detach())
+    builder.save(path)
+    st = path.stat()
+    info = {"name": path.name, "sha256": sha256_file(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "scope": PARAM_SCOPE, "tensors": sum(1 for _ in model.named_parameters()),
+            "build_s": time.perf_counter() - t}
+    path.with_name(PARAMS_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+    return info
+
+
+def checked_parameters(vmfb: Path) -> dict | None:
+    """PARAMS_INFO of the archive beside `vmfb` if the archive is there and is the one that was
+    written with it (same size, and same sha256 unless its mtime is unchanged), else None."""
+    irpa, meta = vmfb.with_name(PARAMS_FILE), vmfb.with_name(PARAMS_INFO)
+    try:
+        info = json.loads(meta.read_text())
+        st = irpa.stat()
+    except (OSError, ValueError):
+        return None
+    if st.st_size != info.get("bytes"):
+        return None
+    if st.st_mtime_ns != info.get("mtime_ns") and sha256_file(irpa) != info.get("sha256"):
+        return None
+    return info
+
+
+def check_globals(exported, model: Transformer) -> None:
+    """The exported module's globals, as the archive needs them: every `#flow.parameter.named`
+    global names a parameter of `model` (what the archive holds) and is not mutable (the state
+    buffers stay module globals that prefill/decode store to), and every parameter is external
+    (none inlined into the program).
+
+    The state globals keep their inline zero initial values (`dense_resource`, as large as the
+    state): `dense<0.0>` splats instead gave wrong logits (1.8 off, prefill included) with
+    iree 3.13 (qwen2_moe; probably the bug behind the `zero_()` reset that aliased K and V)."""
+    params = {n for n, _ in model.named_parameters()}
+    op = exported.mlir_module.operation if hasattr(exported.mlir_module, "operation") else exported.mlir_module
+    named = set()
+    for g in op.regions[0].blocks[0].operations:
+        if g.operation.name != "util.global" or "initial_value" not in g.attributes:
+            continue
+        init = str(g.attributes["initial_value"])
+        m = re.match(r'#(?:flow|stream)\.parameter\.named<"([^"]*)"::"([^"]*)">', init)
+        if m is None:
+            continue
+        if "is_mutable" in g.attributes:
+            raise RuntimeError(f"export: a mutable global is an external parameter: {init}")
+        if m.group(1) != PARAM_SCOPE or m.group(2) not in params:
+            raise RuntimeError(f"export: a global refers to a parameter the archive does not hold: {init}")
+        named.add(m.group(2))
+    if named != params:
+        raise RuntimeError(f"export: parameters not external (inlined into the program): {sorted(params - named)}")
+
+
+def export_program(model: Transformer, programs: dict[str, BlockProgram], prompt_len: int,
+                   external: bool = True):
+    """One module: the model's prefill + decode over shared globals, its parameters external
+    (see save_parameters), and every block program (weights as inputs). external=False: the
+    parameters inlined into the program instead (how it was built before the archive; tests
+    compare the two)."""
+    from iree.turbine import aot
+
+    if not external:
+        return _export(model, programs, prompt_len)
+    # what `aot.externalize_module_parameters` does, for the parameters only: it also tags the
+    # persistent buffers, which makes each state buffer a mutable global initialised from the
+    # archive (`util.global private mutable @__auto.k_cache = #flow.parameter.named<"model"::
+    # "k_cache">`), an archive that would then hold zero-filled caches. The trait is read when
+    # aot.export imports the programs, and is an attribute on the model's own tensors: taken
+    # off again afterwards.
+    params = [p for _, p in model.named_parameters()]
+    for name, p in model.named_parameters():
+        aot.ExternalTensorTrait(external_scope=PARAM_SCOPE, external_name=name).set(p)
+    try:
+        exported = _export(model, programs, prompt_len)
+    finally:
+        for p in params:
+            if hasattr(p, "_turbine_external_tensor_trait"):
+                del p._turbine_external_tensor_trait
+    check_globals(exported, model)
+    return exported
+
+
+def _export(model: Transformer, programs: dict[str, BlockProgram], prompt_len: int):
     from iree.turbine import aot
 
     fxb = aot.FxProgramsBuilder(model)
@@ -219,12 +322,23 @@ def _host(result) -> list[np.ndarray]:
 class IreeCandidate:
     block_mode = "isolated"
 
-    def __init__(self, vmfb: bytes, which: dict, prompt_len: int, info: dict, ops: str | None = None):
+    def __init__(self, vmfb: bytes, which: dict, prompt_len: int, info: dict, ops: str | None = None,
+                 params: Path | None = None, keep=None):
         import iree.runtime as rt
 
-        self.ops = ops
+        self.ops, self.keep = ops, keep  # keep: what holds `params` on disk (a temporary directory)
         self.rt, self.config = rt, rt.Config("local-task")
         self.vmfb, self.prompt_len, self.info = vmfb, prompt_len, info
+        # the modules every context is made of, shared by all of them (a context holds its own
+        # module state: the globals): the weights (`params`, memory-mapped, served by an
+        # io_parameters module), then the program, which imports them
+        instance = self.config.vm_instance
+        self.modules = []
+        if params is not None:
+            self.index = rt.ParameterIndex()
+            self.index.load(str(params), mmap=True)
+            self.modules.append(rt.create_io_parameters_module(instance, self.index.create_provider(scope=PARAM_SCOPE)))
+        self.modules.append(rt.VmModule.copy_buffer(instance, vmfb))
         self.seq = None  # the context of the current sequence (prefill, then decode)
         self.blocks = self.context()
         # (layer, kind) -> (program, its weights as numpy in input order, its fresh state)
@@ -236,9 +350,7 @@ class IreeCandidate:
 
     def context(self):
         """A fresh runtime context for the program: its globals (the model's state) initialised."""
-        ctx = self.rt.SystemContext(config=self.config)
-        ctx.add_vm_module(self.rt.VmModule.copy_buffer(ctx.instance, self.vmfb))
-        return ctx.modules.module
+        return self.rt.SystemContext(vm_modules=self.modules, config=self.config).modules.module
 
     def prefill(self, tokens):
         if len(tokens) != self.prompt_len:
@@ -277,6 +389,10 @@ class IreeBackend:
     `transform_id` names it in every cache key (a transform without an id is not cached)."""
 
     precisions = ("fp32",)
+    # the fp32 production model (its block weights are the block programs' inputs) and the same
+    # weights again, mapped from the parameter archive by the runtime
+    memory_per_param = {"fp32": 8.8}
+    memory_note = "the fp32 production model and its weights mapped from the parameter archive"
 
     def __init__(self, name: str = "iree-llvm-cpu", transform=None, transform_id: str | None = None):
         self.name, self.transform, self.transform_id = name, transform, transform_id
@@ -305,12 +421,12 @@ class IreeBackend:
                 "options": {k: v for k, v in spec.options.items() if k != "max_seq_len"},  # max_seq_len: above
                 "transform_id": self.transform_id, "versions": versions(*TOOLS), "flags": FLAGS,
                 "host_cpu": host_cpu(), "code": code_digest(self.transform is not None),
-                "model": model_digest(model),
+                "model": model_digest(model), "parameters": f"{PARAMS_FILE} scope={PARAM_SCOPE}",
                 "blocks": [(p.name, p.fingerprint) for p in programs.values()]}
 
-    def program(self, src, spec):
-        """(block programs, (layer, kind) -> (program, block), artifact, vmfb bytes): built
-        (export + compile) on a cache miss, else read from the cache."""
+    def program(self, src, spec) -> Built:
+        """The block programs, model.vmfb and model.irpa: built (export + archive + compile) on a
+        cache miss, else read from the cache (a cached vmfb without its archive: built again)."""
         if spec.precision not in self.precisions:
             raise ValueError(f"{self.name} runs {', '.join(self.precisions)} only, not {spec.precision}")
         m = src.build_production(torch.float32)
@@ -319,36 +435,68 @@ class IreeBackend:
         programs, which = block_programs(m)
 
         def build(path: Path):
+            save_parameters(m, path.with_name(PARAMS_FILE))
             compile_to(export_program(m, programs, spec.prompt_len), path)
 
         if self.transform is not None and self.transform_id is None:  # an unnamed transform: never cached
-            with tempfile.TemporaryDirectory(prefix="moe-oracle-iree-") as tmp:
-                t, path = time.perf_counter(), Path(tmp) / "model.vmfb"
-                build(path)
-                art = Artifact("model.vmfb", "", sha256_file(path), False, time.perf_counter() - t)
-                return programs, which, art, path.read_bytes()
-        art = cached_artifact("iree", self.key(src, spec, m, programs), "model.vmfb", build)
-        return programs, which, art, Path(art.path).read_bytes()
+            tmp = tempfile.TemporaryDirectory(prefix="moe-oracle-iree-")  # removed with the candidate
+            t, path = time.perf_counter(), Path(tmp.name) / "model.vmfb"
+            build(path)
+            art = Artifact("model.vmfb", "", sha256_file(path), False, time.perf_counter() - t)
+            return Built(programs, which, art, path, checked_parameters(path), tmp)
+        key = self.key(src, spec, m, programs)
+        art = cached_artifact("iree", key, "model.vmfb", build)
+        params = checked_parameters(Path(art.path))
+        if params is None and art.cached:  # its archive is missing or changed: build both again
+            shutil.rmtree(Path(art.path).parent, ignore_errors=True)
+            art = cached_artifact("iree", key, "model.vmfb", build)
+            params = checked_parameters(Path(art.path))
+        if params is None:
+            raise RuntimeError(f"{PARAMS_FILE} is missing beside {art.path}")
+        return Built(programs, which, art, Path(art.path), params)
 
     def load(self, src, spec):
-        programs, which, art, vmfb = self.program(src, spec)
+        b = self.program(src, spec)
+        art = b.art
+        if not art.cached:  # model.vmfb's build seconds: export and compile, the archive's apart
+            art = replace(art, build_s=max(art.build_s - b.params["build_s"], 0.0))
         info = {"executor": f"iree.runtime {versions('iree-base-runtime')['iree-base-runtime']} local-task, "
                             f"llvm-cpu ({host_cpu()})",
                 "state": "model: module globals (prefill/decode); blocks: explicit inputs/results",
+                "parameters": {**{k: b.params[k] for k in ("name", "sha256", "bytes", "tensors", "scope")},
+                               "cached": art.cached, "build_s": 0.0 if art.cached else b.params["build_s"],
+                               "loaded": "iree.runtime.ParameterIndex (memory-mapped), io_parameters module"},
                 "block_programs": {p.name: sorted(f"{k[0]}.{k[1]}" if k[0] is not None else k[1]
-                                                  for k, (q, _) in which.items() if q is p)
-                                   for p in programs.values()},
+                                                  for k, (q, _) in b.which.items() if q is p)
+                                   for p in b.programs.values()},
                 "artifacts": [art.as_dict()]}
-        ops = Path(art.path).with_name(OPS_FILE) if art.path else None
-        return IreeCandidate(vmfb, which, spec.prompt_len, info,
-                             ops.read_text() if ops is not None and ops.is_file() else None)
+        ops = b.vmfb.with_name(OPS_FILE)
+        return IreeCandidate(b.vmfb.read_bytes(), b.which, spec.prompt_len, info,
+                             ops.read_text() if ops.is_file() else None, b.vmfb.with_name(PARAMS_FILE), b.keep)
 
     def export(self, src, spec, output_dir: Path) -> list[Path]:
-        """`oracle export`: model.vmfb, the very program a check with these shapes runs."""
-        *_, vmfb = self.program(src, spec)
-        out = Path(output_dir) / "model.vmfb"
-        out.write_bytes(vmfb)
-        return [out]
+        """`oracle export`: model.vmfb and its weights, model.irpa: the very program and archive
+        a check with these shapes runs."""
+        b = self.program(src, spec)
+        out = []
+        for name in ("model.vmfb", PARAMS_FILE):
+            out.append(Path(output_dir) / name)
+            shutil.copyfile(b.vmfb.with_name(name), out[-1])
+        return out
+
+
+@dataclass
+class Built:
+    """What IreeBackend.program gives: the block programs, (layer, kind) -> (program, block),
+    model.vmfb's Artifact and path, its archive's PARAMS_INFO (model.irpa beside it), and what
+    holds an uncached build's files on disk (None: they are in the cache)."""
+
+    programs: dict
+    which: dict
+    art: Artifact
+    vmfb: Path
+    params: dict
+    keep: object = None
 
 
 BACKEND = IreeBackend()

@@ -207,12 +207,12 @@ def test_runtime_error_is_an_error(qwen2_runs, tmp_path, monkeypatch):
     assert "flatbuffer" in r.error.lower() or "invalid" in r.error.lower(), r.error[:500]
 
 
-def test_export_writes_vmfb_and_manifest(cli, tmp_path, qwen2_runs):
+def test_export_writes_vmfb_irpa_and_manifest(cli, tmp_path, qwen2_runs):
     p = cli("export", "--family", "qwen2_moe", "--backend", NAME, "--output-dir", str(tmp_path), "--tiny-test",
             "--max-seq-len", "16", "--prompt-len", "8")  # the check's shapes: the cached program
     assert p.returncode == 0, p.stderr[-2000:]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["family"] == "qwen2_moe" and set(manifest["files"]) == {"model.vmfb"}
+    assert manifest["family"] == "qwen2_moe" and set(manifest["files"]) == {"model.vmfb", "model.irpa"}
     vmfb = (tmp_path / "model.vmfb").read_bytes()
     assert manifest["files"]["model.vmfb"]["sha256"] == hashlib.sha256(vmfb).hexdigest()
     # the very program the check ran (and its sha256 in the check's provenance)
@@ -220,5 +220,8 @@ def test_export_writes_vmfb_and_manifest(cli, tmp_path, qwen2_runs):
     import iree.runtime as rt
 
     ctx = rt.SystemContext(config=rt.Config("local-task"))
+    index = rt.ParameterIndex()  # the weights: model.irpa, served by an io_parameters module
+    index.load(str(tmp_path / "model.irpa"))
+    ctx.add_vm_module(rt.create_io_parameters_module(ctx.instance, index.create_provider(scope="model")))
     ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
     assert {"prefill", "decode", "block_moe0_t1"} <= set(ctx.modules.module.vm_module.function_names)

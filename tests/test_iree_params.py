@@ -1,0 +1,196 @@
+"""`iree-llvm-cpu` with its weights outside the program, as a real IREE deployment runs:
+model.vmfb refers to named parameters (`#flow.parameter.named<"model"::name>`) and model.irpa,
+an IREE parameter archive beside it, holds every parameter of the production model.
+
+The qwen2_moe program here is the one tests/test_iree.py's checks build (same spec, same cache
+key): nothing is compiled when those ran first. The one compile of its own, the same model with
+its parameters inlined (how the program was built before the archive), is cached as well."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("iree.runtime", reason="iree is not installed (pip install 'moe-oracle[iree]')")
+pytest.importorskip("iree.turbine.aot", reason="iree-turbine is not installed (pip install 'moe-oracle[iree]')")
+
+import iree.runtime as rt  # noqa: E402
+
+import exporters.iree as iree_backend  # noqa: E402
+from exporters.iree import BACKEND, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO  # noqa: E402
+from models.layers import STATE_BUFFERS  # noqa: E402
+from oracle import goldens  # noqa: E402
+from oracle.artifacts import cached_artifact, sha256_file  # noqa: E402
+from oracle.check import CheckSpec, model_source  # noqa: E402
+
+NAME = "iree-llvm-cpu"
+SPEC = CheckSpec(family="qwen2_moe", backend=NAME)  # test_iree.py's qwen2_moe check: its cached program
+
+
+@pytest.fixture(scope="module")
+def built():
+    """(model source, IreeBackend.program's Built, the fp32 production model)."""
+    src = model_source(SPEC)
+    return src, BACKEND.program(src, SPEC), src.build_production(torch.float32)
+
+
+def _context(vmfb: bytes, irpa: Path | None):
+    """A deployment's context: the archive through an io_parameters module, then the program."""
+    config = rt.Config("local-task")
+    modules = []
+    if irpa is not None:
+        index = rt.ParameterIndex()
+        index.load(str(irpa))
+        modules.append(rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=PARAM_SCOPE)))
+    modules.append(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    return rt.SystemContext(vm_modules=modules, config=config).modules.module
+
+
+class _Calls:
+    """prefill/decode of a bare program's context, called as IreeCandidate calls them."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def prefill(self, tokens):
+        T = len(tokens)
+        return self.module.prefill(np.array([tokens], np.int64), np.arange(T, dtype=np.int64)).to_host()[0].copy()
+
+    def decode(self, token, pos):
+        return self.module.decode(np.array([[token]], np.int64), np.array([pos], np.int64)).to_host()[0, -1].copy()
+
+
+def _greedy(model, prompt, steps):
+    """Logits of a prefill and `steps` greedy decodes (what the check's e2e runs), and the tokens."""
+    logits = [model.prefill(prompt)]
+    tokens = [int(logits[0][-1].argmax())]
+    for i in range(steps):
+        logits.append(model.decode(tokens[-1], len(prompt) + i))
+        tokens.append(int(logits[-1].argmax()))
+    return logits, tokens
+
+
+def test_vmfb_holds_no_weight_data(built):
+    _, b, model = built
+    vmfb = b.vmfb.read_bytes()
+    params = dict(model.named_parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    assert len(vmfb) < weight_bytes  # 235 KiB of code for 724 KiB of fp32 weights
+    assert b.vmfb.with_name(PARAMS_FILE).stat().st_size >= weight_bytes
+    # the first 16 values (64 bytes) of each parameter are nowhere in the program: random values,
+    # so unique; a constant-filled one (an all-ones norm) would prove nothing and is skipped
+    probes = 0
+    for name, p in params.items():
+        head = p.detach().reshape(-1)[:16]
+        if head.numel() < 16 or len(set(head.tolist())) < 8:
+            continue
+        assert head.numpy().tobytes() not in vmfb, f"{name}'s values are inlined in model.vmfb"
+        probes += 1
+    assert probes >= len(params) // 2, probes
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_archive_holds_every_parameter(built):
+    from iree.turbine.aot import ParameterArchive
+
+    _, b, model = built
+    irpa = b.vmfb.with_name(PARAMS_FILE)
+    entries = ParameterArchive(irpa).items()
+    names = [k for k, _ in entries]
+    params = dict(model.named_parameters())
+    assert sorted(names) == sorted(params)  # each once, and no buffer: no state, no derived constant
+    assert not [n for n in names if n.rsplit(".", 1)[-1] in STATE_BUFFERS]
+    for name, entry in entries:
+        got, want = entry.as_tensor(), params[name].detach()
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert _bytes(got) == _bytes(want), name
+    info = json.loads(b.vmfb.with_name(PARAMS_INFO).read_text())
+    assert info["sha256"] == sha256_file(irpa) and info["tensors"] == len(params) and info["scope"] == PARAM_SCOPE
+
+
+def test_program_needs_the_archive(built):
+    """Without the io_parameters module the program does not load: never run without weights."""
+    _, b, _ = built
+    with pytest.raises(Exception, match="io_parameters"):
+        _context(b.vmfb.read_bytes(), None)
+
+
+def test_numbers_equal_the_inlined_program(built):
+    """The same model with its parameters inlined into the program (how it was built before the
+    archive): prefill + 8 greedy decodes give identical logits, and the golden tokens."""
+    src, b, _ = built
+    m = src.build_production(torch.float32)
+    key = {k: v for k, v in BACKEND.key(src, SPEC, m, {}).items() if k != "parameters"}
+    key["weights"] = "inlined, prefill/decode only (tests/test_iree_params.py)"
+    inlined = cached_artifact("iree", key, "model.vmfb", lambda path: iree_backend.compile_to(
+        iree_backend.export_program(m, {}, SPEC.prompt_len, external=False), path))
+    inlined_vmfb = Path(inlined.path).read_bytes()
+    assert len(inlined_vmfb) > b.vmfb.with_name(PARAMS_FILE).stat().st_size  # the weights are in there
+
+    golden = json.loads((goldens.golden_dir(SPEC.family, NAME) / "tokens.json").read_text())
+    prompt, steps = golden["prompt"], SPEC.decode_tokens
+    before, before_tokens = _greedy(_Calls(_context(inlined_vmfb, None)), prompt, steps)
+    after, after_tokens = _greedy(BACKEND.load(src, SPEC), prompt, steps)
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, y)
+    assert before_tokens == after_tokens == golden["tokens"]
+
+
+def test_cached_program_without_its_archive_is_rebuilt(built, tmp_path, monkeypatch):
+    """A cached model.vmfb whose model.irpa is missing or changed is built again (export and compile
+    stubbed here: only the decision is tested); an intact one is used as it is."""
+    src, b, _ = built
+    d = b.vmfb.parent
+    cache = tmp_path / "cache"
+    copy = cache / "artifacts" / "iree" / d.name
+    shutil.copytree(d, copy)
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(cache))
+    builds = []
+
+    def compile_to(exported, path):
+        builds.append(path)
+        path.write_bytes(b"stub")
+
+    monkeypatch.setattr(iree_backend, "export_program", lambda *a, **k: None)
+    monkeypatch.setattr(iree_backend, "compile_to", compile_to)
+
+    again = BACKEND.program(src, SPEC)  # intact: cached, nothing built
+    assert again.art.cached and again.vmfb == copy / "model.vmfb" and not builds
+
+    (copy / PARAMS_FILE).unlink()  # the vmfb alone
+    rebuilt = BACKEND.program(src, SPEC)
+    assert not rebuilt.art.cached and len(builds) == 1
+    assert (copy / "model.vmfb").read_bytes() == b"stub"
+    assert rebuilt.params == iree_backend.checked_parameters(copy / "model.vmfb")
+    assert (copy / PARAMS_FILE).read_bytes() == b.vmfb.with_name(PARAMS_FILE).read_bytes()
+
+    irpa = copy / PARAMS_FILE  # the same size, other bytes (a newer mtime): rehashed, rebuilt
+    data = bytearray(irpa.read_bytes())
+    data[-1] ^= 0xFF
+    irpa.write_bytes(bytes(data))
+    assert not BACKEND.program(src, SPEC).art.cached and len(builds) == 2
+
+
+def test_export_writes_vmfb_and_irpa_that_run_as_deployed(cli, tmp_path, built):
+    src, b, _ = built
+    p = cli("export", "--family", "qwen2_moe", "--backend", NAME, "--output-dir", str(tmp_path), "--tiny-test",
+            "--max-seq-len", "16", "--prompt-len", "8")  # the check's shapes: the cached program
+    assert p.returncode == 0, p.stderr[-2000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model.vmfb", PARAMS_FILE}
+    for name in manifest["files"]:
+        data = (tmp_path / name).read_bytes()
+        assert data == b.vmfb.with_name(name).read_bytes()  # the very files the check runs
+        assert manifest["files"][name]["sha256"] == hashlib.sha256(data).hexdigest()
+    # only the two exported files: the program with its weights mapped from the archive
+    prompt = list(range(3, 3 + SPEC.prompt_len))
+    deployed = _Calls(_context((tmp_path / "model.vmfb").read_bytes(), tmp_path / PARAMS_FILE))
+    for x, y in zip(*(_greedy(m, prompt, 2)[0] for m in (deployed, BACKEND.load(src, SPEC)))):
+        np.testing.assert_array_equal(x, y)
