@@ -229,7 +229,10 @@ def invalid_row(key, mode, lim, detail, reason: str, status: str = "fail") -> Bl
     return BlockRow(key[0], key[1], status, mode, {field: reason, "nonfinite": 0}, lim, float("inf"), detail)
 
 
-def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
+def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None) -> BlockRow:
+    """One block row. `routes` (layer -> the candidate's top-k expert indices per token, from its
+    router row, which this fills in) lets a moe row compare the near-tie tokens whose routing
+    the candidate got right anyway."""
     layer, kind = key
     lim = thresholds.limits(spec.precision, kind, spec.family, spec.backend)
     detail = layer_types[layer] if kind == "attention" else ""
@@ -243,8 +246,10 @@ def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
         cand_w = np.concatenate([w for w, _ in arrays])
         cand_i = np.concatenate([i for _, i in arrays])
         probs = torch.cat(ref.router_probs[layer])
-        m = router_metrics(ref_w, ref_i, cand_w, cand_i, probs, lim["tie_gap"])
+        m = router_metrics(ref_w, ref_i, cand_w, cand_i, probs, thresholds.tie_gap(lim, probs.shape[-1]))
         status, ratio = thresholds.judge_router(m, lim)
+        if routes is not None and "shape_mismatch" not in m:
+            routes[layer] = cand_i
     else:
         r = torch.cat([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).double()
         c = np.concatenate(arrays)
@@ -256,7 +261,15 @@ def compare_block(ref, key, outs, spec, layer_types) -> BlockRow:
             # router calls = the sequence's calls, then the expert probes (moe has both, layer none)
             probs = torch.cat(ref.router_probs[layer])[: r.shape[0]].sort(dim=-1, descending=True).values
             k = ref.outputs[layer, "router"][0][1].shape[-1]
-            keep = (probs[:, k - 1] - probs[:, k] >= router_lim["tie_gap"]).numpy()
+            keep = (probs[:, k - 1] - probs[:, k] >= thresholds.tie_gap(router_lim, probs.shape[-1])).numpy()
+            if kind == "moe" and routes is not None and len(routes.get(layer, ())) == len(keep):
+                # same input as the router row: a near tie the candidate routed as the reference
+                # did is compared like any other token
+                ref_i = torch.cat([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[layer, "router"]]).numpy()
+                keep = keep | np.array([set(a) == set(b) for a, b in zip(ref_i, routes[layer])], dtype=bool)
+            if not keep.any():  # nothing left to compare: not a pass
+                return BlockRow(layer, kind, "n/a", "isolated", {"tie_tokens_excluded": int(keep.size), "nonfinite": 0},
+                                lim, 0.0, f"every token is a router near tie at {spec.precision}: nothing compared")
             r, c = r[keep], c[keep]
         m = tensor_metrics(r, c, lim["atol"], lim["rtol"])
         want, got = expected_dtype(spec), dtype_name(outs[0]) if outs else None
@@ -430,6 +443,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         stage = "blocks"
         t = time.perf_counter()
         keys = ref.block_keys()
+        routes = {}  # layer -> the candidate's routing, from its router row (for the moe row)
         modes = getattr(cand, "block_modes", {})
         errors = []
         for n, key in enumerate(keys):
@@ -447,7 +461,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             if outs is None:
                 result.blocks.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))
                 continue
-            row = compare_block(ref, key, outs, spec, src.args.layer_types)
+            row = compare_block(ref, key, outs, spec, src.args.layer_types, routes)
             row.mode = mode
             result.blocks.append(row)
         timings["blocks_s"] = time.perf_counter() - t

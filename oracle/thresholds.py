@@ -41,6 +41,13 @@ def limits(precision: str, kind: str, family: str = "*", backend: str = "*", pat
     return out
 
 
+def tie_gap(router_lim: dict, num_experts: int) -> float:
+    """The router near-tie gap for a model with `num_experts` experts: `tie_gap` is written for
+    `tie_gap_experts` experts and scales as 1/E, as the router's probabilities do (the same gap
+    in logit terms whatever the expert count): see thresholds.toml."""
+    return router_lim["tie_gap"] * router_lim.get("tie_gap_experts", num_experts) / num_experts
+
+
 def judge_tensor(m: dict, lim: dict) -> tuple[str, float]:
     """(status, ratio): ratio is the worst metric / limit; > 1 fails. NaN/Inf always fails."""
     if "shape_mismatch" in m or "dtype_mismatch" in m:
