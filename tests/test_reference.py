@@ -89,3 +89,19 @@ def test_streamed_reference_memory_stays_under_the_bound(tmp_path):
     assert got["peak"] < bound, f"peak {got['peak'] / 2**30:.2f} GiB over the bound {bound / 2**30:.2f} GiB"
     print(f"streamed reference peak {got['peak'] / 2**30:.2f} GiB, bound {bound / 2**30:.2f} GiB, "
           f"whole fp32 weights {sum(fp32.values()) / 2**30:.2f} GiB")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_streamed_hf_candidate_matches_the_whole_one(precision, monkeypatch):
+    """The `hf` candidate streamed (as it is above 1 GiB) measures exactly what the whole one
+    does: same rows, same numbers, same tokens (qwen3_5_moe: the composite-free hybrid family)."""
+    from oracle.backend import CheckSpec
+    from oracle.check import run_check
+
+    def run(mode):
+        monkeypatch.setenv("MOE_ORACLE_REFERENCE", mode)
+        r = run_check(CheckSpec(family="qwen3_5_moe", backend="hf", precision=precision, decode_tokens=3))
+        assert r.status == "pass", r.error
+        return [(b.layer, b.kind, b.status, b.metrics) for b in r.blocks], r.e2e.candidate_tokens
+
+    assert run("streamed") == run("whole")
