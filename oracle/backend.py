@@ -32,7 +32,7 @@ harness refuses unknown or ill-typed ones before any work), `check_options(spec)
 (what is wrong with a combination of options on this host, e.g. `--device gpu` without one) and
 `export(model, spec, output_dir) -> list[Path]` (for `oracle export`) and
 `memory_per_param` (precision -> peak bytes per checkpoint parameter its load/build needs, with
-`memory_note` saying what is held: a model that would not fit in the available memory is
+`memory_note` saying what is held; + BASE_MEMORY: a model that would not fit in the available memory is
 refused with exit 2 and the estimate, instead of being killed mid-build). Torch-based
 backends take `transform` (a callable modifying the built production model, how seeded
 faults are injected) and `transform_id` (part of every artifact cache key).
@@ -229,6 +229,9 @@ def resolve(name: str) -> Backend:
 
 
 GIB = 1 << 30
+# what a check holds besides the backend's model: interpreter and imports (~0.6 GiB), the
+# reference's captures, the runtime's own allocations (fits every measurement: README)
+BASE_MEMORY = 2 * GIB
 
 
 def available_memory() -> int | None:
@@ -252,7 +255,7 @@ def available_memory() -> int | None:
 
 def memory_refusal(backend, src: ModelSource, spec: CheckSpec) -> str | None:
     """Why this backend cannot hold this model here (its declared peak bytes per parameter at
-    this precision, + 1 GiB, above the available memory), or None. $MOE_ORACLE_MEMORY_CHECK=off
+    this precision, + BASE_MEMORY, above the available memory), or None. $MOE_ORACLE_MEMORY_CHECK=off
     skips it (e.g. with swap the kernel does not count)."""
     import os
 
@@ -261,11 +264,11 @@ def memory_refusal(backend, src: ModelSource, spec: CheckSpec) -> str | None:
         return None
     avail = available_memory()
     params = src.parameter_count()
-    need = int(params * per) + GIB
+    need = int(params * per) + BASE_MEMORY
     if avail is None or need <= avail:
         return None
     note = getattr(backend, "memory_note", "")
     return (f"{spec.backend} --precision {spec.precision} would need about {need / GIB:.1f} GiB for this "
             f"checkpoint ({params / 1e9:.2f} B parameters x {per:g} bytes{f': {note}' if note else ''}, "
-            f"+ 1 GiB) and {avail / GIB:.1f} GiB is available: use a machine with more memory, a lower "
+            f"+ {BASE_MEMORY / GIB:g} GiB) and {avail / GIB:.1f} GiB is available: use a machine with more memory, a lower "
             f"precision, or --layers N to check a cut of the model (MOE_ORACLE_MEMORY_CHECK=off to try anyway)")

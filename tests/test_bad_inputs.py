@@ -360,7 +360,7 @@ def test_model_too_big_for_the_memory_is_refused(ckpt, tmp_path, capsys, monkeyp
     code, out, err = run_main(["check", "--family", "olmoe", "--backend", "executorch", "--model-dir", str(ckpt),
                                "--json", str(report)], capsys)
     assert code == 2 and not report.exists(), err
-    assert "executorch --precision fp32 would need about 1.0 GiB" in err and "0.1 GiB is available" in err, err
+    assert "executorch --precision fp32 would need about 2.0 GiB" in err and "0.1 GiB is available" in err, err
     assert len(err.strip().splitlines()) == 1
     monkeypatch.setenv("MOE_ORACLE_MEMORY_CHECK", "off")  # the user's override: the check runs
     code, out, err = run_main(["check", "--family", "olmoe", "--backend", "eager", "--model-dir", str(ckpt),
