@@ -426,8 +426,11 @@ class ExecutorchBackend:
     kind = "executorch"  # cache namespace and name of the backend without a fault suffix
     source = "exporters/executorch.py"
     precisions = ("fp32",)
-    # torch.export + to_edge + XNNPACK lowering hold the fp32 weights several times over
-    memory_per_param = {"fp32": 12.0}
+    # torch.export + to_edge + XNNPACK lowering hold the fp32 weights several times over: every
+    # method (prefill, decode, one expert probe per layer) carries its own lowered copy. Measured:
+    # OLMoE --layers 2 (1.05 B parameters) was killed for memory above 20 GiB, so at least 19
+    # bytes per parameter (benchmarks/real_width.py, 2026-11-23)
+    memory_per_param = {"fp32": 24.0}
     memory_note = "torch.export and the XNNPACK lowering hold several copies of the fp32 weights"
     qlinear = ("8da4w",)  # XNNPACK's recipe: int8 dynamic activations, int4 grouped weights
     option_schema = (
