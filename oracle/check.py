@@ -352,7 +352,8 @@ def run_e2e(ref, cand, spec) -> E2E:
     ok = complete and all(s["logits_status"] == "pass" and s["token"] != "mismatch" for s in steps)
     distribution = None
     if "kl_mean" in lim and cand_rows:  # quantized precisions: judged by the logits' distribution, tokens reported
-        distribution = distribution_metrics(np.concatenate(ref_rows), np.concatenate(cand_rows))
+        distribution = distribution_metrics(np.concatenate(ref_rows), np.concatenate(cand_rows),
+                                            lim.get("tie_margin", 0.0))
         distribution["status"], distribution["ratio"] = judge_distribution(distribution, lim)
         ok = distribution["status"] == "pass" and complete and not any("invalid_output" in s for s in steps)
     status = "error" if error else "pass" if ok else "fail"

@@ -4,7 +4,10 @@ precisions are judged (token exactness is reported for them, not required).
 Over all positions (the prompt's rows, then one per decode step), with P = softmax of the
 reference's logits and Q = softmax of the candidate's:
 - KL(P || Q) per position, nats: mean, 99th percentile (linear interpolation), max;
-- same-top-1 rate: share of positions where argmax Q == argmax P;
+- same-top-1 rate: share of positions where argmax Q == argmax P, over the positions whose
+  reference top-2 margin is at least `tie_margin` (a flip inside a near tie is the
+  precision's doing, counted as `top1_ties`, as the token check does); None when every
+  position is a near tie (then the criterion does not apply: KL and delta-p still do);
 - delta-p: Q(t) - P(t) for the reference's top-1 token t (llama.cpp's "Δp" with the
   reference's greedy token as the correct one): mean, RMS, max |delta-p|.
 Everything in float64; a non-finite candidate logit fails whatever the limits.
@@ -32,8 +35,9 @@ def kl_per_position(ref_logits, cand_logits) -> np.ndarray:
     return np.maximum((np.exp(lp) * (lp - lq)).sum(axis=-1), 0.0)
 
 
-def distribution_metrics(ref_logits, cand_logits) -> dict:
-    """ref and cand logits [N, V] (or [V]) -> the metrics above plus `positions` and `nonfinite`."""
+def distribution_metrics(ref_logits, cand_logits, tie_margin: float = 0.0) -> dict:
+    """ref and cand logits [N, V] (or [V]) -> the metrics above plus `positions`, `top1_ties`
+    and `nonfinite`."""
     r, c = as_f64(ref_logits), as_f64(cand_logits)
     r, c = r.reshape(-1, r.shape[-1]), c.reshape(-1, c.shape[-1])
     if r.shape != c.shape:
@@ -47,13 +51,17 @@ def distribution_metrics(ref_logits, cand_logits) -> dict:
     top = r.argmax(axis=-1)
     rows = np.arange(r.shape[0])
     dp = np.exp(log_softmax(c)[rows, top]) - np.exp(log_softmax(r)[rows, top])
+    srt = np.sort(r, axis=-1)
+    counted = (srt[:, -1] - srt[:, -2] >= tie_margin) if r.shape[-1] > 1 else np.ones(r.shape[0], bool)
+    same = c.argmax(axis=-1) == top
     return {
         "positions": int(r.shape[0]),
         "nonfinite": 0,
         "kl_mean": float(kl.mean()),
         "kl_p99": float(np.percentile(kl, 99)),
         "kl_max": float(kl.max()),
-        "same_top1": float((c.argmax(axis=-1) == top).mean()),
+        "same_top1": float(same[counted].mean()) if counted.any() else None,
+        "top1_ties": int((~counted).sum()),
         "delta_p_mean": float(dp.mean()),
         "delta_p_rms": float(np.sqrt((dp * dp).mean())),
         "delta_p_max_abs": float(np.abs(dp).max()),
@@ -66,8 +74,9 @@ def judge_distribution(m: dict, lim: dict) -> tuple[str, float]:
     if "shape_mismatch" in m or m["nonfinite"]:
         return "fail", math.inf
     allowed = max(1.0 - lim["min_same_top1"], 1e-3)
+    same = 1.0 if m["same_top1"] is None else m["same_top1"]  # None: every position a near tie
     ratios = [m["kl_mean"] / lim["kl_mean"], m["kl_p99"] / lim["kl_p99"], m["kl_max"] / lim["kl_max"],
-              m["delta_p_max_abs"] / lim["delta_p_max_abs"], (1.0 - m["same_top1"]) / allowed]
+              m["delta_p_max_abs"] / lim["delta_p_max_abs"], (1.0 - same) / allowed]
     ok = (m["kl_mean"] <= lim["kl_mean"] and m["kl_p99"] <= lim["kl_p99"] and m["kl_max"] <= lim["kl_max"]
-          and m["delta_p_max_abs"] <= lim["delta_p_max_abs"] and m["same_top1"] >= lim["min_same_top1"])
+          and m["delta_p_max_abs"] <= lim["delta_p_max_abs"] and same >= lim["min_same_top1"])
     return ("pass" if ok else "fail"), max(ratios)

@@ -77,7 +77,9 @@ def markdown(doc: dict, top: int = 5) -> str:
         d = e.get("distribution")
         if d:
             lines.append(f"Logits distribution: **{d['status']}**, KL mean {_fmt(d['kl_mean'])} (p99 {_fmt(d['kl_p99'])},"
-                         f" max {_fmt(d['kl_max'])}), same top-1 {_fmt(d['same_top1'])}, max abs delta-p"
+                         f" max {_fmt(d['kl_max'])}), same top-1 {_fmt(d['same_top1'])}"
+                         + (f" ({d['top1_ties']} near-tie position(s) not counted)" if d.get("top1_ties") else "")
+                         + ", max abs delta-p"
                          f" {_fmt(d['delta_p_max_abs'])} over {d['positions']} positions (tokens reported, not required)")
         fm = e.get("first_mismatch")
         if fm:

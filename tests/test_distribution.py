@@ -94,3 +94,21 @@ def test_nonfinite_candidate_fails(bad):
 def test_shape_mismatch_fails():
     m = distribution_metrics(np.zeros((2, 5)), np.zeros((2, 6)))
     assert "shape_mismatch" in m and judge_distribution(m, LIMITS)[0] == "fail"
+
+
+def test_same_top1_leaves_out_near_ties():
+    """A top-1 flip where the reference's top-2 margin is below tie_margin is the precision's
+    doing (as for greedy tokens): not counted; with every position a near tie the criterion
+    does not apply, while KL and delta-p still judge."""
+    from oracle.distribution import distribution_metrics, judge_distribution
+
+    ref = np.array([[2.0, 1.99, 0.0], [3.0, 0.0, 0.0], [0.0, 1.0, 1.005]])
+    cand = np.array([[1.99, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 1.005, 1.0]])  # rows 0 and 2 flip a near tie
+    m = distribution_metrics(ref, cand, tie_margin=0.1)
+    assert m["same_top1"] == 1.0 and m["top1_ties"] == 2
+    assert distribution_metrics(ref, cand)["same_top1"] == 1 / 3  # without a margin, every flip counts
+    m = distribution_metrics(ref[[0, 2]], cand[[0, 2]], tie_margin=0.1)
+    assert m["same_top1"] is None and m["top1_ties"] == 2
+    lim = {"kl_mean": 0.1, "kl_p99": 0.25, "kl_max": 0.25, "delta_p_max_abs": 0.06, "min_same_top1": 0.4}
+    assert judge_distribution(m, lim)[0] == "pass"
+    assert judge_distribution({**m, "kl_mean": 0.2}, lim)[0] == "fail"
