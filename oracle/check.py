@@ -229,12 +229,17 @@ def invalid_row(key, mode, lim, detail, reason: str, status: str = "fail") -> Bl
     return BlockRow(key[0], key[1], status, mode, {field: reason, "nonfinite": 0}, lim, float("inf"), detail)
 
 
-def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None) -> BlockRow:
+def reduction_length(args) -> int:
+    """The longest dot product of the model's blocks (what fp32 summation error grows with)."""
+    return max(args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size)
+
+
+def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0) -> BlockRow:
     """One block row. `routes` (layer -> the candidate's top-k expert indices per token, from its
     router row, which this fills in) lets a moe row compare the near-tie tokens whose routing
     the candidate got right anyway."""
     layer, kind = key
-    lim = thresholds.limits(spec.precision, kind, spec.family, spec.backend)
+    lim = thresholds.at_width(thresholds.limits(spec.precision, kind, spec.family, spec.backend), reduction)
     detail = layer_types[layer] if kind == "attention" else ""
     try:
         arrays = candidate_arrays(kind, outs, ref.outputs[key])
@@ -297,8 +302,8 @@ def _step_logits(raw, k: int, ref_rows: int, vocab: int) -> np.ndarray:
     return out
 
 
-def run_e2e(ref, cand, spec) -> E2E:
-    lim = thresholds.limits(spec.precision, "e2e", spec.family, spec.backend)
+def run_e2e(ref, cand, spec, reduction: int = 0) -> E2E:
+    lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend), reduction)
     P = ref.prompt_len
     steps, cand_tokens, ties, first, dtypes, error = [], [], [], None, set(), None
     ref_rows, cand_rows = [], []  # every position's logits, for the distribution metrics
@@ -462,7 +467,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             if outs is None:
                 result.blocks.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))
                 continue
-            row = compare_block(ref, key, outs, spec, src.args.layer_types, routes)
+            row = compare_block(ref, key, outs, spec, src.args.layer_types, routes, reduction_length(src.args))
             row.mode = mode
             result.blocks.append(row)
         timings["blocks_s"] = time.perf_counter() - t
@@ -472,7 +477,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         stage = "e2e"
         progress("e2e")
         t = time.perf_counter()
-        result.e2e, dtype_gate = run_e2e(ref, cand, spec)
+        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args))
         if dtype_gate:
             result.gates.append(dtype_gate)
         timings["e2e_s"] = time.perf_counter() - t

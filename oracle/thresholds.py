@@ -41,6 +41,17 @@ def limits(precision: str, kind: str, family: str = "*", backend: str = "*", pat
     return out
 
 
+def at_width(lim: dict, reduction: int) -> dict:
+    """The limits for a model whose longest dot product (the reduction: max of hidden size and
+    expert / shared-expert intermediate sizes) has `reduction` terms: an `atol` written for
+    `atol_reduction` terms grows as sqrt(reduction / atol_reduction), as fp32 summation error
+    does (never shrinks). Tables without `atol_reduction` are unchanged: see thresholds.toml."""
+    base = lim.get("atol_reduction")
+    if not base or reduction <= base:
+        return lim
+    return {**lim, "atol": lim["atol"] * (reduction / base) ** 0.5}
+
+
 def tie_gap(router_lim: dict, num_experts: int) -> float:
     """The router near-tie gap for a model with `num_experts` experts: `tie_gap` is written for
     `tie_gap_experts` experts and scales as 1/E, as the router's probabilities do (the same gap

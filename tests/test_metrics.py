@@ -113,3 +113,20 @@ def test_every_backend_precision_has_thresholds():
         for p in getattr(resolve(name), "precisions", ()):
             for kind in ("attention", "router", "moe", "layer", "final_norm", "logits", "e2e"):
                 assert thresholds.limits(p, kind), (name, p, kind)
+
+
+def test_limits_at_real_width():
+    """The dimension rules of thresholds.toml: an fp32 atol grows as sqrt(K / 64) with the
+    longest dot product K (tiny models: K = 64, unchanged); bf16 tables have no such rule; the
+    router near-tie gap scales as 8 / E."""
+    from oracle import thresholds
+
+    fp32 = thresholds.limits("fp32", "moe")
+    assert thresholds.at_width(fp32, 64) == fp32 and thresholds.at_width(fp32, 32) == fp32
+    assert thresholds.at_width(fp32, 64 * 16)["atol"] == pytest.approx(4 * fp32["atol"])
+    assert thresholds.at_width(fp32, 64 * 16)["rtol"] == fp32["rtol"]
+    bf16 = thresholds.limits("bf16", "moe")
+    assert thresholds.at_width(bf16, 14336) == bf16
+    router = thresholds.limits("bf16", "router")
+    assert thresholds.tie_gap(router, 8) == router["tie_gap"]
+    assert thresholds.tie_gap(router, 64) == pytest.approx(router["tie_gap"] / 8)
