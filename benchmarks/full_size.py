@@ -52,13 +52,13 @@ def main(argv=None) -> int:
     if not shutil.which("/usr/bin/time"):
         sys.exit("needs /usr/bin/time (GNU time) to measure each process's peak RSS")
     sys.path.insert(0, str(ROOT))
-    from models import family_for_model_type, text_config
-    from models.checkpoint import published_config
+    from oracle.backend import InputError
+    from oracle.check import family_of
 
-    cfg = published_config(args.config, args.layers)
-    family = family_for_model_type(text_config(cfg)["model_type"]) or family_for_model_type(cfg["model_type"])
-    if family is None:
-        sys.exit(f"{args.config}: no family reads model_type {cfg['model_type']!r}")
+    try:
+        family = family_of(None, args.config, args.layers)
+    except InputError as e:
+        sys.exit(str(e))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     rows = []

@@ -8,10 +8,10 @@ every block of one kind and record what that block returns.
 
 from __future__ import annotations
 
-import torch
-
 import tempfile
 from pathlib import Path
+
+import torch
 
 from oracle.reference import _normalize_output, block_modules, load_hf_model, materialized, reference_mode
 

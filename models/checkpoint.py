@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -130,6 +131,11 @@ def tensor_index(model_dir: Path) -> dict[str, tuple[Path, torch.dtype, tuple]]:
         if absent:
             raise CheckpointError(f"{index}: {len(absent)} tensor(s) listed but not in any shard, e.g. {absent[0]}")
     return out
+
+
+def parameter_count(model_dir: Path) -> int:
+    """Elements in every tensor of a checkpoint, from the safetensors headers only."""
+    return sum(math.prod(shape) for _, _, shape in tensor_index(model_dir).values())
 
 
 def meta_weights(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -174,11 +174,9 @@ class ModelSource:
 
     def parameter_count(self) -> int:
         """Parameters in the checkpoint (from the safetensors headers)."""
-        import math
+        from models.checkpoint import parameter_count
 
-        from models.checkpoint import tensor_index
-
-        return sum(math.prod(shape) for _, _, shape in tensor_index(self.model_dir).values())
+        return parameter_count(self.model_dir)
 
     def build_production(self, dtype):
         """The family's production torch model with the checkpoint's weights."""

@@ -450,6 +450,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         t = time.perf_counter()
         keys = ref.block_keys()
         routes = {}  # layer -> the candidate's routing, from its router row (for the moe row)
+        reduction = reduction_length(src.args)
         modes = getattr(cand, "block_modes", {})
         errors = []
         for n, key in enumerate(keys):
@@ -467,7 +468,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             if outs is None:
                 result.blocks.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))
                 continue
-            row = compare_block(ref, key, outs, spec, src.args.layer_types, routes, reduction_length(src.args))
+            row = compare_block(ref, key, outs, spec, src.args.layer_types, routes, reduction)
             row.mode = mode
             result.blocks.append(row)
         timings["blocks_s"] = time.perf_counter() - t
@@ -477,7 +478,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         stage = "e2e"
         progress("e2e")
         t = time.perf_counter()
-        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args))
+        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction)
         if dtype_gate:
             result.gates.append(dtype_gate)
         timings["e2e_s"] = time.perf_counter() - t

@@ -4,7 +4,6 @@ with hooks recording every block's input and output on every call."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -53,10 +52,9 @@ def reference_mode(model_dir: Path) -> str:
     mode = os.environ.get("MOE_ORACLE_REFERENCE", "auto")
     if mode in ("whole", "streamed"):
         return mode
-    from models.checkpoint import tensor_index
+    from models.checkpoint import parameter_count
 
-    fp32 = sum(4 * math.prod(shape) for _, _, shape in tensor_index(model_dir).values())
-    return "streamed" if fp32 > STREAM_ABOVE else "whole"
+    return "streamed" if 4 * parameter_count(model_dir) > STREAM_ABOVE else "whole"
 
 
 def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Path | None = None):
@@ -95,8 +93,6 @@ def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=torch.float3
     conversion, offload writes) runs one decoder layer at a time with only that layer's shards
     mapped. Offloaded tensors are written in the checkpoint's own dtype (fp32 if it mixes
     dtypes) and cast to `dtype` when a hook loads them: exact for fp32."""
-    import contextlib
-
     from accelerate.utils import set_module_tensor_to_device
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
