@@ -36,7 +36,7 @@ def _metric_line(row: dict) -> str:
 def markdown(doc: dict, top: int = 5) -> str:
     spec = doc["spec"]
     icon = {"pass": "✅", "fail": "❌", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
-    src = "tiny" if spec.get("model_dir") is None else spec["model_dir"]
+    src = spec.get("model_dir") or (spec.get("config") and spec["config"] + (f" --layers {spec['layers']}" if spec.get("layers") else "")) or "tiny"
     lines = [f"### {icon} oracle check `{spec['family']}` on `{spec['backend']}` ({spec['precision']}, {src}):"
              f" **{doc['status']}**", ""]
     if doc["status"] == "skipped":
@@ -74,6 +74,11 @@ def markdown(doc: dict, top: int = 5) -> str:
         lines += ["", f"e2e: **{e['status']}**, tokens {'exact' if e['token_exact'] else 'NOT exact'}"
                       f" ({len(e['reference_tokens'])} greedy tokens), logits max_abs {_fmt(worst)}"
                       + (f", ties at steps {e['ties']}" if e["ties"] else "")]
+        routed = [s["step"] for s in e["steps"] if "routing-tie" in (s.get("logits_status"), s.get("token"))]
+        if routed:
+            lines.append(f"Routing near ties: steps {routed} differ after position {e['routing_ties'][0]}, whose expert"
+                         f" choice is a router near tie in the reference (reported, not failed; the block rows"
+                         f" judge the blocks)")
         d = e.get("distribution")
         if d:
             lines.append(f"Logits distribution: **{d['status']}**, KL mean {_fmt(d['kl_mean'])} (p99 {_fmt(d['kl_p99'])},"
@@ -85,7 +90,7 @@ def markdown(doc: dict, top: int = 5) -> str:
         if fm:
             lines.append(f"First divergence: step {fm['step']} (position {fm['position']}): reference token"
                          f" {fm['reference_token']}, candidate {fm['candidate_token']}, reference top-2 margin"
-                         f" {_fmt(fm['reference_margin'])}{' (near tie)' if fm['tie'] else ''}")
+                         f" {_fmt(fm['reference_margin'])}{' (near tie)' if fm['tie'] else ' (routing near tie)' if fm.get('routing_tie') else ''}")
     for g in doc.get("gates", []):
         lines.append(f"Gate {g['name']}: {g['status']} ({_fmt(g['value'])} vs limit {_fmt(g['limit'])})"
                      + (f" {g['message']}" if g.get("message") else ""))

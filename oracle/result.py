@@ -46,6 +46,9 @@ class E2E:
         "teacher forcing: the candidate is fed the reference's tokens, so per-step logits stay "
         "comparable after a divergence; up to the first mismatch this is the candidate's own greedy run"
     )
+    # positions whose expert choice is a near tie in some layer of the reference: a step that
+    # attends to one and fails is `routing-tie` (reported apart, not failed)
+    routing_ties: list[int] = field(default_factory=list)
 
 
 @dataclass

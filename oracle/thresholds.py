@@ -52,6 +52,17 @@ def at_width(lim: dict, reduction: int) -> dict:
     return {**lim, "atol": lim["atol"] * (reduction / base) ** 0.5}
 
 
+def at_scale(lim: dict, ref_rms: float) -> dict:
+    """The limits for a reference tensor of RMS `ref_rms`: an `atol` written for activations of
+    RMS up to `atol_rms` grows in proportion above it, as rounding error does at a precision
+    whose error is relative (bf16, quantized weights). Tables without `atol_rms` are unchanged:
+    see thresholds.toml."""
+    base = lim.get("atol_rms")
+    if not base or not ref_rms > base:  # NaN-safe: a non-finite reference keeps the written atol
+        return lim
+    return {**lim, "atol": lim["atol"] * ref_rms / base}
+
+
 def tie_gap(router_lim: dict, num_experts: int) -> float:
     """The router near-tie gap for a model with `num_experts` experts: `tie_gap` is written for
     `tie_gap_experts` experts and scales as 1/E, as the router's probabilities do (the same gap

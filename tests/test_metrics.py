@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -127,6 +128,51 @@ def test_limits_at_real_width():
     assert thresholds.at_width(fp32, 64 * 16)["rtol"] == fp32["rtol"]
     bf16 = thresholds.limits("bf16", "moe")
     assert thresholds.at_width(bf16, 14336) == bf16
+    # bf16 (relative rounding): atol is for references of RMS <= 1, proportional above it
+    assert thresholds.at_scale(bf16, 0.5) == bf16 and thresholds.at_scale(bf16, float("nan")) == bf16
+    assert thresholds.at_scale(bf16, 2.5)["atol"] == pytest.approx(2.5 * bf16["atol"])
+    assert thresholds.at_scale(bf16, 2.5)["rel_l2"] == bf16["rel_l2"]
+    assert thresholds.at_scale(fp32, 2.5) == fp32  # fp32: the width rule instead
     router = thresholds.limits("bf16", "router")
     assert thresholds.tie_gap(router, 8) == router["tie_gap"]
     assert thresholds.tie_gap(router, 64) == pytest.approx(router["tie_gap"] / 8)
+
+
+def _e2e_case(step1_logits, tie_position):
+    """run_e2e on a synthetic reference (prompt 3, 2 decode steps, 4 experts top-2, one layer)
+    whose router is a near tie at `tie_position` (None: nowhere), and a candidate that agrees
+    everywhere but returns `step1_logits` at decode step 1."""
+    from types import SimpleNamespace
+
+    from oracle.check import run_e2e
+    from oracle.backend import CheckSpec
+
+    V, P = 6, 3
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(P, V, generator=gen)] + [torch.randn(1, V, generator=gen) for _ in range(2)]
+    tokens = [1, 2, 3] + [int(x[-1].argmax()) for x in logits]
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).repeat(P + 2, 1)
+    if tie_position is not None:
+        probs[tie_position] = torch.tensor([0.5, 0.2, 0.2, 0.1])  # 2nd vs 3rd: a tie at any precision
+    ref = SimpleNamespace(prompt_len=P, tokens=tokens, logits=logits,
+                          router_probs={0: [probs[:P], probs[P:P + 1], probs[P + 1:P + 2]]},
+                          outputs={(0, "router"): [(probs[:P, :2], torch.tensor([[0, 1]] * P))]})
+    cand = SimpleNamespace(prefill=lambda t: logits[0].clone(),
+                           decode=lambda t, pos: step1_logits if pos == P else logits[2][0].clone())
+    return run_e2e(ref, cand, CheckSpec(family="olmoe", backend="eager"))[0]
+
+
+def test_e2e_routing_near_tie():
+    """A step that attends to a position whose reference routing is a near tie may legitimately
+    differ (the candidate's rounding picks the other expert): it is `routing-tie`, reported and
+    not failed. Without the tie, or before it, the same step fails; NaN never passes."""
+    moved = torch.tensor([9.0, -9.0, 9.0, -9.0, 9.0, -9.0])  # far from the reference's logits
+    e = _e2e_case(moved, tie_position=1)
+    assert e.status == "pass" and e.routing_ties == [1]
+    assert e.steps[1]["logits_status"] == "routing-tie" and e.steps[0]["logits_status"] == "pass"
+    assert e.first_mismatch is None or e.first_mismatch["routing_tie"] or e.first_mismatch["tie"]
+    assert _e2e_case(moved, tie_position=None).status == "fail"
+    assert _e2e_case(moved, tie_position=4).status == "fail"  # the tie comes after step 1's position 3
+    nan = moved.clone()
+    nan[0] = float("nan")
+    assert _e2e_case(nan, tie_position=1).status == "fail"
