@@ -7,6 +7,10 @@ mutable buffers planned once for the whole program, as production ExecuTorch LLM
     prefill(tokens [1, T], pos [T]) -> logits [1, T, V]    T dynamic in [2, S - 1]
     decode(tokens [1, 1], pos [1])  -> logits [1, 1, V]
 
+The weights are not in the .pte: every constant is tagged for one external file, model.ptd,
+written beside it and shared by name by all methods (the way ExecuTorch's LLM exports keep
+large models' weights outside the program); the runtime maps it (`data_path`).
+
 A call at position 0 starts a new sequence: the model itself zeroes the Gated DeltaNet state
 (a multiply when pos[0] == 0) and the causal mask hides the stale KV cache.
 
@@ -125,20 +129,32 @@ def add_taps(ep, args) -> list[list]:
 
 
 class MoeProbe(nn.Module):
-    """One layer's MoE block alone: x [N, H] -> (moe [1, N, H], router weights [N, k], indices [N, k])."""
+    """One layer's MoE block alone: x [N, H] -> (moe [1, N, H], router weights [N, k], indices [N, k]).
+    Its weights keep the model's own names (`layers.{i}.mlp.*`): the external weights file
+    holds a weight once per name, so the probe methods share prefill's copy, and two layers'
+    probes never share one name (a name collision would serve one layer another's experts)."""
 
-    def __init__(self, moe: nn.Module):
+    def __init__(self, moe: nn.Module, layer: int):
         super().__init__()
-        self.moe = moe
+        self.key = str(layer)
+        self.layers = nn.ModuleDict({self.key: nn.ModuleDict({"mlp": moe})})
 
     def forward(self, x):
-        w, idx = self.moe.gate(x)
-        return self.moe(x[None]), w, idx
+        moe = self.layers[self.key]["mlp"]
+        w, idx = moe.gate(x)
+        return moe(x[None]), w, idx
+
+
+PROBE_GATHER_BYTES = 256 * 2**20
 
 
 def probe_rows(args) -> int:
-    """Most probe inputs per call of a probe method: one per expert."""
-    return max(args.num_experts, 2)
+    """Most probe inputs per call of a probe method: one per expert, as long as the traced MoE's
+    per-row copy of its k experts' weights (the gather) stays under PROBE_GATHER_BYTES in fp32:
+    a probe method's planned memory is that copy for its largest input (OLMoE's width: 64 rows
+    would plan 13 GiB; one row plans 200 MB). Tiny models: one row per expert."""
+    per_row = args.num_experts_per_tok * 3 * args.moe_intermediate_size * args.hidden_size * 4
+    return max(min(max(args.num_experts, 2), PROBE_GATHER_BYTES // max(per_row, 1)), 1)
 
 
 def export_probes(model: Transformer) -> dict:
@@ -146,10 +162,11 @@ def export_probes(model: Transformer) -> dict:
     from torch.export import Dim, export
 
     a = model.args
-    N = Dim("N", min=1, max=probe_rows(a))
-    x = torch.zeros(probe_rows(a), a.hidden_size, dtype=model.embed_tokens.weight.dtype)
+    rows = probe_rows(a)
+    dynamic = ({0: Dim("N", min=1, max=rows)},) if rows > 1 else None  # one row: a static shape
+    x = torch.zeros(rows, a.hidden_size, dtype=model.embed_tokens.weight.dtype)
     with torch.no_grad():
-        return {f"probe_{i}": export(MoeProbe(layer.mlp), (x,), dynamic_shapes=({0: N},), strict=True)
+        return {f"probe_{i}": export(MoeProbe(layer.mlp, i), (x,), dynamic_shapes=dynamic, strict=True)
                 for i, layer in enumerate(model.layers)}
 
 
@@ -253,6 +270,11 @@ def read_taps(pte: Path) -> dict:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
+def weights_file(pte: Path) -> Path | None:
+    """The tensor data a program keeps outside it (model.ptd, a delegate's blob) beside it, if any."""
+    return next(iter(sorted(Path(pte).parent.glob("*.ptd"))), None)
+
+
 def save(prog, path: Path) -> None:
     """model.pte, and the tensor data a delegate keeps outside it (.ptd) beside it."""
     path.write_bytes(prog.buffer)
@@ -281,15 +303,38 @@ def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict
     path.with_name(OPS_FILE).write_text(histogram_text(counts, "ops of the lowered prefill and decode methods"))
 
 
+WEIGHTS_TAG = "model"  # the weights file: model.ptd beside model.pte
+
+
+def tag_weights_external(ep) -> None:
+    """Mark every constant input of `ep` (parameters, constants, buffers that are not per-sequence
+    state) for the external weights file, delegated ones included: the methods then share one
+    copy of each weight by name in model.ptd instead of carrying their own (as ExecuTorch's LLM
+    exports do for large models with delegate_external_constants_pass_unlifted)."""
+    from torch._export.utils import is_buffer, is_lifted_tensor_constant, is_param
+
+    sig = ep.graph_signature
+    state = set(sig.buffers_to_mutate.values())
+    for n in ep.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if is_param(ep, n) or is_lifted_tensor_constant(ep, n) or (
+                is_buffer(ep, n) and sig.inputs_to_buffers[n.name] not in state):
+            n.meta.setdefault("custom", {})["delegate_constant_tag"] = WEIGHTS_TAG
+
+
 def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: bool = False):
     """XNNPACK where it can, portable kernels elsewhere (everywhere without `xnnpack`); the
-    state buffers are planned once and shared by the methods."""
+    state buffers are planned once and shared by the methods; the weights are in model.ptd,
+    shared by the methods (the program itself is small)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.intermediate_output_tap import strip_taps_
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
+    for ep in methods.values():
+        tag_weights_external(ep)
     edge = to_edge_transform_and_lower(
         methods, partitioner=[XnnpackPartitioner()] if xnnpack else [], constant_methods=metadata(model, sample),
         # ExecuTorch 1.5.1's IR arg validator specialises the dynamic length to the example's
@@ -299,7 +344,7 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: b
         # state starts at zero (not the arena's garbage: 0 * NaN would survive the reset)
         passes=[InitializedMutableBufferPass(list(STATE_BUFFERS))],
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=True),
-        emit_mutable_buffer_names=True))
+        emit_mutable_buffer_names=True, external_constants=lambda node: WEIGHTS_TAG))
     return prog
 
 
@@ -315,6 +360,7 @@ class ExecutorchCandidate:
     def __init__(self, pte: Path, info: dict, dtype=torch.float32, probe_rows: int = 2, data_path: Path | None = None):
         from executorch.runtime import Runtime
 
+        data_path = data_path or weights_file(pte)
         self.program = Runtime.get().load_program(str(pte), data_path=str(data_path) if data_path else None)
         self.taps, self.info = read_taps(pte), info
         self.ops = Path(pte).with_name(OPS_FILE)
@@ -426,12 +472,16 @@ class ExecutorchBackend:
     kind = "executorch"  # cache namespace and name of the backend without a fault suffix
     source = "exporters/executorch.py"
     precisions = ("fp32",)
-    # torch.export + to_edge + XNNPACK lowering hold the fp32 weights several times over: every
-    # method (prefill, decode, one expert probe per layer) carries its own lowered copy. Measured:
-    # OLMoE --layers 2 (1.05 B parameters) was killed for memory above 20 GiB, so at least 19
-    # bytes per parameter (benchmarks/real_width.py, 2026-11-23)
-    memory_per_param = {"fp32": 24.0}
-    memory_note = "torch.export and the XNNPACK lowering hold several copies of the fp32 weights"
+    # The weights are in model.ptd, shared by the methods and mapped by the runtime; what stays
+    # is the lowering (the fp32 model, XNNPACK's serialized copy of the delegated weights, the
+    # external data being written) and, at run time, the prefill method's planned memory: the
+    # traced MoE gathers its k experts' weights per token (4.8 GB at OLMoE's width for up to 24
+    # tokens). Measured, OLMoE --layers 2 (1.05 B parameters, 2026-11-23): 12.4 GiB anonymous +
+    # 4.2 GB of the mapped weights file, i.e. 14 bytes per parameter above the base (VmHWM said
+    # 21.7 GiB: it counts the file's pages once per mapping)
+    memory_per_param = {"fp32": 14.0}
+    memory_note = ("the fp32 model while lowering, the mapped weights file, and the prefill method's "
+                   "per-token copies of the experts' weights")
     qlinear = ("8da4w",)  # XNNPACK's recipe: int8 dynamic activations, int4 grouped weights
     option_schema = (
         Option("partitioner", str, ("xnnpack", "portable"), "xnnpack",
@@ -512,9 +562,8 @@ class ExecutorchBackend:
                 "methods": ["prefill", "decode"] + [f"probe_{i}" for i in range(model.args.num_hidden_layers)]
                 + (["sample_decode", "sample_logits", "sample_prefill"] if sampling else []),
                 "block_modes": ExecutorchCandidate.block_modes, "artifacts": [art.as_dict()]}
-        ptd = sorted(pte.parent.glob("*.ptd"))
         cls = ExecutorchSamplingCandidate if sampling else ExecutorchCandidate
-        return cls(pte, info, DTYPES[spec.precision], probe_rows(model.args), ptd[0] if ptd else None)
+        return cls(pte, info, DTYPES[spec.precision], probe_rows(model.args))
 
     def export(self, model, spec, output_dir) -> list[Path]:
         """model.pte (and the .ptd a delegate writes beside it) in output_dir."""

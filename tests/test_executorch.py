@@ -103,17 +103,19 @@ def test_prefill_and_decode_share_the_state(olmoe_check):
 @needs_executorch
 def test_probe_methods_run_one_moe_block_on_given_inputs(olmoe_check):
     """The expert-coverage probes: the layer's MoE block alone, fed the caller's inputs, more
-    of them than one call of the probe method takes (8 rows)."""
+    of them than one call of the probe method takes (8 rows), each layer with its own weights
+    (the probe methods share the weights file with prefill by name: layers never collide)."""
     cand, eager = candidate(CheckSpec(family="olmoe", backend="executorch"))
     x = torch.randn(11, 1, 1, 64, generator=torch.Generator().manual_seed(0))
     calls = [BlockCall(x[i], torch.tensor([0]), [], probe=True) for i in range(11)]
-    moe, router = cand.run_block(1, "moe", calls), cand.run_block(1, "router", calls)
-    mlp = eager.layers[1].mlp
-    with torch.no_grad():
-        assert torch.allclose(torch.cat(moe, dim=1), mlp(x.reshape(1, 11, 64)), atol=1e-5)
-        w, idx = mlp.gate(x.reshape(11, 64))
-    assert torch.equal(torch.cat([i for _, i in router]), idx)
-    assert torch.allclose(torch.cat([w for w, _ in router]), w, atol=1e-6)
+    for layer in range(len(eager.layers)):
+        moe, router = cand.run_block(layer, "moe", calls), cand.run_block(layer, "router", calls)
+        mlp = eager.layers[layer].mlp
+        with torch.no_grad():
+            assert torch.allclose(torch.cat(moe, dim=1), mlp(x.reshape(1, 11, 64)), atol=1e-5)
+            w, idx = mlp.gate(x.reshape(11, 64))
+        assert torch.equal(torch.cat([i for _, i in router]), idx)
+        assert torch.allclose(torch.cat([w for w, _ in router]), w, atol=1e-6)
 
 
 @needs_executorch
@@ -165,10 +167,12 @@ def test_export_writes_the_production_program_and_a_manifest(cli, tmp_path, qwen
             "--max-seq-len", "10", "--prompt-len", "6", "--output-dir", str(tmp_path))
     assert p.returncode == 0, p.stderr
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["family"] == "qwen3_5_moe" and set(manifest["files"]) == {"model.pte"}
+    # the weights are outside the program, in model.ptd (shared by the methods)
+    assert manifest["family"] == "qwen3_5_moe" and set(manifest["files"]) == {"model.pte", "model.ptd"}
+    assert (tmp_path / "model.pte").stat().st_size < (tmp_path / "model.ptd").stat().st_size
     from executorch.runtime import Runtime
 
-    program = Runtime.get().load_program(str(tmp_path / "model.pte"))
+    program = Runtime.get().load_program(str(tmp_path / "model.pte"), data_path=str(tmp_path / "model.ptd"))
     assert {"prefill", "decode"} <= program.method_names
     assert not any(n.startswith("probe_") for n in program.method_names)  # no check-only methods
     prefill, decode = program.load_method("prefill"), program.load_method("decode")
@@ -245,7 +249,7 @@ def test_export_sample_fuses_the_sampler(cli, tmp_path):
     p = cli("export", "--family", "olmoe", "--backend", "executorch", "--sample", "--option", "partitioner=portable",
             "--max-seq-len", "16", "--output-dir", str(tmp_path))
     assert p.returncode == 0, p.stderr
-    program = Runtime.get().load_program(str(tmp_path / "model.pte"))
+    program = Runtime.get().load_program(str(tmp_path / "model.pte"), data_path=str(tmp_path / "model.ptd"))
     assert bool(program.load_method("use_sampling").execute([])[0])
     prefill, decode = program.load_method("prefill"), program.load_method("decode")
     eager = SampledModel(model_source(CheckSpec(family="olmoe", backend="executorch")).build_production(torch.float32))
