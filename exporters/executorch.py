@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from exporters.eager import DTYPES
-from models.layers import LINEAR, STATE_BUFFERS, Transformer
+from models.layers import LINEAR, STATE_BUFFERS, Transformer, traced_experts
 from models.sampling import Sampler, SampledModel, example_args, runtime_args
 from oracle.backend import Option
 from oracle.goldens import histogram_text
@@ -76,10 +76,13 @@ def block_paths(args) -> list[tuple[tuple, str]]:
     return out + [((None, "final_norm"), "norm"), ((None, "logits"), "lm_head")]
 
 
-def export_methods(model: Transformer, sample: bool = False) -> dict:
+def export_methods(model: Transformer, sample: bool = False, dense_prefill: bool = False) -> dict:
     """torch.export (strict: the state buffers are updated in place) of prefill and decode.
     The prefill example has the largest length, as the CUDA/AOTI exports need. With `sample`
-    the sampler is fused (SampledModel: the token instead of the logits)."""
+    the sampler is fused (SampledModel: the token instead of the logits). With `dense_prefill`
+    prefill runs every expert on every token instead of gathering each token's experts'
+    weights (models.layers.Experts: the gather plans a weight copy per token of the longest
+    prefill, 4.8 GB at OLMoE's width for 24 tokens); decode keeps the gather (one token)."""
     from torch.export import Dim, export
 
     S = model.args.max_seq_len
@@ -89,16 +92,17 @@ def export_methods(model: Transformer, sample: bool = False) -> dict:
         out = {"decode": export(module, (torch.zeros(1, 1, **long), torch.zeros(1, **long), *extra), strict=True)}
         if S >= 3:  # a prefill of 2..S-1 tokens (S - 1 leaves room for one decode step)
             T = Dim("T", min=2, max=S - 1)
-            out["prefill"] = export(module, (torch.zeros(1, S - 1, **long), torch.arange(S - 1), *extra),
-                                    dynamic_shapes=({1: T}, {0: T}, *(None,) * len(extra)), strict=True)
+            with traced_experts(model, "dense" if dense_prefill else "gather"):
+                out["prefill"] = export(module, (torch.zeros(1, S - 1, **long), torch.arange(S - 1), *extra),
+                                        dynamic_shapes=({1: T}, {0: T}, *(None,) * len(extra)), strict=True)
     return out
 
 
-def export_sampling(model: Transformer) -> dict:
+def export_sampling(model: Transformer, dense_prefill: bool = False) -> dict:
     """The check program's sampler methods: the fused program's prefill and decode, and the head alone."""
     from torch.export import export
 
-    out = {f"sample_{name}": ep for name, ep in export_methods(model, sample=True).items()}
+    out = {f"sample_{name}": ep for name, ep in export_methods(model, True, dense_prefill).items()}
     logits = torch.zeros(1, model.args.vocab_size, dtype=model.lm_head.weight.dtype)
     with torch.no_grad():
         out["sample_logits"] = export(Sampler(), (logits, *example_args()), strict=True)
@@ -282,16 +286,16 @@ def save(prog, path: Path) -> None:
         prog.write_tensor_data_to_file(str(path.parent))
 
 
-def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict) -> None:
+def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict, dense_prefill: bool = False) -> None:
     """The production program (prefill, decode; the sampler fused with opts["sample"]) at
     `path`, by `lower(methods, model)`; the check's program also has the taps and the probe
     methods, its tap table beside it, and with opts["sampling"] the sampler's methods."""
-    methods = export_methods(model, sample=bool(opts.get("sample")))
+    methods = export_methods(model, bool(opts.get("sample")), dense_prefill)
     if check:
         taps = {name: add_taps(ep, model.args) for name, ep in methods.items()}
         methods.update(export_probes(model))
         if opts.get("sampling"):
-            methods.update(export_sampling(model))
+            methods.update(export_sampling(model, dense_prefill))
         path.with_name("taps.json").write_text(json.dumps(taps))
     prog = lower(methods, model)
     save(prog, path)
@@ -472,17 +476,18 @@ class ExecutorchBackend:
     kind = "executorch"  # cache namespace and name of the backend without a fault suffix
     source = "exporters/executorch.py"
     precisions = ("fp32",)
-    # The weights are in model.ptd, shared by the methods and mapped by the runtime; what stays
-    # is the lowering (the fp32 model, XNNPACK's serialized copy of the delegated weights, the
-    # external data being written) and, at run time, the prefill method's planned memory: the
-    # traced MoE gathers its k experts' weights per token (4.8 GB at OLMoE's width for up to 24
-    # tokens). Measured, OLMoE --layers 2 (1.05 B parameters, 2026-11-23): 12.4 GiB anonymous +
-    # 4.2 GB of the mapped weights file, i.e. 14 bytes per parameter above the base (VmHWM said
-    # 21.7 GiB: it counts the file's pages once per mapping)
+    # The weights are in model.ptd, shared by the methods and mapped by the runtime, and prefill
+    # runs the experts densely (no per-token copy of their weights: that planned 4.8 GB at
+    # OLMoE's width); what stays is the lowering: the fp32 model, torch.export's transient
+    # copies and the serialized weights (XNNPACK's delegated ones, the external file's), about
+    # 3.3x the fp32 weights at its peak. Measured, OLMoE --layers 2 (1.05 B parameters,
+    # 2026-11-23): peak 17.1 GiB, 555 s (the prefill gather took it to 21.7 GiB)
     memory_per_param = {"fp32": 14.0}
-    memory_note = ("the fp32 model while lowering, the mapped weights file, and the prefill method's "
-                   "per-token copies of the experts' weights")
+    memory_note = "the fp32 model and its serialized copies while lowering, then the mapped weights file"
     qlinear = ("8da4w",)  # XNNPACK's recipe: int8 dynamic activations, int4 grouped weights
+    # prefill runs every expert on every token (no per-token copy of the experts' weights);
+    # decode gathers its token's experts (export_methods)
+    dense_prefill = True
     option_schema = (
         Option("partitioner", str, ("xnnpack", "portable"), "xnnpack",
                "portable kernels only (no XNNPACK): about 4x faster to lower; tells a delegate's fault "
@@ -543,7 +548,7 @@ class ExecutorchBackend:
 
         def build(path):
             m = self.production_model(model, spec, opts)
-            build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check, opts)
+            build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check, opts, self.dense_prefill)
 
         parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
         return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte")

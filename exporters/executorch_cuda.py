@@ -31,6 +31,7 @@ class ExecutorchCudaBackend(ExecutorchBackend):
     kind = "executorch-cuda"
     source = "exporters/executorch_cuda.py"
     precisions = ("bf16", "fp32")
+    dense_prefill = False  # the traced MoE gathers each token's experts, as the seed exports do
     qlinear = ("4w", "8w")
     option_schema = export_options(qlinear, sample=True)
 

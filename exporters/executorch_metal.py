@@ -27,6 +27,7 @@ class ExecutorchMetalBackend(ExecutorchBackend):
     kind = "executorch-metal"
     source = "exporters/executorch_metal.py"
     precisions = ("bf16", "fp32")
+    dense_prefill = False  # the traced MoE gathers each token's experts, as the seed exports do
     qlinear = ("4w",)
     # no `sample`: the Metal export keeps the sampler on the host, as the seed's Metal export
     # does (--sample fuses it for executorch and executorch-cuda)

@@ -17,6 +17,10 @@ together by content hash (oracle.artifacts), with:
   the block's weights and state as inputs and (output, *new state) as results, so one
   program runs every layer. The block programs share their dispatches with the model's
   (iree-compile deduplicates them): one module compiles in ~60% of the time of two.
+  Their weight inputs are read from the same mapped archive (numpy views, no copy), so no
+  torch model holds weights while a check runs: a cached program is run with the model's
+  structure alone (parameters on the meta device), and a cache miss drops the torch model
+  it exported once model.irpa is written and the program compiled.
 
 Shapes are static (prompt length and max_seq_len are in the cache key): a dynamic token
 dimension exports and compiles, but computed wrong logits (~0.4 off) with iree 3.13.
@@ -25,6 +29,7 @@ dimension exports and compiles, but computed wrong logits (~0.4 off) with iree 3
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import inspect
 import json
@@ -77,14 +82,57 @@ def code_digest(faulted: bool) -> str:
     return h.hexdigest()[:16]
 
 
-def model_digest(model: Transformer) -> str:
-    """The built (and transformed) production model: its args and weights (not its state)."""
-    h = hashlib.sha256(repr(model.args).encode())
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if name.rsplit(".", 1)[-1] not in STATE_BUFFERS:
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+def args_digest(src) -> str:
+    """The production model's args (config resolved, max_seq_len set). Its weights are named by
+    the checkpoint's sha256 and the transform's id, both in the key: reading them is not needed."""
+    return hashlib.sha256(repr(src.args).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ the model, with or without weights
+def production_structure(src) -> Transformer:
+    """The fp32 production model as Family.build_from lays it out, without reading a weight: its
+    parameters on the meta device (names, shapes, dtypes), its buffers real (computed from the
+    config: RoPE inv_freq, cache_pos, the zero state). Enough for block_programs and the
+    blocks' non-parameter inputs; the parameters' values are in model.irpa."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = Transformer(src.args, torch.float32)
+    return model.eval()
+
+
+def has_weights(model: nn.Module) -> bool:
+    return not any(p.is_meta for p in model.parameters())
+
+
+def drop_weights(model: nn.Module) -> None:
+    """Every parameter of `model` moved to the meta device: the values freed, names, shapes and
+    dtypes kept (a parameter that modules share stays shared)."""
+    metas = {}  # id -> (the parameter, kept alive while its id is a key; its meta twin)
+    for module in model.modules():
+        for k, p in module._parameters.items():
+            if p is not None and not p.is_meta:
+                if id(p) not in metas:
+                    metas[id(p)] = (p, nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad))
+                module._parameters[k] = metas[id(p)][1]
+
+
+def same_programs(built: Transformer, bp: dict, structure: Transformer, sp: dict) -> None:
+    """Raise unless the model a cache miss built and exported has the block programs (names,
+    fingerprints, inputs) and non-parameter buffers of the structure the cache key and the
+    candidate were made from: a transform that behaved differently without weights."""
+    def desc(programs):
+        return [(p.name, p.fingerprint, p.weights, p.state) for p in programs.values()]
+
+    if desc(bp) != desc(sp):
+        raise RuntimeError("block programs of the built model differ from those of its structure "
+                           f"(a transform that depends on weight values?): {desc(bp)} vs {desc(sp)}")
+    buffers = dict(structure.named_buffers())
+    for name, t in built.named_buffers():
+        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
+            continue
+        if name not in buffers or not torch.equal(t, buffers[name]):
+            raise RuntimeError(f"buffer {name} of the built model differs from its structure's")
 
 
 # ------------------------------------------------------------------ block programs
@@ -157,6 +205,29 @@ def block_programs(model: Transformer) -> tuple[dict[str, BlockProgram], dict]:
             programs[name] = by_fp[kind, fp] = BlockProgram(name, kind, call, weights, state, fp)
         which[layer, kind] = (by_fp[kind, fp], call)
     return programs, which
+
+
+def block_inputs(model: Transformer, which: dict) -> dict:
+    """(layer, kind) -> (program, its weight inputs in order, its state shapes). A weight input
+    is a parameter's name in model.irpa (its `model.named_parameters()` name, as save_parameters
+    wrote it; found by identity, so a block's relative name `m.q_proj.weight` maps to
+    `layers.1.attn.q_proj.weight`), or, for a buffer that is not a parameter (RoPE inv_freq,
+    cache_pos: small, derived from the config), its values as numpy."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for key, (p, call) in which.items():
+        tensors = block_tensors(call)
+        inputs = []
+        for n in p.weights:
+            t = tensors[n]
+            if id(t) in names:
+                inputs.append(names[id(t)])
+            elif t.is_meta:
+                raise RuntimeError(f"block {key}: {n} is neither a parameter of the model nor a real buffer")
+            else:
+                inputs.append(t.detach().numpy())
+        out[key] = (p, inputs, [tuple(tensors[n].shape) for n in p.state])
+    return out
 
 
 # ------------------------------------------------------------------ export and compile
@@ -264,7 +335,11 @@ def _export(model: Transformer, programs: dict[str, BlockProgram], prompt_len: i
     dtype, hidden = model.embed_tokens.weight.dtype, model.args.hidden_size
     for p in programs.values():
         tensors = block_tensors(p.call)
-        weights = [tensors[n].detach().clone() for n in p.weights]
+        # example inputs: only their shapes and dtypes are traced (fake tensors), so uninitialised
+        # memory the export never touches (no copy of the block's weights: at a cache miss the
+        # clones of every program's weights were most of the peak above the model itself);
+        # distinct tensors, never one object for two inputs (FINDINGS: k and v get tied)
+        weights = [torch.empty_like(tensors[n]) for n in p.weights]
         state = [torch.zeros_like(tensors[n]) for n in p.state]
         # non-strict torch.export of a functional_call that mutates a state input leaves fake
         # tensors in the block's modules (torch 2.13): put the real ones back afterwards
@@ -322,7 +397,7 @@ def _host(result) -> list[np.ndarray]:
 class IreeCandidate:
     block_mode = "isolated"
 
-    def __init__(self, vmfb: bytes, which: dict, prompt_len: int, info: dict, ops: str | None = None,
+    def __init__(self, vmfb: bytes, blocks: dict, prompt_len: int, info: dict, ops: str | None = None,
                  params: Path | None = None, keep=None):
         import iree.runtime as rt
 
@@ -339,22 +414,41 @@ class IreeCandidate:
             self.index.load(str(params), mmap=True)
             self.modules.append(rt.create_io_parameters_module(instance, self.index.create_provider(scope=PARAM_SCOPE)))
         self.modules.append(rt.VmModule.copy_buffer(instance, vmfb))
+        # at most one context at a time: each holds, besides the state, its own copy of what
+        # iree-compile hoisted into initializers (measured: 229 MiB per context for the 0.79 GiB
+        # OLMoE-shaped model of docs/iree.md, the size of lm_head + the attention projections,
+        # apparently transposed), so the blocks run in the current one
         self.seq = None  # the context of the current sequence (prefill, then decode)
-        self.blocks = self.context()
-        # (layer, kind) -> (program, its weights as numpy in input order, its fresh state)
+        self._blocks = self.context()  # the blocks' context while there is no sequence
+        # (layer, kind) -> (program, its weights as numpy in input order, its fresh state). Blocks
+        # (block_inputs) name their parameters: read-only numpy views of the archive mapped above,
+        # the pages prefill/decode use too (no copy; the runtime copies an input per call)
+        entries = dict(self.index.items()) if params is not None else {}
         self.which = {}
-        for key, (p, call) in which.items():
-            tensors = block_tensors(call)
-            self.which[key] = (p, [tensors[n].detach().numpy() for n in p.weights],
-                               [np.zeros(tuple(tensors[n].shape), np.float32) for n in p.state])
+        for key, (p, inputs, state) in blocks.items():
+            weights = [rt.parameter_index_entry_as_numpy_ndarray(entries[x]) if isinstance(x, str) else x
+                       for x in inputs]
+            self.which[key] = (p, weights, [np.zeros(s, np.float32) for s in state])
 
     def context(self):
         """A fresh runtime context for the program: its globals (the model's state) initialised."""
         return self.rt.SystemContext(vm_modules=self.modules, config=self.config).modules.module
 
+    @property
+    def blocks(self):
+        """The context block programs run in: any will do (they use no globals, their weights and
+        state are inputs), so the current sequence's when there is one."""
+        if self.seq is not None:
+            return self.seq
+        if self._blocks is None:
+            self._blocks = self.context()
+        return self._blocks
+
     def prefill(self, tokens):
         if len(tokens) != self.prompt_len:
             raise ValueError(f"model.vmfb's prefill is compiled for {self.prompt_len} tokens, got {len(tokens)}")
+        self.seq = self._blocks = None  # released before the next is made (the peak: one context);
+        gc.collect()  # a SystemContext and its BoundModules refer to each other: freed by the collector
         self.seq = self.context()  # a new sequence: fresh state
         return _host(self.seq.prefill(np.array([tokens], np.int64), np.arange(len(tokens), dtype=np.int64)))[0][0]
 
@@ -389,11 +483,16 @@ class IreeBackend:
     `transform_id` names it in every cache key (a transform without an id is not cached)."""
 
     precisions = ("fp32",)
-    # the fp32 production model (its block weights are the block programs' inputs) and the same
-    # weights again, mapped from the parameter archive by the runtime; measured: 12.4 GiB peak for
-    # OLMoE --layers 2 (1.05 B parameters), benchmarks/real_width.py
-    memory_per_param = {"fp32": 10.5}
-    memory_note = "the fp32 production model and its weights mapped from the parameter archive"
+    # no torch model with weights while a check runs (a cache miss holds the fp32 model while it
+    # exports, then drops it): the weights mapped from the parameter archive (4 bytes), a block
+    # call's weights copied in by the runtime and again inside the program (one layer's, twice),
+    # and each context's hoisted constants (lm_head, attention projections). Measured on an
+    # OLMoE-shaped config (hidden 1024, 32 experts, 2 layers, 0.21 B parameters): 1.93 GiB peak cold,
+    # 1.81 GiB cached (`oracle check --config`, /usr/bin/time -v; 3.16 / 2.46 GiB with the model
+    # held); 8 bytes covers that breakdown at 2 layers (fewer layers: a larger share per layer).
+    # Was 10.5 with the model held: 12.4 GiB peak for OLMoE --layers 2 (1.05 B), not re-measured.
+    memory_per_param = {"fp32": 8.0}
+    memory_note = "its weights mapped from the parameter archive and one layer's block inputs copied twice"
 
     def __init__(self, name: str = "iree-llvm-cpu", transform=None, transform_id: str | None = None):
         self.name, self.transform, self.transform_id = name, transform, transform_id
@@ -416,36 +515,66 @@ class IreeBackend:
             return None
         return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
 
-    def key(self, src, spec, model: Transformer, programs: dict) -> dict:
+    def key(self, src, spec, programs: dict) -> dict:
         return {"backend": "iree-llvm-cpu", "family": spec.family, "checkpoint": src.checkpoint_sha256,
                 "precision": spec.precision, "prompt_len": spec.prompt_len, "max_seq_len": src.args.max_seq_len,
                 "options": {k: v for k, v in spec.options.items() if k != "max_seq_len"},  # max_seq_len: above
                 "transform_id": self.transform_id, "versions": versions(*TOOLS), "flags": FLAGS,
                 "host_cpu": host_cpu(), "code": code_digest(self.transform is not None),
-                "model": model_digest(model), "parameters": f"{PARAMS_FILE} scope={PARAM_SCOPE}",
+                "args": args_digest(src), "parameters": f"{PARAMS_FILE} scope={PARAM_SCOPE}",
                 "blocks": [(p.name, p.fingerprint) for p in programs.values()]}
+
+    def model(self, src) -> Transformer:
+        """The transformed production model the block programs are read from: its structure
+        alone (production_structure), unless the transform is unnamed (applied once, to the real
+        model, as an uncached build always did) or fails without weight values (a fault that
+        reads them: expert_weights_off_1e-3 picks its expert by the router's weights)."""
+        if self.transform is None:
+            return production_structure(src)
+        if self.transform_id is not None:
+            m = production_structure(src)
+            try:
+                self.transform(m)
+                return m
+            except Exception:  # e.g. `Tensor.item() cannot be called on meta tensors`; a real error raises again below
+                pass
+        m = src.build_production(torch.float32)
+        self.transform(m)
+        return m
 
     def program(self, src, spec) -> Built:
         """The block programs, model.vmfb and model.irpa: built (export + archive + compile) on a
-        cache miss, else read from the cache (a cached vmfb without its archive: built again)."""
+        cache miss, else read from the cache (a cached vmfb without its archive: built again).
+        Only a miss reads the checkpoint's weights (and drops them when built)."""
         if spec.precision not in self.precisions:
             raise ValueError(f"{self.name} runs {', '.join(self.precisions)} only, not {spec.precision}")
-        m = src.build_production(torch.float32)
-        if self.transform is not None:
-            self.transform(m)
-        programs, which = block_programs(m)
+        model = self.model(src)
+        programs, which = block_programs(model)
 
         def build(path: Path):
+            m, progs = model, programs
+            if not has_weights(model):  # the weights, for the archive and the export
+                m = src.build_production(torch.float32)
+                if self.transform is not None:
+                    self.transform(m)
+                progs = block_programs(m)[0]
+                same_programs(m, progs, model, programs)
             save_parameters(m, path.with_name(PARAMS_FILE))
-            compile_to(export_program(m, programs, spec.prompt_len), path)
+            compile_to(export_program(m, progs, spec.prompt_len), path)
+
+        def built(art, path, params, keep=None):
+            drop_weights(model)  # the blocks' weights are read from model.irpa
+            if not art.cached:
+                gc.collect()  # what the export left in reference cycles
+            return Built(programs, block_inputs(model, which), art, path, params, keep)
 
         if self.transform is not None and self.transform_id is None:  # an unnamed transform: never cached
             tmp = tempfile.TemporaryDirectory(prefix="moe-oracle-iree-")  # removed with the candidate
             t, path = time.perf_counter(), Path(tmp.name) / "model.vmfb"
             build(path)
             art = Artifact("model.vmfb", "", sha256_file(path), False, time.perf_counter() - t)
-            return Built(programs, which, art, path, checked_parameters(path), tmp)
-        key = self.key(src, spec, m, programs)
+            return built(art, path, checked_parameters(path), tmp)
+        key = self.key(src, spec, programs)
         art = cached_artifact("iree", key, "model.vmfb", build)
         params = checked_parameters(Path(art.path))
         if params is None and art.cached:  # its archive is missing or changed: build both again
@@ -454,7 +583,7 @@ class IreeBackend:
             params = checked_parameters(Path(art.path))
         if params is None:
             raise RuntimeError(f"{PARAMS_FILE} is missing beside {art.path}")
-        return Built(programs, which, art, Path(art.path), params)
+        return built(art, Path(art.path), params)
 
     def load(self, src, spec):
         b = self.program(src, spec)
@@ -466,9 +595,10 @@ class IreeBackend:
                 "state": "model: module globals (prefill/decode); blocks: explicit inputs/results",
                 "parameters": {**{k: b.params[k] for k in ("name", "sha256", "bytes", "tensors", "scope")},
                                "cached": art.cached, "build_s": 0.0 if art.cached else b.params["build_s"],
-                               "loaded": "iree.runtime.ParameterIndex (memory-mapped), io_parameters module"},
+                               "loaded": "iree.runtime.ParameterIndex (memory-mapped), io_parameters module; "
+                                         "block weights: numpy views of the same mapping"},
                 "block_programs": {p.name: sorted(f"{k[0]}.{k[1]}" if k[0] is not None else k[1]
-                                                  for k, (q, _) in b.which.items() if q is p)
+                                                  for k, (q, *_) in b.which.items() if q is p)
                                    for p in b.programs.values()},
                 "artifacts": [art.as_dict()]}
         ops = b.vmfb.with_name(OPS_FILE)
@@ -488,8 +618,9 @@ class IreeBackend:
 
 @dataclass
 class Built:
-    """What IreeBackend.program gives: the block programs, (layer, kind) -> (program, block),
-    model.vmfb's Artifact and path, its archive's PARAMS_INFO (model.irpa beside it), and what
+    """What IreeBackend.program gives: the block programs, (layer, kind) -> (program, its weight
+    inputs, its state shapes) (block_inputs: parameters by their name in model.irpa), model.vmfb's
+    Artifact and path, its archive's PARAMS_INFO (model.irpa beside it), and what
     holds an uncached build's files on disk (None: they are in the cache)."""
 
     programs: dict

@@ -15,6 +15,7 @@ k experts per token, I expert intermediate, nh/kvh heads, hd head dim.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -322,10 +323,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights. Traced (torch.export, torch.compile): gathered by expert index,
-    a fixed graph with no per-expert loop. Eager: tokens grouped by expert, one matmul per
-    expert that is hit, so no per-token copy of the weights is made (at real sizes the gather
-    copies 100-200 MB per token and layer)."""
+    """Stacked expert weights. Traced (torch.export, torch.compile): a fixed graph with no
+    per-expert loop, in one of two forms (`traced_form`, chosen by an exporter per method):
+    "gather", each token's k experts' weights gathered by index (right for a decode step, but
+    a copy of 100-200 MB per token and layer at real sizes), or "dense", every expert run on
+    every token with the weights as they are and the k results picked by index (no weight
+    copy; E/k times the arithmetic: for prefill). Eager: tokens grouped by expert, one matmul
+    per expert that is hit, so no per-token copy of the weights is made."""
+
+    traced_form = "gather"
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -340,10 +346,19 @@ class Experts(nn.Module):
     def expert_mlp(self, x, idx):  # x [N, H], idx [N, k] -> [N, k, H]
         if not torch.compiler.is_compiling():
             return self.grouped_mlp(x, idx)
+        if self.traced_form == "dense":
+            return self.dense_mlp(x, idx)
         gu = self.gate_up_proj[idx] @ x[:, None, :, None]  # [N, k, 2I, 1]
         gate, up = gu.squeeze(-1).chunk(2, dim=-1)
         h = F.silu(gate) * up  # [N, k, I]
         return (self.down_proj[idx] @ h[..., None]).squeeze(-1)
+
+    def dense_mlp(self, x, idx):  # traced, "dense": every expert on every token, no weight copy
+        E = self.gate_up_proj.shape[0]
+        xt = x.t().unsqueeze(0).expand(E, -1, -1)  # [E, H, N]
+        gate, up = torch.bmm(self.gate_up_proj, xt).chunk(2, dim=1)  # [E, I, N] each
+        y = torch.bmm(self.down_proj, F.silu(gate) * up).permute(2, 0, 1)  # [N, E, H]
+        return y.gather(1, idx[..., None].expand(-1, -1, y.shape[-1]))  # [N, k, H]
 
     def grouped_mlp(self, x, idx):  # eager: per hit expert, its tokens in one matmul
         N, k = idx.shape
@@ -355,6 +370,19 @@ class Experts(nn.Module):
             gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n_e, I] each
             out[slots] = F.linear(F.silu(gate) * up, self.down_proj[e])
         return out.view(N, k, -1)
+
+
+@contextlib.contextmanager
+def traced_experts(model: nn.Module, form: str):
+    """Trace `model`'s experts in `form` ("gather" or "dense": see Experts) inside the block."""
+    mods = [m for m in model.modules() if isinstance(m, Experts)]
+    for m in mods:
+        m.traced_form = form
+    try:
+        yield
+    finally:
+        for m in mods:
+            del m.traced_form  # back to the class default
 
 
 class SparseMoE(nn.Module):

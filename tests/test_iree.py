@@ -138,6 +138,26 @@ def test_faulted_layer_gets_its_own_program():
     assert which[2, "moe"][0] is which[0, "moe"][0]  # untouched blocks still share
 
 
+def test_programs_come_from_the_structure_without_weights():
+    """The block programs (and the cache key) are read from the model's structure, its parameters
+    on the meta device, with the fault applied: the same programs and derived buffers as the built
+    model's. A fault that reads weight values (it picks the most routed expert) gets the built model."""
+    src = model_source(_spec("qwen2_moe"))
+    rope = BACKEND.with_fault(faults.get("rope_theta_wrong"))  # changes a buffer: a block input
+    structure = rope.model(src)
+    assert not iree_backend.has_weights(structure)
+    built = src.build_production(torch.float32)
+    rope.transform(built)
+    iree_backend.same_programs(built, block_programs(built)[0], structure, block_programs(structure)[0])
+    i = faults.get("rope_theta_wrong").layer(src.args)
+    clean = iree_backend.production_structure(src)
+    assert not torch.equal(structure.layers[i].attn.rope.inv_freq, clean.layers[i].attn.rope.inv_freq)
+    off = BACKEND.with_fault(faults.get("expert_weights_off_1e-3")).model(src)
+    assert iree_backend.has_weights(off)
+    iree_backend.drop_weights(off)
+    assert not iree_backend.has_weights(off) and all(b.device.type == "cpu" for b in off.buffers())
+
+
 def test_not_causal_attention_fails_at_that_block():
     """The known IREE trap: a mask that silently stops being causal must fail the check."""
     fault = faults.get("attention_not_causal")

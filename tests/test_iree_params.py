@@ -115,6 +115,36 @@ def test_archive_holds_every_parameter(built):
     assert info["sha256"] == sha256_file(irpa) and info["tensors"] == len(params) and info["scope"] == PARAM_SCOPE
 
 
+def test_cached_check_reads_no_weights_and_blocks_read_the_archive(built, monkeypatch):
+    """A cache hit builds the model's structure only (never build_production: no weight is read)
+    and the block programs' parameter inputs are the archive's own mapped bytes: read-only views
+    at the very addresses the runtime's index maps, equal to the production model's parameters."""
+    src, _, model = built
+
+    def no_weights(*a, **k):
+        raise AssertionError("the production model's weights were read on a cache hit")
+
+    monkeypatch.setattr(type(src), "build_production", no_weights)
+    b = BACKEND.program(src, SPEC)
+    assert b.art.cached
+    cand = BACKEND.load(src, SPEC)
+    params = dict(model.named_parameters())
+    views = {k: rt.parameter_index_entry_as_numpy_ndarray(e) for k, e in cand.index.items()}
+    used = set()
+    for key, (p, inputs, _) in b.which.items():
+        weights = cand.which[key][1]
+        assert len(weights) == len(inputs) == len(p.weights), key
+        for name, x, w in zip(p.weights, inputs, weights):
+            if isinstance(x, str):  # a parameter: its name in the archive
+                assert x.endswith(name.removeprefix("m.")), (key, name, x)
+                assert w.ctypes.data == views[x].ctypes.data and not w.flags.writeable, (key, x)
+                assert w.tobytes() == _bytes(params[x]), (key, x)
+                used.add(x)
+            else:  # a buffer that is not a parameter (RoPE inv_freq, cache_pos): from the structure
+                assert name.rsplit(".", 1)[-1] in ("inv_freq", "cache_pos"), (key, name)
+    assert used == set(params) - {"embed_tokens.weight"}  # every block parameter (the embedding is no block)
+
+
 def test_program_needs_the_archive(built):
     """Without the io_parameters module the program does not load: never run without weights."""
     _, b, _ = built
@@ -127,7 +157,7 @@ def test_numbers_equal_the_inlined_program(built):
     archive): prefill + 8 greedy decodes give identical logits, and the golden tokens."""
     src, b, _ = built
     m = src.build_production(torch.float32)
-    key = {k: v for k, v in BACKEND.key(src, SPEC, m, {}).items() if k != "parameters"}
+    key = {k: v for k, v in BACKEND.key(src, SPEC, {}).items() if k != "parameters"}
     key["weights"] = "inlined, prefill/decode only (tests/test_iree_params.py)"
     inlined = cached_artifact("iree", key, "model.vmfb", lambda path: iree_backend.compile_to(
         iree_backend.export_program(m, {}, SPEC.prompt_len, external=False), path))
