@@ -267,14 +267,20 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             probs = torch.cat(ref.router_probs[layer])[: r.shape[0]].sort(dim=-1, descending=True).values
             k = ref.outputs[layer, "router"][0][1].shape[-1]
             keep = (probs[:, k - 1] - probs[:, k] >= thresholds.tie_gap(router_lim, probs.shape[-1])).numpy()
-            if kind == "moe" and routes is not None and len(routes.get(layer, ())) == len(keep):
-                # same input as the router row: a near tie the candidate routed as the reference
-                # did is compared like any other token
+            rerouted = np.zeros_like(keep)
+            if routes is not None and len(routes.get(layer, ())) >= len(keep):
+                # the candidate's router row (the reference's router inputs): a token it routed
+                # to other experts is the router row's to judge (its agreement limit: 1.0 at
+                # fp32/bf16, 0.75 for a 4-bit router), not compared here; a moe row (the same
+                # inputs) compares every token routed as the reference did, near ties included
                 ref_i = torch.cat([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[layer, "router"]]).numpy()
-                keep = keep | np.array([set(a) == set(b) for a, b in zip(ref_i, routes[layer])], dtype=bool)
+                same = np.array([set(a) == set(b) for a, b in zip(ref_i, routes[layer][: len(keep)])], dtype=bool)
+                rerouted = ~same
+                keep = same if kind == "moe" else keep & same
             if not keep.any():  # nothing left to compare: not a pass
                 return BlockRow(layer, kind, "n/a", "isolated", {"tie_tokens_excluded": int(keep.size), "nonfinite": 0},
-                                lim, 0.0, f"every token is a router near tie at {spec.precision}: nothing compared")
+                                lim, 0.0, f"every token is a router near tie at {spec.precision} or routed elsewhere "
+                                          "by the candidate's router: nothing compared")
             r, c = r[keep], c[keep]
         lim = thresholds.at_scale(lim, float(r.pow(2).mean().sqrt()))
         m = tensor_metrics(r, c, lim["atol"], lim["rtol"])
@@ -282,7 +288,9 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         if want and got and got != want:  # e.g. an unconditional cast that changes the output dtype
             m["dtype_mismatch"] = f"{got} (expected {want})"
         if keep is not None:
-            m["tie_tokens_excluded"] = int((~keep).sum())
+            m["tie_tokens_excluded"] = int((~keep & ~rerouted).sum())  # near ties, not compared
+            if rerouted.any():  # routed elsewhere by the candidate's router row, which judges that
+                m["rerouted_tokens_excluded"] = int(rerouted.sum())
             if m.get("first_divergence"):  # back to the token index of the whole sequence
                 fd = m["first_divergence"]
                 fd["index"][0] = int(np.flatnonzero(keep)[fd["index"][0]])
