@@ -234,10 +234,27 @@ def reduction_length(args) -> int:
     return max(args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size)
 
 
+def router_gaps(ref, layer: int, n: int | None = None) -> torch.Tensor:
+    """The reference's k-th minus (k+1)-th expert probability per token of `layer`'s router calls
+    (the first n: the sequence's calls come first, then the expert probes)."""
+    p = torch.cat(ref.router_probs[layer])[:n].sort(dim=-1, descending=True).values
+    k = ref.outputs[layer, "router"][0][1].shape[-1]
+    return p[:, k - 1] - p[:, k]
+
+
+def router_near_ties(ref, layer: int, spec, n: int | None = None) -> np.ndarray:
+    """Per token of `layer`'s first n router calls: is the reference's routing a near tie at this
+    precision (its gap below the router table's tie gap, scaled to the number of experts)?"""
+    gaps = router_gaps(ref, layer, n)
+    router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
+    return ~(gaps >= thresholds.tie_gap(router_lim, ref.router_probs[layer][0].shape[-1])).numpy()
+
+
 def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0) -> BlockRow:
     """One block row. `routes` (layer -> the candidate's top-k expert indices per token, from its
-    router row, which this fills in) lets a moe row compare the near-tie tokens whose routing
-    the candidate got right anyway."""
+    router row, which this fills in) decides which tokens the moe and layer rows compare: not a
+    token the candidate's router row routed elsewhere (that row judges routing); a moe row then
+    compares every token routed as the reference did, near ties included."""
     layer, kind = key
     lim = thresholds.at_width(thresholds.limits(spec.precision, kind, spec.family, spec.backend), reduction)
     detail = layer_types[layer] if kind == "attention" else ""
@@ -262,11 +279,8 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         if kind in ("moe", "layer") and r.shape[0] == c.shape[0]:
             # tokens whose reference routing is a near tie at this precision: a flipped
             # expert there is the precision's doing, reported as a count, not compared
-            router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
-            # router calls = the sequence's calls, then the expert probes (moe has both, layer none)
-            probs = torch.cat(ref.router_probs[layer])[: r.shape[0]].sort(dim=-1, descending=True).values
-            k = ref.outputs[layer, "router"][0][1].shape[-1]
-            keep = (probs[:, k - 1] - probs[:, k] >= thresholds.tie_gap(router_lim, probs.shape[-1])).numpy()
+            # (router calls = the sequence's calls, then the expert probes: moe has both, layer none)
+            keep = ~router_near_ties(ref, layer, spec, r.shape[0])
             rerouted = np.zeros_like(keep)
             if routes is not None and len(routes.get(layer, ())) >= len(keep):
                 # the candidate's router row (the reference's router inputs): a token it routed
@@ -314,13 +328,11 @@ def _step_logits(raw, k: int, ref_rows: int, vocab: int) -> np.ndarray:
 def routing_tie_positions(ref, spec) -> list[int]:
     """Positions of the reference's sequence where some layer's router is a near tie at this
     precision (k-th vs (k+1)-th probability closer than the router tie gap)."""
-    router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
     n = len(ref.tokens) - 1  # the sequence's calls: the prompt, then each fed-back token
     tie = np.zeros(n, dtype=bool)
-    for layer, probs in ref.router_probs.items():
-        p = torch.cat(probs)[:n].sort(dim=-1, descending=True).values
-        k = ref.outputs[layer, "router"][0][1].shape[-1]
-        tie[: p.shape[0]] |= (p[:, k - 1] - p[:, k] < thresholds.tie_gap(router_lim, p.shape[-1])).numpy()
+    for layer in ref.router_probs:
+        near = router_near_ties(ref, layer, spec, n)
+        tie[: near.shape[0]] |= near
     return [int(i) for i in np.flatnonzero(tie)]
 
 
@@ -463,7 +475,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         raise InputError(f"the HF reference cannot load {src.model_dir}: {e}") from None
     timings["reference_s"] = time.perf_counter() - t
     timings["reference_peak_rss_gib"] = peak_rss_gib()
-    result.reference = reference_margins(ref, src.args.num_experts_per_tok)
+    result.reference = reference_margins(ref)
 
     stage = "load"
     try:
@@ -548,14 +560,11 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     return result
 
 
-def reference_margins(ref, k: int) -> dict:
+def reference_margins(ref) -> dict:
     """How far the reference is from ties: token top-2 logit margins, router k-th vs (k+1)-th gap."""
     P = ref.prompt_len
     margins = [top2_margin(lg[-1]) for lg in ref.logits]
-    gaps = []
-    for probs in ref.router_probs.values():
-        p = torch.cat(probs).sort(dim=-1, descending=True).values
-        gaps.append(float((p[:, k - 1] - p[:, k]).min()))
+    gaps = [float(router_gaps(ref, layer).min()) for layer in ref.router_probs]
     return {"min_token_margin": min(margins), "token_margins": margins,
             "min_router_gap": min(gaps) if gaps else None, "prompt_len": P,
             "expert_coverage": {str(k): v for k, v in ref.coverage.items()}}
