@@ -37,9 +37,14 @@ the two methods, the taps, the probe methods, the cache key and the runtime cand
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import gc
 import hashlib
+import itertools
 import json
 import shutil
+import tempfile
 import types
 from pathlib import Path
 
@@ -88,7 +93,7 @@ def export_methods(model: Transformer, sample: bool = False, dense_prefill: bool
     S = model.args.max_seq_len
     long = dict(dtype=torch.long)
     module, extra = (SampledModel(model), example_args()) if sample else (model, ())
-    with torch.no_grad():
+    with torch.no_grad(), parameters_not_cloned():
         out = {"decode": export(module, (torch.zeros(1, 1, **long), torch.zeros(1, **long), *extra), strict=True)}
         if S >= 3:  # a prefill of 2..S-1 tokens (S - 1 leaves room for one decode step)
             T = Dim("T", min=2, max=S - 1)
@@ -104,7 +109,7 @@ def export_sampling(model: Transformer, dense_prefill: bool = False) -> dict:
 
     out = {f"sample_{name}": ep for name, ep in export_methods(model, True, dense_prefill).items()}
     logits = torch.zeros(1, model.args.vocab_size, dtype=model.lm_head.weight.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), parameters_not_cloned():
         out["sample_logits"] = export(Sampler(), (logits, *example_args()), strict=True)
     return out
 
@@ -169,7 +174,7 @@ def export_probes(model: Transformer) -> dict:
     rows = probe_rows(a)
     dynamic = ({0: Dim("N", min=1, max=rows)},) if rows > 1 else None  # one row: a static shape
     x = torch.zeros(rows, a.hidden_size, dtype=model.embed_tokens.weight.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), parameters_not_cloned():
         return {f"probe_{i}": export(MoeProbe(layer.mlp, i), (x,), dynamic_shapes=dynamic, strict=True)
                 for i, layer in enumerate(model.layers)}
 
@@ -297,13 +302,20 @@ def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict
         if opts.get("sampling"):
             methods.update(export_sampling(model, dense_prefill))
         path.with_name("taps.json").write_text(json.dumps(taps))
-    prog = lower(methods, model)
-    save(prog, path)
-    # the structural golden: ops of the lowered prefill and decode (delegate calls included)
-    counts = {}
-    for name in ("prefill", "decode"):
-        for op, n in op_histogram(prog.exported_program(name)).items():
-            counts[f"{name} {op}"] = n
+    # from here the exported programs hold the weights: each is freed once lowered (lower_cpu)
+    release_parameters(model)
+    gc.collect()
+    with spill_directory(path.parent):
+        prog = lower(methods, model)
+        methods.clear()
+        save(prog, path)
+        # the structural golden: ops of the lowered prefill and decode (delegate calls included)
+        counts = {}
+        for name in ("prefill", "decode"):
+            for op, n in op_histogram(prog.exported_program(name)).items():
+                counts[f"{name} {op}"] = n
+        del prog
+        gc.collect()
     path.with_name(OPS_FILE).write_text(histogram_text(counts, "ops of the lowered prefill and decode methods"))
 
 
@@ -339,10 +351,13 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: b
 
     for ep in methods.values():
         tag_weights_external(ep)
-    edge = to_edge_transform_and_lower(
-        methods, partitioner=[XnnpackPartitioner()] if xnnpack else [], constant_methods=metadata(model, sample),
-        # ExecuTorch 1.5.1's IR arg validator specialises the dynamic length to the example's
-        compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    with spilled_named_data(_spill_dir.get()):  # the delegates' serialized weights: to files
+        edge = to_edge_transform_and_lower(
+            methods, partitioner=[XnnpackPartitioner()] if xnnpack else [], constant_methods=metadata(model, sample),
+            # ExecuTorch 1.5.1's IR arg validator specialises the dynamic length to the example's
+            compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    methods.clear()  # the exported programs (the caller's dict): their weights are the edge programs' now
+    release_delegated_constants(edge)  # what the delegates took: in the named data store (files) only
     strip_taps_(edge)  # after partitioning (no-op without taps)
     prog = edge.to_executorch(ExecutorchBackendConfig(
         # state starts at zero (not the arena's garbage: 0 * NaN would survive the reset)
@@ -350,6 +365,107 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: b
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=True),
         emit_mutable_buffer_names=True, external_constants=lambda node: WEIGHTS_TAG))
     return prog
+
+
+# --- memory of the build: who holds the weights, and for how long ---------------------------
+
+@contextlib.contextmanager
+def parameters_not_cloned():
+    """Strict torch.export (dynamo) keeps a "real value" of every tensor it traces through, a
+    clone (torch._dynamo.variables.builder._clone_input, for export's real_value_cache): a
+    transient full copy of the weights, 1.5x of them at its peak with the clone's own temporary.
+    A parameter is never written by the model (the state is in buffers, which stay cloned), so
+    here dynamo keeps the parameter itself. The exported program is the same."""
+    from torch._dynamo.variables import builder
+
+    clone = builder._clone_input
+
+    def clone_input(value, fake_mode):
+        return value if isinstance(value, nn.Parameter) else clone(value, fake_mode)
+
+    builder._clone_input = clone_input
+    try:
+        yield
+    finally:
+        builder._clone_input = clone
+
+
+def release_parameters(model: nn.Module) -> None:
+    """Drop the model's own references to its parameters (after export: the exported programs
+    hold them), so that a weight is freed as soon as the lowering no longer needs it. The
+    module keeps its args and buffers (what the lowering reads: metadata, state buffer names)."""
+    for mod in model.modules():
+        for name in mod._parameters:
+            mod._parameters[name] = None
+
+
+SPILL_MIN_BYTES = 1 << 20
+_spill_dir: contextvars.ContextVar = contextvars.ContextVar("executorch_spill_dir", default=None)
+
+
+@contextlib.contextmanager
+def spill_directory(parent: Path):
+    """A temporary directory (under `parent`, beside the artifact: not the system's temp, which
+    may be in memory) for the serialized weights of one build; see spilled_named_data."""
+    with tempfile.TemporaryDirectory(prefix=".spill-", dir=parent) as d:
+        token = _spill_dir.set(Path(d))
+        try:
+            yield Path(d)
+        finally:
+            _spill_dir.reset(token)
+
+
+@contextlib.contextmanager
+def spilled_named_data(directory: Path | None, min_bytes: int = SPILL_MIN_BYTES):
+    """While lowering, a delegate's serialized weights go to files instead of memory: XNNPACK's
+    preprocess puts a `bytes` copy of every constant it takes into the named data store (a
+    second full copy of the weights beside the model's, kept until the .ptd is written); here
+    each blob of at least `min_bytes` is written to `directory` and stored as ExecuTorch's own
+    FileBackedData (what the store and the .ptd writer take besides bytes: the writer streams
+    it into model.ptd). Same keys, alignment and content: the same .ptd. No directory: as is."""
+    if directory is None:
+        yield
+        return
+    from executorch.exir._serialize._cord import FileBackedData
+    from executorch.exir._serialize._named_data_store import NamedDataStore
+
+    add = NamedDataStore.add_named_data
+    n = itertools.count()
+
+    def add_named_data(self, key, data, *args, **kwargs):
+        if isinstance(data, bytes) and len(data) >= min_bytes:
+            f = directory / f"{next(n)}.bin"
+            f.write_bytes(data)
+            data = FileBackedData(str(f), sha256=hashlib.sha256(data).digest())
+        return add(self, key, data, *args, **kwargs)
+
+    NamedDataStore.add_named_data = add_named_data
+    try:
+        yield
+    finally:
+        NamedDataStore.add_named_data = add
+
+
+def release_delegated_constants(edge) -> None:
+    """After partitioning: each delegate (LoweredBackendModule) keeps the subgraph it was made
+    from, with the fp32 weights it consumed (its state_dict), and its own copy of its
+    serialized data (merged, deduplicated, into the program's named data store). Neither is
+    read again (the emitter reads the subgraph's nodes only); drop both."""
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+
+    def visit(gm):
+        for _, lbm, _ in get_lowered_submodules(gm):
+            ep = lbm._original_exported_program
+            ep._state_dict.clear()
+            ep._constants.clear()
+            lbm._named_data_store_output = None
+        for child in gm.children():
+            if isinstance(child, torch.fx.GraphModule):
+                visit(child)
+
+    for name in edge.methods:
+        visit(edge.exported_program(name).graph_module)
+    gc.collect()
 
 
 class ExecutorchCandidate:

@@ -31,6 +31,7 @@ from models.checkpoint import CheckpointError, shard_files
 from models.layers import FULL, LINEAR
 from models.sampling import check_args
 from oracle.backend import Option
+from oracle.result import GateRow
 
 # bf16 only where a GPU can be: mlx's CPU gather_mm (the experts) is float32-only (0.32.4)
 PRECISIONS = ("fp32", "bf16", "q8", "q4") if sys.platform == "darwin" else ("fp32", "q8", "q4")
@@ -294,6 +295,11 @@ def quantize(model, bits: int, group_size: int) -> dict:
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
         quantize_model(model, {}, group_size, bits, mode="affine")
+    return {"bits": bits, "group_size": group_size, "mode": "affine", **quantization_table(model, group_size)}
+
+
+def quantization_table(model, group_size: int) -> dict:
+    """Every weight-carrying module of an mlx model: quantized (bits, group size) or not (why)."""
     done, skipped = {}, {}
     for path, m in sorted(model.named_modules()):
         w = m.get("weight") if isinstance(m, dict) else None
@@ -307,7 +313,81 @@ def quantize(model, bits: int, group_size: int) -> dict:
             skipped[path] = f"input dim {w.shape[-1]} not divisible by group size {group_size}"
         else:
             skipped[path] = "left out by the model's quant_predicate"
-    return {"bits": bits, "group_size": group_size, "mode": "affine", "quantized": done, "not_quantized": skipped}
+    return {"quantized": done, "not_quantized": skipped}
+
+
+# ---------------------------------------------------------------- shipped directories
+# the value mlx-lm's models use for a ModelArgs field left None (read off their __init__)
+DERIVED = {"head_dim": lambda a: a.hidden_size // a.num_attention_heads}
+RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")  # mlx_lm.convert --quant-predicate
+
+
+def loadable_config(family: str, config: dict, fields: dict) -> dict:
+    """config.json of an mlx-lm directory that mlx-lm's own loader (config.json straight into
+    ModelArgs.from_dict) reads as the model `fields` describe: the HF config, plus every field
+    mlx-lm would otherwise miss or take from its defaults (rope_theta inside rope_parameters,
+    num_experts from num_local_experts, ...). Qwen3.5: the composite form mlx-lm reads."""
+    cls = mlx_args_class(family)
+    text = dict(config.get("text_config") or config)
+    required = {f.name: fields[f.name] for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in text}
+    naive = dataclasses.asdict(cls.from_dict({**text, **required}))
+    extra = {k: v for k, v in fields.items() if k != "model_type" and (k in required or naive.get(k) != v)}
+    if family != "qwen3_5_moe":
+        return {**config, **extra}
+    top = {k: v for k, v in config.items() if k not in ("text_config", "model_type")}
+    return {**top, "model_type": "qwen3_5_moe", "text_config": {**text, **extra}}
+
+
+def write_directory(src, out, bits: int | None, group_size: int, recipe: str | None = None) -> list:
+    """An mlx-lm directory of the checkpoint as mlx_lm.convert writes one: mlx-lm's model,
+    quantizer (`recipe`: one of mlx_lm.convert's mixed recipes) and writers (save_model,
+    save_config), the weights at the checkpoint's own dtype; the config that mlx-lm's loader
+    reads as this model (loadable_config). bits None: unquantized."""
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.convert import mixed_quant_predicate_builder
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    model, fields = load_model(src)
+    config = loadable_config(src.family.name, src.config, fields)
+    if bits is not None or recipe:
+        pred = mixed_quant_predicate_builder(recipe, text_model(model), group_size) if recipe else None
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, group_size, bits or 4, mode="affine", quant_predicate=pred)
+    mx.eval(model.parameters())
+    out = Path(out)
+    save_model(out, model, donate_model=True)
+    save_config(config, out / "config.json")
+    return sorted(p for p in out.iterdir() if p.suffix in (".json", ".safetensors"))
+
+
+def load_directory(path, family: str, dtype, reference_config: dict):
+    """(mlx-lm model, info) of a shipped directory, loaded as mlx-lm loads it (mlx_lm.utils.load_model:
+    its config.json, quantization and weights), floating arrays (scales and biases included: an
+    exact upcast) at the activation dtype. info["config_mismatch"]: the ModelArgs fields mlx-lm
+    read differently from what the HF reference's config means."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_model as mlx_load
+
+    model, config = mlx_load(Path(path), lazy=True)
+    cast(model, dtype)
+    want = mlx_config(family, reference_config)
+    got = text_model(model).args
+    mismatch = {}
+    for k, v in want.items():
+        have = getattr(got, k, v)
+        if have is None and k in DERIVED:  # mlx-lm derives it when absent
+            have = DERIVED[k](got)
+        if k != "model_type" and have != v:
+            mismatch[k] = {"mlx_lm": have, "reference": v}
+    q = config.get("quantization") or {}
+    table = quantization_table(model, q.get("group_size", 0)) if q else {}
+    return model, {"quantization": {"bits": q.get("bits"), "group_size": q.get("group_size"),
+                                    "mode": q.get("mode", "affine"), **table} if q else None,
+                   "config_mismatch": mismatch}
 
 
 # ---------------------------------------------------------------- running
@@ -459,6 +539,17 @@ class MLXCandidate:
         (its Gumbel noise is mlx's own, drawn inside mx.random.categorical: no margin to report)."""
         return self.sample_logits(np.asarray(logits, np.float32), temperature, top_p, seed), None
 
+    def gates(self):
+        """A shipped directory: does mlx-lm read its config.json as the model the reference's config
+        means? (A field it misses takes mlx-lm's default: rope_theta 1e6 where HF's is 1e4.)"""
+        mismatch = self.info.get("config_mismatch")
+        if mismatch is None:
+            return []
+        text = "; ".join(f"{k}: mlx-lm {v['mlx_lm']!r}, reference {v['reference']!r}" for k, v in mismatch.items())
+        return [GateRow("mlx_config", "fail" if mismatch else "pass", len(mismatch), 0,
+                        f"fields mlx-lm read differently from the candidate's config.json: {text}" if mismatch
+                        else "mlx-lm reads the candidate's config.json as the reference's model")]
+
     def run_block(self, layer, kind, calls):
         with self.mx.stream(self.device):
             fn = self._block(layer, kind)
@@ -510,11 +601,14 @@ class MLXBackend:
     # OLMoE (6.92 B) q4 7.9 GiB (README)
     memory_per_param = {"fp32": 4.4, "bf16": 2.4, "q8": 1.4, "q4": 1.2}
     memory_note = "the mlx model at its precision, evaluated a layer at a time"
+    loads_directory = True  # --candidate-dir: a shipped mlx-lm directory (mlx_lm.convert's output)
     option_schema = (
         Option("device", str, ("cpu", "gpu"), "gpu where mlx has one, else cpu",
                "where mlx runs (gpu: Metal on Apple silicon)", "--device"),
         Option("group_size", int, GROUP_SIZES, DEFAULT_GROUP_SIZE, "quantization group size (q8/q4 only)",
                "--group-size"),
+        Option("recipe", str, RECIPES, None, "mlx-lm's mixed quantization recipe (with --precision q4)",
+               commands=("export",)),
     )
 
     def __init__(self, name: str = "mlx", transform=None, transform_id: str | None = None, config_fn=mlx_config):
@@ -544,6 +638,8 @@ class MLXBackend:
         For the harness to refuse before any work (bad input); load() raises it as well."""
         opts = spec.options or {}
         group_size = opts.get("group_size")
+        if spec.candidate_dir and (group_size is not None or opts.get("recipe")):
+            return "--group-size / recipe: a shipped directory's quantization is its own (its config.json)"
         if group_size is not None and spec.precision not in QUANT_BITS:
             return f"--group-size applies to q8/q4, not {spec.precision}"
         if self.availability()[0]:
@@ -566,13 +662,20 @@ class MLXBackend:
         opts = spec.options or {}
         device = device_of(opts.get("device"))
         group_size = int(opts.get("group_size") or DEFAULT_GROUP_SIZE)
+        dtype = mx.bfloat16 if spec.precision == "bf16" else mx.float32
+        shipped = {}
         with mx.stream(device):
-            m, fields = load_model(model, self.config_fn)
-            dtype = mx.bfloat16 if spec.precision == "bf16" else mx.float32
-            cast(m, dtype)
-            if self.transform is not None:
-                self.transform(m)
-            quant = quantize(m, QUANT_BITS[spec.precision], group_size) if spec.precision in QUANT_BITS else None
+            if spec.candidate_dir:  # the shipped directory, as mlx-lm loads it
+                m, shipped = load_directory(spec.candidate_dir, model.family.name, dtype, model.config)
+                fields, quant = mlx_config(model.family.name, model.config), shipped["quantization"]
+                if self.transform is not None:
+                    self.transform(m)
+            else:
+                m, fields = load_model(model, self.config_fn)
+                cast(m, dtype)
+                if self.transform is not None:
+                    self.transform(m)
+                quant = quantize(m, QUANT_BITS[spec.precision], group_size) if spec.precision in QUANT_BITS else None
             # evaluated a decoder layer at a time: the lazily loaded checkpoint arrays of one layer
             # (and their fp32/quantization intermediates) are live at once, not the model's
             for layer in text_model(m).layers:
@@ -584,9 +687,24 @@ class MLXBackend:
                 "config": fields, "dtype": str(dtype).split(".")[-1]}
         if quant:
             info["quantization"] = quant
+        if spec.candidate_dir:
+            info["loaded_from"] = f"{spec.candidate_dir} (mlx_lm.utils.load_model)"
+            info["config_mismatch"] = shipped["config_mismatch"]
         if self.transform_id:
             info["transform"] = self.transform_id
         return MLXCandidate(m, dtype, device, info)
+
+    def export(self, model, spec, output_dir) -> list:
+        """An mlx-lm directory (what mlx_lm.convert writes: config.json, model*.safetensors):
+        unquantized at fp32, or q8/q4 with --group-size, or --option recipe=mixed_4_6 (mlx-lm's
+        mixed recipes: 6-bit v_proj/down_proj in some layers and lm_head, 4-bit elsewhere)."""
+        opts = spec.options or {}
+        recipe = opts.get("recipe")
+        bits = QUANT_BITS.get(spec.precision)
+        if recipe and bits is None:
+            raise ValueError(f"--option recipe={recipe} is a quantization recipe: use --precision q4 (its low bits)")
+        return write_directory(model, output_dir, None if recipe else bits,
+                               int(opts.get("group_size") or DEFAULT_GROUP_SIZE), recipe)
 
 
 def device_of(name: str | None):

@@ -44,6 +44,15 @@ class Family:
     hf_attention: tuple[str, ...] = ("self_attn", "linear_attn")
     hf_moe: str = "mlp"
     hf_router: str = "mlp.gate"
+    # (mlx-lm checkpoint tensors of one layer, config.json) -> the HF checkpoint's names and layouts
+    # (how a shipped mlx-lm directory's dequantized weights become an HF reference)
+    from_mlx: Callable = None
+
+    def __post_init__(self):
+        if self.from_mlx is None:
+            from models.quantized import unstack_experts
+
+            object.__setattr__(self, "from_mlx", lambda weights, config: unstack_experts(weights))
 
     def hf_class(self):
         return getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_class_name)

@@ -94,7 +94,8 @@ def shard_files(model_dir: Path) -> list[Path]:
 # safetensors dtype names -> torch dtypes (the ones a checkpoint can hold)
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-             "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+             "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+             "U32": torch.uint32}  # U32: quantized weights packed as words (models/quantized.py)
 
 
 def _open(shard: Path):

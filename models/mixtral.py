@@ -2,6 +2,7 @@
 
 from models import Family, ModelArgs, hf_args, sanitize_hf
 from models.checkpoint import stack_experts
+from models.quantized import unstack_experts
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -25,7 +26,12 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(w, args)
 
 
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's block_sparse_moe.switch_mlp.{gate,up,down}_proj -> experts.{e}.w1/w3/w2."""
+    return unstack_experts(weights, {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
+
+
 FAMILY = Family(
     name="mixtral", model_types=("mixtral",), hf_module="mixtral", hf_class_name="MixtralForCausalLM",
-    hf_config_name="MixtralConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+    hf_config_name="MixtralConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx,
 )

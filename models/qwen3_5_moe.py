@@ -4,6 +4,7 @@ sigmoid-gated shared expert."""
 
 from models import Family, ModelArgs, hf_args, require, sanitize_hf
 from models.layers import FULL, LINEAR
+from models.quantized import unstack_experts
 
 TINY = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -38,9 +39,33 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(w, args)
 
 
+# the (1 + w) RMSNorms, whose weights mlx-lm's sanitize() stores as 1 + w (not linear_attn.norm)
+OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                ".q_norm.weight", ".k_norm.weight")
+
+
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names (language_model.model.*, switch_mlp experts, norms stored as 1 + w,
+    conv1d as [C, K, 1]) -> HF's: model.* for a text-only config, model.language_model.* for
+    the multimodal release's composite one; per-expert tensors."""
+    base = "model.language_model." if isinstance(config.get("text_config"), dict) else "model."
+    out = {}
+    for k, v in unstack_experts(weights).items():
+        if k.startswith("language_model.model."):
+            k = base + k[len("language_model.model."):]
+        elif k.startswith("language_model."):
+            k = k[len("language_model."):]
+        if k.endswith(OFFSET_NORMS) and v.ndim == 1:
+            v = v - 1.0
+        if k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[-1] == 1:
+            v = v.moveaxis(2, 1)
+        out[k] = v
+    return out
+
+
 FAMILY = Family(
     # the text-only config, or the multimodal release's composite one (its text_config is read)
     name="qwen3_5_moe", model_types=("qwen3_5_moe_text", "qwen3_5_moe"), hf_module="qwen3_5_moe",
     hf_class_name="Qwen3_5MoeForCausalLM", hf_config_name="Qwen3_5MoeTextConfig",
-    tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+    tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx,
 )

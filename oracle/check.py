@@ -10,13 +10,14 @@ import tempfile
 import platform
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family, text_config
+from models.quantized import dequantized_checkpoint, quantization_of
 from models.checkpoint import CheckpointError, cache_root, checkpoint_identity, config_checkpoint, meta_weights, \
     published_config, read_config, tiny_checkpoint
 from oracle import goldens as golden_files
@@ -68,6 +69,13 @@ def validate(spec: CheckSpec, command: str = "check"):
     if supported is not None and spec.precision not in supported:
         raise InputError(f"backend {spec.backend} does not support precision {spec.precision} "
                          f"(supports {', '.join(supported)})")
+    if shipped_dir(spec) is not None:
+        if spec.candidate_dir is not None and not getattr(backend, "loads_directory", False):
+            raise InputError(f"backend {spec.backend} cannot load a prebuilt directory (--candidate-dir): "
+                             "it builds its candidate from the checkpoint")
+        if spec.precision not in ("fp32", "bf16"):
+            raise InputError(f"--precision {spec.precision}: a shipped quantized directory's quantization is its "
+                             "own (read from its config.json); --precision is then the activation dtype, fp32 or bf16")
     spec.options.update(validate_options(backend, spec.options, command))
     check_options = getattr(backend, "check_options", None)
     problem = check_options(spec) if check_options else None
@@ -104,6 +112,8 @@ def family_of(model_dir: str | None, config: str | None, layers: int | None = No
 
 
 def model_source(spec: CheckSpec, progress=None) -> ModelSource:
+    """The checkpoint of the spec (--model-dir, --config, or the tiny one), validated from its
+    headers; its identity computed (or read from the identity cache)."""
     family = get_family(spec.family)
     try:
         if spec.model_dir:
@@ -113,18 +123,82 @@ def model_source(spec: CheckSpec, progress=None) -> ModelSource:
             model_dir = config_checkpoint(family, spec.config, spec.layers, spec.seed, progress=progress)
         else:
             model_dir = tiny_checkpoint(family, spec.seed)
-        config = read_config(model_dir)
-        require_family(family, config, f"{model_dir}/config.json")
-        max_len = spec.prompt_len + spec.decode_tokens
-        limit = text_config(config).get("max_position_embeddings")
-        if limit and max_len > limit:
-            raise InputError(f"prompt-len + decode-tokens = {max_len} exceeds max_position_embeddings {limit}")
-        # every tensor checked (names, shapes, dtypes, shards) from the headers alone, then the
-        # identity: one streamed pass (cached by path, size and mtime) that refuses NaN/Inf weights
-        args = family.validate(config, meta_weights(model_dir), max_seq_len=max_len)
-        return ModelSource(family, model_dir, config, args, checkpoint_identity(model_dir))
+        return source_of(family, model_dir, spec)
     except CheckpointError as e:
         raise InputError(str(e)) from None
+
+
+def source_of(family, model_dir: Path, spec: CheckSpec) -> ModelSource:
+    config = read_config(model_dir)
+    require_family(family, config, f"{model_dir}/config.json")
+    max_len = spec.prompt_len + spec.decode_tokens
+    limit = text_config(config).get("max_position_embeddings")
+    if limit and max_len > limit:
+        raise InputError(f"prompt-len + decode-tokens = {max_len} exceeds max_position_embeddings {limit}")
+    # every tensor checked (names, shapes, dtypes, shards) from the headers alone, then the
+    # identity: one streamed pass (cached by path, size and mtime) that refuses NaN/Inf weights
+    args = family.validate(config, meta_weights(model_dir), max_seq_len=max_len)
+    return ModelSource(family, model_dir, config, args, checkpoint_identity(model_dir))
+
+
+def shipped_dir(spec: CheckSpec) -> str | None:
+    """The shipped (mlx-lm format) directory the check is about: --candidate-dir, or a --model-dir
+    whose config.json has a quantization entry (then there is no original to compare with)."""
+    if spec.candidate_dir is not None:
+        return spec.candidate_dir
+    if spec.model_dir is None:
+        return None
+    try:
+        return spec.model_dir if quantization_of(read_config(Path(spec.model_dir))) is not None else None
+    except CheckpointError:
+        return None  # model_source() says what is wrong with it
+
+
+@dataclass
+class Sources:
+    """The checkpoints one check reads. Plain: `src` alone. A shipped directory: `src` is HF's
+    checkpoint of its weights (dequantized to fp32), `original` the HF checkpoint it was made
+    from (None when only the shipped directory was given)."""
+
+    src: ModelSource
+    shipped: str | None = None
+    original: ModelSource | None = None
+    quantization: dict | None = None  # the shipped directory's quantization (models.quantized.summary)
+
+
+def sources(spec: CheckSpec, progress=None) -> Sources:
+    shipped = shipped_dir(spec)
+    if shipped is None:
+        return Sources(model_source(spec, progress))
+    family = get_family(spec.family)
+    original = None if shipped == spec.model_dir else model_source(spec, progress)
+    try:
+        own = read_config(Path(shipped))
+        require_family(family, own, f"{shipped}/config.json")
+        quantization_of(own)
+        if original is not None:
+            differs = first_difference(original.args, family.args(own, original.args.max_seq_len))
+            if differs:
+                raise InputError(f"--candidate-dir {shipped} is not the architecture of {original.model_dir}: "
+                                 f"config {differs}")
+        deq, summary = dequantized_checkpoint(family, Path(shipped), original.config if original else None,
+                                              progress=progress)
+        try:
+            src = source_of(family, deq, spec)
+        except CheckpointError as e:
+            raise InputError(f"--candidate-dir {shipped}: its weights do not fit "
+                             f"{'the original' if original else 'its config'}: {e}") from None
+    except CheckpointError as e:
+        raise InputError(f"{shipped}: {e}") from None
+    return Sources(src, shipped, original, summary)
+
+
+def first_difference(a, b) -> str | None:
+    """The first ModelArgs field (bar the sequence length) where two checkpoints differ, as text."""
+    for f in fields(a):
+        if f.name != "max_seq_len" and getattr(a, f.name) != getattr(b, f.name):
+            return f"{f.name}: {getattr(a, f.name)!r} (original) vs {getattr(b, f.name)!r} (candidate)"
+    return None
 
 
 def prompt_tokens(spec: CheckSpec, vocab: int) -> list[int]:
@@ -438,6 +512,71 @@ def peak_rss_gib() -> float | None:
     return round(kb / 2**20, 3)
 
 
+def reference_of(spec: CheckSpec, src: ModelSource, prompt: list[int]):
+    try:
+        return reference_for(spec.family, str(src.model_dir), src.checkpoint_sha256, tuple(prompt),
+                             spec.decode_tokens)
+    except CheckpointError as e:
+        raise InputError(f"the HF reference cannot load {src.model_dir}: {e}") from None
+
+
+def block_rows(ref, cand, spec: CheckSpec, args, progress) -> list[BlockRow]:
+    """Every block row of the candidate against the reference. A block that raises is that
+    row's error; RuntimeError when every block raised."""
+    keys = ref.block_keys()
+    routes = {}  # layer -> the candidate's routing, from its router row (for the moe row)
+    modes = getattr(cand, "block_modes", {})
+    rows, errors = [], []
+    for n, key in enumerate(keys):
+        progress("blocks", n, len(keys))
+        mode = modes.get(key[1], getattr(cand, "block_mode", "isolated"))
+        try:
+            outs = cand.run_block(key[0], key[1], ref.inputs[key])
+        except Exception as e:  # this block crashed: its row is an error, the others are still measured
+            lim = thresholds.limits(spec.precision, key[1], spec.family, spec.backend)
+            detail = args.layer_types[key[0]] if key[1] == "attention" else ""
+            reason = f"{type(e).__name__}: {e}"
+            errors.append(f"{key[0]} {key[1]}: {reason}")
+            rows.append(invalid_row(key, mode, lim, detail, reason, "error"))
+            continue
+        if outs is None:
+            rows.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))
+            continue
+        row = compare_block(ref, key, outs, spec, args.layer_types, routes, reduction_length(args))
+        row.mode = mode
+        rows.append(row)
+    if errors and len(errors) == len(keys):
+        raise RuntimeError(f"every block raised; the first: {errors[0]}")
+    return rows
+
+
+def limits_precision(quantization: dict) -> str:
+    """The quantized precision whose limits judge the quantization error: q4 where any module
+    has 4 bits or fewer, else q8."""
+    return "q4" if min(quantization.get("bits") or [8]) <= 4 else "q8"
+
+
+def quantization_rows(spec: CheckSpec, srcs: Sources, prompt: list[int], progress) -> dict:
+    """The quantization error: HF on the original weights (the reference) against HF on the
+    shipped weights dequantized (the candidate, transformers itself), block by block and end to
+    end, judged at the limits of the quantized precision."""
+    precision = limits_precision(srcs.quantization or {})
+    qspec = replace(spec, precision=precision, candidate_dir=None)
+    ref = reference_of(spec, srcs.original, prompt)
+    out = {"precision": precision, "reference": "HF transformers fp32, original weights",
+           "candidate": "HF transformers fp32, the shipped weights dequantized"}
+    try:
+        hf = resolve("hf").load(srcs.src, replace(qspec, precision="fp32"))
+        rows = block_rows(ref, hf, qspec, srcs.original.args, lambda *a: progress("quantization", *a[1:]))
+        e2e, _ = run_e2e(ref, hf, qspec, reduction_length(srcs.original.args))
+    except Exception as e:
+        return {**out, "status": "error", "error": f"{type(e).__name__}: {e}"}
+    w = worst_row(rows)
+    failed = w is not None or e2e.status in ("fail", "error")
+    return {**out, "status": "fail" if failed else "pass", "blocks": [asdict(r) for r in rows], "e2e": asdict(e2e),
+            "worst": asdict(w) if w else None}
+
+
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True) -> CheckResult:
     """Run one check. Raises InputError for bad input. A crash in the backend's load() (or in
     every block) is status 'error'; a crash or malformed output in one block, one e2e step or
@@ -457,7 +596,11 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         result.status, result.skipped_reason = "skipped", reason
         return result
     progress("checkpoint")
-    src = model_source(spec, lambda msg: progress(f"checkpoint: {msg}"))
+    srcs = sources(spec, lambda msg: progress(f"checkpoint: {msg}"))
+    src = srcs.src
+    if srcs.shipped is not None and getattr(backend, "loads_directory", False):
+        spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
+        result.spec = asdict(spec)
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
                                        "tiny": spec.model_dir is None and spec.config is None}
     timings["checkpoint_s"] = time.perf_counter() - t0
@@ -468,14 +611,26 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     progress("reference")
     t = time.perf_counter()
     prompt = prompt_tokens(spec, src.args.vocab_size)
-    try:
-        ref = reference_for(spec.family, str(src.model_dir), src.checkpoint_sha256, tuple(prompt),
-                            spec.decode_tokens)
-    except CheckpointError as e:
-        raise InputError(f"the HF reference cannot load {src.model_dir}: {e}") from None
+    ref = reference_of(spec, src, prompt)
     timings["reference_s"] = time.perf_counter() - t
     timings["reference_peak_rss_gib"] = peak_rss_gib()
     result.reference = reference_margins(ref)
+    if srcs.shipped is not None:
+        result.quantization = {
+            "shipped_dir": srcs.shipped, **(srcs.quantization or {}),
+            "dequantized_checkpoint": {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256},
+            "original": str(srcs.original.model_dir) if srcs.original else None,
+            "implementation": f"the candidate vs HF on the shipped weights (dequantized to fp32), at {spec.precision} "
+                              "limits: does the runtime compute the model it was given?",
+        }
+        if srcs.original is None:
+            result.quantization["note"] = ("no original checkpoint given: only the implementation rows exist "
+                                           "(the quantization error needs the weights it was made from)")
+        else:
+            progress("quantization")
+            t = time.perf_counter()
+            result.quantization["rows"] = quantization_rows(spec, srcs, prompt, progress)
+            timings["quantization_s"] = time.perf_counter() - t
 
     stage = "load"
     try:
@@ -492,37 +647,13 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
 
         stage = "blocks"
         t = time.perf_counter()
-        keys = ref.block_keys()
-        routes = {}  # layer -> the candidate's routing, from its router row (for the moe row)
-        reduction = reduction_length(src.args)
-        modes = getattr(cand, "block_modes", {})
-        errors = []
-        for n, key in enumerate(keys):
-            progress("blocks", n, len(keys))
-            mode = modes.get(key[1], getattr(cand, "block_mode", "isolated"))
-            try:
-                outs = cand.run_block(key[0], key[1], ref.inputs[key])
-            except Exception as e:  # this block crashed: its row is an error, the others are still measured
-                lim = thresholds.limits(spec.precision, key[1], spec.family, spec.backend)
-                detail = src.args.layer_types[key[0]] if key[1] == "attention" else ""
-                reason = f"{type(e).__name__}: {e}"
-                errors.append(f"{key[0]} {key[1]}: {reason}")
-                result.blocks.append(invalid_row(key, mode, lim, detail, reason, "error"))
-                continue
-            if outs is None:
-                result.blocks.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))
-                continue
-            row = compare_block(ref, key, outs, spec, src.args.layer_types, routes, reduction)
-            row.mode = mode
-            result.blocks.append(row)
+        result.blocks = block_rows(ref, cand, spec, src.args, progress)
         timings["blocks_s"] = time.perf_counter() - t
-        if errors and len(errors) == len(keys):
-            raise RuntimeError(f"every block raised; the first: {errors[0]}")
 
         stage = "e2e"
         progress("e2e")
         t = time.perf_counter()
-        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction)
+        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args))
         if dtype_gate:
             result.gates.append(dtype_gate)
         timings["e2e_s"] = time.perf_counter() - t
@@ -552,7 +683,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     w = worst_row(result.blocks)  # rows measured before a crash still localise
     result.worst = asdict(w) if w else None
     failed = (w is not None or (result.e2e and result.e2e.status in ("fail", "error"))
-              or any(g.status in ("fail", "error") for g in result.gates))
+              or any(g.status in ("fail", "error") for g in result.gates)
+              or (result.quantization or {}).get("rows", {}).get("status") in ("fail", "error"))
     result.status = "error" if result.error else "fail" if failed else "pass"
     timings["total_s"] = time.perf_counter() - t0
     timings["peak_rss_gib"] = peak_rss_gib()

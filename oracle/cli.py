@@ -68,7 +68,11 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--config", help="a seeded checkpoint of a published config: NAME in models/configs/ "
                      "(see `oracle families`) or a config.json path")
     c.add_argument("--layers", type=positive_int, help="with --config: cut the depth to N layers")
-    c.add_argument("--precision", default="fp32", help="fp32 (default) or bf16")
+    c.add_argument("--candidate-dir", help="a shipped (e.g. mlx-lm quantized) directory for the backend to load as "
+                   "the candidate; the reference is HF on its dequantized weights, and with the original "
+                   "checkpoint (--model-dir / --config / tiny) the quantization error is reported apart")
+    c.add_argument("--precision", default="fp32", help="fp32 (default) or bf16 (with --candidate-dir: the "
+                   "activation dtype)")
     c.add_argument("--prompt-len", type=positive_int, default=8)
     c.add_argument("--decode-tokens", type=positive_int, default=8,
                    help="single-token decode steps after the prefill (default 8)")
@@ -261,7 +265,7 @@ def cmd_check(a) -> int:
             return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
-                     layers=a.layers, options=options)
+                     layers=a.layers, candidate_dir=a.candidate_dir, options=options)
     prog, update = progress_reporter()
     try:
         backend = validate(spec)

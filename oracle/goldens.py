@@ -54,6 +54,7 @@ def applies(spec, keys=TOKEN_SPEC_KEYS) -> bool:
     """Goldens compare only for the tiny model and the spec they were frozen for (these fields of it)."""
     frozen = frozen_spec(spec.family, spec.backend)
     return (spec.model_dir is None and getattr(spec, "config", None) is None and frozen is not None
+            and getattr(spec, "candidate_dir", None) is None  # a shipped directory: other weights
             and all(frozen.get(k) == getattr(spec, k) for k in keys))
 
 

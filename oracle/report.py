@@ -33,22 +33,13 @@ def _metric_line(row: dict) -> str:
     return s
 
 
-def markdown(doc: dict, top: int = 5) -> str:
-    spec = doc["spec"]
-    icon = {"pass": "✅", "fail": "❌", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
-    src = spec.get("model_dir") or (spec.get("config") and spec["config"] + (f" --layers {spec['layers']}" if spec.get("layers") else "")) or "tiny"
-    lines = [f"### {icon} oracle check `{spec['family']}` on `{spec['backend']}` ({spec['precision']}, {src}):"
-             f" **{doc['status']}**", ""]
-    if doc["status"] == "skipped":
-        return "\n".join(lines + [f"Skipped: {doc['skipped_reason']}", ""])
-    if doc["status"] == "error":
-        first = (doc.get("error") or "").splitlines()[:1]
-        return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""])
-    rows = [r for r in doc["blocks"] if r["status"] != "n/a"]
+def _blocks(all_rows: list, worst: dict | None, top: int) -> list[str]:
+    lines = []
+    rows = [r for r in all_rows if r["status"] != "n/a"]
     failing = sum(r["status"] in ("fail", "error") for r in rows)
     lines.append(f"Blocks: {len(rows) - failing}/{len(rows)} pass ({rows[0]['mode'] if rows else 'isolated'})")
-    if doc.get("worst"):
-        lines.append(f"Localised fault: **{_where(doc['worst'])}**: {_metric_line(doc['worst'])}")
+    if worst:
+        lines.append(f"Localised fault: **{_where(worst)}**: {_metric_line(worst)}")
     lines += ["", "| block | status | max_abs | rel_l2 | limit | ratio |", "|---|---|---|---|---|---|"]
 
     def key(r):
@@ -66,7 +57,11 @@ def markdown(doc: dict, top: int = 5) -> str:
             vals = (m.get("max_abs"), m.get("rel_l2"), r["limits"].get("rel_l2"))
         lines.append(f"| {_where(r)} | {r['status']} | {_fmt(vals[0])} | {_fmt(vals[1])} | {_fmt(vals[2])} |"
                      f" {_fmt(r['ratio'])} |")
-    e = doc.get("e2e")
+    return lines
+
+
+def _e2e(e: dict | None) -> list[str]:
+    lines = []
     if e:
         worst = max((s["max_abs"] for s in e["steps"] if isinstance(s["max_abs"], float)), default=0.0)
         if e.get("error"):
@@ -91,6 +86,42 @@ def markdown(doc: dict, top: int = 5) -> str:
             lines.append(f"First divergence: step {fm['step']} (position {fm['position']}): reference token"
                          f" {fm['reference_token']}, candidate {fm['candidate_token']}, reference top-2 margin"
                          f" {_fmt(fm['reference_margin'])}{' (near tie)' if fm['tie'] else ' (routing near tie)' if fm.get('routing_tie') else ''}")
+    return lines
+
+
+def _shipped(q: dict) -> list[str]:
+    mods = ", ".join(f"{k}: {n} modules" for k, n in (q.get("modules") or {}).items()) or "no quantized module"
+    lines = [f"Shipped directory `{q['shipped_dir']}`: {q.get('format', '')} {q.get('kind', '')} ({mods})."]
+    if q.get("note"):
+        lines.append(q["note"][0].upper() + q["note"][1:] + ".")
+    return lines
+
+
+def markdown(doc: dict, top: int = 5) -> str:
+    spec = doc["spec"]
+    icon = {"pass": "✅", "fail": "❌", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
+    src = spec.get("model_dir") or (spec.get("config") and spec["config"] + (f" --layers {spec['layers']}" if spec.get("layers") else "")) or "tiny"
+    lines = [f"### {icon} oracle check `{spec['family']}` on `{spec['backend']}` ({spec['precision']}, {src}):"
+             f" **{doc['status']}**", ""]
+    if doc["status"] == "skipped":
+        return "\n".join(lines + [f"Skipped: {doc['skipped_reason']}", ""])
+    if doc["status"] == "error":
+        first = (doc.get("error") or "").splitlines()[:1]
+        return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""])
+    q = doc.get("quantization")
+    if q:
+        lines += _shipped(q)
+        lines += ["", f"**Implementation error** (the candidate vs HF on the shipped weights dequantized, "
+                      f"{spec['precision']} limits): does the runtime compute the model it was given?", ""]
+    lines += _blocks(doc["blocks"], doc.get("worst"), top) + _e2e(doc.get("e2e"))
+    rows = (q or {}).get("rows")
+    if rows:
+        lines += ["", f"**Quantization error** (HF on the original weights vs HF on the dequantized ones, "
+                      f"{rows['precision']} limits): **{rows['status']}**"]
+        if rows.get("error"):
+            lines.append(f"It could not be measured: `{rows['error']}`")
+        else:
+            lines += [""] + _blocks(rows["blocks"], rows.get("worst"), top) + _e2e(rows.get("e2e"))
     for g in doc.get("gates", []):
         lines.append(f"Gate {g['name']}: {g['status']} ({_fmt(g['value'])} vs limit {_fmt(g['limit'])})"
                      + (f" {g['message']}" if g.get("message") else ""))

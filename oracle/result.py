@@ -75,6 +75,11 @@ class CheckResult:
     skipped_reason: str | None = None
     timings: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)  # artifacts: name, sha256, cached (run state, like timings)
+    # a shipped quantized directory: its format and bits, and (with the original checkpoint) the
+    # quantization error rows `rows` (HF original vs HF on the dequantized weights: blocks, e2e,
+    # status); `blocks`/`e2e` above are then the implementation error (the candidate vs HF on
+    # the dequantized weights)
+    quantization: dict | None = None
     schema: str = SCHEMA
 
     def to_dict(self) -> dict:
