@@ -446,18 +446,29 @@ def spilled_named_data(directory: Path | None, min_bytes: int = SPILL_MIN_BYTES)
         NamedDataStore.add_named_data = add
 
 
+def placeholder_like(t):
+    """A tensor with `t`'s shape, strides and dtype whose memory is never touched (no resident
+    pages: the allocator maps it and nothing writes it): what a fake-tensor pass reads."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.untyped_storage().nbytes() < SPILL_MIN_BYTES:
+        return t
+    e = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    return nn.Parameter(e, requires_grad=False) if isinstance(t, nn.Parameter) else e
+
+
 def release_delegated_constants(edge) -> None:
     """After partitioning: each delegate (LoweredBackendModule) keeps the subgraph it was made
     from, with the fp32 weights it consumed (its state_dict), and its own copy of its
-    serialized data (merged, deduplicated, into the program's named data store). Neither is
-    read again (the emitter reads the subgraph's nodes only); drop both."""
+    serialized data (merged, deduplicated, into the program's named data store). The data is
+    not read again; to_executorch's passes only run the subgraph on fake tensors (their shapes
+    and dtypes): the weights become placeholders of the same shapes and the duplicates go."""
     from executorch.exir.lowered_backend_module import get_lowered_submodules
 
     def visit(gm):
         for _, lbm, _ in get_lowered_submodules(gm):
             ep = lbm._original_exported_program
-            ep._state_dict.clear()
-            ep._constants.clear()
+            for table in (ep._state_dict, ep._constants):
+                for k, v in table.items():
+                    table[k] = placeholder_like(v)
             lbm._named_data_store_output = None
         for child in gm.children():
             if isinstance(child, torch.fx.GraphModule):

@@ -353,7 +353,7 @@ def write_directory(src, out, bits: int | None, group_size: int, recipe: str | N
     model, fields = load_model(src)
     config = loadable_config(src.family.name, src.config, fields)
     if bits is not None or recipe:
-        pred = mixed_quant_predicate_builder(recipe, text_model(model), group_size) if recipe else None
+        pred = mixed_quant_predicate_builder(recipe, model, group_size) if recipe else None
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = quantize_model(model, config, group_size, bits or 4, mode="affine", quant_predicate=pred)
     mx.eval(model.parameters())

@@ -300,3 +300,38 @@ def inject(fault, model) -> None:
         FAULTS[fault.name](attention_block(model.layers[i]))
     else:
         FAULTS[fault.name](model.layers[i])
+
+
+# ------------------------------------------------------------------ a quantized runtime's faults
+# Seeded into the candidate loaded from a shipped directory (--candidate-dir), in one decoder
+# layer's experts: the weights in the file are right, the runtime dequantizes them wrongly. The
+# implementation rows must fail at that layer's moe; the quantization rows (HF original vs HF on
+# the file's weights) cannot see a runtime fault and must not change.
+def _experts_quantized(layer) -> list:
+    sw = moe_block(layer).switch_mlp
+    mods = [getattr(sw, name) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all("scales" in m for m in mods):
+        raise ValueError("the layer's experts are not quantized: a quantized runtime fault needs a quantized candidate")
+    return mods
+
+
+def _scale_bias_swap(layer):  # each group's scale read as its bias and its bias as its scale
+    for m in _experts_quantized(layer):
+        m.scales, m.biases = m.biases, m.scales
+
+
+def _group_size_doubled(layer):  # each scale and bias applied to two groups: group size read as 2x the file's
+    for m in _experts_quantized(layer):
+        idx = mx.array([(g // 2) * 2 for g in range(m.scales.shape[-1])])
+        m.scales, m.biases = m.scales[..., idx], m.biases[..., idx]
+
+
+QUANTIZED_FAULTS = {"dequant_scale_bias_swap": _scale_bias_swap, "dequant_group_size_doubled": _group_size_doubled}
+
+
+def quantized_fault_backend(name: str, layer: int):
+    """The mlx backend with a quantized runtime fault in decoder layer `layer`'s experts."""
+    from exporters.mlx import MLXBackend
+
+    fn = QUANTIZED_FAULTS[name]
+    return MLXBackend(f"mlx+{name}", lambda m: fn(text_model(m).layers[layer]), f"{name}@{layer}")

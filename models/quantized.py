@@ -74,7 +74,8 @@ def summary(q: dict, modules: dict) -> dict:
         counts[key] = counts.get(key, 0) + 1
     bits = sorted({m["bits"] for m in modules.values()})
     kind = "none" if not bits else f"q{bits[0]}" if len(bits) == 1 else "mixed"
-    return {"format": "mlx affine", "kind": kind, "bits": bits, "group_size": q["group_size"],
+    return {"format": "mlx affine" if q else "mlx (unquantized)", "kind": kind, "bits": bits,
+            "group_size": q["group_size"] if q else None,
             "modules": dict(sorted(counts.items()))}
 
 
@@ -125,6 +126,8 @@ def read_dequantized(model_dir: Path, q: dict, names: list[str] | None = None) -
                 t = f.get_tensor(n)
                 path = n.rsplit(".", 1)[0]
                 if n.endswith(".weight") and f"{path}.scales" in index:
+                    if q is None:
+                        raise CheckpointError(f"{path} has scales, but config.json has no quantization entry")
                     spec = module_quantization(q, path)
                     if spec is None:
                         raise CheckpointError(f"{path}: config.json says unquantized, but it has scales")
