@@ -157,6 +157,7 @@ class CheckSpec:
     # a shipped (prequantized) artifact directory the backend loads as the candidate, instead of
     # building one from the checkpoint; the reference is then HF on its (dequantized) weights
     candidate_dir: str | None = None
+    reference: str | None = None  # a reference saved by `oracle reference save` (used for its checkpoint)
     options: dict = field(default_factory=dict)  # backend-specific options
 
 

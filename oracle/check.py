@@ -76,6 +76,8 @@ def validate(spec: CheckSpec, command: str = "check"):
         if spec.precision not in ("fp32", "bf16"):
             raise InputError(f"--precision {spec.precision}: a shipped quantized directory's quantization is its "
                              "own (read from its config.json); --precision is then the activation dtype, fp32 or bf16")
+    if spec.reference is not None:
+        saved_reference(spec)
     spec.options.update(validate_options(backend, spec.options, command))
     check_options = getattr(backend, "check_options", None)
     problem = check_options(spec) if check_options else None
@@ -512,12 +514,57 @@ def peak_rss_gib() -> float | None:
     return round(kb / 2**20, 3)
 
 
+def saved_reference(spec: CheckSpec) -> dict:
+    """provenance.json of --reference DIR, checked against the spec (family, lengths, seed)."""
+    from oracle.reference import read_portable
+
+    try:
+        meta = read_portable(Path(spec.reference))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    for name in ("family", "prompt_len", "decode_tokens", "seed"):
+        if meta.get(name) != getattr(spec, name):
+            raise InputError(f"--reference {spec.reference} was captured with {name.replace('_', '-')} "
+                             f"{meta.get(name)!r}, this check has {getattr(spec, name)!r}")
+    return meta
+
+
 def reference_of(spec: CheckSpec, src: ModelSource, prompt: list[int]):
+    """The HF reference for this checkpoint: --reference DIR when it was captured from this
+    checkpoint (same sha256), else captured here (or from the cache)."""
+    if spec.reference is not None and saved_reference(spec)["checkpoint_sha256"] == src.checkpoint_sha256:
+        from oracle.reference import load_portable
+
+        try:
+            ref = load_portable(Path(spec.reference))
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        if ref.tokens[: ref.prompt_len] != list(prompt):
+            raise InputError(f"--reference {spec.reference}: its prompt tokens are not this check's")
+        return ref
     try:
         return reference_for(spec.family, str(src.model_dir), src.checkpoint_sha256, tuple(prompt),
                              spec.decode_tokens)
     except CheckpointError as e:
         raise InputError(f"the HF reference cannot load {src.model_dir}: {e}") from None
+
+
+def save_reference(spec: CheckSpec, out: str, progress=None) -> list[Path]:
+    """`oracle reference save`: capture (or take from the cache) the reference of the spec's
+    checkpoint and write it as a portable directory."""
+    from oracle.reference import save_portable
+
+    progress = progress or (lambda *a: None)
+    src = model_source(spec, lambda msg: progress(f"checkpoint: {msg}"))
+    prompt = prompt_tokens(spec, src.args.vocab_size)
+    progress("reference")
+    ref = reference_of(replace(spec, reference=None), src, prompt)
+    return save_portable(ref, Path(out), {
+        "family": spec.family, "checkpoint_sha256": src.checkpoint_sha256, "checkpoint": str(src.model_dir),
+        "config": src.config, "prompt_len": spec.prompt_len, "decode_tokens": spec.decode_tokens,
+        "seed": spec.seed, "prompt": prompt, "tokens": ref.tokens,
+        "versions": provenance(spec)["versions"], "python": platform.python_version(),
+        "host": platform.node()})
 
 
 def block_rows(ref, cand, spec: CheckSpec, args, progress) -> list[BlockRow]:
@@ -577,6 +624,12 @@ def quantization_rows(spec: CheckSpec, srcs: Sources, prompt: list[int], progres
             "worst": asdict(w) if w else None}
 
 
+def spec_record(spec: CheckSpec) -> dict:
+    """The spec as the report records it: a saved reference's path is run state (in `cache`),
+    so a check against a moved reference reports the same bytes as one captured in-process."""
+    return {k: v for k, v in asdict(spec).items() if k != "reference"}
+
+
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True) -> CheckResult:
     """Run one check. Raises InputError for bad input. A crash in the backend's load() (or in
     every block) is status 'error'; a crash or malformed output in one block, one e2e step or
@@ -590,7 +643,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     if goldens and not golden_files.root().is_dir():  # a broken install would silently drop every golden gate
         raise InputError(f"the goldens directory {golden_files.root()} is missing (a broken install?): "
                          "reinstall moe-oracle, or set MOE_ORACLE_GOLDENS")
-    result = CheckResult(spec=asdict(spec), status="pass", provenance=provenance(spec))
+    result = CheckResult(spec=spec_record(spec), status="pass", provenance=provenance(spec))
     ok, reason = backend.availability()
     if not ok:
         result.status, result.skipped_reason = "skipped", reason
@@ -600,13 +653,19 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     src = srcs.src
     if srcs.shipped is not None and getattr(backend, "loads_directory", False):
         spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
-        result.spec = asdict(spec)
+        result.spec = spec_record(spec)
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
                                        "tiny": spec.model_dir is None and spec.config is None}
     timings["checkpoint_s"] = time.perf_counter() - t0
     refusal = memory_refusal(backend, src, spec)
     if refusal:
         raise InputError(refusal)
+    if spec.reference is not None:
+        saved = saved_reference(spec)["checkpoint_sha256"]
+        here = [s.checkpoint_sha256 for s in (src, srcs.original) if s is not None]
+        if saved not in here:
+            raise InputError(f"--reference {spec.reference} was captured from checkpoint sha256 {saved[:16]}..., "
+                             f"not this check's ({', '.join(h[:16] + '...' for h in here)})")
 
     progress("reference")
     t = time.perf_counter()
@@ -644,6 +703,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         result.provenance["artifacts"] = [{"name": a["name"], "sha256": a["sha256"]} for a in artifacts]
         result.cache = {"artifacts": [{k: a[k] for k in ("name", "cached", "build_s", "path")} for a in artifacts],
                         "all_cached": bool(artifacts) and all(a["cached"] for a in artifacts)}
+        if spec.reference is not None:  # where the reference came from is run state: the numbers are the same
+            result.cache["reference"] = spec.reference
 
         stage = "blocks"
         t = time.perf_counter()

@@ -73,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
                    "checkpoint (--model-dir / --config / tiny) the quantization error is reported apart")
     c.add_argument("--precision", default="fp32", help="fp32 (default) or bf16 (with --candidate-dir: the "
                    "activation dtype)")
+    c.add_argument("--reference", help="a reference directory written by `oracle reference save` (used where its "
+                   "checkpoint sha256 is this check's; no HF run)")
     c.add_argument("--prompt-len", type=positive_int, default=8)
     c.add_argument("--decode-tokens", type=positive_int, default=8,
                    help="single-token decode steps after the prefill (default 8)")
@@ -137,6 +139,19 @@ def parser() -> argparse.ArgumentParser:
         gp = gsub.add_parser(name, help=hlp)
         gp.add_argument("--family", action="append", help="limit to this family (repeatable)")
         gp.add_argument("--backend", action="append", help="limit to this backend (repeatable)")
+    rf = sub.add_parser("reference", help="save a captured HF reference as a portable directory")
+    rfsub = rf.add_subparsers(dest="reference_cmd", required=True)
+    rs = rfsub.add_parser("save", help="capture the HF fp32 reference of a checkpoint and write it to --out")
+    rs.add_argument("--family", help="default: the family the --model-dir / --config config.json names")
+    rsrc = rs.add_mutually_exclusive_group()
+    rsrc.add_argument("--model-dir")
+    rsrc.add_argument("--tiny", action="store_true", help="the family's tiny seeded checkpoint (default)")
+    rsrc.add_argument("--config")
+    rs.add_argument("--layers", type=positive_int)
+    rs.add_argument("--prompt-len", type=positive_int, default=8)
+    rs.add_argument("--decode-tokens", type=positive_int, default=8)
+    rs.add_argument("--seed", type=int, default=0)
+    rs.add_argument("--out", required=True, help="the directory to write (replaced if it is a saved reference)")
     sub.add_parser("families", help="list model families")
     sub.add_parser("backends", help="list backends and whether they are available here")
     return p
@@ -265,7 +280,7 @@ def cmd_check(a) -> int:
             return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
-                     layers=a.layers, candidate_dir=a.candidate_dir, options=options)
+                     layers=a.layers, candidate_dir=a.candidate_dir, reference=a.reference, options=options)
     prog, update = progress_reporter()
     try:
         backend = validate(spec)
@@ -460,6 +475,34 @@ def cmd_goldens(a) -> int:
     return rc
 
 
+def cmd_reference(a) -> int:
+    from oracle.backend import CheckSpec, InputError
+    from oracle.check import family_of, save_reference, validate
+
+    from pathlib import Path
+
+    out = Path(a.out)
+    if out.exists() and not (out.is_dir() and ((out / "provenance.json").is_file() or not any(out.iterdir()))):
+        fail_input(f"--out {out}: exists and is not a saved reference (not replaced)")
+    check_outputs(dirs=[("--out", str(out.parent))])
+    try:
+        family = a.family or family_of(a.model_dir, a.config, a.layers)
+        spec = CheckSpec(family=family, backend="hf", prompt_len=a.prompt_len, decode_tokens=a.decode_tokens,
+                         seed=a.seed, model_dir=a.model_dir, config=a.config, layers=a.layers)
+        validate(spec)
+        prog, update = progress_reporter()
+        if prog:
+            with prog:
+                files = save_reference(spec, a.out, update)
+        else:
+            files = save_reference(spec, a.out)
+    except InputError as e:
+        print(f"oracle: error: {e}", file=sys.stderr)
+        return EXIT["bad_input"]
+    print(f"wrote {out} ({', '.join(f.name for f in files)})")
+    return 0
+
+
 def main(argv=None) -> int:
     _quiet()
     a = parser().parse_args(argv)
@@ -477,6 +520,8 @@ def main(argv=None) -> int:
         return cmd_goldens(a)
     if a.cmd == "report":
         return cmd_report(a)
+    if a.cmd == "reference":
+        return cmd_reference(a)
     return cmd_check(a)
 
 

@@ -375,3 +375,60 @@ def load(path: Path) -> Reference | None:
     ref.router_probs = {int(k): [t[f"probs.{k}.{i}"] for i in range(m)] for k, m in meta["router_layers"].items()}
     ref.coverage = {int(k): v for k, v in meta["coverage"].items()}
     return ref
+
+
+# ---------------------------------------------------------------- portable references
+PORTABLE_FORMAT = 1
+PORTABLE_FILES = ("reference.json", "reference.safetensors", "provenance.json")
+
+
+def save_portable(ref: Reference, out: Path, provenance: dict) -> list[Path]:
+    """A captured reference as a directory that can be moved to another machine: every tensor
+    (reference.safetensors), the structure (reference.json) and what it was captured from
+    (provenance.json: family, checkpoint sha256, config, prompt, steps, seed, versions).
+    Written into a temporary directory beside `out`, then renamed: never half there."""
+    import json
+    import shutil
+    import tempfile
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save(ref, tmp / "reference")
+        (tmp / "provenance.json").write_text(json.dumps({**provenance, "format": PORTABLE_FORMAT}, indent=1,
+                                                        sort_keys=True) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [out / f for f in PORTABLE_FILES]
+
+
+def read_portable(path: Path) -> dict:
+    """provenance.json of a saved reference directory; ValueError saying what is wrong."""
+    import json
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"--reference {path}: not a directory")
+    missing = [f for f in PORTABLE_FILES if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"--reference {path}: not a saved reference (missing {', '.join(missing)}; "
+                         "write one with `oracle reference save`)")
+    try:
+        meta = json.loads((path / "provenance.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"--reference {path}/provenance.json: not valid JSON ({e})") from None
+    if meta.get("format") != PORTABLE_FORMAT:
+        raise ValueError(f"--reference {path}: format {meta.get('format')!r}, this version reads {PORTABLE_FORMAT}")
+    return meta
+
+
+def load_portable(path: Path) -> Reference:
+    ref = load(Path(path) / "reference")
+    if ref is None:
+        raise ValueError(f"--reference {path}: reference.safetensors / reference.json are unreadable")
+    return ref
