@@ -158,6 +158,8 @@ class CheckSpec:
     # building one from the checkpoint; the reference is then HF on its (dequantized) weights
     candidate_dir: str | None = None
     reference: str | None = None  # a reference saved by `oracle reference save` (used for its checkpoint)
+    # real text, tokenized with the checkpoint's own tokenizer (None: prompt_len random token ids)
+    prompts: tuple[str, ...] | None = None
     options: dict = field(default_factory=dict)  # backend-specific options
 
 

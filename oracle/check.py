@@ -208,6 +208,76 @@ def prompt_tokens(spec: CheckSpec, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (spec.prompt_len,), generator=gen).tolist()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def tokenized_prompts(spec: CheckSpec, srcs, vocab: int) -> list[list[int]]:
+    """--prompt / --prompts: each text tokenized by the checkpoint's own tokenizer
+    (transformers' AutoTokenizer from the directory's files, never downloaded; special tokens as
+    the tokenizer adds them). Exit 2 when the checkpoint carries no tokenizer."""
+    dirs = [Path(d) for d in (spec.model_dir, srcs.shipped) if d]
+    where = next((d for d in dirs if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
+    if where is None:
+        named = spec.model_dir or spec.config or "the tiny checkpoint"
+        raise InputError(f"--prompt/--prompts need the checkpoint's tokenizer, and {named} has none "
+                         f"({' / '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except Exception as e:
+        raise InputError(f"{where}: its tokenizer does not load ({type(e).__name__}: {e})") from None
+    out = []
+    for i, text in enumerate(spec.prompts):
+        ids = list(tok(text)["input_ids"])
+        if not ids:
+            raise InputError(f"prompt {i + 1} tokenizes to nothing")
+        if max(ids) >= vocab:
+            raise InputError(f"prompt {i + 1}: token id {max(ids)} is outside the model's vocabulary ({vocab})")
+        out.append(ids)
+    return out
+
+
+def prompt_set(ref0, e2e0, rows0, spec, src, cand, prompts: list[list[int]], progress) -> dict:
+    """Every prompt's e2e against its own reference, and the distribution metrics over all of
+    them (llama.cpp's --kl-divergence figures): KL percentiles, same top-1, and the perplexity
+    of each prompt's own next tokens under the candidate and the reference (prefill rows)."""
+    lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend),
+                              reduction_length(src.args))
+    per, ref_all, cand_all, nll = [], [], [], {"reference": [], "candidate": []}
+    for i, tokens in enumerate(prompts):
+        progress("prompts", i, len(prompts))
+        if i == 0:
+            ref, e2e, rows = ref0, e2e0, rows0
+        else:
+            ref, rows = reference_of(spec, src, tokens), []
+            e2e = run_e2e(ref, cand, spec, reduction_length(src.args), rows)[0]
+        per.append({"prompt_tokens": len(tokens), "status": e2e.status, "token_exact": e2e.token_exact,
+                    "max_abs": max((s["max_abs"] for s in e2e.steps if s.get("max_abs") is not None), default=None)})
+        for k, r, c in rows:
+            ref_all.append(r)
+            cand_all.append(c)
+            if k == 0 and c.shape[0] == len(tokens) and len(tokens) > 1:  # every prompt row: its next tokens
+                nll["reference"].append((r[:-1], tokens[1:]))
+                nll["candidate"].append((c[:-1], tokens[1:]))
+    out = {"count": len(prompts), "per_prompt": per}
+    if ref_all:
+        d = distribution_metrics(np.concatenate(ref_all), np.concatenate(cand_all), lim.get("tie_margin", 0.0))
+        if "kl_mean" in lim:
+            d["status"], d["ratio"] = judge_distribution(d, lim)
+        out["distribution"] = d
+    if nll["reference"]:
+        from oracle.distribution import perplexity
+
+        ppl = {}
+        for who, parts in nll.items():
+            ppl[who], n = perplexity(np.concatenate([p for p, _ in parts]), np.concatenate([t for _, t in parts]))
+        out["perplexity"] = {**ppl, "ratio": ppl["candidate"] / ppl["reference"], "positions": n}
+    failed = any(p["status"] in ("fail", "error") for p in per) or (out.get("distribution") or {}).get("status") == "fail"
+    out["status"] = "fail" if failed else "pass"
+    return out
+
+
 @functools.lru_cache(maxsize=4)
 def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: int):
     """The HF reference for this checkpoint and prompt: in memory, else from the disk cache
@@ -412,7 +482,9 @@ def routing_tie_positions(ref, spec) -> list[int]:
     return [int(i) for i in np.flatnonzero(tie)]
 
 
-def run_e2e(ref, cand, spec, reduction: int = 0) -> E2E:
+def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None) -> E2E:
+    """The candidate's prefill and decode steps, fed the reference's tokens. `collect` (a list)
+    receives (step, reference rows, candidate rows) for each step the candidate answered."""
     lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend), reduction)
     P = ref.prompt_len
     # A step that attends to a position whose expert choice is a near tie (in any layer) may
@@ -450,6 +522,8 @@ def run_e2e(ref, cand, spec, reduction: int = 0) -> E2E:
         dtypes.add(dtype_name(raw))
         ref_rows.append(as_f64(r).reshape(-1, vocab))
         cand_rows.append(out)
+        if collect is not None:
+            collect.append((k, ref_rows[-1], out))
         m = tensor_metrics(r, out, lim["atol"], lim["rtol"])
         status, ratio = thresholds.judge_tensor(m, lim)
         position = P + k - 1 if k else P - 1
@@ -667,9 +741,21 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             raise InputError(f"--reference {spec.reference} was captured from checkpoint sha256 {saved[:16]}..., "
                              f"not this check's ({', '.join(h[:16] + '...' for h in here)})")
 
+    prompts = None
+    if spec.prompts:
+        prompts = tokenized_prompts(spec, srcs, src.args.vocab_size)
+        longest = max(map(len, prompts))
+        limit = text_config(src.config).get("max_position_embeddings")
+        if limit and longest + spec.decode_tokens > limit:
+            raise InputError(f"the longest prompt ({longest} tokens) + decode-tokens {spec.decode_tokens} exceeds "
+                             f"max_position_embeddings {limit}")
+        spec = replace(spec, prompt_len=longest)  # what static-length artifacts are sized for
+        src = replace(src, args=replace(src.args, max_seq_len=longest + spec.decode_tokens))
+        result.spec = spec_record(spec)
+
     progress("reference")
     t = time.perf_counter()
-    prompt = prompt_tokens(spec, src.args.vocab_size)
+    prompt = prompts[0] if prompts else prompt_tokens(spec, src.args.vocab_size)
     ref = reference_of(spec, src, prompt)
     timings["reference_s"] = time.perf_counter() - t
     timings["reference_peak_rss_gib"] = peak_rss_gib()
@@ -714,10 +800,16 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         stage = "e2e"
         progress("e2e")
         t = time.perf_counter()
-        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args))
+        rows = []
+        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args), rows)
         if dtype_gate:
             result.gates.append(dtype_gate)
         timings["e2e_s"] = time.perf_counter() - t
+        if prompts:
+            stage = "prompts"
+            t = time.perf_counter()
+            result.prompts = prompt_set(ref, result.e2e, rows, spec, src, cand, prompts, progress)
+            timings["prompts_s"] = time.perf_counter() - t
         stage = "gates"
         gates = getattr(cand, "gates", None)
         if gates is not None:
@@ -745,7 +837,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     result.worst = asdict(w) if w else None
     failed = (w is not None or (result.e2e and result.e2e.status in ("fail", "error"))
               or any(g.status in ("fail", "error") for g in result.gates)
-              or (result.quantization or {}).get("rows", {}).get("status") in ("fail", "error"))
+              or (result.quantization or {}).get("rows", {}).get("status") in ("fail", "error")
+              or (result.prompts or {}).get("status") == "fail")
     result.status = "error" if result.error else "fail" if failed else "pass"
     timings["total_s"] = time.perf_counter() - t0
     timings["peak_rss_gib"] = peak_rss_gib()

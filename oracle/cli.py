@@ -75,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
                    "activation dtype)")
     c.add_argument("--reference", help="a reference directory written by `oracle reference save` (used where its "
                    "checkpoint sha256 is this check's; no HF run)")
+    ptext = c.add_mutually_exclusive_group()
+    ptext.add_argument("--prompt", help="a text prompt, tokenized with the checkpoint's own tokenizer (default: "
+                       "--prompt-len random token ids)")
+    ptext.add_argument("--prompts", metavar="FILE", help="prompts, one per line or JSONL ({\"text\": ...}): each "
+                       "checked end to end, the distribution metrics and perplexity aggregated over all")
     c.add_argument("--prompt-len", type=positive_int, default=8)
     c.add_argument("--decode-tokens", type=positive_int, default=8,
                    help="single-token decode steps after the prefill (default 8)")
@@ -251,6 +256,39 @@ def progress_reporter():
     return prog, update
 
 
+def read_prompts(a) -> tuple[str, ...] | None:
+    """--prompt TEXT, or --prompts FILE: one prompt per line (blank lines skipped), or JSONL
+    objects with a "text" (or "prompt") string. Exit 2 for an unreadable or empty file."""
+    import json
+
+    if a.prompt is not None:
+        if not a.prompt.strip():
+            fail_input("--prompt is empty")
+        return (a.prompt,)
+    if a.prompts is None:
+        return None
+    try:
+        lines = [ln for ln in open(a.prompts, encoding="utf-8").read().splitlines() if ln.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        fail_input(f"--prompts {a.prompts}: cannot read ({e})")
+    texts = []
+    for i, ln in enumerate(lines, 1):
+        if ln.lstrip().startswith("{"):
+            try:
+                obj = json.loads(ln)
+            except ValueError as e:
+                fail_input(f"--prompts {a.prompts}:{i}: not valid JSON ({e})")
+            text = obj.get("text", obj.get("prompt")) if isinstance(obj, dict) else None
+            if not isinstance(text, str) or not text.strip():
+                fail_input(f"--prompts {a.prompts}:{i}: a JSON line needs a non-empty \"text\" string")
+            texts.append(text)
+        else:
+            texts.append(ln)
+    if not texts:
+        fail_input(f"--prompts {a.prompts}: no prompt in the file")
+    return tuple(texts)
+
+
 def cmd_check(a) -> int:
     from oracle.backend import CheckSpec, InputError
     from oracle.check import run_check, validate
@@ -280,7 +318,8 @@ def cmd_check(a) -> int:
             return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
-                     layers=a.layers, candidate_dir=a.candidate_dir, reference=a.reference, options=options)
+                     layers=a.layers, candidate_dir=a.candidate_dir, reference=a.reference,
+                     prompts=read_prompts(a), options=options)
     prog, update = progress_reporter()
     try:
         backend = validate(spec)

@@ -80,3 +80,12 @@ def judge_distribution(m: dict, lim: dict) -> tuple[str, float]:
     ok = (m["kl_mean"] <= lim["kl_mean"] and m["kl_p99"] <= lim["kl_p99"] and m["kl_max"] <= lim["kl_max"]
           and m["delta_p_max_abs"] <= lim["delta_p_max_abs"] and same >= lim["min_same_top1"])
     return ("pass" if ok else "fail"), max(ratios)
+
+
+def perplexity(logits, targets) -> tuple[float, int]:
+    """(perplexity, positions) of `targets` [N] under `logits` [N, V]: exp of the mean negative
+    log-likelihood of each position's next token."""
+    lg = log_softmax(as_f64(logits).reshape(-1, np.shape(logits)[-1]))
+    t = np.asarray(targets, dtype=np.int64)
+    nll = -lg[np.arange(len(t)), t]
+    return float(np.exp(nll.mean())), int(len(t))

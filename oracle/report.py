@@ -122,6 +122,19 @@ def markdown(doc: dict, top: int = 5) -> str:
             lines.append(f"It could not be measured: `{rows['error']}`")
         else:
             lines += [""] + _blocks(rows["blocks"], rows.get("worst"), top) + _e2e(rows.get("e2e"))
+    ps = doc.get("prompts")
+    if ps:
+        exact = sum(p["token_exact"] for p in ps["per_prompt"])
+        lines += ["", f"Prompts: **{ps['status']}**, {ps['count']} prompt(s), "
+                      f"{sum(p['status'] == 'pass' for p in ps['per_prompt'])} pass end to end, {exact} token-exact"]
+        d, pp = ps.get("distribution"), ps.get("perplexity")
+        if d:
+            lines.append(f"Over all prompts: KL mean {_fmt(d.get('kl_mean'))} (p99 {_fmt(d.get('kl_p99'))}, max "
+                         f"{_fmt(d.get('kl_max'))}), same top-1 {_fmt(d.get('same_top1'))} over {d.get('positions')} positions"
+                         + (f", judged: {d['status']}" if d.get("status") else ""))
+        if pp:
+            lines.append(f"Perplexity of the prompts' own next tokens: candidate {_fmt(pp['candidate'])}, reference "
+                         f"{_fmt(pp['reference'])}, ratio {pp['ratio']:.6f} ({pp['positions']} positions)")
     for g in doc.get("gates", []):
         lines.append(f"Gate {g['name']}: {g['status']} ({_fmt(g['value'])} vs limit {_fmt(g['limit'])})"
                      + (f" {g['message']}" if g.get("message") else ""))

@@ -80,6 +80,9 @@ class CheckResult:
     # status); `blocks`/`e2e` above are then the implementation error (the candidate vs HF on
     # the dequantized weights)
     quantization: dict | None = None
+    # --prompt/--prompts: each prompt's e2e, and over all of them the logits distribution (KL,
+    # same top-1) and the perplexity of the prompts' own next tokens (candidate / reference)
+    prompts: dict | None = None
     schema: str = SCHEMA
 
     def to_dict(self) -> dict:
