@@ -50,6 +50,7 @@ from exporters.eager import block_fn
 from models import faults, layers
 from models.layers import STATE_BUFFERS, Transformer
 from oracle.artifacts import Artifact, cached_artifact, sha256_file, versions
+from oracle.backend import InputError
 from oracle.goldens import histogram_text
 
 FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
@@ -492,6 +493,7 @@ class IreeBackend:
     # held); 8 bytes covers that breakdown at 2 layers (fewer layers: a larger share per layer).
     # Was 10.5 with the model held: 12.4 GiB peak for OLMoE --layers 2 (1.05 B), not re-measured.
     memory_per_param = {"fp32": 8.0}
+    artifact_suffix = ".vmfb"  # --vmfb: a program built elsewhere
     memory_note = "its weights mapped from the parameter archive and one layer's block inputs copied twice"
 
     def __init__(self, name: str = "iree-llvm-cpu", transform=None, transform_id: str | None = None):
@@ -585,8 +587,25 @@ class IreeBackend:
             raise RuntimeError(f"{PARAMS_FILE} is missing beside {art.path}")
         return built(art, Path(art.path), params)
 
+    def given(self, src, spec) -> Built:
+        """--vmfb FILE: a program built elsewhere (`oracle export` writes one), its weights in the
+        model.irpa beside it. Its functions are checked against the production exporter's when
+        the candidate loads (required_functions)."""
+        vmfb = Path(spec.artifact)
+        irpa = vmfb.with_name(PARAMS_FILE)
+        if not irpa.is_file():
+            raise InputError(f"--vmfb {vmfb}: no {PARAMS_FILE} beside it (the program's weights, as "
+                             "`oracle export --backend iree-llvm-cpu` writes them)")
+        model = production_structure(src)
+        programs, which = block_programs(model)
+        st = irpa.stat()
+        params = {"name": irpa.name, "sha256": "not hashed (brought with --vmfb)", "bytes": st.st_size,
+                  "scope": PARAM_SCOPE, "tensors": sum(1 for _ in model.named_parameters()), "build_s": 0.0}
+        art = Artifact(vmfb.name, str(vmfb), sha256_file(vmfb), True, 0.0)
+        return Built(programs, block_inputs(model, which), art, vmfb, params)
+
     def load(self, src, spec):
-        b = self.program(src, spec)
+        b = self.given(src, spec) if spec.artifact else self.program(src, spec)
         art = b.art
         if not art.cached:  # model.vmfb's build seconds: export and compile, the archive's apart
             art = replace(art, build_s=max(art.build_s - b.params["build_s"], 0.0))
@@ -602,8 +621,15 @@ class IreeBackend:
                                    for p in b.programs.values()},
                 "artifacts": [art.as_dict()]}
         ops = b.vmfb.with_name(OPS_FILE)
-        return IreeCandidate(b.vmfb.read_bytes(), b.which, spec.prompt_len, info,
-                             ops.read_text() if ops.is_file() else None, b.vmfb.with_name(PARAMS_FILE), b.keep)
+        cand = IreeCandidate(b.vmfb.read_bytes(), b.which, spec.prompt_len, info,
+                             ops.read_text() if ops.is_file() and not spec.artifact else None,
+                             b.vmfb.with_name(PARAMS_FILE), b.keep)
+        missing = sorted(required_functions(b.programs, spec.prompt_len) - set(cand.blocks.vm_module.function_names))
+        if missing:
+            raise InputError(f"--vmfb {b.vmfb} does not have the production exporter's functions for this check "
+                             f"(prefill compiled for {spec.prompt_len} tokens, decode, the block programs): missing "
+                             f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+        return cand
 
     def export(self, src, spec, output_dir: Path) -> list[Path]:
         """`oracle export`: model.vmfb and its weights, model.irpa: the very program and archive
@@ -614,6 +640,12 @@ class IreeBackend:
             out.append(Path(output_dir) / name)
             shutil.copyfile(b.vmfb.with_name(name), out[-1])
         return out
+
+
+def required_functions(programs: dict, prompt_len: int) -> set[str]:
+    """What a model.vmfb for a check of `prompt_len` tokens exports (export_program): prefill
+    and decode, and each block program at the prompt's length and at one token."""
+    return {"prefill", "decode"} | {f"block_{p.name}_t{t}" for p in programs.values() for t in (prompt_len, 1)}
 
 
 @dataclass

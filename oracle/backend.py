@@ -160,6 +160,7 @@ class CheckSpec:
     reference: str | None = None  # a reference saved by `oracle reference save` (used for its checkpoint)
     # real text, tokenized with the checkpoint's own tokenizer (None: prompt_len random token ids)
     prompts: tuple[str, ...] | None = None
+    artifact: str | None = None  # a program built elsewhere (--pte / --vmfb) for the backend to run, not build
     options: dict = field(default_factory=dict)  # backend-specific options
 
 

@@ -78,6 +78,14 @@ def validate(spec: CheckSpec, command: str = "check"):
                              "own (read from its config.json); --precision is then the activation dtype, fp32 or bf16")
     if spec.reference is not None:
         saved_reference(spec)
+    if spec.artifact is not None:
+        suffix = getattr(backend, "artifact_suffix", None)
+        if suffix is None:
+            raise InputError(f"backend {spec.backend} runs no prebuilt program (--pte / --vmfb)")
+        if not spec.artifact.endswith(suffix):
+            raise InputError(f"backend {spec.backend} runs a {suffix} program (--{suffix[1:]}), not {spec.artifact}")
+        if not Path(spec.artifact).is_file():
+            raise InputError(f"--{suffix[1:]} {spec.artifact}: no such file")
     spec.options.update(validate_options(backend, spec.options, command))
     check_options = getattr(backend, "check_options", None)
     problem = check_options(spec) if check_options else None
@@ -698,6 +706,31 @@ def quantization_rows(spec: CheckSpec, srcs: Sources, prompt: list[int], progres
             "worst": asdict(w) if w else None}
 
 
+def artifact_matches(spec: CheckSpec, src: ModelSource) -> None:
+    """A program brought with --pte / --vmfb and the manifest.json `oracle export` wrote beside
+    it: built from this checkpoint, for this check's sequence length (its state buffers and
+    static shapes are sized by it). Without a manifest nothing can be said before it runs."""
+    import json
+
+    path = Path(spec.artifact).with_name("manifest.json")
+    try:
+        man = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    flag = f"--{Path(spec.artifact).suffix[1:]} {spec.artifact}"
+    sha = man.get("checkpoint_sha256")
+    if sha and sha != src.checkpoint_sha256:
+        raise InputError(f"{flag} was exported from checkpoint sha256 {sha[:16]}... ({path}), "
+                         f"not this check's ({src.checkpoint_sha256[:16]}...)")
+    opts = man.get("options") or {}
+    built = (opts.get("options") or {}).get("max_seq_len") or (opts.get("prompt_len", 0) + opts.get("decode_tokens", 0))
+    want = spec.prompt_len + spec.decode_tokens
+    if built and built != want:
+        raise InputError(f"{flag} was exported for a sequence of {built} tokens ({path}); this check needs "
+                         f"{want} (--prompt-len {spec.prompt_len} + --decode-tokens {spec.decode_tokens}): check with "
+                         f"lengths that add up to {built}, or export with --max-seq-len {want}")
+
+
 def spec_record(spec: CheckSpec) -> dict:
     """The spec as the report records it: a saved reference's path is run state (in `cache`),
     so a check against a moved reference reports the same bytes as one captured in-process."""
@@ -734,6 +767,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     refusal = memory_refusal(backend, src, spec)
     if refusal:
         raise InputError(refusal)
+    if spec.artifact is not None:
+        artifact_matches(spec, src)
     if spec.reference is not None:
         saved = saved_reference(spec)["checkpoint_sha256"]
         here = [s.checkpoint_sha256 for s in (src, srcs.original) if s is not None]
@@ -830,6 +865,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             stage = "goldens"
             tok = golden_files.token_gate(spec, result.e2e.candidate_tokens)
             result.gates += ([tok] if tok else []) + golden_files.structure_gates(spec, result.structures)
+    except InputError:  # the backend refused what it was given (e.g. a program without the exporter's methods)
+        raise
     except Exception as e:  # load() crashed (or every block did): this check is an error, not the run
         result.error = f"{stage}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-8))
 

@@ -73,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
                    "checkpoint (--model-dir / --config / tiny) the quantization error is reported apart")
     c.add_argument("--precision", default="fp32", help="fp32 (default) or bf16 (with --candidate-dir: the "
                    "activation dtype)")
+    prog = c.add_mutually_exclusive_group()
+    prog.add_argument("--pte", help="an ExecuTorch program built elsewhere (e.g. by `oracle export`; its .ptd beside "
+                      "it) for the executorch backends to run instead of building one")
+    prog.add_argument("--vmfb", help="an IREE program built elsewhere (model.irpa beside it) for iree-llvm-cpu to run")
     c.add_argument("--reference", help="a reference directory written by `oracle reference save` (used where its "
                    "checkpoint sha256 is this check's; no HF run)")
     ptext = c.add_mutually_exclusive_group()
@@ -319,7 +323,7 @@ def cmd_check(a) -> int:
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
                      layers=a.layers, candidate_dir=a.candidate_dir, reference=a.reference,
-                     prompts=read_prompts(a), options=options)
+                     prompts=read_prompts(a), artifact=a.pte or a.vmfb, options=options)
     prog, update = progress_reporter()
     try:
         backend = validate(spec)
