@@ -1,0 +1,50 @@
+"""Bring your own program: a .vmfb / .pte written by `oracle export` and given back with
+--vmfb / --pte passes; one exported for another sequence length or checkpoint, or without the
+production exporter's functions, is bad input naming the fix."""
+
+import shutil
+
+import pytest
+
+from oracle.backend import CheckSpec, InputError
+from oracle.check import run_check
+from oracle.export import run_export
+
+
+@pytest.fixture(scope="module")
+def vmfb(tmp_path_factory):
+    pytest.importorskip("iree.runtime")
+    out = tmp_path_factory.mktemp("vmfb")
+    run_export(CheckSpec(family="olmoe", backend="iree-llvm-cpu", prompt_len=8, decode_tokens=8,
+                         options={"max_seq_len": 16}), str(out))
+    return out / "model.vmfb"
+
+
+def test_exported_vmfb_given_back_passes(vmfb):
+    r = run_check(CheckSpec(family="olmoe", backend="iree-llvm-cpu", artifact=str(vmfb)))
+    assert r.status == "pass", (r.worst, r.error)
+    assert all(b.status == "pass" for b in r.blocks) and r.e2e.token_exact
+    assert r.provenance["artifacts"][0]["name"] == "model.vmfb"
+
+
+def test_vmfb_for_another_check_is_refused(vmfb, tmp_path):
+    with pytest.raises(InputError, match="exported for a sequence of 16 tokens .* export with --max-seq-len 20"):
+        run_check(CheckSpec(family="olmoe", backend="iree-llvm-cpu", decode_tokens=12, artifact=str(vmfb)))
+    with pytest.raises(InputError, match="exported from checkpoint sha256"):
+        run_check(CheckSpec(family="olmoe", backend="iree-llvm-cpu", seed=1, artifact=str(vmfb)))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(vmfb, bare / "model.vmfb")  # no manifest, no weights
+    with pytest.raises(InputError, match="no model.irpa beside it"):
+        run_check(CheckSpec(family="olmoe", backend="iree-llvm-cpu", artifact=str(bare / "model.vmfb")))
+    shutil.copy(vmfb.with_name("model.irpa"), bare / "model.irpa")  # no manifest: the functions say it
+    with pytest.raises(InputError, match="missing block_attention0_t6"):
+        run_check(CheckSpec(family="olmoe", backend="iree-llvm-cpu", prompt_len=6, decode_tokens=10,
+                            artifact=str(bare / "model.vmfb")))
+
+
+def test_a_program_for_the_wrong_backend_is_refused(cli, vmfb):
+    p = cli("check", "--family", "olmoe", "--backend", "eager", "--vmfb", str(vmfb))
+    assert p.returncode == 2 and "runs no prebuilt program" in p.stderr
+    p = cli("check", "--family", "olmoe", "--backend", "iree-llvm-cpu", "--vmfb", str(vmfb) + ".missing")
+    assert p.returncode == 2
