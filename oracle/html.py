@@ -100,6 +100,21 @@ def check_section(doc: dict) -> str:
             parts.append(f"<p>First divergence at step {fm['step']}: reference {fm['reference_token']}, candidate "
                          f"{fm['candidate_token']}, reference top-2 margin {_fmt(fm['reference_margin'])}"
                          f"{' (near tie)' if fm['tie'] else ''}</p>")
+    q = doc.get("quantization")
+    if q:  # a shipped directory: the rows above are the implementation error; the quantization error apart
+        rows = q.get("rows") or {}
+        parts.append(f"<h3>Shipped directory {_esc(q.get('shipped_dir'))}: {_esc(q.get('kind'))}</h3>"
+                     f"<p>The rows above: the implementation error (the candidate vs HF on the dequantized weights, "
+                     f"{_esc(spec['precision'])} limits). "
+                     + (f"Quantization error (HF original vs HF dequantized, {_esc(rows.get('precision'))} limits): "
+                        f"<span class='{_esc(rows.get('status'))}'>{_esc(rows.get('status'))}</span>, worst block "
+                        f"{_esc(_fmt(max((b['ratio'] for b in rows.get('blocks', []) if isinstance(b['ratio'], float)), default=0.0)))}"
+                        f"x its limit." if rows else _esc(q.get("note", ""))) + "</p>")
+    ps = doc.get("prompts")
+    if ps and ps.get("perplexity"):
+        pp = ps["perplexity"]
+        parts.append(f"<p>{ps['count']} prompt(s): <span class='{ps['status']}'>{ps['status']}</span>; perplexity "
+                     f"candidate {_esc(_fmt(pp['candidate']))} / reference {_esc(_fmt(pp['reference']))}</p>")
     if doc.get("gates"):
         parts.append("<h3>Gates</h3><table><tr><th>gate</th><th>status</th><th>value</th><th>limit</th></tr>"
                      + "".join(f"<tr><td>{_esc(g['name'])}</td><td class='{g['status']}'>{g['status']}</td>"
