@@ -51,6 +51,8 @@ def from_mlx(weights: dict, config: dict) -> dict:
     base = "model.language_model." if isinstance(config.get("text_config"), dict) else "model."
     out = {}
     for k, v in unstack_experts(weights).items():
+        if k.startswith(("vision_tower.", "model.visual.")):  # a multimodal directory's vision weights
+            continue
         if k.startswith("language_model.model."):
             k = base + k[len("language_model.model."):]
         elif k.startswith("language_model."):
