@@ -3,7 +3,7 @@
 PYTHON ?= python3
 # a CUDA machine passes e.g. TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?=
-VENV   := .venv
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
