@@ -55,6 +55,7 @@ BUILTIN = {
     "mlx": "exporters.mlx:BACKEND",
     "executorch": "exporters.executorch:BACKEND",
     "executorch-cuda": "exporters.executorch_cuda:BACKEND",
+    "cuda": "exporters.cuda:BACKEND",
     "executorch-metal": "exporters.executorch_metal:BACKEND",
     "executorch-mlx": "exporters.executorch_mlx:BACKEND",
 }
