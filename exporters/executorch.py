@@ -550,6 +550,8 @@ class ExecutorchCandidate:
         return out
 
     def run_block(self, layer, kind, calls):
+        if not self.taps:
+            return None  # a production program (no taps, no probes): its blocks are not isolated
         seq = [c for c in calls if not c.probe]
         taps = self.sequence_taps(seq)
         if any((layer, kind) not in t for t in taps):
@@ -687,7 +689,38 @@ class ExecutorchBackend:
         parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
         return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte")
 
+    artifact_suffix = ".pte"  # --pte: a program built elsewhere
+
+    def given(self, model, spec):
+        """--pte FILE: a program built elsewhere (`oracle export` writes one), its weights in the .ptd
+        beside it. It must have the production methods, prefill and decode (tokens [1, T], pos
+        [T]) -> logits; with the check program's taps (taps.json beside it) and probe methods its
+        blocks are compared too, else they are n/a."""
+        from importlib.metadata import version
+
+        from oracle.artifacts import sha256_file
+        from oracle.backend import InputError
+
+        pte = Path(spec.artifact)
+        try:
+            cand = ExecutorchCandidate(pte, {}, DTYPES[spec.precision], probe_rows(model.args))
+        except Exception as e:
+            raise InputError(f"--pte {pte}: the ExecuTorch runtime cannot load it ({type(e).__name__}: {e})") from None
+        missing = sorted({"prefill", "decode"} - set(cand.methods))
+        if missing:
+            raise InputError(f"--pte {pte} does not have the production exporter's methods: missing "
+                             f"{', '.join(missing)} (it has {', '.join(sorted(cand.program.method_names))})")
+        cand.info = {"executor": f"executorch {version('executorch')} runtime (a program brought with --pte)",
+                     "methods": sorted(cand.methods), "block_modes": ExecutorchCandidate.block_modes,
+                     "blocks": "tapped (taps.json beside it)" if cand.taps else
+                     "not isolated: a production program has no taps or probe methods",
+                     "artifacts": [{"name": pte.name, "path": str(pte), "sha256": sha256_file(pte), "cached": True,
+                                    "build_s": 0.0}]}
+        return cand
+
     def load(self, model, spec):
+        if spec.artifact:
+            return self.given(model, spec)
         if spec.options.get("qlinear"):
             raise ValueError("a quantized program cannot be judged by the fp32/bf16 thresholds: check it "
                              "unquantized, or write it with `oracle export --qlinear`")

@@ -36,6 +36,8 @@ def _metric_line(row: dict) -> str:
 def _blocks(all_rows: list, worst: dict | None, top: int) -> list[str]:
     lines = []
     rows = [r for r in all_rows if r["status"] != "n/a"]
+    if all_rows and not rows:
+        return [f"Blocks: none compared ({len(all_rows)} n/a: {all_rows[0].get('detail') or 'not isolated'})"]
     failing = sum(r["status"] in ("fail", "error") for r in rows)
     lines.append(f"Blocks: {len(rows) - failing}/{len(rows)} pass ({rows[0]['mode'] if rows else 'isolated'})")
     if worst:

@@ -48,3 +48,31 @@ def test_a_program_for_the_wrong_backend_is_refused(cli, vmfb):
     assert p.returncode == 2 and "runs no prebuilt program" in p.stderr
     p = cli("check", "--family", "olmoe", "--backend", "iree-llvm-cpu", "--vmfb", str(vmfb) + ".missing")
     assert p.returncode == 2
+
+
+@pytest.fixture(scope="module")
+def pte(tmp_path_factory):
+    pytest.importorskip("executorch.runtime")
+    out = tmp_path_factory.mktemp("pte")
+    run_export(CheckSpec(family="olmoe", backend="executorch", prompt_len=8, decode_tokens=8,
+                         options={"max_seq_len": 16}), str(out))
+    return out / "model.pte"
+
+
+def test_exported_pte_given_back_passes_end_to_end(pte):
+    r = run_check(CheckSpec(family="olmoe", backend="executorch", artifact=str(pte)))
+    assert r.status == "pass", (r.worst, r.error)
+    assert r.e2e.status == "pass" and r.e2e.token_exact
+    # a production program has no taps or probes: its blocks are n/a, never pass
+    assert r.blocks and all(b.status == "n/a" for b in r.blocks)
+
+
+def test_pte_without_the_production_methods_is_refused(pte, tmp_path):
+    from exporters.executorch import ExecutorchCandidate  # noqa: F401  (the runtime is there)
+
+    with pytest.raises(InputError, match="exported for a sequence of 16 tokens"):
+        run_check(CheckSpec(family="olmoe", backend="executorch", decode_tokens=4, artifact=str(pte)))
+    junk = tmp_path / "junk.pte"
+    junk.write_bytes(b"not a program")
+    with pytest.raises(InputError, match="the ExecuTorch runtime cannot load it"):
+        run_check(CheckSpec(family="olmoe", backend="executorch", artifact=str(junk)))
