@@ -220,7 +220,8 @@ def test_runtime_error_is_an_error(qwen2_runs, tmp_path, monkeypatch):
         # a garbage program the cache believes in (its sha256 recorded): a corrupted file whose
         # sha256 no longer matches would be rebuilt instead (test_artifacts)
         (dst / "sha256").write_text(hashlib.sha256(b"not a vmfb" * 100).hexdigest() + "\n")
-    shutil.copytree(Path(second.provenance["checkpoint"]["dir"]).parent, cache / "checkpoints")
+    ck = Path(second.provenance["checkpoint"]["dir"])  # this check's checkpoint only (not the whole cache's)
+    shutil.copytree(ck, cache / "checkpoints" / ck.name)
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(cache))
     r = run_check(_spec("qwen2_moe"))
     assert r.status == "error" and r.error.startswith("load:")
