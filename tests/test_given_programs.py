@@ -11,13 +11,18 @@ from oracle.check import run_check
 from oracle.export import run_export
 
 
+def exported(tmp_path_factory, backend: str, runtime: str, name: str):
+    """`oracle export` of tiny OLMoE for the check's default lengths (8 + 8)."""
+    pytest.importorskip(runtime)
+    out = tmp_path_factory.mktemp(backend)
+    run_export(CheckSpec(family="olmoe", backend=backend, prompt_len=8, decode_tokens=8,
+                         options={"max_seq_len": 16}), str(out))
+    return out / name
+
+
 @pytest.fixture(scope="module")
 def vmfb(tmp_path_factory):
-    pytest.importorskip("iree.runtime")
-    out = tmp_path_factory.mktemp("vmfb")
-    run_export(CheckSpec(family="olmoe", backend="iree-llvm-cpu", prompt_len=8, decode_tokens=8,
-                         options={"max_seq_len": 16}), str(out))
-    return out / "model.vmfb"
+    return exported(tmp_path_factory, "iree-llvm-cpu", "iree.runtime", "model.vmfb")
 
 
 def test_exported_vmfb_given_back_passes(vmfb):
@@ -52,11 +57,7 @@ def test_a_program_for_the_wrong_backend_is_refused(cli, vmfb):
 
 @pytest.fixture(scope="module")
 def pte(tmp_path_factory):
-    pytest.importorskip("executorch.runtime")
-    out = tmp_path_factory.mktemp("pte")
-    run_export(CheckSpec(family="olmoe", backend="executorch", prompt_len=8, decode_tokens=8,
-                         options={"max_seq_len": 16}), str(out))
-    return out / "model.pte"
+    return exported(tmp_path_factory, "executorch", "executorch.runtime", "model.pte")
 
 
 def test_exported_pte_given_back_passes_end_to_end(pte):
@@ -68,8 +69,6 @@ def test_exported_pte_given_back_passes_end_to_end(pte):
 
 
 def test_pte_without_the_production_methods_is_refused(pte, tmp_path):
-    from exporters.executorch import ExecutorchCandidate  # noqa: F401  (the runtime is there)
-
     with pytest.raises(InputError, match="exported for a sequence of 16 tokens"):
         run_check(CheckSpec(family="olmoe", backend="executorch", decode_tokens=4, artifact=str(pte)))
     junk = tmp_path / "junk.pte"
