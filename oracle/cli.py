@@ -547,8 +547,8 @@ def cmd_reference(a) -> int:
 
 
 def main(argv=None) -> int:
+    a = parser().parse_args(argv)  # before any heavy import: --help and usage errors need none
     _quiet()
-    a = parser().parse_args(argv)
     if a.cmd == "families":
         return cmd_families()
     if a.cmd == "backends":
