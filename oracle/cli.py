@@ -96,11 +96,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=0.9, help="sampling top-p (default 0.9; in (0, 1])")
     backend_options(c)
     e = sub.add_parser("export", help="write a backend's compiled artifacts and a manifest")
-    e.add_argument("--family", required=True)
+    e.add_argument("--family", help="default: the family the --model-dir / --config config.json names")
     e.add_argument("--backend", required=True)
     esrc = e.add_mutually_exclusive_group()
     esrc.add_argument("--model-dir")
     esrc.add_argument("--tiny-test", action="store_true", help="the family's tiny seeded checkpoint (default)")
+    esrc.add_argument("--config", help="a seeded checkpoint of a published config (see `oracle check --config`)")
+    e.add_argument("--layers", type=positive_int, help="with --config: cut the depth to N layers")
     e.add_argument("--output-dir", required=True)
     e.add_argument("--precision", default="fp32")
     e.add_argument("--seed", type=int, default=0)
@@ -356,9 +358,17 @@ def cmd_export(a) -> int:
     from oracle.export import run_export
 
     check_outputs(dirs=[("--output-dir", a.output_dir)])
+    if a.family is None:
+        from oracle.check import family_of
+
+        try:
+            a.family = family_of(a.model_dir, a.config, a.layers)
+        except InputError as e:
+            print(f"oracle: error: {e}", file=sys.stderr)
+            return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, seed=a.seed,
                      prompt_len=a.prompt_len, decode_tokens=max(1, a.max_seq_len - a.prompt_len),
-                     model_dir=a.model_dir, options=options_of(a))
+                     model_dir=a.model_dir, config=a.config, layers=a.layers, options=options_of(a))
     try:
         manifest = run_export(spec, a.output_dir)
     except InputError as e:

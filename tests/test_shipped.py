@@ -196,3 +196,21 @@ def test_cli_reports_both_rows(shipped, cli, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["quantization"]["rows"]["status"] == "pass"
     p = cli("check", "--family", "mixtral", "--backend", "eager", "--candidate-dir", str(d))
     assert p.returncode == 2 and "cannot load a prebuilt directory" in p.stderr
+
+
+def test_export_and_check_a_published_config_as_the_readme_says(cli, tmp_path):
+    """`oracle export --config C --layers N --backend mlx --precision q4` then `oracle check
+    --config C --layers N --backend mlx --candidate-dir Q` (the family read from the config); a
+    config.json path stands in for a published one (tiny shapes)."""
+    from models.checkpoint import tiny_checkpoint
+
+    cfg = tiny_checkpoint(get_family("qwen2_moe"), 0) / "config.json"
+    q = tmp_path / "q4"
+    p = cli("export", "--config", str(cfg), "--layers", "1", "--backend", "mlx", "--precision", "q4",
+            "--group-size", "32", "--output-dir", str(q))
+    assert p.returncode == 0, p.stderr
+    p = cli("check", "--config", str(cfg), "--layers", "1", "--backend", "mlx", "--candidate-dir", str(q))
+    assert p.returncode == 0, p.stderr
+    assert "**Implementation error**" in p.stdout and "**Quantization error**" in p.stdout
+    p = cli("export", "--backend", "mlx", "--output-dir", str(tmp_path / "none"))
+    assert p.returncode == 2 and "--family is required with the tiny checkpoint" in p.stderr
