@@ -262,6 +262,20 @@ def progress_reporter():
     return prog, update
 
 
+def default_family(a) -> bool:
+    """--family from the --model-dir / --config config.json's model_type; False (the reason on
+    stderr) when there is none to read."""
+    from oracle.backend import InputError
+    from oracle.check import family_of
+
+    try:
+        a.family = family_of(a.model_dir, a.config, a.layers)
+    except InputError as e:
+        print(f"oracle: error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def read_prompts(a) -> tuple[str, ...] | None:
     """--prompt TEXT, or --prompts FILE: one prompt per line (blank lines skipped), or JSONL
     objects with a "text" (or "prompt") string. Exit 2 for an unreadable or empty file."""
@@ -314,14 +328,8 @@ def cmd_check(a) -> int:
             print(f"oracle: error: {e}", file=sys.stderr)
             return EXIT["bad_input"]
         options["sampling"] = {"temperature": a.temperature, "top_p": a.top_p}
-    if a.family is None:
-        from oracle.check import family_of
-
-        try:
-            a.family = family_of(a.model_dir, a.config, a.layers)
-        except InputError as e:
-            print(f"oracle: error: {e}", file=sys.stderr)
-            return EXIT["bad_input"]
+    if a.family is None and not default_family(a):
+        return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
                      layers=a.layers, candidate_dir=a.candidate_dir, reference=a.reference,
@@ -358,14 +366,8 @@ def cmd_export(a) -> int:
     from oracle.export import run_export
 
     check_outputs(dirs=[("--output-dir", a.output_dir)])
-    if a.family is None:
-        from oracle.check import family_of
-
-        try:
-            a.family = family_of(a.model_dir, a.config, a.layers)
-        except InputError as e:
-            print(f"oracle: error: {e}", file=sys.stderr)
-            return EXIT["bad_input"]
+    if a.family is None and not default_family(a):
+        return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, seed=a.seed,
                      prompt_len=a.prompt_len, decode_tokens=max(1, a.max_seq_len - a.prompt_len),
                      model_dir=a.model_dir, config=a.config, layers=a.layers, options=options_of(a))
