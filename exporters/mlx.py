@@ -366,8 +366,8 @@ def write_directory(src, out, bits: int | None, group_size: int, recipe: str | N
 def load_directory(path, family: str, dtype, reference_config: dict):
     """(mlx-lm model, info) of a shipped directory, loaded as mlx-lm loads it (mlx_lm.utils.load_model:
     its config.json, quantization and weights), floating arrays (scales and biases included: an
-    exact upcast) at the activation dtype. info["config_mismatch"]: the ModelArgs fields mlx-lm
-    read differently from what the HF reference's config means."""
+    exact upcast) at the activation dtype. info["config"]: the ModelArgs fields the HF reference's
+    config means (mlx_config); info["config_mismatch"]: those mlx-lm read differently."""
     from pathlib import Path
 
     from mlx_lm.utils import load_model as mlx_load
@@ -387,7 +387,7 @@ def load_directory(path, family: str, dtype, reference_config: dict):
     table = quantization_table(model, q.get("group_size", 0)) if q else {}
     return model, {"quantization": {"bits": q.get("bits"), "group_size": q.get("group_size"),
                                     "mode": q.get("mode", "affine"), **table} if q else None,
-                   "config_mismatch": mismatch}
+                   "config": want, "config_mismatch": mismatch}
 
 
 # ---------------------------------------------------------------- running
@@ -667,7 +667,7 @@ class MLXBackend:
         with mx.stream(device):
             if spec.candidate_dir:  # the shipped directory, as mlx-lm loads it
                 m, shipped = load_directory(spec.candidate_dir, model.family.name, dtype, model.config)
-                fields, quant = mlx_config(model.family.name, model.config), shipped["quantization"]
+                fields, quant = shipped["config"], shipped["quantization"]
                 if self.transform is not None:
                     self.transform(m)
             else:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import CheckpointError, cached_dir, checkpoint_identity, read_config, shard_files
-from models.checkpoint import _open as open_shard
+from models.checkpoint import CheckpointError, cached_dir, checkpoint_identity, layer_groups, read_config, \
+    read_tensors, tensor_index
 
 FORMAT = 1  # bump when the dequantized checkpoint's recipe changes (invalidates the cache)
 QUANT_KEYS = ("quantization", "quantization_config")
@@ -108,48 +108,31 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, 
     return w.reshape(*words.shape[:-1], n_in)
 
 
-def read_dequantized(model_dir: Path, q: dict, names: list[str] | None = None) -> tuple[dict, dict]:
+def read_dequantized(index: dict, q: dict | None, names: list[str]) -> tuple[dict, dict]:
     """(mlx name -> fp32 tensor, path -> {bits, group_size} of each quantized module) for the
-    tensors of `names` (all by default): quantized modules dequantized, the rest upcast to fp32."""
-    index = {}
-    for shard in shard_files(model_dir):
-        with open_shard(shard) as f:
-            index.update({k: shard for k in f.keys()})
-    names = sorted(index) if names is None else names
-    wanted = set(names)
+    tensors `names` of a directory (`index`: its tensor_index; a module's scales and biases are
+    among `names`, as layer_groups keeps them): quantized modules dequantized, the rest upcast."""
+    raw = read_tensors(index, names)
     out, modules = {}, {}
-    for shard in sorted({index[n] for n in names}, key=str):
-        with open_shard(shard) as f:
-            for n in sorted(k for k in f.keys() if k in wanted):
-                if n.endswith((".scales", ".biases")):
-                    continue
-                t = f.get_tensor(n)
-                path = n.rsplit(".", 1)[0]
-                if n.endswith(".weight") and f"{path}.scales" in index:
-                    if q is None:
-                        raise CheckpointError(f"{path} has scales, but config.json has no quantization entry")
-                    spec = module_quantization(q, path)
-                    if spec is None:
-                        raise CheckpointError(f"{path}: config.json says unquantized, but it has scales")
-                    parts = {}
-                    for p in ("scales", "biases"):
-                        k = f"{path}.{p}"
-                        if k not in index:
-                            raise CheckpointError(f"{path}: quantized weight without {p} (affine needs both)")
-                        with open_shard(index[k]) as g:
-                            parts[p] = g.get_tensor(k)
-                    out[n] = dequantize(t, parts["scales"], parts["biases"], spec["bits"], spec["group_size"], path)
-                    modules[path] = spec
-                elif t.dtype == torch.uint32:
-                    raise CheckpointError(f"{n}: packed uint32 weights without {path}.scales")
-                else:
-                    out[n] = t.float() if t.is_floating_point() else t
+    for n, t in sorted(raw.items()):
+        if n.endswith((".scales", ".biases")):
+            continue
+        path = n.rsplit(".", 1)[0]
+        if n.endswith(".weight") and f"{path}.scales" in raw:
+            if q is None:
+                raise CheckpointError(f"{path} has scales, but config.json has no quantization entry")
+            spec = module_quantization(q, path)
+            if spec is None:
+                raise CheckpointError(f"{path}: config.json says unquantized, but it has scales")
+            if f"{path}.biases" not in raw:
+                raise CheckpointError(f"{path}: quantized weight without biases (affine needs both)")
+            out[n] = dequantize(t, raw[f"{path}.scales"], raw[f"{path}.biases"], spec["bits"], spec["group_size"], path)
+            modules[path] = spec
+        elif t.dtype == torch.uint32:
+            raise CheckpointError(f"{n}: packed uint32 weights without {path}.scales")
+        else:
+            out[n] = t.float() if t.is_floating_point() else t
     return out, modules
-
-
-def layer_of(name: str) -> int:
-    m = re.search(r"\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else -1
 
 
 def write_dequantized(family, qdir: Path, config: dict, out: Path, progress=None) -> dict:
@@ -159,17 +142,14 @@ def write_dequantized(family, qdir: Path, config: dict, out: Path, progress=None
     from safetensors.torch import save_file
 
     q = quantization_of(read_config(qdir))
-    names: dict = {}
-    for shard in shard_files(qdir):
-        with open_shard(shard) as f:
-            for k in f.keys():
-                names.setdefault(layer_of(k), []).append(k)
-    groups = sorted(names, key=lambda k: (k < 0, k))
+    index = tensor_index(qdir)  # the headers, read once
+    groups = layer_groups(index)
     weight_map, modules = {}, {}
-    for i, g in enumerate(groups):
+    for i, names in enumerate(groups):
         if progress:
-            progress(f"dequantizing {'layer ' + str(g) if g >= 0 else 'embeddings and head'} ({i + 1}/{len(groups)})")
-        tensors, mods = read_dequantized(qdir, q, names[g])
+            m = re.search(r"\.layers\.(\d+)\.", names[0])
+            progress(f"dequantizing {'layer ' + m[1] if m else 'embeddings and head'} ({i + 1}/{len(groups)})")
+        tensors, mods = read_dequantized(index, q, names)
         modules.update(mods)
         hf = family.from_mlx(tensors, config)
         shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -191,11 +171,9 @@ def dequantized_checkpoint(family, qdir: Path, config: dict | None = None, progr
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     recipe = {"candidate_sha256": checkpoint_identity(qdir), "config": config, "format": FORMAT, "code": code,
               "family": family.name, "torch": torch.__version__}
-    holder = {}
-
     def build(out):
-        holder["summary"] = write_dequantized(family, qdir, config, out, progress)
-        (out / "oracle_quantization.json").write_text(json.dumps(holder["summary"], indent=1, sort_keys=True))
+        info = write_dequantized(family, qdir, config, out, progress)
+        (out / "oracle_quantization.json").write_text(json.dumps(info, indent=1, sort_keys=True))
 
     path = cached_dir(recipe, f"dequantized-{family.name}", "oracle_dequantized.json", build)
     return path, json.loads((path / "oracle_quantization.json").read_text())

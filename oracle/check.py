@@ -138,13 +138,18 @@ def model_source(spec: CheckSpec, progress=None) -> ModelSource:
         raise InputError(str(e)) from None
 
 
+def check_length(config: dict, max_len: int, what: str) -> None:
+    """InputError when a sequence of max_len tokens (`what`) does not fit the model's positions."""
+    limit = text_config(config).get("max_position_embeddings")
+    if limit and max_len > limit:
+        raise InputError(f"{what} exceeds max_position_embeddings {limit}")
+
+
 def source_of(family, model_dir: Path, spec: CheckSpec) -> ModelSource:
     config = read_config(model_dir)
     require_family(family, config, f"{model_dir}/config.json")
     max_len = spec.prompt_len + spec.decode_tokens
-    limit = text_config(config).get("max_position_embeddings")
-    if limit and max_len > limit:
-        raise InputError(f"prompt-len + decode-tokens = {max_len} exceeds max_position_embeddings {limit}")
+    check_length(config, max_len, f"prompt-len + decode-tokens = {max_len}")
     # every tensor checked (names, shapes, dtypes, shards) from the headers alone, then the
     # identity: one streamed pass (cached by path, size and mtime) that refuses NaN/Inf weights
     args = family.validate(config, meta_weights(model_dir), max_seq_len=max_len)
@@ -780,10 +785,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     if spec.prompts:
         prompts = tokenized_prompts(spec, srcs, src.args.vocab_size)
         longest = max(map(len, prompts))
-        limit = text_config(src.config).get("max_position_embeddings")
-        if limit and longest + spec.decode_tokens > limit:
-            raise InputError(f"the longest prompt ({longest} tokens) + decode-tokens {spec.decode_tokens} exceeds "
-                             f"max_position_embeddings {limit}")
+        check_length(src.config, longest + spec.decode_tokens,
+                     f"the longest prompt ({longest} tokens) + decode-tokens {spec.decode_tokens}")
         spec = replace(spec, prompt_len=longest)  # what static-length artifacts are sized for
         src = replace(src, args=replace(src.args, max_seq_len=longest + spec.decode_tokens))
         result.spec = spec_record(spec)
