@@ -62,13 +62,53 @@ SEQUENCE_MODE, PROBE_MODE = "in-situ", "isolated"
 
 
 def missing_executorch() -> str | None:
-    """Why ExecuTorch cannot be used here, or None."""
-    try:
-        import executorch.exir  # noqa: F401
-        import executorch.runtime  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install failing on import
-        return f"executorch is not installed ({type(e).__name__}: {e}); pip install 'moe-oracle[executorch]'"
+    """Why ExecuTorch cannot be used here, or None. Found, not imported (importing the
+    compiler costs seconds that a cached program does not need); a broken install fails
+    where it is imported, as that check's error with the import's message."""
+    import importlib.util
+
+    for name in ("executorch.exir", "executorch.runtime"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError) as e:
+            return f"executorch is not installed ({type(e).__name__}: {e}); pip install 'moe-oracle[executorch]'"
+        if not found:
+            return f"executorch is not installed (no module {name}); pip install 'moe-oracle[executorch]'"
     return None
+
+
+def runtime():
+    """executorch.runtime's Runtime, without importing the compiler.
+
+    The pybindings import `executorch.exir._warnings` (two decorators) and with it the whole
+    of `executorch.exir` (4 s here), which running a cached program never uses. That one file is
+    loaded on its own under its own name while the runtime imports; a later `import
+    executorch.exir` (lowering) loads the real package and finds the same `_warnings`."""
+    import importlib.util
+    import sys
+    import types
+
+    if "executorch.runtime" not in sys.modules and "executorch.exir" not in sys.modules:
+        exir = Path(importlib.util.find_spec("executorch").submodule_search_locations[0]) / "exir"
+        spec = importlib.util.spec_from_file_location("executorch.exir._warnings", exir / "_warnings.py")
+        warn = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(warn)
+        stub = types.ModuleType("executorch.exir")
+        stub.__path__, stub._warnings = [str(exir)], warn
+        sys.modules["executorch.exir._warnings"] = warn
+        sys.modules["executorch.exir"] = stub
+        try:
+            import executorch.runtime  # noqa: F401
+        finally:
+            if sys.modules.get("executorch.exir") is stub:
+                del sys.modules["executorch.exir"]
+            import executorch
+
+            if getattr(executorch, "exir", None) is stub:
+                del executorch.exir
+    from executorch.runtime import Runtime
+
+    return Runtime.get()
 
 
 def block_paths(args) -> list[tuple[tuple, str]]:
@@ -489,10 +529,8 @@ class ExecutorchCandidate:
                    "moe": f"{SEQUENCE_MODE} (sequence) + {PROBE_MODE} (expert probes)"}
 
     def __init__(self, pte: Path, info: dict, dtype=torch.float32, probe_rows: int = 2, data_path: Path | None = None):
-        from executorch.runtime import Runtime
-
         data_path = data_path or weights_file(pte)
-        self.program = Runtime.get().load_program(str(pte), data_path=str(data_path) if data_path else None)
+        self.program = runtime().load_program(str(pte), data_path=str(data_path) if data_path else None)
         self.taps, self.info = read_taps(pte), info
         self.ops = Path(pte).with_name(OPS_FILE)
         self.dtype, self.probe_rows = dtype, probe_rows  # probe inputs: the model's dtype, at most rows per call

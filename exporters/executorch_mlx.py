@@ -68,9 +68,9 @@ def missing() -> str | None:
 def runtime_has_mlx() -> bool:
     """An ExecuTorch runtime with the MLX delegate registered (macOS builds with it)."""
     try:
-        from executorch.runtime import Runtime
+        from exporters.executorch import runtime
 
-        return Runtime.get().backend_registry.is_available("MLXBackend")
+        return runtime().backend_registry.is_available("MLXBackend")
     except Exception:
         return False
 
@@ -98,9 +98,9 @@ def executor_of(spec) -> str:
 
 def registered_backends() -> str:
     try:
-        from executorch.runtime import Runtime
+        from exporters.executorch import runtime
 
-        return ", ".join(Runtime.get().backend_registry.registered_backend_names)
+        return ", ".join(runtime().backend_registry.registered_backend_names)
     except Exception as e:
         return f"unknown ({type(e).__name__})"
 
@@ -328,9 +328,9 @@ class ExecutorchMlxBackend:
             arts.append(prod)
         hist = node_histogram(Path(prod.path))
         if executor == "runtime":
-            from executorch.runtime import Runtime
+            from exporters.executorch import runtime
 
-            program = Runtime.get().load_program(check.path)
+            program = runtime().load_program(check.path)
             how = f"executorch {importlib.metadata.version('executorch')} runtime (MLX delegate)"
         else:
             from exporters.executorch_mlx_interp import Program

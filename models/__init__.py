@@ -7,8 +7,11 @@ layouts -> the production model's parameter names).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -84,7 +87,8 @@ class Family:
         load_state(model, self.sanitize(weights, args), dtype)
         return model.eval()
 
-    def build_from(self, cfg: dict, model_dir, dtype=torch.float32, max_seq_len: int = 256) -> Transformer:
+    def build_from(self, cfg: dict, model_dir, dtype=torch.float32, max_seq_len: int = 256,
+                   args: ModelArgs | None = None) -> Transformer:
         """The production model from a checkpoint directory, one decoder layer at a time: the
         parameters start on the meta device (accelerate's init_empty_weights; buffers are real),
         each layer's tensors are read from the safetensors files, sanitized, converted to
@@ -94,7 +98,7 @@ class Family:
         from accelerate import init_empty_weights
         from accelerate.utils import set_module_tensor_to_device
 
-        args = self.args(cfg, max_seq_len)
+        args = args or self.args(cfg, max_seq_len)  # the ModelSource's, already resolved
         with init_empty_weights(include_buffers=False):
             model = Transformer(args, dtype)
         index = tensor_index(model_dir)
@@ -108,6 +112,16 @@ class Family:
         if missing:
             raise CheckpointError(f"missing tensor(s): {', '.join(missing[:6])}")
         return model.eval()
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 of the models package's source: what a cached result derived from a family's
+    code (resolved ModelArgs, a validation) is keyed by."""
+    h = hashlib.sha256()
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
 
 
 def text_config(cfg: dict) -> dict:

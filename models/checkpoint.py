@@ -221,14 +221,8 @@ def _scan_file(path: Path, h) -> list[tuple[str, int]]:
     return bad
 
 
-def checkpoint_identity(model_dir: Path) -> str:
-    """The checkpoint's sha256 (config.json and the weight files, names and bytes), computed
-    in one streamed pass that also checks every floating tensor for NaN/Inf (a non-finite
-    weight is an error naming the tensor: the checkpoint is bad, not the backend).
-
-    Cached like git's index: keyed by each file's path, size and mtime, so a second check of
-    an unchanged directory reads no tensor data."""
-    model_dir = Path(model_dir).resolve()
+def _identity_stamp(model_dir: Path) -> tuple[list[Path], list, Path]:
+    """The files of a checkpoint's identity, their (name, size, mtime) and the cache entry."""
     files = [model_dir / "config.json", *shard_files(model_dir)]
     stamp = []
     for p in files:
@@ -238,12 +232,36 @@ def checkpoint_identity(model_dir: Path) -> str:
         except OSError as e:
             raise CheckpointError(f"{p}: cannot read ({e.strerror})") from None
     entry = cache_root() / "identities" / (hashlib.sha256(str(model_dir).encode()).hexdigest()[:24] + ".json")
+    return files, stamp, entry
+
+
+def cached_identity(model_dir: Path) -> str | None:
+    """The checkpoint's sha256 from the identity cache when no file changed (path, size, mtime),
+    else None: reads no tensor data."""
+    _, stamp, entry = _identity_stamp(Path(model_dir).resolve())
+    return _identity_entry(entry, stamp)
+
+
+def _identity_entry(entry: Path, stamp: list) -> str | None:
     try:
         doc = json.loads(entry.read_text())
-        if doc.get("files") == stamp:
-            return doc["sha256"]
-    except (OSError, ValueError):
-        pass
+        return doc["sha256"] if doc.get("files") == stamp else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def checkpoint_identity(model_dir: Path) -> str:
+    """The checkpoint's sha256 (config.json and the weight files, names and bytes), computed
+    in one streamed pass that also checks every floating tensor for NaN/Inf (a non-finite
+    weight is an error naming the tensor: the checkpoint is bad, not the backend).
+
+    Cached like git's index: keyed by each file's path, size and mtime, so a second check of
+    an unchanged directory reads no tensor data."""
+    model_dir = Path(model_dir).resolve()
+    files, stamp, entry = _identity_stamp(model_dir)
+    known = _identity_entry(entry, stamp)
+    if known:
+        return known
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode())
@@ -369,7 +387,7 @@ def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path) -> None:
 
 def tiny_checkpoint(family, seed: int) -> Path:
     """The family's tiny checkpoint for `seed`, built once into a content-addressed cache dir."""
-    import transformers
+    from importlib.metadata import version
 
     recipe = {
         "family": family.name,
@@ -377,7 +395,7 @@ def tiny_checkpoint(family, seed: int) -> Path:
         "seed": seed,
         "std": TINY_STD,
         "format": TINY_FORMAT,
-        "transformers": transformers.__version__,
+        "transformers": version("transformers"),
     }
     return cached_dir(recipe, f"{family.name}-s{seed}", "oracle_tiny.json",
                       lambda out: write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(),

@@ -435,7 +435,8 @@ class Transformer(nn.Module):
     def __init__(self, a: ModelArgs, dtype=torch.float32):
         super().__init__()
         self.args = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # weights come from the checkpoint: no init (normal_ on meta imports torch._dynamo, 2 s)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(a, i, dtype) for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)

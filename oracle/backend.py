@@ -188,7 +188,7 @@ class ModelSource:
 
     def build_production(self, dtype):
         """The family's production torch model with the checkpoint's weights."""
-        return self.family.build_from(self.config, self.model_dir, dtype, self.args.max_seq_len)
+        return self.family.build_from(self.config, self.model_dir, dtype, self.args.max_seq_len, self.args)
 
 
 class Candidate(Protocol):

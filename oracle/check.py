@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import tempfile
 import platform
@@ -16,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models import FAMILY_NAMES, UNSUPPORTED, family_for_model_type, get_family, text_config
+from models import FAMILY_NAMES, UNSUPPORTED, code_digest, family_for_model_type, get_family, text_config
+from models.layers import ModelArgs
 from models.quantized import dequantized_checkpoint, quantization_of
-from models.checkpoint import CheckpointError, cache_root, checkpoint_identity, config_checkpoint, meta_weights, \
+from models.checkpoint import CheckpointError, cache_root, cached_identity, checkpoint_identity, config_checkpoint, meta_weights, \
     published_config, read_config, tiny_checkpoint
 from oracle import goldens as golden_files
 from oracle import thresholds
@@ -33,13 +35,16 @@ PACKAGES = ("torch", "transformers", "safetensors", "numpy", "executorch", "iree
             "iree-base-runtime", "iree-turbine", "mlx", "mlx-lm", "moe-oracle")
 
 
+@functools.lru_cache(maxsize=None)
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def provenance(spec: CheckSpec) -> dict:
-    versions = {}
-    for p in PACKAGES:
-        try:
-            versions[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    versions = {p: _version(p) for p in PACKAGES if _version(p) is not None}
     return {
         "versions": versions,
         "python": platform.python_version(),
@@ -152,8 +157,45 @@ def source_of(family, model_dir: Path, spec: CheckSpec) -> ModelSource:
     check_length(config, max_len, f"prompt-len + decode-tokens = {max_len}")
     # every tensor checked (names, shapes, dtypes, shards) from the headers alone, then the
     # identity: one streamed pass (cached by path, size and mtime) that refuses NaN/Inf weights
+    known = validated_args(family, cached_identity(model_dir), max_len)
+    if known is not None:
+        return ModelSource(family, model_dir, config, known[0], known[1])
     args = family.validate(config, meta_weights(model_dir), max_seq_len=max_len)
-    return ModelSource(family, model_dir, config, args, checkpoint_identity(model_dir))
+    sha = checkpoint_identity(model_dir)
+    save_validated_args(family, sha, args)
+    return ModelSource(family, model_dir, config, args, sha)
+
+
+def _validated_path(family, sha: str, max_len: int) -> Path:
+    from oracle.artifacts import key_of
+
+    key = key_of({"family": family.name, "sha": sha, "max_len": max_len, "code": code_digest(),
+                  "transformers": _version("transformers")})
+    return cache_root() / "validated" / f"{key}.json"
+
+
+def validated_args(family, sha: str | None, max_len: int):
+    """(ModelArgs, sha) of a checkpoint this code already validated (its identity unchanged:
+    same files, sizes, mtimes), from the cache: no transformers config class, no model skeleton.
+    None when not cached."""
+    if sha is None:
+        return None
+    try:
+        d = json.loads(_validated_path(family, sha, max_len).read_text())
+        return ModelArgs(**{**d, "layer_types": tuple(d["layer_types"])}), sha
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def save_validated_args(family, sha: str, args) -> None:
+    from oracle.result import write_atomic
+
+    try:
+        path = _validated_path(family, sha, args.max_seq_len)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(asdict(args), sort_keys=True))
+    except (OSError, TypeError):
+        pass  # a read-only cache, or args that are not plain data: validated again next time
 
 
 def shipped_dir(spec: CheckSpec) -> str | None:

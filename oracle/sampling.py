@@ -18,7 +18,6 @@ below is an independent numpy implementation of models/sampling.py's specificati
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
 from oracle.result import GateRow
 
@@ -176,6 +175,8 @@ def distribution_gate(logits: np.ndarray, draws: np.ndarray, temperature: float,
     if len(e) < 2:  # the nucleus is one token (or one pooled bin): every draw must be it
         pval = 1.0
     else:
+        from scipy import stats  # imported only when a sampling check runs (0.8 s)
+
         pval = float(stats.chisquare(o, e).pvalue)
     return GateRow("sampling_distribution", "pass" if pval >= ALPHA else "fail", round(pval, 6), ALPHA,
                    f"chi-square p-value over {draws.size} seeds, {len(e)} bins, temperature {temperature}, "
