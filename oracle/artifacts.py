@@ -7,6 +7,7 @@ identical check finds the artifact and builds nothing; the result says which it 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -61,12 +62,48 @@ def cached_artifact(namespace: str, parts: dict, filename: str, build: Callable[
     moved into place atomically (a crashed build leaves nothing behind)."""
     d = cache_root() / "artifacts" / namespace / key_of(parts)
     target = d / filename
+    hit = _cached(d, target, name or filename)
+    if hit:
+        return hit
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(d):
+        return _cached(d, target, name or filename) or _build(d, parts, filename, build, name)
+
+
+def _cached(d: Path, target: Path, name: str) -> Artifact | None:
     if target.is_file() and (d / "sha256").is_file():
         digest = (d / "sha256").read_text().strip()
         if sha256_file(target) == digest:
-            return Artifact(name or filename, str(target), digest, True, 0.0)
+            return Artifact(name, str(target), digest, True, 0.0)
         shutil.rmtree(d, ignore_errors=True)  # corrupted in the cache: build it again
-    d.parent.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+@contextlib.contextmanager
+def build_lock(d: Path):
+    """One build of a cache entry at a time across processes (parallel checks, `matrix -j`,
+    parallel tests): the second waits, then finds the first's artifact. An advisory lock on
+    <cache>/locks/<namespace>-<key>.lock, released by the kernel if its holder dies; none where
+    flock is missing."""
+    try:
+        import fcntl
+
+        locks = cache_root() / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        f = open(locks / f"{d.parent.name}-{d.name}.lock", "a")
+    except (ImportError, OSError):  # no flock here, or a read-only cache
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(d: Path, parts: dict, filename: str, build: Callable[[Path], None], name: str | None) -> Artifact:
+    target = d / filename
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
     try:
         t = time.perf_counter()

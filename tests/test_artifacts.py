@@ -43,3 +43,36 @@ def test_manifest(tmp_path):
 
     doc = json.loads(m.read_text())
     assert doc["files"]["model.bin"]["sha256"] == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def _slow_build(cache: str, log: str) -> None:
+    import os
+    import time
+
+    os.environ["MOE_ORACLE_CACHE"] = cache
+
+    def build(path):
+        with open(log, "a") as f:
+            f.write("built\n")
+        time.sleep(1.0)
+        path.write_bytes(b"program")
+
+    cached_artifact("t", {"x": 1}, "p.bin", build)
+
+
+def test_concurrent_builds_of_one_key_build_once(tmp_path):
+    """Two processes asking for the same missing artifact (parallel checks or tests): one builds,
+    the other waits for it and takes it from the cache."""
+    import multiprocessing
+
+    log = tmp_path / "builds.txt"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_slow_build, args=(str(tmp_path / "cache"), str(log))) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert log.read_text() == "built\n"
+    entries = list((tmp_path / "cache" / "artifacts" / "t").iterdir())  # the one entry, no temp dir left
+    assert len(entries) == 1 and (entries[0] / "p.bin").read_bytes() == b"program"
