@@ -23,8 +23,12 @@ check: $(STAMP)
 	$(VENV)/bin/oracle check --family olmoe --backend eager --json reports/check-olmoe-eager.json \
 		--markdown reports/check-olmoe-eager.md
 
+# the suite in parallel workers (pytest-xdist), one test file per worker at a time: a file's
+# shared exports stay in one process, and two files needing one artifact share it through the
+# cache (oracle/artifacts.py: one build per entry across processes). TEST_JOBS=0: serial.
+TEST_JOBS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
