@@ -10,6 +10,11 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("MOE_ORACLE_CACHE", str(ROOT / ".cache" / "moe-oracle"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# parallel workers (make test: pytest-xdist) share the cores: each worker and the checks it
+# starts get its share of intra-op threads instead of all of them (oversubscribed otherwise)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
 def run_cli(*args, cwd=ROOT, env=None):
@@ -23,6 +28,13 @@ def run_cli(*args, cwd=ROOT, env=None):
 @pytest.fixture(scope="session")
 def cli():
     return run_cli
+
+# hypothesis: the properties are what is tested, not how fast examples are drawn; on a loaded
+# 2-core CI machine (parallel workers, compilers) drawing them can exceed its time health check
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
 
 import logging  # noqa: E402
 
