@@ -126,6 +126,11 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--shard", help="I/N: run shard I of N (deterministic split)")
     m.add_argument("--report-dir", required=True)
     m.add_argument("--timeout", type=positive_int, default=1800, help="per-check timeout in seconds")
+    m.add_argument("-j", "--jobs", type=positive_int, metavar="N",
+                   help="run up to N checks at once, each in its own process (on Linux forked from a server "
+                        "that did the imports once) (default: the number of CPUs; 1: one after the other, in "
+                        "order); the reports are the same for any N, only the timings differ. Every check holds "
+                        "its own model: lower N for large checkpoints")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--require", action="store_true", help="an unavailable backend fails the matrix")
     msrc = m.add_mutually_exclusive_group()
@@ -447,12 +452,13 @@ def cmd_matrix(a) -> int:
     for flag, value in (("--model-dir", a.model_dir), ("--config", a.config), ("--layers", a.layers)):
         if value is not None:
             extra += [flag, str(value)]
+    jobs = a.jobs or os.cpu_count() or 1
     if prog:
         with prog:
             summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, progress=update,
-                                 require=a.require)
+                                 require=a.require, jobs=jobs)
     else:
-        summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, require=a.require)
+        summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, require=a.require, jobs=jobs)
     from oracle.summary import markdown
 
     print(markdown(summary), end="")

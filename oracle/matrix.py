@@ -1,14 +1,17 @@
 """`oracle matrix`: every family x backend x precision, each check in its own process
-(a crash or a hang is that check's `error` row, not the end of the run), split into
-deterministic shards for parallel CI jobs."""
+(a crash or a hang is that check's `error` row, not the end of the run), up to `jobs` at
+once, each forked from a warm fork server (oracle/worker.py); split into deterministic
+shards for parallel CI jobs."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,34 +65,26 @@ def _precision_skip(c: Combo) -> str | None:
     return None
 
 
-def run_one(c: Combo, out_dir: Path, timeout: float, seed: int, extra: list[str]) -> tuple[dict, float]:
-    t = time.perf_counter()
-    reason = _precision_skip(c)
-    if reason:
-        return S.synthetic_row(c.family, c.backend, c.precision, "skipped", reason), 0.0
-    json_path = out_dir / "checks" / f"{S.file_id(c.id)}.json"
-    json_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "oracle.cli", "check", "--family", c.family, "--backend", c.backend,
-           "--precision", c.precision, "--seed", str(seed), "--json", str(json_path), *extra]
-    # its own session (process group): on a timeout the whole group goes, compilers it started included
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        return S.synthetic_row(c.family, c.backend, c.precision, "error",
-                               f"timed out after {timeout:g} s"), time.perf_counter() - t
-    except BaseException:  # interrupted: leave no check running behind
-        kill_group(proc)
-        raise
+def check_argv(c: Combo, json_path: Path, seed: int, extra: list[str]) -> list[str]:
+    """`oracle check` arguments of one combo (after `python -m oracle.cli`)."""
+    return ["check", "--family", c.family, "--backend", c.backend, "--precision", c.precision, "--seed", str(seed),
+            "--json", str(json_path), *extra]
+
+
+def outcome_row(c: Combo, json_path: Path, returncode: int, stderr: str) -> dict:
+    """The row of a check that ran: its JSON's, else an error (the exit code and the last
+    line on stderr; exit 2, refused as bad input such as an unsupported option: skipped)."""
     if json_path.is_file():
-        doc = json.loads(json_path.read_text())
-        return S.row_of(doc, f"checks/{json_path.name}"), time.perf_counter() - t
-    tail = (stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-    status = "skipped" if proc.returncode == 2 else "error"  # 2: refused as bad input, e.g. unsupported
-    return S.synthetic_row(c.family, c.backend, c.precision, status,
-                           f"exit {proc.returncode}: {tail}"), time.perf_counter() - t
+        return S.row_of(json.loads(json_path.read_text()), f"checks/{json_path.name}")
+    tail = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
+    status = "skipped" if returncode == 2 else "error"
+    return S.synthetic_row(c.family, c.backend, c.precision, status, f"exit {returncode}: {tail}")
+
+
+def run_one(c: Combo, out_dir: Path, timeout: float, seed: int, extra: list[str]) -> tuple[dict, float]:
+    """One check in a fresh interpreter (`python -m oracle.cli check`, its own session): its
+    row and seconds. A crash or a hang past `timeout` is its error row."""
+    return run_checks([c], out_dir, timeout, seed, extra, jobs=1, warm=False)[0]
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -104,6 +99,239 @@ def kill_group(proc: subprocess.Popen) -> None:
             pipe.close()
 
 
+def default_jobs() -> int:
+    return os.cpu_count() or 1
+
+
+def warm_supported() -> bool:
+    """The warm fork server runs on Linux. Elsewhere (macOS: forking a process that loaded
+    Apple's frameworks, as torch and mlx do on import, is unsafe) each check is a fresh
+    interpreter."""
+    import multiprocessing
+
+    return sys.platform.startswith("linux") and "forkserver" in multiprocessing.get_all_start_methods()
+
+
+class _Cold:
+    """A check in a fresh interpreter, its own session (process group)."""
+
+    def __init__(self, argv: list[str], out: Path, err: Path, env: dict):
+        with open(out, "wb") as o, open(err, "wb") as e:
+            self.proc = subprocess.Popen([sys.executable, "-m", "oracle.cli", *argv], stdout=o, stderr=e,
+                                         start_new_session=True, env=env)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        kill_group(self.proc)
+
+    def close(self) -> None:
+        pass
+
+
+class _Warm:
+    """A check in a child forked from the warm fork server; the child makes itself a session
+    (process group) leader first (oracle.worker.run_check)."""
+
+    def __init__(self, ctx, argv: list[str], out: Path, err: Path, env: dict):
+        from oracle import worker
+
+        self.proc = ctx.Process(target=worker.run_check, args=(argv, env, str(out), str(err)), name="oracle-check")
+        self.proc.start()
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        pid = self.proc.pid
+        for kill in (os.killpg, os.kill):  # the group, and the child itself were it killed before its setsid
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.join()  # the fork server reaps it and hands back its exit status
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+def _start_fork_server(backends: list[str], env: dict):
+    """The forkserver context, its server started now, in `env`, with oracle.worker preloaded
+    and warmed up for `backends` (imports only: no torch op runs, no thread starts there
+    before a fork)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from oracle import worker
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["oracle.worker"])
+    # the server is spawned with os.environ; WARM_ENV is read by its import of oracle.worker
+    server_env = {**env, worker.WARM_ENV: ",".join(backends)}
+    before = {k: os.environ.get(k) for k in server_env}
+    os.environ.update(server_env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
+def _stop_fork_server() -> None:
+    """Kill the fork server (after its children: no check is left running) and reap it."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)  # not waiting for it to notice: a stray descendant may hold its pipe
+    except ProcessLookupError:
+        pass
+    stop = getattr(server, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+def _terminate_raises():
+    """While checks run, SIGTERM (a cancelled CI job) raises SystemExit(143), as Ctrl-C raises
+    KeyboardInterrupt: the running checks are killed before the matrix exits. The previous
+    handler, to restore; None where it was not the default (or not in the main thread)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, terminated)
+
+
+@dataclass
+class _Running:
+    combo: Combo
+    json_path: Path
+    err: Path
+    handle: _Cold | _Warm
+    started: float
+
+
+def run_checks(cs: list[Combo], out_dir: Path, timeout: float, seed: int, extra: list[str], jobs: int = 1,
+               progress=None, warm: bool | None = None) -> list[tuple[dict, float]]:
+    """Every combo's (row, seconds), in the order of `cs`, each check in its own process, at
+    most `jobs` at once (jobs=1: one after the other, in order). warm (default: where
+    supported): each check forked from a fork server that did the imports once; else a fresh
+    interpreter each. A crash or a hang past `timeout` costs only that check's row; on an
+    exception (Ctrl-C) every running check is killed with its process group.
+
+    A family's first check runs before the others of that family start: it fills the caches
+    they share (the seeded checkpoint, the HF reference), which are not then built, or written,
+    by several checks at once."""
+    jobs = max(1, jobs)
+    warm = warm_supported() if warm is None else warm
+    results: list[tuple[dict, float] | None] = [None] * len(cs)
+    pending = []
+    for i, c in enumerate(cs):
+        reason = _precision_skip(c)
+        if reason:
+            results[i] = S.synthetic_row(c.family, c.backend, c.precision, "skipped", reason), 0.0
+        else:
+            pending.append(i)
+    if not pending:
+        return results
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if jobs > 1 and len(pending) > 1:
+        # checks share the cores: OpenMP's idle threads sleep rather than spin, which otherwise
+        # takes the cores from the other checks (-j 2 on 2 cores: 38 s -> 21 s). It must be set
+        # before torch loads OpenMP; the thread counts, and so the numbers, stay as they are.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    running: dict[int, _Running] = {}
+    settled: set[str] = set()  # families with a finished check
+    tmp = Path(tempfile.mkdtemp(prefix="oracle-matrix-"))
+    ctx = None
+
+    def report():
+        if progress:
+            done = sum(r is not None for r in results)
+            names = ", ".join(r.combo.id for r in running.values())
+            progress(f"{done}/{len(cs)} done, running {names}" if names else f"{done}/{len(cs)} done")
+
+    def start(i: int) -> None:
+        nonlocal ctx, warm
+        c = cs[i]
+        json_path = out_dir / "checks" / f"{S.file_id(c.id)}.json"
+        json_path.unlink(missing_ok=True)
+        argv = check_argv(c, json_path, seed, extra)
+        out, err = tmp / f"{i}.out", tmp / f"{i}.err"
+        t = time.perf_counter()
+        handle = None
+        if warm:
+            try:
+                if ctx is None:
+                    ctx = _start_fork_server(sorted({cs[j].backend for j in [i, *pending]}), env)
+                handle = _Warm(ctx, argv, out, err, env)
+            except Exception:  # noqa: BLE001 (no fork server here: a fresh interpreter per check)
+                warm = False
+        if handle is None:
+            handle = _Cold(argv, out, err, env)
+        running[i] = _Running(c, json_path, err, handle, t)
+
+    def finish(i: int, row: dict) -> None:
+        r = running.pop(i)
+        r.handle.close()
+        results[i] = row, time.perf_counter() - r.started
+        settled.add(r.combo.family)
+
+    on_term = _terminate_raises()
+    try:
+        report()
+        while pending or running:
+            busy = {r.combo.family for r in running.values()} - settled
+            for i in list(pending):
+                if len(running) >= jobs:
+                    break
+                if cs[i].family in busy:  # waits for the first check of its family
+                    continue
+                pending.remove(i)
+                start(i)
+                if cs[i].family not in settled:
+                    busy.add(cs[i].family)
+                report()
+            time.sleep(0.05)
+            now = time.perf_counter()
+            for i, r in sorted(running.items()):
+                code = r.handle.poll()
+                if code is not None:
+                    stderr = r.err.read_text(errors="replace") if r.err.is_file() else ""
+                    finish(i, outcome_row(r.combo, r.json_path, code, stderr))
+                elif now - r.started > timeout:
+                    r.handle.kill()
+                    finish(i, S.synthetic_row(r.combo.family, r.combo.backend, r.combo.precision, "error",
+                                              f"timed out after {timeout:g} s"))
+                else:
+                    continue
+                report()
+    except BaseException:  # interrupted: leave no check running behind
+        for r in running.values():
+            r.handle.kill()
+        raise
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+        if ctx is not None:
+            _stop_fork_server()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
 def write_outputs(report_dir: Path, summary: dict) -> None:
     from oracle.html import render_html
 
@@ -114,16 +342,14 @@ def write_outputs(report_dir: Path, summary: dict) -> None:
 
 
 def run_matrix(cs: list[Combo], report_dir: Path, timeout: float = 1800, seed: int = 0,
-               extra: list[str] | None = None, progress=None, require: bool = False) -> dict:
+               extra: list[str] | None = None, progress=None, require: bool = False, jobs: int | None = None,
+               warm: bool | None = None) -> dict:
+    """jobs: checks at once (default: the number of CPUs); the reports are the same for any."""
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "checks").mkdir(exist_ok=True)
-    rows, timings = [], {}
-    for n, c in enumerate(cs):
-        if progress:
-            progress(f"{c.id} ({n + 1}/{len(cs)})")
-        row, secs = run_one(c, report_dir, timeout, seed, extra or [])
-        rows.append(row)
-        timings[c.id] = round(secs, 1)
+    done = run_checks(cs, report_dir, timeout, seed, extra or [], jobs or default_jobs(), progress, warm)
+    rows = [row for row, _ in done]
+    timings = {c.id: round(secs, 1) for c, (_, secs) in zip(cs, done)}
     summary = S.summarize(rows, timings, require)
     write_outputs(report_dir, summary)
     return summary

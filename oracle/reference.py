@@ -342,12 +342,18 @@ def save(ref: Reference, path: Path) -> None:
     meta = {"tokens": ref.tokens, "prompt_len": ref.prompt_len, "calls": len(ref.positions), "blocks": blocks,
             "router_layers": {str(k): len(v) for k, v in ref.router_probs.items()},
             "coverage": {str(k): v for k, v in ref.coverage.items()}}
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    save_file({k: v.detach().clone().contiguous() for k, v in tensors.items()}, str(tmp))
-    import os
     import json
+    import tempfile
 
-    os.replace(tmp, path.with_suffix(".safetensors"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=path.parent)
+    os.close(fd)  # a name of its own: two processes capturing one reference never share a temp file
+    try:
+        save_file({k: v.detach().clone().contiguous() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, path.with_suffix(".safetensors"))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     write_atomic(path.with_suffix(".json"), json.dumps(meta))
 
 

@@ -10,11 +10,11 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("MOE_ORACLE_CACHE", str(ROOT / ".cache" / "moe-oracle"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# parallel workers (make test: pytest-xdist) share the cores: each worker and the checks it
-# starts get its share of intra-op threads instead of all of them (oversubscribed otherwise)
+# parallel workers (make test: pytest-xdist) share the cores: idle OpenMP threads sleep instead
+# of spinning on a core another worker needs (thread counts, and so the numbers, unchanged;
+# OMP_NUM_THREADS=1 would change them)
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def run_cli(*args, cwd=ROOT, env=None):

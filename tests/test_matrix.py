@@ -65,7 +65,10 @@ def test_hang_is_an_error_row(cli, tmp_path):
     assert r.returncode == 1  # the hang fails the matrix; the run itself finished
     rows = json.loads((tmp_path / "m" / "summary.json").read_text())["rows"]
     assert rows[0]["status"] == "error" and rows[0]["reason"] == "timed out after 8 s"
-    child = int(pid_file.read_text())
+    _assert_killed(int(pid_file.read_text()))
+
+
+def _assert_killed(child: int) -> None:
     import os
     import time
 
@@ -79,6 +82,71 @@ def test_hang_is_an_error_row(cli, tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"the hung check's child {child} survived the timeout")
+
+
+def _same_reports(a: Path, b: Path) -> None:
+    """The same rows and reports, timings aside (summary.json's, junit's time attributes)."""
+    import re
+
+    assert _strip(json.loads((a / "summary.json").read_text())) == _strip(json.loads((b / "summary.json").read_text()))
+    assert (a / "summary.md").read_text() == (b / "summary.md").read_text()
+    untimed = [re.sub(r' time="[0-9.]+"', "", (d / "junit.xml").read_text()) for d in (a, b)]
+    assert untimed[0] == untimed[1]
+    assert sorted(f.name for f in (a / "checks").iterdir()) == sorted(f.name for f in (b / "checks").iterdir())
+
+
+def test_parallel_run_equals_serial(cli, full_run, tmp_path):
+    """-j 2 (and the default -j) report what -j 1 (one check after the other) does."""
+    out = {}
+    for j in ("1", "2"):
+        r = cli("matrix", "--families", FAMS, "--backends", "eager,hf", "--precisions", "fp32", "-j", j,
+                "--report-dir", str(tmp_path / f"j{j}"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        out[j] = r.stdout
+    assert out["1"] == out["2"]
+    summary = json.loads((tmp_path / "j2" / "summary.json").read_text())
+    assert [row["id"] for row in summary["rows"]] == [c.id for c in combos(FAMS.split(","), ["eager", "hf"], ["fp32"])]
+    assert summary["counts"]["pass"] == 4 and sorted(summary["timings"]) == [row["id"] for row in summary["rows"]]
+    _same_reports(tmp_path / "j1", tmp_path / "j2")
+    _same_reports(tmp_path / "j1", full_run)
+
+
+def test_parallel_crash_and_hang_cost_only_their_rows(cli, tmp_path):
+    """With -j 2 a crash (os._exit) and a hang (killed at --timeout with the process it
+    started) are their checks' error rows; the checks beside them and after them pass."""
+    pid_file = tmp_path / "child.pid"
+    r = cli("matrix", "--families", "olmoe", "--backends",
+            "eager,examples.fp64_backend:BACKEND,tests.plugins:DIES,tests.plugins:HANGS_WITH_CHILD",
+            "--timeout", "30", "-j", "2", "--report-dir", str(tmp_path / "m"),
+            env={"ORACLE_TEST_CHILD_PID": str(pid_file)})
+    assert r.returncode == 1, r.stdout + r.stderr  # the crash and the hang fail the matrix; the run finished
+    rows = {row["id"]: row for row in json.loads((tmp_path / "m" / "summary.json").read_text())["rows"]}
+    assert rows["olmoe__tests.plugins:DIES__fp32"]["status"] == "error"
+    assert rows["olmoe__tests.plugins:DIES__fp32"]["reason"].startswith("exit 9")
+    hang = rows["olmoe__tests.plugins:HANGS_WITH_CHILD__fp32"]
+    assert hang["status"] == "error" and hang["reason"] == "timed out after 30 s"
+    assert rows["olmoe__eager__fp32"]["status"] == "pass"
+    assert rows["olmoe__examples.fp64_backend:BACKEND__fp32"]["status"] == "pass"
+    _assert_killed(int(pid_file.read_text()))
+
+
+def test_cold_processes_report_the_same(tmp_path, monkeypatch):
+    """Where there is no warm fork server (warm=False: macOS), each check is a fresh
+    interpreter, in parallel too, with the same rows."""
+    from oracle.matrix import Combo, run_matrix, run_one
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    cs = combos(["olmoe"], ["tests.plugins:DIES", "tests.plugins:UNAVAILABLE", "examples.fp64_backend:BACKEND"],
+                ["fp32", "bf16"])
+    summary = run_matrix(cs, tmp_path / "m", timeout=120, jobs=2, warm=False)
+    rows = {row["id"]: row for row in summary["rows"]}
+    assert rows["olmoe__tests.plugins:DIES__fp32"]["reason"] == "exit 9: exit 9"
+    assert rows["olmoe__tests.plugins:UNAVAILABLE__bf16"]["status"] == "skipped"
+    assert rows["olmoe__examples.fp64_backend:BACKEND__fp32"]["status"] == "pass"
+    assert "does not support precision bf16" in rows["olmoe__examples.fp64_backend:BACKEND__bf16"]["reason"]
+    row, secs = run_one(Combo("olmoe", "tests.plugins:DIES", "fp32"), tmp_path / "m", 120, 0, [])
+    assert row == rows["olmoe__tests.plugins:DIES__fp32"] and secs > 0
 
 
 def test_isolation_crash_skip_unsupported(cli, tmp_path):
