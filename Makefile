@@ -12,9 +12,10 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: pip takes the CPU build on disk; unpinned it pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	# --no-compile: no .pyc for all of torch up front; the modules used compile on first import
+	$(PY) -m pip install -q --no-compile torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# every backend that runs on Linux: iree, mlx (CPU), executorch (pinned in pyproject.toml)
-	$(PY) -m pip install -q -e ".[all]"
+	$(PY) -m pip install -q --no-compile -e ".[all]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,12 +24,12 @@ check: $(STAMP)
 	$(VENV)/bin/oracle check --family olmoe --backend eager --json reports/check-olmoe-eager.json \
 		--markdown reports/check-olmoe-eager.md
 
-# the suite in parallel workers (pytest-xdist), one test file per worker at a time: a file's
-# shared exports stay in one process, and two files needing one artifact share it through the
-# cache (oracle/artifacts.py: one build per entry across processes). TEST_JOBS=0: serial.
+# the suite in parallel workers (pytest-xdist; an idle worker steals queued tests): a fixture
+# two workers both need builds its artifact once, the other waits and reads it from the cache
+# (oracle/artifacts.py: one build per entry across processes). TEST_JOBS=0: serial.
 TEST_JOBS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
