@@ -12,10 +12,9 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: pip takes the CPU build on disk; unpinned it pulls a CUDA build
-	# --no-compile: no .pyc for all of torch up front; the modules used compile on first import
-	$(PY) -m pip install -q --no-compile torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# every backend that runs on Linux: iree, mlx (CPU), executorch (pinned in pyproject.toml)
-	$(PY) -m pip install -q --no-compile -e ".[all]"
+	$(PY) -m pip install -q -e ".[all]"
 	touch $(STAMP)
 
 setup: $(STAMP)
