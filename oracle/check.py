@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import tempfile
@@ -35,18 +34,11 @@ PACKAGES = ("torch", "transformers", "safetensors", "numpy", "executorch", "iree
             "iree-base-runtime", "iree-turbine", "mlx", "mlx-lm", "moe-oracle")
 
 
-@functools.lru_cache(maxsize=None)
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def provenance(spec: CheckSpec) -> dict:
-    versions = {p: _version(p) for p in PACKAGES if _version(p) is not None}
+    from oracle.artifacts import versions
+
     return {
-        "versions": versions,
+        "versions": {p: v for p, v in versions(*PACKAGES).items() if v is not None},
         "python": platform.python_version(),
         "host": {"name": platform.node(), "machine": platform.machine(), "system": platform.system(),
                  "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
@@ -155,11 +147,12 @@ def source_of(family, model_dir: Path, spec: CheckSpec) -> ModelSource:
     require_family(family, config, f"{model_dir}/config.json")
     max_len = spec.prompt_len + spec.decode_tokens
     check_length(config, max_len, f"prompt-len + decode-tokens = {max_len}")
-    # every tensor checked (names, shapes, dtypes, shards) from the headers alone, then the
-    # identity: one streamed pass (cached by path, size and mtime) that refuses NaN/Inf weights
+    # a checkpoint this code validated before, unchanged since (same identity): from the cache
     known = validated_args(family, cached_identity(model_dir), max_len)
     if known is not None:
         return ModelSource(family, model_dir, config, known[0], known[1])
+    # every tensor checked (names, shapes, dtypes, shards) from the headers alone, then the
+    # identity: one streamed pass (cached by path, size and mtime) that refuses NaN/Inf weights
     args = family.validate(config, meta_weights(model_dir), max_seq_len=max_len)
     sha = checkpoint_identity(model_dir)
     save_validated_args(family, sha, args)
@@ -167,10 +160,10 @@ def source_of(family, model_dir: Path, spec: CheckSpec) -> ModelSource:
 
 
 def _validated_path(family, sha: str, max_len: int) -> Path:
-    from oracle.artifacts import key_of
+    from oracle.artifacts import key_of, versions
 
     key = key_of({"family": family.name, "sha": sha, "max_len": max_len, "code": code_digest(),
-                  "transformers": _version("transformers")})
+                  **versions("transformers")})
     return cache_root() / "validated" / f"{key}.json"
 
 
@@ -359,7 +352,6 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
         if bad:
             raise InputError(f"the HF fp32 reference itself produces NaN/Inf, first at {bad}: the checkpoint "
                              f"{model_dir} (weights or config) is bad; no backend can be judged against it")
-        path.parent.mkdir(parents=True, exist_ok=True)
         reference.save(ref, path)
     return ref
 

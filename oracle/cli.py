@@ -452,13 +452,12 @@ def cmd_matrix(a) -> int:
     for flag, value in (("--model-dir", a.model_dir), ("--config", a.config), ("--layers", a.layers)):
         if value is not None:
             extra += [flag, str(value)]
-    jobs = a.jobs or os.cpu_count() or 1
     if prog:
         with prog:
             summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, progress=update,
-                                 require=a.require, jobs=jobs)
+                                 require=a.require, jobs=a.jobs)
     else:
-        summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, require=a.require, jobs=jobs)
+        summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, require=a.require, jobs=a.jobs)
     from oracle.summary import markdown
 
     print(markdown(summary), end="")
