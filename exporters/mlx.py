@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import io
 import platform
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -166,11 +170,39 @@ REQUIRE = {
 }
 
 
+def mlx_lm_models() -> None:
+    """Make `mlx_lm.models.*` importable without running `mlx_lm/__init__.py`, which imports
+    mlx_lm's generate/convert/utils and through them transformers (0.6 s, most of a warm mlx
+    check; the model files need only mlx). The package module is registered bare, and runs its
+    real `__init__` the first time anything else is asked of it (`mlx_lm.load`, ...); submodules
+    (`mlx_lm.utils`, `mlx_lm.convert`) import as usual."""
+    if "mlx_lm" in sys.modules:
+        return
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or spec.submodule_search_locations is None:
+        return  # not installed: the import that follows says so
+    pkg = importlib.util.module_from_spec(spec)
+
+    def complete(name):  # the rest of the package: its __init__, run once in this module
+        del pkg.__getattr__
+        spec.loader.exec_module(pkg)
+        return getattr(pkg, name)
+
+    pkg.__getattr__ = complete
+    sys.modules["mlx_lm"] = pkg
+
+
 def mlx_args_class(family: str):
     """The dataclass whose fields CONFIG[family] must cover."""
     if family == "qwen3_5_moe":
-        return importlib.import_module("mlx_lm.models.qwen3_5").TextModelArgs
-    return importlib.import_module(f"mlx_lm.models.{MLX_MODULE[family]}").ModelArgs
+        return mlx_module("qwen3_5").TextModelArgs
+    return mlx_module(MLX_MODULE[family]).ModelArgs
+
+
+def mlx_module(name: str):
+    """mlx_lm.models.<name> (without mlx_lm's package imports: mlx_lm_models)."""
+    mlx_lm_models()
+    return importlib.import_module(f"mlx_lm.models.{name}")
 
 
 def mlx_config(family: str, config: dict) -> dict:
@@ -187,16 +219,32 @@ def mlx_config(family: str, config: dict) -> dict:
     return {k: getattr(c, src) if isinstance(src, str) else src(c) for k, src in table.items()}
 
 
+def cached_mlx_config(family: str, config: dict) -> dict:
+    """mlx_config from the cache when this config.json was converted by this code before (a warm
+    check then imports no transformers config class)."""
+    from models import code_digest
+    from oracle.artifacts import cached_json, versions
+
+    parts = {"family": family, "config": config, "code": code_digest(), "exporter": _source_digest(),
+             **versions("mlx-lm", "transformers")}
+    return cached_json("mlx-config", parts, lambda: mlx_config(family, config))
+
+
+@functools.cache
+def _source_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
 def naive_mlx_config(family: str, config: dict) -> dict:
     """What mlx_lm.utils.load_model does: config.json straight into ModelArgs.from_dict, so
     every key it does not find takes mlx-lm's default. Only for showing the traps."""
-    cls = importlib.import_module(f"mlx_lm.models.{MLX_MODULE[family]}").ModelArgs
+    cls = mlx_module(MLX_MODULE[family]).ModelArgs
     return dataclasses.asdict(cls.from_dict({**config, "model_type": MLX_MODULE[family]}))
 
 
 def build_model(family: str, fields: dict):
     """The mlx-lm Model for the converted fields; checks mlx-lm kept every value."""
-    mod = importlib.import_module(f"mlx_lm.models.{MLX_MODULE[family]}")
+    mod = mlx_module(MLX_MODULE[family])
     if family == "qwen3_5_moe":
         args = fields if "text_config" in fields else {"model_type": "qwen3_5_moe", "text_config": fields}
         model = mod.Model(mod.ModelArgs(**args))
@@ -267,7 +315,7 @@ def load_model(src, config_fn=mlx_config):
     import mlx.core as mx
 
     family = src.family.name
-    fields = config_fn(family, src.config)
+    fields = cached_mlx_config(family, src.config) if config_fn is mlx_config else config_fn(family, src.config)
     model = build_model(family, fields)
     weights = {}
     for shard in shard_files(src.model_dir):
@@ -344,8 +392,6 @@ def write_directory(src, out, bits: int | None, group_size: int, recipe: str | N
     quantizer (`recipe`: one of mlx_lm.convert's mixed recipes) and writers (save_model,
     save_config), the weights at the checkpoint's own dtype; the config that mlx-lm's loader
     reads as this model (loadable_config). bits None: unquantized."""
-    from pathlib import Path
-
     import mlx.core as mx
     from mlx_lm.convert import mixed_quant_predicate_builder
     from mlx_lm.utils import quantize_model, save_config, save_model
@@ -368,8 +414,6 @@ def load_directory(path, family: str, dtype, reference_config: dict):
     its config.json, quantization and weights), floating arrays (scales and biases included: an
     exact upcast) at the activation dtype. info["config"]: the ModelArgs fields the HF reference's
     config means (mlx_config); info["config_mismatch"]: those mlx-lm read differently."""
-    from pathlib import Path
-
     from mlx_lm.utils import load_model as mlx_load
 
     model, config = mlx_load(Path(path), lazy=True)
@@ -617,7 +661,8 @@ class MLXBackend:
     def availability(self):
         try:
             import mlx.core  # noqa: F401
-            import mlx_lm.models.cache  # noqa: F401
+
+            mlx_module("cache")
         except Exception as e:  # ImportError, or a native library that fails to load
             return False, (f"mlx / mlx-lm cannot be imported ({type(e).__name__}: {e}); "
                            "install the extra: pip install 'moe-oracle[mlx]'")

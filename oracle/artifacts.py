@@ -48,6 +48,36 @@ def key_of(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def cached_json(namespace: str, parts: dict, compute: Callable[[], object]):
+    """A small derived value (plain JSON data) cached under <cache>/<namespace>/<key>.json:
+    read back when `parts` (everything it is derived from: inputs, code, versions) are the same,
+    else `compute()`d and written."""
+    value = json_get(namespace, parts)
+    if value is None:
+        value = compute()
+        json_put(namespace, parts, value)
+    return value
+
+
+def json_get(namespace: str, parts: dict):
+    """The value json_put stored for `parts`, or None."""
+    try:
+        return json.loads((cache_root() / namespace / f"{key_of(parts)}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def json_put(namespace: str, parts: dict, value) -> None:
+    """Store `value` for `parts` (atomically; a read-only cache or a value that is not plain data:
+    nothing stored, computed again next time)."""
+    from oracle.result import write_atomic
+
+    try:
+        write_atomic(cache_root() / namespace / f"{key_of(parts)}.json", json.dumps(value))  # its order kept
+    except (OSError, TypeError):
+        pass
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

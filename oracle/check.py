@@ -159,36 +159,31 @@ def source_of(family, model_dir: Path, spec: CheckSpec) -> ModelSource:
     return ModelSource(family, model_dir, config, args, sha)
 
 
-def _validated_path(family, sha: str, max_len: int) -> Path:
-    from oracle.artifacts import key_of, versions
+def _validated_parts(family, sha: str, max_len: int) -> dict:
+    from oracle.artifacts import versions
 
-    key = key_of({"family": family.name, "sha": sha, "max_len": max_len, "code": code_digest(),
-                  **versions("transformers")})
-    return cache_root() / "validated" / f"{key}.json"
+    return {"family": family.name, "sha": sha, "max_len": max_len, "code": code_digest(), **versions("transformers")}
 
 
 def validated_args(family, sha: str | None, max_len: int):
     """(ModelArgs, sha) of a checkpoint this code already validated (its identity unchanged:
     same files, sizes, mtimes), from the cache: no transformers config class, no model skeleton.
     None when not cached."""
+    from oracle.artifacts import json_get
+
     if sha is None:
         return None
+    d = json_get("validated", _validated_parts(family, sha, max_len))
     try:
-        d = json.loads(_validated_path(family, sha, max_len).read_text())
         return ModelArgs(**{**d, "layer_types": tuple(d["layer_types"])}), sha
-    except (OSError, ValueError, TypeError, KeyError):
+    except (TypeError, KeyError):  # not cached (None), or not this code's ModelArgs
         return None
 
 
 def save_validated_args(family, sha: str, args) -> None:
-    from oracle.result import write_atomic
+    from oracle.artifacts import json_put
 
-    try:
-        path = _validated_path(family, sha, args.max_seq_len)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(asdict(args), sort_keys=True))
-    except (OSError, TypeError):
-        pass  # a read-only cache, or args that are not plain data: validated again next time
+    json_put("validated", _validated_parts(family, sha, args.max_seq_len), asdict(args))
 
 
 def shipped_dir(spec: CheckSpec) -> str | None:
