@@ -19,8 +19,11 @@ together by content hash (oracle.artifacts), with:
   (iree-compile deduplicates them): one module compiles in ~60% of the time of two.
   Their weight inputs are read from the same mapped archive (numpy views, no copy), so no
   torch model holds weights while a check runs: a cached program is run with the model's
-  structure alone (parameters on the meta device), and a cache miss drops the torch model
-  it exported once model.irpa is written and the program compiled.
+  structure alone (parameters on the meta device). A cache miss holds no model either: it
+  writes model.irpa a decoder layer at a time straight from the checkpoint
+  (save_parameters_streamed) and traces the program from the structure, its parameters given
+  memory that is never touched (their values are the archive's). Only a seeded fault, which
+  may change weights, builds the whole fp32 model to archive and export it.
 
 Shapes are static (prompt length and max_seq_len are in the cache key): a dynamic token
 dimension exports and compiles, but computed wrong logits (~0.4 off) with iree 3.13.
@@ -241,15 +244,64 @@ def save_parameters(model: Transformer, path: Path) -> dict:
 
     t = time.perf_counter()
     builder = aot.ParameterArchiveBuilder()
+    n = 0
     for name, p in model.named_parameters():
         builder.add_tensor(name, p.detach())
+        n += 1
     builder.save(path)
+    return _archive_info(path, n, t)
+
+
+def save_parameters_streamed(src, path: Path) -> dict:
+    """save_parameters of the production model built from `src`, without building it: the
+    checkpoint's tensors a decoder layer at a time (Family.production_tensors, fp32), each group
+    written to an archive of its own and dropped, then the groups joined into `path` by the
+    runtime's own writer (ParameterIndex.create_archive_file, copying from their mappings) and
+    removed. Peak memory: one layer in fp32 (and its checkpoint slices), whatever the depth; the
+    same names and values as save_parameters (tests/test_iree_params.py)."""
+    import iree.runtime as rt
+    from iree.turbine import aot
+
+    t = time.perf_counter()
+    parts, n = [], 0
+    try:
+        for group in src.family.production_tensors(src.model_dir, src.args, torch.float32):
+            builder = aot.ParameterArchiveBuilder()
+            for name, tensor in group.items():
+                builder.add_tensor(name, tensor)
+            parts.append(path.with_name(f".{path.stem}-part{len(parts)}.irpa"))
+            builder.save(parts[-1])
+            n += len(group)
+            del builder, group
+        index = rt.ParameterIndex()
+        for part in parts:
+            index.load(str(part), mmap=True)
+        index.create_archive_file(str(path))
+        del index
+    finally:
+        for part in parts:
+            part.unlink(missing_ok=True)
+    return _archive_info(path, n, t)
+
+
+def _archive_info(path: Path, tensors: int, t0: float) -> dict:
+    """PARAMS_INFO of the archive just written at `path` (written beside it)."""
     st = path.stat()
     info = {"name": path.name, "sha256": sha256_file(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "scope": PARAM_SCOPE, "tensors": sum(1 for _ in model.named_parameters()),
-            "build_s": time.perf_counter() - t}
+            "scope": PARAM_SCOPE, "tensors": tensors, "build_s": time.perf_counter() - t0}
     path.with_name(PARAMS_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
     return info
+
+
+def untouched_weights(model: nn.Module) -> None:
+    """Every meta parameter of `model` given CPU memory that is never written or read: what a
+    traced export needs (fake tensors are made from real ones: meta beside the CPU buffers fails)
+    when the parameters are external (their values are in model.irpa, not in the program).
+    The allocation is address space only: pages nobody touches take no memory."""
+    for module in model.modules():
+        for k, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[k] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
 
 
 def checked_parameters(vmfb: Path) -> dict | None:
@@ -484,17 +536,28 @@ class IreeBackend:
     `transform_id` names it in every cache key (a transform without an id is not cached)."""
 
     precisions = ("fp32",)
-    # no torch model with weights while a check runs (a cache miss holds the fp32 model while it
-    # exports, then drops it): the weights mapped from the parameter archive (4 bytes), a block
-    # call's weights copied in by the runtime and again inside the program (one layer's, twice),
-    # and each context's hoisted constants (lm_head, attention projections). Measured on an
-    # OLMoE-shaped config (hidden 1024, 32 experts, 2 layers, 0.21 B parameters): 1.93 GiB peak cold,
-    # 1.81 GiB cached (`oracle check --config`, /usr/bin/time -v; 3.16 / 2.46 GiB with the model
-    # held); 8 bytes covers that breakdown at 2 layers (fewer layers: a larger share per layer).
-    # Was 10.5 with the model held: 12.4 GiB peak for OLMoE --layers 2 (1.05 B), not re-measured.
-    memory_per_param = {"fp32": 8.0}
+
+    def memory_estimate(self, src, spec) -> tuple[int, str]:
+        """No torch model with weights is held, building or running (an untransformed build writes
+        model.irpa a layer at a time and traces the program without weights; the runtime maps the
+        archive: file pages, which the kernel can drop and read again). What is held: one decoder
+        layer's fp32 weights twice, either as the build's converted layer beside its checkpoint
+        slices or as the runtime's copies of a `layer` block call's weight inputs (copied in, and
+        again inside the program), and each context's constants that iree-compile hoisted
+        (lm_head, the attention projections: at most the weights outside the layers). A seeded
+        fault (a transform) builds the whole fp32 model as before: 4 bytes per parameter more."""
+        from models.checkpoint import layer_parameter_counts
+
+        layer, outside = layer_parameter_counts(src.model_dir)
+        need = 8 * layer + 4 * outside
+        how = f"2 x {layer / 1e9:.2f} B parameters of its largest layer + {outside / 1e9:.2f} B outside the layers, in fp32"
+        if self.transform is not None:
+            params = src.parameter_count()
+            need += 4 * params
+            how += f", + the whole fp32 model for the fault ({params / 1e9:.2f} B parameters)"
+        return need, how
+
     artifact_suffix = ".vmfb"  # --vmfb: a program built elsewhere
-    memory_note = "its weights mapped from the parameter archive and one layer's block inputs copied twice"
 
     def __init__(self, name: str = "iree-llvm-cpu", transform=None, transform_id: str | None = None):
         self.name, self.transform, self.transform_id = name, transform, transform_id
@@ -547,18 +610,23 @@ class IreeBackend:
     def program(self, src, spec) -> Built:
         """The block programs, model.vmfb and model.irpa: built (export + archive + compile) on a
         cache miss, else read from the cache (a cached vmfb without its archive: built again).
-        Only a miss reads the checkpoint's weights (and drops them when built)."""
+        Only a miss reads the checkpoint's weights: a layer at a time into the archive (a
+        transform's build: the whole transformed model, dropped when built)."""
         if spec.precision not in self.precisions:
             raise ValueError(f"{self.name} runs {', '.join(self.precisions)} only, not {spec.precision}")
         model = self.model(src)
         programs, which = block_programs(model)
 
         def build(path: Path):
+            if self.transform is None:  # the archive a layer at a time; the program traced without weights
+                save_parameters_streamed(src, path.with_name(PARAMS_FILE))
+                untouched_weights(model)
+                compile_to(export_program(model, programs, spec.prompt_len), path)
+                return
             m, progs = model, programs
-            if not has_weights(model):  # the weights, for the archive and the export
+            if not has_weights(model):  # the transformed model's weights, for the archive and the export
                 m = src.build_production(torch.float32)
-                if self.transform is not None:
-                    self.transform(m)
+                self.transform(m)
                 progs = block_programs(m)[0]
                 same_programs(m, progs, model, programs)
             save_parameters(m, path.with_name(PARAMS_FILE))

@@ -101,17 +101,26 @@ class Family:
         args = args or self.args(cfg, max_seq_len)  # the ModelSource's, already resolved
         with init_empty_weights(include_buffers=False):
             model = Transformer(args, dtype)
-        index = tensor_index(model_dir)
-        for names in layer_groups(index):
-            for name, t in self.sanitize(read_tensors(index, names), args).items():
-                # fresh memory either way (a tensor read from a shard can sit at an alignment
-                # that makes BLAS round differently from run to run of the same weights)
-                value = t.to(dtype) if t.dtype != dtype else t.clone()
+        for group in self.production_tensors(model_dir, args, dtype):
+            for name, value in group.items():
                 set_module_tensor_to_device(model, name, "cpu", value=value, dtype=dtype)
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise CheckpointError(f"missing tensor(s): {', '.join(missing[:6])}")
         return model.eval()
+
+    def production_tensors(self, model_dir, args: ModelArgs, dtype=torch.float32):
+        """The production model's parameters (its state-dict names) in `dtype`, one decoder
+        layer at a time (then the embedding, final norm and head): each group read from the
+        shards' memory maps, sanitized and converted, in fresh memory. What build_from assigns,
+        and what a backend that keeps its weights outside the model (an IREE parameter archive)
+        writes group by group without ever holding the whole model."""
+        index = tensor_index(model_dir)
+        for names in layer_groups(index):
+            # fresh memory either way (a tensor read from a shard can sit at an alignment
+            # that makes BLAS round differently from run to run of the same weights)
+            yield {name: t.to(dtype) if t.dtype != dtype else t.clone()
+                   for name, t in self.sanitize(read_tensors(index, names), args).items()}
 
 
 @functools.lru_cache(maxsize=1)

@@ -139,6 +139,22 @@ def parameter_count(model_dir: Path) -> int:
     return sum(math.prod(shape) for _, _, shape in tensor_index(model_dir).values())
 
 
+LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's tensor names: ...layers.N....
+
+
+def layer_parameter_counts(model_dir: Path) -> tuple[int, int]:
+    """(elements of the largest decoder layer, elements outside the decoder layers: embedding,
+    final norm, head), from the safetensors headers only."""
+    layers, outside = {}, 0
+    for name, (_, _, shape) in tensor_index(model_dir).items():
+        m = LAYER.search(name)
+        if m:
+            layers[m.group(1)] = layers.get(m.group(1), 0) + math.prod(shape)
+        else:
+            outside += math.prod(shape)
+    return max(layers.values(), default=0), outside
+
+
 def meta_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint as a meta tensor (name, shape, dtype; no data): what a
     family's sanitize() and the strict name/shape check need, at no memory cost."""
@@ -152,7 +168,7 @@ def layer_groups(index: dict) -> list[list[str]]:
     family's sanitize() needs at once (a layer's experts are stacked together)."""
     groups: dict = {}
     for name in index:
-        m = re.search(r"\.layers\.(\d+)\.", name)
+        m = LAYER.search(name)
         groups.setdefault(int(m.group(1)) if m else -1, []).append(name)
     return [sorted(groups[k]) for k in sorted(groups, key=lambda k: (k < 0, k))]
 

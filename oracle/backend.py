@@ -32,8 +32,10 @@ harness refuses unknown or ill-typed ones before any work), `check_options(spec)
 (what is wrong with a combination of options on this host, e.g. `--device gpu` without one) and
 `export(model, spec, output_dir) -> list[Path]` (for `oracle export`) and
 `memory_per_param` (precision -> peak bytes per checkpoint parameter its load/build needs, with
-`memory_note` saying what is held; + BASE_MEMORY: a model that would not fit in the available memory is
-refused with exit 2 and the estimate, instead of being killed mid-build). Torch-based
+`memory_note` saying what is held) or `memory_estimate(src, spec) -> (bytes, how)` (where the
+peak follows the largest layer rather than the whole model); + BASE_MEMORY: a model that would not
+fit in the available memory is refused with exit 2 and the estimate, instead of being killed
+mid-build. Torch-based
 backends take `transform` (a callable modifying the built production model, how seeded
 faults are injected) and `transform_id` (part of every artifact cache key).
 
@@ -260,21 +262,33 @@ def available_memory() -> int | None:
 
 
 def memory_refusal(backend, src: ModelSource, spec: CheckSpec) -> str | None:
-    """Why this backend cannot hold this model here (its declared peak bytes per parameter at
-    this precision, + BASE_MEMORY, above the available memory), or None. $MOE_ORACLE_MEMORY_CHECK=off
-    skips it (e.g. with swap the kernel does not count)."""
+    """Why this backend cannot hold this model here (its estimate of the peak bytes it needs,
+    + BASE_MEMORY, above the available memory), or None. The estimate is the backend's
+    `memory_estimate(src, spec)` -> (bytes, how it is made up) where it has one (a need that
+    follows the largest layer, not the whole model), else its `memory_per_param` at this
+    precision times the checkpoint's parameters. $MOE_ORACLE_MEMORY_CHECK=off skips it (e.g. with
+    swap the kernel does not count)."""
     import os
 
-    per = (getattr(backend, "memory_per_param", None) or {}).get(spec.precision)
-    if per is None or os.environ.get("MOE_ORACLE_MEMORY_CHECK", "on") == "off":
+    if os.environ.get("MOE_ORACLE_MEMORY_CHECK", "on") == "off":
         return None
+    estimate = getattr(backend, "memory_estimate", None)
+    if estimate is not None:
+        need, how = estimate(src, spec)
+        if need is None:
+            return None
+    else:
+        per = (getattr(backend, "memory_per_param", None) or {}).get(spec.precision)
+        if per is None:
+            return None
+        params = src.parameter_count()
+        note = getattr(backend, "memory_note", "")
+        need, how = int(params * per), f"{params / 1e9:.2f} B parameters x {per:g} bytes{f': {note}' if note else ''}"
+    need += BASE_MEMORY
     avail = available_memory()
-    params = src.parameter_count()
-    need = int(params * per) + BASE_MEMORY
     if avail is None or need <= avail:
         return None
-    note = getattr(backend, "memory_note", "")
     return (f"{spec.backend} --precision {spec.precision} would need about {need / GIB:.1f} GiB for this "
-            f"checkpoint ({params / 1e9:.2f} B parameters x {per:g} bytes{f': {note}' if note else ''}, "
-            f"+ {BASE_MEMORY / GIB:g} GiB) and {avail / GIB:.1f} GiB is available: use a machine with more memory, a lower "
-            f"precision, or --layers N to check a cut of the model (MOE_ORACLE_MEMORY_CHECK=off to try anyway)")
+            f"checkpoint ({how}, + {BASE_MEMORY / GIB:g} GiB) and {avail / GIB:.1f} GiB is available: use a machine "
+            f"with more memory, a lower precision, or --layers N to check a cut of the model "
+            f"(MOE_ORACLE_MEMORY_CHECK=off to try anyway)")
