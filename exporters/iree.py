@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
-import inspect
 import json
 import platform
 import re
@@ -43,18 +42,11 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
-import torch
-from torch import nn
 
-from exporters.eager import block_fn
-from models import faults, layers
-from models.layers import STATE_BUFFERS, Transformer
-from oracle.artifacts import Artifact, cached_artifact, sha256_file, versions
+from oracle.artifacts import Artifact, cached_artifact, cached_json, sha256_file, versions
 from oracle.backend import InputError
-from oracle.goldens import histogram_text
 
 FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
          "--iree-llvmcpu-target-cpu=host")
@@ -78,11 +70,15 @@ def host_cpu() -> str:
 
 @functools.cache
 def code_digest(faulted: bool) -> str:
-    """The code a program is traced from, as imported: the production layers, block_fn, this
-    file, and faults.py for a faulted build (its transform_id names the fault, not its code)."""
-    h = hashlib.sha256(inspect.getsource(block_fn).encode())
-    for f in (layers.__file__, __file__, *([faults.__file__] if faulted else [])):
-        h.update(Path(f).read_bytes())
+    """The code a program is traced from (read, not imported: a warm check imports no torch):
+    the production layers and their args, the block functions (exporters/eager.py), this file
+    and the export's, and faults.py for a faulted build (its transform_id names the fault, not
+    its code)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in ("models/layers.py", "models/args.py", "exporters/eager.py", "exporters/iree.py",
+              "exporters/iree_export.py", *(["models/faults.py"] if faulted else [])):
+        h.update(f.encode() + b"\0" + (root / f).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -92,218 +88,7 @@ def args_digest(src) -> str:
     return hashlib.sha256(repr(src.args).encode()).hexdigest()[:16]
 
 
-# ------------------------------------------------------------------ the model, with or without weights
-def production_structure(src) -> Transformer:
-    """The fp32 production model as Family.build_from lays it out, without reading a weight: its
-    parameters on the meta device (names, shapes, dtypes), its buffers real (computed from the
-    config: RoPE inv_freq, cache_pos, the zero state). Enough for block_programs and the
-    blocks' non-parameter inputs; the parameters' values are in model.irpa."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = Transformer(src.args, torch.float32)
-    return model.eval()
-
-
-def has_weights(model: nn.Module) -> bool:
-    return not any(p.is_meta for p in model.parameters())
-
-
-def drop_weights(model: nn.Module) -> None:
-    """Every parameter of `model` moved to the meta device: the values freed, names, shapes and
-    dtypes kept (a parameter that modules share stays shared)."""
-    metas = {}  # id -> (the parameter, kept alive while its id is a key; its meta twin)
-    for module in model.modules():
-        for k, p in module._parameters.items():
-            if p is not None and not p.is_meta:
-                if id(p) not in metas:
-                    metas[id(p)] = (p, nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad))
-                module._parameters[k] = metas[id(p)][1]
-
-
-def same_programs(built: Transformer, bp: dict, structure: Transformer, sp: dict) -> None:
-    """Raise unless the model a cache miss built and exported has the block programs (names,
-    fingerprints, inputs) and non-parameter buffers of the structure the cache key and the
-    candidate were made from: a transform that behaved differently without weights."""
-    def desc(programs):
-        return [(p.name, p.fingerprint, p.weights, p.state) for p in programs.values()]
-
-    if desc(bp) != desc(sp):
-        raise RuntimeError("block programs of the built model differ from those of its structure "
-                           f"(a transform that depends on weight values?): {desc(bp)} vs {desc(sp)}")
-    buffers = dict(structure.named_buffers())
-    for name, t in built.named_buffers():
-        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
-            continue
-        if name not in buffers or not torch.equal(t, buffers[name]):
-            raise RuntimeError(f"buffer {name} of the built model differs from its structure's")
-
-
-# ------------------------------------------------------------------ block programs
-class _Call(nn.Module):
-    """A block as a module: `m` holds the block's weights and state, `fn(x, pos)` runs it."""
-
-    def __init__(self, module: nn.Module, fn: Callable):
-        super().__init__()
-        self.m, self.fn = module, fn
-
-    def forward(self, x, pos):
-        return self.fn(x, pos)
-
-
-@dataclass
-class BlockProgram:
-    name: str  # entry points f"block_{name}_t{T}"
-    kind: str
-    call: _Call  # the block of the first layer using this program (what gets traced)
-    weights: list[str]  # input names, in order: every parameter and non-state buffer
-    state: list[str]  # state buffers: inputs and (after the output) results, in order
-    fingerprint: str
-
-    def entry(self) -> Callable:
-        """The exported function: (root, weights, state, x, pos) -> (*outputs, *new_state)."""
-
-        def entry(_root, weights, state, x, pos):
-            tensors = dict(zip(self.weights, weights))
-            new_state = [s.clone() for s in state]
-            tensors.update(zip(self.state, new_state))
-            out = torch.func.functional_call(self.call, tensors, (x, pos))
-            return (*(out if isinstance(out, tuple) else (out,)), *new_state)
-
-        return entry
-
-
-def block_tensors(call: _Call) -> dict[str, torch.Tensor]:
-    return dict(list(call.named_parameters()) + list(call.named_buffers()))
-
-
-def fingerprint(module: nn.Module, where: str) -> str:
-    """What determines a block's program besides its weight values: module types, plain
-    attributes, tensor shapes. A method or tensor set on an instance (how a seeded fault
-    patches one block) makes the block's program its own (`where` names the block)."""
-    h = hashlib.sha256()
-    for path, sub in module.named_modules():
-        h.update(f"{path}:{type(sub).__module__}.{type(sub).__qualname__}\n".encode())
-        for k, v in sorted(vars(sub).items()):
-            if k.startswith("_"):
-                continue
-            patched = callable(v) or isinstance(v, torch.Tensor)
-            h.update(f" {k}={'patched@' + where if patched else repr(v)}\n".encode())
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def block_programs(model: Transformer) -> tuple[dict[str, BlockProgram], dict]:
-    """The distinct block programs of `model`, and (layer, kind) -> (program, its _Call)."""
-    keys = [(i, k) for i in range(len(model.layers)) for k in LAYER_KINDS] + [(None, "final_norm"), (None, "logits")]
-    programs, by_fp, which = {}, {}, {}
-    for layer, kind in keys:
-        call = _Call(*block_fn(model, layer, kind))
-        fp = fingerprint(call.m, f"{layer}.{kind}")
-        if (kind, fp) not in by_fp:
-            name = f"{kind}{sum(p.kind == kind for p in programs.values())}"
-            tensors = block_tensors(call)
-            state = [n for n in tensors if n.rsplit(".", 1)[-1] in STATE_BUFFERS]
-            weights = [n for n in tensors if n not in state]
-            programs[name] = by_fp[kind, fp] = BlockProgram(name, kind, call, weights, state, fp)
-        which[layer, kind] = (by_fp[kind, fp], call)
-    return programs, which
-
-
-def block_inputs(model: Transformer, which: dict) -> dict:
-    """(layer, kind) -> (program, its weight inputs in order, its state shapes). A weight input
-    is a parameter's name in model.irpa (its `model.named_parameters()` name, as save_parameters
-    wrote it; found by identity, so a block's relative name `m.q_proj.weight` maps to
-    `layers.1.attn.q_proj.weight`), or, for a buffer that is not a parameter (RoPE inv_freq,
-    cache_pos: small, derived from the config), its values as numpy."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {}
-    for key, (p, call) in which.items():
-        tensors = block_tensors(call)
-        inputs = []
-        for n in p.weights:
-            t = tensors[n]
-            if id(t) in names:
-                inputs.append(names[id(t)])
-            elif t.is_meta:
-                raise RuntimeError(f"block {key}: {n} is neither a parameter of the model nor a real buffer")
-            else:
-                inputs.append(t.detach().numpy())
-        out[key] = (p, inputs, [tuple(tensors[n].shape) for n in p.state])
-    return out
-
-
-# ------------------------------------------------------------------ export and compile
-def save_parameters(model: Transformer, path: Path) -> dict:
-    """The IREE parameter archive of every parameter of `model` (its `named_parameters()`
-    names, scope PARAM_SCOPE), and PARAMS_INFO beside it. Buffers are not parameters: the
-    state buffers are module globals that prefill/decode mutate, and the derived constants
-    (RoPE `inv_freq`, `cache_pos`) stay small constants of the program."""
-    from iree.turbine import aot
-
-    t = time.perf_counter()
-    builder = aot.ParameterArchiveBuilder()
-    n = 0
-    for name, p in model.named_parameters():
-        builder.add_tensor(name, p.detach())
-        n += 1
-    builder.save(path)
-    return _archive_info(path, n, t)
-
-
-def save_parameters_streamed(src, path: Path) -> dict:
-    """save_parameters of the production model built from `src`, without building it: the
-    checkpoint's tensors a decoder layer at a time (Family.production_tensors, fp32), each group
-    written to an archive of its own and dropped, then the groups joined into `path` by the
-    runtime's own writer (ParameterIndex.create_archive_file, copying from their mappings) and
-    removed. Peak memory: one layer in fp32 (and its checkpoint slices), whatever the depth; the
-    same names and values as save_parameters (tests/test_iree_params.py)."""
-    import iree.runtime as rt
-    from iree.turbine import aot
-
-    t = time.perf_counter()
-    parts, n = [], 0
-    try:
-        for group in src.family.production_tensors(src.model_dir, src.args, torch.float32):
-            builder = aot.ParameterArchiveBuilder()
-            for name, tensor in group.items():
-                builder.add_tensor(name, tensor)
-            parts.append(path.with_name(f".{path.stem}-part{len(parts)}.irpa"))
-            builder.save(parts[-1])
-            n += len(group)
-            del builder, group
-        index = rt.ParameterIndex()
-        for part in parts:
-            index.load(str(part), mmap=True)
-        index.create_archive_file(str(path))
-        del index
-    finally:
-        for part in parts:
-            part.unlink(missing_ok=True)
-    return _archive_info(path, n, t)
-
-
-def _archive_info(path: Path, tensors: int, t0: float) -> dict:
-    """PARAMS_INFO of the archive just written at `path` (written beside it)."""
-    st = path.stat()
-    info = {"name": path.name, "sha256": sha256_file(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "scope": PARAM_SCOPE, "tensors": tensors, "build_s": time.perf_counter() - t0}
-    path.with_name(PARAMS_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-    return info
-
-
-def untouched_weights(model: nn.Module) -> None:
-    """Every meta parameter of `model` given CPU memory that is never written or read: what a
-    traced export needs (fake tensors are made from real ones: meta beside the CPU buffers fails)
-    when the parameters are external (their values are in model.irpa, not in the program).
-    The allocation is address space only: pages nobody touches take no memory."""
-    for module in model.modules():
-        for k, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                module._parameters[k] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-
-
+# ------------------------------------------------------------------ the archive
 def checked_parameters(vmfb: Path) -> dict | None:
     """PARAMS_INFO of the archive beside `vmfb` if the archive is there and is the one that was
     written with it (same size, and same sha256 unless its mtime is unchanged), else None."""
@@ -318,111 +103,6 @@ def checked_parameters(vmfb: Path) -> dict | None:
     if st.st_mtime_ns != info.get("mtime_ns") and sha256_file(irpa) != info.get("sha256"):
         return None
     return info
-
-
-def check_globals(exported, model: Transformer) -> None:
-    """The exported module's globals, as the archive needs them: every `#flow.parameter.named`
-    global names a parameter of `model` (what the archive holds) and is not mutable (the state
-    buffers stay module globals that prefill/decode store to), and every parameter is external
-    (none inlined into the program).
-
-    The state globals keep their inline zero initial values (`dense_resource`, as large as the
-    state): `dense<0.0>` splats instead gave wrong logits (1.8 off, prefill included) with
-    iree 3.13 (qwen2_moe; probably the bug behind the `zero_()` reset that aliased K and V)."""
-    params = {n for n, _ in model.named_parameters()}
-    op = exported.mlir_module.operation if hasattr(exported.mlir_module, "operation") else exported.mlir_module
-    named = set()
-    for g in op.regions[0].blocks[0].operations:
-        if g.operation.name != "util.global" or "initial_value" not in g.attributes:
-            continue
-        init = str(g.attributes["initial_value"])
-        m = re.match(r'#(?:flow|stream)\.parameter\.named<"([^"]*)"::"([^"]*)">', init)
-        if m is None:
-            continue
-        if "is_mutable" in g.attributes:
-            raise RuntimeError(f"export: a mutable global is an external parameter: {init}")
-        if m.group(1) != PARAM_SCOPE or m.group(2) not in params:
-            raise RuntimeError(f"export: a global refers to a parameter the archive does not hold: {init}")
-        named.add(m.group(2))
-    if named != params:
-        raise RuntimeError(f"export: parameters not external (inlined into the program): {sorted(params - named)}")
-
-
-def export_program(model: Transformer, programs: dict[str, BlockProgram], prompt_len: int,
-                   external: bool = True):
-    """One module: the model's prefill + decode over shared globals, its parameters external
-    (see save_parameters), and every block program (weights as inputs). external=False: the
-    parameters inlined into the program instead (how it was built before the archive; tests
-    compare the two)."""
-    from iree.turbine import aot
-
-    if not external:
-        return _export(model, programs, prompt_len)
-    # what `aot.externalize_module_parameters` does, for the parameters only: it also tags the
-    # persistent buffers, which makes each state buffer a mutable global initialised from the
-    # archive (`util.global private mutable @__auto.k_cache = #flow.parameter.named<"model"::
-    # "k_cache">`), an archive that would then hold zero-filled caches. The trait is read when
-    # aot.export imports the programs, and is an attribute on the model's own tensors: taken
-    # off again afterwards.
-    params = [p for _, p in model.named_parameters()]
-    for name, p in model.named_parameters():
-        aot.ExternalTensorTrait(external_scope=PARAM_SCOPE, external_name=name).set(p)
-    try:
-        exported = _export(model, programs, prompt_len)
-    finally:
-        for p in params:
-            if hasattr(p, "_turbine_external_tensor_trait"):
-                del p._turbine_external_tensor_trait
-    check_globals(exported, model)
-    return exported
-
-
-def _export(model: Transformer, programs: dict[str, BlockProgram], prompt_len: int):
-    from iree.turbine import aot
-
-    fxb = aot.FxProgramsBuilder(model)
-    for name, T in (("prefill", prompt_len), ("decode", 1)):
-        fxb.export_program(lambda m, tokens, pos: m(tokens, pos), name=name, strict=False,
-                           args=(torch.zeros(1, T, dtype=torch.long), torch.arange(T)))
-    blocks = aot.FxProgramsBuilder(nn.Module())  # weights are inputs: nothing to lift
-    dtype, hidden = model.embed_tokens.weight.dtype, model.args.hidden_size
-    for p in programs.values():
-        tensors = block_tensors(p.call)
-        # example inputs: only their shapes and dtypes are traced (fake tensors), so uninitialised
-        # memory the export never touches (no copy of the block's weights: at a cache miss the
-        # clones of every program's weights were most of the peak above the model itself);
-        # distinct tensors, never one object for two inputs (FINDINGS: k and v get tied)
-        weights = [torch.empty_like(tensors[n]) for n in p.weights]
-        state = [torch.zeros_like(tensors[n]) for n in p.state]
-        # non-strict torch.export of a functional_call that mutates a state input leaves fake
-        # tensors in the block's modules (torch 2.13): put the real ones back afterwards
-        saved = [(m, dict(m._parameters), dict(m._buffers)) for m in p.call.modules()]
-        try:
-            for T in sorted({prompt_len, 1}):
-                blocks.export_program(p.entry(), name=f"block_{p.name}_t{T}", strict=False,
-                                      args=(weights, state, torch.zeros(1, T, hidden, dtype=dtype), torch.arange(T)))
-        finally:
-            for m, params, buffers in saved:
-                m._parameters.update(params)
-                m._buffers.update(buffers)
-    both = aot.FxPrograms()
-    both.programs.update(fxb.programs)
-    both.programs.update(blocks.programs)
-    return aot.export(both)
-
-
-def compile_to(exported, path: Path) -> None:
-    """iree-compile the exported module into `path` (a subprocess: a failure raises
-    CompilerToolError carrying the compiler's stderr)."""
-    import iree.compiler
-
-    mlir = path.with_suffix(".mlirbc")
-    with open(mlir, "wb") as f:
-        exported.mlir_module.write_bytecode(f)
-    path.with_name(OPS_FILE).write_text(histogram_text(mlir_ops(str(exported.mlir_module)),
-                                                       "ops of the input MLIR (torch dialect), all entry points"))
-    iree.compiler.compile_file(str(mlir), output_file=str(path), extra_args=list(FLAGS))
-    mlir.unlink()
 
 
 OPS_FILE = "mlir_ops.txt"
@@ -474,7 +154,7 @@ class IreeCandidate:
         self.seq = None  # the context of the current sequence (prefill, then decode)
         self._blocks = self.context()  # the blocks' context while there is no sequence
         # (layer, kind) -> (program, its weights as numpy in input order, its fresh state). Blocks
-        # (block_inputs) name their parameters: read-only numpy views of the archive mapped above,
+        # (parse_plan) name their parameters: read-only numpy views of the archive mapped above,
         # the pages prefill/decode use too (no copy; the runtime copies an input per call)
         entries = dict(self.index.items()) if params is not None else {}
         self.which = {}
@@ -518,10 +198,10 @@ class IreeCandidate:
         p, weights, state = self.which[layer, kind]
         outs = []
         for c in calls:
-            entry = f"block_{p.name}_t{c.x.shape[1]}"
+            entry = f"block_{p.name}_t{c.x_array.shape[1]}"
             if entry not in self.blocks.vm_module.function_names:
                 raise ValueError(f"model.vmfb has no {entry} (compiled for T = {self.prompt_len} and 1)")
-            x, pos = np.ascontiguousarray(c.x.numpy()), c.pos.numpy().astype(np.int64)
+            x, pos = np.ascontiguousarray(c.x_array, np.float32), c.pos_array.astype(np.int64)
             res = self.blocks[entry](*weights, *state, x, pos)
             res = res if isinstance(res, (list, tuple)) else [res]
             n_out = len(res) - len(p.state)
@@ -535,6 +215,7 @@ class IreeBackend:
     """`transform(model)` may modify the built production model in place (seeded faults);
     `transform_id` names it in every cache key (a transform without an id is not cached)."""
 
+    runs_torch = False  # the candidate runs no torch (provenance records no torch thread count)
     precisions = ("fp32",)
 
     def memory_estimate(self, src, spec) -> tuple[int, str]:
@@ -580,7 +261,7 @@ class IreeBackend:
             return None
         return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
 
-    def key(self, src, spec, programs: dict) -> dict:
+    def key(self, src, spec, programs: dict) -> dict:  # programs: parse_plan's
         return {"backend": "iree-llvm-cpu", "family": spec.family, "checkpoint": src.checkpoint_sha256,
                 "precision": spec.precision, "prompt_len": spec.prompt_len, "max_seq_len": src.args.max_seq_len,
                 "options": {k: v for k, v in spec.options.items() if k != "max_seq_len"},  # max_seq_len: above
@@ -589,15 +270,19 @@ class IreeBackend:
                 "args": args_digest(src), "parameters": f"{PARAMS_FILE} scope={PARAM_SCOPE}",
                 "blocks": [(p.name, p.fingerprint) for p in programs.values()]}
 
-    def model(self, src) -> Transformer:
-        """The transformed production model the block programs are read from: its structure
-        alone (production_structure), unless the transform is unnamed (applied once, to the real
-        model, as an uncached build always did) or fails without weight values (a fault that
-        reads them: expert_weights_off_1e-3 picks its expert by the router's weights)."""
+    def model(self, src):
+        """The transformed production model the block programs are read from (torch): its
+        structure alone (production_structure), unless the transform is unnamed (applied once, to
+        the real model, as an uncached build always did) or fails without weight values (a fault
+        that reads them: expert_weights_off_1e-3 picks its expert by the router's weights)."""
+        import torch
+
+        from exporters import iree_export
+
         if self.transform is None:
-            return production_structure(src)
+            return iree_export.production_structure(src)
         if self.transform_id is not None:
-            m = production_structure(src)
+            m = iree_export.production_structure(src)
             try:
                 self.transform(m)
                 return m
@@ -607,6 +292,24 @@ class IreeBackend:
         self.transform(m)
         return m
 
+    def plan(self, src) -> tuple[object, dict]:
+        """(the torch model the plan was read from, or None, the block programs' plan:
+        iree_export.plan_of). Untransformed, the plan comes from a cache keyed by the resolved
+        args and the code (no torch on a warm check); a transformed model is read every time."""
+        if self.transform is None:
+            parts = {"args": args_digest(src), "code": code_digest(False), **versions("torch")}
+
+            def compute():
+                from exporters import iree_export
+
+                return iree_export.plan_of(self.model(src))
+
+            return None, cached_json("iree-plan", parts, compute)
+        from exporters import iree_export
+
+        model = self.model(src)
+        return model, iree_export.plan_of(model)
+
     def program(self, src, spec) -> Built:
         """The block programs, model.vmfb and model.irpa: built (export + archive + compile) on a
         cache miss, else read from the cache (a cached vmfb without its archive: built again).
@@ -614,36 +317,21 @@ class IreeBackend:
         transform's build: the whole transformed model, dropped when built)."""
         if spec.precision not in self.precisions:
             raise ValueError(f"{self.name} runs {', '.join(self.precisions)} only, not {spec.precision}")
-        model = self.model(src)
-        programs, which = block_programs(model)
+        model, plan = self.plan(src)
+        programs, which = parse_plan(plan)
 
         def build(path: Path):
-            if self.transform is None:  # the archive a layer at a time; the program traced without weights
-                save_parameters_streamed(src, path.with_name(PARAMS_FILE))
-                untouched_weights(model)
-                compile_to(export_program(model, programs, spec.prompt_len), path)
-                return
-            m, progs = model, programs
-            if not has_weights(model):  # the transformed model's weights, for the archive and the export
-                m = src.build_production(torch.float32)
-                self.transform(m)
-                progs = block_programs(m)[0]
-                same_programs(m, progs, model, programs)
-            save_parameters(m, path.with_name(PARAMS_FILE))
-            compile_to(export_program(m, progs, spec.prompt_len), path)
+            from exporters import iree_export
 
-        def built(art, path, params, keep=None):
-            drop_weights(model)  # the blocks' weights are read from model.irpa
-            if not art.cached:
-                gc.collect()  # what the export left in reference cycles
-            return Built(programs, block_inputs(model, which), art, path, params, keep)
+            iree_export.build(src, self.transform, model if model is not None else self.model(src),
+                              spec.prompt_len, path)
 
         if self.transform is not None and self.transform_id is None:  # an unnamed transform: never cached
             tmp = tempfile.TemporaryDirectory(prefix="moe-oracle-iree-")  # removed with the candidate
             t, path = time.perf_counter(), Path(tmp.name) / "model.vmfb"
             build(path)
             art = Artifact("model.vmfb", "", sha256_file(path), False, time.perf_counter() - t)
-            return built(art, path, checked_parameters(path), tmp)
+            return Built(programs, which, art, path, checked_parameters(path), tmp)
         key = self.key(src, spec, programs)
         art = cached_artifact("iree", key, "model.vmfb", build)
         params = checked_parameters(Path(art.path))
@@ -653,7 +341,7 @@ class IreeBackend:
             params = checked_parameters(Path(art.path))
         if params is None:
             raise RuntimeError(f"{PARAMS_FILE} is missing beside {art.path}")
-        return built(art, Path(art.path), params)
+        return Built(programs, which, art, Path(art.path), params)
 
     def given(self, src, spec) -> Built:
         """--vmfb FILE: a program built elsewhere (`oracle export` writes one), its weights in the
@@ -664,13 +352,13 @@ class IreeBackend:
         if not irpa.is_file():
             raise InputError(f"--vmfb {vmfb}: no {PARAMS_FILE} beside it (the program's weights, as "
                              "`oracle export --backend iree-llvm-cpu` writes them)")
-        model = production_structure(src)
-        programs, which = block_programs(model)
+        plan = self.plan(src)[1]
+        programs, which = parse_plan(plan)
         st = irpa.stat()
         params = {"name": irpa.name, "sha256": "not hashed (brought with --vmfb)", "bytes": st.st_size,
-                  "scope": PARAM_SCOPE, "tensors": sum(1 for _ in model.named_parameters()), "build_s": 0.0}
+                  "scope": PARAM_SCOPE, "tensors": plan["parameters"], "build_s": 0.0}
         art = Artifact(vmfb.name, str(vmfb), sha256_file(vmfb), True, 0.0)
-        return Built(programs, block_inputs(model, which), art, vmfb, params)
+        return Built(programs, which, art, vmfb, params)
 
     def load(self, src, spec):
         b = self.given(src, spec) if spec.artifact else self.program(src, spec)
@@ -681,13 +369,15 @@ class IreeBackend:
                             f"llvm-cpu ({host_cpu()})",
                 "state": "model: module globals (prefill/decode); blocks: explicit inputs/results",
                 "parameters": {**{k: b.params[k] for k in ("name", "sha256", "bytes", "tensors", "scope")},
-                               "cached": art.cached, "build_s": 0.0 if art.cached else b.params["build_s"],
                                "loaded": "iree.runtime.ParameterIndex (memory-mapped), io_parameters module; "
                                          "block weights: numpy views of the same mapping"},
                 "block_programs": {p.name: sorted(f"{k[0]}.{k[1]}" if k[0] is not None else k[1]
                                                   for k, (q, *_) in b.which.items() if q is p)
                                    for p in b.programs.values()},
-                "artifacts": [art.as_dict()]}
+                # whether each came from the cache and its build seconds: run state (the report's
+                # `cache`), not provenance (the same check reports the same bytes cold and warm)
+                "artifacts": [art.as_dict(), Artifact(PARAMS_FILE, str(b.vmfb.with_name(PARAMS_FILE)), b.params["sha256"],
+                                                      art.cached, 0.0 if art.cached else b.params["build_s"]).as_dict()]}
         ops = b.vmfb.with_name(OPS_FILE)
         cand = IreeCandidate(b.vmfb.read_bytes(), b.which, spec.prompt_len, info,
                              ops.read_text() if ops.is_file() and not spec.artifact else None,
@@ -710,6 +400,32 @@ class IreeBackend:
         return out
 
 
+@dataclass(frozen=True)
+class ProgramInfo:
+    """One block program as running it needs it (iree_export.BlockProgram without its traced
+    module): entry points f"block_{name}_t{T}", inputs (*weights, *state, x, pos), results
+    (*outputs, *new state)."""
+
+    name: str
+    kind: str
+    weights: tuple[str, ...]
+    state: tuple[str, ...]
+    fingerprint: str
+
+
+def parse_plan(plan: dict) -> tuple[dict, dict]:
+    """(program name -> ProgramInfo, (layer, kind) -> (ProgramInfo, weight inputs: a parameter's
+    name in model.irpa or a buffer's values as numpy, state shapes)) of iree_export.plan_of's data."""
+    programs = {p["name"]: ProgramInfo(p["name"], p["kind"], tuple(p["weights"]), tuple(p["state"]), p["fingerprint"])
+                for p in plan["programs"]}
+    which = {}
+    for b in plan["blocks"]:
+        inputs = [x if isinstance(x, str) else np.array(x["values"], dtype=x["dtype"]).reshape(x["shape"])
+                  for x in b["inputs"]]
+        which[b["layer"], b["kind"]] = (programs[b["program"]], inputs, [tuple(s) for s in b["state"]])
+    return programs, which
+
+
 def required_functions(programs: dict, prompt_len: int) -> set[str]:
     """What a model.vmfb for a check of `prompt_len` tokens exports (export_program): prefill
     and decode, and each block program at the prompt's length and at one token."""
@@ -719,7 +435,7 @@ def required_functions(programs: dict, prompt_len: int) -> set[str]:
 @dataclass
 class Built:
     """What IreeBackend.program gives: the block programs, (layer, kind) -> (program, its weight
-    inputs, its state shapes) (block_inputs: parameters by their name in model.irpa), model.vmfb's
+    inputs, its state shapes) (parse_plan: parameters by their name in model.irpa), model.vmfb's
     Artifact and path, its archive's PARAMS_INFO (model.irpa beside it), and what
     holds an uncached build's files on disk (None: they are in the cache)."""
 

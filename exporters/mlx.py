@@ -32,8 +32,7 @@ import numpy as np
 
 from models import get_family, rope_theta
 from models.checkpoint import CheckpointError, shard_files
-from models.layers import FULL, LINEAR
-from models.sampling import check_args
+from models.args import FULL, LINEAR
 from oracle.backend import Option
 from oracle.result import GateRow
 
@@ -168,6 +167,13 @@ REQUIRE = {
     ],
     "qwen3_5_moe": [(lambda c: c.num_experts > 0, "num_experts == 0 (a dense Qwen3.5, not this family)")],
 }
+
+
+def check_args(temperature: float, top_p: float) -> None:
+    """The sampling head's argument check (models.sampling, which imports torch: only with --sampling)."""
+    from models import sampling
+
+    sampling.check_args(temperature, top_p)
 
 
 def mlx_lm_models() -> None:
@@ -516,8 +522,8 @@ class MLXCandidate:
         self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
         self.cache, self.pos = None, 0
 
-    def _in(self, x):  # the reference's fp32 torch input -> mx at the model's activation dtype
-        return self.mx.array(x.detach().float().numpy()).astype(self.dtype)
+    def _in(self, x):  # the reference's fp32 numpy input -> mx at the model's activation dtype
+        return self.mx.array(np.asarray(x, np.float32)).astype(self.dtype)
 
     def _out(self, a):
         """numpy fp32; bf16 as a torch bf16 tensor (numpy has no bf16; the dtype is checked)."""
@@ -597,7 +603,7 @@ class MLXCandidate:
     def run_block(self, layer, kind, calls):
         with self.mx.stream(self.device):
             fn = self._block(layer, kind)
-            return [fn(self._in(c.x), c) for c in calls]
+            return [fn(self._in(c.x_array), c) for c in calls]
 
     def _block(self, layer, kind):
         """fn(x [1, T, H], call) for one block; stateful blocks own a fresh mlx-lm cache."""
@@ -624,8 +630,8 @@ class MLXCandidate:
         linear = getattr(dec, "is_linear", False)
 
         def fn(x, c):
-            if c.probe or int(c.pos[0]) != pos[0]:
-                raise ValueError(f"{kind} of layer {layer}: call at position {int(c.pos[0])}, state at {pos[0]}")
+            if c.probe or int(c.pos_array[0]) != pos[0]:
+                raise ValueError(f"{kind} of layer {layer}: call at position {int(c.pos_array[0])}, state at {pos[0]}")
             pos[0] += x.shape[1]
             mask = create_ssm_mask(x, cache) if linear else create_attention_mask(x, cache)
             return self._out(module(x, mask, cache))
@@ -645,6 +651,7 @@ class MLXBackend:
     # OLMoE (6.92 B) q4 7.9 GiB (README)
     memory_per_param = {"fp32": 4.4, "bf16": 2.4, "q8": 1.4, "q4": 1.2}
     memory_note = "the mlx model at its precision, evaluated a layer at a time"
+    runs_torch = False  # the candidate runs no torch (provenance records no torch thread count)
     loads_directory = True  # --candidate-dir: a shipped mlx-lm directory (mlx_lm.convert's output)
     option_schema = (
         Option("device", str, ("cpu", "gpu"), "gpu where mlx has one, else cpu",

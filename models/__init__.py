@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from models.checkpoint import CheckpointError, layer_groups, load_state, read_tensors, tensor_index, validate_state
-from models.layers import ModelArgs, Transformer
+from models.args import ModelArgs
+from models.checkpoint import CheckpointError
 
 FAMILY_NAMES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")
 
@@ -74,20 +72,32 @@ class Family:
     def validate(self, cfg: dict, weights: dict, max_seq_len: int = 256) -> ModelArgs:
         """Resolve the config and check the checkpoint's tensors against the production
         model's (names and shapes) without allocating it."""
+        import torch
+
+        from models.checkpoint import validate_state
+        from models.layers import Transformer
+
         args = self.args(cfg, max_seq_len)
         with torch.device("meta"):
             model = Transformer(args)
         validate_state(model, self.sanitize(weights, args))
         return args
 
-    def build(self, cfg: dict, weights: dict, dtype=torch.float32, max_seq_len: int = 256) -> Transformer:
-        """The production model with the checkpoint's weights (strict name/shape check)."""
+    def build(self, cfg: dict, weights: dict, dtype=None, max_seq_len: int = 256) -> Transformer:
+        """The production model with the checkpoint's weights (strict name/shape check), in
+        `dtype` (default fp32)."""
+        import torch
+
+        from models.checkpoint import load_state
+        from models.layers import Transformer
+
+        dtype = dtype or torch.float32
         args = self.args(cfg, max_seq_len)
         model = Transformer(args, dtype)
         load_state(model, self.sanitize(weights, args), dtype)
         return model.eval()
 
-    def build_from(self, cfg: dict, model_dir, dtype=torch.float32, max_seq_len: int = 256,
+    def build_from(self, cfg: dict, model_dir, dtype=None, max_seq_len: int = 256,
                    args: ModelArgs | None = None) -> Transformer:
         """The production model from a checkpoint directory, one decoder layer at a time: the
         parameters start on the meta device (accelerate's init_empty_weights; buffers are real),
@@ -95,9 +105,13 @@ class Family:
         `dtype` and assigned, then dropped. Peak memory: the model in `dtype` plus one layer.
         The names, shapes and dtypes were checked from the headers by `validate` (how a
         ModelSource is made); a parameter left unfilled is still an error here."""
+        import torch
         from accelerate import init_empty_weights
         from accelerate.utils import set_module_tensor_to_device
 
+        from models.layers import Transformer
+
+        dtype = dtype or torch.float32
         args = args or self.args(cfg, max_seq_len)  # the ModelSource's, already resolved
         with init_empty_weights(include_buffers=False):
             model = Transformer(args, dtype)
@@ -109,12 +123,17 @@ class Family:
             raise CheckpointError(f"missing tensor(s): {', '.join(missing[:6])}")
         return model.eval()
 
-    def production_tensors(self, model_dir, args: ModelArgs, dtype=torch.float32):
+    def production_tensors(self, model_dir, args: ModelArgs, dtype=None):
         """The production model's parameters (its state-dict names) in `dtype`, one decoder
         layer at a time (then the embedding, final norm and head): each group read from the
         shards' memory maps, sanitized and converted, in fresh memory. What build_from assigns,
         and what a backend that keeps its weights outside the model (an IREE parameter archive)
         writes group by group without ever holding the whole model."""
+        import torch
+
+        from models.checkpoint import layer_groups, read_tensors, tensor_index
+
+        dtype = dtype or torch.float32
         index = tensor_index(model_dir)
         for names in layer_groups(index):
             # fresh memory either way (a tensor read from a shard can sit at an alignment

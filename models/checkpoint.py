@@ -17,9 +17,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors import safe_open
-from torch import nn
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TINY_STD = 0.1  # large enough that router top-k and final argmax are not near ties
@@ -91,40 +89,47 @@ def shard_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
 
 
-# safetensors dtype names -> torch dtypes (the ones a checkpoint can hold)
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-             "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-             "U32": torch.uint32}  # U32: quantized weights packed as words (models/quantized.py)
+# safetensors dtype names -> torch dtypes, by name (the ones a checkpoint can hold)
+ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+             "U32": "uint32"}  # U32: quantized weights packed as words (models/quantized.py)
 
 
-def _open(shard: Path):
-    """safe_open with the checkpoint's own error for every way a shard can be unreadable."""
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name (tensor_index's)."""
+    import torch
+
+    return getattr(torch, ST_DTYPES[name])
+
+
+def _open(shard: Path, framework: str = "pt"):
+    """safe_open with the checkpoint's own error for every way a shard can be unreadable
+    (framework "numpy": the headers without importing torch)."""
     try:
         open(shard, "rb").close()  # safetensors reports a permission problem as a missing file
-        return safe_open(str(shard), framework="pt")
+        return safe_open(str(shard), framework=framework)
     except OSError as e:
         raise CheckpointError(f"{shard}: cannot read ({e.strerror})") from None
     except Exception as e:  # safetensors raises its own error types for bad headers / short files
         raise CheckpointError(f"{shard}: truncated or corrupt safetensors file ({e})") from None
 
 
-def tensor_index(model_dir: Path) -> dict[str, tuple[Path, torch.dtype, tuple]]:
-    """name -> (shard, dtype, shape) of every tensor, from the safetensors headers only (no
-    tensor data is read). Truncated or corrupt shards, a name in two shards, and an index
-    that lists a tensor no shard has are errors."""
+def tensor_index(model_dir: Path) -> dict[str, tuple[Path, str, tuple]]:
+    """name -> (shard, safetensors dtype name, shape) of every tensor, from the safetensors
+    headers only (no tensor data is read; torch_dtype() converts the dtype). Truncated or corrupt
+    shards, a name in two shards, and an index that lists a tensor no shard has are errors."""
     model_dir = Path(model_dir)
-    out: dict[str, tuple[Path, torch.dtype, tuple]] = {}
+    out: dict[str, tuple[Path, str, tuple]] = {}
     for shard in shard_files(model_dir):
-        with _open(shard) as f:
+        with _open(shard, "numpy") as f:
             for name in f.keys():
                 if name in out:
                     raise CheckpointError(f"tensor {name} is in two shards: {out[name][0].name} and {shard.name}")
                 sl = f.get_slice(name)
-                dtype = ST_DTYPES.get(sl.get_dtype())
-                if dtype is None:
+                if sl.get_dtype() not in ST_DTYPES:
                     raise CheckpointError(f"{shard.name}: tensor {name} has unsupported dtype {sl.get_dtype()}")
-                out[name] = (shard, dtype, tuple(sl.get_shape()))
+                out[name] = (shard, sl.get_dtype(), tuple(sl.get_shape()))
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         listed = set(json.loads(index.read_text())["weight_map"])
@@ -155,10 +160,12 @@ def layer_parameter_counts(model_dir: Path) -> tuple[int, int]:
     return max(layers.values(), default=0), outside
 
 
-def meta_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+def meta_weights(model_dir: Path) -> dict:
     """Every tensor of a checkpoint as a meta tensor (name, shape, dtype; no data): what a
     family's sanitize() and the strict name/shape check need, at no memory cost."""
-    return {name: torch.empty(shape, dtype=dtype, device="meta")
+    import torch
+
+    return {name: torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
             for name, (_, dtype, shape) in tensor_index(model_dir).items()}
 
 
@@ -173,7 +180,7 @@ def layer_groups(index: dict) -> list[list[str]]:
     return [sorted(groups[k]) for k in sorted(groups, key=lambda k: (k < 0, k))]
 
 
-def read_tensors(index: dict, names: list[str]) -> dict[str, torch.Tensor]:
+def read_tensors(index: dict, names: list[str]) -> dict:
     """These tensors of a checkpoint (`index`: tensor_index of it), each read once from its
     shard's memory map."""
     by_shard: dict = {}
@@ -187,7 +194,7 @@ def read_tensors(index: dict, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+def read_weights(model_dir: Path) -> dict:
     """All tensors of a checkpoint; truncated/corrupt shards and index mismatches are errors."""
     index = tensor_index(model_dir)
     return read_tensors(index, list(index))
@@ -320,6 +327,8 @@ def stack_experts(weights: dict, pattern: str, names: tuple[str, str, str]) -> d
         else:
             groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
     gate, up, down = names
+    if groups:
+        import torch
     for prefix, parts in groups.items():
         n = 1 + max(e for e, _ in parts)
         for e in range(n):
@@ -339,9 +348,11 @@ def stack_hf_experts(weights: dict) -> dict:
     return stack_experts(weights, PER_EXPERT, ("gate_proj", "up_proj", "down_proj"))
 
 
-def validate_state(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+def validate_state(model, weights: dict) -> None:
     """Every parameter of `model` present in `weights` with its shape, nothing unexpected;
     each problem is an error naming the tensor. Works on a meta-device model."""
+    import torch
+
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(weights))
     unexpected = sorted(set(weights) - set(params))
@@ -360,19 +371,23 @@ def validate_state(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
             raise CheckpointError(f"tensor {name} has dtype {t.dtype}, expected a floating-point tensor")
 
 
-def load_state(model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def load_state(model, weights: dict, dtype) -> None:
     """Copy `weights` into `model`'s parameters, strictly (see validate_state). State
     buffers are not loaded."""
+    import torch
+
     validate_state(model, weights)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.data = weights[name].detach().to(dtype).clone()
 
 
-def _draw(name: str, shape, gen: torch.Generator) -> torch.Tensor:
+def _draw(name: str, shape, gen):
     """One tiny weight, N(0, TINY_STD), except the Gated DeltaNet decay parameters: drawn
     so the recurrent state is remembered across tokens (per-token decay 0.85-0.98); a
     decay near 0 would hide a state that is not carried."""
+    import torch
+
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(0.05, 0.5, generator=gen).log()
     noise = torch.randn(shape, generator=gen) * TINY_STD
@@ -385,6 +400,8 @@ def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path) -> None:
     """Instantiate the HF model and overwrite every tensor deterministically from `seed`.
     Norm weights keep the identity HF initialises them to (1 for w * x, 0 for (1 + w) * x)
     plus the noise."""
+    import torch
+
     torch.manual_seed(seed)
     model = hf_class(hf_config)
     gen = torch.Generator().manual_seed(seed)
@@ -447,15 +464,17 @@ def published_config(name: str, layers: int | None = None) -> dict:
     return cfg
 
 
-def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=torch.bfloat16,
+def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=None,
                             shard_bytes: int = SHARD_BYTES, progress=None) -> None:
     """A checkpoint of `cfg`'s shapes with weights from HF's own initialisation (normal with the
     config's initializer_range, norms at identity), seeded, written as save_pretrained writes
     it (HF's reverse weight conversion: per-expert names; sharded with an index), one decoder
-    layer at a time: peak memory is one layer in fp32, not the model."""
+    layer at a time: peak memory is one layer in fp32, not the model. dtype: torch's (default bf16)."""
+    import torch
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
+    dtype = dtype or torch.bfloat16
     hf_cfg = family.hf_config(cfg)
     with torch.device("meta"):
         model = family.hf_class()(hf_cfg)
@@ -521,15 +540,15 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
                       progress=None) -> Path:
     """The seeded checkpoint of a published config (--config NAME [--layers N]), built once into
     the content-addressed cache."""
-    import transformers
+    from importlib.metadata import version
 
     cfg = published_config(name, layers)
     name = Path(name).stem if name.endswith(".json") else name
     recipe = {"family": family.name, "config": cfg, "seed": seed, "dtype": dtype, "format": TINY_FORMAT,
-              "transformers": transformers.__version__}
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+              "transformers": version("transformers")}
+    stored = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[dtype]
     return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}", "oracle_seeded.json",
-                      lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype, progress=progress))
+                      lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype(stored), progress=progress))
 
 
 def cached_dir(recipe: dict, stem: str, recipe_file: str, build) -> Path:

@@ -21,8 +21,6 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
 from models.checkpoint import CheckpointError, cached_dir, checkpoint_identity, layer_groups, read_config, \
     read_tensors, tensor_index
 
@@ -81,6 +79,8 @@ def summary(q: dict, modules: dict) -> dict:
 
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """uint32 words [..., W] -> integer values [..., W * 32 / bits] (int32), lowest bits first."""
+    import torch
+
     w = words.view(torch.int32)
     if 32 % bits == 0:  # whole values per word: shift and mask (an arithmetic shift keeps the low bits)
         shifts = torch.arange(0, 32, bits, dtype=torch.int32)
@@ -96,6 +96,8 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
 def dequantize(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int,
                name: str = "") -> torch.Tensor:
     """fp32 weights [..., in] of one quantized tensor, by the format's definition."""
+    import torch
+
     n_in = words.shape[-1] * 32 // bits
     if words.dtype != torch.uint32 or words.shape[-1] * 32 % bits:
         raise CheckpointError(f"{name}.weight: {words.dtype} {list(words.shape)} is not packed {bits}-bit uint32")
@@ -112,6 +114,8 @@ def read_dequantized(index: dict, q: dict | None, names: list[str]) -> tuple[dic
     """(mlx name -> fp32 tensor, path -> {bits, group_size} of each quantized module) for the
     tensors `names` of a directory (`index`: its tensor_index; a module's scales and biases are
     among `names`, as layer_groups keeps them): quantized modules dequantized, the rest upcast."""
+    import torch
+
     raw = read_tensors(index, names)
     out, modules = {}, {}
     for n, t in sorted(raw.items()):
@@ -164,13 +168,15 @@ def dequantized_checkpoint(family, qdir: Path, config: dict | None = None, progr
     """(the cached HF checkpoint of `qdir` dequantized to fp32, its quantization summary).
     `config`: the config.json to give it (the original's, when there is one: same architecture);
     by default the quantized directory's own without its quantization entries."""
+    from importlib.metadata import version
+
     qdir = Path(qdir)
     own = read_config(qdir)
     if config is None:
         config = {k: v for k, v in own.items() if k not in QUANT_KEYS}
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     recipe = {"candidate_sha256": checkpoint_identity(qdir), "config": config, "format": FORMAT, "code": code,
-              "family": family.name, "torch": torch.__version__}
+              "family": family.name, "torch": version("torch")}
     def build(out):
         info = write_dequantized(family, qdir, config, out, progress)
         (out / "oracle_quantization.json").write_text(json.dumps(info, indent=1, sort_keys=True))

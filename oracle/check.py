@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import tempfile
 import platform
@@ -14,10 +15,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from models import FAMILY_NAMES, UNSUPPORTED, code_digest, family_for_model_type, get_family, text_config
-from models.layers import ModelArgs
+from models.args import ModelArgs
 from models.quantized import dequantized_checkpoint, quantization_of
 from models.checkpoint import CheckpointError, cache_root, cached_identity, checkpoint_identity, config_checkpoint, meta_weights, \
     published_config, read_config, tiny_checkpoint
@@ -34,14 +34,22 @@ PACKAGES = ("torch", "transformers", "safetensors", "numpy", "executorch", "iree
             "iree-base-runtime", "iree-turbine", "mlx", "mlx-lm", "moe-oracle")
 
 
-def provenance(spec: CheckSpec) -> dict:
+def provenance(spec: CheckSpec, backend=None) -> dict:
+    """Versions, host, seed, thresholds. torch's intra-op thread count only where the candidate
+    runs torch (a backend without `runs_torch = False`: a warm check of one that runs no torch
+    never imports it)."""
     from oracle.artifacts import versions
 
+    host = {"name": platform.node(), "machine": platform.machine(), "system": platform.system(),
+            "cpus": os.cpu_count()}
+    if getattr(backend, "runs_torch", True):
+        import torch
+
+        host["torch_threads"] = torch.get_num_threads()
     return {
         "versions": {p: v for p, v in versions(*PACKAGES).items() if v is not None},
         "python": platform.python_version(),
-        "host": {"name": platform.node(), "machine": platform.machine(), "system": platform.system(),
-                 "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "host": host,
         "seed": spec.seed,
         "thresholds_sha256": hashlib.sha256(thresholds.DEFAULT_PATH.read_bytes()).hexdigest(),
     }
@@ -247,8 +255,16 @@ def first_difference(a, b) -> str | None:
 
 
 def prompt_tokens(spec: CheckSpec, vocab: int) -> list[int]:
-    gen = torch.Generator().manual_seed(spec.seed)
-    return torch.randint(0, vocab, (spec.prompt_len,), generator=gen).tolist()
+    """prompt_len token ids drawn by torch from `seed` (cached: a warm check imports no torch)."""
+    from oracle.artifacts import cached_json, versions
+
+    def draw():
+        import torch
+
+        gen = torch.Generator().manual_seed(spec.seed)
+        return torch.randint(0, vocab, (spec.prompt_len,), generator=gen).tolist()
+
+    return cached_json("prompts", {"seed": spec.seed, "vocab": vocab, "n": spec.prompt_len, **versions("torch")}, draw)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -391,7 +407,7 @@ def candidate_arrays(kind: str, outs, ref_outs) -> list:
                         f" of {len(o)}" if isinstance(o, (tuple, list)) else "")
                     raise OutputError(f"{what} where (weights [T, k], indices [T, k]) is expected")
                 rw, ri = r
-                want = (int(ri.numel() // ri.shape[-1]), int(ri.shape[-1]))
+                want = (int(ri.size // ri.shape[-1]), int(ri.shape[-1]))
                 w, idx = as_array(o[0]), as_array(o[1], np.int64)
                 for name, a in (("weights", w), ("indices", idx)):
                     a2 = _rows(a, want[1]) if a.ndim else a.reshape(1, 1)
@@ -400,7 +416,7 @@ def candidate_arrays(kind: str, outs, ref_outs) -> list:
                         raise OutputError(f"{name} shape {_shape(got)} vs reference [{want[0]}, {want[1]}]")
                 arrays.append((w.reshape(want), idx.reshape(want)))
             else:
-                want = (int(r.numel() // r.shape[-1]), int(r.shape[-1]))
+                want = (int(r.size // r.shape[-1]), int(r.shape[-1]))
                 a = as_array(o)
                 if a.size != want[0] * want[1] or (a.ndim and a.shape[-1] != want[1]):
                     got = a.reshape(-1, a.shape[-1]) if a.ndim else a
@@ -422,10 +438,10 @@ def reduction_length(args) -> int:
     return max(args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size)
 
 
-def router_gaps(ref, layer: int, n: int | None = None) -> torch.Tensor:
+def router_gaps(ref, layer: int, n: int | None = None) -> np.ndarray:
     """The reference's k-th minus (k+1)-th expert probability per token of `layer`'s router calls
     (the first n: the sequence's calls come first, then the expert probes)."""
-    p = torch.cat(ref.router_probs[layer])[:n].sort(dim=-1, descending=True).values
+    p = -np.sort(-np.concatenate(ref.router_probs[layer])[:n], axis=-1)  # descending
     k = ref.outputs[layer, "router"][0][1].shape[-1]
     return p[:, k - 1] - p[:, k]
 
@@ -435,7 +451,7 @@ def router_near_ties(ref, layer: int, spec, n: int | None = None) -> np.ndarray:
     precision (its gap below the router table's tie gap, scaled to the number of experts)?"""
     gaps = router_gaps(ref, layer, n)
     router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
-    return ~(gaps >= thresholds.tie_gap(router_lim, ref.router_probs[layer][0].shape[-1])).numpy()
+    return ~(gaps >= thresholds.tie_gap(router_lim, ref.router_probs[layer][0].shape[-1]))
 
 
 def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0) -> BlockRow:
@@ -451,17 +467,17 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
     except OutputError as e:
         return invalid_row(key, "isolated", lim, detail, str(e))
     if kind == "router":
-        ref_w = torch.cat([w.reshape(-1, w.shape[-1]) for w, _ in ref.outputs[key]])
-        ref_i = torch.cat([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[key]])
+        ref_w = np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in ref.outputs[key]])
+        ref_i = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[key]])
         cand_w = np.concatenate([w for w, _ in arrays])
         cand_i = np.concatenate([i for _, i in arrays])
-        probs = torch.cat(ref.router_probs[layer])
+        probs = np.concatenate(ref.router_probs[layer])
         m = router_metrics(ref_w, ref_i, cand_w, cand_i, probs, thresholds.tie_gap(lim, probs.shape[-1]))
         status, ratio = thresholds.judge_router(m, lim)
         if routes is not None and "shape_mismatch" not in m:
             routes[layer] = cand_i
     else:
-        r = torch.cat([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).double()
+        r = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
         c = np.concatenate(arrays)
         keep = None
         if kind in ("moe", "layer") and r.shape[0] == c.shape[0]:
@@ -475,7 +491,7 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
                 # to other experts is the router row's to judge (its agreement limit: 1.0 at
                 # fp32/bf16, 0.75 for a 4-bit router), not compared here; a moe row (the same
                 # inputs) compares every token routed as the reference did, near ties included
-                ref_i = torch.cat([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[layer, "router"]]).numpy()
+                ref_i = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[layer, "router"]])
                 same = np.array([set(a) == set(b) for a, b in zip(ref_i, routes[layer][: len(keep)])], dtype=bool)
                 rerouted = ~same
                 keep = same if kind == "moe" else keep & same
@@ -484,7 +500,7 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
                                 lim, 0.0, f"every token is a router near tie at {spec.precision} or routed elsewhere "
                                           "by the candidate's router: nothing compared")
             r, c = r[keep], c[keep]
-        lim = thresholds.at_scale(lim, float(r.pow(2).mean().sqrt()))
+        lim = thresholds.at_scale(lim, math.sqrt(float(np.mean(r * r))))
         m = tensor_metrics(r, c, lim["atol"], lim["rtol"])
         want, got = expected_dtype(spec), dtype_name(outs[0]) if outs else None
         if want and got and got != want:  # e.g. an unconditional cast that changes the output dtype
@@ -784,7 +800,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     if goldens and not golden_files.root().is_dir():  # a broken install would silently drop every golden gate
         raise InputError(f"the goldens directory {golden_files.root()} is missing (a broken install?): "
                          "reinstall moe-oracle, or set MOE_ORACLE_GOLDENS")
-    result = CheckResult(spec=spec_record(spec), status="pass", provenance=provenance(spec))
+    result = CheckResult(spec=spec_record(spec), status="pass", provenance=provenance(spec, backend))
     ok, reason = backend.availability()
     if not ok:
         result.status, result.skipped_reason = "skipped", reason

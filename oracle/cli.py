@@ -23,8 +23,8 @@ def _quiet():
     warnings.filterwarnings("ignore")
     import logging
 
-    import torch  # noqa: F401  (torch configures its loggers on import; quiet them after)
-
+    # without importing torch (a warm check of a backend that runs no torch never does): torch
+    # sets the levels of its own registered loggers on import, not of these
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+import numpy as np
 
 LAYER_KINDS = ("attention", "router", "moe", "layer")
 MODEL_KINDS = ("final_norm", "logits")
@@ -18,22 +18,37 @@ MODEL_KINDS = ("final_norm", "logits")
 @dataclass
 class BlockCall:
     """One call of a block: input x [1, T, H] (fp32) at positions pos [T]. The first call of
-    a sequence starts at position 0 (fresh state); later calls continue that state."""
+    a sequence starts at position 0 (fresh state); later calls continue that state.
+    The reference holds numpy arrays (x_array, pos_array: readable without torch); `x` and
+    `pos` are the same values as torch tensors, each a fresh copy (what torch candidates take)."""
 
-    x: torch.Tensor
-    pos: torch.Tensor
+    x_array: np.ndarray  # [1, T, H] float32
+    pos_array: np.ndarray  # [T] int64
     tokens: list[int]  # the token ids the reference model consumed in this call
     probe: bool = False  # an expert-coverage probe (stateless blocks only), not from the sequence
+
+    @property
+    def x(self):
+        import torch
+
+        # a copy in torch's own (aligned) memory: BLAS can round differently on other alignments
+        return torch.from_numpy(self.x_array).clone()
+
+    @property
+    def pos(self):
+        import torch
+
+        return torch.from_numpy(self.pos_array).clone()
 
 
 @dataclass
 class Reference:
     tokens: list[int]  # prompt + greedy continuation
     prompt_len: int
-    positions: list[torch.Tensor]  # per call: prefill [P], then one per decode step
-    logits: list[torch.Tensor]  # per call: [T, V] fp32
+    positions: list[np.ndarray]  # per call: prefill [P], then one per decode step (int64)
+    logits: list[np.ndarray]  # per call: [T, V] fp32
     inputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [BlockCall per call]
-    outputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [tensor | (weights, idx)]
+    outputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [array | (weights, idx)]
     router_probs: dict = field(default_factory=dict)  # layer -> [probs [T, E] per call]
     coverage: dict = field(default_factory=dict)  # layer -> experts routed to by the sequence
 
@@ -57,13 +72,15 @@ def reference_mode(model_dir: Path) -> str:
     return "streamed" if 4 * parameter_count(model_dir) > STREAM_ABOVE else "whole"
 
 
-def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Path | None = None):
-    """HF's own model class, eager attention and eager (per-expert loop) experts; streamed
-    (`load_streamed`) when offload_dir is given."""
+def load_hf_model(family, model_dir: Path, dtype=None, offload_dir: Path | None = None):
+    """HF's own model class (in `dtype`, default fp32), eager attention and eager (per-expert
+    loop) experts; streamed (`load_streamed`) when offload_dir is given."""
+    import torch
     from transformers.utils import logging as hf_logging
 
     from models.checkpoint import CheckpointError
 
+    dtype = dtype or torch.float32
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if offload_dir is not None:
@@ -82,7 +99,7 @@ def load_hf_model(family, model_dir: Path, dtype=torch.float32, offload_dir: Pat
     return model.eval()
 
 
-def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=torch.float32):
+def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=None):
     """The same HF model (in `dtype`, same modules, same numbers) with every decoder layer offloaded
     to disk: accelerate's hooks load a module's weights just before its forward and drop them
     after. Resident: the embedding, the final norm, the head.
@@ -93,17 +110,19 @@ def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=torch.float3
     conversion, offload writes) runs one decoder layer at a time with only that layer's shards
     mapped. Offloaded tensors are written in the checkpoint's own dtype (fp32 if it mixes
     dtypes) and cast to `dtype` when a hook loads them: exact for fp32."""
+    import torch
     from accelerate.utils import set_module_tensor_to_device
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.integrations.accelerate import accelerate_disk_offload, accelerate_dispatch
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from models.checkpoint import CheckpointError, _open, layer_groups, read_config, tensor_index
+    from models.checkpoint import CheckpointError, _open, layer_groups, read_config, tensor_index, torch_dtype
 
     index = tensor_index(model_dir)
-    floats = {d for _, d, _ in index.values() if d.is_floating_point}
+    floats = {torch_dtype(d) for _, d, _ in index.values() if torch_dtype(d).is_floating_point}
     store = floats.pop() if len(floats) == 1 else torch.float32
+    dtype = dtype or torch.float32
     cls = family.hf_class()
     config = family.hf_config(read_config(model_dir))
     config._attn_implementation = "eager"
@@ -163,6 +182,8 @@ def streamed_device_map(model) -> dict:
 
 
 def _first_tensor(args, kwargs):
+    import torch
+
     if args and torch.is_tensor(args[0]):
         return args[0]
     return kwargs["hidden_states"]
@@ -193,6 +214,8 @@ def block_modules(model, family) -> dict:
 
 def _normalize_output(kind: str, out, keep_dtype: bool = False):
     """HF module output -> tensor (router: weights, indices, probs); fp32 unless keep_dtype."""
+    import torch
+
     cast = (lambda t: t.detach()) if keep_dtype else (lambda t: t.detach().float())
     if kind == "router":  # HF routers return (logits, top-k weights, top-k indices)
         logits, weights, idx = out
@@ -205,6 +228,8 @@ def _normalize_output(kind: str, out, keep_dtype: bool = False):
 def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):
     """Prefill the prompt, then n_decode single-token steps feeding back the argmax.
     Returns (tokens, positions per call, logits per call)."""
+    import torch
+
     tokens = list(prompt)
     positions, logits = [], []
     with torch.no_grad():
@@ -243,17 +268,18 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
     finally:
         for h in handles:
             h.remove()
-    ref = Reference(tokens=tokens, prompt_len=len(prompt), positions=positions, logits=logits)
+    positions = [p.numpy() for p in positions]
+    ref = Reference(tokens=tokens, prompt_len=len(prompt), positions=positions, logits=[lg.numpy() for lg in logits])
     for key in modules:
         xs, outs = recs[key]
         if len(xs) != len(positions):
             raise RuntimeError(f"reference hook {key} fired {len(xs)} times for {len(positions)} calls")
-        ref.inputs[key] = [BlockCall(x, p, tokens[int(p[0]) : int(p[-1]) + 1]) for x, p in zip(xs, positions)]
+        ref.inputs[key] = [BlockCall(x.numpy(), p, tokens[int(p[0]) : int(p[-1]) + 1]) for x, p in zip(xs, positions)]
         if key[1] == "router":
-            ref.outputs[key] = [(w, i) for w, i, _ in outs]
-            ref.router_probs[key[0]] = [p for _, _, p in outs]
+            ref.outputs[key] = [(w.numpy(), i.numpy()) for w, i, _ in outs]
+            ref.router_probs[key[0]] = [p.numpy() for _, _, p in outs]
         else:
-            ref.outputs[key] = outs
+            ref.outputs[key] = [o.numpy() for o in outs]
     add_expert_probes(ref, modules)
     return ref
 
@@ -280,23 +306,25 @@ def add_expert_probes(ref: Reference, modules: dict) -> None:
     invisible. So the stateless router and moe blocks also get one single-token probe per
     expert e: x = router row e scaled to RMS 1, which puts e first in the top-k. The
     reference computes the probe outputs with its own modules."""
+    import torch
+
     with torch.no_grad():
         for (layer, kind), router in list(modules.items()):
             if kind != "router":
                 continue
-            used = torch.cat([i for _, i in ref.outputs[layer, "router"]]).unique()
-            ref.coverage[layer] = {"experts": int(router.weight.shape[0]), "routed_by_sequence": int(used.numel())}
+            used = np.unique(np.concatenate([i.reshape(-1) for _, i in ref.outputs[layer, "router"]]))
+            ref.coverage[layer] = {"experts": int(router.weight.shape[0]), "routed_by_sequence": int(used.size)}
             with materialized(modules[layer, "moe"]), materialized(router):
                 w = router.weight.detach().float().clone()
                 for e in range(w.shape[0]):
                     x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
-                    call = BlockCall(x, torch.tensor([0]), [], probe=True)
+                    call = BlockCall(x.numpy(), np.array([0]), [], probe=True)
                     logits, weights, idx = router(x.reshape(1, -1).to(router.weight.dtype))
                     ref.inputs[layer, "router"].append(call)
-                    ref.outputs[layer, "router"].append((weights.float(), idx))
-                    ref.router_probs[layer].append(torch.softmax(logits.float(), dim=-1))
+                    ref.outputs[layer, "router"].append((weights.float().numpy(), idx.numpy()))
+                    ref.router_probs[layer].append(torch.softmax(logits.float(), dim=-1).numpy())
                     ref.inputs[layer, "moe"].append(call)
-                    ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)))
+                    ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)).numpy())
 
 
 def first_nonfinite(ref: Reference) -> str | None:
@@ -306,11 +334,11 @@ def first_nonfinite(ref: Reference) -> str | None:
     for key in sorted(ref.outputs, key=lambda k: (k[0] is None, k[0] or 0, order.get(k[1], 9))):
         for i, out in enumerate(ref.outputs[key]):
             t = out[0] if isinstance(out, tuple) else out
-            if not torch.isfinite(t).all():
+            if not np.isfinite(t).all():
                 layer = "model" if key[0] is None else f"layer {key[0]}"
                 return f"{layer} {key[1]} (call {i}{', an expert probe' if ref.inputs[key][i].probe else ''})"
     for i, lg in enumerate(ref.logits):
-        if not torch.isfinite(lg).all():
+        if not np.isfinite(lg).all():
             return f"the logits (call {i})"
     return None
 
@@ -318,7 +346,7 @@ def first_nonfinite(ref: Reference) -> str | None:
 def save(ref: Reference, path: Path) -> None:
     """The reference as <path>.safetensors (every tensor) + <path>.json (the structure),
     each written atomically."""
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     from oracle.result import write_atomic
 
@@ -328,8 +356,8 @@ def save(ref: Reference, path: Path) -> None:
     for key, calls in ref.inputs.items():
         name = f"{key[0]}.{key[1]}"
         for i, (c, o) in enumerate(zip(calls, ref.outputs[key])):
-            tensors[f"in.{name}.{i}"] = c.x
-            tensors[f"inpos.{name}.{i}"] = c.pos
+            tensors[f"in.{name}.{i}"] = c.x_array
+            tensors[f"inpos.{name}.{i}"] = c.pos_array
             if key[1] == "router":
                 tensors[f"out.{name}.{i}"], tensors[f"idx.{name}.{i}"] = o
             else:
@@ -349,7 +377,7 @@ def save(ref: Reference, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=path.parent)
     os.close(fd)  # a name of its own: two processes capturing one reference never share a temp file
     try:
-        save_file({k: v.detach().clone().contiguous() for k, v in tensors.items()}, tmp)
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp)
         os.replace(tmp, path.with_suffix(".safetensors"))
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -361,12 +389,11 @@ def load(path: Path) -> Reference | None:
     """A saved reference, or None if it is not there (or unreadable: then it is rebuilt)."""
     import json
 
-    from safetensors.torch import load_file
+    from safetensors.numpy import load_file
 
     try:
         meta = json.loads(path.with_suffix(".json").read_text())
-        # cloned: fresh (aligned) memory, as a captured tensor has; BLAS can round differently otherwise
-        t = {k: v.clone() for k, v in load_file(str(path.with_suffix(".safetensors"))).items()}
+        t = load_file(str(path.with_suffix(".safetensors")))
     except (OSError, ValueError):
         return None
     n = meta["calls"]

@@ -29,6 +29,22 @@ def run_cli(*args, cwd=ROOT, env=None):
 def cli():
     return run_cli
 
+
+def warm_check_imports(family: str, backend: str, *modules: str) -> list[bool]:
+    """`oracle check` run twice in fresh interpreters (the first fills the caches): whether each
+    of `modules` was imported by the second, the warm one (its exit status must be 0)."""
+    code = ("import sys; from oracle.cli import main; "
+            f"rc = main(['check', '--family', {family!r}, '--backend', {backend!r}]); "
+            f"print(rc, *(m in sys.modules for m in {list(modules)!r}))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1].split()
+    assert last[0] == "0", r.stdout[-2000:]
+    return [v == "True" for v in last[1:]]
+
 # hypothesis: the properties are what is tested, not how fast examples are drawn; on a loaded
 # 2-core CI machine (parallel workers, compilers) drawing them can exceed its time health check
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -82,7 +82,7 @@ def test_seeded_checkpoint_is_sharded_like_save_pretrained(tmp_path):
     shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in index  # the per-expert layout HF writes
-    assert {dt for _, dt, _ in index.values()} == {torch.bfloat16}
+    assert {dt for _, dt, _ in index.values()} == {"BF16"}
     model = load_hf_model(fam, tmp_path)  # raises on any missing or mismatched tensor
     w = model.model.layers[1].mlp.experts.gate_up_proj.detach()
     assert 0.045 < float(w.std()) < 0.055

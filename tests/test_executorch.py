@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,7 +108,7 @@ def test_probe_methods_run_one_moe_block_on_given_inputs(olmoe_check):
     (the probe methods share the weights file with prefill by name: layers never collide)."""
     cand, eager = candidate(CheckSpec(family="olmoe", backend="executorch"))
     x = torch.randn(11, 1, 1, 64, generator=torch.Generator().manual_seed(0))
-    calls = [BlockCall(x[i], torch.tensor([0]), [], probe=True) for i in range(11)]
+    calls = [BlockCall(x[i].numpy(), np.array([0]), [], probe=True) for i in range(11)]
     for layer in range(len(eager.layers)):
         moe, router = cand.run_block(layer, "moe", calls), cand.run_block(layer, "router", calls)
         mlp = eager.layers[layer].mlp

@@ -16,7 +16,9 @@ pytest.importorskip("iree.runtime", reason="iree is not installed (pip install '
 pytest.importorskip("iree.turbine.aot", reason="iree-turbine is not installed (pip install 'moe-oracle[iree]')")
 
 import exporters.iree as iree_backend  # noqa: E402
-from exporters.iree import BACKEND, IreeBackend, block_programs  # noqa: E402
+import exporters.iree_export as iree_export  # noqa: E402
+from exporters.iree import BACKEND, IreeBackend  # noqa: E402
+from exporters.iree_export import block_programs  # noqa: E402
 from models import faults  # noqa: E402
 from oracle.check import CheckSpec, model_source, run_check  # noqa: E402
 
@@ -62,7 +64,7 @@ def test_qwen2_moe_passes_blocks_and_e2e(qwen2_runs):
     first, _, _, _ = qwen2_runs
     _assert_pass(first)
     assert first.e2e.steps[0]["max_abs"] < 1e-5
-    assert [a["name"] for a in first.cache["artifacts"]] == ["model.vmfb"]
+    assert [a["name"] for a in first.cache["artifacts"]] == ["model.vmfb", "model.irpa"]
     # one program per block kind, run for both layers
     assert first.provenance["backend"]["block_programs"]["moe0"] == ["0.moe", "1.moe"]
     # the goldens: tokens, and the op histogram of the MLIR that went into iree-compile
@@ -93,11 +95,23 @@ def test_mlir_ops_counts_ops_not_resource_names():
                                            "util.global.load": 1}
 
 
+def test_warm_check_imports_neither_torch_nor_transformers():
+    """Its candidate runs no torch (`runs_torch = False`), and a warm check reads the reference
+    (numpy), the checkpoint's resolved args, the prompt and the backend's own plan from the caches:
+    neither torch nor transformers is imported (issue 17: the warm path of iree-llvm-cpu)."""
+    from tests.conftest import warm_check_imports
+
+    assert warm_check_imports('qwen2_moe', 'iree-llvm-cpu', "torch", "transformers") == [False, False]
+
+
 def test_second_run_is_cached_and_fast(qwen2_runs):
     first, t1, second, t2 = qwen2_runs
     _assert_pass(second)
     assert second.cache["all_cached"]
     assert all(a["build_s"] == 0 for a in second.cache["artifacts"])
+    # the same report, cold or warm, apart from the run state (timings, cache)
+    same = [{k: v for k, v in r.to_dict().items() if k not in ("timings", "cache")} for r in (first, second)]
+    assert json.dumps(same[0], sort_keys=True) == json.dumps(same[1], sort_keys=True)
     if not first.cache["all_cached"]:  # a cold first run: the warm one takes a fraction of it
         assert t2 < t1 / 4, (t1, t2)
 
@@ -145,17 +159,17 @@ def test_programs_come_from_the_structure_without_weights():
     src = model_source(_spec("qwen2_moe"))
     rope = BACKEND.with_fault(faults.get("rope_theta_wrong"))  # changes a buffer: a block input
     structure = rope.model(src)
-    assert not iree_backend.has_weights(structure)
+    assert not iree_export.has_weights(structure)
     built = src.build_production(torch.float32)
     rope.transform(built)
-    iree_backend.same_programs(built, block_programs(built)[0], structure, block_programs(structure)[0])
+    iree_export.same_programs(built, block_programs(built)[0], structure, block_programs(structure)[0])
     i = faults.get("rope_theta_wrong").layer(src.args)
-    clean = iree_backend.production_structure(src)
+    clean = iree_export.production_structure(src)
     assert not torch.equal(structure.layers[i].attn.rope.inv_freq, clean.layers[i].attn.rope.inv_freq)
     off = BACKEND.with_fault(faults.get("expert_weights_off_1e-3")).model(src)
-    assert iree_backend.has_weights(off)
-    iree_backend.drop_weights(off)
-    assert not iree_backend.has_weights(off) and all(b.device.type == "cpu" for b in off.buffers())
+    assert iree_export.has_weights(off)
+    iree_export.drop_weights(off)
+    assert not iree_export.has_weights(off) and all(b.device.type == "cpu" for b in off.buffers())
 
 
 def test_not_causal_attention_fails_at_that_block():

@@ -21,6 +21,7 @@ pytest.importorskip("iree.turbine.aot", reason="iree-turbine is not installed (p
 import iree.runtime as rt  # noqa: E402
 
 import exporters.iree as iree_backend  # noqa: E402
+import exporters.iree_export as iree_export  # noqa: E402
 from exporters.iree import BACKEND, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO  # noqa: E402
 from models.layers import STATE_BUFFERS  # noqa: E402
 from oracle import goldens  # noqa: E402
@@ -159,8 +160,8 @@ def test_numbers_equal_the_inlined_program(built):
     m = src.build_production(torch.float32)
     key = {k: v for k, v in BACKEND.key(src, SPEC, {}).items() if k != "parameters"}
     key["weights"] = "inlined, prefill/decode only (tests/test_iree_params.py)"
-    inlined = cached_artifact("iree", key, "model.vmfb", lambda path: iree_backend.compile_to(
-        iree_backend.export_program(m, {}, SPEC.prompt_len, external=False), path))
+    inlined = cached_artifact("iree", key, "model.vmfb", lambda path: iree_export.compile_to(
+        iree_export.export_program(m, {}, SPEC.prompt_len, external=False), path))
     inlined_vmfb = Path(inlined.path).read_bytes()
     assert len(inlined_vmfb) > b.vmfb.with_name(PARAMS_FILE).stat().st_size  # the weights are in there
 
@@ -188,8 +189,8 @@ def test_cached_program_without_its_archive_is_rebuilt(built, tmp_path, monkeypa
         builds.append(path)
         path.write_bytes(b"stub")
 
-    monkeypatch.setattr(iree_backend, "export_program", lambda *a, **k: None)
-    monkeypatch.setattr(iree_backend, "compile_to", compile_to)
+    monkeypatch.setattr(iree_export, "export_program", lambda *a, **k: None)
+    monkeypatch.setattr(iree_export, "compile_to", compile_to)
 
     again = BACKEND.program(src, SPEC)  # intact: cached, nothing built
     assert again.art.cached and again.vmfb == copy / "model.vmfb" and not builds

@@ -72,7 +72,7 @@ def distribution_verdict(spec, recorded):
     ref = reference_for(spec.family, str(src.model_dir), src.checkpoint_sha256,
                         tuple(prompt_tokens(spec, src.args.vocab_size)), spec.decode_tokens)
     cand = np.concatenate([as_f64(x).reshape(-1, ref.logits[0].shape[-1]) for x in recorded])
-    m = distribution_metrics(np.concatenate([r.double().numpy() for r in ref.logits]), cand)
+    m = distribution_metrics(np.concatenate([np.asarray(r, np.float64) for r in ref.logits]), cand)
     return m, judge_distribution(m, thresholds.limits(spec.precision, "e2e", spec.family, spec.backend))
 
 
@@ -159,6 +159,15 @@ def test_seeded_faults_fail_where_expected(mlx, family):
         r = run_check(spec, mlx.BACKEND.with_fault(fault))
         assert r.status == "fail", name
         assert (r.worst["layer"], r.worst["kind"]) == (fault.layer(args), fault.kind), name
+
+
+def test_warm_check_imports_neither_torch_nor_transformers():
+    """Its candidate runs no torch (`runs_torch = False`), and a warm check reads the reference
+    (numpy), the checkpoint's resolved args, the prompt and the backend's own plan from the caches:
+    neither torch nor transformers is imported (issue 17: the warm path of mlx)."""
+    from tests.conftest import warm_check_imports
+
+    assert warm_check_imports('olmoe', 'mlx', "torch", "transformers") == [False, False]
 
 
 def test_rope_theta_trap_is_caught(mlx):
