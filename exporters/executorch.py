@@ -703,8 +703,10 @@ class ExecutorchBackend:
     def quantize(self, model: Transformer, opts: dict) -> None:
         quantize_linears(model, opts)
 
-    def production_model(self, model, spec, opts: dict) -> Transformer:
-        m = model.build_production(DTYPES[spec.precision])
+    def production_model(self, model, spec, opts: dict, mapped: Path | None = None) -> Transformer:
+        """The production model to export (`mapped`: its weights mapped from files written
+        there, ModelSource.build_production)."""
+        m = model.build_production(DTYPES[spec.precision], mapped)
         if self.transform is not None:
             self.transform(m)
         if opts.get("qlinear"):
@@ -721,8 +723,15 @@ class ExecutorchBackend:
         opts = {k: v for k, v in self.options(spec).items() if k != ("sample" if check else "sampling")}
 
         def build(path):
-            m = self.production_model(model, spec, opts)
-            build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check, opts, self.dense_prefill)
+            # the fp32 weights mapped from files beside the build (not process memory): the
+            # lowering reads each once, and what it keeps it copies (XNNPACK's blobs, spilled to
+            # files too; the emitter's bytes of the portable ops' weights)
+            with tempfile.TemporaryDirectory(prefix=".weights-", dir=path.parent) as mapped:
+                m = self.production_model(model, spec, opts, Path(mapped))
+                build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check, opts,
+                              self.dense_prefill)
+                del m
+                gc.collect()
 
         parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
         return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte")

@@ -98,11 +98,16 @@ class Family:
         return model.eval()
 
     def build_from(self, cfg: dict, model_dir, dtype=None, max_seq_len: int = 256,
-                   args: ModelArgs | None = None) -> Transformer:
+                   args: ModelArgs | None = None, mapped: Path | None = None) -> Transformer:
         """The production model from a checkpoint directory, one decoder layer at a time: the
         parameters start on the meta device (accelerate's init_empty_weights; buffers are real),
         each layer's tensors are read from the safetensors files, sanitized, converted to
         `dtype` and assigned, then dropped. Peak memory: the model in `dtype` plus one layer.
+        `mapped` (a directory): each layer's converted tensors are written there instead
+        (safetensors, one file per layer) and the parameters are views of those files' memory
+        maps (copy-on-write): the model's weights are file pages the kernel can drop and read
+        again, not process memory: for a build that reads every weight once (an ExecuTorch
+        lowering). The directory must outlive the model.
         The names, shapes and dtypes were checked from the headers by `validate` (how a
         ModelSource is made); a parameter left unfilled is still an error here."""
         import torch
@@ -115,7 +120,9 @@ class Family:
         args = args or self.args(cfg, max_seq_len)  # the ModelSource's, already resolved
         with init_empty_weights(include_buffers=False):
             model = Transformer(args, dtype)
-        for group in self.production_tensors(model_dir, args, dtype):
+        for i, group in enumerate(self.production_tensors(model_dir, args, dtype)):
+            if mapped is not None:
+                group = map_group(group, Path(mapped) / f"layer-group-{i:05d}.safetensors")
             for name, value in group.items():
                 set_module_tensor_to_device(model, name, "cpu", value=value, dtype=dtype)
         missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -140,6 +147,18 @@ class Family:
             # that makes BLAS round differently from run to run of the same weights)
             yield {name: t.to(dtype) if t.dtype != dtype else t.clone()
                    for name, t in self.sanitize(read_tensors(index, names), args).items()}
+
+
+def map_group(tensors: dict, path: Path) -> dict:
+    """`tensors` written to `path` (safetensors) and given back as views of its memory map
+    (safetensors' own reader: no copy; written to, a page is copied, the file stays as it is)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    tensors.clear()
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 @functools.lru_cache(maxsize=1)

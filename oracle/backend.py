@@ -39,7 +39,10 @@ mid-build. Torch-based
 backends take `transform` (a callable modifying the built production model, how seeded
 faults are injected) and `transform_id` (part of every artifact cache key).
 
-Arrays may be torch tensors or numpy arrays. Built-in backends are named; a user's own
+Arrays may be torch tensors or numpy arrays. A BlockCall (oracle/reference.py) holds its input
+as numpy (`x_array`, `pos_array`) and gives torch copies as `x`, `pos`. `runs_torch = False`
+(optional) says the candidate runs no torch: provenance then records no torch thread count, so
+a warm check of such a backend never imports torch. Built-in backends are named; a user's own
 is given as `package.module:attr` (an object as above, or a class / factory making one).
 """
 
@@ -188,9 +191,10 @@ class ModelSource:
 
         return parameter_count(self.model_dir)
 
-    def build_production(self, dtype):
-        """The family's production torch model with the checkpoint's weights."""
-        return self.family.build_from(self.config, self.model_dir, dtype, self.args.max_seq_len, self.args)
+    def build_production(self, dtype, mapped: Path | None = None):
+        """The family's production torch model with the checkpoint's weights (`mapped`: a
+        directory its weights are written to and mapped from: Family.build_from)."""
+        return self.family.build_from(self.config, self.model_dir, dtype, self.args.max_seq_len, self.args, mapped)
 
 
 class Candidate(Protocol):
