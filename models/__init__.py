@@ -12,10 +12,13 @@ import hashlib
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from models.args import ModelArgs
 from models.checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    from models.layers import Transformer
 
 FAMILY_NAMES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")
 

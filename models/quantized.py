@@ -20,9 +20,13 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from models.checkpoint import CheckpointError, cached_dir, checkpoint_identity, layer_groups, read_config, \
     read_tensors, tensor_index
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = 1  # bump when the dequantized checkpoint's recipe changes (invalidates the cache)
 QUANT_KEYS = ("quantization", "quantization_config")

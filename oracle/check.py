@@ -760,8 +760,6 @@ def artifact_matches(spec: CheckSpec, src: ModelSource) -> None:
     """A program brought with --pte / --vmfb and the manifest.json `oracle export` wrote beside
     it: built from this checkpoint, for this check's sequence length (its state buffers and
     static shapes are sized by it). Without a manifest nothing can be said before it runs."""
-    import json
-
     path = Path(spec.artifact).with_name("manifest.json")
     try:
         man = json.loads(path.read_text())

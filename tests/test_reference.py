@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from models import FAMILY_NAMES, get_family
 from models.checkpoint import tiny_checkpoint
@@ -67,8 +68,6 @@ def test_streamed_reference_memory_stays_under_the_bound(tmp_path):
     import subprocess
     import sys
 
-    import torch
-
     from models.checkpoint import tensor_index, write_seeded_checkpoint
 
     fam = get_family("olmoe")
@@ -107,3 +106,21 @@ def test_streamed_hf_candidate_matches_the_whole_one(precision, monkeypatch):
         return [(b.layer, b.kind, b.status, b.metrics) for b in r.blocks], r.e2e.candidate_tokens
 
     assert run("streamed") == run("whole")
+
+
+def test_saved_reference_reads_back_as_the_same_numpy_arrays(tmp_path):
+    """The on-disk reference cache (what a warm check reads, without torch): every array back with
+    its dtype and bytes, the block calls' inputs as numpy and, for torch candidates, as tensors."""
+    from oracle.reference import load, save
+
+    fam = get_family("qwen3_5_moe")
+    ref = capture(load_hf_model(fam, tiny_checkpoint(fam, 0)), fam, [3, 17, 99, 5], 2)
+    save(ref, tmp_path / "ref")
+    back = load(tmp_path / "ref")
+    assert back.tokens == ref.tokens and back.coverage == ref.coverage and back.block_keys() == ref.block_keys()
+    a, b = _tensors(ref), _tensors(back)
+    assert len(a) == len(b) and all(isinstance(y, np.ndarray) and x.dtype == y.dtype and np.array_equal(x, y)
+                                    for x, y in zip(a, b))
+    call = back.inputs[0, "attention"][0]
+    assert call.x.dtype == torch.float32 and np.array_equal(call.x.numpy(), call.x_array)
+    assert call.pos.tolist() == list(range(4))
