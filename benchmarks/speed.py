@@ -123,8 +123,8 @@ def main() -> int:
     if a.make_test:
         print("make test in a fresh clone ...", file=sys.stderr, flush=True)
         mt = make_test()
-        lines.append(f"| `make test`, fresh clone (cold caches, venv set-up included) | {mt / 60:.1f} min | "
-                     f"{verdict('make_test', mt)} |")
+        lines.append(f"| `make test`, fresh clone (cold caches, venv set-up included), s | {mt:.0f} "
+                     f"({mt / 60:.1f} min) | {verdict('make_test', mt)} |")
     lines += ["", "Where a warm check's time goes (medians, `python benchmarks/profile_check.py`):", "",
               "| backend | " + " | ".join(STAGES) + " |", "|---|" + "---|" * len(STAGES)]
     for r in rows:
