@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from models import get_family, rope_theta
+from models import get_family
 from models.checkpoint import CheckpointError, shard_files
-from models.args import FULL, LINEAR
+from models.mlx_lm import ConfigError  # noqa: F401  (the backend's refusal; tests import it from here)
 from oracle.backend import Option
 from oracle.result import GateRow
 
@@ -41,132 +41,14 @@ PRECISIONS = ("fp32", "bf16", "q8", "q4") if sys.platform == "darwin" else ("fp3
 QUANT_BITS = {"q8": 8, "q4": 4}
 GROUP_SIZES = (32, 64)
 DEFAULT_GROUP_SIZE = 64  # mlx_lm.convert's default; real MoE dims are multiples of 64
-MLX_MODULE = {"qwen3_5_moe": "qwen3_5_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
-              "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}
 
 
-class ConfigError(CheckpointError):
-    """The HF config asks for something the family's mlx-lm model does not do."""
-
-
-# ---------------------------------------------------------------- config conversion
-# For every field of the family's mlx-lm ModelArgs (qwen3_5_moe: TextModelArgs), where its
-# value comes from, given the HF config object as HF's own config class resolves it (the
-# reference's values): "name" copies HF's attribute, a callable computes it. Every field is
-# passed explicitly; a field mlx-lm has that the table does not list is an error, never
-# mlx-lm's default (its rope_theta default 1e6 silently breaks qwen2_moe, where HF's is 1e4).
-# REQUIRE: what mlx-lm hard-codes (reads from no field): the HF config must agree.
-
-
-def _const(value):
-    return lambda c: value
-
-
-def _head_dim(c):
-    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-
-
-def _rope_parameters(c):
-    """qwen3_5: mlx-lm reads rope_theta and partial_rotary_factor out of rope_parameters
-    (with defaults 1e5 and 0.25): pass all three keys, as HF resolves them."""
-    rp = c.rope_parameters or {}
-    partial = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
-    return {"type": "default", "rope_theta": rope_theta(c), "partial_rotary_factor": partial}
-
-
-def _full_attention_interval(c):
-    """mlx-lm's Qwen3.5 ignores layer_types: layer i is full attention iff (i + 1) % n == 0."""
-    types = list(c.layer_types)
-    n = types.index(FULL) + 1 if FULL in types else 0
-    want = [FULL if n and (i + 1) % n == 0 else LINEAR for i in range(len(types))]
-    if types != want:
-        raise ConfigError(f"qwen3_5_moe: layer_types {types} is not periodic (linear_attention x (n-1), "
-                          "full_attention): mlx-lm derives the layer kinds from full_attention_interval only")
-    return n
-
-
-_ROPE = dict(rope_theta=rope_theta, rope_traditional=_const(False), rope_scaling=_const(None))
-
-CONFIG = {
-    "olmoe": dict(
-        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
-        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
-        num_key_value_heads="num_key_value_heads", head_dim=_head_dim, rms_norm_eps="rms_norm_eps",
-        vocab_size="vocab_size", max_position_embeddings="max_position_embeddings",
-        num_experts="num_experts", num_experts_per_tok="num_experts_per_tok", norm_topk_prob="norm_topk_prob",
-        attention_bias="attention_bias", mlp_bias=_const(False),  # HF's OLMoE experts have no bias
-        tie_word_embeddings="tie_word_embeddings", **_ROPE,
-    ),
-    "qwen2_moe": dict(
-        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
-        intermediate_size="intermediate_size",  # dense-MLP size: mlx-lm's qwen2_moe has none (REQUIRE)
-        num_attention_heads="num_attention_heads", num_key_value_heads="num_key_value_heads",
-        rms_norm_eps="rms_norm_eps", vocab_size="vocab_size", num_experts="num_experts",
-        num_experts_per_tok="num_experts_per_tok", moe_intermediate_size="moe_intermediate_size",
-        shared_expert_intermediate_size="shared_expert_intermediate_size",
-        tie_word_embeddings="tie_word_embeddings", **_ROPE,
-    ),
-    "qwen3_moe": dict(
-        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
-        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
-        num_key_value_heads="num_key_value_heads", head_dim=_head_dim, rms_norm_eps="rms_norm_eps",
-        vocab_size="vocab_size", max_position_embeddings="max_position_embeddings",
-        num_experts="num_experts",  # HF saves num_local_experts; its config class maps the name
-        num_experts_per_tok="num_experts_per_tok", norm_topk_prob="norm_topk_prob",
-        decoder_sparse_step="decoder_sparse_step", mlp_only_layers="mlp_only_layers",
-        moe_intermediate_size="moe_intermediate_size", tie_word_embeddings="tie_word_embeddings",
-        rope_theta=rope_theta, rope_scaling=_const(None),
-    ),
-    "mixtral": dict(
-        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
-        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
-        num_key_value_heads="num_key_value_heads", rms_norm_eps="rms_norm_eps", vocab_size="vocab_size",
-        num_local_experts="num_local_experts", num_experts_per_tok="num_experts_per_tok",
-        tie_word_embeddings="tie_word_embeddings", **_ROPE,
-    ),
-    "qwen3_5_moe": dict(  # mlx-lm's TextModelArgs (the text_config of qwen3_5_moe's ModelArgs)
-        model_type=_const("qwen3_5_moe"),  # HF's text model_type is qwen3_5_moe_text
-        hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
-        num_attention_heads="num_attention_heads", num_key_value_heads="num_key_value_heads",
-        head_dim="head_dim", rms_norm_eps="rms_norm_eps", vocab_size="vocab_size",
-        max_position_embeddings="max_position_embeddings", attention_bias="attention_bias",
-        tie_word_embeddings="tie_word_embeddings",
-        linear_num_value_heads="linear_num_value_heads", linear_num_key_heads="linear_num_key_heads",
-        linear_key_head_dim="linear_key_head_dim", linear_value_head_dim="linear_value_head_dim",
-        linear_conv_kernel_dim="linear_conv_kernel_dim",
-        full_attention_interval=_full_attention_interval,
-        num_experts="num_experts", num_experts_per_tok="num_experts_per_tok",
-        moe_intermediate_size="moe_intermediate_size",
-        shared_expert_intermediate_size="shared_expert_intermediate_size",
-        norm_topk_prob=_const(True),  # HF's Qwen3.5-MoE router always renormalises
-        intermediate_size=_const(0),  # dense-MLP size, read only when num_experts == 0 (REQUIRE)
-        decoder_sparse_step=_const(1),  # not read by mlx-lm's qwen3_5: every layer is MoE, as in HF
-        rope_parameters=_rope_parameters, rope_scaling=_rope_parameters,  # mlx-lm: rope_scaling = rope_parameters
-        rope_theta=rope_theta, partial_rotary_factor=lambda c: _rope_parameters(c)["partial_rotary_factor"],
-    ),
-}
-
-REQUIRE = {
-    "*": [(lambda c: c.hidden_act == "silu", "hidden_act other than silu (mlx-lm's experts are SwiGLU)")],
-    "olmoe": [(lambda c: c.clip_qkv is None, "clip_qkv (mlx-lm's olmoe does not clamp q/k/v)")],
-    "qwen2_moe": [
-        (lambda c: c.qkv_bias, "qkv_bias=False (mlx-lm's qwen2_moe always has q/k/v biases)"),
-        (lambda c: not c.norm_topk_prob, "norm_topk_prob=True (mlx-lm's qwen2_moe never renormalises top-k)"),
-        (lambda c: not c.use_sliding_window, "use_sliding_window (mlx-lm's qwen2_moe has none)"),
-        (lambda c: not c.mlp_only_layers and c.decoder_sparse_step == 1,
-         "dense MLP layers (mlx-lm's qwen2_moe puts an MoE in every layer)"),
-    ],
-    "qwen3_moe": [
-        (lambda c: not c.attention_bias, "attention_bias (mlx-lm's qwen3_moe has no attention biases)"),
-        (lambda c: not c.use_sliding_window, "use_sliding_window (mlx-lm's qwen3_moe has none)"),
-    ],
-    "mixtral": [
-        (lambda c: c.head_dim in (None, c.hidden_size // c.num_attention_heads),
-         "head_dim != hidden_size / num_attention_heads (mlx-lm's mixtral derives it)"),
-        (lambda c: c.sliding_window is None, "sliding_window (mlx-lm's mixtral has none)"),
-    ],
-    "qwen3_5_moe": [(lambda c: c.num_experts > 0, "num_experts == 0 (a dense Qwen3.5, not this family)")],
-}
+def mapping(family: str):
+    """The family's mlx-lm mapping (models.mlx_lm.MlxLm, declared in its models/ file)."""
+    m = get_family(family).mlx
+    if m is None:
+        raise ConfigError(f"{family}: no mlx-lm model is mapped for this family")
+    return m
 
 
 def check_args(temperature: float, top_p: float) -> None:
@@ -199,10 +81,10 @@ def mlx_lm_models() -> None:
 
 
 def mlx_args_class(family: str):
-    """The dataclass whose fields CONFIG[family] must cover."""
-    if family == "qwen3_5_moe":
-        return mlx_module("qwen3_5").TextModelArgs
-    return mlx_module(MLX_MODULE[family]).ModelArgs
+    """The dataclass whose fields the family's mlx mapping must cover."""
+    m = mapping(family)
+    module, cls = m.args_class or (m.module, "ModelArgs")
+    return getattr(mlx_module(module), cls)
 
 
 def mlx_module(name: str):
@@ -214,10 +96,11 @@ def mlx_module(name: str):
 def mlx_config(family: str, config: dict) -> dict:
     """config.json -> the explicit field values of the family's mlx-lm ModelArgs."""
     c = get_family(family).hf_config(config)
-    for ok, what in REQUIRE["*"] + REQUIRE[family]:
+    m = mapping(family)
+    for ok, what in m.require:
         if not ok(c):
             raise ConfigError(f"{family}: the checkpoint's config has {what}")
-    table = CONFIG[family]
+    table = m.config
     fields = {f.name for f in dataclasses.fields(mlx_args_class(family))}
     if set(table) != fields:  # a new mlx-lm field would otherwise take its default silently
         raise ConfigError(f"{family}: mlx-lm's ModelArgs fields differ from the conversion table: "
@@ -244,15 +127,17 @@ def _source_digest() -> str:
 def naive_mlx_config(family: str, config: dict) -> dict:
     """What mlx_lm.utils.load_model does: config.json straight into ModelArgs.from_dict, so
     every key it does not find takes mlx-lm's default. Only for showing the traps."""
-    cls = mlx_module(MLX_MODULE[family]).ModelArgs
-    return dataclasses.asdict(cls.from_dict({**config, "model_type": MLX_MODULE[family]}))
+    module = mapping(family).module
+    cls = mlx_module(module).ModelArgs
+    return dataclasses.asdict(cls.from_dict({**config, "model_type": module}))
 
 
 def build_model(family: str, fields: dict):
     """The mlx-lm Model for the converted fields; checks mlx-lm kept every value."""
-    mod = mlx_module(MLX_MODULE[family])
-    if family == "qwen3_5_moe":
-        args = fields if "text_config" in fields else {"model_type": "qwen3_5_moe", "text_config": fields}
+    m = mapping(family)
+    mod = mlx_module(m.module)
+    if m.composite:
+        args = fields if "text_config" in fields else {"model_type": m.module, "text_config": fields}
         model = mod.Model(mod.ModelArgs(**args))
         got, want = model.language_model.args, args["text_config"]
     else:
@@ -272,20 +157,22 @@ ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate",
 
 def expert_layout(family: str, weights: dict) -> dict:
     """The checkpoint's expert tensors (per-expert as save_pretrained writes them, or fused
-    experts.gate_up_proj [E, 2I, H] + down_proj [E, H, I]) in the layout the family's
-    mlx-lm sanitize() stacks: fused for qwen3_5_moe (its sanitize accepts nothing else),
-    per-expert for the others (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2)."""
+    experts.gate_up_proj [E, 2I, H] + down_proj [E, H, I]) in the layout the family's mlx-lm
+    sanitize() stacks (its mapping's `experts`: fused, or per-expert under its `expert_names`,
+    in its `moe` block: Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2), every tensor passed
+    through the mapping's `check_tensor`."""
     import mlx.core as mx
 
+    m = mapping(family)
     out, experts = {}, {}
     for k, v in weights.items():
-        if m := EXPERT_KEY.fullmatch(k):
-            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[ROLE[m[3]]] = v
-        elif m := FUSED_KEY.fullmatch(k):
-            ex = experts.setdefault(m[1], {})
+        if km := EXPERT_KEY.fullmatch(k):
+            experts.setdefault(km[1], {}).setdefault(int(km[2]), {})[ROLE[km[3]]] = v
+        elif km := FUSED_KEY.fullmatch(k):
+            ex = experts.setdefault(km[1], {})
             half = v.shape[1] // 2
             for e in range(v.shape[0]):
-                parts = {"gate": v[e, :half], "up": v[e, half:]} if m[2] == "gate_up_proj" else {"down": v[e]}
+                parts = {"gate": v[e, :half], "up": v[e, half:]} if km[2] == "gate_up_proj" else {"down": v[e]}
                 ex.setdefault(e, {}).update(parts)
         else:
             out[k] = v
@@ -293,26 +180,20 @@ def expert_layout(family: str, weights: dict) -> dict:
         for e in range(len(ex)):
             if set(ex.get(e, {})) != {"gate", "up", "down"}:
                 raise CheckpointError(f"{prefix}: expert {e} lacks gate/up/down tensors (experts 0..{len(ex) - 1})")
-        if family == "qwen3_5_moe":
-            out[f"{prefix}.mlp.experts.gate_up_proj"] = mx.stack(
+        if m.experts == "fused":
+            out[f"{prefix}.{m.moe}.experts.gate_up_proj"] = mx.stack(
                 [mx.concatenate([ex[e]["gate"], ex[e]["up"]]) for e in range(len(ex))])
-            out[f"{prefix}.mlp.experts.down_proj"] = mx.stack([ex[e]["down"] for e in range(len(ex))])
+            out[f"{prefix}.{m.moe}.experts.down_proj"] = mx.stack([ex[e]["down"] for e in range(len(ex))])
             continue
-        names = ({"gate": "w1", "up": "w3", "down": "w2"} if family == "mixtral"
-                 else {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
-        moe = "block_sparse_moe" if family == "mixtral" else "mlp"
         for e in range(len(ex)):
-            for role, name in names.items():
-                out[f"{prefix}.{moe}.experts.{e}.{name}.weight"] = ex[e][role]
-    if family == "mixtral":  # transformers' in-memory name for the MoE block is mlp
-        out = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in out.items()}
-    if family == "qwen3_5_moe":
-        # mlx-lm's sanitize adds 1 to the (1 + w) RMSNorm weights only while conv1d is still
-        # HF-shaped [C, 1, K]: anything else would silently drop the offset
-        for k, v in out.items():
-            if k.endswith("conv1d.weight") and not (v.ndim == 3 and v.shape[1] == 1 and v.shape[2] > 1):
-                raise CheckpointError(f"{k} has shape {list(v.shape)}, expected HF's [C, 1, K>1]: mlx-lm's "
-                                      "sanitize would then not add 1 to the (1 + w) RMSNorm weights")
+            for role, name in m.expert_names.items():
+                out[f"{prefix}.{m.moe}.experts.{e}.{name}.weight"] = ex[e][role]
+    if m.moe != "mlp":  # transformers' in-memory name for the MoE block is mlp
+        out = {k.replace(".mlp.", f".{m.moe}."): v for k, v in out.items()}
+    for k, v in out.items():
+        problem = m.check_tensor(k, v.shape) if m.check_tensor else None
+        if problem:
+            raise CheckpointError(problem)
     return out
 
 
@@ -387,10 +268,11 @@ def loadable_config(family: str, config: dict, fields: dict) -> dict:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in text}
     naive = dataclasses.asdict(cls.from_dict({**text, **required}))
     extra = {k: v for k, v in fields.items() if k != "model_type" and (k in required or naive.get(k) != v)}
-    if family != "qwen3_5_moe":
+    m = mapping(family)
+    if not m.composite:
         return {**config, **extra}
     top = {k: v for k, v in config.items() if k not in ("text_config", "model_type")}
-    return {**top, "model_type": "qwen3_5_moe", "text_config": {**text, **extra}}
+    return {**top, "model_type": m.module, "text_config": {**text, **extra}}
 
 
 def write_directory(src, out, bits: int | None, group_size: int, recipe: str | None = None) -> list:
@@ -735,7 +617,7 @@ class MLXBackend:
             mx.eval(m.parameters())
         versions = {p: importlib.metadata.version(p) for p in ("mlx", "mlx-lm")}
         dev = "gpu" if device == mx.gpu else "cpu"
-        info = {"executor": f"mlx-lm {versions['mlx-lm']} on mlx {versions['mlx']} ({dev})", "device": dev, "mlx_model": f"mlx_lm.models.{MLX_MODULE[model.family.name]}",
+        info = {"executor": f"mlx-lm {versions['mlx-lm']} on mlx {versions['mlx']} ({dev})", "device": dev, "mlx_model": f"mlx_lm.models.{mapping(model.family.name).module}",
                 "config": fields, "dtype": str(dtype).split(".")[-1]}
         if quant:
             info["quantization"] = quant

@@ -51,6 +51,8 @@ class Family:
     # (mlx-lm checkpoint tensors of one layer, config.json) -> the HF checkpoint's names and layouts
     # (how a shipped mlx-lm directory's dequantized weights become an HF reference)
     from_mlx: Callable = None
+    # how mlx-lm's model of the family reads the checkpoint (models.mlx_lm.MlxLm; None: no mlx-lm model)
+    mlx: object = None
 
     def __post_init__(self):
         if self.from_mlx is None:

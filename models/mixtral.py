@@ -1,7 +1,8 @@
 """Mixtral: plain attention, softmax top-k routing always renormalised (weights kept in fp32)."""
 
-from models import Family, ModelArgs, hf_args, sanitize_hf
+from models import Family, ModelArgs, hf_args, rope_theta, sanitize_hf
 from models.checkpoint import stack_experts
+from models.mlx_lm import COMMON_REQUIRE, MlxLm, rope
 from models.quantized import unstack_experts
 
 TINY = dict(
@@ -31,7 +32,24 @@ def from_mlx(weights: dict, config: dict) -> dict:
     return unstack_experts(weights, {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
 
 
+MLX = MlxLm(
+    module="mixtral",
+    config=dict(
+        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
+        num_key_value_heads="num_key_value_heads", rms_norm_eps="rms_norm_eps", vocab_size="vocab_size",
+        num_local_experts="num_local_experts", num_experts_per_tok="num_experts_per_tok",
+        tie_word_embeddings="tie_word_embeddings", **rope(rope_theta),
+    ),
+    require=COMMON_REQUIRE + (
+        (lambda c: c.head_dim in (None, c.hidden_size // c.num_attention_heads),
+         "head_dim != hidden_size / num_attention_heads (mlx-lm's mixtral derives it)"),
+        (lambda c: c.sliding_window is None, "sliding_window (mlx-lm's mixtral has none)"),
+    ),
+    moe="block_sparse_moe", expert_names={"gate": "w1", "up": "w3", "down": "w2"},
+)
+
 FAMILY = Family(
     name="mixtral", model_types=("mixtral",), hf_module="mixtral", hf_class_name="MixtralForCausalLM",
-    hf_config_name="MixtralConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx,
+    hf_config_name="MixtralConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx, mlx=MLX,
 )

@@ -1,6 +1,7 @@
 """OLMoE: flat q/k RMSNorm over the whole projection, softmax top-k routing, no shared expert."""
 
-from models import Family, ModelArgs, hf_args, require, sanitize_hf
+from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models.mlx_lm import COMMON_REQUIRE, MlxLm, const, head_dim, rope
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -19,7 +20,21 @@ def to_args(c) -> ModelArgs:
     )
 
 
+MLX = MlxLm(
+    module="olmoe",
+    config=dict(
+        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
+        num_key_value_heads="num_key_value_heads", head_dim=head_dim, rms_norm_eps="rms_norm_eps",
+        vocab_size="vocab_size", max_position_embeddings="max_position_embeddings",
+        num_experts="num_experts", num_experts_per_tok="num_experts_per_tok", norm_topk_prob="norm_topk_prob",
+        attention_bias="attention_bias", mlp_bias=const(False),  # HF's OLMoE experts have no bias
+        tie_word_embeddings="tie_word_embeddings", **rope(rope_theta),
+    ),
+    require=COMMON_REQUIRE + ((lambda c: c.clip_qkv is None, "clip_qkv (mlx-lm's olmoe does not clamp q/k/v)"),),
+)
+
 FAMILY = Family(
     name="olmoe", model_types=("olmoe",), hf_module="olmoe", hf_class_name="OlmoeForCausalLM",
-    hf_config_name="OlmoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf,
+    hf_config_name="OlmoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf, mlx=MLX,
 )

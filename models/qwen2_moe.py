@@ -1,6 +1,7 @@
 """Qwen2-MoE: q/k/v bias, softmax top-k routing, sigmoid-gated shared expert. rope_theta 1e4 (HF default)."""
 
-from models import Family, ModelArgs, hf_args, require, sanitize_hf
+from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models.mlx_lm import COMMON_REQUIRE, MlxLm, rope
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -22,7 +23,27 @@ def to_args(c) -> ModelArgs:
     )
 
 
+MLX = MlxLm(
+    module="qwen2_moe",
+    config=dict(
+        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        intermediate_size="intermediate_size",  # dense-MLP size: mlx-lm's qwen2_moe has none (require)
+        num_attention_heads="num_attention_heads", num_key_value_heads="num_key_value_heads",
+        rms_norm_eps="rms_norm_eps", vocab_size="vocab_size", num_experts="num_experts",
+        num_experts_per_tok="num_experts_per_tok", moe_intermediate_size="moe_intermediate_size",
+        shared_expert_intermediate_size="shared_expert_intermediate_size",
+        tie_word_embeddings="tie_word_embeddings", **rope(rope_theta),
+    ),
+    require=COMMON_REQUIRE + (
+        (lambda c: c.qkv_bias, "qkv_bias=False (mlx-lm's qwen2_moe always has q/k/v biases)"),
+        (lambda c: not c.norm_topk_prob, "norm_topk_prob=True (mlx-lm's qwen2_moe never renormalises top-k)"),
+        (lambda c: not c.use_sliding_window, "use_sliding_window (mlx-lm's qwen2_moe has none)"),
+        (lambda c: not c.mlp_only_layers and c.decoder_sparse_step == 1,
+         "dense MLP layers (mlx-lm's qwen2_moe puts an MoE in every layer)"),
+    ),
+)
+
 FAMILY = Family(
     name="qwen2_moe", model_types=("qwen2_moe",), hf_module="qwen2_moe", hf_class_name="Qwen2MoeForCausalLM",
-    hf_config_name="Qwen2MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf,
+    hf_config_name="Qwen2MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf, mlx=MLX,
 )

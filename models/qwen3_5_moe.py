@@ -2,8 +2,9 @@
 per-head q/k norm), (1 + w) RMSNorm, softmax top-k routing with renormalisation and a
 sigmoid-gated shared expert."""
 
-from models import Family, ModelArgs, hf_args, require, sanitize_hf
-from models.layers import FULL, LINEAR
+from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models.args import FULL, LINEAR
+from models.mlx_lm import COMMON_REQUIRE, ConfigError, MlxLm, const
 from models.quantized import unstack_experts
 
 TINY = dict(
@@ -65,9 +66,65 @@ def from_mlx(weights: dict, config: dict) -> dict:
     return out
 
 
+def _rope_parameters(c):
+    """mlx-lm reads rope_theta and partial_rotary_factor out of rope_parameters (with defaults
+    1e5 and 0.25): pass all three keys, as HF resolves them."""
+    rp = c.rope_parameters or {}
+    partial = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    return {"type": "default", "rope_theta": rope_theta(c), "partial_rotary_factor": partial}
+
+
+def _full_attention_interval(c):
+    """mlx-lm's Qwen3.5 ignores layer_types: layer i is full attention iff (i + 1) % n == 0."""
+    types = list(c.layer_types)
+    n = types.index(FULL) + 1 if FULL in types else 0
+    want = [FULL if n and (i + 1) % n == 0 else LINEAR for i in range(len(types))]
+    if types != want:
+        raise ConfigError(f"qwen3_5_moe: layer_types {types} is not periodic (linear_attention x (n-1), "
+                          "full_attention): mlx-lm derives the layer kinds from full_attention_interval only")
+    return n
+
+
+def _conv1d_shape(name: str, shape) -> str | None:
+    """mlx-lm's sanitize adds 1 to the (1 + w) RMSNorm weights only while conv1d is still HF-shaped
+    [C, 1, K]: anything else would silently drop the offset."""
+    if name.endswith("conv1d.weight") and not (len(shape) == 3 and shape[1] == 1 and shape[2] > 1):
+        return (f"{name} has shape {list(shape)}, expected HF's [C, 1, K>1]: mlx-lm's sanitize would then "
+                "not add 1 to the (1 + w) RMSNorm weights")
+    return None
+
+
+MLX = MlxLm(
+    module="qwen3_5_moe",
+    args_class=("qwen3_5", "TextModelArgs"),  # the text_config of qwen3_5_moe's ModelArgs
+    config=dict(
+        model_type=const("qwen3_5_moe"),  # HF's text model_type is qwen3_5_moe_text
+        hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        num_attention_heads="num_attention_heads", num_key_value_heads="num_key_value_heads",
+        head_dim="head_dim", rms_norm_eps="rms_norm_eps", vocab_size="vocab_size",
+        max_position_embeddings="max_position_embeddings", attention_bias="attention_bias",
+        tie_word_embeddings="tie_word_embeddings",
+        linear_num_value_heads="linear_num_value_heads", linear_num_key_heads="linear_num_key_heads",
+        linear_key_head_dim="linear_key_head_dim", linear_value_head_dim="linear_value_head_dim",
+        linear_conv_kernel_dim="linear_conv_kernel_dim",
+        full_attention_interval=_full_attention_interval,
+        num_experts="num_experts", num_experts_per_tok="num_experts_per_tok",
+        moe_intermediate_size="moe_intermediate_size",
+        shared_expert_intermediate_size="shared_expert_intermediate_size",
+        norm_topk_prob=const(True),  # HF's Qwen3.5-MoE router always renormalises
+        intermediate_size=const(0),  # dense-MLP size, read only when num_experts == 0 (require)
+        decoder_sparse_step=const(1),  # not read by mlx-lm's qwen3_5: every layer is MoE, as in HF
+        rope_parameters=_rope_parameters, rope_scaling=_rope_parameters,  # mlx-lm: rope_scaling = rope_parameters
+        rope_theta=rope_theta, partial_rotary_factor=lambda c: _rope_parameters(c)["partial_rotary_factor"],
+    ),
+    require=COMMON_REQUIRE + ((lambda c: c.num_experts > 0, "num_experts == 0 (a dense Qwen3.5, not this family)"),),
+    experts="fused",  # its sanitize() accepts nothing else
+    check_tensor=_conv1d_shape,
+)
+
 FAMILY = Family(
     # the text-only config, or the multimodal release's composite one (its text_config is read)
     name="qwen3_5_moe", model_types=("qwen3_5_moe_text", "qwen3_5_moe"), hf_module="qwen3_5_moe",
     hf_class_name="Qwen3_5MoeForCausalLM", hf_config_name="Qwen3_5MoeTextConfig",
-    tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx,
+    tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx, mlx=MLX,
 )

@@ -1,6 +1,7 @@
 """Qwen3-MoE: per-head q/k RMSNorm, softmax top-k routing with renormalisation, no shared expert."""
 
-from models import Family, ModelArgs, hf_args, require, sanitize_hf
+from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models.mlx_lm import COMMON_REQUIRE, MlxLm, const, head_dim
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -20,7 +21,26 @@ def to_args(c) -> ModelArgs:
     )
 
 
+MLX = MlxLm(
+    module="qwen3_moe",
+    config=dict(
+        model_type="model_type", hidden_size="hidden_size", num_hidden_layers="num_hidden_layers",
+        intermediate_size="intermediate_size", num_attention_heads="num_attention_heads",
+        num_key_value_heads="num_key_value_heads", head_dim=head_dim, rms_norm_eps="rms_norm_eps",
+        vocab_size="vocab_size", max_position_embeddings="max_position_embeddings",
+        num_experts="num_experts",  # HF saves num_local_experts; its config class maps the name
+        num_experts_per_tok="num_experts_per_tok", norm_topk_prob="norm_topk_prob",
+        decoder_sparse_step="decoder_sparse_step", mlp_only_layers="mlp_only_layers",
+        moe_intermediate_size="moe_intermediate_size", tie_word_embeddings="tie_word_embeddings",
+        rope_theta=rope_theta, rope_scaling=const(None),
+    ),
+    require=COMMON_REQUIRE + (
+        (lambda c: not c.attention_bias, "attention_bias (mlx-lm's qwen3_moe has no attention biases)"),
+        (lambda c: not c.use_sliding_window, "use_sliding_window (mlx-lm's qwen3_moe has none)"),
+    ),
+)
+
 FAMILY = Family(
     name="qwen3_moe", model_types=("qwen3_moe",), hf_module="qwen3_moe", hf_class_name="Qwen3MoeForCausalLM",
-    hf_config_name="Qwen3MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf,
+    hf_config_name="Qwen3MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf, mlx=MLX,
 )

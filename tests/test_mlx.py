@@ -140,7 +140,7 @@ def test_router_mirror_is_what_the_block_applies(mlx, family):
 def test_config_table_covers_every_mlx_field(mlx, family):
     """Every field of mlx-lm's ModelArgs is explicitly mapped: none is left to its default."""
     fields = {f.name for f in dataclasses.fields(mlx.mlx_args_class(family))}
-    assert set(mlx.CONFIG[family]) == fields
+    assert set(mlx.mapping(family).config) == fields
     cfg = read_config(tiny_checkpoint(get_family(family), 0))
     converted = mlx.mlx_config(family, cfg)
     model = mlx.build_model(family, converted)
