@@ -355,18 +355,18 @@ def build(src, transform, model: Transformer, prompt_len: int, path: Path) -> No
     structure (no weights are read into a model). A transform: its model (`model` itself when it
     has weights, else the checkpoint's transformed, which must have the structure's block
     programs) archived and traced whole."""
+    m = model
+    if transform is not None and not has_weights(model):  # the transformed model's weights
+        m = src.build_production(torch.float32)
+        transform(m)
+    programs = block_programs(m)[0]
+    if m is not model:
+        same_programs(m, programs, model, block_programs(model)[0])
     if transform is None:
         save_parameters_streamed(src, path.with_name(PARAMS_FILE))
         untouched_weights(model)
-        compile_to(export_program(model, block_programs(model)[0], prompt_len), path)
-        drop_weights(model)
     else:
-        m = model
-        if not has_weights(model):  # the transformed model's weights, for the archive and the export
-            m = src.build_production(torch.float32)
-            transform(m)
-            same_programs(m, block_programs(m)[0], model, block_programs(model)[0])
         save_parameters(m, path.with_name(PARAMS_FILE))
-        compile_to(export_program(m, block_programs(m)[0], prompt_len), path)
-        drop_weights(model)  # the blocks' weights are read from model.irpa
+    compile_to(export_program(m, programs, prompt_len), path)
+    drop_weights(model)  # the blocks' weights are read from model.irpa
     gc.collect()  # what the export left in reference cycles

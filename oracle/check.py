@@ -182,9 +182,11 @@ def validated_args(family, sha: str | None, max_len: int):
     if sha is None:
         return None
     d = json_get("validated", _validated_parts(family, sha, max_len))
+    if d is None:
+        return None
     try:
         return ModelArgs(**{**d, "layer_types": tuple(d["layer_types"])}), sha
-    except (TypeError, KeyError):  # not cached (None), or not this code's ModelArgs
+    except (TypeError, KeyError):  # not this code's ModelArgs
         return None
 
 
