@@ -8,28 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from models.layers import Transformer, reset_state
+from models.layers import Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
 from models.sampling import Sampler, check_args
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def block_fn(model: Transformer, layer: int | None, kind: str):
-    """(module to reset, fn(x [1, T, H], pos [T]) -> output) for one block of the production model."""
-    if kind == "final_norm":
-        return model.norm, lambda x, pos: model.norm(x)
-    if kind == "logits":
-        return model.lm_head, lambda x, pos: model.lm_head(x)
-    dec = model.layers[layer]
-    if kind == "attention":
-        return dec.attn, dec.attn
-    if kind == "layer":
-        return dec, dec
-    if kind == "moe":
-        return dec.mlp, lambda x, pos: dec.mlp(x)
-    if kind == "router":
-        return dec.mlp.gate, lambda x, pos: dec.mlp.gate(x.reshape(-1, x.shape[-1]))
-    raise KeyError(kind)
 
 
 class TorchCandidate:

@@ -52,7 +52,8 @@ import torch
 from torch import nn
 
 from exporters.eager import DTYPES
-from models.layers import LINEAR, STATE_BUFFERS, Transformer, traced_experts
+from models.args import SPARSE, block_keys, block_path, mlp_type
+from models.layers import STATE_BUFFERS, Transformer, traced_experts
 from models.sampling import Sampler, SampledModel, example_args, runtime_args
 from oracle.backend import Option
 from oracle.goldens import histogram_text
@@ -113,12 +114,7 @@ def runtime():
 
 def block_paths(args) -> list[tuple[tuple, str]]:
     """((layer, kind), module path) of every block the harness checks, in the harness's order."""
-    out = []
-    for i, lt in enumerate(args.layer_types):
-        attn = "linear_attn" if lt == LINEAR else "self_attn"
-        out += [((i, "attention"), f"layers.{i}.{attn}"), ((i, "router"), f"layers.{i}.mlp.gate"),
-                ((i, "moe"), f"layers.{i}.mlp"), ((i, "layer"), f"layers.{i}")]
-    return out + [((None, "final_norm"), "norm"), ((None, "logits"), "lm_head")]
+    return [(key, block_path(args, *key)) for key in block_keys(args)]
 
 
 def export_methods(model: Transformer, sample: bool = False, dense_prefill: bool = False) -> dict:
@@ -215,8 +211,13 @@ def export_probes(model: Transformer) -> dict:
     dynamic = ({0: Dim("N", min=1, max=rows)},) if rows > 1 else None  # one row: a static shape
     x = torch.zeros(rows, a.hidden_size, dtype=model.embed_tokens.weight.dtype)
     with torch.no_grad(), parameters_not_cloned():
-        return {f"probe_{i}": export(MoeProbe(layer.mlp, i), (x,), dynamic_shapes=dynamic, strict=True)
-                for i, layer in enumerate(model.layers)}
+        return {f"probe_{i}": export(MoeProbe(model.layers[i].mlp, i), (x,), dynamic_shapes=dynamic, strict=True)
+                for i in sparse_layers(a)}
+
+
+def sparse_layers(args) -> list[int]:
+    """The layers with a router and experts (the others' MLP is dense: no probes)."""
+    return [i for i in range(args.num_hidden_layers) if mlp_type(args, i) == SPARSE]
 
 
 def metadata(model: Transformer, sample: bool = False) -> dict:
@@ -782,7 +783,7 @@ class ExecutorchBackend:
         opts = self.options(spec)
         sampling = bool(opts.get("sampling"))  # a backend whose options leave it out has no sampler methods
         info = {"executor": f"executorch {version('executorch')} runtime ({self.executor(opts)})",
-                "methods": ["prefill", "decode"] + [f"probe_{i}" for i in range(model.args.num_hidden_layers)]
+                "methods": ["prefill", "decode"] + [f"probe_{i}" for i in sparse_layers(model.args)]
                 + (["sample_decode", "sample_logits", "sample_prefill"] if sampling else []),
                 "block_modes": ExecutorchCandidate.block_modes, "artifacts": [art.as_dict()]}
         cls = ExecutorchSamplingCandidate if sampling else ExecutorchCandidate

@@ -200,8 +200,8 @@ class MlxCandidate:
 
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
-        name = {"router": f"moe_{layer}", "moe": f"moe_{layer}", "attention": f"attention_{layer}",
-                "layer": f"layer_{layer}"}.get(kind, kind)
+        name = {"router": f"moe_{layer}", "moe": f"moe_{layer}", "mlp": f"mlp_{layer}",
+                "attention": f"attention_{layer}", "layer": f"layer_{layer}"}.get(kind, kind)
         if name not in self.program.method_names:
             return None
         self.fresh(name)

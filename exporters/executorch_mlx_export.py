@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.args import SPARSE, mlp_type
 from models.layers import Attention, Experts, GatedDeltaNet, RMSNorm, Router, Transformer
 
 
@@ -81,7 +82,8 @@ def route(self, logits):
 
 
 def transform_router(router: Router) -> None:
-    swap(router, "route", route)  # weights in the model's dtype: Router.forward's cast is a no-op
+    if router.softmax_only:  # other routings (sigmoid, bias, groups) lower as the production model has them
+        swap(router, "route", route)  # weights in the model's dtype: Router.forward's cast is a no-op
 
 
 def expert_mlp(self, x, idx):  # x [N, H], idx [N, k] -> [N, k, H]
@@ -157,7 +159,9 @@ def attend(self, q, kc, vc, pos):  # pos: what `mask_positions` returned
 
 def transform_attention(attn: Attention, theta: float) -> None:
     S = attn.k_cache.shape[2]
-    if "forward" not in attn.rope.__dict__:
+    # mlx's rope op: rotate-half with plain frequencies (interleaved pairs or YaRN's cos/sin
+    # factor stay the production model's torch code)
+    if "forward" not in attn.rope.__dict__ and not attn.rope.interleave and attn.rope.factor == 1.0:
         transform_rope(attn.rope, theta, S)
     swap(attn, "update_cache", update_cache)
     # the causal mask and the attention together, or neither (a fault in one keeps both in torch)
@@ -294,7 +298,8 @@ def export_methods(model: Transformer, check: bool, sampling: bool = False) -> d
         if check:
             blocks = [Block("final_norm", model.norm, "final_norm"), Block("logits", model.lm_head, "logits")]
             for i, layer in enumerate(model.layers):
-                blocks += [Block(f"attention_{i}", layer.attn, "attention"), Block(f"moe_{i}", layer.mlp, "moe"),
+                mlp = "moe" if mlp_type(a, i) == SPARSE else "mlp"  # the moe method also gives the router's outputs
+                blocks += [Block(f"attention_{i}", layer.attn, "attention"), Block(f"{mlp}_{i}", layer.mlp, mlp),
                            Block(f"layer_{i}", layer, "layer")]
             for b in blocks:
                 stateful = b.kind in ("attention", "layer")

@@ -51,7 +51,6 @@ from oracle.backend import InputError
 FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
          "--iree-llvmcpu-target-cpu=host")
 TOOLS = ("iree-base-compiler", "iree-base-runtime", "iree-turbine", "torch")
-LAYER_KINDS = ("attention", "router", "moe", "layer")
 PARAMS_FILE = "model.irpa"  # the model's parameters, beside model.vmfb
 PARAMS_INFO = "model.irpa.json"  # its sha256, size and mtime, written with it
 PARAM_SCOPE = "model"  # the scope of every `#flow.parameter.named<scope::name>`

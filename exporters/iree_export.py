@@ -16,8 +16,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from exporters.eager import block_fn
-from exporters.iree import FLAGS, LAYER_KINDS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, mlir_ops
+from models.args import block_keys
+from models.layers import block_fn
+from exporters.iree import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, mlir_ops
 from models.layers import STATE_BUFFERS, Transformer
 from oracle.artifacts import sha256_file
 from oracle.goldens import histogram_text
@@ -127,7 +128,7 @@ def fingerprint(module: nn.Module, where: str) -> str:
 
 def block_programs(model: Transformer) -> tuple[dict[str, BlockProgram], dict]:
     """The distinct block programs of `model`, and (layer, kind) -> (program, its _Call)."""
-    keys = [(i, k) for i in range(len(model.layers)) for k in LAYER_KINDS] + [(None, "final_norm"), (None, "logits")]
+    keys = block_keys(model.args)
     programs, by_fp, which = {}, {}, {}
     for layer, kind in keys:
         call = _Call(*block_fn(model, layer, kind))

@@ -207,10 +207,17 @@ def load_model(src, config_fn=mlx_config):
     weights = {}
     for shard in shard_files(src.model_dir):
         weights.update(mx.load(str(shard)))
-    weights = model.sanitize(expert_layout(family, weights))
+    weights = model.sanitize(expert_layout(family, drop_extra_layers(weights, src.args.num_hidden_layers)))
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     return model, fields
+
+
+def drop_extra_layers(weights: dict, n: int) -> dict:
+    """Without layers n and beyond: a DeepSeek-V3 / GLM-4.5 checkpoint's multi-token-prediction
+    layers (model.layers.{num_hidden_layers}...), which mlx-lm's sanitize drops only at one index."""
+    return {k: v for k, v in weights.items()
+            if not ((m := re.search(r"\.layers\.(\d+)\.", k)) and int(m.group(1)) >= n)}
 
 
 def cast(model, dtype) -> None:
@@ -377,9 +384,15 @@ def _route_mixtral(moe, x):  # mixtral: top-k of the logits, softmax over those 
     return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
 
 
+def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
+    inds, scores = moe.gate(x)
+    return scores, inds
+
+
 ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
-         "MixtralSparseMoeBlock": _route_mixtral}
+         "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
+         "Dots1MoE": _route_gate, "mlx_lm.models.glm4_moe.MoE": _route_gate}
 
 
 def route(moe, x):
@@ -390,9 +403,10 @@ def route(moe, x):
     if fn is not None:
         return fn(x)
     name = type(moe).__name__
-    if name not in ROUTE:
+    fn = ROUTE.get(f"{type(moe).__module__}.{name}") or ROUTE.get(name)
+    if fn is None:
         raise NotImplementedError(f"no routing mirror for mlx-lm's {name}")
-    return ROUTE[name](moe, x)
+    return fn(moe, x)
 
 
 class MLXCandidate:
@@ -403,6 +417,7 @@ class MLXCandidate:
 
         self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
         self.cache, self.pos = None, 0
+        self.array_mask = False  # the family's mlx-lm model builds an array mask (MlxLm.array_mask)
 
     def _in(self, x):  # the reference's fp32 numpy input -> mx at the model's activation dtype
         return self.mx.array(np.asarray(x, np.float32)).astype(self.dtype)
@@ -496,10 +511,10 @@ class MLXCandidate:
         if kind == "final_norm":
             return lambda x, c: self._out(tm.model.norm(x))
         if kind == "logits":
-            head = tm.model.embed_tokens.as_linear if tm.args.tie_word_embeddings else tm.lm_head
+            head = tm.model.embed_tokens.as_linear if getattr(tm.args, "tie_word_embeddings", False) else tm.lm_head
             return lambda x, c: self._out(head(x))
         dec = self.model.layers[layer]
-        if kind == "moe":
+        if kind in ("moe", "mlp"):  # a sparse layer's MoE block, or a dense layer's MLP
             return lambda x, c: self._out(moe_block(dec)(x))
         if kind == "router":
             def router(x, c):
@@ -510,12 +525,13 @@ class MLXCandidate:
         module = {"attention": attention_block(dec), "layer": dec}[kind]
         cache, pos = make_prompt_cache(self.model)[layer], [0]
         linear = getattr(dec, "is_linear", False)
+        array_mask = self.array_mask
 
         def fn(x, c):
             if c.probe or int(c.pos_array[0]) != pos[0]:
                 raise ValueError(f"{kind} of layer {layer}: call at position {int(c.pos_array[0])}, state at {pos[0]}")
             pos[0] += x.shape[1]
-            mask = create_ssm_mask(x, cache) if linear else create_attention_mask(x, cache)
+            mask = create_ssm_mask(x, cache) if linear else create_attention_mask(x, cache, return_array=array_mask)
             return self._out(module(x, mask, cache))
 
         return fn
@@ -626,7 +642,9 @@ class MLXBackend:
             info["config_mismatch"] = shipped["config_mismatch"]
         if self.transform_id:
             info["transform"] = self.transform_id
-        return MLXCandidate(m, dtype, device, info)
+        cand = MLXCandidate(m, dtype, device, info)
+        cand.array_mask = mapping(model.family.name).array_mask
+        return cand
 
     def export(self, model, spec, output_dir) -> list:
         """An mlx-lm directory (what mlx_lm.convert writes: config.json, model*.safetensors):

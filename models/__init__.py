@@ -14,21 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from models.args import ModelArgs
+from models.args import DENSE, SPARSE, ModelArgs
 from models.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
     from models.layers import Transformer
 
-FAMILY_NAMES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")
+FAMILY_NAMES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "dots1",
+                "deepseek_v2")
 
 # Families transformers has but the harness cannot yet reproduce, and the missing feature.
 UNSUPPORTED = {
-    "deepseek_v3": "multi-head latent attention (MLA) and grouped sigmoid routing with a score-correction bias",
-    "deepseek_v2": "multi-head latent attention (MLA)",
     "gpt_oss": "attention sinks and the clamped gated-SwiGLU expert activation",
-    "glm4_moe": "grouped sigmoid routing with a score-correction bias (e_score_correction_bias)",
-    "dots1": "grouped sigmoid routing with a score-correction bias (e_score_correction_bias)",
     "ernie4_5_moe": "interleaved RoPE and the expert-bias router",
     "phimoe": "sparsemixer routing",
 }
@@ -48,6 +45,7 @@ class Family:
     hf_attention: tuple[str, ...] = ("self_attn", "linear_attn")
     hf_moe: str = "mlp"
     hf_router: str = "mlp.gate"
+    hf_mlp: str = "mlp"  # a dense layer's MLP
     # (mlx-lm checkpoint tensors of one layer, config.json) -> the HF checkpoint's names and layouts
     # (how a shipped mlx-lm directory's dequantized weights become an HF reference)
     from_mlx: Callable = None
@@ -59,6 +57,12 @@ class Family:
             from models.quantized import unstack_experts
 
             object.__setattr__(self, "from_mlx", lambda weights, config: unstack_experts(weights))
+
+    def hf_path(self, kind: str) -> tuple[str, ...]:
+        """The paths (first that exists) of a block inside HF's decoder layer: the one
+        (layer, kind) -> HF module map (oracle.reference.block_modules) reads it."""
+        return {"attention": self.hf_attention, "router": (self.hf_router,), "moe": (self.hf_moe,),
+                "mlp": (self.hf_mlp,)}[kind]
 
     def hf_class(self):
         return getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_class_name)
@@ -209,6 +213,35 @@ def rope_theta(config) -> float:
     return float(rp["rope_theta"])
 
 
+def rope_theta_any(config) -> float:
+    """rope_theta of a config with default or YaRN RoPE (`yarn` reads the rest)."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    yarn(config)  # refuses other rope types
+    if "rope_theta" not in rp:
+        raise CheckpointError("config has no rope_parameters.rope_theta")
+    return float(rp["rope_theta"])
+
+
+def yarn(config) -> tuple:
+    """ModelArgs.yarn of a config whose rope_parameters have rope_type "yarn", as HF 5.23's
+    _compute_yarn_parameters reads them (factor defaults to max_position_embeddings /
+    original_max_position_embeddings, beta_fast 32, beta_slow 1, truncate True); () for default RoPE."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    kind = rp.get("rope_type", "default")
+    if kind == "default":
+        return ()
+    if kind != "yarn":
+        raise CheckpointError(f"rope_type {kind!r} is not supported yet (only 'default' and 'yarn' RoPE)")
+    if "original_max_position_embeddings" not in rp:
+        raise CheckpointError("yarn rope_parameters without original_max_position_embeddings")
+    omp = int(rp["original_max_position_embeddings"])
+    factor = float(rp.get("factor") or config.max_position_embeddings / omp)
+    af = rp.get("attention_factor")
+    return (factor, omp, float(rp.get("beta_fast") or 32), float(rp.get("beta_slow") or 1),
+            float(rp.get("mscale") or 0), float(rp.get("mscale_all_dim") or 0), bool(rp.get("truncate", True)),
+            None if af is None else float(af))
+
+
 def hf_args(c, family: str, **specific) -> ModelArgs:
     """ModelArgs with the fields every family reads the same way from an HF config object;
     `specific` sets (or overrides) the rest."""
@@ -217,9 +250,11 @@ def hf_args(c, family: str, **specific) -> ModelArgs:
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=rope_theta(c), num_experts_per_tok=c.num_experts_per_tok,
+        rms_norm_eps=c.rms_norm_eps, num_experts_per_tok=c.num_experts_per_tok,
         layer_types=("full_attention",) * c.num_hidden_layers, tie_word_embeddings=c.tie_word_embeddings,
     )
+    if "rope_theta" not in specific:  # (a family with YaRN passes its own: models.mla)
+        common["rope_theta"] = rope_theta(c)
     return ModelArgs(**{**common, **specific})
 
 
@@ -239,6 +274,41 @@ def tie_embeddings(weights: dict, args: ModelArgs) -> dict:
     if args.tie_word_embeddings and "lm_head.weight" not in weights and "embed_tokens.weight" in weights:
         weights = {**weights, "lm_head.weight": weights["embed_tokens.weight"]}
     return weights
+
+
+def first_k_dense(c) -> dict:
+    """The ModelArgs of a DeepSeek-style layer stack: the first `first_k_dense_replace` layers
+    have a dense MLP (intermediate_size), the rest experts plus `n_shared_experts` always-on
+    shared experts (no gate)."""
+    first = c.first_k_dense_replace or 0
+    return dict(mlp_types=tuple(DENSE if i < first else SPARSE for i in range(c.num_hidden_layers)),
+                intermediate_size=c.intermediate_size, num_experts=c.n_routed_experts,
+                moe_intermediate_size=c.moe_intermediate_size,
+                shared_expert_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
+                shared_expert_gated=False, routed_scaling_factor=float(c.routed_scaling_factor),
+                router_fp32=True, router_weights_in_model_dtype=False)
+
+
+def sigmoid_routing(c) -> dict:
+    """DeepSeek-V3's routing (also GLM-4.5's and dots.llm1's): sigmoid scores, the correction
+    bias for the choice, the topk_group best of n_group groups (by the sum of their best two)."""
+    return dict(router_scoring="sigmoid", router_bias=True, n_group=c.n_group or 1, topk_group=c.topk_group or 1,
+                group_score="top2", norm_topk_prob=bool(c.norm_topk_prob))
+
+
+def mla(c) -> dict:
+    """The ModelArgs of DeepSeek's multi-head latent attention."""
+    return dict(attention="mla", q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank,
+                qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                qkv_bias=c.attention_bias, o_bias=c.attention_bias, rope_theta=rope_theta_any(c), yarn=yarn(c))
+
+
+def drop_layers_from(weights: dict, n: int) -> dict:
+    """Without the tensors of layers n and beyond (DeepSeek-V3 / GLM-4.5 checkpoints carry their
+    multi-token-prediction layers as model.layers.{num_hidden_layers}...: not the model checked)."""
+    from models.checkpoint import LAYER
+
+    return {k: t for k, t in weights.items() if not ((m := LAYER.search(k)) and int(m.group(1)) >= n)}
 
 
 def require(cond: bool, message: str) -> None:

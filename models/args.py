@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 FULL, LINEAR = "full_attention", "linear_attention"
-STATE_BUFFERS = ("k_cache", "v_cache", "conv_state", "recurrent_state")
+SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
+# the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state
+STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
 
 
 @dataclass(frozen=True)
@@ -41,4 +43,69 @@ class ModelArgs:
     linear_conv_kernel_dim: int = 4
     tie_word_embeddings: bool = False
     max_seq_len: int = 256
+    # the MLP of each layer (SPARSE / DENSE); () = every layer SPARSE. A DENSE layer's MLP has
+    # `intermediate_size` (DeepSeek's first_k_dense_replace, Qwen2's mlp_only_layers)
+    mlp_types: tuple[str, ...] = ()
+    intermediate_size: int = 0
+    # the shared expert: sigmoid-gated (Qwen: shared_expert + shared_expert_gate) or always on
+    # (DeepSeek: shared_experts, n_shared_experts x moe_intermediate_size wide)
+    shared_expert_gated: bool = True
+    # routing: scores = softmax or sigmoid of the logits (fp32); the experts are *selected* on
+    # scores + e_score_correction_bias (router_bias), among the topk_group of n_group groups
+    # ranked by group_score ("top2": sum of the group's best two, DeepSeek-V3; "max": V2); the
+    # weights are the selected experts' scores (renormalised if norm_topk_prob, then times
+    # routed_scaling_factor). router_fp32: the logits in fp32 whatever the model's dtype
+    router_scoring: str = "softmax"
+    router_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2"
+    routed_scaling_factor: float = 1.0
+    router_fp32: bool = False
+    # attention: "gqa" (q/k/v projections) or "mla" (DeepSeek's multi-head latent attention:
+    # q (optionally through a q_lora_rank bottleneck), a kv_lora_rank latent plus one shared
+    # rotary key cached per position, heads of qk_nope + qk_rope dims for q.k and v_head_dim)
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # 0: q_proj directly
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3) ... instead of rotate-half
+    # YaRN (rope_type "yarn"): (factor, original_max_position_embeddings, beta_fast, beta_slow,
+    # mscale, mscale_all_dim, truncate); () = plain RoPE
+    yarn: tuple = ()
     extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelArgs:
+        """From its JSON form (dataclasses.asdict, read back: the tuples came back as lists)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def mlp_type(a: ModelArgs, layer: int) -> str:
+    return a.mlp_types[layer] if a.mlp_types else SPARSE
+
+
+def layer_kinds(a: ModelArgs, layer: int) -> tuple[str, ...]:
+    """The blocks checked in one decoder layer, in program order: the attention, then the router
+    and the experts of a sparse layer or the plain MLP of a dense one, then the whole layer."""
+    mlp = ("router", "moe") if mlp_type(a, layer) == SPARSE else ("mlp",)
+    return ("attention", *mlp, "layer")
+
+
+def block_keys(a: ModelArgs) -> list[tuple[int | None, str]]:
+    """(layer | None, kind) of every block the harness checks, in program order."""
+    keys = [(i, k) for i in range(a.num_hidden_layers) for k in layer_kinds(a, i)]
+    return keys + [(None, "final_norm"), (None, "logits")]
+
+
+def block_path(a: ModelArgs, layer: int | None, kind: str) -> str:
+    """The production model's module (models/layers.py) computing a block: its path in the model."""
+    if layer is None:
+        return {"final_norm": "norm", "logits": "lm_head"}[kind]
+    if kind not in layer_kinds(a, layer):
+        raise KeyError(f"layer {layer} has no {kind} block (its blocks: {', '.join(layer_kinds(a, layer))})")
+    attn = "linear_attn" if a.layer_types[layer] == LINEAR else "self_attn"
+    return f"layers.{layer}" + {"attention": f".{attn}", "router": ".mlp.gate", "moe": ".mlp", "mlp": ".mlp",
+                                "layer": ""}[kind]

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.args import FULL, LINEAR, STATE_BUFFERS, ModelArgs  # noqa: F401  (re-exported)
+from models import routing
+from models.args import FULL, LINEAR, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mlp_type  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -61,21 +62,62 @@ def rotate_half(x):
 
 
 class Rope(nn.Module):
-    """Rotate-half RoPE on the first `rotary_dim` dims of each head (partial rotary)."""
+    """Rotate-half RoPE on the first `rotary_dim` dims of each head (partial rotary).
+    interleave: the rotary pairs are (x0, x1), (x2, x3) ... (DeepSeek): the head is de-interleaved
+    first (even dims, then odd), which rotates the same pairs; q.k is unchanged by that order.
+    yarn: YaRN's frequencies and its cos/sin attention factor (models.args.ModelArgs.yarn)."""
 
-    def __init__(self, head_dim: int, theta: float, partial: float = 1.0):
+    def __init__(self, head_dim: int, theta: float, partial: float = 1.0, interleave: bool = False,
+                 yarn: tuple = ()):
         super().__init__()
         self.rotary_dim = int(head_dim * partial)
+        self.interleave = interleave
         inv = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        self.factor = 1.0
+        if yarn:
+            inv, self.factor = yarn_frequencies(inv, self.rotary_dim, theta, *yarn)
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, x, pos):  # x [B, nh, T, hd], pos [T]
         freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, rd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if self.factor != 1.0:  # YaRN's attention factor
+            cos, sin = (emb.cos() * self.factor).to(x.dtype), (emb.sin() * self.factor).to(x.dtype)
+        else:
+            cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        if self.interleave:
+            rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
         rot = rot * cos + rotate_half(rot) * sin
         return torch.cat((rot, rest), dim=-1)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(inv, dim: int, theta: float, factor, original_max, beta_fast, beta_slow, mscale,
+                     mscale_all_dim, truncate, attention_factor=None):
+    """YaRN (arXiv 2309.00071): high-frequency dims keep their frequency (extrapolate), low ones
+    are divided by `factor` (interpolate), a linear ramp between the two correction dims; and the
+    factor cos/sin are multiplied by. Returns (inv_freq [dim/2], factor)."""
+    def correction_dim(rotations):
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv = (inv / factor) * (1 - extrapolate) + inv * extrapolate
+    if attention_factor is not None:
+        attention = attention_factor
+    elif mscale and mscale_all_dim:
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    else:
+        attention = yarn_mscale(factor)
+    return inv, float(attention)
 
 
 class Attention(nn.Module):
@@ -152,6 +194,59 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return (probs @ vc).transpose(1, 2).reshape(B, T, self.nh * self.hd)
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (MLA). Per position the cache holds the
+    normalised kv latent [kv_lora_rank] and one rotary key shared by every head [qk_rope]
+    (latent_cache [B, S, r], rope_key_cache [B, S, dr]); keys and values are expanded from the
+    latent by kv_b_proj at every call. q.k runs over qk_nope + qk_rope dims per head; the
+    values have v_head_dim. The low-rank norms use eps 1e-6 (HF's, not rms_norm_eps)."""
+
+    def __init__(self, a: ModelArgs, dtype=torch.float32):
+        super().__init__()
+        self.nh, self.r = a.num_attention_heads, a.kv_lora_rank
+        self.dn, self.dr, self.dv = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        qk = self.dn + self.dr
+        if a.q_lora_rank:
+            self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=a.qkv_bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(a.q_lora_rank, self.nh * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(a.hidden_size, self.nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, self.r + self.dr, bias=a.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
+        self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.o_bias)
+        self.rope = Rope(self.dr, a.rope_theta, 1.0, a.rope_interleave, a.yarn)
+        self.scale = qk**-0.5
+        if a.yarn and a.yarn[5]:  # mscale_all_dim: the softmax scale times mscale^2 (HF yarn_apply_mscale)
+            self.scale = self.scale * yarn_mscale(a.yarn[0], a.yarn[5]) ** 2
+        S = a.max_seq_len
+        self.register_buffer("latent_cache", torch.zeros(1, S, self.r, dtype=dtype))
+        self.register_buffer("rope_key_cache", torch.zeros(1, S, self.dr, dtype=dtype))
+        self.register_buffer("cache_pos", torch.arange(S), persistent=False)
+
+    def forward(self, x, pos):  # x [B, T, H], pos [T]
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        q = q.view(B, T, self.nh, self.dn + self.dr).transpose(1, 2)  # [B, nh, T, dn + dr]
+        q_nope, q_rot = torch.split(q, [self.dn, self.dr], dim=-1)
+        latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.r, self.dr], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [B, T, r]
+        k_rot = self.rope(k_rot.view(B, 1, T, self.dr), pos)  # [B, 1, T, dr]
+        q = torch.cat((q_nope, self.rope(q_rot, pos)), dim=-1)
+        self.latent_cache[:, pos] = latent
+        self.rope_key_cache[:, pos] = k_rot[:, 0]
+        S = self.latent_cache.shape[1]
+        kv = self.kv_b_proj(self.latent_cache).view(B, S, self.nh, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)  # [B, nh, S, dn], [B, nh, S, dv]
+        k = torch.cat((k_nope, self.rope_key_cache[:, None].expand(B, self.nh, S, self.dr)), dim=-1)
+        scores = (q @ k.transpose(2, 3)) * self.scale  # [B, nh, T, S]
+        visible = self.cache_pos[None, :] <= pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.o_proj((probs @ v).transpose(1, 2).reshape(B, T, self.nh * self.dv))
 
 
 def l2norm(x, eps=1e-6):
@@ -264,25 +359,43 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """softmax over all experts (fp32) -> top-k -> optional renormalisation."""
+    """scores (softmax over all experts, or a sigmoid each; fp32) -> the top-k of the selection
+    scores (models.routing: + correction bias, group limit) -> their scores as weights,
+    optionally renormalised, times routed_scaling_factor."""
 
     def __init__(self, a: ModelArgs):
         super().__init__()
+        self.args = a
         self.weight = nn.Parameter(torch.zeros(a.num_experts, a.hidden_size))
+        if a.router_bias:  # selection only (DeepSeek-V3's e_score_correction_bias)
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts))
         self.top_k, self.norm_topk = a.num_experts_per_tok, a.norm_topk_prob
         self.cast = a.router_weights_in_model_dtype
+        self.softmax_only = (a.router_scoring == "softmax" and not a.router_bias and a.n_group <= 1
+                             and a.routed_scaling_factor == 1.0 and not a.router_fp32)
 
     def forward(self, x):  # x [N, H] -> weights [N, k], indices [N, k]
-        logits = F.linear(x, self.weight)
+        if self.args.router_fp32:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
         w, idx = self.route(logits)
         return (w.to(logits.dtype) if self.cast else w), idx
 
     def route(self, logits):  # [N, E] -> fp32 top-k weights, indices
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.softmax_only:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            w, idx = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk:
+                w = w / w.sum(dim=-1, keepdim=True)
+            return w, idx
+        probs = routing.scores(logits, self.args)
+        choice = routing.selection(probs, getattr(self, "e_score_correction_bias", None), self.args)
+        idx = torch.topk(choice, self.top_k, dim=-1).indices
+        w = probs.gather(1, idx)
         if self.norm_topk:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return w, idx
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.args.routed_scaling_factor, idx
 
 
 class Experts(nn.Module):
@@ -354,9 +467,11 @@ class SparseMoE(nn.Module):
         self.gate = Router(a)
         self.experts = Experts(a)
         self.shared_expert = None
-        if a.shared_expert_intermediate_size:
+        if a.shared_expert_intermediate_size and a.shared_expert_gated:
             self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+        elif a.shared_expert_intermediate_size:  # always on, no gate (DeepSeek)
+            self.shared_experts = MLP(a.hidden_size, a.shared_expert_intermediate_size)
 
     def forward(self, x):  # [B, T, H]
         shape = x.shape
@@ -365,6 +480,8 @@ class SparseMoE(nn.Module):
         y = self.experts(x, idx, w)
         if self.shared_expert is not None:
             y = y + self.shared(x)
+        elif hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
         return y.view(shape)
 
     def shared(self, x):
@@ -377,9 +494,11 @@ class DecoderLayer(nn.Module):
         self.layer_type = a.layer_types[i]
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(a, dtype)
+        elif a.attention == "mla":
+            self.self_attn = LatentAttention(a, dtype)
         else:
             self.self_attn = Attention(a, dtype)
-        self.mlp = SparseMoE(a)
+        self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
 
@@ -416,3 +535,14 @@ def reset_state(module: nn.Module) -> None:
     for name, buf in module.named_buffers():
         if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
             buf.zero_()
+
+
+def block_fn(model: Transformer, layer: int | None, kind: str):
+    """(module to reset, fn(x [1, T, H], pos [T]) -> output) for one block of the production model:
+    the module at models.args.block_path (the one (layer, kind) -> module map every backend uses)."""
+    module = model.get_submodule(block_path(model.args, layer, kind))
+    if kind in ("attention", "layer"):
+        return module, module
+    if kind == "router":
+        return module, lambda x, pos: module(x.reshape(-1, x.shape[-1]))
+    return module, lambda x, pos: module(x)

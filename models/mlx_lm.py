@@ -12,6 +12,7 @@ the reason.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,6 +41,9 @@ class MlxLm:
     moe: str = "mlp"  # the MoE block's attribute in mlx-lm's decoder layer (and its checkpoint names)
     # a check of the tensors as they go into sanitize(): (name, shape) -> what is wrong, or None
     check_tensor: Callable | None = None
+    # the model builds its causal mask as an array (create_attention_mask(..., return_array=True):
+    # DeepSeek-V3's MLA adds it to its rope scores), not mlx's "causal" shorthand
+    array_mask: bool = False
 
     @property
     def composite(self) -> bool:
@@ -61,3 +65,52 @@ def head_dim(c):
 def rope(rope_theta) -> dict:
     """The RoPE fields of the classic families' mlx-lm ModelArgs (`rope_theta`: models.rope_theta)."""
     return dict(rope_theta=rope_theta, rope_traditional=const(False), rope_scaling=const(None))
+
+
+# ---------------------------------------------------------------- DeepSeek-style families
+def rope_parameters(c) -> dict:
+    return getattr(c, "rope_parameters", None) or {}
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def yarn_scaling(c) -> dict | None:
+    """mlx-lm's `rope_scaling` for HF 5.23's yarn rope_parameters (None for default RoPE). mlx-lm
+    multiplies q/k by g(f, mscale) / g(f, mscale_all_dim) where HF multiplies cos/sin by its
+    attention_factor (explicit, else that ratio when both are set, else g(f)): the mscale given
+    to mlx-lm is the one that makes its factor HF's."""
+    r = rope_parameters(c)
+    if r.get("rope_type", "default") == "default":
+        return None
+    omp = r["original_max_position_embeddings"]
+    f = float(r.get("factor") or c.max_position_embeddings / omp)
+    ms, mad = r.get("mscale"), r.get("mscale_all_dim") or 0
+    af = r.get("attention_factor")
+    if af is None:
+        af = yarn_mscale(f, ms) / yarn_mscale(f, mad) if (ms and mad) else yarn_mscale(f)
+    return {"rope_type": "yarn", "factor": f, "original_max_position_embeddings": omp,
+            "beta_fast": r.get("beta_fast") or 32, "beta_slow": r.get("beta_slow") or 1,
+            "mscale": (af * yarn_mscale(f, mad) - 1) / (0.1 * math.log(f)) if f > 1 else 1.0, "mscale_all_dim": mad}
+
+
+YARN_REQUIRE = (
+    (lambda c: rope_parameters(c).get("rope_type", "default") in ("default", "yarn"), "rope_type other than default/yarn"),
+    (lambda c: rope_parameters(c).get("truncate", True),
+     "yarn truncate=False (mlx-lm always floors/ceils the correction range)"),
+    (lambda c: rope_parameters(c).get("partial_rotary_factor", 1.0) == 1.0,
+     "partial_rotary_factor (mlx-lm rotates all qk_rope_head_dim dims)"),
+    (lambda c: yarn_scaling(c) is None or yarn_scaling(c)["factor"] > 1
+     or rope_parameters(c).get("attention_factor") in (None, 1.0), "yarn attention_factor with factor <= 1"),
+)
+DEFAULT_ROPE = ((lambda c: rope_parameters(c).get("rope_type", "default") == "default",
+                 "rope scaling (this mlx-lm model reads no rope_scaling)"),)
+# the sigmoid + correction-bias routers (mlx-lm's noaux_tc)
+NOAUX = (
+    (lambda c: not (c.norm_topk_prob and c.num_experts_per_tok == 1),
+     "norm_topk_prob with num_experts_per_tok=1 (mlx-lm skips renormalisation at top_k 1)"),
+    (lambda c: c.num_experts_per_tok <= c.topk_group * (c.n_routed_experts // c.n_group),
+     "num_experts_per_tok > the experts of the kept groups (mlx-lm masks groups with 0, HF with -inf)"),
+)
+UNTIED = ((lambda c: not c.tie_word_embeddings, "tie_word_embeddings (this mlx-lm model always has its own lm_head)"),)

@@ -185,7 +185,7 @@ def validated_args(family, sha: str | None, max_len: int):
     if d is None:
         return None
     try:
-        return ModelArgs(**{**d, "layer_types": tuple(d["layer_types"])}), sha
+        return ModelArgs.from_dict(d), sha
     except (TypeError, KeyError):  # not this code's ModelArgs
         return None
 
@@ -437,15 +437,21 @@ def invalid_row(key, mode, lim, detail, reason: str, status: str = "fail") -> Bl
 
 def reduction_length(args) -> int:
     """The longest dot product of the model's blocks (what fp32 summation error grows with)."""
-    return max(args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size)
+    return max(args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size,
+               args.intermediate_size, args.q_lora_rank, args.kv_lora_rank)
 
 
-def router_gaps(ref, layer: int, n: int | None = None) -> np.ndarray:
-    """The reference's k-th minus (k+1)-th expert probability per token of `layer`'s router calls
-    (the first n: the sequence's calls come first, then the expert probes)."""
-    p = -np.sort(-np.concatenate(ref.router_probs[layer])[:n], axis=-1)  # descending
+def router_gaps(ref, layer: int, n: int | None = None, dtype=np.float32) -> np.ndarray:
+    """The reference's k-th minus (k+1)-th selection score per token of `layer`'s router calls
+    (the first n: the sequence's calls come first, then the expert probes); for a group-limited
+    router the smaller of that and the margin of its group choice."""
+    p = -np.sort(-np.concatenate(ref.router_probs[layer])[:n].astype(dtype), axis=-1)  # descending
     k = ref.outputs[layer, "router"][0][1].shape[-1]
-    return p[:, k - 1] - p[:, k]
+    with np.errstate(invalid="ignore"):  # -inf (a group left out) below the k-th: an infinite gap
+        gap = p[:, k - 1] - p[:, k] if p.shape[-1] > k else np.full(p.shape[0], np.inf)
+    if layer in ref.group_gaps:
+        gap = np.minimum(gap, np.concatenate(ref.group_gaps[layer])[:n])
+    return gap
 
 
 def router_near_ties(ref, layer: int, spec, n: int | None = None) -> np.ndarray:
@@ -473,8 +479,9 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         ref_i = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[key]])
         cand_w = np.concatenate([w for w, _ in arrays])
         cand_i = np.concatenate([i for _, i in arrays])
-        probs = np.concatenate(ref.router_probs[layer])
-        m = router_metrics(ref_w, ref_i, cand_w, cand_i, probs, thresholds.tie_gap(lim, probs.shape[-1]))
+        experts = ref.router_probs[layer][0].shape[-1]
+        m = router_metrics(ref_w, ref_i, cand_w, cand_i, router_gaps(ref, layer, dtype=np.float64),
+                           thresholds.tie_gap(lim, experts))
         status, ratio = thresholds.judge_router(m, lim)
         if routes is not None and "shape_mismatch" not in m:
             routes[layer] = cand_i
@@ -482,7 +489,7 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         r = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
         c = np.concatenate(arrays)
         keep = None
-        if kind in ("moe", "layer") and r.shape[0] == c.shape[0]:
+        if kind in ("moe", "layer") and layer in ref.router_probs and r.shape[0] == c.shape[0]:
             # tokens whose reference routing is a near tie at this precision: a flipped
             # expert there is the precision's doing, reported as a count, not compared
             # (router calls = the sequence's calls, then the expert probes: moe has both, layer none)

@@ -89,18 +89,19 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a.ravel(), b.ravel()) / (na * nb))
 
 
-def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_probs, tie_gap: float) -> dict:
+def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap: float) -> dict:
     """Top-k routing agreement per token (as sets of experts) and the weight difference
-    on tokens that agree. A token whose reference k-th and (k+1)-th expert probabilities
-    are closer than `tie_gap` is a tie: a disagreement there is counted apart, not hidden."""
-    rw, cw, p = as_f64(ref_w), as_f64(cand_w), as_f64(ref_probs)
+    on tokens that agree. `ref_gap` [N]: the margin of the reference's choice per token (its
+    k-th minus (k+1)-th selection score, oracle.check.router_gaps); a token whose margin is
+    below `tie_gap` is a tie: a disagreement there is counted apart, not hidden."""
+    rw, cw, gap = as_f64(ref_w), as_f64(cand_w), as_f64(ref_gap).reshape(-1)
     ri, ci = np.asarray(ref_idx).astype(np.int64), np.asarray(cand_idx).astype(np.int64)
     if ri.shape != ci.shape or rw.shape != cw.shape:
         return {"shape_mismatch": f"reference {list(ri.shape)} vs candidate {list(ci.shape)}", "nonfinite": 0}
     n, k = ri.shape
     nonfinite = int(cw.size - np.isfinite(cw).sum())
-    srt = np.sort(p, axis=-1)[:, ::-1]
-    gap = srt[:, k - 1] - srt[:, k] if p.shape[-1] > k else np.full(n, np.inf)
+    if gap.shape[0] != n:
+        return {"shape_mismatch": f"{gap.shape[0]} reference margins for {n} tokens", "nonfinite": 0}
     agree = np.array([set(ri[t]) == set(ci[t]) for t in range(n)], dtype=bool)
     tie = gap < tie_gap
     max_w = 0.0

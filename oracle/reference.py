@@ -49,7 +49,11 @@ class Reference:
     logits: list[np.ndarray]  # per call: [T, V] fp32
     inputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [BlockCall per call]
     outputs: dict = field(default_factory=dict)  # (layer|None, kind) -> [array | (weights, idx)]
-    router_probs: dict = field(default_factory=dict)  # layer -> [probs [T, E] per call]
+    # layer -> [selection scores [T, E] per call]: what the family's own top-k ranks (models.routing:
+    # softmax probabilities, or sigmoid scores + correction bias; -inf outside the chosen groups)
+    router_probs: dict = field(default_factory=dict)
+    # layer -> [[T] per call]: the margin of the group choice (group-limited routers only)
+    group_gaps: dict = field(default_factory=dict)
     coverage: dict = field(default_factory=dict)  # layer -> experts routed to by the sequence
 
     def block_keys(self) -> list[tuple[int | None, str]]:
@@ -197,32 +201,66 @@ def _submodule(root, path: str):
     return root
 
 
+def model_args(model, family):
+    """The production ModelArgs of the HF model's config (which blocks each layer has, how it routes)."""
+    return family.to_args(model.config.get_text_config())
+
+
 def block_modules(model, family) -> dict:
-    """(layer|None, kind) -> the HF module computing that block."""
+    """(layer|None, kind) -> the HF module computing that block: the family's HF paths
+    (Family.hf_path) for the blocks models.args.layer_kinds gives each layer."""
+    from models.args import layer_kinds
+
+    args = model_args(model, family)
     decoder = model.get_decoder()
     out = {}
     for i, layer in enumerate(decoder.layers):
-        attn = next(m for p in family.hf_attention if (m := _submodule(layer, p)) is not None)
-        out[i, "attention"] = attn
-        out[i, "router"] = _submodule(layer, family.hf_router)
-        out[i, "moe"] = _submodule(layer, family.hf_moe)
-        out[i, "layer"] = layer
+        for kind in layer_kinds(args, i):
+            module = layer if kind == "layer" else next(
+                (m for p in family.hf_path(kind) if (m := _submodule(layer, p)) is not None), None)
+            if module is None:
+                raise RuntimeError(f"{family.name}: layer {i} of HF's model has no {kind} block at "
+                                   f"{' or '.join(family.hf_path(kind))}")
+            out[i, kind] = module
     out[None, "final_norm"] = decoder.norm
     out[None, "logits"] = model.get_output_embeddings()
     return out
 
 
 def _normalize_output(kind: str, out, keep_dtype: bool = False):
-    """HF module output -> tensor (router: weights, indices, probs); fp32 unless keep_dtype."""
-    import torch
-
+    """HF module output -> tensor (router: weights, indices, logits); fp32 unless keep_dtype."""
     cast = (lambda t: t.detach()) if keep_dtype else (lambda t: t.detach().float())
     if kind == "router":  # HF routers return (logits, top-k weights, top-k indices)
         logits, weights, idx = out
-        return cast(weights), idx.detach(), torch.softmax(logits.detach().float(), dim=-1)
+        return cast(weights), idx.detach(), logits.detach().float()
     if isinstance(out, tuple):
         out = out[0]
     return cast(out)
+
+
+def selection_scores(router, logits, args):
+    """(selection scores [N, E], group gaps [N] or None) of an HF router's logits: the family's
+    routing (models.routing) with the router's own correction bias."""
+    from models import routing
+
+    bias = getattr(router, "e_score_correction_bias", None)
+    bias = bias.detach().float() if bias is not None else None
+    probs = routing.scores(logits, args)
+    grouped = args.n_group > 1 and args.topk_group < args.n_group
+    return routing.selection(probs, bias, args), (routing.group_gap(probs, bias, args) if grouped else None)
+
+
+def check_selection(layer: int, choice: np.ndarray, idx: np.ndarray, k: int) -> None:
+    """The reference router's choice is the top-k of the selection scores (up to exact ties):
+    else the family declares a routing its HF model does not have."""
+    srt = -np.sort(-choice, axis=-1)
+    for t in range(idx.shape[0]):
+        if set(idx[t].tolist()) != set(np.argsort(-choice[t], kind="stable")[:k].tolist()) and \
+                not (srt[t, k - 1] == srt[t, k] or min(choice[t, idx[t]]) >= srt[t, k - 1]):
+            raise RuntimeError(f"layer {layer}: HF's router chose experts {sorted(idx[t].tolist())} where the "
+                               "family's selection scores rank others first: its routing fields (ModelArgs: "
+                               "router_scoring, router_bias, n_group, topk_group, group_score) do not describe "
+                               "this model")
 
 
 def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):
@@ -252,13 +290,17 @@ def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):
 def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Reference:
     """Run the reference and record every block's input and output on every call."""
     modules = block_modules(model, family)
+    args = model_args(model, family)
     recs = defaultdict(lambda: ([], []))
 
     def hook(key):
-        def fn(mod, args, kwargs, out):
-            x = _first_tensor(args, kwargs).detach().float()
+        def fn(mod, a, kwargs, out):
+            x = _first_tensor(a, kwargs).detach().float()
             recs[key][0].append(x.reshape(1, -1, x.shape[-1]).clone())
-            recs[key][1].append(_normalize_output(key[1], out))
+            out = _normalize_output(key[1], out)
+            if key[1] == "router":
+                out = (*out[:2], *selection_scores(mod, out[2], args))
+            recs[key][1].append(out)
 
         return fn
 
@@ -276,11 +318,15 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             raise RuntimeError(f"reference hook {key} fired {len(xs)} times for {len(positions)} calls")
         ref.inputs[key] = [BlockCall(x.numpy(), p, tokens[int(p[0]) : int(p[-1]) + 1]) for x, p in zip(xs, positions)]
         if key[1] == "router":
-            ref.outputs[key] = [(w.numpy(), i.numpy()) for w, i, _ in outs]
-            ref.router_probs[key[0]] = [p.numpy() for _, _, p in outs]
+            ref.outputs[key] = [(w.numpy(), i.numpy()) for w, i, _, _ in outs]
+            ref.router_probs[key[0]] = [p.numpy() for _, _, p, _ in outs]
+            if outs[0][3] is not None:
+                ref.group_gaps[key[0]] = [g.numpy() for _, _, _, g in outs]
+            for (_, i), p in zip(ref.outputs[key], ref.router_probs[key[0]]):
+                check_selection(key[0], p, i, args.num_experts_per_tok)
         else:
             ref.outputs[key] = [o.numpy() for o in outs]
-    add_expert_probes(ref, modules)
+    add_expert_probes(ref, modules, args)
     return ref
 
 
@@ -301,11 +347,15 @@ def materialized(module):
             hook.post_forward(m, None)
 
 
-def add_expert_probes(ref: Reference, modules: dict) -> None:
+def add_expert_probes(ref: Reference, modules: dict, args) -> None:
     """A prompt rarely routes to every expert, and a bug in an expert nobody routes to is
     invisible. So the stateless router and moe blocks also get one single-token probe per
-    expert e: x = router row e scaled to RMS 1, which puts e first in the top-k. The
-    reference computes the probe outputs with its own modules."""
+    expert e: a token the family's own selection routes to e, checked by running the reference
+    router on it. First x = router row e scaled to RMS 1 (a softmax router then ranks e first);
+    where the selection is decided otherwise too (a correction bias, a group limit) the probe is
+    solved for: the least-norm x whose router logits are +8 for e and -8 for every other expert.
+    An expert neither reaches is listed in the coverage as unprobed. The reference computes the
+    probe outputs with its own modules."""
     import torch
 
     with torch.no_grad():
@@ -314,23 +364,41 @@ def add_expert_probes(ref: Reference, modules: dict) -> None:
                 continue
             used = np.unique(np.concatenate([i.reshape(-1) for _, i in ref.outputs[layer, "router"]]))
             ref.coverage[layer] = {"experts": int(router.weight.shape[0]), "routed_by_sequence": int(used.size)}
+            unprobed = []
             with materialized(modules[layer, "moe"]), materialized(router):
                 w = router.weight.detach().float().clone()
+                pinv = None
                 for e in range(w.shape[0]):
                     x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
+                    out = router(x.reshape(1, -1).to(router.weight.dtype))
+                    if e not in out[2].reshape(-1).tolist():
+                        if pinv is None:
+                            pinv = torch.linalg.pinv(w.double())  # [H, E]
+                        z = torch.full((w.shape[0],), -8.0, dtype=torch.float64)
+                        z[e] = 8.0
+                        x = (pinv @ z).float().reshape(1, 1, -1)
+                        out = router(x.reshape(1, -1).to(router.weight.dtype))
+                        if e not in out[2].reshape(-1).tolist():
+                            unprobed.append(e)
+                            continue
+                    weights, idx, logits = _normalize_output("router", out)
+                    choice, gap = selection_scores(router, logits, args)
                     call = BlockCall(x.numpy(), np.array([0]), [], probe=True)
-                    logits, weights, idx = router(x.reshape(1, -1).to(router.weight.dtype))
                     ref.inputs[layer, "router"].append(call)
-                    ref.outputs[layer, "router"].append((weights.float().numpy(), idx.numpy()))
-                    ref.router_probs[layer].append(torch.softmax(logits.float(), dim=-1).numpy())
+                    ref.outputs[layer, "router"].append((weights.numpy(), idx.numpy()))
+                    ref.router_probs[layer].append(choice.numpy())
+                    if gap is not None:
+                        ref.group_gaps[layer].append(gap.numpy())
                     ref.inputs[layer, "moe"].append(call)
                     ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)).numpy())
+            if unprobed:
+                ref.coverage[layer]["unprobed"] = unprobed
 
 
 def first_nonfinite(ref: Reference) -> str | None:
     """Where the reference itself first produces NaN/Inf (program order: layer by layer, then
     the final norm and the logits), or None."""
-    order = {"attention": 0, "router": 1, "moe": 2, "layer": 3, "final_norm": 4, "logits": 5}
+    order = {"attention": 0, "router": 1, "moe": 2, "mlp": 2, "layer": 3, "final_norm": 4, "logits": 5}
     for key in sorted(ref.outputs, key=lambda k: (k[0] is None, k[0] or 0, order.get(k[1], 9))):
         for i, out in enumerate(ref.outputs[key]):
             t = out[0] if isinstance(out, tuple) else out
@@ -367,8 +435,12 @@ def save(ref: Reference, path: Path) -> None:
     for layer, probs in ref.router_probs.items():
         for i, p in enumerate(probs):
             tensors[f"probs.{layer}.{i}"] = p
+    for layer, gaps in ref.group_gaps.items():
+        for i, g in enumerate(gaps):
+            tensors[f"ggap.{layer}.{i}"] = g
     meta = {"tokens": ref.tokens, "prompt_len": ref.prompt_len, "calls": len(ref.positions), "blocks": blocks,
             "router_layers": {str(k): len(v) for k, v in ref.router_probs.items()},
+            "group_gap_layers": {str(k): len(v) for k, v in ref.group_gaps.items()},
             "coverage": {str(k): v for k, v in ref.coverage.items()}}
     import json
     import tempfile
@@ -406,6 +478,8 @@ def load(path: Path) -> Reference | None:
         ref.outputs[key] = [(t[f"out.{name}.{i}"], t[f"idx.{name}.{i}"]) if b["kind"] == "router"
                             else t[f"out.{name}.{i}"] for i in range(len(b["tokens"]))]
     ref.router_probs = {int(k): [t[f"probs.{k}.{i}"] for i in range(m)] for k, m in meta["router_layers"].items()}
+    ref.group_gaps = {int(k): [t[f"ggap.{k}.{i}"] for i in range(m)]
+                      for k, m in meta.get("group_gap_layers", {}).items()}
     ref.coverage = {int(k): v for k, v in meta["coverage"].items()}
     return ref
 

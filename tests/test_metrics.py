@@ -70,6 +70,12 @@ def test_cosine_and_rel_l2():
 ROUTER = {"weight_atol": 1e-5, "min_agreement": 1.0, "tie_gap": 1e-3}
 
 
+def gaps(probs, k):
+    """The k-th minus (k+1)-th probability per token (what oracle.check.router_gaps gives)."""
+    srt = -np.sort(-probs, axis=-1)
+    return srt[:, k - 1] - srt[:, k] if probs.shape[-1] > k else np.full(probs.shape[0], np.inf)
+
+
 @settings(max_examples=50)
 @given(st.data())
 def test_router_order_within_topk_does_not_matter(data):
@@ -77,7 +83,7 @@ def test_router_order_within_topk_does_not_matter(data):
     probs = np.random.default_rng(data.draw(st.integers(0, 99))).dirichlet(np.ones(e), size=n)
     idx = np.argsort(-probs, axis=1)[:, :k]
     w = np.take_along_axis(probs, idx, 1)
-    m = router_metrics(w, idx, w[:, ::-1], idx[:, ::-1], probs, 1e-3)
+    m = router_metrics(w, idx, w[:, ::-1], idx[:, ::-1], gaps(probs, k), 1e-3)
     assert m["topk_agreement"] == 1.0 and m["weight_max_abs"] == 0.0
     assert thresholds.judge_router(m, ROUTER)[0] == "pass"
 
@@ -88,18 +94,18 @@ def test_router_disagreement_fails_but_tie_is_counted_apart():
     w = np.take_along_axis(probs, idx, 1)
     # token 1: experts 1 and 2 are a near tie (gap 5e-4 < tie_gap) and the candidate flips them
     cand_idx = np.array([[0, 1], [0, 2]])
-    m = router_metrics(w, idx, w, cand_idx, probs, 1e-3)
+    m = router_metrics(w, idx, w, cand_idx, gaps(probs, 2), 1e-3)
     assert m["tie_disagreements"] == 1 and m["disagree_tokens"] == []
     assert thresholds.judge_router(m, ROUTER)[0] == "pass"
     # token 0 is not a tie: flipping it fails
     cand_idx = np.array([[0, 2], [0, 1]])
-    m = router_metrics(w, idx, w, cand_idx, probs, 1e-3)
+    m = router_metrics(w, idx, w, cand_idx, gaps(probs, 2), 1e-3)
     assert m["disagree_tokens"] == [0] and thresholds.judge_router(m, ROUTER)[0] == "fail"
 
 
 def test_router_nan_weights_fail():
     probs = np.array([[0.6, 0.4]])
-    m = router_metrics(np.array([[0.6]]), np.array([[0]]), np.array([[np.nan]]), np.array([[0]]), probs, 1e-3)
+    m = router_metrics(np.array([[0.6]]), np.array([[0]]), np.array([[np.nan]]), np.array([[0]]), gaps(probs, 1), 1e-3)
     assert thresholds.judge_router(m, ROUTER)[0] == "fail"
 
 
@@ -155,7 +161,7 @@ def _e2e_case(step1_logits, tie_position):
     if tie_position is not None:
         probs[tie_position] = torch.tensor([0.5, 0.2, 0.2, 0.1])  # 2nd vs 3rd: a tie at any precision
     ref = SimpleNamespace(prompt_len=P, tokens=tokens, logits=logits,
-                          router_probs={0: [probs[:P], probs[P:P + 1], probs[P + 1:P + 2]]},
+                          router_probs={0: [probs[:P], probs[P:P + 1], probs[P + 1:P + 2]]}, group_gaps={},
                           outputs={(0, "router"): [(probs[:P, :2], torch.tensor([[0, 1]] * P))]})
     cand = SimpleNamespace(prefill=lambda t: logits[0].clone(),
                            decode=lambda t, pos: step1_logits if pos == P else logits[2][0].clone())

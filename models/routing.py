@@ -1,0 +1,49 @@
+"""Expert selection, the part of routing every family configures (ModelArgs' router fields):
+shared by the production router (models/layers.py) and the reference, which records each
+token's *selection scores* (what the family's own top-k ranks) to measure near ties and to
+find a probe token for every expert.
+
+Shapes: N tokens, E experts, G groups of E/G experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.args import ModelArgs
+
+
+def scores(logits, a: ModelArgs):
+    """Routing probabilities [N, E] fp32: softmax over all experts, or a sigmoid per expert."""
+    if a.router_scoring == "sigmoid":
+        return torch.sigmoid(logits.float())
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def group_scores(choice, a: ModelArgs):
+    """[N, E] -> [N, G]: each group's score, the sum of its best two (DeepSeek-V3) or its best (V2)."""
+    grouped = choice.view(choice.shape[0], a.n_group, -1)
+    if a.group_score == "max":
+        return grouped.max(dim=-1).values
+    return grouped.topk(2, dim=-1).values.sum(dim=-1)
+
+
+def selection(probs, bias, a: ModelArgs):
+    """The scores the top-k ranks [N, E]: probs (+ the correction bias, which decides the choice
+    and never the weights), -inf outside the topk_group best groups when n_group > 1."""
+    choice = probs + bias if bias is not None else probs
+    if a.n_group > 1:
+        g = group_scores(choice, a)
+        keep = torch.zeros_like(g).scatter_(1, torch.topk(g, a.topk_group, dim=-1).indices, 1.0)  # [N, G]
+        keep = keep[:, :, None].expand(-1, -1, a.num_experts // a.n_group).reshape(choice.shape)
+        choice = choice.masked_fill(keep == 0, float("-inf"))
+    return choice
+
+
+def group_gap(probs, bias, a: ModelArgs):
+    """[N]: the topk_group-th minus the next group's score (inf without a group limit): a group
+    choice this close is as fragile as an expert choice."""
+    if a.n_group <= 1 or a.topk_group >= a.n_group:
+        return torch.full(probs.shape[:1], float("inf"))
+    g = torch.sort(group_scores(probs + bias if bias is not None else probs, a), dim=-1, descending=True).values
+    return g[:, a.topk_group - 1] - g[:, a.topk_group]
