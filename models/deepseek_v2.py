@@ -11,7 +11,7 @@ from models.mlx_lm import COMMON_REQUIRE, UNTIED, YARN_REQUIRE, MlxLm, const, ya
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8, num_experts_per_tok=2,
-    n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+    n_group=4, topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
     first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
     v_head_dim=16, max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,

@@ -14,29 +14,38 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from models.layers import FULL, LINEAR, Attention, Experts, GatedDeltaNet, ModelArgs, Router, Transformer
+from models import routing
+from models.args import DENSE, mlp_type
+from models.layers import FULL, LINEAR, Attention, Experts, GatedDeltaNet, LatentAttention, ModelArgs, Router, Transformer
 
 
 @dataclass(frozen=True)
 class Fault:
     name: str
     kind: str  # the block kind the oracle must name
-    target: str  # which layer: full (last full-attention), linear (last Gated DeltaNet), last, model
+    target: str  # which layer: full (last full-attention), linear (last Gated DeltaNet), dense (first dense), last, model
     what: str
     apply: Callable  # (module at the target, args) -> None
     applies: Callable = lambda a: True
     precision: str = "fp32"  # the precision the fault shows at (dtype faults need bf16)
+    attention: tuple = ("gqa",)  # an attention fault: the attention kinds (ModelArgs.attention) its code is for
 
     def layer(self, a: ModelArgs) -> int | None:
         if self.target == "model":
             return None
         if self.target == "last":
             return a.num_hidden_layers - 1
+        if self.target == "dense":
+            return min(i for i in range(a.num_hidden_layers) if mlp_type(a, i) == DENSE)
         want = FULL if self.target == "full" else LINEAR
         return max(i for i, t in enumerate(a.layer_types) if t == want)
 
     def is_applicable(self, a: ModelArgs) -> bool:
         if self.target == "linear" and LINEAR not in a.layer_types:
+            return False
+        if self.target == "dense" and DENSE not in a.mlp_types:
+            return False
+        if self.kind == "attention" and self.target == "full" and a.attention not in self.attention:
             return False
         return self.applies(a)
 
@@ -300,24 +309,26 @@ def _has_shared(a):
     return a.shared_expert_intermediate_size > 0
 
 
-CATALOGUE: tuple[Fault, ...] = (
+CLASSIC: tuple[Fault, ...] = (
     Fault("router_softmax_after_topk", "router", "last", "softmax over the top-k logits instead of over all experts",
           _softmax_after_topk, lambda a: not a.norm_topk_prob),
     Fault("router_no_renorm", "router", "last", "missing norm_topk_prob renormalisation", _no_renorm,
           lambda a: a.norm_topk_prob),
     Fault("router_wrong_num_experts", "router", "last", "router sees one expert fewer than the checkpoint has",
-          _wrong_num_experts),
-    Fault("router_sigmoid", "router", "last", "sigmoid scoring instead of softmax", _sigmoid_router),
+          _wrong_num_experts, lambda a: not _is_grouped(a)),
+    Fault("router_sigmoid", "router", "last", "sigmoid scoring instead of softmax", _sigmoid_router,
+          lambda a: a.router_scoring == "softmax"),
     Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", _gate_up_swapped),
     Fault("expert_weights_off_1e-3", "moe", "last", "one (used) expert's weights off by 1e-3", _one_expert_off),
     Fault("expert_index_off_by_one", "moe", "last", "expert weights gathered at index + 1", _expert_index_off_by_one),
     Fault("expert_weights_not_applied", "moe", "last", "expert outputs summed without routing weights",
           _weights_not_applied),
     Fault("shared_expert_gate_no_sigmoid", "moe", "last", "shared-expert gate used without sigmoid",
-          _shared_gate_no_sigmoid, _has_shared),
+          _shared_gate_no_sigmoid, lambda a: _has_shared(a) and a.shared_expert_gated),
     Fault("shared_expert_missing", "moe", "last", "shared expert dropped", _shared_missing, _has_shared),
     Fault("stray_bf16_downcast", "moe", "last", "a stray downcast to bf16 inside an fp32 program", _stray_bf16),
-    Fault("rope_theta_wrong", "attention", "full", "wrong rope theta (1e4 vs the checkpoint's)", _rope_theta_wrong),
+    Fault("rope_theta_wrong", "attention", "full", "wrong rope theta (1e4 vs the checkpoint's)", _rope_theta_wrong,
+          attention=("gqa", "mla")),
     Fault("rope_interleaved", "attention", "full", "interleaved (GPT-J) rotation instead of rotate-half",
           _rope_interleaved),
     Fault("rotary_fraction_wrong", "attention", "full", "partial-rotary fraction wrong", _rotary_fraction_wrong),
@@ -350,6 +361,130 @@ CATALOGUE: tuple[Fault, ...] = (
     Fault("logits_cast_to_float", "logits", "model", "final logits cast to float where the model's dtype is bf16",
           _logits_to_float, precision="bf16"),
 )
+
+
+# ------------------------------------------------------------------ DeepSeek-style routing
+def _route_with(r: Router, weights_of=None, select=None, scale=None):
+    """Router.route with one step replaced: the scores the weights come from (probs, choice),
+    the selection scores (probs, bias), or the scaling factor."""
+    a = r.args
+
+    def route(logits):
+        probs = routing.scores(logits, a)
+        bias = getattr(r, "e_score_correction_bias", None)
+        choice = select(probs, bias) if select else routing.selection(probs, bias, a)
+        idx = torch.topk(choice, r.top_k, dim=-1).indices
+        w = (weights_of(probs, choice) if weights_of else probs).gather(1, idx)
+        if r.norm_topk:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * (a.routed_scaling_factor if scale is None else scale), idx
+
+    patch(r, "route", route)
+
+
+def _bias_in_weights(layer, a):
+    r = layer.mlp.gate
+    _route_with(r, weights_of=lambda probs, choice: probs + r.e_score_correction_bias)
+
+
+def _bias_ignored(layer, a):
+    _route_with(layer.mlp.gate, select=lambda probs, bias: routing.selection(probs, None, a))
+
+
+def _group_limit_ignored(layer, a):
+    from dataclasses import replace
+
+    flat = replace(a, n_group=1, topk_group=1)
+    _route_with(layer.mlp.gate, select=lambda probs, bias: routing.selection(probs, bias, flat))
+
+
+def _scaling_missing(layer, a):
+    _route_with(layer.mlp.gate, scale=1.0)
+
+
+def _scaling_twice(layer, a):
+    _route_with(layer.mlp.gate, scale=a.routed_scaling_factor ** 2)
+
+
+def _softmax_for_sigmoid(layer, a):
+    from dataclasses import replace
+
+    soft = replace(a, router_scoring="softmax")
+    r = layer.mlp.gate
+
+    def route(logits):
+        probs = routing.scores(logits, soft)
+        idx = torch.topk(routing.selection(probs, r.e_score_correction_bias, a), r.top_k, dim=-1).indices
+        w = probs.gather(1, idx)
+        if r.norm_topk:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * a.routed_scaling_factor, idx
+
+    patch(r, "route", route)
+
+
+def _dense_layer_routed(layer, a):
+    """The dense layer's MLP treated as a routed one: its output scaled by routed_scaling_factor."""
+    mlp = layer.mlp
+    fwd = type(mlp).forward
+    patch(mlp, "forward", lambda x: fwd(mlp, x) * a.routed_scaling_factor)
+
+
+def _is_sigmoid(a):
+    return a.router_scoring == "sigmoid"
+
+
+def _is_grouped(a):
+    return a.n_group > 1 and a.topk_group < a.n_group
+
+
+def _is_scaled(a):
+    return a.routed_scaling_factor != 1.0
+
+
+# ------------------------------------------------------------------ multi-head latent attention
+def _mla_rope_nope_swapped(attn: LatentAttention, a):
+    """q's rotary part taken from the front of each head instead of the back."""
+    patch(attn, "split_q", lambda q: tuple(reversed(torch.split(q, [attn.dr, attn.dn], dim=-1))))
+
+
+def _mla_cache_not_carried(attn: LatentAttention, a):
+    """The compressed KV cache (latent + rotary key) starts empty at every call."""
+    def update_cache(latent, k_rot, pos):
+        attn.latent_cache.zero_()
+        attn.rope_key_cache.zero_()
+        return LatentAttention.update_cache(attn, latent, k_rot, pos)
+
+    patch(attn, "update_cache", update_cache)
+
+
+def _yarn_mscale_missing(attn: LatentAttention, a):
+    attn.scale = (attn.dn + attn.dr) ** -0.5
+
+
+NEW_MECHANISMS: tuple[Fault, ...] = (
+    Fault("router_bias_in_weights", "router", "last", "correction bias added to the weights too (not only the choice)",
+          _bias_in_weights, lambda a: a.router_bias),
+    Fault("router_bias_ignored", "router", "last", "correction bias left out of the expert choice", _bias_ignored,
+          lambda a: a.router_bias),
+    Fault("router_group_limit_ignored", "router", "last", "group limit ignored (top-k over every expert)",
+          _group_limit_ignored, _is_grouped),
+    Fault("routed_scaling_missing", "router", "last", "routed_scaling_factor not applied", _scaling_missing,
+          _is_scaled),
+    Fault("routed_scaling_twice", "router", "last", "routed_scaling_factor applied twice", _scaling_twice, _is_scaled),
+    Fault("router_softmax_for_sigmoid", "router", "last", "softmax scores where the family's are sigmoid",
+          _softmax_for_sigmoid, _is_sigmoid),
+    Fault("dense_layer_routed", "mlp", "dense", "a dense layer's MLP treated as routed (scaled by routed_scaling_factor)",
+          _dense_layer_routed, _is_scaled),
+    Fault("mla_rope_nope_swapped", "attention", "full", "MLA: q's rope and no-rope parts swapped",
+          _mla_rope_nope_swapped, attention=("mla",)),
+    Fault("mla_cache_not_carried", "attention", "full", "MLA: compressed KV cache not carried across calls",
+          _mla_cache_not_carried, attention=("mla",)),
+    Fault("yarn_mscale_missing", "attention", "full", "YaRN mscale missing from the softmax scale",
+          _yarn_mscale_missing, lambda a: bool(a.yarn) and bool(a.yarn[5]), attention=("mla",)),
+)
+
+CATALOGUE: tuple[Fault, ...] = CLASSIC + NEW_MECHANISMS
 
 
 def get(name: str) -> Fault:

@@ -228,25 +228,38 @@ class LatentAttention(nn.Module):
         self.register_buffer("cache_pos", torch.arange(S), persistent=False)
 
     def forward(self, x, pos):  # x [B, T, H], pos [T]
+        q, latent, k_rot = self.project(x, pos)
+        latents, rope_keys = self.update_cache(latent, k_rot, pos)
+        return self.attend(q, latents, rope_keys, pos)
+
+    def project(self, x, pos):
+        """q [B, nh, T, dn + dr] (its rotary part rotated), the normalised latent [B, T, r] and
+        the rotated shared key [B, T, dr]."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
-        q = q.view(B, T, self.nh, self.dn + self.dr).transpose(1, 2)  # [B, nh, T, dn + dr]
-        q_nope, q_rot = torch.split(q, [self.dn, self.dr], dim=-1)
+        q_nope, q_rot = self.split_q(q.view(B, T, self.nh, self.dn + self.dr).transpose(1, 2))
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.r, self.dr], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # [B, T, r]
-        k_rot = self.rope(k_rot.view(B, 1, T, self.dr), pos)  # [B, 1, T, dr]
-        q = torch.cat((q_nope, self.rope(q_rot, pos)), dim=-1)
+        k_rot = self.rope(k_rot.view(B, 1, T, self.dr), pos)[:, 0]
+        return torch.cat((q_nope, self.rope(q_rot, pos)), dim=-1), self.kv_a_layernorm(latent), k_rot
+
+    def split_q(self, q):  # [..., dn + dr] -> the no-rope part, the rotary part
+        return torch.split(q, [self.dn, self.dr], dim=-1)
+
+    def update_cache(self, latent, k_rot, pos):
         self.latent_cache[:, pos] = latent
-        self.rope_key_cache[:, pos] = k_rot[:, 0]
-        S = self.latent_cache.shape[1]
-        kv = self.kv_b_proj(self.latent_cache).view(B, S, self.nh, self.dn + self.dv).transpose(1, 2)
+        self.rope_key_cache[:, pos] = k_rot
+        return self.latent_cache, self.rope_key_cache
+
+    def attend(self, q, latents, rope_keys, pos):  # keys and values expanded from every cached latent
+        B, S = q.shape[0], latents.shape[1]
+        kv = self.kv_b_proj(latents).view(B, S, self.nh, self.dn + self.dv).transpose(1, 2)
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)  # [B, nh, S, dn], [B, nh, S, dv]
-        k = torch.cat((k_nope, self.rope_key_cache[:, None].expand(B, self.nh, S, self.dr)), dim=-1)
+        k = torch.cat((k_nope, rope_keys[:, None].expand(B, self.nh, S, self.dr)), dim=-1)
         scores = (q @ k.transpose(2, 3)) * self.scale  # [B, nh, T, S]
         visible = self.cache_pos[None, :] <= pos[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return self.o_proj((probs @ v).transpose(1, 2).reshape(B, T, self.nh * self.dv))
+        return self.o_proj((probs @ v).transpose(1, 2).reshape(B, q.shape[2], self.nh * self.dv))
 
 
 def l2norm(x, eps=1e-6):
@@ -478,13 +491,13 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         w, idx = self.gate(x)
         y = self.experts(x, idx, w)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None or hasattr(self, "shared_experts"):
             y = y + self.shared(x)
-        elif hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
         return y.view(shape)
 
     def shared(self, x):
+        if self.shared_expert is None:  # always on
+            return self.shared_experts(x)
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 

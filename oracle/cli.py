@@ -11,7 +11,8 @@ import os
 import sys
 import warnings
 
-FAMILIES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")  # models.FAMILY_NAMES, without the import
+FAMILIES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "dots1",
+            "deepseek_v2")  # models.FAMILY_NAMES, without the import (tests/test_cli.py checks they agree)
 EXIT = {"pass": 0, "fail": 1, "bad_input": 2, "skipped_required": 3, "error": 4}
 
 
@@ -113,14 +114,14 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--sample", action="store_true", help="fuse the on-device sampler (where supported)")
     backend_options(e)
     s = sub.add_parser("selftest", help="run the seeded-fault catalogue: does the oracle catch and localise?")
-    s.add_argument("--family", action="append", help="limit to this family (repeatable; default all five)")
+    s.add_argument("--family", action="append", help="limit to this family (repeatable; default all nine)")
     s.add_argument("--backend", default="eager")
     s.add_argument("--seeds", default="0,1,2", help="seeds of the clean (no-fault) runs (default 0,1,2)")
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
     s.add_argument("--json", help="write the selftest report here")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
-    m.add_argument("--families", help="comma-separated (default: all five; with --model-dir / --config, the family its config names)")
+    m.add_argument("--families", help="comma-separated (default: all nine; with --model-dir / --config, the family its config names)")
     m.add_argument("--backends", default="eager", help="comma-separated (default: eager)")
     m.add_argument("--precisions", default="fp32", help="comma-separated (default: fp32)")
     m.add_argument("--shard", help="I/N: run shard I of N (deterministic split)")

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-KIND_STYLE = {"attention": "o-", "router": "s--", "moe": "^-", "layer": "d-", "final_norm": "*", "logits": "P"}
+KIND_STYLE = {"attention": "o-", "router": "s--", "moe": "^-", "mlp": "v-", "layer": "d-", "final_norm": "*", "logits": "P"}
 CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
 table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}

@@ -13,7 +13,7 @@ from pathlib import Path
 SCHEMA = "oracle-report/v1"
 STATUSES = ("pass", "fail", "skipped", "error")
 # composite blocks contain others: a fault is localised to the most specific failing block
-SPECIFICITY = {"router": 0, "attention": 1, "moe": 1, "layer": 2, "final_norm": 3, "logits": 3}
+SPECIFICITY = {"router": 0, "attention": 1, "moe": 1, "mlp": 1, "layer": 2, "final_norm": 3, "logits": 3}
 
 
 @dataclass
@@ -90,7 +90,7 @@ class CheckResult:
 
 
 # where each block runs inside a decoder layer (for in-situ rows: program order)
-PROGRAM_ORDER = {"attention": 0, "router": 1, "moe": 2, "layer": 3}
+PROGRAM_ORDER = {"attention": 0, "router": 1, "moe": 2, "mlp": 2, "layer": 3}
 
 
 def worst_row(rows: list[BlockRow]) -> BlockRow | None:
