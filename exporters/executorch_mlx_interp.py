@@ -440,13 +440,19 @@ class Method:
     def __init__(self, plan, delegates: list[Delegate]):
         self.plan, self.delegates = plan, delegates
         self.name = plan.name
+        outside = []
         for chain in plan.chains:
             for ins in chain.instructions:
                 kind = type(ins.instr_args).__name__
-                if kind != "DelegateCall":
-                    raise NotImplementedError(
-                        f"method {plan.name}: a {kind} outside the MLX delegate; the interpreter runs only "
-                        "fully delegated programs")
+                if kind == "KernelCall":  # an op the delegate did not take: name it
+                    op = plan.operators[ins.instr_args.op_index]
+                    outside.append(f"{op.name}{'.' + op.overload if op.overload else ''}")
+                elif kind != "DelegateCall":
+                    outside.append(kind)
+        if outside:
+            raise NotImplementedError(
+                f"method {plan.name}: the MLX delegate did not take {', '.join(sorted(set(outside)))} (left to "
+                "ExecuTorch's portable kernels); the interpreter runs only fully delegated programs")
 
     def execute(self, inputs: list) -> list:
         """torch tensors in -> torch tensors out (the method's outputs, in order)."""

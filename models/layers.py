@@ -405,10 +405,12 @@ class Router(nn.Module):
         probs = routing.scores(logits, self.args)
         choice = routing.selection(probs, getattr(self, "e_score_correction_bias", None), self.args)
         idx = torch.topk(choice, self.top_k, dim=-1).indices
-        w = probs.gather(1, idx)
+        w = routing.pick(probs, idx)
         if self.norm_topk:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.args.routed_scaling_factor, idx
+        # idx is also used above: a node used inside the router is not one of its outputs
+        # to ExecuTorch's module-path taps, so the indices leave the router as their own node
+        return w * self.args.routed_scaling_factor, idx.clone()
 
 
 class Experts(nn.Module):

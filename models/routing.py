@@ -24,7 +24,7 @@ def group_scores(choice, a: ModelArgs):
     """[N, E] -> [N, G]: each group's score, the sum of its best two (DeepSeek-V3) or its best (V2)."""
     grouped = choice.view(choice.shape[0], a.n_group, -1)
     if a.group_score == "max":
-        return grouped.max(dim=-1).values
+        return grouped.topk(1, dim=-1).values.squeeze(-1)  # (the MLX delegate takes no max.dim)
     return grouped.topk(2, dim=-1).values.sum(dim=-1)
 
 
@@ -33,10 +33,12 @@ def selection(probs, bias, a: ModelArgs):
     and never the weights), -inf outside the topk_group best groups when n_group > 1."""
     choice = probs + bias if bias is not None else probs
     if a.n_group > 1:
-        g = group_scores(choice, a)
-        keep = torch.zeros_like(g).scatter_(1, torch.topk(g, a.topk_group, dim=-1).indices, 1.0)  # [N, G]
-        keep = keep[:, :, None].expand(-1, -1, a.num_experts // a.n_group).reshape(choice.shape)
-        choice = choice.masked_fill(keep == 0, float("-inf"))
+        g = group_scores(choice, a)  # [N, G]
+        # the kept groups: those at or above the topk_group-th group score (a comparison, not a
+        # scatter of the top groups' indices: the MLX delegate takes no scatter)
+        kth = torch.topk(g, a.topk_group, dim=-1).values[:, -1:]
+        keep = (g >= kth)[:, :, None].expand(-1, -1, a.num_experts // a.n_group).reshape(choice.shape)
+        choice = choice.masked_fill(~keep, float("-inf"))
     return choice
 
 
@@ -47,3 +49,10 @@ def group_gap(probs, bias, a: ModelArgs):
         return torch.full(probs.shape[:1], float("inf"))
     g = torch.sort(group_scores(probs + bias if bias is not None else probs, a), dim=-1, descending=True).values
     return g[:, a.topk_group - 1] - g[:, a.topk_group]
+
+
+def pick(probs, idx):
+    """probs [N, E] at idx [N, k] -> [N, k], without a gather (the MLX delegate takes none): each
+    row's one matching expert, summed with zeros (exact)."""
+    hit = idx[..., None] == torch.arange(probs.shape[-1], device=idx.device)  # [N, k, E]
+    return torch.where(hit, probs[:, None, :], 0.0).sum(dim=-1)
