@@ -40,7 +40,22 @@ def mlx():
     return mlx
 
 
-@pytest.fixture(scope="module", params=FAMILY_NAMES)
+# the five original families; the DeepSeek-style ones are checked at fp32 in
+# test_new_families_pass_fp32 (their q8 tiny configs, routing mirrors' tests, fault mapping
+# and shipped-directory mapping are not done yet: issue 18's notes)
+ORIGINAL = FAMILY_NAMES[:5]
+NEW = FAMILY_NAMES[5:]
+
+
+@pytest.mark.parametrize("new_family", NEW)
+def test_new_families_pass_fp32(new_family):
+    """mlx-lm's own deepseek_v3 / glm4_moe / dots1 / deepseek_v2 against HF: every block and e2e."""
+    r = run_check(CheckSpec(family=new_family, backend="mlx"))
+    assert r.status == "pass", (r.error, r.worst)
+    assert r.e2e.token_exact and all(row.status == "pass" for row in r.blocks)
+
+
+@pytest.fixture(scope="module", params=ORIGINAL)
 def family(request):
     """Module-scoped, so pytest runs each family's tests together: the reference (cached
     in-process by oracle.check.reference_for) is captured once per family."""
