@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import get_family
+from models import drop_layers_from, get_family
 from models.checkpoint import CheckpointError, shard_files
 from models.mlx_lm import ConfigError  # noqa: F401  (the backend's refusal; tests import it from here)
 from oracle.backend import Option
@@ -207,17 +207,10 @@ def load_model(src, config_fn=mlx_config):
     weights = {}
     for shard in shard_files(src.model_dir):
         weights.update(mx.load(str(shard)))
-    weights = model.sanitize(expert_layout(family, drop_extra_layers(weights, src.args.num_hidden_layers)))
+    weights = model.sanitize(expert_layout(family, drop_layers_from(weights, src.args.num_hidden_layers)))
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     return model, fields
-
-
-def drop_extra_layers(weights: dict, n: int) -> dict:
-    """Without layers n and beyond: a DeepSeek-V3 / GLM-4.5 checkpoint's multi-token-prediction
-    layers (model.layers.{num_hidden_layers}...), which mlx-lm's sanitize drops only at one index."""
-    return {k: v for k, v in weights.items()
-            if not ((m := re.search(r"\.layers\.(\d+)\.", k)) and int(m.group(1)) >= n)}
 
 
 def cast(model, dtype) -> None:
@@ -412,12 +405,12 @@ def route(moe, x):
 class MLXCandidate:
     block_mode = "isolated"
 
-    def __init__(self, model, dtype, device, info):
+    def __init__(self, model, dtype, device, info, array_mask: bool = False):
         import mlx.core as mx
 
         self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
         self.cache, self.pos = None, 0
-        self.array_mask = False  # the family's mlx-lm model builds an array mask (MlxLm.array_mask)
+        self.array_mask = array_mask  # the family's mlx-lm model builds an array mask (MlxLm.array_mask)
 
     def _in(self, x):  # the reference's fp32 numpy input -> mx at the model's activation dtype
         return self.mx.array(np.asarray(x, np.float32)).astype(self.dtype)
@@ -525,13 +518,12 @@ class MLXCandidate:
         module = {"attention": attention_block(dec), "layer": dec}[kind]
         cache, pos = make_prompt_cache(self.model)[layer], [0]
         linear = getattr(dec, "is_linear", False)
-        array_mask = self.array_mask
 
         def fn(x, c):
             if c.probe or int(c.pos_array[0]) != pos[0]:
                 raise ValueError(f"{kind} of layer {layer}: call at position {int(c.pos_array[0])}, state at {pos[0]}")
             pos[0] += x.shape[1]
-            mask = create_ssm_mask(x, cache) if linear else create_attention_mask(x, cache, return_array=array_mask)
+            mask = create_ssm_mask(x, cache) if linear else create_attention_mask(x, cache, return_array=self.array_mask)
             return self._out(module(x, mask, cache))
 
         return fn
@@ -642,9 +634,7 @@ class MLXBackend:
             info["config_mismatch"] = shipped["config_mismatch"]
         if self.transform_id:
             info["transform"] = self.transform_id
-        cand = MLXCandidate(m, dtype, device, info)
-        cand.array_mask = mapping(model.family.name).array_mask
-        return cand
+        return MLXCandidate(m, dtype, device, info, mapping(model.family.name).array_mask)
 
     def export(self, model, spec, output_dir) -> list:
         """An mlx-lm directory (what mlx_lm.convert writes: config.json, model*.safetensors):

@@ -204,13 +204,11 @@ def family_for_model_type(model_type: str) -> str | None:
 
 
 def rope_theta(config) -> float:
-    rp = getattr(config, "rope_parameters", None) or {}
-    rope_type = rp.get("rope_type", "default")
+    """rope_theta of a config with default RoPE (a family that implements YaRN: rope_theta_any)."""
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type != "default":
         raise CheckpointError(f"rope_type {rope_type!r} is not supported yet (only 'default' RoPE)")
-    if "rope_theta" not in rp:
-        raise CheckpointError("config has no rope_parameters.rope_theta")
-    return float(rp["rope_theta"])
+    return rope_theta_any(config)
 
 
 def rope_theta_any(config) -> float:

@@ -8,7 +8,7 @@ localise it: (layer, block kind).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -315,7 +315,7 @@ CLASSIC: tuple[Fault, ...] = (
     Fault("router_no_renorm", "router", "last", "missing norm_topk_prob renormalisation", _no_renorm,
           lambda a: a.norm_topk_prob),
     Fault("router_wrong_num_experts", "router", "last", "router sees one expert fewer than the checkpoint has",
-          _wrong_num_experts, lambda a: not _is_grouped(a)),
+          _wrong_num_experts, lambda a: not routing.grouped(a)),
     Fault("router_sigmoid", "router", "last", "sigmoid scoring instead of softmax", _sigmoid_router,
           lambda a: a.router_scoring == "softmax"),
     Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", _gate_up_swapped),
@@ -364,63 +364,18 @@ CLASSIC: tuple[Fault, ...] = (
 
 
 # ------------------------------------------------------------------ DeepSeek-style routing
-def _route_with(r: Router, weights_of=None, select=None, scale=None):
-    """Router.route with one step replaced: the scores the weights come from (probs, choice),
-    the selection scores (probs, bias), or the scaling factor."""
-    a = r.args
+def _rerouted(change):
+    """A fault that is the last layer's router with other routing fields: change(args) -> fields."""
+    def apply(layer, a):
+        r: Router = layer.mlp.gate
+        r.args = replace(r.args, **change(a))
 
-    def route(logits):
-        probs = routing.scores(logits, a)
-        bias = getattr(r, "e_score_correction_bias", None)
-        choice = select(probs, bias) if select else routing.selection(probs, bias, a)
-        idx = torch.topk(choice, r.top_k, dim=-1).indices
-        w = (weights_of(probs, choice) if weights_of else probs).gather(1, idx)
-        if r.norm_topk:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * (a.routed_scaling_factor if scale is None else scale), idx
-
-    patch(r, "route", route)
+    return apply
 
 
 def _bias_in_weights(layer, a):
-    r = layer.mlp.gate
-    _route_with(r, weights_of=lambda probs, choice: probs + r.e_score_correction_bias)
-
-
-def _bias_ignored(layer, a):
-    _route_with(layer.mlp.gate, select=lambda probs, bias: routing.selection(probs, None, a))
-
-
-def _group_limit_ignored(layer, a):
-    from dataclasses import replace
-
-    flat = replace(a, n_group=1, topk_group=1)
-    _route_with(layer.mlp.gate, select=lambda probs, bias: routing.selection(probs, bias, flat))
-
-
-def _scaling_missing(layer, a):
-    _route_with(layer.mlp.gate, scale=1.0)
-
-
-def _scaling_twice(layer, a):
-    _route_with(layer.mlp.gate, scale=a.routed_scaling_factor ** 2)
-
-
-def _softmax_for_sigmoid(layer, a):
-    from dataclasses import replace
-
-    soft = replace(a, router_scoring="softmax")
-    r = layer.mlp.gate
-
-    def route(logits):
-        probs = routing.scores(logits, soft)
-        idx = torch.topk(routing.selection(probs, r.e_score_correction_bias, a), r.top_k, dim=-1).indices
-        w = probs.gather(1, idx)
-        if r.norm_topk:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * a.routed_scaling_factor, idx
-
-    patch(r, "route", route)
+    r: Router = layer.mlp.gate
+    patch(r, "weights", lambda probs, idx: Router.weights(r, probs + r.e_score_correction_bias, idx))
 
 
 def _dense_layer_routed(layer, a):
@@ -432,10 +387,6 @@ def _dense_layer_routed(layer, a):
 
 def _is_sigmoid(a):
     return a.router_scoring == "sigmoid"
-
-
-def _is_grouped(a):
-    return a.n_group > 1 and a.topk_group < a.n_group
 
 
 def _is_scaled(a):
@@ -465,15 +416,16 @@ def _yarn_mscale_missing(attn: LatentAttention, a):
 NEW_MECHANISMS: tuple[Fault, ...] = (
     Fault("router_bias_in_weights", "router", "last", "correction bias added to the weights too (not only the choice)",
           _bias_in_weights, lambda a: a.router_bias),
-    Fault("router_bias_ignored", "router", "last", "correction bias left out of the expert choice", _bias_ignored,
-          lambda a: a.router_bias),
+    Fault("router_bias_ignored", "router", "last", "correction bias left out of the expert choice",
+          _rerouted(lambda a: {"router_bias": False}), lambda a: a.router_bias),
     Fault("router_group_limit_ignored", "router", "last", "group limit ignored (top-k over every expert)",
-          _group_limit_ignored, _is_grouped),
-    Fault("routed_scaling_missing", "router", "last", "routed_scaling_factor not applied", _scaling_missing,
-          _is_scaled),
-    Fault("routed_scaling_twice", "router", "last", "routed_scaling_factor applied twice", _scaling_twice, _is_scaled),
+          _rerouted(lambda a: {"n_group": 1, "topk_group": 1}), routing.grouped),
+    Fault("routed_scaling_missing", "router", "last", "routed_scaling_factor not applied",
+          _rerouted(lambda a: {"routed_scaling_factor": 1.0}), _is_scaled),
+    Fault("routed_scaling_twice", "router", "last", "routed_scaling_factor applied twice",
+          _rerouted(lambda a: {"routed_scaling_factor": a.routed_scaling_factor ** 2}), _is_scaled),
     Fault("router_softmax_for_sigmoid", "router", "last", "softmax scores where the family's are sigmoid",
-          _softmax_for_sigmoid, _is_sigmoid),
+          _rerouted(lambda a: {"router_scoring": "softmax"}), _is_sigmoid),
     Fault("dense_layer_routed", "mlp", "dense", "a dense layer's MLP treated as routed (scaled by routed_scaling_factor)",
           _dense_layer_routed, _is_scaled),
     Fault("mla_rope_nope_swapped", "attention", "full", "MLA: q's rope and no-rope parts swapped",

@@ -402,15 +402,19 @@ class Router(nn.Module):
             if self.norm_topk:
                 w = w / w.sum(dim=-1, keepdim=True)
             return w, idx
-        probs = routing.scores(logits, self.args)
-        choice = routing.selection(probs, getattr(self, "e_score_correction_bias", None), self.args)
-        idx = torch.topk(choice, self.top_k, dim=-1).indices
+        a = self.args  # read at every call: a seeded fault routes by other fields (models/faults.py)
+        probs = routing.scores(logits, a)
+        bias = self.e_score_correction_bias if a.router_bias else None
+        idx = torch.topk(routing.selection(probs, bias, a), self.top_k, dim=-1).indices
+        # idx is also used by weights(): a node used inside the router is not one of its outputs
+        # to ExecuTorch's module-path taps, so the indices leave the router as their own node
+        return self.weights(probs, idx), idx.clone()
+
+    def weights(self, probs, idx):  # the selected experts' scores [N, k], renormalised, scaled
         w = routing.pick(probs, idx)
         if self.norm_topk:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        # idx is also used above: a node used inside the router is not one of its outputs
-        # to ExecuTorch's module-path taps, so the indices leave the router as their own node
-        return w * self.args.routed_scaling_factor, idx.clone()
+        return w * self.args.routed_scaling_factor
 
 
 class Experts(nn.Module):

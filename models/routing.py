@@ -42,10 +42,15 @@ def selection(probs, bias, a: ModelArgs):
     return choice
 
 
+def grouped(a: ModelArgs) -> bool:
+    """Does the group limit decide anything (some groups left out)?"""
+    return a.n_group > 1 and a.topk_group < a.n_group
+
+
 def group_gap(probs, bias, a: ModelArgs):
     """[N]: the topk_group-th minus the next group's score (inf without a group limit): a group
     choice this close is as fragile as an expert choice."""
-    if a.n_group <= 1 or a.topk_group >= a.n_group:
+    if not grouped(a):
         return torch.full(probs.shape[:1], float("inf"))
     g = torch.sort(group_scores(probs + bias if bias is not None else probs, a), dim=-1, descending=True).values
     return g[:, a.topk_group - 1] - g[:, a.topk_group]

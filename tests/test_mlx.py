@@ -17,7 +17,7 @@ from oracle import thresholds
 from oracle.check import CheckSpec, model_source, prompt_tokens, reference_for, run_check
 from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import as_f64
-from oracle.reference import LAYER_KINDS, MODEL_KINDS
+from models.args import block_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,9 +94,8 @@ def distribution_verdict(spec, recorded):
 def test_fp32_blocks_and_e2e(mlx, family):
     r = run_check(CheckSpec(family=family, backend="mlx"))
     assert r.status == "pass", (r.error, r.worst)
-    n = len({row.layer for row in r.blocks if row.layer is not None})
-    assert {(row.layer, row.kind) for row in r.blocks} == (
-        {(i, k) for i in range(n) for k in LAYER_KINDS} | {(None, k) for k in MODEL_KINDS})
+    assert {(row.layer, row.kind) for row in r.blocks} == set(block_keys(model_source(CheckSpec(family=family,
+                                                                                              backend="mlx")).args))
     assert all(row.status == "pass" and row.mode == "isolated" for row in r.blocks)
     assert r.e2e.token_exact and r.e2e.candidate_tokens == r.e2e.reference_tokens
     info = r.provenance["backend"]
