@@ -20,8 +20,11 @@ from models.checkpoint import CheckpointError
 if TYPE_CHECKING:
     from models.layers import Transformer
 
-FAMILY_NAMES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "dots1",
-                "deepseek_v2")
+# the families: every module of this package that defines `FAMILY = Family(...)` (a new family is
+# its own file and nothing else), the five first families in their order, then by name
+FIRST = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")
+_FILES = sorted(p.stem for p in Path(__file__).parent.glob("*.py") if "\nFAMILY = Family(" in p.read_text())
+FAMILY_NAMES = tuple(n for n in FIRST if n in _FILES) + tuple(n for n in _FILES if n not in FIRST)
 
 # Families transformers has but the harness cannot yet reproduce, and the missing feature.
 UNSUPPORTED = {

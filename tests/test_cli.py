@@ -121,10 +121,3 @@ def test_missing_goldens_refused(cli, tmp_path):
     r = cli("check", "--family", "olmoe", "--backend", "eager", env={"MOE_ORACLE_GOLDENS": str(tmp_path / "none")})
     assert r.returncode == 2 and "goldens directory" in r.stderr and "is missing" in r.stderr
 
-
-def test_the_cli_knows_every_family():
-    """The CLI's own list (kept without importing models, for a fast --help) is models.FAMILY_NAMES."""
-    from models import FAMILY_NAMES
-    from oracle.cli import FAMILIES
-
-    assert FAMILIES == FAMILY_NAMES
