@@ -24,7 +24,11 @@ def group_scores(choice, a: ModelArgs):
     """[N, E] -> [N, G]: each group's score, the sum of its best two (DeepSeek-V3) or its best (V2)."""
     grouped = choice.view(choice.shape[0], a.n_group, -1)
     if a.group_score == "max":
-        return grouped.topk(1, dim=-1).values.squeeze(-1)  # (the MLX delegate takes no max.dim)
+        # amax, not a top-1 topk: IREE 3.13's llvm-cpu fails to compile that one here ('linalg.generic'
+        # op write affecting operations on global resources ...). amax lowers to max.dim, which the MLX
+        # delegate does not take (measured on glm4_moe's group choice): V2's only user, whose MLX
+        # program stops first at its MLA cache write
+        return grouped.amax(dim=-1)
     return grouped.topk(2, dim=-1).values.sum(dim=-1)
 
 
