@@ -181,9 +181,10 @@ def expert_layout(family: str, weights: dict) -> dict:
             if set(ex.get(e, {})) != {"gate", "up", "down"}:
                 raise CheckpointError(f"{prefix}: expert {e} lacks gate/up/down tensors (experts 0..{len(ex) - 1})")
         if m.experts == "fused":
-            out[f"{prefix}.{m.moe}.experts.gate_up_proj"] = mx.stack(
+            gate_up, down = m.fused_names
+            out[f"{prefix}.{m.moe}.{gate_up}"] = mx.stack(
                 [mx.concatenate([ex[e]["gate"], ex[e]["up"]]) for e in range(len(ex))])
-            out[f"{prefix}.{m.moe}.experts.down_proj"] = mx.stack([ex[e]["down"] for e in range(len(ex))])
+            out[f"{prefix}.{m.moe}.{down}"] = mx.stack([ex[e]["down"] for e in range(len(ex))])
             continue
         for e in range(len(ex)):
             for role, name in m.expert_names.items():
@@ -377,6 +378,11 @@ def _route_mixtral(moe, x):  # mixtral: top-k of the logits, softmax over those 
     return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
 
 
+def _route_router(moe, x):  # granitemoe: a router module returns (indices, weights)
+    inds, scores = moe.router(x)
+    return scores, inds
+
+
 def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
@@ -385,7 +391,7 @@ def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module retur
 ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
-         "Dots1MoE": _route_gate, "mlx_lm.models.glm4_moe.MoE": _route_gate}
+         "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router, "mlx_lm.models.glm4_moe.MoE": _route_gate}
 
 
 def route(moe, x):
@@ -505,7 +511,9 @@ class MLXCandidate:
             return lambda x, c: self._out(tm.model.norm(x))
         if kind == "logits":
             head = tm.model.embed_tokens.as_linear if getattr(tm.args, "tie_word_embeddings", False) else tm.lm_head
-            return lambda x, c: self._out(head(x))
+            # what mlx-lm's Model.__call__ does after the head: Granite divides by its logits_scaling
+            scaling = getattr(tm, "logits_scaling", 1.0)
+            return lambda x, c: self._out(head(x) / scaling if scaling != 1.0 else head(x))
         dec = self.model.layers[layer]
         if kind in ("moe", "mlp"):  # a sparse layer's MoE block, or a dense layer's MLP
             return lambda x, c: self._out(moe_block(dec)(x))

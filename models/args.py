@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 FULL, LINEAR = "full_attention", "linear_attention"
+# attention over a window of the last `sliding_window` positions (gpt-oss, Mixtral), or within
+# fixed chunks of `attention_chunk_size` positions (Llama 4's rope layers)
+SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
 # the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
@@ -75,6 +78,34 @@ class ModelArgs:
     # YaRN (rope_type "yarn"): (factor, original_max_position_embeddings, beta_fast, beta_slow,
     # mscale, mscale_all_dim, truncate); () = plain RoPE
     yarn: tuple = ()
+    # --- later families
+    norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE)
+    lm_head_bias: bool = False
+    # Granite's multipliers: embeddings times embedding_multiplier, each block's output times
+    # residual_multiplier before its residual add, attention_multiplier as the softmax scale
+    # (0: head_dim^-0.5), logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 0.0
+    logits_scaling: float = 1.0
+    attention_sinks: bool = False  # a learned logit per head that takes part in the softmax (gpt-oss)
+    attention_chunk_size: int = 0  # CHUNKED layers
+    # rope per layer: () = every attention layer rotates; else 1 (rope) / 0 (no rope) per layer (Llama 4)
+    rope_layers: tuple[int, ...] = ()
+    # Llama 4's no-rope layers: q scaled by log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    # experts: "swiglu" silu(gate) * up; "clamped_swiglu" (gpt-oss) gate clamped to <= limit, up to
+    # [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
+    expert_act: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
+    router_linear_bias: bool = False  # a bias on the router's logits (gpt-oss), not a selection bias
+    router_weights_on_input: bool = False  # expert(x * w) instead of w * expert(x) (Llama 4)
+    router_jitter_eps: float = 0.0  # sparsemixer's threshold (PhiMoE's router_jitter_noise)
+    norm_topk_min: float = 0.0  # renormalise top-k weights by max(sum, norm_topk_min) (ERNIE 4.5)
     extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod

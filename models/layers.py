@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import routing
-from models.args import FULL, LINEAR, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mlp_type  # noqa: F401
+from models.args import (CHUNKED, FULL, LINEAR, SLIDING, SPARSE, STATE_BUFFERS, ModelArgs,  # noqa: F401
+                         block_path, mlp_type)
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +41,17 @@ class RMSNorm(nn.Module):
         if self.offset:
             return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with bias (PhiMoE), computed in the input's dtype as HF's nn.LayerNorm is."""
+
+
+def norm(a: ModelArgs, dim: int) -> nn.Module:
+    """The family's norm of a hidden state (ModelArgs.norm)."""
+    if a.norm == "layer":
+        return LayerNorm(dim, eps=a.rms_norm_eps)
+    return RMSNorm(dim, a.rms_norm_eps, a.norm_offset)
 
 
 class GatedRMSNorm(nn.Module):
@@ -121,9 +133,11 @@ def yarn_frequencies(inv, dim: int, theta: float, factor, original_max, beta_fas
 
 
 class Attention(nn.Module):
-    """Full causal attention over a static KV cache [B, kvh, S, hd]."""
+    """Causal attention over a static KV cache [B, kvh, S, hd]: over every earlier position (FULL),
+    the last `sliding_window` (SLIDING) or those in the same `attention_chunk_size` chunk (CHUNKED);
+    with rope or not (ModelArgs.rope_layers), and optionally a learned sink logit per head."""
 
-    def __init__(self, a: ModelArgs, dtype=torch.float32):
+    def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
         self.nh, self.kvh, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.gated = a.attn_output_gate
@@ -139,9 +153,17 @@ class Attention(nn.Module):
         elif a.qk_norm == "flat":
             self.q_norm = RMSNorm(self.nh * self.hd, a.rms_norm_eps, a.norm_offset)
             self.k_norm = RMSNorm(self.kvh * self.hd, a.rms_norm_eps, a.norm_offset)
-        self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor)
-        self.scale = self.hd**-0.5
-        self.window = a.sliding_window
+        self.use_rope = not a.rope_layers or bool(a.rope_layers[layer])
+        self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor, a.rope_interleave, a.yarn)
+        self.scale = a.attention_multiplier or self.hd**-0.5
+        self.eps = a.rms_norm_eps
+        kind = a.layer_types[layer]
+        self.window = a.sliding_window if kind == SLIDING else None
+        self.chunk = a.attention_chunk_size if kind == CHUNKED else None
+        if a.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.nh))
+        # Llama 4's no-rope layers scale q with the position
+        self.temperature = (a.floor_scale, a.attn_scale) if a.attn_temperature_tuning and not self.use_rope else None
         S = a.max_seq_len
         self.register_buffer("k_cache", torch.zeros(1, self.kvh, S, self.hd, dtype=dtype))
         self.register_buffer("v_cache", torch.zeros(1, self.kvh, S, self.hd, dtype=dtype))
@@ -169,8 +191,15 @@ class Attention(nn.Module):
         k = k.view(B, T, self.kvh, self.hd)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rope(q.transpose(1, 2), pos)
-        k = self.rope(k.transpose(1, 2), pos)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.use_rope:
+            q, k = self.rope(q, pos), self.rope(k, pos)
+            if self.qk_norm == "l2":  # Llama 4: weightless, after the rotation, rope layers only
+                q, k = l2_rms(q, self.eps), l2_rms(k, self.eps)
+        if self.temperature is not None:
+            floor_scale, attn_scale = self.temperature
+            t = torch.log(torch.floor((pos.float() + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0  # [T]
+            q = (q * t[:, None]).to(q.dtype)
         return q, k, v.view(B, T, self.kvh, self.hd).transpose(1, 2), gate
 
     def update_cache(self, k, v, pos):
@@ -183,6 +212,8 @@ class Attention(nn.Module):
         visible = self.cache_pos[None, :] <= pos[:, None]
         if self.window is not None:
             visible = visible & (pos[:, None] - self.cache_pos[None, :] < self.window)
+        if self.chunk is not None:
+            visible = visible & (self.cache_pos[None, :] // self.chunk == pos[:, None] // self.chunk)
         return visible
 
     def attend(self, q, kc, vc, visible):
@@ -192,7 +223,12 @@ class Attention(nn.Module):
         vc = vc.repeat_interleave(rep, dim=1)
         scores = (q @ kc.transpose(2, 3)) * self.scale  # [B, nh, T, S]
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if hasattr(self, "sinks"):  # one more logit per head, whose probability is dropped
+            sink = self.sinks.to(scores.dtype)[None, :, None, None].expand(B, -1, T, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+            probs = probs.to(q.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return (probs @ vc).transpose(1, 2).reshape(B, T, self.nh * self.hd)
 
 
@@ -264,6 +300,11 @@ class LatentAttention(nn.Module):
 
 def l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def l2_rms(x, eps):  # Llama 4's weightless q/k norm: x / rms(x), in fp32
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def gated_delta_rule(q, k, v, g, beta, state, max_len: int):
@@ -380,18 +421,21 @@ class Router(nn.Module):
         super().__init__()
         self.args = a
         self.weight = nn.Parameter(torch.zeros(a.num_experts, a.hidden_size))
+        if a.router_linear_bias:
+            self.bias = nn.Parameter(torch.zeros(a.num_experts))
         if a.router_bias:  # selection only (DeepSeek-V3's e_score_correction_bias)
             self.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts))
         self.top_k, self.norm_topk = a.num_experts_per_tok, a.norm_topk_prob
         self.cast = a.router_weights_in_model_dtype
         self.softmax_only = (a.router_scoring == "softmax" and not a.router_bias and a.n_group <= 1
-                             and a.routed_scaling_factor == 1.0 and not a.router_fp32)
+                             and a.routed_scaling_factor == 1.0 and not a.router_fp32 and not a.norm_topk_min)
 
     def forward(self, x):  # x [N, H] -> weights [N, k], indices [N, k]
+        bias = getattr(self, "bias", None)
         if self.args.router_fp32:
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, bias)
         w, idx = self.route(logits)
         return (w.to(logits.dtype) if self.cast else w), idx
 
@@ -411,8 +455,12 @@ class Router(nn.Module):
         return self.weights(probs, idx), idx.clone()
 
     def weights(self, probs, idx):  # the selected experts' scores [N, k], renormalised, scaled
+        if self.args.router_scoring == "sparsemixer":
+            return routing.sparsemixer_weights(probs, idx, self.args.router_jitter_eps)
         w = routing.pick(probs, idx)
-        if self.norm_topk:
+        if self.norm_topk and self.args.norm_topk_min:
+            w = w / w.sum(dim=-1, keepdim=True).clamp(min=self.args.norm_topk_min)
+        elif self.norm_topk:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * self.args.routed_scaling_factor
 
@@ -433,37 +481,70 @@ class Experts(nn.Module):
         E, H, I = a.num_experts, a.hidden_size, a.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # gate rows, then up rows
         self.down_proj = nn.Parameter(torch.zeros(E, H, I))
+        if a.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I))
+            self.down_proj_bias = nn.Parameter(torch.zeros(E, H))
+        self.act = a.expert_act
+        self.limit, self.alpha = a.swiglu_limit, a.swiglu_alpha
+        self.on_input = a.router_weights_on_input
 
     def forward(self, x, idx, w):  # x [N, H], idx/w [N, k]
+        if self.on_input:  # Llama 4: each expert's input scaled by its weight (one expert per token)
+            y = self.expert_mlp(x, idx, w)  # [N, k, H]
+            return y.sum(dim=1).to(x.dtype)
         y = self.expert_mlp(x, idx)  # [N, k, H]
         return (y * w[..., None]).sum(dim=1).to(x.dtype)
 
-    def expert_mlp(self, x, idx):  # x [N, H], idx [N, k] -> [N, k, H]
-        if not torch.compiler.is_compiling():
-            return self.grouped_mlp(x, idx)
-        if self.traced_form == "dense":
-            return self.dense_mlp(x, idx)
-        gu = self.gate_up_proj[idx] @ x[:, None, :, None]  # [N, k, 2I, 1]
-        gate, up = gu.squeeze(-1).chunk(2, dim=-1)
-        h = F.silu(gate) * up  # [N, k, I]
-        return (self.down_proj[idx] @ h[..., None]).squeeze(-1)
+    def activation(self, gate, up):  # [..., I] each
+        if self.act == "clamped_swiglu":
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+        return F.silu(gate) * up
 
-    def dense_mlp(self, x, idx):  # traced, "dense": every expert on every token, no weight copy
+    def expert_mlp(self, x, idx, w=None):  # x [N, H], idx [N, k] (w [N, k]: scale the input) -> [N, k, H]
+        if not torch.compiler.is_compiling():
+            return self.grouped_mlp(x, idx, w)
+        if self.traced_form == "dense":
+            return self.dense_mlp(x, idx, w)
+        xs = x[:, None, :] if w is None else x[:, None, :] * w[..., None].to(x.dtype)  # [N, 1 or k, H]
+        gu = (self.gate_up_proj[idx] @ xs[..., None]).squeeze(-1)  # [N, k, 2I]
+        if hasattr(self, "gate_up_proj_bias"):
+            gu = gu + self.gate_up_proj_bias[idx]
+        gate, up = gu.chunk(2, dim=-1)
+        y = (self.down_proj[idx] @ self.activation(gate, up)[..., None]).squeeze(-1)
+        return y + self.down_proj_bias[idx] if hasattr(self, "down_proj_bias") else y
+
+    def dense_mlp(self, x, idx, w=None):  # traced, "dense": every expert on every token, no weight copy
         E = self.gate_up_proj.shape[0]
-        xt = x.t().unsqueeze(0).expand(E, -1, -1)  # [E, H, N]
-        gate, up = torch.bmm(self.gate_up_proj, xt).chunk(2, dim=1)  # [E, I, N] each
-        y = torch.bmm(self.down_proj, F.silu(gate) * up).permute(2, 0, 1)  # [N, E, H]
+        if w is not None:  # the input scaled per expert: each token's weight where it is routed, 0 elsewhere
+            scale = torch.where(idx[..., None] == torch.arange(E, device=idx.device), w[..., None], 0.0).sum(1)
+            xt = (x[None] * scale.t()[..., None].to(x.dtype)).transpose(1, 2)  # [E, H, N]
+        else:
+            xt = x.t().unsqueeze(0).expand(E, -1, -1)  # [E, H, N]
+        gu = torch.bmm(self.gate_up_proj, xt)  # [E, 2I, N]
+        if hasattr(self, "gate_up_proj_bias"):
+            gu = gu + self.gate_up_proj_bias[..., None]
+        gate, up = gu.chunk(2, dim=1)  # [E, I, N] each
+        y = torch.bmm(self.down_proj, self.activation(gate, up))  # [E, H, N]
+        if hasattr(self, "down_proj_bias"):
+            y = y + self.down_proj_bias[..., None]
+        y = y.permute(2, 0, 1)  # [N, E, H]
         return y.gather(1, idx[..., None].expand(-1, -1, y.shape[-1]))  # [N, k, H]
 
-    def grouped_mlp(self, x, idx):  # eager: per hit expert, its tokens in one matmul
+    def grouped_mlp(self, x, idx, w=None):  # eager: per hit expert, its tokens in one matmul
         N, k = idx.shape
         flat = idx.reshape(-1)  # [N k]
         out = x.new_empty(N * k, x.shape[-1])
+        bias = hasattr(self, "gate_up_proj_bias")
         for e in flat.unique().tolist():
             slots = (flat == e).nonzero().squeeze(-1)  # positions in [N k]
             xe = x[slots // k]  # [n_e, H]
-            gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n_e, I] each
-            out[slots] = F.linear(F.silu(gate) * up, self.down_proj[e])
+            if w is not None:
+                xe = xe * w.reshape(-1)[slots, None].to(x.dtype)
+            gu = F.linear(xe, self.gate_up_proj[e], self.gate_up_proj_bias[e] if bias else None)
+            gate, up = gu.chunk(2, dim=-1)  # [n_e, I] each
+            out[slots] = F.linear(self.activation(gate, up), self.down_proj[e], self.down_proj_bias[e] if bias else None)
         return out.view(N, k, -1)
 
 
@@ -516,16 +597,20 @@ class DecoderLayer(nn.Module):
         elif a.attention == "mla":
             self.self_attn = LatentAttention(a, dtype)
         else:
-            self.self_attn = Attention(a, dtype)
+            self.self_attn = Attention(a, dtype, i)
         self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size)
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
+        self.input_layernorm = norm(a, a.hidden_size)
+        self.post_attention_layernorm = norm(a, a.hidden_size)
+        self.residual_multiplier = a.residual_multiplier
 
     @property
     def attn(self) -> nn.Module:
         return self.linear_attn if self.layer_type == LINEAR else self.self_attn
 
     def forward(self, x, pos):
+        if self.residual_multiplier != 1.0:  # Granite
+            h = x + self.attn(self.input_layernorm(x), pos) * self.residual_multiplier
+            return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
         h = x + self.attn(self.input_layernorm(x), pos)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -539,14 +624,28 @@ class Transformer(nn.Module):
         # weights come from the checkpoint: no init (normal_ on meta imports torch._dynamo, 2 s)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(a, i, dtype) for i in range(a.num_hidden_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
-        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.norm = norm(a, a.hidden_size)
+        self.lm_head = LMHead(a)
 
     def forward(self, tokens, pos):
         x = self.embed_tokens(tokens)
+        if self.args.embedding_multiplier != 1.0:  # Granite
+            x = x * self.args.embedding_multiplier
         for layer in self.layers:
             x = layer(x, pos)
         return self.lm_head(self.norm(x))
+
+
+class LMHead(nn.Linear):
+    """The output projection (with PhiMoE's bias; Granite divides the logits by logits_scaling)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__(a.hidden_size, a.vocab_size, bias=a.lm_head_bias)
+        self.logits_scaling = a.logits_scaling
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y / self.logits_scaling if self.logits_scaling != 1.0 else y
 
 
 def reset_state(module: nn.Module) -> None:

@@ -37,6 +37,7 @@ class MlxLm:
     # the layout mlx-lm's sanitize() takes the experts in: per-expert tensors named
     # `<moe>.experts.{e}.<expert_names[role]>.weight`, or "fused" (experts.gate_up_proj + down_proj)
     experts: str = "per-expert"
+    fused_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")  # "fused": under `moe`
     expert_names: dict = field(default_factory=lambda: dict(GATE_UP_DOWN))
     moe: str = "mlp"  # the MoE block's attribute in mlx-lm's decoder layer (and its checkpoint names)
     # a check of the tensors as they go into sanitize(): (name, shape) -> what is wrong, or None

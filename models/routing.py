@@ -14,9 +14,12 @@ from models.args import ModelArgs
 
 
 def scores(logits, a: ModelArgs):
-    """Routing probabilities [N, E] fp32: softmax over all experts, or a sigmoid per expert."""
+    """Routing scores [N, E] fp32: softmax over all experts, a sigmoid per expert, or the logits
+    themselves (sparsemixer: the weights are computed from them by sparsemixer_weights)."""
     if a.router_scoring == "sigmoid":
         return torch.sigmoid(logits.float())
+    if a.router_scoring == "sparsemixer":
+        return logits.float()
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
@@ -65,3 +68,21 @@ def pick(probs, idx):
     row's one matching expert, summed with zeros (exact)."""
     hit = idx[..., None] == torch.arange(probs.shape[-1], device=idx.device)  # [N, k, E]
     return torch.where(hit, probs[:, None, :], 0.0).sum(dim=-1)
+
+
+def sparsemixer_weights(logits, idx, eps: float):
+    """PhiMoE's sparsemixer at inference, top-2 [N, 2]: idx[:, 0] is the best logit, idx[:, 1] the
+    best of the others. Choice j's weight is its softmax probability among the experts whose logit
+    is within 2 eps of it (relative: (m - s) / max(|s|, m) <= 2 eps, m its logit), the experts
+    chosen before it left out. Comparisons and sums only (no scatter, no gather)."""
+    E = logits.shape[-1]
+    out, taken = [], torch.zeros_like(logits, dtype=torch.bool)
+    for j in range(idx.shape[-1]):
+        hit = idx[:, j : j + 1] == torch.arange(E, device=idx.device)  # [N, E]
+        m = torch.where(hit, logits, 0.0).sum(-1, keepdim=True)  # the chosen logit [N, 1]
+        factor = logits.abs().clamp(min=m)
+        keep = ((m - logits) / factor <= 2 * eps) & ~taken
+        p = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        out.append(torch.where(hit, p, 0.0).sum(-1))
+        taken = taken | hit
+    return torch.stack(out, dim=-1)

@@ -321,6 +321,10 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
                 ref.group_gaps[key[0]] = [g.numpy() for _, _, _, g in outs]
             for (_, i), p in zip(ref.outputs[key], ref.router_probs[key[0]]):
                 check_selection(key[0], p, i, args.num_experts_per_tok)
+        elif key == (None, "logits"):
+            # the model's logits, not the output embedding's: what the CausalLM makes of it after
+            # the projection (Granite's logits_scaling) is part of the block
+            ref.outputs[key] = [lg[None] for lg in ref.logits]
         else:
             ref.outputs[key] = [o.numpy() for o in outs]
     add_expert_probes(ref, modules, args)
