@@ -383,6 +383,13 @@ def _route_router(moe, x):  # granitemoe: a router module returns (indices, weig
     return scores, inds
 
 
+def _route_sparsemixer(moe, x):  # phimoe: mlx-lm's own sparsemixer over the gate's logits
+    from mlx_lm.models.phimoe import sparsemixer
+
+    inds, scores = sparsemixer(moe.gate(x), top_k=moe.top_k, jitter_eps=moe.jitter_eps)
+    return scores, inds
+
+
 def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
@@ -391,7 +398,8 @@ def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module retur
 ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
-         "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router, "mlx_lm.models.glm4_moe.MoE": _route_gate}
+         "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
+         "PhiMoESparseMoeBlock": _route_sparsemixer, "mlx_lm.models.glm4_moe.MoE": _route_gate}
 
 
 def route(moe, x):

@@ -78,6 +78,10 @@ class ModelArgs:
     # YaRN (rope_type "yarn"): (factor, original_max_position_embeddings, beta_fast, beta_slow,
     # mscale, mscale_all_dim, truncate); () = plain RoPE
     yarn: tuple = ()
+    # LongRoPE as HF 5.23's PhiMoE applies it: the short factors divide the frequencies at every
+    # length; cos/sin times short_mscale, or long_mscale once a call reaches past
+    # original_max_position_embeddings: (original_max, short_mscale, long_mscale, *short_factor)
+    longrope: tuple = ()
     # --- later families
     norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE)
     lm_head_bias: bool = False

@@ -80,20 +80,29 @@ class Rope(nn.Module):
     yarn: YaRN's frequencies and its cos/sin attention factor (models.args.ModelArgs.yarn)."""
 
     def __init__(self, head_dim: int, theta: float, partial: float = 1.0, interleave: bool = False,
-                 yarn: tuple = ()):
+                 yarn: tuple = (), longrope: tuple = ()):
         super().__init__()
         self.rotary_dim = int(head_dim * partial)
         self.interleave = interleave
         inv = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
-        self.factor = 1.0
+        self.factor, self.longrope = 1.0, None
         if yarn:
             inv, self.factor = yarn_frequencies(inv, self.rotary_dim, theta, *yarn)
+        if longrope:
+            original_max, short_mscale, long_mscale, *short = longrope
+            inv = 1.0 / (torch.tensor(short, dtype=torch.float32)
+                         * theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+            self.longrope = (int(original_max), float(short_mscale), float(long_mscale))
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, x, pos):  # x [B, nh, T, hd], pos [T]
         freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, rd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        if self.factor != 1.0:  # YaRN's attention factor
+        if self.longrope is not None:  # the call's length decides the scale (HF: max(position) + 1)
+            original_max, short_mscale, long_mscale = self.longrope
+            mscale = torch.where(pos.max() + 1 > original_max, long_mscale, short_mscale)
+            cos, sin = (emb.cos() * mscale).to(x.dtype), (emb.sin() * mscale).to(x.dtype)
+        elif self.factor != 1.0:  # YaRN's attention factor
             cos, sin = (emb.cos() * self.factor).to(x.dtype), (emb.sin() * self.factor).to(x.dtype)
         else:
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -154,7 +163,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.nh * self.hd, a.rms_norm_eps, a.norm_offset)
             self.k_norm = RMSNorm(self.kvh * self.hd, a.rms_norm_eps, a.norm_offset)
         self.use_rope = not a.rope_layers or bool(a.rope_layers[layer])
-        self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor, a.rope_interleave, a.yarn)
+        self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor, a.rope_interleave, a.yarn, a.longrope)
         self.scale = a.attention_multiplier or self.hd**-0.5
         self.eps = a.rms_norm_eps
         kind = a.layer_types[layer]
