@@ -219,10 +219,11 @@ class Attention(nn.Module):
     def mask(self, pos):
         """[T, S] True where key position s is visible from query position pos[t] (causal)."""
         visible = self.cache_pos[None, :] <= pos[:, None]
+        # narrowed by torch.where, not a boolean and (IREE 3.13 does not legalize aten.__and__ on i1)
         if self.window is not None:
-            visible = visible & (pos[:, None] - self.cache_pos[None, :] < self.window)
+            visible = torch.where(pos[:, None] - self.cache_pos[None, :] < self.window, visible, False)
         if self.chunk is not None:
-            visible = visible & (self.cache_pos[None, :] // self.chunk == pos[:, None] // self.chunk)
+            visible = torch.where(self.cache_pos[None, :] // self.chunk == pos[:, None] // self.chunk, visible, False)
         return visible
 
     def attend(self, q, kc, vc, visible):

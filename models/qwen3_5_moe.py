@@ -49,7 +49,11 @@ def from_mlx(weights: dict, config: dict) -> dict:
     """mlx-lm's names (language_model.model.*, switch_mlp experts, norms stored as 1 + w,
     conv1d as [C, K, 1]) -> HF's: model.* for a text-only config, model.language_model.* for
     the multimodal release's composite one; per-expert tensors."""
-    base = "model.language_model." if isinstance(config.get("text_config"), dict) else "model."
+    return from_mlx_names(weights, "model.language_model." if isinstance(config.get("text_config"), dict) else "model.")
+
+
+def from_mlx_names(weights: dict, base: str) -> dict:
+    """(also Qwen3-Next's) mlx-lm's text names under `base`, per-expert tensors, norms as w, conv1d [C, 1, K]."""
     out = {}
     for k, v in unstack_experts(weights).items():
         if k.startswith(("vision_tower.", "model.visual.")):  # a multimodal directory's vision weights

@@ -74,15 +74,15 @@ def sparsemixer_weights(logits, idx, eps: float):
     """PhiMoE's sparsemixer at inference, top-2 [N, 2]: idx[:, 0] is the best logit, idx[:, 1] the
     best of the others. Choice j's weight is its softmax probability among the experts whose logit
     is within 2 eps of it (relative: (m - s) / max(|s|, m) <= 2 eps, m its logit), the experts
-    chosen before it left out. Comparisons and sums only (no scatter, no gather)."""
+    chosen before it left out. Comparisons, masked_fill and sums only (no scatter, no gather, no
+    boolean and: IREE 3.13 does not legalize aten.__and__ on i1)."""
     E = logits.shape[-1]
-    out, taken = [], torch.zeros_like(logits, dtype=torch.bool)
+    out, rest = [], logits  # rest: the logits, -inf where an earlier choice is
     for j in range(idx.shape[-1]):
         hit = idx[:, j : j + 1] == torch.arange(E, device=idx.device)  # [N, E]
         m = torch.where(hit, logits, 0.0).sum(-1, keepdim=True)  # the chosen logit [N, 1]
         factor = logits.abs().clamp(min=m)
-        keep = ((m - logits) / factor <= 2 * eps) & ~taken
-        p = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        p = torch.softmax(rest.masked_fill((m - logits) / factor > 2 * eps, float("-inf")), dim=-1)
         out.append(torch.where(hit, p, 0.0).sum(-1))
-        taken = taken | hit
+        rest = rest.masked_fill(hit, float("-inf"))
     return torch.stack(out, dim=-1)
