@@ -333,9 +333,13 @@ class ExecutorchMlxBackend:
             program = runtime().load_program(check.path)
             how = f"executorch {importlib.metadata.version('executorch')} runtime (MLX delegate)"
         else:
-            from exporters.executorch_mlx_interp import Program
+            from exporters.executorch_mlx_interp import NotDelegated, Program
+            from oracle.backend import InputError
 
-            program = Program.load(check.path)
+            try:
+                program = Program.load(check.path)
+            except NotDelegated as e:  # refused, naming the ops: not a wrong result
+                raise InputError(f"executorch-mlx cannot run {spec.family} on this host: {e}") from None
             how = (f"moe-oracle MLX-graph interpreter on mlx {importlib.metadata.version('mlx')} (cpu), "
                    f"ExecuTorch {importlib.metadata.version('executorch')} MLX delegate graph")
         from exporters.executorch_mlx_export import metadata

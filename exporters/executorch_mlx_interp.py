@@ -285,6 +285,8 @@ OPS = {
     "TakeNode": _take,
     "RMSNormNode": lambda n, s: s.set(n["out"], mx().fast.rms_norm(
         s.t(n["x"]), s.t(n["weight"]) if "weight" in n else None, n["eps"])),
+    "LayerNormNode": lambda n, s: s.set(n["out"], mx().fast.layer_norm(
+        s.t(n["x"]), s.t(n["weight"]) if "weight" in n else None, s.t(n["bias"]) if "bias" in n else None, n["eps"])),
     "RopeNode": _rope,
     "SdpaNode": _sdpa,
     "AddNode": _binary(lambda m: m.add),
@@ -434,6 +436,10 @@ class Delegate:
 
 
 # ---------------------------------------------------------------- a .pte
+class NotDelegated(NotImplementedError):
+    """A method has ops the MLX delegate did not take: the interpreter cannot run it."""
+
+
 class Method:
     """One method of the program: its ExecuTorch instructions must be MLX delegate calls."""
 
@@ -450,7 +456,7 @@ class Method:
                 elif kind != "DelegateCall":
                     outside.append(kind)
         if outside:
-            raise NotImplementedError(
+            raise NotDelegated(
                 f"method {plan.name}: the MLX delegate did not take {', '.join(sorted(set(outside)))} (left to "
                 "ExecuTorch's portable kernels); the interpreter runs only fully delegated programs")
 

@@ -192,9 +192,10 @@ def expert_layout(family: str, weights: dict) -> dict:
     if m.moe != "mlp":  # transformers' in-memory name for the MoE block is mlp
         out = {k.replace(".mlp.", f".{m.moe}."): v for k, v in out.items()}
     for k, v in out.items():
-        problem = m.check_tensor(k, v.shape) if m.check_tensor else None
+        problem = (m.check_tensor(k, v.shape) if m.check_tensor else None) or (
+            m.check_value(k, v) if m.check_value else None)
         if problem:
-            raise CheckpointError(problem)
+            raise ConfigError(problem)
     return out
 
 
@@ -390,6 +391,15 @@ def _route_sparsemixer(moe, x):  # phimoe: mlx-lm's own sparsemixer over the gat
     return scores, inds
 
 
+def _route_ernie(moe, x):  # ernie4_5_moe: softmax (fp32), top-k without the correction bias, / max(sum, 1e-12)
+    import mlx.core as mx
+
+    gates = moe.gate_act(moe.gate(x).astype(mx.float32))
+    inds = mx.argpartition(-gates, kth=moe.k - 1, axis=-1)[..., : moe.k]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12), inds
+
+
 def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
@@ -399,7 +409,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
          "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
-         "PhiMoESparseMoeBlock": _route_sparsemixer, "mlx_lm.models.glm4_moe.MoE": _route_gate}
+         "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie, "mlx_lm.models.glm4_moe.MoE": _route_gate}
 
 
 def route(moe, x):
@@ -629,7 +639,12 @@ class MLXBackend:
                 if self.transform is not None:
                     self.transform(m)
             else:
-                m, fields = load_model(model, self.config_fn)
+                try:
+                    m, fields = load_model(model, self.config_fn)
+                except ConfigError as e:  # what mlx-lm's model of the family cannot do: refused, with the reason
+                    from oracle.backend import InputError
+
+                    raise InputError(f"mlx-lm cannot check this checkpoint: {e}") from None
                 cast(m, dtype)
                 if self.transform is not None:
                     self.transform(m)

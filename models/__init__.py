@@ -29,7 +29,6 @@ FAMILY_NAMES = tuple(n for n in FIRST if n in _FILES) + tuple(n for n in _FILES 
 # Families transformers has but the harness cannot yet reproduce, and the missing feature.
 UNSUPPORTED = {
     "gpt_oss": "attention sinks and the clamped gated-SwiGLU expert activation",
-    "ernie4_5_moe": "interleaved RoPE and the expert-bias router",
 }
 
 

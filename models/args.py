@@ -109,6 +109,7 @@ class ModelArgs:
     router_linear_bias: bool = False  # a bias on the router's logits (gpt-oss), not a selection bias
     router_weights_on_input: bool = False  # expert(x * w) instead of w * expert(x) (Llama 4)
     router_jitter_eps: float = 0.0  # sparsemixer's threshold (PhiMoE's router_jitter_noise)
+    mlp_bias: bool = False  # biases on the dense and shared-expert MLPs (ERNIE 4.5's use_bias)
     norm_topk_min: float = 0.0  # renormalise top-k weights by max(sum, norm_topk_min) (ERNIE 4.5)
     extra: dict = field(default_factory=dict, compare=False)
 

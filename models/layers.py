@@ -412,11 +412,11 @@ class GatedDeltaNet(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -578,10 +578,10 @@ class SparseMoE(nn.Module):
         self.experts = Experts(a)
         self.shared_expert = None
         if a.shared_expert_intermediate_size and a.shared_expert_gated:
-            self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
+            self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
             self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
         elif a.shared_expert_intermediate_size:  # always on, no gate (DeepSeek)
-            self.shared_experts = MLP(a.hidden_size, a.shared_expert_intermediate_size)
+            self.shared_experts = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
 
     def forward(self, x):  # [B, T, H]
         shape = x.shape
@@ -608,7 +608,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = LatentAttention(a, dtype)
         else:
             self.self_attn = Attention(a, dtype, i)
-        self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size)
+        self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
         self.input_layernorm = norm(a, a.hidden_size)
         self.post_attention_layernorm = norm(a, a.hidden_size)
         self.residual_multiplier = a.residual_multiplier

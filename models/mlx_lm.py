@@ -42,6 +42,8 @@ class MlxLm:
     moe: str = "mlp"  # the MoE block's attribute in mlx-lm's decoder layer (and its checkpoint names)
     # a check of the tensors as they go into sanitize(): (name, shape) -> what is wrong, or None
     check_tensor: Callable | None = None
+    # a check of the values: (name, mx array) -> what is wrong, or None
+    check_value: Callable | None = None
     # the model builds its causal mask as an array (create_attention_mask(..., return_array=True):
     # DeepSeek-V3's MLA adds it to its rope scores), not mlx's "causal" shorthand
     array_mask: bool = False
