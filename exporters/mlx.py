@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from models import drop_layers_from, get_family
+from models.args import SLIDING
 from models.checkpoint import CheckpointError, shard_files
 from models.mlx_lm import ConfigError  # noqa: F401  (the backend's refusal; tests import it from here)
 from oracle.backend import Option
@@ -209,7 +210,9 @@ def load_model(src, config_fn=mlx_config):
     weights = {}
     for shard in shard_files(src.model_dir):
         weights.update(mx.load(str(shard)))
-    weights = model.sanitize(expert_layout(family, drop_layers_from(weights, src.args.num_hidden_layers)))
+    weights = drop_layers_from(weights, src.args.num_hidden_layers)
+    m = mapping(family)
+    weights = model.sanitize(m.convert(weights) if m.convert else expert_layout(family, weights))
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     return model, fields
@@ -400,6 +403,15 @@ def _route_ernie(moe, x):  # ernie4_5_moe: softmax (fp32), top-k without the cor
     return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12), inds
 
 
+def _route_router_topk(moe, x):  # gpt_oss: top-k of the (biased) router logits, softmax over those k
+    import mlx.core as mx
+
+    logits = moe.router(x)
+    k = moe.num_experts_per_tok
+    inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
+
+
 def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
@@ -409,7 +421,8 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
          "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
-         "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie, "mlx_lm.models.glm4_moe.MoE": _route_gate}
+         "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
+         "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.glm4_moe.MoE": _route_gate}
 
 
 def route(moe, x):
@@ -429,12 +442,13 @@ def route(moe, x):
 class MLXCandidate:
     block_mode = "isolated"
 
-    def __init__(self, model, dtype, device, info, array_mask: bool = False):
+    def __init__(self, model, dtype, device, info, array_mask: bool = False, windows: dict | None = None):
         import mlx.core as mx
 
         self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
         self.cache, self.pos = None, 0
         self.array_mask = array_mask  # the family's mlx-lm model builds an array mask (MlxLm.array_mask)
+        self.windows = windows or {}  # layer -> its sliding window (the model's own masks; a block needs it)
 
     def _in(self, x):  # the reference's fp32 numpy input -> mx at the model's activation dtype
         return self.mx.array(np.asarray(x, np.float32)).astype(self.dtype)
@@ -549,7 +563,8 @@ class MLXCandidate:
             if c.probe or int(c.pos_array[0]) != pos[0]:
                 raise ValueError(f"{kind} of layer {layer}: call at position {int(c.pos_array[0])}, state at {pos[0]}")
             pos[0] += x.shape[1]
-            mask = create_ssm_mask(x, cache) if linear else create_attention_mask(x, cache, return_array=self.array_mask)
+            mask = create_ssm_mask(x, cache) if linear else create_attention_mask(
+                x, cache, window_size=self.windows.get(layer), return_array=self.array_mask)
             return self._out(module(x, mask, cache))
 
         return fn
@@ -665,7 +680,9 @@ class MLXBackend:
             info["config_mismatch"] = shipped["config_mismatch"]
         if self.transform_id:
             info["transform"] = self.transform_id
-        return MLXCandidate(m, dtype, device, info, mapping(model.family.name).array_mask)
+        a = model.args
+        windows = {i: a.sliding_window for i, t in enumerate(a.layer_types) if t == SLIDING}
+        return MLXCandidate(m, dtype, device, info, mapping(model.family.name).array_mask, windows)
 
     def export(self, model, spec, output_dir) -> list:
         """An mlx-lm directory (what mlx_lm.convert writes: config.json, model*.safetensors):

@@ -28,7 +28,6 @@ FAMILY_NAMES = tuple(n for n in FIRST if n in _FILES) + tuple(n for n in _FILES 
 
 # Families transformers has but the harness cannot yet reproduce, and the missing feature.
 UNSUPPORTED = {
-    "gpt_oss": "attention sinks and the clamped gated-SwiGLU expert activation",
 }
 
 
@@ -52,6 +51,9 @@ class Family:
     from_mlx: Callable = None
     # how mlx-lm's model of the family reads the checkpoint (models.mlx_lm.MlxLm; None: no mlx-lm model)
     mlx: object = None
+    # tiny checkpoints: the std of the tensors whose names end so, where TINY_STD would hide a
+    # mechanism (gpt-oss's SwiGLU clamp at 7 is never reached by weights of std 0.1)
+    tiny_std: dict = None
 
     def __post_init__(self):
         if self.from_mlx is None:

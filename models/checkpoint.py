@@ -382,21 +382,22 @@ def load_state(model, weights: dict, dtype) -> None:
             p.data = weights[name].detach().to(dtype).clone()
 
 
-def _draw(name: str, shape, gen):
-    """One tiny weight, N(0, TINY_STD), except the Gated DeltaNet decay parameters: drawn
-    so the recurrent state is remembered across tokens (per-token decay 0.85-0.98); a
-    decay near 0 would hide a state that is not carried."""
+def _draw(name: str, shape, gen, std: dict | None = None):
+    """One tiny weight, N(0, TINY_STD) (or the family's `tiny_std` for names ending so), except
+    the Gated DeltaNet decay parameters: drawn so the recurrent state is remembered across tokens
+    (per-token decay 0.85-0.98); a decay near 0 would hide a state that is not carried."""
     import torch
 
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(0.05, 0.5, generator=gen).log()
-    noise = torch.randn(shape, generator=gen) * TINY_STD
+    sd = next((v for k, v in (std or {}).items() if name.endswith(k)), TINY_STD)
+    noise = torch.randn(shape, generator=gen) * sd
     if name.endswith("dt_bias"):
         return noise - 1.0
     return noise
 
 
-def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path) -> None:
+def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict | None = None) -> None:
     """Instantiate the HF model and overwrite every tensor deterministically from `seed`.
     Norm weights keep the identity HF initialises them to (1 for w * x, 0 for (1 + w) * x)
     plus the noise."""
@@ -411,7 +412,7 @@ def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path) -> None:
             t = sd[name]
             if not torch.is_floating_point(t):
                 continue
-            w = _draw(name, t.shape, gen)
+            w = _draw(name, t.shape, gen, std)
             if "norm" in name and name.endswith("weight"):
                 w = w + t.mean()  # HF's identity init: all ones or all zeros
             t.copy_(w)
@@ -427,12 +428,13 @@ def tiny_checkpoint(family, seed: int) -> Path:
         "config": family.tiny_config,
         "seed": seed,
         "std": TINY_STD,
+        **({"tiny_std": family.tiny_std} if family.tiny_std else {}),
         "format": TINY_FORMAT,
         "transformers": version("transformers"),
     }
     return cached_dir(recipe, f"{family.name}-s{seed}", "oracle_tiny.json",
                       lambda out: write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(),
-                                                        seed, out))
+                                                        seed, out, family.tiny_std))
 
 
 # ------------------------------------------------------------------ real configs, seeded

@@ -44,6 +44,9 @@ class MlxLm:
     check_tensor: Callable | None = None
     # a check of the values: (name, mx array) -> what is wrong, or None
     check_value: Callable | None = None
+    # the HF checkpoint's arrays -> what mlx-lm's sanitize() takes, where that is not one of the
+    # layouts above (gpt-oss: its sanitize takes only the MXFP4 release or mlx-lm's own names)
+    convert: Callable | None = None
     # the model builds its causal mask as an array (create_attention_mask(..., return_array=True):
     # DeepSeek-V3's MLA adds it to its rope scores), not mlx's "causal" shorthand
     array_mask: bool = False
