@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from oracle.reference import _normalize_output, block_modules, load_hf_model, materialized, reference_mode
+from oracle.reference import (_normalize_output, block_modules, load_hf_model, materialized, model_args,
+                              reference_mode, router_reader)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -24,6 +25,7 @@ class HFCandidate:
     def __init__(self, model, family, dtype):
         self.model, self.family, self.dtype = model, family, dtype
         self.modules = block_modules(model, family)
+        self.read_router = router_reader(family, model_args(model, family))
         self.cache = None
         self.info = {"executor": "transformers eager"}
 
@@ -48,7 +50,7 @@ class HFCandidate:
             for c in probes:
                 x = c.x.to(self.dtype)
                 o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
-                o = _normalize_output(kind, o, keep_dtype=True)
+                o = _normalize_output(kind, o, keep_dtype=True, router_output=self.read_router)
                 outs.append(o[:2] if kind == "router" else o)
         return outs
 
@@ -63,7 +65,7 @@ class HFCandidate:
             return args, {**kwargs, "hidden_states": x.reshape(kwargs["hidden_states"].shape)}
 
         def post(mod, args, kwargs, out):
-            o = _normalize_output(kind, out, keep_dtype=True)
+            o = _normalize_output(kind, out, keep_dtype=True, router_output=self.read_router)
             outputs.append(o[:2] if kind == "router" else o)
             n[0] += 1
 
@@ -74,6 +76,8 @@ class HFCandidate:
             for c in calls:
                 out = self.model(input_ids=torch.tensor([c.tokens]), past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
+                if kind == "logits":  # the model's logits (the reference's logits block), not the head's
+                    outputs[-1] = out.logits.detach()
         finally:
             h1.remove()
             h2.remove()

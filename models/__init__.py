@@ -54,6 +54,9 @@ class Family:
     # tiny checkpoints: the std of the tensors whose names end so, where TINY_STD would hide a
     # mechanism (gpt-oss's SwiGLU clamp at 7 is never reached by weights of std 0.1)
     tiny_std: dict = None
+    # an HF router's output -> (logits [N, E], top-k weights [N, k], indices [N, k]) given the
+    # ModelArgs (None: it returns that triple, as transformers 5's TopKRouters do)
+    router_output: Callable = None
 
     def __post_init__(self):
         if self.from_mlx is None:

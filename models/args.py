@@ -82,6 +82,8 @@ class ModelArgs:
     # length; cos/sin times short_mscale, or long_mscale once a call reaches past
     # original_max_position_embeddings: (original_max, short_mscale, long_mscale, *short_factor)
     longrope: tuple = ()
+    # Llama 3's rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    llama3_rope: tuple = ()
     # --- later families
     norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE)
     lm_head_bias: bool = False

@@ -80,7 +80,7 @@ class Rope(nn.Module):
     yarn: YaRN's frequencies and its cos/sin attention factor (models.args.ModelArgs.yarn)."""
 
     def __init__(self, head_dim: int, theta: float, partial: float = 1.0, interleave: bool = False,
-                 yarn: tuple = (), longrope: tuple = ()):
+                 yarn: tuple = (), longrope: tuple = (), llama3: tuple = ()):
         super().__init__()
         self.rotary_dim = int(head_dim * partial)
         self.interleave = interleave
@@ -88,6 +88,8 @@ class Rope(nn.Module):
         self.factor, self.longrope = 1.0, None
         if yarn:
             inv, self.factor = yarn_frequencies(inv, self.rotary_dim, theta, *yarn)
+        if llama3:
+            inv = llama3_frequencies(inv, *llama3)
         if longrope:
             original_max, short_mscale, long_mscale, *short = longrope
             inv = 1.0 / (torch.tensor(short, dtype=torch.float32)
@@ -100,7 +102,8 @@ class Rope(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.longrope is not None:  # the call's length decides the scale (HF: max(position) + 1)
             original_max, short_mscale, long_mscale = self.longrope
-            mscale = torch.where(pos.max() + 1 > original_max, long_mscale, short_mscale)
+            mscale = short_mscale if short_mscale == long_mscale else torch.where(
+                pos.max() + 1 > original_max, long_mscale, short_mscale)
             cos, sin = (emb.cos() * mscale).to(x.dtype), (emb.sin() * mscale).to(x.dtype)
         elif self.factor != 1.0:  # YaRN's attention factor
             cos, sin = (emb.cos() * self.factor).to(x.dtype), (emb.sin() * self.factor).to(x.dtype)
@@ -111,6 +114,18 @@ class Rope(nn.Module):
             rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
         rot = rot * cos + rotate_half(rot) * sin
         return torch.cat((rot, rest), dim=-1)
+
+
+def llama3_frequencies(inv, factor, low_freq_factor, high_freq_factor, original_max):
+    """Llama 3's rope scaling (HF _compute_llama3_parameters): long wavelengths divided by
+    `factor`, short ones kept, a smooth blend between."""
+    low_wavelen, high_wavelen = original_max / low_freq_factor, original_max / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, inv_l)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -163,7 +178,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.nh * self.hd, a.rms_norm_eps, a.norm_offset)
             self.k_norm = RMSNorm(self.kvh * self.hd, a.rms_norm_eps, a.norm_offset)
         self.use_rope = not a.rope_layers or bool(a.rope_layers[layer])
-        self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor, a.rope_interleave, a.yarn, a.longrope)
+        self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor, a.rope_interleave, a.yarn, a.longrope,
+                         a.llama3_rope)
         self.scale = a.attention_multiplier or self.hd**-0.5
         self.eps = a.rms_norm_eps
         kind = a.layer_types[layer]

@@ -173,9 +173,16 @@ def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=None):
     return model.eval()
 
 
+def decoder_of(model):
+    """The HF model's decoder (its `layers`, `norm`): get_decoder(), or `model` where that answers
+    the CausalLM itself (transformers 5.23's Llama4ForCausalLM)."""
+    decoder = model.get_decoder()
+    return decoder if hasattr(decoder, "layers") else model.model
+
+
 def streamed_device_map(model) -> dict:
     """Every decoder layer on "disk", everything else on the CPU (HF's device_map form)."""
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     prefix = next(n for n, m in model.named_modules() if m is decoder)
     layers = {f"{prefix}.layers.{i}": "disk" for i in range(len(decoder.layers))}
     rest = {n: "cpu" for n, _ in model.named_children() if n != prefix.split(".")[0]}
@@ -210,7 +217,7 @@ def block_modules(model, family) -> dict:
     from models.args import layer_kinds
 
     args = model_args(model, family)
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     out = {}
     for i, layer in enumerate(decoder.layers):
         for kind in layer_kinds(args, i):
@@ -225,11 +232,12 @@ def block_modules(model, family) -> dict:
     return out
 
 
-def _normalize_output(kind: str, out, keep_dtype: bool = False):
-    """HF module output -> tensor (router: weights, indices, logits); fp32 unless keep_dtype."""
+def _normalize_output(kind: str, out, keep_dtype: bool = False, router_output=None):
+    """HF module output -> tensor (router: weights, indices, logits); fp32 unless keep_dtype.
+    router_output: the family's reading of its router's output (Family.router_output)."""
     cast = (lambda t: t.detach()) if keep_dtype else (lambda t: t.detach().float())
     if kind == "router":  # HF routers return (logits, top-k weights, top-k indices)
-        logits, weights, idx = out
+        logits, weights, idx = router_output(out) if router_output else out
         return cast(weights), idx.detach(), logits.detach().float()
     if isinstance(out, tuple):
         out = out[0]
@@ -291,12 +299,13 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
     modules = block_modules(model, family)
     args = model_args(model, family)
     recs = defaultdict(lambda: ([], []))
+    reader = router_reader(family, args)
 
     def hook(key):
         def fn(mod, a, kwargs, out):
             x = _first_tensor(a, kwargs).detach().float()
             recs[key][0].append(x.reshape(1, -1, x.shape[-1]).clone())
-            out = _normalize_output(key[1], out)
+            out = _normalize_output(key[1], out, router_output=reader)
             if key[1] == "router":
                 out = (*out[:2], *selection_scores(mod, out[2], args))
             recs[key][1].append(out)
@@ -329,8 +338,13 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             ref.outputs[key] = [lg[None] for lg in ref.logits]
         else:
             ref.outputs[key] = [o.numpy() for o in outs]
-    add_expert_probes(ref, modules, args)
+    add_expert_probes(ref, modules, args, reader)
     return ref
+
+
+def router_reader(family, args):
+    """The family's reading of its HF router's output (None: the (logits, weights, indices) triple)."""
+    return None if family.router_output is None else (lambda out: family.router_output(out, args))
 
 
 @contextlib.contextmanager
@@ -350,7 +364,7 @@ def materialized(module):
             hook.post_forward(m, None)
 
 
-def add_expert_probes(ref: Reference, modules: dict, args) -> None:
+def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:
     """A prompt rarely routes to every expert, and a bug in an expert nobody routes to is
     invisible. So the stateless router and moe blocks also get one single-token probe per
     expert e: a token the family's own selection routes to e, checked by running the reference
@@ -374,17 +388,17 @@ def add_expert_probes(ref: Reference, modules: dict, args) -> None:
                 for e in range(w.shape[0]):
                     x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
                     out = router(x.reshape(1, -1).to(router.weight.dtype))
-                    if e not in out[2].reshape(-1).tolist():
+                    if e not in _normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
                         if pinv is None:
                             pinv = torch.linalg.pinv(w.double())  # [H, E]
                         z = torch.full((w.shape[0],), -8.0, dtype=torch.float64)
                         z[e] = 8.0
                         x = (pinv @ z).float().reshape(1, 1, -1)
                         out = router(x.reshape(1, -1).to(router.weight.dtype))
-                        if e not in out[2].reshape(-1).tolist():
+                        if e not in _normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
                             unprobed.append(e)
                             continue
-                    weights, idx, logits = _normalize_output("router", out)
+                    weights, idx, logits = _normalize_output("router", out, router_output=reader)
                     choice, gap = selection_scores(router, logits, args)
                     call = BlockCall(x.numpy(), np.array([0]), [], probe=True)
                     ref.inputs[layer, "router"].append(call)
