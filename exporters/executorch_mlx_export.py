@@ -99,6 +99,8 @@ def transform_experts(ex: Experts, sort_cutoff: int = 1) -> None:
 
     if "expert_mlp" in ex.__dict__:
         return
+    if ex.act != "swiglu" or hasattr(ex, "gate_up_proj_bias") or ex.on_input:
+        return  # gpt-oss's clamped SwiGLU and biases, Llama 4's scaled input: the production model's torch code
     E, I2, H = ex.gate_up_proj.shape
     I = I2 // 2
     for name, w in (("gate", ex.gate_up_proj[:, :I]), ("up", ex.gate_up_proj[:, I:]), ("down", ex.down_proj)):
@@ -159,13 +161,16 @@ def attend(self, q, kc, vc, pos):  # pos: what `mask_positions` returned
 
 def transform_attention(attn: Attention, theta: float) -> None:
     S = attn.k_cache.shape[2]
-    # mlx's rope op: rotate-half with plain frequencies (interleaved pairs or YaRN's cos/sin
-    # factor stay the production model's torch code)
-    if "forward" not in attn.rope.__dict__ and not attn.rope.interleave and attn.rope.factor == 1.0:
-        transform_rope(attn.rope, theta, S)
+    # mlx's rope op: rotate-half with plain frequencies (interleaved pairs, YaRN's cos/sin factor
+    # or LongRoPE's scale stay the production model's torch code)
+    rope = attn.rope
+    if "forward" not in rope.__dict__ and not rope.interleave and rope.factor == 1.0 and rope.longrope is None:
+        transform_rope(rope, theta, S)
     swap(attn, "update_cache", update_cache)
-    # the causal mask and the attention together, or neither (a fault in one keeps both in torch)
-    if attn.window is None and "mask" not in attn.__dict__ and "attend" not in attn.__dict__:
+    # the causal mask and the attention together, or neither (a fault in one keeps both in torch);
+    # mlx's causal sdpa has no window, chunk or sink
+    plain = attn.window is None and attn.chunk is None and not hasattr(attn, "sinks")
+    if plain and "mask" not in attn.__dict__ and "attend" not in attn.__dict__:
         swap(attn, "mask", mask_positions)
         swap(attn, "attend", attend)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from models import drop_layers_from, get_family
-from models.args import SLIDING
+from models.args import CHUNKED, SLIDING
 from models.checkpoint import CheckpointError, shard_files
 from models.mlx_lm import ConfigError  # noqa: F401  (the backend's refusal; tests import it from here)
 from oracle.backend import Option
@@ -332,8 +332,8 @@ def text_model(model):
     return getattr(model, "language_model", model)
 
 
-def moe_block(layer):
-    return layer.block_sparse_moe if "block_sparse_moe" in layer else layer.mlp
+def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm name
+    return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp") if n in layer)
 
 
 def attention_block(layer):
@@ -412,6 +412,14 @@ def _route_router_topk(moe, x):  # gpt_oss: top-k of the (biased) router logits,
     return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
 
 
+def _route_sigmoid_top(moe, x):  # llama4: top-k of the router logits, their sigmoid (scales the expert input)
+    import mlx.core as mx
+
+    logits = moe.router(x)
+    inds = mx.argpartition(-logits, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
+    return mx.sigmoid(mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32)), inds
+
+
 def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
@@ -422,7 +430,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
          "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
-         "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.glm4_moe.MoE": _route_gate}
+         "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate}
 
 
 def route(moe, x):
@@ -442,13 +450,15 @@ def route(moe, x):
 class MLXCandidate:
     block_mode = "isolated"
 
-    def __init__(self, model, dtype, device, info, array_mask: bool = False, windows: dict | None = None):
+    def __init__(self, model, dtype, device, info, array_mask: bool = False, windows: dict | None = None,
+                 chunks: dict | None = None):
         import mlx.core as mx
 
         self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
         self.cache, self.pos = None, 0
         self.array_mask = array_mask  # the family's mlx-lm model builds an array mask (MlxLm.array_mask)
         self.windows = windows or {}  # layer -> its sliding window (the model's own masks; a block needs it)
+        self.chunks = chunks or {}  # layer -> its attention chunk (Llama 4's chunked layers)
 
     def _in(self, x):  # the reference's fp32 numpy input -> mx at the model's activation dtype
         return self.mx.array(np.asarray(x, np.float32)).astype(self.dtype)
@@ -533,6 +543,16 @@ class MLXCandidate:
             fn = self._block(layer, kind)
             return [fn(self._in(c.x_array), c) for c in calls]
 
+    def chunk_mask(self, x, cache, chunk: int):
+        """The chunked layers' mask as mlx-lm's llama4 builds it over its ChunkedKVCache (key j visible
+        to query i iff j <= i in the same chunk), after trimming the cache to the current chunk."""
+        mx = self.mx
+        cache.maybe_trim_front()
+        start, offset = cache.start_position, cache.offset
+        linds = mx.arange(start, offset + x.shape[1])
+        rinds = mx.arange(offset, offset + x.shape[1])[:, None]
+        return (mx.abs(linds // chunk - rinds // chunk) == 0) & (linds <= rinds)
+
     def _block(self, layer, kind):
         """fn(x [1, T, H], call) for one block; stateful blocks own a fresh mlx-lm cache."""
         from mlx_lm.models.base import create_attention_mask, create_ssm_mask
@@ -563,8 +583,11 @@ class MLXCandidate:
             if c.probe or int(c.pos_array[0]) != pos[0]:
                 raise ValueError(f"{kind} of layer {layer}: call at position {int(c.pos_array[0])}, state at {pos[0]}")
             pos[0] += x.shape[1]
-            mask = create_ssm_mask(x, cache) if linear else create_attention_mask(
-                x, cache, window_size=self.windows.get(layer), return_array=self.array_mask)
+            if layer in self.chunks:
+                mask = self.chunk_mask(x, cache, self.chunks[layer])
+            else:
+                mask = create_ssm_mask(x, cache) if linear else create_attention_mask(
+                    x, cache, window_size=self.windows.get(layer), return_array=self.array_mask)
             return self._out(module(x, mask, cache))
 
         return fn
@@ -666,7 +689,7 @@ class MLXBackend:
                 quant = quantize(m, QUANT_BITS[spec.precision], group_size) if spec.precision in QUANT_BITS else None
             # evaluated a decoder layer at a time: the lazily loaded checkpoint arrays of one layer
             # (and their fp32/quantization intermediates) are live at once, not the model's
-            for layer in text_model(m).layers:
+            for layer in m.layers:
                 mx.eval(layer.parameters())
             mx.eval(m.parameters())
         versions = {p: importlib.metadata.version(p) for p in ("mlx", "mlx-lm")}
@@ -682,7 +705,8 @@ class MLXBackend:
             info["transform"] = self.transform_id
         a = model.args
         windows = {i: a.sliding_window for i, t in enumerate(a.layer_types) if t == SLIDING}
-        return MLXCandidate(m, dtype, device, info, mapping(model.family.name).array_mask, windows)
+        chunks = {i: a.attention_chunk_size for i, t in enumerate(a.layer_types) if t == CHUNKED}
+        return MLXCandidate(m, dtype, device, info, mapping(model.family.name).array_mask, windows, chunks)
 
     def export(self, model, spec, output_dir) -> list:
         """An mlx-lm directory (what mlx_lm.convert writes: config.json, model*.safetensors):
