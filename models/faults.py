@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from models import routing
-from models.args import DENSE, mlp_type
+from models.args import DENSE, SLIDING, SPARSE, mlp_type
 from models.layers import FULL, LINEAR, Attention, Experts, GatedDeltaNet, LatentAttention, ModelArgs, Router, Transformer
 
 
@@ -23,7 +23,10 @@ from models.layers import FULL, LINEAR, Attention, Experts, GatedDeltaNet, Laten
 class Fault:
     name: str
     kind: str  # the block kind the oracle must name
-    target: str  # which layer: full (last full-attention), linear (last Gated DeltaNet), dense (first dense), last, model
+    # which layer: full (last full-attention), rope (last softmax-attention layer that rotates),
+    # nope (last that does not), sliding (last sliding-window), linear (last Gated DeltaNet),
+    # dense (first dense), last, model
+    target: str
     what: str
     apply: Callable  # (module at the target, args) -> None
     applies: Callable = lambda a: True
@@ -37,15 +40,14 @@ class Fault:
             return a.num_hidden_layers - 1
         if self.target == "dense":
             return min(i for i in range(a.num_hidden_layers) if mlp_type(a, i) == DENSE)
-        want = FULL if self.target == "full" else LINEAR
-        return max(i for i, t in enumerate(a.layer_types) if t == want)
+        return max(_targets(a, self.target))
 
     def is_applicable(self, a: ModelArgs) -> bool:
-        if self.target == "linear" and LINEAR not in a.layer_types:
+        if self.target in ("linear", "sliding", "nope", "rope") and not _targets(a, self.target):
             return False
         if self.target == "dense" and DENSE not in a.mlp_types:
             return False
-        if self.kind == "attention" and self.target == "full" and a.attention not in self.attention:
+        if self.kind == "attention" and self.target in ("full", "rope") and a.attention not in self.attention:
             return False
         return self.applies(a)
 
@@ -58,6 +60,16 @@ class Fault:
             self.apply(model.layers[i].attn, a)
         else:
             self.apply(model.layers[i], a)
+
+
+def _targets(a: ModelArgs, target: str) -> list[int]:
+    """The layers a target names (its fault goes to the last)."""
+    def rotates(i):
+        return not a.rope_layers or bool(a.rope_layers[i])
+
+    pick = {"full": lambda i, t: t == FULL, "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
+            "rope": lambda i, t: t != LINEAR and rotates(i), "nope": lambda i, t: t != LINEAR and not rotates(i)}[target]
+    return [i for i, t in enumerate(a.layer_types) if pick(i, t)]
 
 
 def patch(obj, name: str, fn) -> None:
@@ -94,8 +106,9 @@ def _sigmoid_router(layer, a):
 def _gate_up_swapped(layer, a):
     ex: Experts = layer.mlp.experts
 
-    def expert_mlp(x, idx):
-        up, gate = (ex.gate_up_proj[idx] @ x[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)
+    def expert_mlp(x, idx, w=None):
+        xs = x[:, None, :] if w is None else x[:, None, :] * w[..., None].to(x.dtype)
+        up, gate = (ex.gate_up_proj[idx] @ xs[..., None]).squeeze(-1).chunk(2, dim=-1)
         return (ex.down_proj[idx] @ (F.silu(gate) * up)[..., None]).squeeze(-1)
 
     patch(ex, "expert_mlp", expert_mlp)
@@ -113,7 +126,7 @@ def _one_expert_off(layer, a):
 
 def _expert_index_off_by_one(layer, a):
     ex: Experts = layer.mlp.experts
-    patch(ex, "expert_mlp", lambda x, idx: Experts.expert_mlp(ex, x, (idx + 1) % a.num_experts))
+    patch(ex, "expert_mlp", lambda x, idx, w=None: Experts.expert_mlp(ex, x, (idx + 1) % a.num_experts, w))
 
 
 def _weights_not_applied(layer, a):
@@ -321,18 +334,19 @@ CLASSIC: tuple[Fault, ...] = (
     Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", _gate_up_swapped),
     Fault("expert_weights_off_1e-3", "moe", "last", "one (used) expert's weights off by 1e-3", _one_expert_off),
     Fault("expert_index_off_by_one", "moe", "last", "expert weights gathered at index + 1", _expert_index_off_by_one),
+    # (sparsemixer's weights are 1 but inside its jitter band: nothing to see there)
     Fault("expert_weights_not_applied", "moe", "last", "expert outputs summed without routing weights",
-          _weights_not_applied),
+          _weights_not_applied, lambda a: a.router_scoring != "sparsemixer"),
     Fault("shared_expert_gate_no_sigmoid", "moe", "last", "shared-expert gate used without sigmoid",
           _shared_gate_no_sigmoid, lambda a: _has_shared(a) and a.shared_expert_gated),
     Fault("shared_expert_missing", "moe", "last", "shared expert dropped", _shared_missing, _has_shared),
     Fault("stray_bf16_downcast", "moe", "last", "a stray downcast to bf16 inside an fp32 program", _stray_bf16),
-    Fault("rope_theta_wrong", "attention", "full", "wrong rope theta (1e4 vs the checkpoint's)", _rope_theta_wrong,
+    Fault("rope_theta_wrong", "attention", "rope", "wrong rope theta (1e4 vs the checkpoint's)", _rope_theta_wrong,
           attention=("gqa", "mla")),
-    Fault("rope_interleaved", "attention", "full", "interleaved (GPT-J) rotation instead of rotate-half",
-          _rope_interleaved),
-    Fault("rotary_fraction_wrong", "attention", "full", "partial-rotary fraction wrong", _rotary_fraction_wrong),
-    Fault("qk_norm_missing", "attention", "full", "q/k RMSNorm missing", _qk_norm_missing,
+    Fault("rope_interleaved", "attention", "rope", "interleaved (GPT-J) rotation instead of rotate-half",
+          _rope_interleaved, lambda a: not a.rope_interleave),
+    Fault("rotary_fraction_wrong", "attention", "rope", "partial-rotary fraction wrong", _rotary_fraction_wrong),
+    Fault("qk_norm_missing", "attention", "rope", "q/k RMSNorm missing", _qk_norm_missing,
           lambda a: a.qk_norm != "none"),
     Fault("qk_norm_per_head_for_flat", "attention", "full", "per-head q/k norm where the family's is flat",
           _qk_norm_per_head_for_flat, lambda a: a.qk_norm == "flat"),
@@ -436,7 +450,93 @@ NEW_MECHANISMS: tuple[Fault, ...] = (
           _yarn_mscale_missing, lambda a: bool(a.yarn) and bool(a.yarn[5]), attention=("mla",)),
 )
 
-CATALOGUE: tuple[Fault, ...] = CLASSIC + NEW_MECHANISMS
+# ------------------------------------------------------------------ later families
+def _sinks_dropped(attn: Attention, a):
+    del attn.sinks  # a plain softmax (Attention.attend uses sinks where the module has them)
+
+
+def _window_off_by_one(attn: Attention, a):
+    attn.window = attn.window + 1  # q - k <= W: one key more than the checkpoint's window
+
+
+def _clamp_missing(layer, a):
+    layer.mlp.experts.limit = float("inf")
+
+
+def _router_logit_bias_ignored(layer, a):
+    del layer.mlp.gate.bias
+
+
+def _second_expert_unmasked(layer, a):
+    """sparsemixer's second choice taken without masking the first: the best expert twice."""
+    r: Router = layer.mlp.gate
+
+    def route(logits):
+        w, idx = Router.route(r, logits)
+        return torch.stack([w[:, 0]] * w.shape[1], -1), torch.stack([idx[:, 0]] * idx.shape[1], -1)
+
+    patch(r, "route", route)
+
+
+def _layernorm_as_rmsnorm(layer, a):
+    norm = layer.input_layernorm
+    patch(norm, "forward", lambda x: F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
+
+
+def _moe_layer_as_dense(layer, a):
+    """A wrong MoE/dense interleave (the layer taken for a dense one): its routed experts left out,
+    its shared experts' MLP all it computes."""
+    moe = layer.mlp
+    patch(moe, "forward", lambda x: moe.shared(x.reshape(-1, x.shape[-1])).view(x.shape))
+
+
+def _residual_multiplier_missing(layer, a):
+    layer.residual_multiplier = 1.0
+
+
+def _attention_multiplier_missing(attn: Attention, a):
+    attn.scale = attn.hd**-0.5
+
+
+def _logits_scaling_missing(model, a):
+    model.lm_head.logits_scaling = 1.0
+
+
+def _rope_on_nope_layer(attn: Attention, a):
+    attn.use_rope, attn.qk_norm = True, "none"  # rotated as the rope layers are (without their q/k norm)
+
+
+def _interleave_sparse(a):
+    return SPARSE in a.mlp_types and DENSE in a.mlp_types and a.shared_expert_intermediate_size > 0 \
+        and not a.shared_expert_gated
+
+
+LATER: tuple[Fault, ...] = (
+    Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
+          _sinks_dropped, lambda a: a.attention_sinks),
+    Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
+          _window_off_by_one),
+    Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", _clamp_missing,
+          lambda a: a.expert_act == "clamped_swiglu"),
+    Fault("router_logit_bias_ignored", "router", "last", "the router's bias left out of its logits",
+          _router_logit_bias_ignored, lambda a: a.router_linear_bias),
+    Fault("sparsemixer_first_unmasked", "router", "last", "sparsemixer's second expert chosen without masking the first",
+          _second_expert_unmasked, lambda a: a.router_scoring == "sparsemixer"),
+    Fault("layernorm_as_rmsnorm", "layer", "last", "LayerNorm computed as RMSNorm (no mean, no bias)",
+          _layernorm_as_rmsnorm, lambda a: a.norm == "layer"),
+    Fault("moe_interleave_wrong", "moe", "last", "an MoE layer taken for a dense one (wrong MoE/dense interleave)",
+          _moe_layer_as_dense, _interleave_sparse),
+    Fault("residual_multiplier_missing", "layer", "last", "residual_multiplier not applied",
+          _residual_multiplier_missing, lambda a: a.residual_multiplier != 1.0),
+    Fault("attention_multiplier_missing", "attention", "full", "attention_multiplier replaced by 1/sqrt(head_dim)",
+          _attention_multiplier_missing, lambda a: bool(a.attention_multiplier)
+          and a.attention_multiplier != a.head_dim**-0.5),
+    Fault("logits_scaling_missing", "logits", "model", "logits not divided by logits_scaling",
+          _logits_scaling_missing, lambda a: a.logits_scaling != 1.0),
+    Fault("rope_on_nope_layer", "attention", "nope", "rope applied on a no-rope layer", _rope_on_nope_layer),
+)
+
+CATALOGUE: tuple[Fault, ...] = CLASSIC + NEW_MECHANISMS + LATER
 
 
 def get(name: str) -> Fault:

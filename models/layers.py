@@ -536,10 +536,10 @@ class Experts(nn.Module):
         xs = x[:, None, :] if w is None else x[:, None, :] * w[..., None].to(x.dtype)  # [N, 1 or k, H]
         gu = (self.gate_up_proj[idx] @ xs[..., None]).squeeze(-1)  # [N, k, 2I]
         if hasattr(self, "gate_up_proj_bias"):
-            gu = gu + self.gate_up_proj_bias[idx]
+            gu = gu + rows(self.gate_up_proj_bias, idx)
         gate, up = gu.chunk(2, dim=-1)
         y = (self.down_proj[idx] @ self.activation(gate, up)[..., None]).squeeze(-1)
-        return y + self.down_proj_bias[idx] if hasattr(self, "down_proj_bias") else y
+        return y + rows(self.down_proj_bias, idx) if hasattr(self, "down_proj_bias") else y
 
     def dense_mlp(self, x, idx, w=None):  # traced, "dense": every expert on every token, no weight copy
         E = self.gate_up_proj.shape[0]
@@ -572,6 +572,11 @@ class Experts(nn.Module):
             gate, up = gu.chunk(2, dim=-1)  # [n_e, I] each
             out[slots] = F.linear(self.activation(gate, up), self.down_proj[e], self.down_proj_bias[e] if bias else None)
         return out.view(N, k, -1)
+
+
+def rows(t, idx):  # t [E, D] at idx [N, k] -> [N, k, D], gathered by a flat index (the MLX delegate
+    # lowers a 2-D index into a 2-D tensor as a take_along_axis that cannot broadcast: measured)
+    return t[idx.reshape(-1)].view(*idx.shape, t.shape[-1])
 
 
 @contextlib.contextmanager

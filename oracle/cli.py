@@ -112,7 +112,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--sample", action="store_true", help="fuse the on-device sampler (where supported)")
     backend_options(e)
     s = sub.add_parser("selftest", help="run the seeded-fault catalogue: does the oracle catch and localise?")
-    s.add_argument("--family", action="append", help="limit to this family (repeatable; default all nine)")
+    s.add_argument("--family", action="append", help="limit to this family (repeatable; default every supported family)")
     s.add_argument("--backend", default="eager")
     s.add_argument("--seeds", default="0,1,2", help="seeds of the clean (no-fault) runs (default 0,1,2)")
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
