@@ -38,3 +38,22 @@ class _Gathered(torch.nn.Module):
 
     def forward(self, x, idx):
         return self.ex.expert_mlp(x, idx)
+
+
+def test_sparsemixer_weights_are_transformers_own():
+    """models.routing.sparsemixer_weights (comparisons and sums, for export) against the function
+    transformers' PhiMoE router calls, at inference, on random logits with near ties planted."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from models import routing
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(512, 8, generator=g)
+    logits[::4, 1] = logits[::4, 0] * (1 - 1e-3)  # within the 2 * 0.01 band of another expert
+    logits[1::4] = -logits[1::4].abs()  # negative maxima (the factor's clamp)
+    w_hf, idx_hf = sparsemixer(logits, jitter_eps=0.01, training=False, top_k=2)
+    idx = torch.topk(logits, 2, dim=-1).indices
+    torch.testing.assert_close(idx, idx_hf)
+    w = routing.sparsemixer_weights(logits, idx, 0.01)
+    torch.testing.assert_close(w, w_hf, atol=1e-6, rtol=1e-6)
+    assert (w_hf < 0.99).any()  # the band decided some weights (not all 1)
