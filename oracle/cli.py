@@ -119,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write the selftest report here")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
-    m.add_argument("--families", help="comma-separated (default: all nine; with --model-dir / --config, the family its config names)")
+    m.add_argument("--families", help="comma-separated (default: every supported family; with --model-dir / --config, the family its config names)")
     m.add_argument("--backends", default="eager", help="comma-separated (default: eager)")
     m.add_argument("--precisions", default="fp32", help="comma-separated (default: fp32)")
     m.add_argument("--shard", help="I/N: run shard I of N (deterministic split)")
