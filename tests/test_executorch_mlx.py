@@ -129,8 +129,9 @@ def lit(v):
 
 UNARY = {"ExpNode": torch.exp, "NegNode": torch.neg, "SigmoidNode": torch.sigmoid, "SiluNode": F.silu,
          "TanhNode": torch.tanh, "AbsNode": torch.abs, "SinNode": torch.sin, "CosNode": torch.cos,
-         "SquareNode": torch.square, "LogNode": torch.log, "RsqrtNode": torch.rsqrt, "SqrtNode": torch.sqrt}
-POSITIVE = {"LogNode", "RsqrtNode", "SqrtNode"}  # drawn positive
+         "SquareNode": torch.square, "LogNode": torch.log, "RsqrtNode": torch.rsqrt, "SqrtNode": torch.sqrt,
+         "Log1pNode": torch.log1p, "FloorNode": torch.floor, "CeilNode": torch.ceil}
+POSITIVE = {"LogNode", "RsqrtNode", "SqrtNode", "Log1pNode"}  # drawn positive
 
 
 @SMALL
@@ -365,6 +366,16 @@ def test_rms_norm_node(rows, dim, eps, seed):
 
 
 @SMALL
+@given(st.integers(1, 4), st.sampled_from([4, 8, 16]), st.floats(1e-6, 0.5), seeds)
+def test_layer_norm_node(rows, dim, eps, seed):
+    x, w, b = randn((rows, dim), seed), randn((dim,), seed + 1), randn((dim,), seed + 2)
+    torch.testing.assert_close(run_node("LayerNormNode", [x, w, b], x=T0, weight=T1, bias=T2, out=OUT, eps=eps)[0],
+                               F.layer_norm(x, (dim,), w, b, eps), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run_node("LayerNormNode", [x], x=T0, out=OUT, eps=eps)[0],
+                               F.layer_norm(x, (dim,), None, None, eps), atol=1e-5, rtol=1e-5)
+
+
+@SMALL
 @given(st.integers(1, 5), st.integers(0, 20), st.sampled_from([4, 8, 16]), st.booleans(), st.booleans(), seeds)
 def test_rope_node_matches_the_delegates_reference(T, pos, dims, traditional, with_freqs, seed):
     """Against the delegate's own eager kernel of mlx::rope (executorch/backends/mlx/custom_ops.py)."""
@@ -467,7 +478,7 @@ def test_every_supported_node_type_has_a_test():
         "ConcatenateNode", "StackNode", "SliceNode", "SliceUpdateNode", "TakeNode", "TakeAlongAxisNode", "SplitNode",
         "SumNode", "MeanNode", "MaxNode", "MinNode", "ClipNode", "BitwiseAndNode", "BitwiseXorNode", "SoftmaxNode", "CumsumNode", "ArgmaxNode", "SortNode", "ArgsortNode",
         "PartitionNode", "ArgPartitionNode", "AddmmNode", "GatherMmNode", "AsTypeNode", "FullNode", "FullLikeNode",
-        "ARangeNode", "ItemIntNode", "NoopNode", "RMSNormNode", "RopeNode", "SdpaNode", "Conv1DNode",
+        "ARangeNode", "ItemIntNode", "NoopNode", "RMSNormNode", "LayerNormNode", "RopeNode", "SdpaNode", "Conv1DNode",
         "MetalKernelNode"}
     assert set(OPS) <= tested, sorted(set(OPS) - tested)
 
