@@ -28,6 +28,15 @@ FAMILY_NAMES = tuple(n for n in FIRST if n in _FILES) + tuple(n for n in _FILES 
 
 # Families transformers has but the harness cannot yet reproduce, and the missing feature.
 UNSUPPORTED = {
+    "jamba": "Mamba (selective state-space) layers",
+    "granitemoehybrid": "Mamba2 layers",
+    "granitemoeshared": "Granite's shared MLP beside the experts (shared_intermediate_size)",
+    "granitemoe_swa": "Granite's sliding-window layers",
+    "minimax": "lightning (linear) attention layers",
+    "dbrx": "DBRX's fused Wqkv with clip_qkv and its per-expert weight layout",
+    "jetmoe": "mixture-of-attention-heads (routed attention experts)",
+    "deepseek_v32": "DeepSeek sparse attention (the lightning indexer)",
+    "longcat_flash": "zero-computation experts and shortcut-connected MoE",
 }
 
 
