@@ -250,9 +250,10 @@ def selection_scores(router, logits, args):
     from models import routing
 
     # the router's correction bias wherever under it the family keeps it (ERNIE 4.5: moe_statics)
-    bias = next((t for n, t in [*router.named_parameters(), *router.named_buffers()]
-                 if n.rsplit(".", 1)[-1] == "e_score_correction_bias"), None)
-    bias = bias.detach().float().reshape(-1) if bias is not None else None
+    with materialized(router):  # a streamed model's router holds its weights only in its forward
+        bias = next((t for n, t in [*router.named_parameters(), *router.named_buffers()]
+                     if n.rsplit(".", 1)[-1] == "e_score_correction_bias"), None)
+        bias = bias.detach().float().reshape(-1).clone() if bias is not None else None
     probs = routing.scores(logits, args)
     return routing.selection(probs, bias, args), (routing.group_gap(probs, bias, args) if routing.grouped(args) else None)
 

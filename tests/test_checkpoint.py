@@ -27,7 +27,12 @@ def _fuse(weights):
     return out
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+# families whose checkpoints have their experts fused only (transformers writes and reads no
+# per-expert form): gpt-oss's gate_up [E, H, 2I], Granite's input_linear, Llama 4's [E, H, 2I]
+FUSED_ONLY = ("gpt_oss", "granitemoe", "llama4")
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f not in FUSED_ONLY])
 def test_fused_and_per_expert_layouts_give_the_same_model(family):
     fam = get_family(family)
     d = tiny_checkpoint(fam, 0)

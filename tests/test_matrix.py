@@ -264,7 +264,7 @@ def test_nightly_workflow_is_valid():
                         str(ROOT / ".github/workflows/oracle-nightly.yml")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     text = (ROOT / ".github/workflows/oracle-nightly.yml").read_text()
-    for needle in ("--shard ${{ matrix.shard }}/4", "macos-14", "executorch-cuda", "--require", "report diff"):
+    for needle in ("--shard ${{ matrix.shard }}/6", "macos-14", "executorch-cuda", "--require", "report diff"):
         assert needle in text
 
 
