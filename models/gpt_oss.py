@@ -3,11 +3,10 @@ a learned sink logit per head in every softmax, biased q/k/v/o, YaRN, a biased r
 logits are softmaxed, and experts with biases and the clamped SwiGLU
 (gate <= limit, |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)), gate/up interleaved."""
 
-from models import Family, ModelArgs, hf_args, require, rope_theta_any, yarn
-from models import sanitize_hf
+from models import Family, ModelArgs, hf_args, require, rope_theta_any, sanitize_hf, yarn
 from models.args import FULL, SLIDING
 from models.checkpoint import CheckpointError
-from models.mlx_lm import MlxLm, YARN_REQUIRE, const, yarn_scaling
+from models.mlx_lm import MlxLm, YARN_REQUIRE, yarn_scaling
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
