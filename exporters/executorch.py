@@ -269,7 +269,9 @@ def cache_parts(backend: str, model, spec, program: str, transform_id, options: 
     return {"backend": backend, "program": program, "family": spec.family, "precision": spec.precision,
             "checkpoint": model.checkpoint_sha256, "args": repr(model.args), "max_seq_len": model.args.max_seq_len,
             "options": options, "transform_id": transform_id,
-            "source": source_digest("models/layers.py", "models/sampling.py", "exporters/executorch.py", exporter),
+            # the production model's code (its routing too: models/routing.py), and faults.py for a faulted build
+            "source": source_digest("models/layers.py", "models/routing.py", "models/sampling.py", "exporters/executorch.py",
+                                    exporter, *(["models/faults.py"] if transform_id else [])),
             "versions": versions("torch", "executorch", "torchao")}
 
 

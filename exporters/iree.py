@@ -70,12 +70,12 @@ def host_cpu() -> str:
 @functools.cache
 def code_digest(faulted: bool) -> str:
     """The code a program is traced from (read, not imported: a warm check imports no torch):
-    the production layers and their args, the block functions (exporters/eager.py), this file
+    the production layers, their routing and args, the block functions (exporters/eager.py), this file
     and the export's, and faults.py for a faulted build (its transform_id names the fault, not
     its code)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for f in ("models/layers.py", "models/args.py", "exporters/eager.py", "exporters/iree.py",
+    for f in ("models/layers.py", "models/routing.py", "models/args.py", "exporters/eager.py", "exporters/iree.py",
               "exporters/iree_export.py", *(["models/faults.py"] if faulted else [])):
         h.update(f.encode() + b"\0" + (root / f).read_bytes())
     return h.hexdigest()[:16]
