@@ -16,14 +16,14 @@ import torch.nn.functional as F
 
 from models import routing
 from models.args import DENSE, SLIDING, SPARSE, mlp_type
-from models.layers import FULL, LINEAR, Attention, Experts, GatedDeltaNet, LatentAttention, ModelArgs, Router, Transformer
+from models.layers import LINEAR, Attention, Experts, GatedDeltaNet, LatentAttention, ModelArgs, Router, Transformer
 
 
 @dataclass(frozen=True)
 class Fault:
     name: str
     kind: str  # the block kind the oracle must name
-    # which layer: full (last full-attention), rope (last softmax-attention layer that rotates),
+    # which layer: full (last softmax-attention layer: full, sliding or chunked), rope (last that rotates),
     # nope (last that does not), sliding (last sliding-window), linear (last Gated DeltaNet),
     # dense (first dense), last, model
     target: str
@@ -43,7 +43,7 @@ class Fault:
         return max(_targets(a, self.target))
 
     def is_applicable(self, a: ModelArgs) -> bool:
-        if self.target in ("linear", "sliding", "nope", "rope") and not _targets(a, self.target):
+        if self.target not in ("model", "last", "dense") and not _targets(a, self.target):
             return False
         if self.target == "dense" and DENSE not in a.mlp_types:
             return False
@@ -67,7 +67,7 @@ def _targets(a: ModelArgs, target: str) -> list[int]:
     def rotates(i):
         return not a.rope_layers or bool(a.rope_layers[i])
 
-    pick = {"full": lambda i, t: t == FULL, "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
+    pick = {"full": lambda i, t: t != LINEAR, "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
             "rope": lambda i, t: t != LINEAR and rotates(i), "nope": lambda i, t: t != LINEAR and not rotates(i)}[target]
     return [i for i, t in enumerate(a.layer_types) if pick(i, t)]
 

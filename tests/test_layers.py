@@ -57,3 +57,17 @@ def test_sparsemixer_weights_are_transformers_own():
     w = routing.sparsemixer_weights(logits, idx, 0.01)
     torch.testing.assert_close(w, w_hf, atol=1e-6, rtol=1e-6)
     assert (w_hf < 0.99).any()  # the band decided some weights (not all 1)
+
+
+def test_mixtral_sliding_window_applies_to_every_layer():
+    """Mixtral's sliding_window has no per-layer form: every layer is a SLIDING one."""
+    from models import get_family
+    from models.args import SLIDING
+    from models.layers import Attention
+
+    fam = get_family("mixtral")
+    a = fam.args({**fam.tiny_config, "sliding_window": 4})
+    assert a.layer_types == (SLIDING,) * a.num_hidden_layers
+    attn = Attention(a, layer=1)
+    visible = attn.mask(torch.arange(6))
+    assert visible[5].nonzero().flatten().tolist() == [2, 3, 4, 5]  # q - k < 4
