@@ -373,13 +373,15 @@ def _route_qwen3(moe, x):  # qwen3_moe, qwen3_next (Qwen3.5): top-k as the last 
     return scores, inds
 
 
-def _route_mixtral(moe, x):  # mixtral: top-k of the logits, softmax over those k
+def _softmax_of_topk(logits, k: int):  # top-k of the logits, softmax over those k
     import mlx.core as mx
 
-    logits = moe.gate(x)
-    k = moe.num_experts_per_tok
     inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
     return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
+
+
+def _route_mixtral(moe, x):  # mixtral: the gate's logits
+    return _softmax_of_topk(moe.gate(x), moe.num_experts_per_tok)
 
 
 def _route_router(moe, x):  # granitemoe: a router module returns (indices, weights)
@@ -403,13 +405,8 @@ def _route_ernie(moe, x):  # ernie4_5_moe: softmax (fp32), top-k without the cor
     return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12), inds
 
 
-def _route_router_topk(moe, x):  # gpt_oss: top-k of the (biased) router logits, softmax over those k
-    import mlx.core as mx
-
-    logits = moe.router(x)
-    k = moe.num_experts_per_tok
-    inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
-    return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
+def _route_router_topk(moe, x):  # gpt_oss: the (biased) router's logits
+    return _softmax_of_topk(moe.router(x), moe.num_experts_per_tok)
 
 
 def _route_sigmoid_top(moe, x):  # llama4: top-k of the router logits, their sigmoid (scales the expert input)
