@@ -98,8 +98,8 @@ class CudaBackend:
             self.transform(m)
         m = m.to(device)
         gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (Inductor C++ kernels)"
-        info = {"executor": f"torch {torch.__version__} torch.compile (Inductor, fullgraph) on {gpu}",
-                "device": device}
+        info = {"executor": f"torch {torch.__version__} torch.compile (Inductor, fullgraph) on {device}",
+                "device": device, "host": {"device_name": gpu}}  # host facts: left out of every comparison
         return CompiledCandidate(m, DTYPES[spec.precision], device, info)
 
 

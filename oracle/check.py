@@ -875,6 +875,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         timings["load_s"] = time.perf_counter() - t
         info = dict(getattr(cand, "info", {}) or {})
         artifacts = info.pop("artifacts", [])
+        result.provenance["host"].update(info.pop("host", {}))  # e.g. IREE's target CPU: host facts in one place
         result.provenance["backend"] = info
         result.provenance["artifacts"] = [{"name": a["name"], "sha256": a["sha256"]} for a in artifacts]
         result.cache = {"artifacts": [{k: a[k] for k in ("name", "cached", "build_s", "path")} for a in artifacts],
