@@ -365,7 +365,8 @@ class IreeBackend:
         if not art.cached:  # model.vmfb's build seconds: export and compile, the archive's apart
             art = replace(art, build_s=max(art.build_s - b.params["build_s"], 0.0))
         info = {"executor": f"iree.runtime {versions('iree-base-runtime')['iree-base-runtime']} local-task, "
-                            f"llvm-cpu ({host_cpu()})",
+                            "llvm-cpu (compiled for this host's CPU: provenance.host.iree_target_cpu)",
+                "host": {"iree_target_cpu": host_cpu()},  # host facts: left out of every comparison
                 "state": "model: module globals (prefill/decode); blocks: explicit inputs/results",
                 "parameters": {**{k: b.params[k] for k in ("name", "sha256", "bytes", "tensors", "scope")},
                                "loaded": "iree.runtime.ParameterIndex (memory-mapped), io_parameters module; "
