@@ -419,7 +419,6 @@ def cmd_selftest(a) -> int:
 def cmd_matrix(a) -> int:
     from oracle.matrix import combos, parse_shard, run_matrix, shard
 
-    check_outputs(dirs=[("--report-dir", a.report_dir)])
     if a.families is None and (a.model_dir or a.config):  # the one family that checkpoint's config names
         from oracle.backend import InputError
         from oracle.check import family_of
@@ -431,17 +430,16 @@ def cmd_matrix(a) -> int:
     from models import FAMILY_NAMES
 
     fams = [x for x in (a.families or ",".join(FAMILY_NAMES)).split(",") if x]
-    unknown = [f for f in fams if f not in FAMILY_NAMES]
-    if unknown:
-        print(f"oracle: error: unknown family {unknown[0]!r}; known: {', '.join(FAMILY_NAMES)}", file=sys.stderr)
-        return EXIT["bad_input"]
-    cs = combos(fams, [x for x in a.backends.split(",") if x], [x for x in a.precisions.split(",") if x])
+    backends = [x for x in a.backends.split(",") if x]
+    precisions = [x for x in a.precisions.split(",") if x]
+    matrix_names_known(fams, backends, precisions)  # a typo in a nightly workflow is no green run of skips
+    cs = combos(fams, backends, precisions)
     if a.shard:
         try:
             cs = shard(cs, *parse_shard(a.shard))
         except ValueError as e:
-            print(f"oracle: error: {e}", file=sys.stderr)
-            return EXIT["bad_input"]
+            fail_input(str(e))
+    check_outputs(dirs=[("--report-dir", a.report_dir)])
     prog, update = progress_reporter()
     from pathlib import Path
 
@@ -465,6 +463,35 @@ def cmd_matrix(a) -> int:
     return 0 if summary["status"] == "pass" else EXIT["fail"]
 
 
+def matrix_names_known(families, backends, precisions) -> None:
+    """Refuse (exit 2, before any check runs) a family, backend or precision the oracle does not
+    know. A known backend that is unavailable here, or that lacks one of the precisions, is a
+    skipped row with its reason, as for `check`; a plugin (package.module:attr) must import."""
+    from models import FAMILY_NAMES, UNSUPPORTED
+    from oracle import thresholds
+    from oracle.backend import BackendError, builtin_names, resolve
+
+    for flag, given in (("--families", families), ("--backends", backends), ("--precisions", precisions)):
+        if not given:
+            fail_input(f"{flag}: empty list")
+    for f in families:
+        if f not in FAMILY_NAMES:
+            why = f" (not supported yet: missing {UNSUPPORTED[f]})" if f in UNSUPPORTED else ""
+            fail_input(f"--families: unknown family {f!r}{why}; known: {', '.join(FAMILY_NAMES)}")
+    for b in backends:
+        if b not in builtin_names():
+            if ":" not in b:
+                fail_input(f"--backends: unknown backend {b!r}; built-in: {', '.join(builtin_names())}; "
+                           "or give a plugin as package.module:attr")
+            try:
+                resolve(b)
+            except BackendError as e:
+                fail_input(f"--backends: {e}")
+    for p in precisions:
+        if p not in thresholds.precisions():
+            fail_input(f"--precisions: unknown precision {p!r}; known: {', '.join(thresholds.precisions())}")
+
+
 def cmd_report(a) -> int:
     import json
     from pathlib import Path
@@ -480,7 +507,18 @@ def cmd_report(a) -> int:
             merged = merge_dirs([Path(d) for d in a.dirs], Path(a.report_dir))
             print(S.markdown(merged), end="")
             return 0 if merged["status"] == "pass" else EXIT["fail"]
-        d = S.diff(S.load(a.baseline), S.load(a.current), a.factor)
+        docs = {}
+        for flag, path in (("--baseline", a.baseline), ("--current", a.current)):
+            if not Path(path).is_file():
+                fail_input(f"{flag} {path}: no such file (a matrix run's summary.json)")
+            try:
+                docs[flag] = S.load(path)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                fail_input(f"{flag} {path}: {e}")
+        try:
+            d = S.diff(docs["--baseline"], docs["--current"], a.factor)
+        except (KeyError, TypeError, AttributeError) as e:  # valid JSON with the schema tag, rows malformed
+            fail_input(f"--baseline {a.baseline} / --current {a.current}: malformed summary rows ({type(e).__name__}: {e})")
     except (OSError, ValueError) as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]

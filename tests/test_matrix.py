@@ -283,3 +283,31 @@ def test_matrix_takes_a_checkpoint(cli, tmp_path):
     assert doc["spec"]["family"] == "olmoe"
     r = cli("matrix", "--families", "olmoe,mixtral", "--config", str(cfg), "--report-dir", str(tmp_path / "m2"))
     assert r.returncode == 2 and "give its family alone" in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--families", "olmoe", "--backends", "nosuch"), "--backends: unknown backend 'nosuch'"),
+    (("--families", "olmoe", "--backends", "eager,nosuch.mod:X"), "cannot import module 'nosuch.mod'"),
+    (("--families", "olmoe", "--precisions", "fp33"), "--precisions: unknown precision 'fp33'"),
+    (("--families", "olmoe,nosuch"), "--families: unknown family 'nosuch'"),
+    (("--families", "olmoe", "--backends", ","), "--backends: empty list"),
+    (("--families", "olmoe", "--shard", "3/2"), "--shard 3/2"),
+])
+def test_matrix_refuses_unknown_names_before_running(cli, tmp_path, args, needle):
+    """A typo in a nightly workflow is exit 2 with the name, not a green run of skipped rows,
+    and nothing is written (the report dir is not even created)."""
+    out = tmp_path / "never"
+    r = cli("matrix", *args, "--report-dir", str(out))
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_report_diff_names_the_flag_of_a_missing_or_malformed_file(cli, tmp_path):
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps({"schema": "oracle-matrix/v1", "rows": []}))
+    r = cli("report", "diff", "--baseline", str(ok), "--current", str(tmp_path / "nope.json"))
+    assert r.returncode == 2 and "--current" in r.stderr and "nope.json" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "oracle-matrix/v1"}))
+    r = cli("report", "diff", "--baseline", str(bad), "--current", str(ok))
+    assert r.returncode == 2 and "malformed" in r.stderr and "Traceback" not in r.stderr
