@@ -51,14 +51,6 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(w, args)
 
 
-def _correction_bias(name: str, value) -> str | None:
-    """mlx-lm's sanitize drops e_score_correction_bias and its router chooses without it."""
-    if name.endswith("e_score_correction_bias") and bool((value != 0).any()):
-        return (f"{name} is not zero: mlx-lm's ernie4_5_moe drops the correction bias (its sanitize pops it) "
-                "and chooses experts without it, so it would compute another model")
-    return None
-
-
 MLX = MlxLm(
     module="ernie4_5_moe",
     config=dict(
@@ -77,11 +69,13 @@ MLX = MlxLm(
         (lambda c: not c.use_bias, "use_bias (mlx-lm's ernie4_5_moe puts biases on the experts and none on lm_head)"),
         (lambda c: c.moe_norm_min == 1e-12, "moe_norm_min other than 1e-12 (mlx-lm hard-codes it)"),
     ),
-    check_value=_correction_bias,
 )
 
 FAMILY = Family(
     name="ernie4_5_moe", model_types=("ernie4_5_moe",), hf_module="ernie4_5_moe",
     hf_class_name="Ernie4_5_MoeForCausalLM", hf_config_name="Ernie4_5_MoeConfig", tiny_config=TINY,
     to_args=to_args, sanitize=sanitize, mlx=MLX,
+    experts="moe_num_experts", top_k="moe_k",
+    rules=(("positive", "moe_intermediate_size", "intermediate_size", "moe_layer_interval"),
+           ("within_depth", "moe_layer_start_index"), ("within_depth", "moe_layer_end_index")),
 )

@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 
-EXIT = {"pass": 0, "fail": 1, "bad_input": 2, "skipped_required": 3, "error": 4}
+EXIT = {"pass": 0, "xfail": 0, "fail": 1, "bad_input": 2, "skipped_required": 3, "error": 4}
 
 
 def _quiet():
@@ -221,9 +221,9 @@ def cmd_families() -> int:
         print(f"{name:14s} supported    HF {f.hf_class_name} (model_type {', '.join(f.model_types)})")
     for name, why in UNSUPPORTED.items():
         print(f"{name:14s} unsupported  missing: {why}")
-    from models.checkpoint import config_names
+    from models.checkpoint import known_configs
 
-    print(f"published configs (--config NAME [--layers N]): {', '.join(config_names())}")
+    print(f"published configs (--config NAME [--layers N]): {known_configs()}")
     return 0
 
 

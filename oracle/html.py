@@ -16,7 +16,7 @@ CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
 table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
 th{background:#f2f2f2}.pass{color:#18794e;font-weight:600}.fail{color:#c62828;font-weight:600}
-.error{color:#8e24aa;font-weight:600}.skipped{color:#777;font-weight:600}
+.error{color:#8e24aa;font-weight:600}.skipped{color:#777;font-weight:600}.xfail{color:#b26a00;font-weight:600}
 .tok td{font-family:monospace;text-align:center}.div{background:#ffcdd2;font-weight:700}.tie{background:#fff3c4}
 section{border-top:2px solid #ddd;margin-top:24px;padding-top:8px}small{color:#666}
 """
@@ -86,6 +86,10 @@ def check_section(doc: dict) -> str:
         return "".join(parts) + f"<p>Skipped: {_esc(doc.get('skipped_reason'))}</p></section>"
     if doc.get("error"):
         parts.append(f"<pre>{_esc(doc['error'][:2000])}</pre>")
+    ex = doc.get("expected")
+    if ex:
+        parts.append(f"<p class='{'xfail' if doc['status'] == 'xfail' else 'fail'}'>Known divergence: "
+                     f"{_esc(ex['verdict'])} ({_esc(ex['package'])} {_esc(ex['versions'])}; {_esc(ex['reference'])})</p>")
     if doc.get("blocks"):
         parts.append(f'<img alt="error per layer and block kind" src="data:image/png;base64,{error_plot(doc)}">')
         w = doc.get("worst")
@@ -147,7 +151,7 @@ def render_html(summary: dict, report_dir: Path) -> str:
             sections.append(check_section(json.loads(path.read_text())))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>oracle report</title><style>{CSS}</style>"
             f"</head><body><h1>moe-oracle report</h1><p>{c['pass']} pass, {c['fail']} fail, {c['error']} error, "
-            f"{c['skipped']} skipped</p><table><tr><th>family</th><th>backend</th><th>precision</th>"
+            f"{c['skipped']} skipped, {c.get('xfail', 0)} expected failure(s)</p><table><tr><th>family</th><th>backend</th><th>precision</th>"
             f"<th>status</th><th>reason</th></tr>{rows}</table>{''.join(sections)}</body></html>\n")
 
 

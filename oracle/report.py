@@ -101,7 +101,7 @@ def _shipped(q: dict) -> list[str]:
 
 def markdown(doc: dict, top: int = 5) -> str:
     spec = doc["spec"]
-    icon = {"pass": "✅", "fail": "❌", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
+    icon = {"pass": "✅", "fail": "❌", "xfail": "⚠️", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
     src = spec.get("model_dir") or (spec.get("config") and spec["config"] + (f" --layers {spec['layers']}" if spec.get("layers") else "")) or "tiny"
     lines = [f"### {icon} oracle check `{spec['family']}` on `{spec['backend']}` ({spec['precision']}, {src}):"
              f" **{doc['status']}**", ""]
@@ -110,6 +110,10 @@ def markdown(doc: dict, top: int = 5) -> str:
     if doc["status"] == "error":
         first = (doc.get("error") or "").splitlines()[:1]
         return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""])
+    ex = doc.get("expected")
+    if ex:
+        lines += [f"Known divergence ({ex['family']} on {ex['backend']}, {ex['package']} {ex['versions']}): "
+                  f"**{ex['verdict']}**. Upstream: {ex['reference']}", ""]
     q = doc.get("quantization")
     if q:
         lines += _shipped(q)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SCHEMA = "oracle-report/v1"
-STATUSES = ("pass", "fail", "skipped", "error")
+STATUSES = ("pass", "fail", "xfail", "skipped", "error")  # xfail: oracle/expected.py
 # composite blocks contain others: a fault is localised to the most specific failing block
 SPECIFICITY = {"router": 0, "attention": 1, "moe": 1, "mlp": 1, "layer": 2, "final_norm": 3, "logits": 3}
 
@@ -83,6 +83,9 @@ class CheckResult:
     # --prompt/--prompts: each prompt's e2e, and over all of them the logits distribution (KL,
     # same top-1) and the perplexity of the prompts' own next tokens (candidate / reference)
     prompts: dict | None = None
+    # a known candidate defect (goldens/known_divergences.toml) that applies to this check: the
+    # entry, what failed, and the verdict (expected failure / stale / unexpected): oracle/expected.py
+    expected: dict | None = None
     schema: str = SCHEMA
 
     def to_dict(self) -> dict:

@@ -47,11 +47,12 @@ ORIGINAL = FAMILY_NAMES[:5]
 NEW = FAMILY_NAMES[5:]
 
 
-# mlx-lm models that compute another model than HF's for the tiny checkpoint: refused, with the reason
-REFUSED = {"ernie4_5_moe": "drops the correction bias"}
+# mlx-lm models with a known defect for the tiny checkpoint (goldens/known_divergences.toml): they
+# run, fail where the entry says, and are expected failures
+EXPECTED_FAILURES = {"ernie4_5_moe": "drops the router's e_score_correction_bias"}
 
 
-@pytest.mark.parametrize("new_family", [f for f in NEW if f not in REFUSED])
+@pytest.mark.parametrize("new_family", [f for f in NEW if f not in EXPECTED_FAILURES])
 def test_new_families_pass_fp32(new_family):
     """mlx-lm's own model of each later family against HF: every block and e2e."""
     r = run_check(CheckSpec(family=new_family, backend="mlx"))
@@ -59,14 +60,18 @@ def test_new_families_pass_fp32(new_family):
     assert r.e2e.token_exact and all(row.status == "pass" for row in r.blocks)
 
 
-@pytest.mark.parametrize("family_name", REFUSED)
-def test_mlx_lm_models_that_compute_another_model_are_refused(family_name):
-    """ERNIE 4.5: mlx-lm's sanitize pops e_score_correction_bias and its router chooses without it
-    (measured on the tiny checkpoint: logits 0.75 apart, argmax agreement 0.75)."""
-    from oracle.backend import InputError
-
-    with pytest.raises(InputError, match=REFUSED[family_name]):
-        run_check(CheckSpec(family=family_name, backend="mlx"))
+@pytest.mark.parametrize("family_name", EXPECTED_FAILURES)
+def test_mlx_lm_models_that_compute_another_model_are_expected_failures(family_name, cli, tmp_path):
+    """ERNIE 4.5: mlx-lm's sanitize pops e_score_correction_bias and its router chooses without it.
+    The check runs: router rows fail (other experts chosen), the e2e logits are far off, and the
+    verdict is the known divergence's expected failure (exit 0: it does not gate)."""
+    r = run_check(CheckSpec(family=family_name, backend="mlx"))
+    assert r.status == "xfail", (r.status, r.expected)
+    assert r.worst["kind"] == "router" and r.worst["metrics"]["topk_agreement"] < 0.5
+    assert r.e2e.status == "fail" and max(s["max_abs"] for s in r.e2e.steps) > 0.1
+    assert r.expected["verdict"].startswith("expected failure: ") and EXPECTED_FAILURES[family_name] in r.expected["cause"]
+    out = cli("check", "--family", family_name, "--backend", "mlx", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0 and "**xfail**" in out.stdout and "expected failure" in out.stdout
 
 
 @pytest.fixture(scope="module", params=ORIGINAL)

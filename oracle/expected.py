@@ -1,0 +1,109 @@
+"""Known candidate defects as data (goldens/known_divergences.toml): a real defect of a candidate
+that cannot be fixed here (an upstream bug) is neither a refusal nor a loosened limit. The check
+runs and its rows fail as usual; when it fails exactly where the entry says, its status is
+`xfail` ("expected failure: <cause>", exit 0, not gating). It turns red (`fail`) when it passes
+(the entry is stale: the upstream fixed it, remove the entry) or fails anywhere else.
+
+An entry: family, backend, the package whose versions have the defect and their range (a PEP 440
+specifier set), the precisions (all when absent), `fails` (the row kinds it fails: block kinds
+such as `router` or `layer`, `e2e`, `prompts`, `gate:<name>`), the cause, and an upstream
+reference. Entries are validated when read: a malformed file is refused with its path.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from oracle.goldens import root
+
+FILE = "known_divergences.toml"
+
+
+@dataclass(frozen=True)
+class Divergence:
+    family: str
+    backend: str
+    package: str
+    versions: str
+    fails: tuple[str, ...]
+    cause: str
+    reference: str
+    precisions: tuple[str, ...] = ()
+
+    def applies(self, family: str, backend: str, precision: str, versions: dict) -> bool:
+        have = versions.get(self.package)
+        if (family, backend) != (self.family, self.backend) or have is None:
+            return False
+        if self.precisions and precision not in self.precisions:
+            return False
+        try:
+            return Version(have) in SpecifierSet(self.versions)
+        except InvalidVersion:
+            return False
+
+
+def load(path=None) -> list[Divergence]:
+    """Every entry of the data file (none when it does not exist); ValueError naming the file
+    and the entry when it is malformed."""
+    path = path or root() / FILE
+    if not path.is_file():
+        return []
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    out = []
+    for i, entry in enumerate(doc.get("divergence", [])):
+        where = f"{path}: divergence #{i + 1}"
+        fields = {f: entry.get(f) for f in Divergence.__dataclass_fields__}
+        missing = [f for f in ("family", "backend", "package", "versions", "fails", "cause", "reference")
+                   if not fields[f]]
+        unknown = sorted(set(entry) - set(fields))
+        if missing or unknown:
+            raise ValueError(f"{where}: missing {missing}" if missing else f"{where}: unknown keys {unknown}")
+        try:
+            SpecifierSet(fields["versions"])
+        except InvalidSpecifier:
+            raise ValueError(f"{where}: versions {fields['versions']!r} is not a PEP 440 specifier set") from None
+        out.append(Divergence(**{**fields, "fails": tuple(fields["fails"]),
+                                 "precisions": tuple(fields["precisions"] or ())}))
+    return out
+
+
+def failing_parts(result) -> list[str]:
+    """What failed in a CheckResult, in the vocabulary of `fails`."""
+    parts = [b.kind for b in result.blocks if b.status in ("fail", "error")]
+    if result.e2e is not None and result.e2e.status in ("fail", "error"):
+        parts.append("e2e")
+    parts += [f"gate:{g.name}" for g in result.gates if g.status in ("fail", "error")]
+    if (result.prompts or {}).get("status") == "fail":
+        parts.append("prompts")
+    if (result.quantization or {}).get("rows", {}).get("status") in ("fail", "error"):
+        parts.append("quantization")
+    return list(dict.fromkeys(parts))
+
+
+def judge(result, entries: list[Divergence] | None = None) -> None:
+    """Turn a check that fails as a known divergence says into `xfail`, and one whose known
+    divergence did not show as said into `fail` with the reason. Sets result.expected."""
+    if result.status not in ("pass", "fail"):
+        return  # an error or a skip is not a verdict on the candidate's numbers
+    spec, versions = result.spec, result.provenance.get("versions", {})
+    entries = load() if entries is None else entries
+    entry = next((e for e in entries if e.applies(spec["family"], spec["backend"], spec["precision"], versions)), None)
+    if entry is None:
+        return
+    parts = failing_parts(result)
+    elsewhere = [p for p in parts if p not in entry.fails]
+    if result.status == "pass":
+        verdict, result.status = (f"stale: the expected failure did not happen ({entry.package} "
+                                  f"{versions[entry.package]} passes): remove the entry from {FILE}"), "fail"
+    elif elsewhere:
+        verdict = f"unexpected: it also fails {', '.join(elsewhere)}, outside the expected {', '.join(entry.fails)}"
+    else:
+        verdict, result.status = f"expected failure: {entry.cause}", "xfail"
+    result.expected = {**asdict(entry), "verdict": verdict, "failed": parts}
