@@ -10,8 +10,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 from models.args import DENSE, SPARSE, ModelArgs
@@ -66,6 +69,11 @@ class Family:
     # an HF router's output -> (logits [N, E], top-k weights [N, k], indices [N, k]) given the
     # ModelArgs (None: it returns that triple, as transformers 5's TopKRouters do)
     router_output: Callable = None
+    # config consistency (check_config): the config.json names of the routed-expert count and of
+    # top-k, and the family's own rules beside COMMON_RULES (see there)
+    experts: str = "num_experts"
+    top_k: str = "num_experts_per_tok"
+    rules: tuple = ()
 
     def __post_init__(self):
         if self.from_mlx is None:
@@ -83,28 +91,76 @@ class Family:
         return getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_class_name)
 
     def hf_config(self, cfg: dict):
+        """HF's config object of a config.json dict; a value of the wrong type (HF's configs are
+        strict dataclasses) or one HF refuses is a CheckpointError naming the field."""
         cls = getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_config_name)
         cfg = {k: v for k, v in text_config(cfg).items() if k not in ("architectures", "transformers_version")}
-        return cls(**cfg)
+        try:
+            return cls(**cfg)
+        except Exception as e:  # huggingface_hub's StrictDataclassFieldValidationError, HF's own ValueErrors
+            raise CheckpointError(hf_config_problem(e)) from None
+
+    def check_config(self, c, raw: bool = False) -> None:
+        """CheckpointError naming the config.json field(s) of the first rule `c` (HF's config object;
+        `raw`: the file's values, whose types HF's class checks after) breaks: COMMON_RULES, the
+        experts' rules and the family's own (`rules`)."""
+        experts = (("positive", self.experts, self.top_k), ("at_most", self.top_k, self.experts))
+        for rule in COMMON_RULES + experts + self.rules:
+            problem = broken_rule(c, rule, raw)
+            if problem:
+                raise CheckpointError(problem)
 
     def args(self, cfg: dict, max_seq_len: int = 256) -> ModelArgs:
         """ModelArgs from a config.json dict, resolved through HF's own config class so that
-        defaults are exactly the reference's."""
-        args = self.to_args(self.hf_config(cfg))
+        defaults are exactly the reference's; the config checked for consistency first. Bad
+        input never escapes as another exception: to_args' arithmetic on a value no rule
+        foresaw is a CheckpointError too."""
+        # the rules on the file's own values first (a message about what the user wrote, not about
+        # what HF derived from it: Llama 4's layer_types from no_rope_layers), then on HF's resolution
+        # (its defaults filled in)
+        self.check_config(SimpleNamespace(**text_config(cfg)), raw=True)
+        c = self.hf_config(cfg)
+        self.check_config(c)
+        try:
+            args = self.to_args(c)
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError) as e:
+            raise CheckpointError(f"the config does not resolve to a {self.name} model "
+                                  f"({type(e).__name__}: {one_line(e)})") from None
         return ModelArgs(**{**args.__dict__, "max_seq_len": max_seq_len})
 
-    def validate(self, cfg: dict, weights: dict, max_seq_len: int = 256) -> ModelArgs:
-        """Resolve the config and check the checkpoint's tensors against the production
-        model's (names and shapes) without allocating it."""
+    def validate(self, cfg: dict, weights: dict, max_seq_len: int = 256, where: str = "config.json") -> ModelArgs:
+        """Resolve the config (its problems named after `where`, the config file) and check the
+        checkpoint's tensors against the production model's (names and shapes) without
+        allocating it."""
         import torch
 
-        from models.checkpoint import validate_state
+        from models.checkpoint import LAYER, validate_state
         from models.layers import Transformer
 
-        args = self.args(cfg, max_seq_len)
-        with torch.device("meta"):
-            model = Transformer(args)
-        validate_state(model, self.sanitize(weights, args))
+        try:
+            args = self.args(cfg, max_seq_len)
+            # before the model is made (a depth of 10**9 would take forever even on the meta device)
+            depth = 1 + max((int(m.group(1)) for k in weights if (m := LAYER.search(k))), default=-1)
+            if args.num_hidden_layers > depth:
+                raise CheckpointError(f"num_hidden_layers {args.num_hidden_layers}: the checkpoint has tensors of "
+                                      f"{depth} layer(s)")
+            try:
+                with torch.device("meta"):
+                    model = Transformer(args)
+            except (RuntimeError, ValueError, OverflowError) as e:  # sizes whose products overflow, ...
+                raise CheckpointError(f"a model torch cannot build ({type(e).__name__}: {one_line(e)})") from None
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        try:
+            state = self.sanitize(weights, args)
+        except CheckpointError:
+            raise
+        except (KeyError, RuntimeError, ValueError, IndexError) as e:  # a layout the family's sanitize() cannot read
+            raise CheckpointError(f"the checkpoint's tensors are not a {self.name} layout "
+                                  f"({type(e).__name__}: {one_line(e)})") from None
+        validate_state(model, state)
         return args
 
     def build(self, cfg: dict, weights: dict, dtype=None, max_seq_len: int = 256) -> Transformer:
@@ -171,6 +227,109 @@ class Family:
             # that makes BLAS round differently from run to run of the same weights)
             yield {name: t.to(dtype) if t.dtype != dtype else t.clone()
                    for name, t in self.sanitize(read_tensors(index, names), args).items()}
+
+
+# ------------------------------------------------------------------ config consistency
+# Checked before any work (Family.check_config), on HF's config object (its defaults filled in),
+# naming the fields as config.json spells them ("a.b": key b of the dict a). A field that is absent
+# or None (HF's "not used") passes every rule. A rule is (kind, *fields):
+#   ("positive", f, ...)   each a number > 0          ("at_most", a, b)    a <= b
+#   ("at_least", f, n)     f >= the number n          ("divides", a, b)    b is a multiple of a
+#   ("per_layer", f)       a list of num_hidden_layers entries
+#   ("layer_index", f)     a list of layers, each in 0 .. num_hidden_layers - 1
+#   ("within_depth", f)    0 <= f <= num_hidden_layers (-1: up to the last, as ERNIE's end index)
+#   ("fraction", f)        0 < f <= 1
+COMMON_RULES = (
+    ("positive", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+     "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters.rope_theta"),
+    ("divides", "num_key_value_heads", "num_attention_heads"),  # grouped-query attention shares a KV head
+    ("per_layer", "layer_types"),
+    ("fraction", "rope_parameters.partial_rotary_factor"),
+)
+# the group-limited routers (DeepSeek-V3's, GLM-4.5's, dots.llm1's): the kept groups among the groups,
+# the experts split evenly into groups
+GROUPED = (("positive", "n_group", "topk_group"), ("at_most", "topk_group", "n_group"),
+           ("divides", "n_group", "n_routed_experts"))
+FIRST_K_DENSE = (("positive", "moe_intermediate_size", "intermediate_size"), ("within_depth", "first_k_dense_replace"))
+# Gated DeltaNet (Qwen3.5, Qwen3-Next): value heads grouped over key heads
+GATED_DELTANET = (("positive", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                   "linear_value_head_dim", "linear_conv_kernel_dim"),
+                  ("divides", "linear_num_key_heads", "linear_num_value_heads"))
+_MISSING = object()
+
+
+def field_value(c, name: str):
+    """A config field by its config.json name ("rope_parameters.rope_theta": a key of a dict
+    field); _MISSING where absent, None where HF leaves it unset."""
+    head, _, rest = name.partition(".")
+    v = getattr(c, head, _MISSING)
+    if rest:
+        v = v.get(rest, _MISSING) if isinstance(v, dict) else _MISSING
+    return v
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def broken_rule(c, rule: tuple, raw: bool = False) -> str | None:
+    """What `c` (an HF config object) breaks of one rule (see COMMON_RULES), or None. `raw`: a
+    value of another type passes (HF's class names the type it expects)."""
+    kind, *names = rule
+    if kind == "at_least":
+        names, bound = names[:1], names[1]
+    values = [field_value(c, n) for n in names]
+    if any(v is _MISSING or v is None for v in values) and kind != "positive":
+        return None
+    for n, v in zip(names, values):
+        if v is _MISSING or v is None:
+            continue
+        if kind in ("per_layer", "layer_index"):
+            if not isinstance(v, (list, tuple)):
+                return None if raw else f"{n} must be a list, got {v!r:.60}"
+            continue
+        if not _number(v):
+            return None if raw else f"{n} must be a finite number, got {v!r:.60}"
+    depth = getattr(c, "num_hidden_layers", None)
+    if kind == "positive":
+        bad = next(((n, v) for n, v in zip(names, values) if v not in (_MISSING, None) and v <= 0), None)
+        return bad and f"{bad[0]} must be positive, got {bad[1]!r}"
+    a, b = (values + [None])[:2]
+    if kind == "at_least" and a < bound:
+        return f"{names[0]} ({a}) must be at least {bound}"
+    if kind == "at_most" and a > b:
+        return f"{names[0]} ({a}) must be at most {names[1]} ({b})"
+    if kind == "divides" and (a <= 0 or b % a):
+        return f"{names[1]} ({b}) must be a multiple of {names[0]} ({a})"
+    if kind == "fraction" and not 0 < a <= 1:
+        return f"{names[0]} ({a}) must be in (0, 1]"
+    if not _number(depth):
+        return None  # num_hidden_layers' own rule says what is wrong with it
+    if kind == "per_layer" and len(a) != depth:
+        return f"{names[0]} has {len(a)} entries, num_hidden_layers is {depth}"
+    if kind == "layer_index":
+        bad = [i for i in a if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < depth)]
+        if bad:
+            return f"{names[0]} names layer {bad[0]!r}, outside 0..{depth - 1} (num_hidden_layers {depth})"
+    if kind == "within_depth" and not (a == int(a) and -1 <= a <= depth):
+        return f"{names[0]} ({a}) must be within 0..num_hidden_layers ({depth})"
+    return None
+
+
+def one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def hf_config_problem(e: Exception) -> str:
+    """HF's refusal of a config.json as one line naming the field: a strict dataclass's
+    "Validation error for field 'f': TypeError: Field 'f' expected int, got str (value: '64')"
+    becomes "f: expected int, got str (value: '64')"."""
+    text = one_line(e)
+    m = re.search(r"Field '([^']+)' (.*)$", text) or re.search(r"field '([^']+)':\s*(?:\w+: )?(.*)$", text)
+    if m:
+        return f"{m.group(1)}: {m.group(2)}"
+    m = re.search(r"validation error for validator '[^']+':\s*(?:\w+: )?(.*)$", text)  # HF's own rules
+    return m.group(1) if m else f"HF's config class refuses it ({type(e).__name__}: {text})"
 
 
 def map_group(tensors: dict, path: Path) -> dict:

@@ -50,6 +50,11 @@ def read_config_file(path: Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise CheckpointError(f"{path}: no 'model_type' key")
+    if not isinstance(cfg["model_type"], str):
+        raise CheckpointError(f"{path}: model_type must be a string, got {cfg['model_type']!r:.60}")
+    text = cfg.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise CheckpointError(f"{path}: text_config must be an object, got {type(text).__name__}")
     return cfg
 
 

@@ -4,7 +4,7 @@ topk_method "group_limited_greedy", the top-k within the topk_group groups with 
 expert probability; weights times routed_scaling_factor, never renormalised (HF 5.23 reads no
 norm_topk_prob for V2); always-on shared experts."""
 
-from models import Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, mla, require, sanitize_hf
+from models import FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, mla, require, sanitize_hf
 from models import rope_theta_any
 from models.mlx_lm import COMMON_REQUIRE, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
 
@@ -57,4 +57,5 @@ MLX = MlxLm(
 FAMILY = Family(
     name="deepseek_v2", model_types=("deepseek_v2",), hf_module="deepseek_v2", hf_class_name="DeepseekV2ForCausalLM",
     hf_config_name="DeepseekV2Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
+    experts="n_routed_experts", rules=(*GROUPED, *FIRST_K_DENSE, ("positive", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank")),
 )

@@ -6,7 +6,7 @@ routed_scaling_factor, plus one always-on shared expert.
 The worked example of a family made of blocks that exist (README, "Adding a family"): the
 config mapping, the checkpoint's names and the mlx-lm mapping are all this file has."""
 
-from models import (Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, mla, require, sanitize_hf,
+from models import (FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, mla, require, sanitize_hf,
                     sigmoid_routing)
 from models.mlx_lm import COMMON_REQUIRE, NOAUX, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
 from models import rope_theta_any
@@ -62,5 +62,6 @@ MLX = MlxLm(
 FAMILY = Family(
     name="deepseek_v3", model_types=("deepseek_v3",), hf_module="deepseek_v3",
     hf_class_name="DeepseekV3ForCausalLM", hf_config_name="DeepseekV3Config", tiny_config=TINY, to_args=to_args,
-    sanitize=sanitize, mlx=MLX,
+    sanitize=sanitize, mlx=MLX, experts="n_routed_experts",
+    rules=(*GROUPED, *FIRST_K_DENSE, ("positive", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank")),
 )

@@ -3,7 +3,7 @@ dense, then experts chosen as DeepSeek-V3 does (sigmoid + correction bias, group
 always-on shared experts. Sliding-window layers (layer_types) are refused: the released
 configs have none."""
 
-from models import Family, ModelArgs, first_k_dense, hf_args, require, rope_theta, sanitize_hf, sigmoid_routing
+from models import FIRST_K_DENSE, GROUPED, Family, ModelArgs, first_k_dense, hf_args, require, rope_theta, sanitize_hf, sigmoid_routing
 from models.args import FULL
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, NOAUX, MlxLm, const, head_dim
 
@@ -48,4 +48,5 @@ MLX = MlxLm(
 FAMILY = Family(
     name="dots1", model_types=("dots1",), hf_module="dots1", hf_class_name="Dots1ForCausalLM",
     hf_config_name="Dots1Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf, mlx=MLX,
+    experts="n_routed_experts", rules=(*GROUPED, *FIRST_K_DENSE),
 )

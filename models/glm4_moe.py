@@ -3,7 +3,7 @@ RMSNorm, partial rotary (half the head), the first `first_k_dense_replace` layer
 experts chosen as DeepSeek-V3 does (sigmoid + correction bias, group-limited) plus always-on
 shared experts."""
 
-from models import (Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, require, rope_theta,
+from models import (FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, require, rope_theta,
                     sanitize_hf, sigmoid_routing)
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, NOAUX, UNTIED, MlxLm, const, head_dim, rope_parameters
 
@@ -52,4 +52,5 @@ MLX = MlxLm(
 FAMILY = Family(
     name="glm4_moe", model_types=("glm4_moe",), hf_module="glm4_moe", hf_class_name="Glm4MoeForCausalLM",
     hf_config_name="Glm4MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
+    experts="n_routed_experts", rules=(*GROUPED, *FIRST_K_DENSE),
 )

@@ -106,4 +106,5 @@ FAMILY = Family(
     name="gpt_oss", model_types=("gpt_oss",), hf_module="gpt_oss", hf_class_name="GptOssForCausalLM",
     hf_config_name="GptOssConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, hf_router="mlp.router",
     mlx=MLX, tiny_std={"experts.gate_up_proj": 0.5},  # gate values beyond the clamp at 7 (std ~4)
+    experts="num_local_experts", rules=(("positive", "intermediate_size", "sliding_window", "swiglu_limit"),),
 )

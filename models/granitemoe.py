@@ -86,4 +86,6 @@ FAMILY = Family(
     name="granitemoe", model_types=("granitemoe",), hf_module="granitemoe", hf_class_name="GraniteMoeForCausalLM",
     hf_config_name="GraniteMoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_moe="block_sparse_moe", hf_router="block_sparse_moe.router", from_mlx=from_mlx, mlx=MLX,
+    # the logits are divided by logits_scaling
+    experts="num_local_experts", rules=(("positive", "intermediate_size", "logits_scaling"),),
 )

@@ -55,4 +55,5 @@ MLX = MlxLm(
 FAMILY = Family(
     name="mixtral", model_types=("mixtral",), hf_module="mixtral", hf_class_name="MixtralForCausalLM",
     hf_config_name="MixtralConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx, mlx=MLX,
+    experts="num_local_experts", rules=(("positive", "intermediate_size", "sliding_window"),),
 )

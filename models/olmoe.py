@@ -37,4 +37,5 @@ MLX = MlxLm(
 FAMILY = Family(
     name="olmoe", model_types=("olmoe",), hf_module="olmoe", hf_class_name="OlmoeForCausalLM",
     hf_config_name="OlmoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf, mlx=MLX,
+    rules=(("positive", "intermediate_size"),),
 )

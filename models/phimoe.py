@@ -99,4 +99,7 @@ FAMILY = Family(
     name="phimoe", model_types=("phimoe",), hf_module="phimoe", hf_class_name="PhimoeForCausalLM",
     hf_config_name="PhimoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_router="mlp.router", from_mlx=from_mlx, mlx=MLX,
+    # sparsemixer routes every token to two experts, whatever num_experts_per_tok says
+    experts="num_local_experts", rules=(("positive", "intermediate_size", "sliding_window"),
+                                        ("at_least", "num_local_experts", 2)),
 )

@@ -46,4 +46,5 @@ MLX = MlxLm(
 FAMILY = Family(
     name="qwen2_moe", model_types=("qwen2_moe",), hf_module="qwen2_moe", hf_class_name="Qwen2MoeForCausalLM",
     hf_config_name="Qwen2MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf, mlx=MLX,
+    rules=(("positive", "moe_intermediate_size", "decoder_sparse_step"), ("layer_index", "mlp_only_layers")),
 )

@@ -2,7 +2,7 @@
 per-head q/k norm), (1 + w) RMSNorm, softmax top-k routing with renormalisation and a
 sigmoid-gated shared expert."""
 
-from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models import GATED_DELTANET, Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
 from models.args import FULL, LINEAR
 from models.mlx_lm import COMMON_REQUIRE, ConfigError, MlxLm, const
 from models.quantized import unstack_experts
@@ -131,4 +131,5 @@ FAMILY = Family(
     name="qwen3_5_moe", model_types=("qwen3_5_moe_text", "qwen3_5_moe"), hf_module="qwen3_5_moe",
     hf_class_name="Qwen3_5MoeForCausalLM", hf_config_name="Qwen3_5MoeTextConfig",
     tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx, mlx=MLX,
+    rules=(("positive", "moe_intermediate_size"), *GATED_DELTANET),
 )

@@ -43,4 +43,5 @@ MLX = MlxLm(
 FAMILY = Family(
     name="qwen3_moe", model_types=("qwen3_moe",), hf_module="qwen3_moe", hf_class_name="Qwen3MoeForCausalLM",
     hf_config_name="Qwen3MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize_hf, mlx=MLX,
+    rules=(("positive", "moe_intermediate_size", "decoder_sparse_step"), ("layer_index", "mlp_only_layers")),
 )

@@ -3,7 +3,7 @@ softmax top-k routing, a sigmoid-gated shared expert) with its Gated DeltaNet in
 fused per key head (in_proj_qkvz, in_proj_ba: re-laid out by sanitize() into Qwen3.5's), dense
 MLP layers (mlp_only_layers, decoder_sparse_step) and norm_topk_prob from the config."""
 
-from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models import GATED_DELTANET, Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
 from models.args import DENSE, FULL, LINEAR, SPARSE
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
 from models.qwen3_5_moe import _conv1d_shape, _full_attention_interval, from_mlx_names
@@ -110,4 +110,6 @@ MLX = MlxLm(
 FAMILY = Family(
     name="qwen3_next", model_types=("qwen3_next",), hf_module="qwen3_next", hf_class_name="Qwen3NextForCausalLM",
     hf_config_name="Qwen3NextConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx, mlx=MLX,
+    rules=(("positive", "moe_intermediate_size", "intermediate_size", "decoder_sparse_step"),
+           ("layer_index", "mlp_only_layers"), *GATED_DELTANET),
 )

@@ -127,6 +127,16 @@ def config_without_model_type(d: Path) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+def config_with(**fields) -> Callable[[Path], None]:
+    """config.json with these fields set (a dict value: merged into the field's dict)."""
+    def damage(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        for k, v in fields.items():
+            cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
+        (d / "config.json").write_text(json.dumps(cfg))
+    return damage
+
+
 def integer_weight(d: Path) -> None:
     w = _weights(d)
     w["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 64, dtype=torch.int32)
@@ -227,6 +237,26 @@ CASES = [
          "model_type 'olmoe', not a mixtral checkpoint (that is family 'olmoe')"),
     Case("config-malformed", model_dir(), 2, "config.json: not valid JSON", malformed_config),
     Case("config-without-model-type", model_dir(), 2, "no 'model_type' key", config_without_model_type),
+    # configs: types and consistency, per family, before any work (the file and the field named)
+    Case("config-top-k-over-experts", model_dir(), 2,
+         "{ckpt}/config.json: num_experts_per_tok (9) must be at most num_experts (8)", config_with(num_experts_per_tok=9)),
+    Case("config-kv-heads-do-not-divide", model_dir(), 2,
+         "config.json: num_attention_heads (4) must be a multiple of num_key_value_heads (3)",
+         config_with(num_key_value_heads=3)),
+    Case("config-size-zero", model_dir(), 2, "config.json: hidden_size must be positive, got 0", config_with(hidden_size=0)),
+    Case("config-size-negative", model_dir(), 2, "config.json: num_experts must be positive, got -8",
+         config_with(num_experts=-8)),
+    Case("config-wrong-type", model_dir(), 2, "config.json: hidden_size: expected int, got str (value: '64')",
+         config_with(hidden_size="64")),
+    Case("config-deeper-than-checkpoint", model_dir(), 2,
+         "config.json: num_hidden_layers 1000000000: the checkpoint has tensors of 2 layer(s)",
+         config_with(num_hidden_layers=10**9)),
+    Case("config-rope-theta-negative", model_dir(), 2, "config.json: rope_parameters.rope_theta must be positive, got -1",
+         config_with(rope_parameters={"rope_theta": -1})),
+    Case("config-rope-type-unsupported", model_dir(), 2, "config.json: rope_type 'dynamic' is not supported yet",
+         config_with(rope_parameters={"rope_type": "dynamic", "factor": 2.0})),
+    Case("config-model-type-not-a-string", model_dir(), 2, "config.json: model_type must be a string, got 5",
+         config_with(model_type=5)),
     Case("integer-weight", model_dir(), 2,
          "tensor layers.0.self_attn.q_proj.weight has dtype torch.int32, expected a floating-point tensor",
          integer_weight),
@@ -366,3 +396,44 @@ def test_model_too_big_for_the_memory_is_refused(ckpt, tmp_path, capsys, monkeyp
     code, out, err = run_main(["check", "--family", "olmoe", "--backend", "eager", "--model-dir", str(ckpt),
                                "--json", str(report)], capsys)
     assert code == 0 and report.exists(), err
+
+
+# ------------------------------------------------------------------ config rules, per family
+# each family's rules (models.COMMON_RULES + what its FAMILY declares), broken one at a time on its
+# tiny config: the message names the config.json fields and their values
+FAMILY_RULES = [
+    ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok (9) must be at most num_local_experts (8)"),
+    ("ernie4_5_moe", {"moe_k": 9}, "moe_k (9) must be at most moe_num_experts (8)"),
+    ("deepseek_v3", {"topk_group": 5}, "topk_group (5) must be at most n_group (4)"),
+    ("deepseek_v3", {"n_group": 3}, "n_routed_experts (8) must be a multiple of n_group (3)"),
+    ("glm4_moe", {"first_k_dense_replace": 7}, "first_k_dense_replace (7) must be within 0..num_hidden_layers (3)"),
+    ("qwen3_5_moe", {"layer_types": ["linear_attention"] * 3}, "layer_types has 3 entries, num_hidden_layers is 4"),
+    ("qwen3_5_moe", {"linear_num_key_heads": 3},
+     "linear_num_value_heads (4) must be a multiple of linear_num_key_heads (3)"),
+    ("qwen3_next", {"mlp_only_layers": [4]}, "mlp_only_layers names layer 4, outside 0..3 (num_hidden_layers 4)"),
+    ("llama4", {"no_rope_layers": [1, 1]}, "no_rope_layers has 2 entries, num_hidden_layers is 4"),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}},
+     "rope_parameters.partial_rotary_factor (1.5) must be in (0, 1]"),
+    ("phimoe", {"num_local_experts": 1, "num_experts_per_tok": 1}, "num_local_experts (1) must be at least 2"),
+    ("granitemoe", {"logits_scaling": 0.0}, "logits_scaling must be positive, got 0.0"),
+]
+
+
+@pytest.mark.parametrize("family,fields,message", FAMILY_RULES, ids=[f"{r[0]}-{next(iter(r[1]))}" for r in FAMILY_RULES])
+def test_family_config_rule(family, fields, message):
+    from models.checkpoint import CheckpointError
+
+    f = get_family(family)
+    f.args(f.tiny_config)  # the tiny config itself keeps every rule
+    with pytest.raises(CheckpointError) as e:
+        f.args({**f.tiny_config, **fields})
+    assert str(e.value) == message
+
+
+def test_inconsistent_config_is_refused_before_a_checkpoint_is_written(tmp_path, capsys):
+    """--config a config.json of your own: checked before its seeded checkpoint is built."""
+    f = get_family("deepseek_v3")
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**f.tiny_config, "model_type": "deepseek_v3", "topk_group": 5}))
+    code, out, err = run_main(["check", "--backend", "eager", "--config", str(path)], capsys)
+    assert code == 2 and err == f"oracle: error: --config {path}: topk_group (5) must be at most n_group (4)\n", err
