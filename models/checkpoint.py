@@ -452,6 +452,12 @@ def config_names() -> list[str]:
     return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
 
 
+def known_configs() -> str:
+    """The published configs for a message; where none are found, where they were looked for
+    (an empty list would hide an install that lacks its package data)."""
+    return ", ".join(config_names()) or f"none (no *.json in {CONFIGS_DIR})"
+
+
 def published_config(name: str, layers: int | None = None) -> dict:
     """models/configs/<name>.json (or a config.json path of your own), with the depth cut to
     `layers` when given. A cut keeps the pattern's last `layers` entries of `layer_types` (a
@@ -459,7 +465,7 @@ def published_config(name: str, layers: int | None = None) -> dict:
     path = Path(name) if name.endswith(".json") else CONFIGS_DIR / f"{name}.json"
     if not path.is_file():
         raise CheckpointError(f"--config {name}: no such published config (or .json file); "
-                              f"known: {', '.join(config_names())}")
+                              f"known: {known_configs()}")
     cfg = read_config_file(path)
     if layers is not None:
         text = cfg.get("text_config", cfg)
