@@ -745,25 +745,49 @@ class ExecutorchBackend:
 
     artifact_suffix = ".pte"  # --pte: a program built elsewhere
 
+    def check_given(self, model, spec) -> None:
+        """--pte FILE, before any work: an ExecuTorch program (and weights file) whole, that its
+        runtime loads (in a child process: exporters/given.py), with the production methods
+        prefill and decode, and built for this check's model (its constant methods: vocabulary,
+        depth, positions). InputError naming the file otherwise."""
+        from exporters import given
+        from oracle.backend import InputError
+
+        pte, ptd = Path(spec.artifact), weights_file(spec.artifact)
+        for path, problem in ((pte, given.pte_problem(pte)), (ptd, ptd and given.ptd_problem(ptd))):
+            if problem:
+                raise InputError(f"--pte {pte}: {'its weights ' + str(path) + ': ' if path != pte else ''}{problem}")
+        found = given.probe("pte", "--pte", [pte, *([ptd] if ptd else [])], "the ExecuTorch runtime")
+        missing = sorted({"prefill", "decode"} - set(found["methods"]))
+        if missing:
+            raise InputError(f"--pte {pte} does not have the production exporter's methods: missing "
+                             f"{', '.join(missing)} (it has {', '.join(found['methods'])})")
+        const, need = found["constants"], spec.prompt_len + spec.decode_tokens
+        for name, want, what in (("get_vocab_size", model.args.vocab_size, "tokens in its vocabulary"),
+                                 ("get_n_layers", model.args.num_hidden_layers, "decoder layers")):
+            if const.get(name, want) != want:
+                raise InputError(f"--pte {pte} was built for a model of {const[name]} {what} (its {name}); this "
+                                 f"check's {spec.family} model has {want}: a program of another model")
+        if const.get("get_max_seq_len", need) < need:
+            raise InputError(f"--pte {pte} holds {const['get_max_seq_len']} positions (its get_max_seq_len); this "
+                             f"check needs {need} (--prompt-len {spec.prompt_len} + --decode-tokens {spec.decode_tokens})")
+
     def given(self, model, spec):
         """--pte FILE: a program built elsewhere (`oracle export` writes one), its weights in the .ptd
-        beside it. It must have the production methods, prefill and decode (tokens [1, T], pos
-        [T]) -> logits; with the check program's taps (taps.json beside it) and probe methods its
-        blocks are compared too, else they are n/a."""
+        beside it, checked first (check_given). It must have the production methods, prefill and
+        decode (tokens [1, T], pos [T]) -> logits; with the check program's taps (taps.json beside
+        it) and probe methods its blocks are compared too, else they are n/a."""
         from importlib.metadata import version
 
         from oracle.artifacts import sha256_file
         from oracle.backend import InputError
 
         pte = Path(spec.artifact)
+        self.check_given(model, spec)
         try:
             cand = ExecutorchCandidate(pte, {}, DTYPES[spec.precision], probe_rows(model.args))
         except Exception as e:
             raise InputError(f"--pte {pte}: the ExecuTorch runtime cannot load it ({type(e).__name__}: {e})") from None
-        missing = sorted({"prefill", "decode"} - set(cand.methods))
-        if missing:
-            raise InputError(f"--pte {pte} does not have the production exporter's methods: missing "
-                             f"{', '.join(missing)} (it has {', '.join(sorted(cand.program.method_names))})")
         cand.info = {"executor": f"executorch {version('executorch')} runtime (a program brought with --pte)",
                      "methods": sorted(cand.methods), "block_modes": ExecutorchCandidate.block_modes,
                      "blocks": "tapped (taps.json beside it)" if cand.taps else

@@ -342,17 +342,33 @@ class IreeBackend:
             raise RuntimeError(f"{PARAMS_FILE} is missing beside {art.path}")
         return Built(programs, which, art, Path(art.path), params)
 
+    def check_given(self, src, spec) -> None:
+        self.given(src, spec)
+
     def given(self, src, spec) -> Built:
         """--vmfb FILE: a program built elsewhere (`oracle export` writes one), its weights in the
-        model.irpa beside it. Its functions are checked against the production exporter's when
-        the candidate loads (required_functions)."""
+        model.irpa beside it, checked before any work (exporters/given.py): an IREE module, compiled
+        for a CPU this host is (its llvm-cpu target's features), that the runtime loads with its
+        parameters (in a child process), with the production exporter's functions for this check
+        (required_functions). InputError naming the file otherwise."""
+        from exporters import given
+
         vmfb = Path(spec.artifact)
         irpa = vmfb.with_name(PARAMS_FILE)
+        problem = given.vmfb_problem(vmfb) or given.cpu_problem(vmfb)
+        if problem:
+            raise InputError(f"--vmfb {vmfb}: {problem}")
         if not irpa.is_file():
             raise InputError(f"--vmfb {vmfb}: no {PARAMS_FILE} beside it (the program's weights, as "
                              "`oracle export --backend iree-llvm-cpu` writes them)")
+        found = given.probe("vmfb", "--vmfb", [vmfb, irpa], "the IREE runtime")
         plan = self.plan(src)[1]
         programs, which = parse_plan(plan)
+        missing = sorted(required_functions(programs, spec.prompt_len) - set(found["functions"]))
+        if missing:
+            raise InputError(f"--vmfb {vmfb} does not have the production exporter's functions for this check "
+                             f"(prefill compiled for {spec.prompt_len} tokens, decode, the block programs): missing "
+                             f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
         st = irpa.stat()
         params = {"name": irpa.name, "sha256": "not hashed (brought with --vmfb)", "bytes": st.st_size,
                   "scope": PARAM_SCOPE, "tensors": plan["parameters"], "build_s": 0.0}

@@ -781,13 +781,23 @@ def artifact_matches(spec: CheckSpec, src: ModelSource) -> None:
     except (OSError, ValueError):
         return
     flag = f"--{Path(spec.artifact).suffix[1:]} {spec.artifact}"
+    if not isinstance(man, dict):
+        raise InputError(f"{flag}: {path} is not an export manifest (not a JSON object)")
+    fam = man.get("family")
+    if fam and fam != spec.family:
+        raise InputError(f"{flag} was exported for family {fam!r} ({path}), not {spec.family!r}: "
+                         "a program of another model")
     sha = man.get("checkpoint_sha256")
     if sha and sha != src.checkpoint_sha256:
-        raise InputError(f"{flag} was exported from checkpoint sha256 {sha[:16]}... ({path}), "
+        raise InputError(f"{flag} was exported from checkpoint sha256 {str(sha)[:16]}... ({path}), "
                          f"not this check's ({src.checkpoint_sha256[:16]}...)")
-    opts = man.get("options") or {}
-    built = (opts.get("options") or {}).get("max_seq_len") or (opts.get("prompt_len", 0) + opts.get("decode_tokens", 0))
+    opts = man.get("options") if isinstance(man.get("options"), dict) else {}
+    inner = opts.get("options") if isinstance(opts.get("options"), dict) else {}
+    lengths = [opts.get("prompt_len", 0), opts.get("decode_tokens", 0)]
+    built = inner.get("max_seq_len") or (sum(lengths) if all(isinstance(n, int) for n in lengths) else 0)
     want = spec.prompt_len + spec.decode_tokens
+    if not isinstance(built, int):
+        raise InputError(f"{flag}: {path} has max_seq_len {built!r:.40}, not a number of tokens")
     if built and built != want:
         raise InputError(f"{flag} was exported for a sequence of {built} tokens ({path}); this check needs "
                          f"{want} (--prompt-len {spec.prompt_len} + --decode-tokens {spec.decode_tokens}): check with "
@@ -832,6 +842,9 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         raise InputError(refusal)
     if spec.artifact is not None:
         artifact_matches(spec, src)
+        check_given = getattr(backend, "check_given", None)  # the program itself (exporters/given.py)
+        if check_given is not None:
+            check_given(src, spec)
     if spec.reference is not None:
         saved = saved_reference(spec)["checkpoint_sha256"]
         here = [s.checkpoint_sha256 for s in (src, srcs.original) if s is not None]

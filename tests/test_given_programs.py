@@ -2,6 +2,8 @@
 --vmfb / --pte passes; one exported for another sequence length or checkpoint, or without the
 production exporter's functions, is bad input naming the fix."""
 
+import os
+import platform
 import shutil
 
 import pytest
@@ -75,5 +77,121 @@ def test_pte_without_the_production_methods_is_refused(pte, tmp_path):
         run_check(CheckSpec(family="olmoe", backend="executorch", decode_tokens=4, artifact=str(pte)))
     junk = tmp_path / "junk.pte"
     junk.write_bytes(b"not a program")
-    with pytest.raises(InputError, match="the ExecuTorch runtime cannot load it"):
+    with pytest.raises(InputError, match=r"junk.pte: not an ExecuTorch program \(file identifier b'a pr', expected b'ET12'\)"):
         run_check(CheckSpec(family="olmoe", backend="executorch", artifact=str(junk)))
+
+
+# ------------------------------------------------------------------ given programs, validated
+def program_copy(src, tmp_path, name: str, data: bytes | None = None, beside=("model.ptd",)):
+    """A copy of the program `src` (its `data` instead of its bytes when given) in a directory of
+    its own, with the files `beside` it copied (its weights; no manifest unless named)."""
+    d = tmp_path / name
+    d.mkdir()
+    for f in beside:
+        shutil.copy(src.with_name(f), d / f)
+    (d / src.name).write_bytes(src.read_bytes() if data is None else data)
+    return d / src.name
+
+
+def flipped(data: bytes, start: int, seed: int = 1) -> bytes:
+    import random
+
+    rng, out = random.Random(seed), bytearray(data)
+    for _ in range(200):
+        out[rng.randrange(start, len(out))] = rng.randrange(256)
+    return bytes(out)
+
+
+def test_random_bytes_as_pte_are_refused_not_an_abort(cli, tmp_path):
+    """4 KiB of random bytes whose identifier is not UTF-8: the ExecuTorch runtime's log of it
+    aborted the process (exit 134); now refused from its bytes, exit 2, the file named."""
+    junk = tmp_path / "garbage.pte"
+    junk.write_bytes(b"\x10\x00\x00\x00\x86\x87\xff\xfe" + os.urandom(4088))
+    p = cli("check", "--family", "olmoe", "--backend", "executorch", "--pte", str(junk))
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == (f"oracle: error: --pte {junk}: not an ExecuTorch program "
+                        "(file identifier b'\\x86\\x87\\xff\\xfe', expected b'ET12')\n")
+
+
+def test_a_runtime_abort_loading_a_program_is_contained():
+    """The same bytes given to the runtime itself (past the byte checks): it aborts, in the
+    child process that loads given programs, and that is an InputError naming the file."""
+    from exporters import given
+
+    pytest.importorskip("executorch.runtime")
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        junk = Path(d) / "garbage.pte"
+        junk.write_bytes(b"\x10\x00\x00\x00\x86\x87\xff\xfe" + bytes(4088))
+        with pytest.raises(InputError, match=r"--pte .*garbage.pte: the ExecuTorch runtime crashed loading it "
+                                             r"\(killed by SIGABRT.*not a program it can run"):
+            given.probe("pte", "--pte", [junk], "the ExecuTorch runtime")
+
+
+def test_damaged_pte_is_refused(pte, tmp_path):
+    data = pte.read_bytes()
+    cut = program_copy(pte, tmp_path, "cut", data[: len(data) // 2])
+    with pytest.raises(InputError, match=rf"--pte {cut}: truncated or corrupt: its header declares {len(data)} "
+                                         rf"bytes, the file has {len(data) // 2}"):
+        run_check(CheckSpec(family="olmoe", backend="executorch", artifact=str(cut)))
+    body = program_copy(pte, tmp_path, "body", flipped(data, 64))
+    with pytest.raises(InputError, match=r"--pte .*body/model.pte: the ExecuTorch runtime cannot load it "
+                                         r"\(\[program.cpp:\d+\] Verification failed"):
+        run_check(CheckSpec(family="olmoe", backend="executorch", artifact=str(body)))
+    weights = program_copy(pte, tmp_path, "weights", beside=())
+    ptd = pte.with_name("model.ptd").read_bytes()
+    weights.with_name("model.ptd").write_bytes(ptd[:1000])
+    with pytest.raises(InputError, match=r"model.pte: its weights .*model.ptd: truncated or corrupt"):
+        run_check(CheckSpec(family="olmoe", backend="executorch", artifact=str(weights)))
+
+
+def test_pte_of_another_family_is_refused(pte, tmp_path):
+    # with the manifest `oracle export` wrote beside it: the family it names
+    with pytest.raises(InputError, match=r"model.pte was exported for family 'olmoe' \(.*manifest.json\), "
+                                         r"not 'qwen3_moe': a program of another model"):
+        run_check(CheckSpec(family="qwen3_moe", backend="executorch", artifact=str(pte)))
+    # without: the program's own constant methods (depth, vocabulary)
+    bare = program_copy(pte, tmp_path, "bare")
+    with pytest.raises(InputError, match=r"was built for a model of 2 decoder layers \(its get_n_layers\); this "
+                                         r"check's qwen3_5_moe model has 4: a program of another model"):
+        run_check(CheckSpec(family="qwen3_5_moe", backend="executorch", artifact=str(bare)))
+
+
+def test_damaged_vmfb_is_refused(vmfb, tmp_path):
+    junk = program_copy(vmfb, tmp_path, "junk", os.urandom(4096), beside=("model.irpa",))
+    with pytest.raises(InputError, match=rf"--vmfb {junk}: not an IREE module"):
+        run_check(CheckSpec(family="olmoe", backend="iree-llvm-cpu", artifact=str(junk)))
+    data = vmfb.read_bytes()
+    for name, damaged in (("cut", data[: len(data) // 2]), ("body", flipped(data, 200))):
+        bad = program_copy(vmfb, tmp_path, name, damaged, beside=("model.irpa",))
+        with pytest.raises(InputError, match=rf"--vmfb {bad}: the IREE runtime cannot load it \(ValueError: .*"
+                                             "INVALID_ARGUMENT"):
+            run_check(CheckSpec(family="olmoe", backend="iree-llvm-cpu", artifact=str(bad)))
+
+
+def test_vmfb_compiled_for_another_cpu_is_refused(vmfb, tmp_path):
+    """An llvm-cpu program is compiled for a CPU (exporters/iree.py: the host's): one compiled
+    for another architecture, or with features this CPU lacks, is refused with the reason."""
+    from iree.compiler import compile_str
+
+    from exporters import given
+
+    other = "x86_64-unknown-linux-gnu" if platform.machine() in ("aarch64", "arm64") else "aarch64-unknown-linux-gnu"
+    module = compile_str(given._TRIVIAL, extra_args=["--iree-hal-target-device=local",
+                                                     "--iree-hal-local-target-device-backends=llvm-cpu",
+                                                     f"--iree-llvmcpu-target-triple={other}"])
+    foreign = program_copy(vmfb, tmp_path, "foreign", module, beside=("model.irpa",))
+    with pytest.raises(InputError, match=rf"--vmfb {foreign}: compiled for embedded-elf-\w+ .*, this host runs "
+                                         r"embedded-elf-\w+: compile it here"):
+        run_check(CheckSpec(family="olmoe", backend="iree-llvm-cpu", artifact=str(foreign)))
+    # features: the program's against those iree-compile chooses for this host
+    fmt, cpu, features = given.host_llvm_target()
+    assert given.cpu_problem(vmfb) is None  # exported here: for this host
+    fewer = lambda: (fmt, "smallcpu", frozenset(sorted(features)[:3]))  # noqa: E731
+    import unittest.mock
+
+    with unittest.mock.patch.object(given, "host_llvm_target", fewer):
+        problem = given.cpu_problem(vmfb)
+    assert problem.startswith(f"compiled for CPU {cpu}, with features this host's CPU (smallcpu) lacks: ")
