@@ -13,7 +13,9 @@ one lacks (SIGILL). So a given program is:
    functions) as one JSON line, or the runtime's own error;
 3. compared, by the backend, with what the check needs (exporters/executorch.py, iree.py).
 
-Every refusal is an InputError naming the file: exit 2, never the end of the run.
+Every refusal is an InputError naming the file: exit 2, never the end of the run. And since a
+program that passes all of that can still crash its runtime when it runs, `oracle check` of a
+given program runs in a child process itself (check_in_child): a crash there is exit 2 too.
 """
 
 from __future__ import annotations
@@ -151,6 +153,31 @@ def cpu_problem(vmfb: Path) -> str | None:
 def _head(path: Path, n: int = 4096) -> bytes:
     with open(path, "rb") as f:
         return f.read(n)
+
+
+# ------------------------------------------------------------------ the check, in a child process
+CONTAINED = "MOE_ORACLE_GIVEN_PROGRAM_CHILD"  # set in the child that runs the check of a given program
+
+
+def check_in_child(argv: list[str], flag: str, program: str) -> int:
+    """`oracle check ARGV` of a given program, run in a child process: a program can pass every
+    check below and still crash its runtime when it runs (a flipped byte in compiled code, an
+    offset out of range: IREE segfaults), and that is exit 2 naming the program, not the end of
+    the run. The child's output and exit status are passed on as they are."""
+    env = {**os.environ, CONTAINED: "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-m", "oracle.cli", *argv], env=env, capture_output=True, text=True,
+                       errors="replace")
+    sys.stdout.write(r.stdout)
+    if r.returncode >= 0:
+        sys.stderr.write(r.stderr)
+        return r.returncode
+    how = signal.Signals(-r.returncode).name if -r.returncode in signal.valid_signals() else f"signal {-r.returncode}"
+    log = _runtime_log(r.stderr)
+    runtime = {"--pte": "the ExecuTorch runtime", "--vmfb": "the IREE runtime"}.get(flag, "its runtime")
+    print(f"oracle: error: {flag} {program}: {runtime} crashed running it ({how}{': ' + log if log else ''}); "
+          "not a program it can run", file=sys.stderr)
+    return 2
 
 
 # ------------------------------------------------------------------ the load, in a child process

@@ -63,11 +63,7 @@ def shard_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: unreadable index ({e})") from None
-        names = sorted(set(weight_map.values()))
+        names = sorted(set(index_weight_map(index).values()))
         missing = [n for n in names if not (model_dir / n).is_file()]
         if missing:
             raise CheckpointError(f"{model_dir}: shard(s) listed in the index are missing: {', '.join(missing)}")
@@ -92,6 +88,21 @@ def shard_files(model_dir: Path) -> list[Path]:
             "AutoModelForCausalLM.from_pretrained(d).save_pretrained(out, safe_serialization=True)"
         )
     raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
+
+
+def index_weight_map(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map: tensor name -> the name of a shard beside it."""
+    try:
+        doc = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{index}: unreadable index ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: unreadable index (no \"weight_map\" of tensor names to shard files)")
+    odd = [v for v in weight_map.values() if Path(v).name != v or not v.endswith(".safetensors")]
+    if odd:  # a path elsewhere ("../x", "/etc/passwd") is never read
+        raise CheckpointError(f"{index}: shard {odd[0]!r} is not the name of a .safetensors file beside it")
+    return weight_map
 
 
 # safetensors dtype names -> torch dtypes, by name (the ones a checkpoint can hold)
@@ -137,7 +148,7 @@ def tensor_index(model_dir: Path) -> dict[str, tuple[Path, str, tuple]]:
                 out[name] = (shard, sl.get_dtype(), tuple(sl.get_shape()))
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        listed = set(json.loads(index.read_text())["weight_map"])
+        listed = set(index_weight_map(index))
         absent = sorted(listed - set(out))
         if absent:
             raise CheckpointError(f"{index}: {len(absent)} tensor(s) listed but not in any shard, e.g. {absent[0]}")

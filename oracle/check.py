@@ -810,11 +810,14 @@ def spec_record(spec: CheckSpec) -> dict:
     return {k: v for k, v in asdict(spec).items() if k != "reference"}
 
 
-def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True) -> CheckResult:
+def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,
+              validate_only: bool = False) -> CheckResult:
     """Run one check. Raises InputError for bad input. A crash in the backend's load() (or in
     every block) is status 'error'; a crash or malformed output in one block, one e2e step or
     one optional stage is that row's error/fail and the check goes on.
-    goldens=False leaves out the golden gates (how `oracle goldens freeze` checks)."""
+    goldens=False leaves out the golden gates (how `oracle goldens freeze` checks).
+    validate_only: every input read and checked (checkpoint, config, given program, saved
+    reference, prompts), then the result as it stands: no reference is captured, nothing is run."""
     progress = progress or (lambda stage, done=0, total=0: None)
     t0 = time.perf_counter()
     timings = {}
@@ -862,6 +865,10 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         src = replace(src, args=replace(src.args, max_seq_len=longest + spec.decode_tokens))
         result.spec = spec_record(spec)
 
+    if validate_only:
+        if spec.reference is not None and saved_reference(spec)["checkpoint_sha256"] == src.checkpoint_sha256:
+            reference_of(spec, src, prompts[0] if prompts else prompt_tokens(spec, src.args.vocab_size))  # read
+        return result
     progress("reference")
     t = time.perf_counter()
     prompt = prompts[0] if prompts else prompt_tokens(spec, src.args.vocab_size)

@@ -90,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", help="write the JSON report here ('-': standard output, instead of the summary)")
     c.add_argument("--markdown", help="write the markdown summary here ('-': standard output)")
     c.add_argument("--require", action="store_true", help="a skipped (unavailable) backend is a failure: exit 3")
+    c.add_argument("--validate-only", action="store_true", help="read and check every input (options, checkpoint "
+                   "and config, --pte/--vmfb, --reference, --prompts) and stop: exit 0 when all are valid, 2 naming "
+                   "the first that is not; no reference is captured, nothing is run or written")
     c.add_argument("--sampling", action="store_true", help="add the on-device sampler gate rows")
     c.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; >= 0)")
     c.add_argument("--top-p", type=float, default=0.9, help="sampling top-p (default 0.9; in (0, 1])")
@@ -313,7 +316,12 @@ def read_prompts(a) -> tuple[str, ...] | None:
     return tuple(texts)
 
 
-def cmd_check(a) -> int:
+def cmd_check(a, argv: list[str]) -> int:
+    given = a.pte or a.vmfb
+    if given and not os.environ.get("MOE_ORACLE_GIVEN_PROGRAM_CHILD"):  # a program brought from elsewhere runs in
+        from exporters.given import check_in_child  # a child process: its crash is exit 2, not this process's end
+
+        return check_in_child(argv, "--pte" if a.pte else "--vmfb", given)
     from oracle.backend import CheckSpec, InputError
     from oracle.check import run_check, validate
     from oracle.report import markdown
@@ -343,12 +351,19 @@ def cmd_check(a) -> int:
         backend = validate(spec)
         if prog:
             with prog:
-                result = run_check(spec, backend, update)
+                result = run_check(spec, backend, update, validate_only=a.validate_only)
         else:
-            result = run_check(spec, backend)
+            result = run_check(spec, backend, validate_only=a.validate_only)
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]
+    if a.validate_only:  # nothing was run: no report
+        if result.status == "skipped":
+            print(f"oracle: backend {spec.backend} is unavailable here ({result.skipped_reason}): inputs not checked",
+                  file=sys.stderr)
+            return EXIT["skipped_required"] if a.require else EXIT["pass"]
+        print(f"oracle: inputs valid ({spec.family} on {spec.backend})")
+        return EXIT["pass"]
     doc_json = dumps(result)
     md = markdown(result.to_dict())
     if a.json:
@@ -623,7 +638,7 @@ def main(argv=None) -> int:
         return cmd_report(a)
     if a.cmd == "reference":
         return cmd_reference(a)
-    return cmd_check(a)
+    return cmd_check(a, sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":

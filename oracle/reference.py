@@ -486,8 +486,12 @@ def load(path: Path) -> Reference | None:
     try:
         meta = json.loads(path.with_suffix(".json").read_text())
         t = load_file(str(path.with_suffix(".safetensors")))
-    except (OSError, ValueError):
+        return _reference_of(meta, t)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):  # not what save() writes
         return None
+
+
+def _reference_of(meta: dict, t: dict) -> Reference:
     n = meta["calls"]
     ref = Reference(meta["tokens"], meta["prompt_len"], [t[f"pos.{i}"] for i in range(n)],
                     [t[f"logits.{i}"] for i in range(n)])
@@ -505,7 +509,8 @@ def load(path: Path) -> Reference | None:
 
 
 # ---------------------------------------------------------------- portable references
-PORTABLE_FORMAT = 1
+PORTABLE_FORMAT = 2  # 2: provenance.json records the sha256 of the reference's files
+SAVED_FILES = ("reference.json", "reference.safetensors")  # what provenance.json's "files" hashes
 PORTABLE_FILES = ("reference.json", "reference.safetensors", "provenance.json")
 
 
@@ -522,9 +527,12 @@ def save_portable(ref: Reference, out: Path, provenance: dict) -> list[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        from oracle.artifacts import sha256_file
+
         save(ref, tmp / "reference")
-        (tmp / "provenance.json").write_text(json.dumps({**provenance, "format": PORTABLE_FORMAT}, indent=1,
-                                                        sort_keys=True) + "\n")
+        files = {f: sha256_file(tmp / f) for f in SAVED_FILES}
+        (tmp / "provenance.json").write_text(json.dumps({**provenance, "format": PORTABLE_FORMAT, "files": files},
+                                                        indent=1, sort_keys=True) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -549,13 +557,29 @@ def read_portable(path: Path) -> dict:
         meta = json.loads((path / "provenance.json").read_text())
     except ValueError as e:
         raise ValueError(f"--reference {path}/provenance.json: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"--reference {path}/provenance.json: not a JSON object")
     if meta.get("format") != PORTABLE_FORMAT:
-        raise ValueError(f"--reference {path}: format {meta.get('format')!r}, this version reads {PORTABLE_FORMAT}")
+        raise ValueError(f"--reference {path}: format {meta.get('format')!r:.40}, this version reads {PORTABLE_FORMAT} "
+                         "(save it again with `oracle reference save`)")
+    for key, kind in (("family", str), ("checkpoint_sha256", str), ("files", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise ValueError(f"--reference {path}/provenance.json: {key} is not a {kind.__name__}")
     return meta
 
 
 def load_portable(path: Path) -> Reference:
-    ref = load(Path(path) / "reference")
+    """The saved reference, its files verified first against the sha256 provenance.json records
+    (a reference is what `oracle reference save` wrote, byte for byte, or nothing)."""
+    from oracle.artifacts import sha256_file
+
+    path = Path(path)
+    files = read_portable(path)["files"]
+    for name in SAVED_FILES:
+        if files.get(name) != sha256_file(path / name):
+            raise ValueError(f"--reference {path}/{name}: changed or damaged since it was saved (not the sha256 "
+                             "provenance.json records)")
+    ref = load(path / "reference")
     if ref is None:
         raise ValueError(f"--reference {path}: reference.safetensors / reference.json are unreadable")
     return ref

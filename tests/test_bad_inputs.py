@@ -92,6 +92,17 @@ def malformed_index(d: Path) -> None:
     (d / "model.safetensors.index.json").write_text("{\"weight_map\": ")
 
 
+def index_without_weight_map(d: Path) -> None:
+    shard_in_two(d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model-00001-of-00002.safetensors"]}))
+
+
+def index_names_a_path_elsewhere(d: Path) -> None:
+    wm = shard_in_two(d)
+    wm["model.embed_tokens.weight"] = "../../etc/passwd"
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+
+
 def duplicated_across_shards(d: Path) -> None:
     shard_in_two(d)
     first = load_file(d / "model-00001-of-00002.safetensors")
@@ -228,6 +239,10 @@ CASES = [
     Case("index-lists-absent-tensor", model_dir(), 2, "listed but not in any shard, e.g. model.layers.9.mlp.gate",
          index_lists_absent_tensor),
     Case("index-malformed", model_dir(), 2, "model.safetensors.index.json: unreadable index", malformed_index),
+    Case("index-weight-map-not-an-object", model_dir(), 2,
+         'unreadable index (no "weight_map" of tensor names to shard files)', index_without_weight_map),
+    Case("index-names-a-path-elsewhere", model_dir(), 2,
+         "shard '../../etc/passwd' is not the name of a .safetensors file beside it", index_names_a_path_elsewhere),
     Case("tensor-in-two-shards", model_dir(), 2, "tensor model.embed_tokens.weight is in two shards",
          duplicated_across_shards),
     Case("shard-truncated", model_dir(), 2, "truncated or corrupt safetensors file", truncated_shard),
@@ -437,3 +452,31 @@ def test_inconsistent_config_is_refused_before_a_checkpoint_is_written(tmp_path,
     path.write_text(json.dumps({**f.tiny_config, "model_type": "deepseek_v3", "topk_group": 5}))
     code, out, err = run_main(["check", "--backend", "eager", "--config", str(path)], capsys)
     assert code == 2 and err == f"oracle: error: --config {path}: topk_group (5) must be at most n_group (4)\n", err
+
+
+def test_damaged_saved_reference_is_refused(tmp_path, capsys):
+    """A saved reference is what `oracle reference save` wrote, byte for byte (provenance.json
+    records each file's sha256), or bad input: never a traceback from a structure it lacks."""
+    ref = tmp_path / "ref"
+    code, out, err = run_main(["reference", "save", "--family", "olmoe", "--out", str(ref)], capsys)
+    assert code == 0, err
+    (ref / "reference.json").write_text((ref / "reference.json").read_text().replace('"calls"', '"kalls"'))
+    code, out, err = run_main(check("--reference", str(ref)), capsys)
+    assert code == 2 and err == (f"oracle: error: --reference {ref}/reference.json: changed or damaged since it was "
+                                 "saved (not the sha256 provenance.json records)\n"), err
+    meta = json.loads((ref / "provenance.json").read_text())
+    (ref / "provenance.json").write_text(json.dumps({**meta, "format": 1}))
+    code, out, err = run_main(check("--reference", str(ref)), capsys)
+    assert code == 2 and "format 1, this version reads 2 (save it again with `oracle reference save`)" in err, err
+
+
+def test_validate_only_checks_every_input_and_runs_nothing(ckpt, tmp_path, capsys):
+    """--validate-only: the same refusals as a check (exit 2, one line), or exit 0 and no report."""
+    report = tmp_path / "r.json"
+    code, out, err = run_main(["check", "--backend", "eager", "--model-dir", str(ckpt), "--json", str(report),
+                               "--validate-only"], capsys)
+    assert (code, out, err) == (0, "oracle: inputs valid (olmoe on eager)\n", "") and not report.exists()
+    config_with(num_experts_per_tok=9)(ckpt)
+    code, out, err = run_main(["check", "--backend", "eager", "--model-dir", str(ckpt), "--validate-only"], capsys)
+    assert code == 2 and err == (f"oracle: error: {ckpt}/config.json: num_experts_per_tok (9) must be at most "
+                                 "num_experts (8)\n"), err
