@@ -413,10 +413,12 @@ def _draw(name: str, shape, gen, std: dict | None = None):
     return noise
 
 
-def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict | None = None) -> None:
+def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict | None = None,
+                          rewrite=None) -> None:
     """Instantiate the HF model and overwrite every tensor deterministically from `seed`.
     Norm weights keep the identity HF initialises them to (1 for w * x, 0 for (1 + w) * x)
-    plus the noise."""
+    plus the noise. `rewrite` (a weight profile's, models.trained): applied to the state dict
+    before it is saved."""
     import torch
 
     torch.manual_seed(seed)
@@ -432,13 +434,19 @@ def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict |
             if "norm" in name and name.endswith("weight"):
                 w = w + t.mean()  # HF's identity init: all ones or all zeros
             t.copy_(w)
+    if rewrite is not None:
+        rewrite(sd)
     model.save_pretrained(out, safe_serialization=True)
 
 
-def tiny_checkpoint(family, seed: int) -> Path:
-    """The family's tiny checkpoint for `seed`, built once into a content-addressed cache dir."""
+def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
+    """The family's tiny checkpoint for `seed` and weight profile (models.trained.PROFILES),
+    built once into a content-addressed cache dir."""
     from importlib.metadata import version
 
+    from models.trained import profile_rewrite, profile_recipe
+
+    rewrite = profile_rewrite(family, family.tiny_config, weights, seed)
     recipe = {
         "family": family.name,
         "config": family.tiny_config,
@@ -447,10 +455,12 @@ def tiny_checkpoint(family, seed: int) -> Path:
         **({"tiny_std": family.tiny_std} if family.tiny_std else {}),
         "format": TINY_FORMAT,
         "transformers": version("transformers"),
+        **profile_recipe(weights),
     }
-    return cached_dir(recipe, f"{family.name}-s{seed}", "oracle_tiny.json",
+    stem = f"{family.name}-s{seed}" + ("" if weights == "normal" else f"-{weights}")
+    return cached_dir(recipe, stem, "oracle_tiny.json",
                       lambda out: write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(),
-                                                        seed, out, family.tiny_std))
+                                                        seed, out, family.tiny_std, rewrite))
 
 
 # ------------------------------------------------------------------ real configs, seeded
@@ -489,11 +499,13 @@ def published_config(name: str, layers: int | None = None) -> dict:
 
 
 def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=None,
-                            shard_bytes: int = SHARD_BYTES, progress=None) -> None:
+                            shard_bytes: int = SHARD_BYTES, progress=None, rewrite=None) -> None:
     """A checkpoint of `cfg`'s shapes with weights from HF's own initialisation (normal with the
     config's initializer_range, norms at identity), seeded, written as save_pretrained writes
     it (HF's reverse weight conversion: per-expert names; sharded with an index), one decoder
-    layer at a time: peak memory is one layer in fp32, not the model. dtype: torch's (default bf16)."""
+    layer at a time: peak memory is one layer in fp32, not the model. dtype: torch's (default bf16).
+    `rewrite` (a weight profile's, models.trained): applied to each layer's (and the modules outside
+    the layers') fp32 state dict before it is stored."""
     import torch
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
@@ -522,6 +534,8 @@ def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=None,
         for sub in module.modules():
             model._init_weights(sub)
         sd = {name_prefix + k: v for k, v in module.state_dict().items()}
+        if rewrite is not None:
+            rewrite(sd)
         for k, v in revert_weight_conversion(model, sd).items():
             t = v.to(dtype) if v.is_floating_point() else v
             pending[k] = t.contiguous()
@@ -561,18 +575,23 @@ def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=None,
 
 
 def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: str = "bf16",
-                      progress=None) -> Path:
-    """The seeded checkpoint of a published config (--config NAME [--layers N]), built once into
-    the content-addressed cache."""
+                      progress=None, weights: str = "normal") -> Path:
+    """The seeded checkpoint of a published config (--config NAME [--layers N]) and weight profile
+    (models.trained.PROFILES), built once into the content-addressed cache."""
     from importlib.metadata import version
 
+    from models.trained import profile_recipe, profile_rewrite
+
     cfg = published_config(name, layers)
+    rewrite = profile_rewrite(family, cfg, weights, seed)
     name = Path(name).stem if name.endswith(".json") else name
     recipe = {"family": family.name, "config": cfg, "seed": seed, "dtype": dtype, "format": TINY_FORMAT,
-              "transformers": version("transformers")}
+              "transformers": version("transformers"), **profile_recipe(weights)}
     stored = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[dtype]
-    return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}", "oracle_seeded.json",
-                      lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype(stored), progress=progress))
+    profile = "" if weights == "normal" else f"-{weights}"
+    return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}{profile}", "oracle_seeded.json",
+                      lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype(stored), progress=progress,
+                                                          rewrite=rewrite))
 
 
 def cached_dir(recipe: dict, stem: str, recipe_file: str, build) -> Path:

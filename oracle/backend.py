@@ -160,6 +160,9 @@ class CheckSpec:
     model_dir: str | None = None  # None: the family's tiny checkpoint for `seed` (or `config`'s)
     config: str | None = None  # a published config (models/configs/NAME.json): a seeded checkpoint of it
     layers: int | None = None  # with `config`: the depth cut to this many layers
+    # the weight profile of the tiny / `config` checkpoint (models/trained.py): normal, or trained
+    # (outlier dims, massive activations, spread norm gains, sharp routers and attention)
+    weights: str = "normal"
     # a shipped (prequantized) artifact directory the backend loads as the candidate, instead of
     # building one from the checkpoint; the reference is then HF on its (dequantized) weights
     candidate_dir: str | None = None

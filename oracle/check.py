@@ -21,6 +21,7 @@ from models.args import ModelArgs
 from models.quantized import dequantized_checkpoint, quantization_of
 from models.checkpoint import CheckpointError, cache_root, cached_identity, checkpoint_identity, config_checkpoint, meta_weights, \
     published_config, read_config, tiny_checkpoint
+from models.trained import PROFILES
 from oracle import expected
 from oracle import goldens as golden_files
 from oracle import thresholds
@@ -65,6 +66,11 @@ def validate(spec: CheckSpec, command: str = "check"):
         raise InputError(f"unknown family {spec.family!r}; known: {', '.join(FAMILY_NAMES)}")
     if spec.layers is not None and not spec.config:
         raise InputError("--layers applies to --config (a seeded checkpoint of a published config)")
+    if spec.weights not in PROFILES:
+        raise InputError(f"unknown weight profile {spec.weights!r}; known: {', '.join(PROFILES)}")
+    if spec.weights != "normal" and spec.model_dir:
+        raise InputError(f"--weights {spec.weights} makes the tiny or --config checkpoint's weights; "
+                         "--model-dir is a checkpoint with its own")
     for name in ("prompt_len", "decode_tokens"):
         if getattr(spec, name) <= 0:
             raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(spec, name)}")
@@ -141,9 +147,10 @@ def model_source(spec: CheckSpec, progress=None) -> ModelSource:
                 family.args(cfg)
             except CheckpointError as e:
                 raise CheckpointError(f"--config {spec.config}: {e}") from None
-            model_dir = config_checkpoint(family, spec.config, spec.layers, spec.seed, progress=progress)
+            model_dir = config_checkpoint(family, spec.config, spec.layers, spec.seed, progress=progress,
+                                          weights=spec.weights)
         else:
-            model_dir = tiny_checkpoint(family, spec.seed)
+            model_dir = tiny_checkpoint(family, spec.seed, spec.weights)
         return source_of(family, model_dir, spec)
     except CheckpointError as e:
         raise InputError(str(e)) from None
@@ -806,8 +813,9 @@ def artifact_matches(spec: CheckSpec, src: ModelSource) -> None:
 
 def spec_record(spec: CheckSpec) -> dict:
     """The spec as the report records it: a saved reference's path is run state (in `cache`),
-    so a check against a moved reference reports the same bytes as one captured in-process."""
-    return {k: v for k, v in asdict(spec).items() if k != "reference"}
+    so a check against a moved reference reports the same bytes as one captured in-process; the
+    weight profile only where it is not normal (a report of the normal profile stays as before it)."""
+    return {k: v for k, v in asdict(spec).items() if k != "reference" and not (k == "weights" and v == "normal")}
 
 
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,

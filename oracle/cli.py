@@ -45,6 +45,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT["bad_input"], f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# models.trained.PROFILES (not imported here: --help and usage errors import nothing heavy)
+WEIGHT_PROFILES = ("normal", "trained")
+
+
+def weights_option(p) -> None:
+    p.add_argument("--weights", choices=WEIGHT_PROFILES, default="normal",
+                   help="the tiny / --config checkpoint's weights: normal (one normal law; default) or trained "
+                        "(outlier dims, massive activations, spread norm gains, sharp routers and attention, "
+                        "drawn from --seed: docs/weights.md)")
+
+
 def version() -> str:
     import importlib.metadata
 
@@ -87,6 +98,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--decode-tokens", type=positive_int, default=8,
                    help="single-token decode steps after the prefill (default 8)")
     c.add_argument("--seed", type=int, default=0, help="tiny weights and prompt tokens (default 0)")
+    weights_option(c)
     c.add_argument("--json", help="write the JSON report here ('-': standard output, instead of the summary)")
     c.add_argument("--markdown", help="write the markdown summary here ('-': standard output)")
     c.add_argument("--require", action="store_true", help="a skipped (unavailable) backend is a failure: exit 3")
@@ -108,6 +120,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--output-dir", required=True)
     e.add_argument("--precision", default="fp32")
     e.add_argument("--seed", type=int, default=0)
+    weights_option(e)
     e.add_argument("--max-seq-len", type=positive_int, default=128, help="static cache length (default 128)")
     e.add_argument("--prompt-len", type=positive_int, default=8, help="prefill length where it is static")
     e.add_argument("--qlinear", choices=["4w", "8w", "8da4w"], help="weight quantization (ExecuTorch exporters)")
@@ -118,6 +131,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--family", action="append", help="limit to this family (repeatable; default every supported family)")
     s.add_argument("--backend", default="eager")
     s.add_argument("--seeds", default="0,1,2", help="seeds of the clean (no-fault) runs (default 0,1,2)")
+    weights_option(s)
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
     s.add_argument("--json", help="write the selftest report here")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
@@ -134,6 +148,7 @@ def parser() -> argparse.ArgumentParser:
                         "order); the reports are the same for any N, only the timings differ. Every check holds "
                         "its own model: lower N for large checkpoints")
     m.add_argument("--seed", type=int, default=0)
+    weights_option(m)
     m.add_argument("--require", action="store_true", help="an unavailable backend fails the matrix")
     msrc = m.add_mutually_exclusive_group()
     msrc.add_argument("--model-dir", help="check this HF checkpoint directory (one family: --families F)")
@@ -169,6 +184,7 @@ def parser() -> argparse.ArgumentParser:
     rs.add_argument("--prompt-len", type=positive_int, default=8)
     rs.add_argument("--decode-tokens", type=positive_int, default=8)
     rs.add_argument("--seed", type=int, default=0)
+    weights_option(rs)
     rs.add_argument("--out", required=True, help="the directory to write (replaced if it is a saved reference)")
     sub.add_parser("families", help="list model families")
     sub.add_parser("backends", help="list backends and whether they are available here")
@@ -344,7 +360,7 @@ def cmd_check(a, argv: list[str]) -> int:
         return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
-                     layers=a.layers, candidate_dir=a.candidate_dir, reference=a.reference,
+                     layers=a.layers, weights=a.weights, candidate_dir=a.candidate_dir, reference=a.reference,
                      prompts=read_prompts(a), artifact=a.pte or a.vmfb, options=options)
     prog, update = progress_reporter()
     try:
@@ -389,7 +405,8 @@ def cmd_export(a) -> int:
         return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, seed=a.seed,
                      prompt_len=a.prompt_len, decode_tokens=max(1, a.max_seq_len - a.prompt_len),
-                     model_dir=a.model_dir, config=a.config, layers=a.layers, options=options_of(a))
+                     model_dir=a.model_dir, config=a.config, layers=a.layers, weights=a.weights,
+                     options=options_of(a))
     try:
         manifest = run_export(spec, a.output_dir)
     except InputError as e:
@@ -419,9 +436,10 @@ def cmd_selftest(a) -> int:
     try:
         if prog:
             with prog:
-                res = run_selftest(a.backend, a.family, seeds, a.fault, lambda m: update(m), options_of(a))
+                res = run_selftest(a.backend, a.family, seeds, a.fault, lambda m: update(m), options_of(a),
+                                   a.weights)
         else:
-            res = run_selftest(a.backend, a.family, seeds, a.fault, options=options_of(a))
+            res = run_selftest(a.backend, a.family, seeds, a.fault, options=options_of(a), weights=a.weights)
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]
@@ -448,6 +466,9 @@ def cmd_matrix(a) -> int:
     backends = [x for x in a.backends.split(",") if x]
     precisions = [x for x in a.precisions.split(",") if x]
     matrix_names_known(fams, backends, precisions)  # a typo in a nightly workflow is no green run of skips
+    if a.weights != "normal" and a.model_dir:
+        fail_input(f"--weights {a.weights} makes the tiny or --config checkpoint's weights; --model-dir is a "
+                   "checkpoint with its own")
     cs = combos(fams, backends, precisions)
     if a.shard:
         try:
@@ -466,6 +487,8 @@ def cmd_matrix(a) -> int:
     for flag, value in (("--model-dir", a.model_dir), ("--config", a.config), ("--layers", a.layers)):
         if value is not None:
             extra += [flag, str(value)]
+    if a.weights != "normal":  # (normal: the command lines every check ran with before the profiles)
+        extra += ["--weights", a.weights]
     if prog:
         with prog:
             summary = run_matrix(cs, Path(a.report_dir), a.timeout, a.seed, extra, progress=update,
@@ -604,7 +627,7 @@ def cmd_reference(a) -> int:
     try:
         family = a.family or family_of(a.model_dir, a.config, a.layers)
         spec = CheckSpec(family=family, backend="hf", prompt_len=a.prompt_len, decode_tokens=a.decode_tokens,
-                         seed=a.seed, model_dir=a.model_dir, config=a.config, layers=a.layers)
+                         seed=a.seed, model_dir=a.model_dir, config=a.config, layers=a.layers, weights=a.weights)
         validate(spec)
         prog, update = progress_reporter()
         if prog:

@@ -26,6 +26,7 @@ def run_export(spec: CheckSpec, output_dir: str) -> Path:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = export(src, spec, out)
-    options = {k: v for k, v in asdict(spec).items() if k not in ("family", "model_dir")}
+    options = {k: v for k, v in asdict(spec).items()  # (the normal weight profile: as before the profiles)
+               if k not in ("family", "model_dir") and not (k == "weights" and v == "normal")}
     return write_manifest(out, spec.family, src.config, options, files,
                           extra={"checkpoint_sha256": src.checkpoint_sha256, "backend": spec.backend})

@@ -21,8 +21,9 @@ from pathlib import Path
 from oracle.result import GateRow, write_atomic
 
 # a golden applies to the spec it was frozen for: these fields and the backend options (an
-# option can change the artifact, e.g. a partitioner, or the tokens, e.g. weight quantization)
-TOKEN_SPEC_KEYS = ("seed", "prompt_len", "decode_tokens", "precision", "options")
+# option can change the artifact, e.g. a partitioner, or the tokens, e.g. weight quantization),
+# and the weight profile (tokens frozen on normal weights say nothing of trained ones)
+TOKEN_SPEC_KEYS = ("seed", "prompt_len", "decode_tokens", "precision", "options", "weights")
 
 
 def root() -> Path:
@@ -39,7 +40,9 @@ def histogram_text(counts: dict, header: str) -> str:
 
 
 def _token_spec(spec) -> dict:
-    return {k: getattr(spec, k) for k in TOKEN_SPEC_KEYS}
+    # the normal profile is left out: goldens frozen before the profiles have no weights key, and
+    # refreezing one writes the same bytes
+    return {k: getattr(spec, k) for k in TOKEN_SPEC_KEYS if not (k == "weights" and spec.weights == "normal")}
 
 
 def frozen_spec(family: str, backend: str) -> dict | None:
@@ -47,7 +50,8 @@ def frozen_spec(family: str, backend: str) -> dict | None:
     path = golden_dir(family, backend) / "tokens.json"
     if not path.is_file():
         return None
-    return {"options": {}, **json.loads(path.read_text())["spec"]}  # goldens frozen before options counted
+    # goldens frozen before options counted, and before the weight profiles (normal)
+    return {"options": {}, "weights": "normal", **json.loads(path.read_text())["spec"]}
 
 
 def applies(spec, keys=TOKEN_SPEC_KEYS) -> bool:

@@ -54,6 +54,7 @@ class SelftestResult:
     false_alarms: list[AlarmRow] = field(default_factory=list)
     not_applicable: list[dict] = field(default_factory=list)
     schema: str = SCHEMA
+    weights: str = "normal"  # the weight profile of the tiny checkpoints (models/trained.py)
 
     def summary(self) -> dict:
         n = len(self.faults)
@@ -71,7 +72,10 @@ class SelftestResult:
                 f"false alarms {s['false_alarms']}/{s['clean_runs']}")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "summary": self.summary(), "summary_line": self.summary_line()}
+        d = {**asdict(self), "summary": self.summary(), "summary_line": self.summary_line()}
+        if self.weights == "normal":  # a report of the normal profile stays as before the profiles
+            del d["weights"]
+        return d
 
 
 def _worst(doc_worst: dict | None) -> dict | None:
@@ -93,20 +97,20 @@ def _worst(doc_worst: dict | None) -> dict | None:
 
 
 def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
-                 progress=None, options: dict | None = None) -> SelftestResult:
+                 progress=None, options: dict | None = None, weights: str = "normal") -> SelftestResult:
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
     options = dict(options or {})
     for family in families:  # every family and option refused up front, not half-way through
-        base = validate(CheckSpec(family=family, backend=backend_name, options=options))
+        base = validate(CheckSpec(family=family, backend=backend_name, options=options, weights=weights))
     if not hasattr(base, "with_fault"):
         raise InputError(f"backend {backend_name} cannot take seeded faults (it has no with_fault())")
     ok, reason = base.availability()
     if not ok:
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
-    res = SelftestResult(backend_name, families, list(seeds))
+    res = SelftestResult(backend_name, families, list(seeds), weights=weights)
     for family in families:
-        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options))
+        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options), weights=weights)
         args = model_source(spec).args
         for fault in faults.applicable(args):
             if fault_names and fault.name not in fault_names:
@@ -134,7 +138,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
 
 
 def render(res: SelftestResult) -> str:
-    lines = [f"selftest of backend {res.backend}: families {', '.join(res.families)}; clean seeds {res.seeds}", ""]
+    profile = "" if res.weights == "normal" else f"; {res.weights} weights"
+    lines = [f"selftest of backend {res.backend}: families {', '.join(res.families)}; clean seeds {res.seeds}{profile}", ""]
     lines.append(f"{'family':12s} {'fault':30s} {'detected':8s} {'localized':9s} worst row")
     for r in res.faults:
         w = r.worst

@@ -1,0 +1,211 @@
+"""The trained weight profile (models/trained.py, docs/weights.md): its statistics are in the written
+checkpoints, it is deterministic per seed, the normal profile is byte-for-byte what it was before
+the profiles, HF's fp32 reference stays finite and non-degenerate on it for every family, and a
+real checkpoint (--model-dir) refuses it."""
+
+import json
+import math
+import re
+from importlib.metadata import version
+
+import numpy as np
+import pytest
+import torch
+
+from models import FAMILY_NAMES, get_family
+from models import trained as T
+from models.checkpoint import checkpoint_identity, read_weights, tiny_checkpoint
+
+# sha256 of the normal tiny checkpoints at seed 0, taken before the profiles existed (transformers
+# 5.23.0, torch 2.13.0: config.json records the one, the draws are the other's)
+NORMAL_SHA256 = {
+    "olmoe": "39d2880b222fa250a27d61c60afe833ef81bf06b3aab5f9fe08996d53d810004",
+    "qwen3_5_moe": "b6f298168bf75cc0b6afef5925519d879fc1af7b4c9161886f7afd2342f19d1a",
+    "ernie4_5_moe": "3f50caf6739e8412df98a812834efff34a3acd6b14ca2b8406419171c9cc7b1e",
+    "gpt_oss": "5ba7e6869850ca61ca09d96131c1c761c713ec76a5bb89fe4e0213c4afa24a46",
+}
+NORMAL_DIRS = {"olmoe": "olmoe-s0-a7b7cd950fcff1408454", "qwen3_5_moe": "qwen3_5_moe-s0-fd44debe792c8e6757d3",
+               "ernie4_5_moe": "ernie4_5_moe-s0-323993171b892c05bf5d", "gpt_oss": "gpt_oss-s0-13891b79b32fce4cee28"}
+PINNED = version("transformers") == "5.23.0" and torch.__version__.startswith("2.13.0")
+
+# the roles the profile rewrites, by saved (save_pretrained) tensor name; every other tensor is untouched
+ROLES = {
+    "embedding": r"embed_tokens\.weight",
+    "qk": r".*self_attn\.(q_proj|k_proj|q_b_proj|q_norm|k_norm)\.(weight|bias)",
+    "norm": r".*norm\.weight",
+    "writer": r".*\.(o_proj|out_proj)\.(weight|bias)",
+    "router": r".*\.(gate|router|router\.layer)\.(weight|bias)",  # (not shared_expert_gate)
+}
+
+
+def role(name: str) -> str | None:
+    return next((r for r, rx in ROLES.items() if re.fullmatch(rx, name.removeprefix("model."))), None)
+
+
+def both(family: str, seed: int = 0):
+    fam = get_family(family)
+    return fam, read_weights(tiny_checkpoint(fam, seed)), read_weights(tiny_checkpoint(fam, seed, "trained"))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_profile_statistics_in_the_checkpoint(family):
+    """Outlier dims (every token, >= 10x the embedding's std), massive activations on a tenth of the
+    vocabulary (>= 100x its median), residual norm gains spread over >= 1.5 decades, routers x4,
+    q/k x2.5 (or their norm gains, or MLA's queries x2.5^2), the attention output projection writing
+    the outlier dims x20; nothing else changed."""
+    fam, normal, trained = both(family)
+    offset = fam.args(fam.tiny_config).norm_offset
+    changed = {k for k in normal if not torch.equal(normal[k], trained[k])}
+    assert {role(k) for k in changed} >= set(ROLES), changed  # every role rewritten in every family
+    assert all(role(k) for k in changed), sorted(k for k in changed if not role(k))
+
+    e0, e = normal["model.embed_tokens.weight"], trained["model.embed_tokens.weight"]
+    outlier, massive, _ = T.special_dims(0, e.shape[1])
+    assert (e[:, outlier].abs().min(0).values >= 10 * e0.std()).all()  # every token, every outlier dim
+    rows = T.massive_rows(0, e.shape[0])
+    assert len(rows) == round(0.1 * e.shape[0])
+    assert (e[rows][:, massive].abs() >= 100 * e.abs().median()).all()
+    others = [r for r in range(e.shape[0]) if r not in rows]
+    assert (e[others][:, massive].abs() < 10 * e.abs().median()).all()  # only those tokens
+
+    gains = []
+    for k in changed:
+        if role(k) == "norm":
+            g = trained[k].double() + (1 if offset else 0)
+            assert (g > 0).all(), k
+            gains.append(g)
+    g = torch.cat(gains).log10()
+    assert float(g.quantile(0.975) - g.quantile(0.025)) >= 1.5
+
+    mla = any("kv_a_proj_with_mqa" in k for k in normal)
+    rest = [d for d in range(e.shape[1]) if d not in outlier]
+    for k in changed:
+        n, t = normal[k], trained[k]
+        if role(k) == "router":
+            assert torch.equal(t, 4 * n), k
+        elif role(k) == "writer":  # rows of the outlier dims x20, the others as they were
+            assert torch.allclose(t[outlier], 20 * n[outlier]) and torch.equal(t[rest], n[rest]), k
+        elif role(k) == "qk" and ("q_norm" in k or "k_norm" in k):  # gains x2.5
+            assert torch.allclose(t + offset, 2.5 * (n + offset), rtol=1e-6), k
+        elif role(k) == "qk":
+            assert torch.allclose(t, (6.25 if mla else 2.5) * n, rtol=1e-6), k
+
+
+def test_trained_is_deterministic_per_seed(tmp_path, monkeypatch):
+    fam = get_family("qwen3_5_moe")  # (1 + w) norms, Gated DeltaNet
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "a"))
+    a = tiny_checkpoint(fam, 3, "trained")
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "b"))
+    b = tiny_checkpoint(fam, 3, "trained")
+    assert a.name == b.name and a.name.startswith("qwen3_5_moe-s3-trained-")
+    assert checkpoint_identity(a) == checkpoint_identity(b)
+    assert checkpoint_identity(tiny_checkpoint(fam, 4, "trained")) != checkpoint_identity(b)
+    assert checkpoint_identity(tiny_checkpoint(fam, 3)) != checkpoint_identity(b)
+    assert json.loads((a / "oracle_tiny.json").read_text())["weights"] == "trained"
+
+
+@pytest.mark.parametrize("family", sorted(NORMAL_SHA256))
+def test_normal_is_unchanged(family, tmp_path, monkeypatch):
+    """The normal profile's cache key and bytes are what they were before the profiles: every
+    golden, baseline and cached reference made on them stays valid."""
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+    d = tiny_checkpoint(get_family(family), 0)
+    assert "weights" not in json.loads((d / "oracle_tiny.json").read_text())
+    if not PINNED:
+        pytest.skip(f"the recorded bytes are transformers 5.23.0 / torch 2.13.0's (here {version('transformers')}, "
+                    f"{torch.__version__})")
+    assert d.name == NORMAL_DIRS[family]
+    assert checkpoint_identity(d) == NORMAL_SHA256[family]
+
+
+def test_seeded_config_checkpoint_takes_the_profile(tmp_path, monkeypatch):
+    """--config NAME --weights trained: the seeded (HF-initialised, layer at a time) checkpoint gets
+    the same rewrite, scaled to its own init (initializer_range)."""
+    from models.checkpoint import config_checkpoint
+
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+    fam = get_family("olmoe")
+    cfg = tmp_path / "olmoe-small.json"
+    cfg.write_text(json.dumps(dict(fam.tiny_config, model_type="olmoe", initializer_range=0.02)))
+    normal = read_weights(config_checkpoint(fam, str(cfg), None, 1, dtype="fp32"))
+    d = config_checkpoint(fam, str(cfg), None, 1, dtype="fp32", weights="trained")
+    assert d.name.startswith("olmoe-small-Lall-s1-fp32-trained-")
+    trained = read_weights(d)
+    e = trained["model.embed_tokens.weight"]
+    outlier, massive, _ = T.special_dims(1, e.shape[1])
+    assert (e[:, outlier].abs().min(0).values >= 10 * 0.02).all()
+    assert (e[T.massive_rows(1, e.shape[0])][:, massive].abs() >= 100 * e.abs().median()).all()
+    assert torch.equal(trained["model.layers.1.mlp.gate.weight"], 4 * normal["model.layers.1.mlp.gate.weight"])
+    g = trained["model.layers.0.input_layernorm.weight"].log10()
+    assert float(g.max() - g.min()) >= 1.5
+    assert torch.equal(trained["model.layers.0.self_attn.v_proj.weight"], normal["model.layers.0.self_attn.v_proj.weight"])
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_hf_reference_is_finite_and_not_degenerate(family):
+    """HF fp32 on the trained checkpoint (seed 0), a prompt that holds a massive-activation token:
+    finite everywhere, the outlier and massive dims at the first layer's input, logits neither flat
+    nor the same choice at every position."""
+    from oracle.reference import capture, first_nonfinite, load_hf_model
+
+    fam = get_family(family)
+    d = tiny_checkpoint(fam, 0, "trained")
+    # a check's prompt at seed 0 (oracle.check.prompt_tokens), opening with a massive-activation token
+    prompt = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt[0] = T.massive_rows(0, 256)[0]
+    ref = capture(load_hf_model(fam, d), fam, prompt, 4)
+    assert first_nonfinite(ref) is None
+    x = ref.inputs[(0, "layer")][0].x_array[0]  # [T, H]
+    outlier, massive, _ = T.special_dims(0, x.shape[1])
+    median = np.median(np.abs(x))
+    assert np.abs(x[:, outlier]).min() >= 10 * median
+    assert np.abs(x[0, massive]).min() >= 100 * median
+    logits = np.concatenate(ref.logits)  # [positions, V]
+    # (the logits after a massive-activation token are flatter: its norm is all massive dims)
+    assert np.median(logits.std(axis=-1)) > 0.05 and len(set(logits.argmax(-1).tolist())) > 1
+
+
+def test_model_dir_refuses_the_trained_profile(tmp_path, capsys):
+    from oracle.cli import main
+
+    d = str(tiny_checkpoint(get_family("olmoe"), 0))
+    for argv in (["check", "--backend", "eager", "--model-dir", d, "--weights", "trained"],
+                 ["export", "--backend", "eager", "--model-dir", d, "--weights", "trained",
+                  "--output-dir", str(tmp_path / "e")],
+                 ["reference", "save", "--model-dir", d, "--weights", "trained", "--out", str(tmp_path / "r")]):
+        assert main(argv) == 2, argv
+        assert "--weights trained" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["matrix", "--families", "olmoe", "--model-dir", d, "--weights", "trained",
+              "--report-dir", str(tmp_path / "m")])
+    assert e.value.code == 2 and "--model-dir" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()  # refused before anything is written
+
+
+def test_plumbing():
+    """Every command that makes a tiny / --config checkpoint takes --weights; the report records a
+    trained profile and leaves the normal one out (reports as before); goldens, frozen on normal
+    weights, do not apply to a trained check."""
+    from oracle import goldens
+    from oracle.backend import CheckSpec
+    from oracle.check import spec_record
+    from oracle.cli import WEIGHT_PROFILES, parser
+
+    assert WEIGHT_PROFILES == T.PROFILES
+    p = parser()
+    for argv in (["check", "--backend", "hf"], ["export", "--backend", "hf", "--output-dir", "x"], ["selftest"],
+                 ["matrix", "--report-dir", "x"], ["reference", "save", "--out", "x"]):
+        assert p.parse_args(argv).weights == "normal"
+        assert p.parse_args([*argv, "--weights", "trained"]).weights == "trained"
+    normal = goldens.default_spec("olmoe", "eager")
+    trained = CheckSpec(**{**normal.__dict__, "weights": "trained"})
+    assert "weights" not in spec_record(normal) and spec_record(trained)["weights"] == "trained"
+    assert goldens.applies(normal) and not goldens.applies(trained)
+    assert goldens.applies(trained, ("options",))  # structural goldens: the graph does not see the weights
+
+
+def test_profile_constants_are_the_documented_ones():
+    """docs/weights.md and README state these numbers."""
+    assert (T.OUTLIER_DIMS, T.OUTLIER_SCALE, T.MASSIVE_DIMS, T.MASSIVE_SHARE, T.MASSIVE_SCALE) == (3, 20, 2, 0.1, 300)
+    assert (T.ROUTER_SCALE, T.QK_SCALE) == (4, 2.5)
+    assert math.isclose(math.exp(4 * T.GAIN_SIGMA), 100)  # +-2 sigma: two decades
