@@ -249,6 +249,8 @@ def _load_vmfb(vmfb: str, irpa: str | None = None) -> dict:
     if irpa:
         index = rt.ParameterIndex()
         index.load(irpa, mmap=True)
+        for _, entry in index.items():  # every entry's metadata (the block programs read them as arrays)
+            rt.parameter_index_entry_as_numpy_ndarray(entry)
         modules.append(rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=PARAM_SCOPE)))
     module = rt.VmModule.copy_buffer(config.vm_instance, Path(vmfb).read_bytes())
     rt.SystemContext(vm_modules=[*modules, module], config=config)

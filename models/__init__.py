@@ -149,7 +149,7 @@ class Family:
             try:
                 with torch.device("meta"):
                     model = Transformer(args)
-            except (RuntimeError, ValueError, OverflowError) as e:  # sizes whose products overflow, ...
+            except (RuntimeError, ValueError, OverflowError, TypeError, ZeroDivisionError) as e:  # sizes past int64
                 raise CheckpointError(f"a model torch cannot build ({type(e).__name__}: {one_line(e)})") from None
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None
@@ -238,11 +238,13 @@ class Family:
 #   ("per_layer", f)       a list of num_hidden_layers entries
 #   ("layer_index", f)     a list of layers, each in 0 .. num_hidden_layers - 1
 #   ("within_depth", f)    0 <= f <= num_hidden_layers (-1: up to the last, as ERNIE's end index)
-#   ("fraction", f)        0 < f <= 1
+#   ("fraction", f)        0 < f <= 1                ("token_id", f)      0 <= f < vocab_size
 COMMON_RULES = (
     ("positive", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
      "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters.rope_theta"),
     ("divides", "num_key_value_heads", "num_attention_heads"),  # grouped-query attention shares a KV head
+    ("at_most", "num_attention_heads", "hidden_size"),  # a head at least one wide (where its width is derived)
+    ("token_id", "pad_token_id"),  # the embedding's padding row
     ("per_layer", "layer_types"),
     ("fraction", "rope_parameters.partial_rotary_factor"),
 )
@@ -303,6 +305,9 @@ def broken_rule(c, rule: tuple, raw: bool = False) -> str | None:
         return f"{names[1]} ({b}) must be a multiple of {names[0]} ({a})"
     if kind == "fraction" and not 0 < a <= 1:
         return f"{names[0]} ({a}) must be in (0, 1]"
+    vocab = getattr(c, "vocab_size", None)
+    if kind == "token_id" and _number(vocab) and not (a == int(a) and 0 <= a < vocab):
+        return f"{names[0]} ({a}) must be a token id, in 0..{vocab - 1} (vocab_size {vocab})"
     if not _number(depth):
         return None  # num_hidden_layers' own rule says what is wrong with it
     if kind == "per_layer" and len(a) != depth:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -565,6 +566,8 @@ def read_portable(path: Path) -> dict:
     for key, kind in (("family", str), ("checkpoint_sha256", str), ("files", dict)):
         if not isinstance(meta.get(key), kind):
             raise ValueError(f"--reference {path}/provenance.json: {key} is not a {kind.__name__}")
+    if not re.fullmatch(r"[0-9a-f]{64}", meta["checkpoint_sha256"]):
+        raise ValueError(f"--reference {path}/provenance.json: checkpoint_sha256 is not a sha256")
     return meta
 
 
