@@ -590,8 +590,8 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
     stored = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[dtype]
     profile = "" if weights == "normal" else f"-{weights}"
     return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}{profile}", "oracle_seeded.json",
-                      lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype(stored), progress=progress,
-                                                          rewrite=rewrite))
+                      lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype(stored),
+                                                          progress=progress, rewrite=rewrite))
 
 
 def cached_dir(recipe: dict, stem: str, recipe_file: str, build) -> Path:

@@ -139,7 +139,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
 
 def render(res: SelftestResult) -> str:
     profile = "" if res.weights == "normal" else f"; {res.weights} weights"
-    lines = [f"selftest of backend {res.backend}: families {', '.join(res.families)}; clean seeds {res.seeds}{profile}", ""]
+    lines = [f"selftest of backend {res.backend}: families {', '.join(res.families)}; "
+             f"clean seeds {res.seeds}{profile}", ""]
     lines.append(f"{'family':12s} {'fault':30s} {'detected':8s} {'localized':9s} worst row")
     for r in res.faults:
         w = r.worst

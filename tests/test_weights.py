@@ -138,7 +138,8 @@ def test_seeded_config_checkpoint_takes_the_profile(tmp_path, monkeypatch):
     assert torch.equal(trained["model.layers.1.mlp.gate.weight"], 4 * normal["model.layers.1.mlp.gate.weight"])
     g = trained["model.layers.0.input_layernorm.weight"].log10()
     assert float(g.max() - g.min()) >= 1.5
-    assert torch.equal(trained["model.layers.0.self_attn.v_proj.weight"], normal["model.layers.0.self_attn.v_proj.weight"])
+    v = "model.layers.0.self_attn.v_proj.weight"
+    assert torch.equal(trained[v], normal[v])
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -209,3 +210,28 @@ def test_profile_constants_are_the_documented_ones():
     assert (T.OUTLIER_DIMS, T.OUTLIER_SCALE, T.MASSIVE_DIMS, T.MASSIVE_SHARE, T.MASSIVE_SCALE) == (3, 20, 2, 0.1, 300)
     assert (T.ROUTER_SCALE, T.QK_SCALE) == (4, 2.5)
     assert math.isclose(math.exp(4 * T.GAIN_SIGMA), 100)  # +-2 sigma: two decades
+
+
+def test_matrix_and_selftest_pass_the_profile_on(tmp_path, monkeypatch, capsys):
+    """`oracle matrix --weights trained` runs every check with it (normal: the command lines as
+    before); `oracle selftest --weights trained` runs the catalogue and the clean runs on it."""
+    import oracle.matrix
+    import oracle.selftest
+    from oracle.cli import main
+    from oracle.summary import summarize
+
+    seen = []
+    monkeypatch.setattr(oracle.matrix, "run_matrix",
+                        lambda cs, d, t, seed, extra, **kw: seen.append(extra) or summarize([]))
+    for weights in ("trained", "normal"):
+        argv = ["matrix", "--families", "olmoe", "--weights", weights, "--report-dir", str(tmp_path / weights)]
+        assert main(argv) == 0
+    assert seen == [["--weights", "trained"], []]
+
+    def fake(backend, families, seeds, faults, progress=None, options=None, weights="normal"):
+        seen.append(weights)
+        return oracle.selftest.SelftestResult(backend, ["olmoe"], seeds, weights=weights)
+
+    monkeypatch.setattr(oracle.selftest, "run_selftest", fake)
+    main(["selftest", "--family", "olmoe", "--weights", "trained"])
+    assert seen[-1] == "trained" and "trained weights" in capsys.readouterr().out
