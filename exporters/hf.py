@@ -28,6 +28,13 @@ class HFCandidate:
         self.read_router = router_reader(family, model_args(model, family))
         self.cache = None
         self.info = {"executor": "transformers eager"}
+        # routers: (weights, indices), and their logits too where asked (oracle/noise.py reads the
+        # precision's own selection scores from them)
+        self.keep_router_logits = False
+
+    @property
+    def _router_items(self) -> int:
+        return 3 if self.keep_router_logits else 2
 
     @torch.no_grad()
     def prefill(self, tokens):
@@ -51,7 +58,7 @@ class HFCandidate:
                 x = c.x.to(self.dtype)
                 o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
                 o = _normalize_output(kind, o, keep_dtype=True, router_output=self.read_router)
-                outs.append(o[:2] if kind == "router" else o)
+                outs.append(o[: self._router_items] if kind == "router" else o)
         return outs
 
     def _replay(self, layer, kind, calls):
@@ -66,7 +73,7 @@ class HFCandidate:
 
         def post(mod, args, kwargs, out):
             o = _normalize_output(kind, out, keep_dtype=True, router_output=self.read_router)
-            outputs.append(o[:2] if kind == "router" else o)
+            outputs.append(o[: self._router_items] if kind == "router" else o)
             n[0] += 1
 
         h1 = target.register_forward_pre_hook(pre, with_kwargs=True)

@@ -28,6 +28,7 @@ from oracle import thresholds
 from oracle.backend import CheckSpec, InputError, ModelSource, memory_refusal, resolve, validate_options
 from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import OutputError, as_array, as_f64, router_metrics, tensor_metrics, top2_margin
+from oracle.noise import noise_for, rounding, score_error
 from oracle.reference import capture, load_hf_model, reference_mode
 from oracle.sampling import sampling_gates
 from oracle.result import E2E, BlockRow, CheckResult, GateRow, worst_row
@@ -467,19 +468,33 @@ def router_gaps(ref, layer: int, n: int | None = None, dtype=np.float32) -> np.n
     return gap
 
 
-def router_near_ties(ref, layer: int, spec, n: int | None = None) -> np.ndarray:
-    """Per token of `layer`'s first n router calls: is the reference's routing a near tie at this
-    precision (its gap below the router table's tie gap, scaled to the number of experts)?"""
-    gaps = router_gaps(ref, layer, n)
+def tie_gaps(ref, layer: int, spec, noise=None, n: int | None = None, in_model: bool = False):
+    """The near-tie gap per token of `layer`'s first n router calls (an array) or for all (a
+    number): with the precision's measured error (oracle/noise.py), `tie_factor` times its error on
+    that token's selection scores (the logit gap against the logit error): on the reference's
+    router inputs (a block row), or inside HF's whole run at this precision (`in_model`: e2e, whose
+    router inputs carry the upstream layers' error); else the router table's fixed tie gap,
+    scaled to the number of experts."""
     router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
-    return ~(gaps >= thresholds.tie_gap(router_lim, ref.router_probs[layer][0].shape[-1]))
+    scores = None if noise is None else (noise.e2e_scores if in_model else noise.scores).get(layer)
+    if scores is not None and "tie_factor" in router_lim:
+        return router_lim["tie_factor"] * score_error(ref.router_probs[layer], scores, n)
+    return thresholds.tie_gap(router_lim, ref.router_probs[layer][0].shape[-1])
 
 
-def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0) -> BlockRow:
+def router_near_ties(ref, layer: int, spec, n: int | None = None, noise=None, in_model: bool = False) -> np.ndarray:
+    """Per token of `layer`'s first n router calls: is the reference's routing a near tie at this
+    precision (its gap below tie_gaps)?"""
+    return ~(router_gaps(ref, layer, n) >= tie_gaps(ref, layer, spec, noise, n, in_model))
+
+
+def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0,
+                  noise=None) -> BlockRow:
     """One block row. `routes` (layer -> the candidate's top-k expert indices per token, from its
     router row, which this fills in) decides which tokens the moe and layer rows compare: not a
     token the candidate's router row routed elsewhere (that row judges routing); a moe row then
-    compares every token routed as the reference did, near ties included."""
+    compares every token routed as the reference did, near ties included. `noise` (oracle/noise.py,
+    reduced precisions): the row is judged against HF's own error at this precision."""
     layer, kind = key
     lim = thresholds.at_width(thresholds.limits(spec.precision, kind, spec.family, spec.backend), reduction)
     detail = layer_types[layer] if kind == "attention" else ""
@@ -493,8 +508,20 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         cand_w = np.concatenate([w for w, _ in arrays])
         cand_i = np.concatenate([i for _, i in arrays])
         experts = ref.router_probs[layer][0].shape[-1]
-        m = router_metrics(ref_w, ref_i, cand_w, cand_i, router_gaps(ref, layer, dtype=np.float64),
-                           thresholds.tie_gap(lim, experts))
+        gaps, tie = router_gaps(ref, layer, dtype=np.float64), tie_gaps(ref, layer, spec, noise)
+        m = router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie)
+        h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None
+        if h is not None and "shape_mismatch" not in m:  # the weights: against HF's own weight error
+            nm = router_metrics(ref_w, ref_i, np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in h]),
+                                np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in h]), gaps, tie)
+            # storing the weights at this precision, at least half a unit in the last place of the
+            # largest (a weight of exactly 1, as sparsemixer's, still allows its neighbours' rounding)
+            stored = max(float(np.abs(rounding(ref_w, spec.precision) - ref_w).max()),
+                         float(np.abs(ref_w).max()) * 2.0 ** -9) if ref_w.size else 0.0
+            lim = {**lim, "weight_atol": lim["noise_factor"] * nm["weight_max_abs"] + lim["noise_floor"] * stored}
+            m["noise_weight_max_abs"], m["noise_topk_agreement"] = nm["weight_max_abs"], nm["topk_agreement"]
+        if np.ndim(tie):
+            m["tie_tokens"] = int((gaps < tie).sum())
         status, ratio = thresholds.judge_router(m, lim)
         if routes is not None and "shape_mismatch" not in m:
             routes[layer] = cand_i
@@ -506,7 +533,7 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             # tokens whose reference routing is a near tie at this precision: a flipped
             # expert there is the precision's doing, reported as a count, not compared
             # (router calls = the sequence's calls, then the expert probes: moe has both, layer none)
-            keep = ~router_near_ties(ref, layer, spec, r.shape[0])
+            keep = ~router_near_ties(ref, layer, spec, r.shape[0], noise)
             rerouted = np.zeros_like(keep)
             if routes is not None and len(routes.get(layer, ())) >= len(keep):
                 # the candidate's router row (the reference's router inputs): a token it routed
@@ -527,6 +554,11 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         want, got = expected_dtype(spec), dtype_name(outs[0]) if outs else None
         if want and got and got != want:  # e.g. an unconditional cast that changes the output dtype
             m["dtype_mismatch"] = f"{got} (expected {want})"
+        h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None
+        if h is not None:  # HF at this precision, the same inputs and the same tokens kept
+            h = np.concatenate([o.reshape(-1, o.shape[-1]) for o in h]).astype(np.float64)
+            h = h[keep] if keep is not None and h.shape[0] == keep.shape[0] else h
+            lim = noise_row_limits(lim, r, h, spec.precision, m)
         if keep is not None:
             m["tie_tokens_excluded"] = int((~keep & ~rerouted).sum())  # near ties, not compared
             if rerouted.any():  # routed elsewhere by the candidate's router row, which judges that
@@ -534,8 +566,23 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             if m.get("first_divergence"):  # back to the token index of the whole sequence
                 fd = m["first_divergence"]
                 fd["index"][0] = int(np.flatnonzero(keep)[fd["index"][0]])
-        status, ratio = thresholds.judge_tensor(m, lim)
+            if keep.size and (~keep).sum() * 4 > keep.size:  # said in the status line: a verdict on few tokens
+                m["excluded_over_quarter"] = f"{int((~keep).sum())} of {keep.size} tokens not compared"
+        status, ratio = thresholds.judge_noise(m, lim) if "noise_max_abs" in m else thresholds.judge_tensor(m, lim)
     return BlockRow(layer, kind, status, "isolated", m, lim, ratio, detail)
+
+
+def noise_row_limits(lim: dict, r: np.ndarray, h: np.ndarray, precision: str, m: dict) -> dict:
+    """The limits of a row (or an e2e step) whose reference is `r`, from HF's own output `h` at
+    this precision on the same inputs; records HF's error and the candidate's ratio to it in `m`."""
+    if h.shape != r.shape:
+        return lim
+    nm = tensor_metrics(r, h, lim["atol"], lim["rtol"])
+    stored = tensor_metrics(r, rounding(r, precision), lim["atol"], lim["rtol"])
+    m["noise_max_abs"], m["noise_rel_l2"] = nm["max_abs"], nm["rel_l2"]
+    if "max_abs" in m:  # the candidate's error as a multiple of the precision's own
+        m["vs_noise"] = m["max_abs"] / nm["max_abs"] if nm["max_abs"] > 0 else (0.0 if m["max_abs"] == 0 else math.inf)
+    return thresholds.noise_limits(lim, nm, stored)
 
 
 def _step_logits(raw, k: int, ref_rows: int, vocab: int) -> np.ndarray:
@@ -551,27 +598,32 @@ def _step_logits(raw, k: int, ref_rows: int, vocab: int) -> np.ndarray:
     return out
 
 
-def routing_tie_positions(ref, spec) -> list[int]:
+def routing_tie_positions(ref, spec, noise=None) -> list[int]:
     """Positions of the reference's sequence where some layer's router is a near tie at this
-    precision (k-th vs (k+1)-th probability closer than the router tie gap)."""
+    precision (k-th vs (k+1)-th selection score closer than tie_gaps)."""
     n = len(ref.tokens) - 1  # the sequence's calls: the prompt, then each fed-back token
     tie = np.zeros(n, dtype=bool)
     for layer in ref.router_probs:
-        near = router_near_ties(ref, layer, spec, n)
+        near = router_near_ties(ref, layer, spec, n, noise, in_model=True)
         tie[: near.shape[0]] |= near
     return [int(i) for i in np.flatnonzero(tie)]
 
 
-def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None) -> E2E:
+def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None) -> E2E:
     """The candidate's prefill and decode steps, fed the reference's tokens. `collect` (a list)
-    receives (step, reference rows, candidate rows) for each step the candidate answered."""
+    receives (step, reference rows, candidate rows) for each step the candidate answered.
+    `noise` (oracle/noise.py, reduced precisions): each step is judged against HF's own logits
+    error at this precision on that step, and a token flip is a tie within that error."""
     lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend), reduction)
     P = ref.prompt_len
+    noisy = noise is not None and "noise_factor" in lim and len(noise.logits) == len(ref.logits)
     # A step that attends to a position whose expert choice is a near tie (in any layer) may
     # see that token routed to other experts by the candidate's own rounding: its logits and
-    # token are then judged `routing-tie` (reported, as token ties are), never for NaN/Inf
-    routing_ties = routing_tie_positions(ref, spec)
-    first_routing_tie = routing_ties[0] if routing_ties else None
+    # token are then judged `routing-tie` (reported, as token ties are), never for NaN/Inf.
+    # Measured noise (reduced precisions): only a step judged at such a position (a flipped
+    # choice shows at its own position), see excuse_routing_ties
+    routing_ties = routing_tie_positions(ref, spec, noise)
+    first_routing_tie = routing_ties[0] if routing_ties and not noisy else None
     steps, cand_tokens, ties, first, dtypes, error = [], [], [], None, set(), None
     ref_rows, cand_rows = [], []  # every position's logits, for the distribution metrics
     for k in range(len(ref.logits)):
@@ -605,7 +657,14 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None) ->
         if collect is not None:
             collect.append((k, ref_rows[-1], out))
         m = tensor_metrics(r, out, lim["atol"], lim["rtol"])
-        status, ratio = thresholds.judge_tensor(m, lim)
+        tie_margin = lim["tie_margin"]
+        if noisy:
+            h = noise.logits[k].reshape(-1, vocab)[-out.shape[0]:].astype(np.float64)
+            status, ratio = thresholds.judge_noise(m, noise_row_limits(lim, as_f64(r).reshape(h.shape), h,
+                                                                       spec.precision, m))
+            tie_margin = lim["tie_factor"] * float(np.abs(h[-1] - as_f64(r).reshape(h.shape)[-1]).max())
+        else:
+            status, ratio = thresholds.judge_tensor(m, lim)
         position = P + k - 1 if k else P - 1
         routed_tie = first_routing_tie is not None and first_routing_tie <= position and not m["nonfinite"]
         if status == "fail" and routed_tie and "shape_mismatch" not in m:
@@ -614,7 +673,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None) ->
         cand_tokens.append(cand_tok)
         token_status = "match"
         if cand_tok != ref_tok:
-            token_status = "tie" if margin < lim["tie_margin"] else "routing-tie" if routed_tie else "mismatch"
+            token_status = "tie" if margin < tie_margin else "routing-tie" if routed_tie else "mismatch"
             if token_status == "tie":
                 ties.append(k)
             if first is None:
@@ -625,7 +684,10 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None) ->
                       "nonfinite": m["nonfinite"], "ratio": ratio, "logits_status": status,
                       "reference_margin": margin, "reference_token": ref_tok,
                       "candidate_token": cand_tok, "token": token_status,
-                      "first_divergence": m.get("first_divergence")})
+                      "first_divergence": m.get("first_divergence"),
+                      **({k2: m[k2] for k2 in ("noise_max_abs", "vs_noise") if k2 in m})})
+    if noisy:
+        excuse_routing_ties(steps, routing_ties, P, first)
     complete = error is None and len(steps) == len(ref.logits)
     exact = complete and all(s["token"] == "match" for s in steps)
     ok = complete and all(s["logits_status"] in ("pass", "routing-tie") and s["token"] != "mismatch" for s in steps)
@@ -644,6 +706,31 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None) ->
         gate = GateRow("logits_dtype", "pass" if got == [want] else "fail", ", ".join(got), want,
                        "the logits keep the model's declared dtype (no unconditional cast)")
     return e2e, gate
+
+
+def excuse_routing_ties(steps: list[dict], tie_positions: list[int], P: int, first: dict | None) -> None:
+    """Measured noise: a failing step is `routing-tie` (reported, not failed) only when the
+    position it is judged at is itself a near tie inside HF's own run at this precision (the
+    prefill: any prompt position), never for NaN/Inf or an unreadable output. A flipped expert
+    choice shows at its own position; no step is excused for an earlier one, so a decode-path
+    defect fails at every decode step whose own routing is not a near tie. (What a flip at an
+    earlier position does to later steps through attention would need the reference with that
+    choice flipped: not measured, so not excused.)"""
+    ties = set(tie_positions)
+    for s in steps:
+        if s["logits_status"] != "fail" and s["token"] != "mismatch":
+            continue
+        if s["nonfinite"] or "invalid_output" in s:
+            continue
+        held = range(P) if s["step"] == 0 else [P + s["step"] - 1]
+        if not ties.intersection(held):
+            continue
+        if s["logits_status"] == "fail":
+            s["logits_status"] = "routing-tie"
+        if s["token"] == "mismatch":
+            s["token"] = "routing-tie"
+            if first is not None and first["step"] == s["step"]:
+                first["routing_tie"] = True
 
 
 def _contained(result, name: str, fn):
@@ -721,7 +808,7 @@ def save_reference(spec: CheckSpec, out: str, progress=None) -> list[Path]:
         "host": platform.node()})
 
 
-def block_rows(ref, cand, spec: CheckSpec, args, progress) -> list[BlockRow]:
+def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None) -> list[BlockRow]:
     """Every block row of the candidate against the reference. A block that raises is that
     row's error; RuntimeError when every block raised."""
     keys = ref.block_keys()
@@ -743,7 +830,7 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress) -> list[BlockRow]:
         if outs is None:
             rows.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))
             continue
-        row = compare_block(ref, key, outs, spec, args.layer_types, routes, reduction_length(args))
+        row = compare_block(ref, key, outs, spec, args.layer_types, routes, reduction_length(args), noise)
         row.mode = mode
         rows.append(row)
     if errors and len(errors) == len(keys):
@@ -884,6 +971,16 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     timings["reference_s"] = time.perf_counter() - t
     timings["reference_peak_rss_gib"] = peak_rss_gib()
     result.reference = reference_margins(ref)
+    noise = None
+    if thresholds.noise_relative(spec.precision):  # the precision's own error: HF at it, same inputs
+        progress(f"HF at {spec.precision} (the precision's own error)")
+        t = time.perf_counter()
+        try:
+            noise = noise_for(ref, src, spec, prompt)
+            result.reference["noise"] = f"HF transformers at {spec.precision} on the same inputs (oracle/noise.py)"
+        except Exception as e:  # the limits fall back to the fixed tables, and the report says so
+            result.reference["noise"] = f"not measured ({type(e).__name__}: {e}): fixed {spec.precision} tables"
+        timings["noise_s"] = time.perf_counter() - t
     if srcs.shipped is not None:
         result.quantization = {
             "shipped_dir": srcs.shipped, **(srcs.quantization or {}),
@@ -919,14 +1016,14 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
 
         stage = "blocks"
         t = time.perf_counter()
-        result.blocks = block_rows(ref, cand, spec, src.args, progress)
+        result.blocks = block_rows(ref, cand, spec, src.args, progress, noise)
         timings["blocks_s"] = time.perf_counter() - t
 
         stage = "e2e"
         progress("e2e")
         t = time.perf_counter()
         rows = []
-        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args), rows)
+        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args), rows, noise)
         if dtype_gate:
             result.gates.append(dtype_gate)
         timings["e2e_s"] = time.perf_counter() - t

@@ -13,7 +13,8 @@ The rule, in two halves:
    a tolerance of a tenth of the limit it is judged by (`LIMIT_SHARE`): enough for rounding
    at the level of the precision, far too little to hide a change of verdict or of what is
    computed. Every other number (reference-side values such as norms and margins) is compared
-   to a relative 1e-4. Statuses, tokens, counts, names and shapes are compared exactly.
+   to a relative 1e-4. Statuses, tokens, counts, names and shapes are compared exactly; a
+   field absent on one side and null on the other (added to the schema later) is the same.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def differences(saved, got, path: str = "", limits: dict | None = None) -> list[
         out = []
         for k in sorted(set(saved) | set(got)):
             where = f"{path}.{k}" if path else k
+            if saved.get(k) is None and got.get(k) is None:
+                continue  # a field added to the schema later, null where it does not apply
             if k not in saved or k not in got:
                 out.append(f"{where}: {'missing' if k not in got else 'new'}"
                            f" ({saved.get(k, got.get(k))!r:.80})")

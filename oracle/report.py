@@ -42,7 +42,10 @@ def _blocks(all_rows: list, worst: dict | None, top: int) -> list[str]:
     lines.append(f"Blocks: {len(rows) - failing}/{len(rows)} pass ({rows[0]['mode'] if rows else 'isolated'})")
     if worst:
         lines.append(f"Localised fault: **{_where(worst)}**: {_metric_line(worst)}")
-    lines += ["", "| block | status | max_abs | rel_l2 | limit | ratio |", "|---|---|---|---|---|---|"]
+    noise = any("noise_max_abs" in r["metrics"] or "noise_weight_max_abs" in r["metrics"] for r in rows)
+    # reduced precisions: the candidate's error beside HF's own at this precision (oracle/noise.py)
+    extra = ("| HF max_abs | x HF " if noise else "", "|---|---" if noise else "")
+    lines += ["", f"| block | status | max_abs | rel_l2 | limit | ratio {extra[0]}|", f"|---|---|---|---|---|---{extra[1]}|"]
 
     def key(r):
         ratio = r["ratio"]
@@ -51,14 +54,24 @@ def _blocks(all_rows: list, worst: dict | None, top: int) -> list[str]:
     for r in sorted(rows, key=key)[:top]:
         m = r["metrics"]
         if "exception" in m or "invalid_output" in m:
-            lines.append(f"| {_where(r)} | {r['status']} | {_metric_line(r)} | | | inf |")
+            lines.append(f"| {_where(r)} | {r['status']} | {_metric_line(r)} | | | inf |" + (" | |" if noise else ""))
             continue
         if r["kind"] == "router":
             vals = (m.get("weight_max_abs"), f"agree {_fmt(m.get('topk_agreement'))}", r["limits"].get("weight_atol"))
         else:
             vals = (m.get("max_abs"), m.get("rel_l2"), r["limits"].get("rel_l2"))
+        cols = ""
+        if noise:
+            h = m.get("noise_weight_max_abs") if r["kind"] == "router" else m.get("noise_max_abs")
+            x = vals[0] / h if isinstance(h, float) and h > 0 and isinstance(vals[0], float) else None
+            cols = f" {_fmt(h) if h is not None else ''} | {_fmt(x) if x is not None else ''} |"
         lines.append(f"| {_where(r)} | {r['status']} | {_fmt(vals[0])} | {_fmt(vals[1])} | {_fmt(vals[2])} |"
-                     f" {_fmt(r['ratio'])} |")
+                     f" {_fmt(r['ratio'])} |{cols}")
+    excluded = [r for r in rows if r["metrics"].get("excluded_over_quarter")]
+    if excluded:  # a verdict on few tokens is said, not hidden
+        lines.append("")
+        lines += [f"Note: {_where(r)} compared few tokens: {r['metrics']['excluded_over_quarter']} (router near ties"
+                  " or rerouted by the candidate's router)" for r in excluded]
     return lines
 
 

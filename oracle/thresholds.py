@@ -80,10 +80,41 @@ def judge_tensor(m: dict, lim: dict) -> tuple[str, float]:
     return ("pass" if ratio <= 1.0 else "fail"), ratio
 
 
+def _over(x: float, limit: float) -> float:
+    """x in units of its limit (a limit of 0 allows exactly 0)."""
+    return x / limit if limit > 0 else (0.0 if x == 0 else float("inf"))
+
+
+def noise_relative(precision: str, path: Path = DEFAULT_PATH) -> bool:
+    """Whether the precision's limits are relative to its own measured error (oracle/noise.py):
+    its tables carry `noise_factor`."""
+    return any(isinstance(t, dict) and "noise_factor" in t for t in load(path).get(precision, {}).values())
+
+
+def noise_limits(lim: dict, noise: dict, stored: dict) -> dict:
+    """The limits of one row judged against the precision's own error: at most `noise_factor`
+    times HF-at-this-precision's error on the same inputs (`noise`: max_abs, rel_l2) plus
+    `noise_floor` times the error of merely storing the reference at this precision (`stored`),
+    the floor of any implementation's error. See thresholds.toml (bf16)."""
+    f, g = lim["noise_factor"], lim["noise_floor"]
+    return {**lim, "max_abs": f * noise["max_abs"] + g * stored["max_abs"],
+            "rel_l2": f * noise["rel_l2"] + g * stored["rel_l2"]}
+
+
+def judge_noise(m: dict, lim: dict) -> tuple[str, float]:
+    """(status, ratio) of a tensor row against noise_limits: ratio is the worse of max_abs and
+    rel_l2 over their limits; > 1 fails. NaN/Inf always fails."""
+    if "shape_mismatch" in m or "dtype_mismatch" in m or m["nonfinite"]:
+        return "fail", float("inf")
+
+    ratio = max(_over(m["max_abs"], lim["max_abs"]), _over(m["rel_l2"], lim["rel_l2"]))
+    return ("pass" if ratio <= 1.0 else "fail"), ratio
+
+
 def judge_router(m: dict, lim: dict) -> tuple[str, float]:
     if "shape_mismatch" in m or m["nonfinite"]:
         return "fail", float("inf")
     allowed = max(1.0 - lim["min_agreement"], 1e-3)
-    ratio = max(m["weight_max_abs"] / lim["weight_atol"], (1.0 - m["topk_agreement"]) / allowed)
+    ratio = max(_over(m["weight_max_abs"], lim["weight_atol"]), (1.0 - m["topk_agreement"]) / allowed)
     ok = m["weight_max_abs"] <= lim["weight_atol"] and m["topk_agreement"] >= lim["min_agreement"]
     return ("pass" if ok else "fail"), ratio

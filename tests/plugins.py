@@ -250,3 +250,59 @@ class HangsWithChild(EagerBackend):
 
 
 HANGS_WITH_CHILD = HangsWithChild(name="hangs-with-child")
+
+
+class ShiftedDecode(EagerBackend):
+    """A decode-path defect only e2e can see: every decode step is given a rotary (and cache)
+    position three ahead of its true one, as a runtime port's cache bookkeeping bug would; the
+    prefill and every isolated block are correct."""
+
+    def load(self, model, spec):
+        from dataclasses import replace
+
+        # a cache three positions longer, so that the shifted steps stay inside it
+        cand = super().load(replace(model, args=replace(model.args, max_seq_len=model.args.max_seq_len + 3)), spec)
+        decode = cand.decode
+        cand.decode = lambda token, pos: decode(token, pos + 3)
+        return cand
+
+
+class ThriceHFError:
+    """HF transformers at the check's precision whose `kind` blocks (ORACLE_TEST_KIND, default moe)
+    carry three times HF's own error against the fp32 reference: out = ref + 3 (hf - ref). The
+    reference's outputs are found by the inputs the block is given (a test-only candidate)."""
+
+    name = "thrice"
+    precisions = ("bf16",)
+
+    def availability(self):
+        return True, ""
+
+    def load(self, model, spec):
+        import os
+
+        import numpy as np
+
+        from oracle.backend import resolve
+        from oracle.check import prompt_tokens, reference_for
+
+        cand = resolve("hf").load(model, spec)
+        ref = reference_for(spec.family, str(model.model_dir), model.checkpoint_sha256,
+                            tuple(prompt_tokens(spec, model.args.vocab_size)), spec.decode_tokens)
+        kind = os.environ.get("ORACLE_TEST_KIND", "moe")
+        run_block = cand.run_block
+
+        def thrice(layer, k, calls):
+            outs = run_block(layer, k, calls)
+            if k != kind:
+                return outs
+            refs = ref.outputs[layer, k]
+            return [(torch.from_numpy(r.astype(np.float32)) + 3 * (o.float() - torch.from_numpy(r.astype(np.float32))))
+                    .to(o.dtype) for o, r in zip(outs, refs)]
+
+        cand.run_block = thrice
+        return cand
+
+
+SHIFTED_DECODE = ShiftedDecode(name="shifted-decode")
+THRICE_HF_ERROR = ThriceHFError()
