@@ -63,6 +63,35 @@ def group_gap(probs, bias, a: ModelArgs):
     return g[:, a.topk_group - 1] - g[:, a.topk_group]
 
 
+def mask_margin(logits, k: int, eps: float):
+    """[N]: how far sparsemixer's masks are from deciding otherwise, in logit units: for each of
+    the k choices (the best, then the best of the others), the smallest |(m - s) - 2 eps max(|s|, m)|
+    over the experts still in its softmax (m the chosen logit). An expert this close to the
+    threshold is in or out of a choice's softmax by rounding: its weight is a near tie."""
+    logits = logits.float()
+    rest, margins = logits, []
+    for _ in range(k):
+        m = rest.max(dim=-1, keepdim=True).values
+        d = ((m - logits) - 2 * eps * logits.abs().clamp(min=m)).abs()
+        margins.append(d.masked_fill(rest == float("-inf"), float("inf")).min(dim=-1).values)
+        rest = rest.masked_fill(rest == m, float("-inf"))
+    return torch.stack(margins, dim=-1).min(dim=-1).values
+
+
+def decides_more(a: ModelArgs) -> bool:
+    """Does the routing make a discrete decision besides the top-k (a group limit, sparsemixer's masks)?"""
+    return grouped(a) or a.router_scoring == "sparsemixer"
+
+
+def decision_gap(probs, bias, a: ModelArgs):
+    """[N]: the smallest margin of the routing's other discrete decisions (group_gap, mask_margin),
+    in the units of the selection scores (sparsemixer's are its logits)."""
+    gap = group_gap(probs, bias, a)
+    if a.router_scoring == "sparsemixer":
+        gap = torch.minimum(gap, mask_margin(probs, 2, a.router_jitter_eps))  # top-2 whatever k says
+    return gap
+
+
 def pick(probs, idx):
     """probs [N, E] at idx [N, k] -> [N, k], without a gather (the MLX delegate takes none): each
     row's one matching expert, summed with zeros (exact)."""

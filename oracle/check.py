@@ -27,7 +27,7 @@ from oracle import goldens as golden_files
 from oracle import thresholds
 from oracle.backend import CheckSpec, InputError, ModelSource, memory_refusal, resolve, validate_options
 from oracle.distribution import distribution_metrics, judge_distribution
-from oracle.metrics import OutputError, as_array, as_f64, router_metrics, tensor_metrics, top2_margin
+from oracle.metrics import OutputError, as_array, as_f64, router_metrics, tensor_metrics, top2_margin, weight_diffs
 from oracle.noise import noise_for, rounding, score_error
 from oracle.reference import capture, load_hf_model, reference_mode
 from oracle.sampling import sampling_gates
@@ -490,8 +490,9 @@ def router_near_ties(ref, layer: int, spec, n: int | None = None, noise=None, in
 
 def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0,
                   noise=None) -> BlockRow:
-    """One block row. `routes` (layer -> the candidate's top-k expert indices per token, from its
-    router row, which this fills in) decides which tokens the moe and layer rows compare: not a
+    """One block row. `routes` (layer -> per token: did the candidate's router row route it as the
+    reference did (oracle.check: the same experts, near-tie weights within the limit), filled in by
+    the router row) decides which tokens the moe and layer rows compare: not a
     token the candidate's router row routed elsewhere (that row judges routing); a moe row then
     compares every token routed as the reference did, near ties included. `noise` (oracle/noise.py,
     reduced precisions): the row is judged against HF's own error at this precision."""
@@ -524,7 +525,10 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             m["tie_tokens"] = int((gaps < tie).sum())
         status, ratio = thresholds.judge_router(m, lim)
         if routes is not None and "shape_mismatch" not in m:
-            routes[layer] = cand_i
+            # routed as the reference did: the same experts and, at a near tie of a decision that
+            # sets the weights (sparsemixer's mask), weights within the limit
+            dw = weight_diffs(ref_w, ref_i, cand_w, cand_i)
+            routes[layer] = (dw < np.inf) & ~((gaps < tie) & (dw > lim["weight_atol"]))
     else:
         r = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
         c = np.concatenate(arrays)
@@ -540,8 +544,7 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
                 # to other experts is the router row's to judge (its agreement limit: 1.0 at
                 # fp32/bf16, 0.75 for a 4-bit router), not compared here; a moe row (the same
                 # inputs) compares every token routed as the reference did, near ties included
-                ref_i = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[layer, "router"]])
-                same = np.array([set(a) == set(b) for a, b in zip(ref_i, routes[layer][: len(keep)])], dtype=bool)
+                same = routes[layer][: len(keep)]
                 rerouted = ~same
                 keep = same if kind == "moe" else keep & same
             if not keep.any():  # nothing left to compare: not a pass

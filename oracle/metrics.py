@@ -89,11 +89,26 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a.ravel(), b.ravel()) / (na * nb))
 
 
-def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap: float) -> dict:
+def weight_diffs(ref_w, ref_idx, cand_w, cand_idx) -> np.ndarray:
+    """Per token: the largest top-k weight difference, expert by expert, where both chose the
+    same set of experts; inf where the sets differ (or a weight is not finite)."""
+    rw, cw = as_f64(ref_w), as_f64(cand_w)
+    ri, ci = np.asarray(ref_idx).astype(np.int64), np.asarray(cand_idx).astype(np.int64)
+    out = np.full(ri.shape[0], np.inf)
+    for t in range(ri.shape[0]):
+        if set(ri[t]) == set(ci[t]):
+            dw = np.abs(rw[t][np.argsort(ri[t])] - cw[t][np.argsort(ci[t])])
+            out[t] = float(dw.max()) if np.isfinite(dw).all() else np.inf
+    return out
+
+
+def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap) -> dict:
     """Top-k routing agreement per token (as sets of experts) and the weight difference
     on tokens that agree. `ref_gap` [N]: the margin of the reference's choice per token (its
-    k-th minus (k+1)-th selection score, oracle.check.router_gaps); a token whose margin is
-    below `tie_gap` is a tie: a disagreement there is counted apart, not hidden."""
+    k-th minus (k+1)-th selection score, or of another decision of its routing, such as a group
+    choice or sparsemixer's mask: oracle.check.router_gaps); a token whose margin is below
+    `tie_gap` (a number, or one per token) is a tie: a disagreement there, of the experts or of
+    their weights, is counted apart, not hidden."""
     rw, cw, gap = as_f64(ref_w), as_f64(cand_w), as_f64(ref_gap).reshape(-1)
     ri, ci = np.asarray(ref_idx).astype(np.int64), np.asarray(cand_idx).astype(np.int64)
     if ri.shape != ci.shape or rw.shape != cw.shape:
@@ -102,23 +117,22 @@ def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap: float) ->
     nonfinite = int(cw.size - np.isfinite(cw).sum())
     if gap.shape[0] != n:
         return {"shape_mismatch": f"{gap.shape[0]} reference margins for {n} tokens", "nonfinite": 0}
+    dw = weight_diffs(rw, ri, cw, ci)
     agree = np.array([set(ri[t]) == set(ci[t]) for t in range(n)], dtype=bool)
     tie = gap < tie_gap
-    max_w = 0.0
-    for t in np.flatnonzero(agree):
-        ro, co = np.argsort(ri[t]), np.argsort(ci[t])
-        dw = np.abs(rw[t][ro] - cw[t][co])
-        max_w = max(max_w, float(dw.max()) if np.isfinite(dw).all() else math.inf)
     counted = ~tie | agree  # ties that disagree are not held against the candidate
-    return {
+    out = {
         "tokens": int(n),
         "topk_agreement": float(agree[counted].mean()) if counted.any() else 1.0,
         "disagree_tokens": [int(t) for t in np.flatnonzero(~agree & ~tie)],
         "tie_disagreements": int((~agree & tie).sum()),
-        "weight_max_abs": max_w,
+        "weight_max_abs": float(dw[agree & ~tie].max()) if (agree & ~tie).any() else 0.0,
         "min_ref_gap": float(gap.min()) if n else math.inf,
         "nonfinite": nonfinite,
     }
+    if (agree & tie).any():  # the weights of near-tie tokens (sparsemixer's mask decides them): apart
+        out["tie_weight_max_abs"] = float(dw[agree & tie].max())
+    return out
 
 
 def top2_margin(logits) -> float:

@@ -51,7 +51,8 @@ class Reference:
     # layer -> [selection scores [T, E] per call]: what the family's own top-k ranks (models.routing:
     # softmax probabilities, or sigmoid scores + correction bias; -inf outside the chosen groups)
     router_probs: dict = field(default_factory=dict)
-    # layer -> [[T] per call]: the margin of the group choice (group-limited routers only)
+    # layer -> [[T] per call]: the margin of the routing's other discrete decisions (routing.decision_gap:
+    # a group choice, sparsemixer's masks), where it makes any
     group_gaps: dict = field(default_factory=dict)
     coverage: dict = field(default_factory=dict)  # layer -> experts routed to by the sequence
 
@@ -256,7 +257,8 @@ def selection_scores(router, logits, args):
                      if n.rsplit(".", 1)[-1] == "e_score_correction_bias"), None)
         bias = bias.detach().float().reshape(-1).clone() if bias is not None else None
     probs = routing.scores(logits, args)
-    return routing.selection(probs, bias, args), (routing.group_gap(probs, bias, args) if routing.grouped(args) else None)
+    return routing.selection(probs, bias, args), (routing.decision_gap(probs, bias, args)
+                                                  if routing.decides_more(args) else None)
 
 
 def check_selection(layer: int, choice: np.ndarray, idx: np.ndarray, k: int) -> None:
