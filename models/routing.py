@@ -78,18 +78,15 @@ def mask_margin(logits, k: int, eps: float):
     return torch.stack(margins, dim=-1).min(dim=-1).values
 
 
-def decides_more(a: ModelArgs) -> bool:
-    """Does the routing make a discrete decision besides the top-k (a group limit, sparsemixer's masks)?"""
-    return grouped(a) or a.router_scoring == "sparsemixer"
+def weighs_discretely(a: ModelArgs) -> bool:
+    """Does a discrete decision set the top-k weights (sparsemixer's masks)?"""
+    return a.router_scoring == "sparsemixer"
 
 
-def decision_gap(probs, bias, a: ModelArgs):
-    """[N]: the smallest margin of the routing's other discrete decisions (group_gap, mask_margin),
+def weight_gap(probs, a: ModelArgs):
+    """[N]: the margin of the decisions that set the weights (mask_margin: top-2 whatever k says),
     in the units of the selection scores (sparsemixer's are its logits)."""
-    gap = group_gap(probs, bias, a)
-    if a.router_scoring == "sparsemixer":
-        gap = torch.minimum(gap, mask_margin(probs, 2, a.router_jitter_eps))  # top-2 whatever k says
-    return gap
+    return mask_margin(probs, 2, a.router_jitter_eps)
 
 
 def pick(probs, idx):

@@ -51,9 +51,11 @@ class Reference:
     # layer -> [selection scores [T, E] per call]: what the family's own top-k ranks (models.routing:
     # softmax probabilities, or sigmoid scores + correction bias; -inf outside the chosen groups)
     router_probs: dict = field(default_factory=dict)
-    # layer -> [[T] per call]: the margin of the routing's other discrete decisions (routing.decision_gap:
-    # a group choice, sparsemixer's masks), where it makes any
+    # layer -> [[T] per call]: the margin of the group choice (group-limited routers only)
     group_gaps: dict = field(default_factory=dict)
+    # layer -> [[T] per call]: the margin of the decisions that set the top-k weights (sparsemixer's
+    # masks, routing.weight_gap): a near tie there changes the weights, not the experts
+    weight_gaps: dict = field(default_factory=dict)
     coverage: dict = field(default_factory=dict)  # layer -> experts routed to by the sequence
 
     def block_keys(self) -> list[tuple[int | None, str]]:
@@ -87,16 +89,23 @@ def load_hf_model(family, model_dir: Path, dtype=None, offload_dir: Path | None 
     dtype = dtype or torch.float32
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    if offload_dir is not None:
-        return load_streamed(family, Path(model_dir), Path(offload_dir), dtype)
-    model, info = family.hf_class().from_pretrained(
-        model_dir,
-        dtype=dtype,
-        attn_implementation="eager",
-        experts_implementation="eager",
-        use_safetensors=True,
-        output_loading_info=True,
-    )
+    try:
+        if offload_dir is not None:
+            return load_streamed(family, Path(model_dir), Path(offload_dir), dtype)
+        model, info = family.hf_class().from_pretrained(
+            model_dir,
+            dtype=dtype,
+            attn_implementation="eager",
+            experts_implementation="eager",
+            use_safetensors=True,
+            output_loading_info=True,
+        )
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, AssertionError,
+            RuntimeError) as e:  # a config.json HF's config class takes and its model cannot be built from
+        raise CheckpointError(f"transformers cannot build {family.hf_class_name} from {Path(model_dir) / 'config.json'} "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
     bad = list(info.get("missing_keys", [])) + [str(k) for k in info.get("mismatched_keys", [])]
     if bad:
         raise CheckpointError(f"transformers could not load {len(bad)} tensor(s), e.g. {sorted(bad)[0]}")
@@ -257,8 +266,14 @@ def selection_scores(router, logits, args):
                      if n.rsplit(".", 1)[-1] == "e_score_correction_bias"), None)
         bias = bias.detach().float().reshape(-1).clone() if bias is not None else None
     probs = routing.scores(logits, args)
-    return routing.selection(probs, bias, args), (routing.decision_gap(probs, bias, args)
-                                                  if routing.decides_more(args) else None)
+    return routing.selection(probs, bias, args), (routing.group_gap(probs, bias, args) if routing.grouped(args) else None)
+
+
+def weight_gap(logits, args):
+    """routing.weight_gap of an HF router's logits, or None where no decision sets the weights."""
+    from models import routing
+
+    return routing.weight_gap(routing.scores(logits, args), args) if routing.weighs_discretely(args) else None
 
 
 def check_selection(layer: int, choice: np.ndarray, idx: np.ndarray, k: int) -> None:
@@ -311,7 +326,7 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             recs[key][0].append(x.reshape(1, -1, x.shape[-1]).clone())
             out = _normalize_output(key[1], out, router_output=reader)
             if key[1] == "router":
-                out = (*out[:2], *selection_scores(mod, out[2], args))
+                out = (*out[:2], *selection_scores(mod, out[2], args), weight_gap(out[2], args))
             recs[key][1].append(out)
 
         return fn
@@ -330,10 +345,12 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             raise RuntimeError(f"reference hook {key} fired {len(xs)} times for {len(positions)} calls")
         ref.inputs[key] = [BlockCall(x.numpy(), p, tokens[int(p[0]) : int(p[-1]) + 1]) for x, p in zip(xs, positions)]
         if key[1] == "router":
-            ref.outputs[key] = [(w.numpy(), i.numpy()) for w, i, _, _ in outs]
-            ref.router_probs[key[0]] = [p.numpy() for _, _, p, _ in outs]
+            ref.outputs[key] = [(o[0].numpy(), o[1].numpy()) for o in outs]
+            ref.router_probs[key[0]] = [o[2].numpy() for o in outs]
             if outs[0][3] is not None:
-                ref.group_gaps[key[0]] = [g.numpy() for _, _, _, g in outs]
+                ref.group_gaps[key[0]] = [o[3].numpy() for o in outs]
+            if outs[0][4] is not None:
+                ref.weight_gaps[key[0]] = [o[4].numpy() for o in outs]
             for (_, i), p in zip(ref.outputs[key], ref.router_probs[key[0]]):
                 check_selection(key[0], p, i, args.num_experts_per_tok)
         elif key == (None, "logits"):
@@ -404,12 +421,15 @@ def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:
                             continue
                     weights, idx, logits = _normalize_output("router", out, router_output=reader)
                     choice, gap = selection_scores(router, logits, args)
+                    wgap = weight_gap(logits, args)
                     call = BlockCall(x.numpy(), np.array([0]), [], probe=True)
                     ref.inputs[layer, "router"].append(call)
                     ref.outputs[layer, "router"].append((weights.numpy(), idx.numpy()))
                     ref.router_probs[layer].append(choice.numpy())
                     if gap is not None:
                         ref.group_gaps[layer].append(gap.numpy())
+                    if wgap is not None:
+                        ref.weight_gaps[layer].append(wgap.numpy())
                     ref.inputs[layer, "moe"].append(call)
                     ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)).numpy())
             if unprobed:
@@ -461,9 +481,13 @@ def save(ref: Reference, path: Path) -> None:
     for layer, gaps in ref.group_gaps.items():
         for i, g in enumerate(gaps):
             tensors[f"ggap.{layer}.{i}"] = g
+    for layer, gaps in ref.weight_gaps.items():
+        for i, g in enumerate(gaps):
+            tensors[f"wgap.{layer}.{i}"] = g
     meta = {"tokens": ref.tokens, "prompt_len": ref.prompt_len, "calls": len(ref.positions), "blocks": blocks,
             "router_layers": {str(k): len(v) for k, v in ref.router_probs.items()},
             "group_gap_layers": {str(k): len(v) for k, v in ref.group_gaps.items()},
+            "weight_gap_layers": {str(k): len(v) for k, v in ref.weight_gaps.items()},
             "coverage": {str(k): v for k, v in ref.coverage.items()}}
     import json
     import tempfile
@@ -507,6 +531,8 @@ def _reference_of(meta: dict, t: dict) -> Reference:
     ref.router_probs = {int(k): [t[f"probs.{k}.{i}"] for i in range(m)] for k, m in meta["router_layers"].items()}
     ref.group_gaps = {int(k): [t[f"ggap.{k}.{i}"] for i in range(m)]
                       for k, m in meta.get("group_gap_layers", {}).items()}
+    ref.weight_gaps = {int(k): [t[f"wgap.{k}.{i}"] for i in range(m)]
+                       for k, m in meta.get("weight_gap_layers", {}).items()}
     ref.coverage = {int(k): v for k, v in meta["coverage"].items()}
     return ref
 

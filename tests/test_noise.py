@@ -56,9 +56,9 @@ def test_hf_and_eager_bf16_pass_and_rows_show_their_error_against_hf(family, wei
         assert r.status == "pass", (backend, r.worst, r.e2e.status)
         rows = [b for b in r.blocks if b.status == "pass" and b.kind != "router"]
         assert rows and all("noise_max_abs" in b.metrics and "vs_noise" in b.metrics for b in rows)
-        assert all(b.limits["noise_factor"] == 2.0 for b in rows)
-        if backend == "hf":  # the same computation as the measurement: ratio 1/(2 + floor share)
-            assert all(b.metrics["vs_noise"] == 1.0 and b.ratio <= 0.5 for b in rows)
+        assert all(b.limits["noise_factor"] == 2.5 for b in rows)
+        if backend == "hf":  # the same computation as the measurement: ratio 1/(2.5 + floor share)
+            assert all(b.metrics["vs_noise"] == 1.0 and b.ratio <= 0.4 for b in rows)
         assert r.reference["noise"].startswith("HF transformers at bf16")
 
 
@@ -81,5 +81,5 @@ def test_a_decode_path_defect_fails_e2e_at_bf16(family):
     assert r.e2e.status == "fail" and r.status == "fail"
     assert r.e2e.steps[0]["logits_status"] == "pass"
     failed = [s for s in r.e2e.steps if s["logits_status"] == "fail"]
-    assert len(failed) >= len(r.e2e.steps) // 2 and all(s["vs_noise"] > 2 for s in failed)
+    assert len(failed) >= 3 and all(s["vs_noise"] > 3 for s in failed)
     assert all(b.status == "pass" for b in r.blocks if b.status != "n/a")
