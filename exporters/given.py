@@ -95,9 +95,12 @@ LLVM_TARGET = re.compile(rb'"llvm-cpu", "([\w-]+)", \{cpu = "([^"]*)", cpu_featu
 
 def llvm_cpu_targets(data) -> list[tuple[str, str, frozenset]]:
     """(format, cpu, the features it enables) of each llvm-cpu target named in a module's bytes."""
-    return sorted({(m.group(1).decode(), m.group(2).decode(),
-                    frozenset(f[1:] for f in m.group(3).decode().split(",") if f.startswith("+")))
-                   for m in LLVM_TARGET.finditer(data)}, key=str)
+    found = set()
+    for m in LLVM_TARGET.finditer(data):
+        fmt, cpu, features = (g.decode("utf-8", "replace") for g in m.groups())  # (a damaged file: any bytes)
+        found.add((fmt, cpu, frozenset(f[1:] for f in features.split(",") if f.startswith("+"))))
+        del m  # no view of the caller's mmap left behind
+    return sorted(found, key=str)
 
 
 _TRIVIAL = """func.func @f(%a: tensor<4xf32>) -> tensor<4xf32> {
@@ -254,7 +257,7 @@ def _load_vmfb(vmfb: str, irpa: str | None = None) -> dict:
         modules.append(rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=PARAM_SCOPE)))
     module = rt.VmModule.copy_buffer(config.vm_instance, Path(vmfb).read_bytes())
     rt.SystemContext(vm_modules=[*modules, module], config=config)
-    return {"functions": sorted(module.function_names)}
+    return {"name": module.name, "functions": sorted(module.function_names)}
 
 
 def main(argv: list[str]) -> int:

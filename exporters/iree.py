@@ -362,6 +362,9 @@ class IreeBackend:
             raise InputError(f"--vmfb {vmfb}: no {PARAMS_FILE} beside it (the program's weights, as "
                              "`oracle export --backend iree-llvm-cpu` writes them)")
         found = given.probe("vmfb", "--vmfb", [vmfb, irpa], "the IREE runtime")
+        if found["name"] != "module":  # what the candidate calls it by (iree-turbine's export names it so)
+            raise InputError(f"--vmfb {vmfb}: its module is named {found['name']!r}, not 'module' (as "
+                             "`oracle export --backend iree-llvm-cpu` compiles it)")
         plan = self.plan(src)[1]
         programs, which = parse_plan(plan)
         missing = sorted(required_functions(programs, spec.prompt_len) - set(found["functions"]))
@@ -395,9 +398,15 @@ class IreeBackend:
                 "artifacts": [art.as_dict(), Artifact(PARAMS_FILE, str(b.vmfb.with_name(PARAMS_FILE)), b.params["sha256"],
                                                       art.cached, 0.0 if art.cached else b.params["build_s"]).as_dict()]}
         ops = b.vmfb.with_name(OPS_FILE)
-        cand = IreeCandidate(b.vmfb.read_bytes(), b.which, spec.prompt_len, info,
-                             ops.read_text() if ops.is_file() and not spec.artifact else None,
-                             b.vmfb.with_name(PARAMS_FILE), b.keep)
+        try:
+            cand = IreeCandidate(b.vmfb.read_bytes(), b.which, spec.prompt_len, info,
+                                 ops.read_text() if ops.is_file() and not spec.artifact else None,
+                                 b.vmfb.with_name(PARAMS_FILE), b.keep)
+        except Exception as e:  # noqa: BLE001 (a given program is input: refused; a program built here: its error)
+            if not spec.artifact:
+                raise
+            raise InputError(f"--vmfb {b.vmfb}: the IREE runtime cannot run it ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:300]})") from None
         missing = sorted(required_functions(b.programs, spec.prompt_len) - set(cand.blocks.vm_module.function_names))
         if missing:
             raise InputError(f"--vmfb {b.vmfb} does not have the production exporter's functions for this check "

@@ -270,6 +270,9 @@ CASES = [
          config_with(rope_parameters={"rope_theta": -1})),
     Case("config-rope-type-unsupported", model_dir(), 2, "config.json: rope_type 'dynamic' is not supported yet",
          config_with(rope_parameters={"rope_type": "dynamic", "factor": 2.0})),
+    Case("config-hf-cannot-build", model_dir(), 2,  # HF's config class takes it, its model cannot be built
+         "transformers cannot build OlmoeForCausalLM from {ckpt}/config.json (KeyError: 'swishy')",
+         config_with(hidden_act="swishy")),
     Case("config-model-type-not-a-string", model_dir(), 2, "config.json: model_type must be a string, got 5",
          config_with(model_type=5)),
     Case("integer-weight", model_dir(), 2,
