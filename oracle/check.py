@@ -512,7 +512,6 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         ref_i = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[key]])
         cand_w = np.concatenate([w for w, _ in arrays])
         cand_i = np.concatenate([i for _, i in arrays])
-        experts = ref.router_probs[layer][0].shape[-1]
         gaps, tie = router_gaps(ref, layer, dtype=np.float64), tie_gaps(ref, layer, spec, noise)
         m = router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie)
         h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None

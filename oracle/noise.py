@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -123,9 +121,7 @@ def measure(ref, src, spec) -> Noise:
 
 
 def _save(noise: Noise, path: Path) -> None:
-    from safetensors.numpy import save_file
-
-    from oracle.result import write_atomic
+    from oracle.reference import save_arrays
 
     t, meta = {}, {"precision": noise.precision, "blocks": [], "steps": len(noise.logits)}
     for (layer, kind), outs in noise.outputs.items():
@@ -142,16 +138,7 @@ def _save(noise: Noise, path: Path) -> None:
                 t[f"{prefix}.{layer}.{i}"] = a
     for k, lg in enumerate(noise.logits):
         t[f"l.{k}"] = lg
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: np.ascontiguousarray(v) for k, v in t.items()}, tmp)
-        os.replace(tmp, path.with_suffix(".safetensors"))
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    write_atomic(path.with_suffix(".json"), json.dumps(meta))
+    save_arrays(t, meta, path)
 
 
 def _load(path: Path) -> Noise | None:

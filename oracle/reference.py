@@ -457,10 +457,6 @@ def first_nonfinite(ref: Reference) -> str | None:
 def save(ref: Reference, path: Path) -> None:
     """The reference as <path>.safetensors (every tensor) + <path>.json (the structure),
     each written atomically."""
-    from safetensors.numpy import save_file
-
-    from oracle.result import write_atomic
-
     tensors, blocks = {}, []
     for i, (p, lg) in enumerate(zip(ref.positions, ref.logits)):
         tensors[f"pos.{i}"], tensors[f"logits.{i}"] = p, lg
@@ -489,8 +485,17 @@ def save(ref: Reference, path: Path) -> None:
             "group_gap_layers": {str(k): len(v) for k, v in ref.group_gaps.items()},
             "weight_gap_layers": {str(k): len(v) for k, v in ref.weight_gaps.items()},
             "coverage": {str(k): v for k, v in ref.coverage.items()}}
+    save_arrays(tensors, meta, path)
+
+
+def save_arrays(tensors: dict, meta: dict, path: Path) -> None:
+    """<path>.safetensors (the arrays) and <path>.json (`meta`), each written atomically."""
     import json
     import tempfile
+
+    from safetensors.numpy import save_file
+
+    from oracle.result import write_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=path.parent)
