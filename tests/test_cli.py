@@ -99,24 +99,6 @@ def test_version_and_module_entry_point(tmp_path):
         assert r.returncode == 0 and r.stdout.startswith("moe-oracle "), r.stderr
 
 
-def test_wheel_ships_goldens_and_thresholds(tmp_path):
-    """A wheel install keeps every golden gate: goldens/ (and thresholds.toml) are in the wheel,
-    where oracle/goldens.py looks for them (beside the oracle package)."""
-    import subprocess
-    import sys
-    import zipfile
-
-    from tests.conftest import ROOT
-
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    names = zipfile.ZipFile(next(tmp_path.glob("moe_oracle-*.whl"))).namelist()
-    golden = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "goldens").rglob("*") if p.is_file())
-    assert golden and set(golden) <= set(names), sorted(set(golden) - set(names))[:5]
-    assert "oracle/thresholds.toml" in names and "oracle/__main__.py" in names
-
-
 def test_missing_goldens_refused(cli, tmp_path):
     r = cli("check", "--family", "olmoe", "--backend", "eager", env={"MOE_ORACLE_GOLDENS": str(tmp_path / "none")})
     assert r.returncode == 2 and "goldens directory" in r.stderr and "is missing" in r.stderr
