@@ -252,19 +252,11 @@ def test_safetensors_header(tiny, data):
 @pytest.fixture(scope="module")
 def sharded(tiny, tmp_path_factory) -> Path:
     """Tiny OLMoE in two shards with model.safetensors.index.json (as save_pretrained shards)."""
-    from safetensors.torch import load_file, save_file
+    from tests.test_bad_inputs import shard_in_two
 
     d = tmp_path_factory.mktemp("sharded") / "ckpt"
     shutil.copytree(tiny["olmoe"], d)
-    w = load_file(d / "model.safetensors")
-    names = sorted(w)
-    parts = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
-    for shard, keys in parts.items():
-        save_file({k: w[k] for k in keys}, d / shard, metadata={"format": "pt"})
-    (d / "model.safetensors").unlink()
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 0}, "weight_map": {k: s for s, keys in parts.items() for k in keys}}))
+    shard_in_two(d)
     return d
 
 
