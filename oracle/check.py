@@ -630,7 +630,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     # choice shows at its own position), see excuse_routing_ties
     routing_ties = routing_tie_positions(ref, spec, noise)
     first_routing_tie = routing_ties[0] if routing_ties and not noisy else None
-    noise_median = median_step_noise(ref, noise) if noisy else None
+    step_noise, noise_median = last_row_noise(ref, noise) if noisy else (None, None)
     steps, cand_tokens, ties, first, dtypes, error = [], [], [], None, set(), None
     ref_rows, cand_rows = [], []  # every position's logits, for the distribution metrics
     for k in range(len(ref.logits)):
@@ -669,7 +669,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
             h = noise.logits[k].reshape(-1, vocab)[-out.shape[0]:].astype(np.float64)
             step_lim = noise_row_limits(lim, as_f64(r).reshape(h.shape), h, spec.precision, m)
             status, ratio = thresholds.judge_noise(m, noise_step_floor(step_lim, noise_median))
-            tie_margin = lim["tie_factor"] * float(np.abs(h[-1] - as_f64(r).reshape(h.shape)[-1]).max())
+            tie_margin = lim["tie_factor"] * step_noise[k]["max_abs"]
         else:
             status, ratio = thresholds.judge_tensor(m, lim)
         position = P + k - 1 if k else P - 1
@@ -715,14 +715,15 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     return e2e, gate
 
 
-def median_step_noise(ref, noise) -> dict:
-    """HF's median error over the e2e steps at this precision (max_abs of each step's last row,
-    rel_l2 of each step): one step's error is one sample, and a step where HF happened to round
-    well would otherwise hold another correct implementation to a tighter limit than the rest."""
+def last_row_noise(ref, noise) -> tuple[list[dict], dict]:
+    """HF's error at this precision on each e2e step's last row (the row that decides the token:
+    its max_abs sets the step's tie margin), and the median over the steps (one step's error is
+    one sample, and a step where HF happened to round well would otherwise hold another correct
+    implementation to a tighter limit than the rest)."""
     errs = [tensor_metrics(r.reshape(-1, r.shape[-1])[-1:], h.reshape(-1, h.shape[-1])[-1:], 1.0, 0.0)
             for r, h in zip(ref.logits, noise.logits)]
-    return {"max_abs": float(np.median([e["max_abs"] for e in errs])),
-            "rel_l2": float(np.median([e["rel_l2"] for e in errs]))}
+    return errs, {"max_abs": float(np.median([e["max_abs"] for e in errs])),
+                  "rel_l2": float(np.median([e["rel_l2"] for e in errs]))}
 
 
 def noise_step_floor(lim: dict, median: dict) -> dict:

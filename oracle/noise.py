@@ -62,20 +62,16 @@ def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> n
 
 
 def _key(spec, src, prompt) -> str:
+    import exporters.hf
     from oracle import reference
     from oracle.artifacts import key_of, versions
 
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (reference, _hf_module()))
+    # the code that measures: the reference's capture, the hf candidate and this file
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (reference, exporters.hf))
                           + Path(__file__).read_bytes()).hexdigest()
     return key_of({"family": spec.family, "sha": src.checkpoint_sha256, "prompt": list(prompt),
                    "n": spec.decode_tokens, "precision": spec.precision, "code": code,
                    **versions("torch", "transformers", "safetensors")})
-
-
-def _hf_module():
-    import importlib
-
-    return importlib.import_module("exporters.hf")
 
 
 def measure(ref, src, spec) -> Noise:
