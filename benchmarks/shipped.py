@@ -1,4 +1,4 @@
-"""The quantization / implementation error table of the README (not a test): for each family,
+"""The quantization / implementation error table of docs/benchmarks.md (not a test): for each family,
 an mlx-lm directory written by `oracle export --backend mlx` (mlx-lm's quantizer and writers)
 at q4 group 32 and q8 group 64, checked with `--candidate-dir` against the tiny checkpoint.
 

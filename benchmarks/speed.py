@@ -1,6 +1,6 @@
-"""Every speed figure of the README in one run (not a test).
+"""Every speed figure of docs/benchmarks.md in one run (not a test).
 
-    python benchmarks/speed.py [--repeat 5] [--make-test] [--write-readme]
+    python benchmarks/speed.py [--repeat 5] [--make-test] [--write-docs]
 
 Measures, each as min / median / max over --repeat runs:
 - `oracle --help` and `python -c "import oracle.check"` (fresh processes);
@@ -10,7 +10,7 @@ Measures, each as min / median / max over --repeat runs:
   with the default -j (the number of cores), and their ratio;
 - with --make-test: `make test` in a fresh clone of this checkout (cold caches: what CI sees),
   once (it takes minutes).
-Prints a markdown section; --write-readme puts it between the README's speed markers.
+Prints a markdown section; --write-docs puts it between the speed markers of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ os.environ.setdefault("MOE_ORACLE_CACHE", str(ROOT / ".cache" / "moe-oracle"))
 from profile_check import BACKENDS, STAGES, profile  # noqa: E402
 
 FAMILIES = "qwen3_5_moe,qwen3_moe,olmoe,qwen2_moe,mixtral"
-BEGIN, END = "<!-- speed:begin (benchmarks/speed.py --write-readme) -->", "<!-- speed:end -->"
+DOC = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- speed:begin (benchmarks/speed.py --write-docs) -->", "<!-- speed:end -->"
 # the issue's targets (issue 17), seconds
 TARGETS = {"help": 0.3, "check:eager": 2.5, "check:executorch": 2.5, "check:hf": 2.5, "check:executorch-mlx": 2.5,
            "check:mlx": 1.5, "check:iree-llvm-cpu": 1.5, "matrix_warm": 60, "make_test": 12 * 60}
@@ -83,7 +84,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--make-test", action="store_true", help="also time `make test` in a fresh clone (minutes)")
-    p.add_argument("--write-readme", action="store_true")
+    p.add_argument("--write-docs", action="store_true", help=f"write the section into {DOC.relative_to(ROOT)}")
     a = p.parse_args()
     from oracle.backend import resolve
 
@@ -131,13 +132,12 @@ def main() -> int:
         lines.append(f"| {r['backend']} | " + " | ".join(f"{r['stages'][s]:.2f}" for s in STAGES) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if a.write_readme:
-        readme = ROOT / "README.md"
-        doc = readme.read_text()
+    if a.write_docs:
+        doc = DOC.read_text()
         if BEGIN not in doc or END not in doc:
-            raise SystemExit(f"README.md has no speed markers ({BEGIN} ... {END})")
+            raise SystemExit(f"{DOC.relative_to(ROOT)} has no speed markers ({BEGIN} ... {END})")
         head, rest = doc.split(BEGIN, 1)
-        readme.write_text(head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
+        DOC.write_text(head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
     return 0
 
 

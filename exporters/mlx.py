@@ -599,7 +599,7 @@ class MLXBackend:
     # the model at its precision (q8/q4: packed weights + a scale and a bias per group of 32),
     # plus one layer's arrays while it is evaluated
     # measured peaks: OLMoE --layers 2 (1.05 B parameters) fp32 4.9, q8 3.4, q4 3.2 GiB; full-size
-    # OLMoE (6.92 B) q4 7.9 GiB (README)
+    # OLMoE (6.92 B) q4 7.9 GiB (docs/benchmarks.md)
     memory_per_param = {"fp32": 4.4, "bf16": 2.4, "q8": 1.4, "q4": 1.2}
     memory_note = "the mlx model at its precision, evaluated a layer at a time"
     runs_torch = False  # the candidate runs no torch (provenance records no torch thread count)

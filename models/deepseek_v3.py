@@ -3,8 +3,9 @@ the first `first_k_dense_replace` layers dense, then 256 experts top-8 chosen on
 + a correction bias among the 4 best of 8 groups, weights renormalised and scaled by
 routed_scaling_factor, plus one always-on shared expert.
 
-The worked example of a family made of blocks that exist (README, "Adding a family"): the
-config mapping, the checkpoint's names and the mlx-lm mapping are all this file has."""
+The worked example of a family made of blocks that exist (docs/architecture.md, "Where a new
+family, backend, block kind or gate goes"): the config mapping, the checkpoint's names and the
+mlx-lm mapping are all this file has."""
 
 from models import (FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, mla, require, sanitize_hf,
                     sigmoid_routing)

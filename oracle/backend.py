@@ -245,7 +245,7 @@ def resolve(name: str) -> Backend:
 
 GIB = 1 << 30
 # what a check holds besides the backend's model: interpreter and imports (~0.6 GiB), the
-# reference's captures, the runtime's own allocations (fits every measurement: README)
+# reference's captures, the runtime's own allocations (fits every measurement: docs/benchmarks.md)
 BASE_MEMORY = 2 * GIB
 
 

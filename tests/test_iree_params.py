@@ -263,7 +263,7 @@ def test_memory_estimate_follows_the_largest_layer(built):
     """The memory guard's estimate (oracle.backend.memory_refusal): one decoder layer's fp32 weights
     twice and the weights outside the layers, not the model's size (no model is held; the archive
     is mapped). Measured at OLMoE's real width, --layers 2: 7.2 GiB peak RSS of which 4.2 GiB the
-    mapped archive (README)."""
+    mapped archive (docs/benchmarks.md)."""
     src, _, model = built
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     outside = sum(p.numel() for p in model.parameters()) - sum(per_layer)

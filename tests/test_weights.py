@@ -206,7 +206,7 @@ def test_plumbing():
 
 
 def test_profile_constants_are_the_documented_ones():
-    """docs/weights.md and README state these numbers."""
+    """docs/weights.md states these numbers."""
     assert (T.OUTLIER_DIMS, T.OUTLIER_SCALE, T.MASSIVE_DIMS, T.MASSIVE_SHARE, T.MASSIVE_SCALE) == (3, 20, 2, 0.1, 300)
     assert (T.ROUTER_SCALE, T.QK_SCALE) == (4, 2.5)
     assert math.isclose(math.exp(4 * T.GAIN_SIGMA), 100)  # +-2 sigma: two decades
