@@ -608,9 +608,9 @@ class MLXBackend:
         Option("device", str, ("cpu", "gpu"), "gpu where mlx has one, else cpu",
                "where mlx runs (gpu: Metal on Apple silicon)", "--device"),
         Option("group_size", int, GROUP_SIZES, DEFAULT_GROUP_SIZE, "quantization group size (q8/q4 only)",
-               "--group-size"),
+               "--group-size", quantizes=True),
         Option("recipe", str, RECIPES, None, "mlx-lm's mixed quantization recipe (with --precision q4)",
-               commands=("export",)),
+               commands=("export",), quantizes=True),
     )
 
     def __init__(self, name: str = "mlx", transform=None, transform_id: str | None = None, config_fn=mlx_config):

@@ -35,7 +35,10 @@ harness refuses unknown or ill-typed ones before any work), `check_options(spec)
 `memory_note` saying what is held) or `memory_estimate(src, spec) -> (bytes, how)` (where the
 peak follows the largest layer rather than the whole model); + BASE_MEMORY: a model that would not
 fit in the available memory is refused with exit 2 and the estimate, instead of being killed
-mid-build. Torch-based
+mid-build. A backend with `loads_directory` (it loads a shipped directory, --candidate-dir) and
+`export` writing one checks its quantized precisions (q8/q4) on the directory it exports: the
+harness builds it (cached), and judges the candidate against HF on its weights dequantized
+(CheckSpec.quant_reference). Torch-based
 backends take `transform` (a callable modifying the built production model, how seeded
 faults are injected) and `transform_id` (part of every artifact cache key).
 
@@ -86,6 +89,9 @@ class Option:
     help: str = ""
     flag: str | None = None  # e.g. "--group-size"
     commands: tuple[str, ...] = ("check", "export")  # the commands it applies to
+    # it shapes the quantized weights `export` writes (group size, recipe): spent when the
+    # harness builds the quantized directory, not passed on when the candidate loads it
+    quantizes: bool = False
 
     def parse(self, value) -> Any:
         """The value converted to the option's type and checked against its choices."""
@@ -166,6 +172,11 @@ class CheckSpec:
     # a shipped (prequantized) artifact directory the backend loads as the candidate, instead of
     # building one from the checkpoint; the reference is then HF on its (dequantized) weights
     candidate_dir: str | None = None
+    # q8/q4 on a backend that writes its quantized weights (`loads_directory` + `export`): the
+    # candidate is judged against HF on those weights dequantized ("dequantized": the
+    # implementation at fp32 limits, the quantization's own loss reported apart), or against HF on
+    # the original weights by the quantized precision's fixed table ("original")
+    quant_reference: str = "dequantized"
     reference: str | None = None  # a reference saved by `oracle reference save` (used for its checkpoint)
     # real text, tokenized with the checkpoint's own tokenizer (None: prompt_len random token ids)
     prompts: tuple[str, ...] | None = None

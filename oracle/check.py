@@ -83,6 +83,10 @@ def validate(spec: CheckSpec, command: str = "check"):
         raise InputError(f"backend {spec.backend} does not support precision {spec.precision} "
                          f"(supports {', '.join(supported)})")
     if shipped_dir(spec) is not None:
+    if spec.quant_reference not in QUANT_REFERENCES:
+        raise InputError(f"--quant-reference {spec.quant_reference}: allowed values are {', '.join(QUANT_REFERENCES)}")
+    if spec.quant_reference != "dequantized" and not thresholds.quantized(spec.precision):
+        raise InputError(f"--quant-reference applies to the quantized precisions, not {spec.precision}")
         if spec.candidate_dir is not None and not getattr(backend, "loads_directory", False):
             raise InputError(f"backend {spec.backend} cannot load a prebuilt directory (--candidate-dir): "
                              "it builds its candidate from the checkpoint")
@@ -234,13 +238,56 @@ class Sources:
     original: ModelSource | None = None
     quantization: dict | None = None  # the shipped directory's quantization (models.quantized.summary)
 
+    built: bool = False  # the shipped directory is the one the backend wrote for --precision q8/q4
 
-def sources(spec: CheckSpec, progress=None) -> Sources:
-    shipped = shipped_dir(spec)
+QUANT_REFERENCES = ("dequantized", "original")
+
+
+def builds_quantized(spec: CheckSpec, backend) -> bool:
+    """Whether a quantized precision is checked on the directory the backend writes (the
+    implementation/quantization split of a shipped directory): q8/q4 on a backend that exports
+    and loads directories, no directory or program given, --quant-reference dequantized."""
+    return (spec.quant_reference == "dequantized" and thresholds.quantized(spec.precision)
+            and spec.candidate_dir is None and spec.artifact is None and shipped_dir(spec) is None
+            and getattr(backend, "loads_directory", False) and hasattr(backend, "export"))
+
+
+def quantizing_options(backend, options: dict) -> dict:
+    """The options that shape the quantized weights (the schema's `quantizes`), spent on the
+    directory the backend writes."""
+    schema = {o.name: o for o in getattr(backend, "option_schema", ())}
+    return {k: v for k, v in options.items() if k in schema and schema[k].quantizes}
+
+
+def quantized_directory(backend, src: ModelSource, spec: CheckSpec, progress) -> str:
+    """The directory the backend's `export` writes for spec's q8/q4 and quantizing options,
+    cached by content (checkpoint, precision, options, the backend's code, tool versions)."""
+    import inspect
+
+    from oracle.artifacts import cached_artifact, sha256_file, versions
+
+    opts = quantizing_options(backend, spec.options)
+    code = sha256_file(Path(inspect.getsourcefile(type(backend))))
+    parts = {"checkpoint": src.checkpoint_sha256, "precision": spec.precision, "options": opts, "code": code,
+             **versions(*PACKAGES)}
+    progress(f"writing the {spec.precision} directory ({spec.backend} export)")
+    art = cached_artifact("quantized", parts, "config.json",
+                          lambda path: backend.export(src, replace(spec, options=opts), path.parent),
+                          name=f"{spec.family}.{spec.precision}")
+    return str(Path(art.path).parent)
+
+
+def sources(spec: CheckSpec, progress=None, backend=None) -> Sources:
+    shipped, original = shipped_dir(spec), None
+    built = backend is not None and builds_quantized(spec, backend)
+    if built:
+        original = model_source(spec, progress)
+        shipped = quantized_directory(backend, original, spec, progress or (lambda msg: None))
     if shipped is None:
         return Sources(model_source(spec, progress))
     family = get_family(spec.family)
-    original = None if shipped == spec.model_dir else model_source(spec, progress)
+    if not built:
+        original = None if shipped == spec.model_dir else model_source(spec, progress)
     try:
         own = read_config(Path(shipped))
         require_family(family, own, f"{shipped}/config.json")
@@ -259,7 +306,7 @@ def sources(spec: CheckSpec, progress=None) -> Sources:
                              f"{'the original' if original else 'its config'}: {e}") from None
     except CheckpointError as e:
         raise InputError(f"{shipped}: {e}") from None
-    return Sources(src, shipped, original, summary)
+    return Sources(src, shipped, original, summary, built)
 
 
 def first_difference(a, b) -> str | None:
@@ -873,7 +920,13 @@ def limits_precision(quantization: dict) -> str:
 def quantization_rows(spec: CheckSpec, srcs: Sources, prompt: list[int], progress) -> dict:
     """The quantization error: HF on the original weights (the reference) against HF on the
     shipped weights dequantized (the candidate, transformers itself), block by block and end to
-    end, judged at the limits of the quantized precision."""
+    end. Judged end to end, by the logits' distribution at the quantized precision's limits (KL,
+    delta-p, same top-1: what quantization is judged by); the block rows are the scheme's own loss
+    per block, each measured against the precision's fixed table and reported (`over_table`), not
+    judged: with outlier features a correct group quantization exceeds a table fitted on
+    normal-law weights (docs/noise.md). Of a directory the backend built for --precision q8/q4
+    (`srcs.built`) nothing is judged: its loss is the chosen bits and group size on these weights,
+    not the backend's doing (status `reported`)."""
     precision = limits_precision(srcs.quantization or {})
     qspec = replace(spec, precision=precision, candidate_dir=None)
     ref = reference_of(spec, srcs.original, prompt)
@@ -886,9 +939,9 @@ def quantization_rows(spec: CheckSpec, srcs: Sources, prompt: list[int], progres
     except Exception as e:
         return {**out, "status": "error", "error": f"{type(e).__name__}: {e}"}
     w = worst_row(rows)
-    failed = w is not None or e2e.status in ("fail", "error")
-    return {**out, "status": "fail" if failed else "pass", "blocks": [asdict(r) for r in rows], "e2e": asdict(e2e),
-            "worst": asdict(w) if w else None}
+    status = "reported" if srcs.built else "fail" if e2e.status in ("fail", "error") else "pass"
+    return {**out, "status": status, "blocks": [asdict(r) for r in rows],
+            "e2e": asdict(e2e), "over_table": asdict(w) if w else None}
 
 
 def artifact_matches(spec: CheckSpec, src: ModelSource) -> None:
@@ -927,8 +980,10 @@ def artifact_matches(spec: CheckSpec, src: ModelSource) -> None:
 def spec_record(spec: CheckSpec) -> dict:
     """The spec as the report records it: a saved reference's path is run state (in `cache`),
     so a check against a moved reference reports the same bytes as one captured in-process; the
-    weight profile only where it is not normal (a report of the normal profile stays as before it)."""
-    return {k: v for k, v in asdict(spec).items() if k != "reference" and not (k == "weights" and v == "normal")}
+    weight profile and the quantization reference only where they are not the default (a report of
+    the defaults stays as before they existed)."""
+    defaults = {"weights": "normal", "quant_reference": "dequantized"}
+    return {k: v for k, v in asdict(spec).items() if k != "reference" and not (k in defaults and v == defaults[k])}
 
 
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,
@@ -953,9 +1008,18 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         result.status, result.skipped_reason = "skipped", reason
         return result
     progress("checkpoint")
-    srcs = sources(spec, lambda msg: progress(f"checkpoint: {msg}"))
+    srcs = sources(spec, lambda msg: progress(f"checkpoint: {msg}"), backend)
     src = srcs.src
-    if srcs.shipped is not None and getattr(backend, "loads_directory", False):
+    asked = spec
+
+    def record(s: CheckSpec) -> dict:  # q8/q4 as asked, not the fp32 check of the directory built for it
+        return spec_record(replace(s, precision=asked.precision, candidate_dir=None, options=asked.options)
+                           if srcs.built else s)
+
+    if srcs.built:  # the candidate loads the directory at fp32 activations, judged at the fp32 limits
+        spec = replace(spec, candidate_dir=srcs.shipped, precision="fp32",
+                       options={k: v for k, v in spec.options.items() if k not in quantizing_options(backend, spec.options)})
+    elif srcs.shipped is not None and getattr(backend, "loads_directory", False):
         spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
         result.spec = spec_record(spec)
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
@@ -984,7 +1048,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
                      f"the longest prompt ({longest} tokens) + decode-tokens {spec.decode_tokens}")
         spec = replace(spec, prompt_len=longest)  # what static-length artifacts are sized for
         src = replace(src, args=replace(src.args, max_seq_len=longest + spec.decode_tokens))
-        result.spec = spec_record(spec)
+        result.spec = record(spec)
 
     if validate_only:
         if spec.reference is not None and saved_reference(spec)["checkpoint_sha256"] == src.checkpoint_sha256:
@@ -1086,7 +1150,13 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     w = worst_row(result.blocks)  # rows measured before a crash still localise
     result.worst = asdict(w) if w else None
     failed = (w is not None or (result.e2e and result.e2e.status in ("fail", "error"))
+            "limits": spec.precision,
               or any(g.status in ("fail", "error") for g in result.gates)
+        if srcs.built:
+            opts = quantizing_options(backend, asked.options)
+            result.quantization["built"] = (f"--precision {asked.precision}: the directory `{spec.backend}` exports "
+                                            f"({', '.join(f'{k}={v}' for k, v in opts.items()) or 'default options'}), "
+                                            "loaded as the candidate")
               or (result.quantization or {}).get("rows", {}).get("status") in ("fail", "error")
               or (result.prompts or {}).get("status") == "fail")
     result.status = "error" if result.error else "fail" if failed else "pass"

@@ -81,8 +81,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--candidate-dir", help="a shipped (e.g. mlx-lm quantized) directory for the backend to load as "
                    "the candidate; the reference is HF on its dequantized weights, and with the original "
                    "checkpoint (--model-dir / --config / tiny) the quantization error is reported apart")
-    c.add_argument("--precision", default="fp32", help="fp32 (default) or bf16 (with --candidate-dir: the "
-                   "activation dtype)")
+    c.add_argument("--precision", default="fp32", help="fp32 (default), bf16, or q8/q4 where the backend quantizes "
+                   "(with --candidate-dir: the activation dtype, fp32 or bf16)")
+    c.add_argument("--quant-reference", choices=["dequantized", "original"], default="dequantized",
+                   help="q8/q4 on a backend that writes its quantized directory (mlx): judge the candidate against HF "
+                   "on those weights dequantized, at the fp32 limits, the quantization's own loss reported apart "
+                   "(dequantized, default), or against HF on the original weights by the q8/q4 table (original)")
     prog = c.add_mutually_exclusive_group()
     prog.add_argument("--pte", help="an ExecuTorch program built elsewhere (e.g. by `oracle export`; its .ptd beside "
                       "it) for the executorch backends to run instead of building one")
@@ -360,7 +364,8 @@ def cmd_check(a, argv: list[str]) -> int:
         return EXIT["bad_input"]
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
-                     layers=a.layers, weights=a.weights, candidate_dir=a.candidate_dir, reference=a.reference,
+                     layers=a.layers, weights=a.weights, candidate_dir=a.candidate_dir,
+                     quant_reference=a.quant_reference, reference=a.reference,
                      prompts=read_prompts(a), artifact=a.pte or a.vmfb, options=options)
     prog, update = progress_reporter()
     try:

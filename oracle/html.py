@@ -109,11 +109,12 @@ def check_section(doc: dict) -> str:
         rows = q.get("rows") or {}
         parts.append(f"<h3>Shipped directory {_esc(q.get('shipped_dir'))}: {_esc(q.get('kind'))}</h3>"
                      f"<p>The rows above: the implementation error (the candidate vs HF on the dequantized weights, "
-                     f"{_esc(spec['precision'])} limits). "
-                     + (f"Quantization error (HF original vs HF dequantized, {_esc(rows.get('precision'))} limits): "
+                     f"{_esc(q.get('limits', spec['precision']))} limits). "
+                     + (f"Quantization error (HF original vs HF dequantized, at the "
+                        f"{_esc(rows.get('precision'))} limits; judged end to end unless reported): "
                         f"<span class='{_esc(rows.get('status'))}'>{_esc(rows.get('status'))}</span>, worst block "
                         f"{_esc(_fmt(max((b['ratio'] for b in rows.get('blocks', []) if isinstance(b['ratio'], float)), default=0.0)))}"
-                        f"x its limit." if rows else _esc(q.get("note", ""))) + "</p>")
+                        f"x the fixed table (reported, not judged)." if rows else _esc(q.get("note", ""))) + "</p>")
     ps = doc.get("prompts")
     if ps and ps.get("perplexity"):
         pp = ps["perplexity"]

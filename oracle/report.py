@@ -112,6 +112,8 @@ def _shipped(q: dict) -> list[str]:
     return lines
 
 
+    if q.get("built"):
+        lines.append(q["built"] + ".")
 def markdown(doc: dict, top: int = 5) -> str:
     spec = doc["spec"]
     icon = {"pass": "✅", "fail": "❌", "xfail": "⚠️", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
@@ -131,16 +133,22 @@ def markdown(doc: dict, top: int = 5) -> str:
     if q:
         lines += _shipped(q)
         lines += ["", f"**Implementation error** (the candidate vs HF on the shipped weights dequantized, "
-                      f"{spec['precision']} limits): does the runtime compute the model it was given?", ""]
+                      f"{q.get('limits', spec['precision'])} limits): does the runtime compute the model it was given?", ""]
     lines += _blocks(doc["blocks"], doc.get("worst"), top) + _e2e(doc.get("e2e"))
     rows = (q or {}).get("rows")
     if rows:
-        lines += ["", f"**Quantization error** (HF on the original weights vs HF on the dequantized ones, "
-                      f"{rows['precision']} limits): **{rows['status']}**"]
+        how = ("the chosen bits and group size on these weights, not the backend's doing: reported, not judged"
+               if rows["status"] == "reported" else "judged end to end, by the logits' distribution")
+        lines += ["", f"**Quantization error** (HF on the original weights vs HF on the dequantized ones, at the "
+                      f"{rows['precision']} limits): **{rows['status']}** ({how})"]
         if rows.get("error"):
             lines.append(f"It could not be measured: `{rows['error']}`")
         else:
-            lines += [""] + _blocks(rows["blocks"], rows.get("worst"), top) + _e2e(rows.get("e2e"))
+            over = rows.get("over_table")
+            lines += [""] + _blocks(rows["blocks"], None, top) + _e2e(rows.get("e2e"))
+            if over:  # the scheme's own loss per block: reported against the fixed table, not judged
+                lines.append(f"Largest block loss over the fixed {rows['precision']} table (reported, not judged): "
+                             f"{_where(over)}: {_metric_line(over)}")
     ps = doc.get("prompts")
     if ps:
         exact = sum(p["token_exact"] for p in ps["per_prompt"])

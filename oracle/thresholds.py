@@ -85,6 +85,12 @@ def _over(x: float, limit: float) -> float:
     return x / limit if limit > 0 else (0.0 if x == 0 else float("inf"))
 
 
+def quantized(precision: str, path: Path = DEFAULT_PATH) -> bool:
+    """Whether the precision quantizes weights: its end-to-end row is judged by the logits'
+    distribution (its e2e table carries `kl_mean`)."""
+    return "kl_mean" in load(path).get(precision, {}).get("e2e", {})
+
+
 def noise_relative(precision: str, path: Path = DEFAULT_PATH) -> bool:
     """Whether the precision's limits are relative to its own measured error (oracle/noise.py):
     its tables carry `noise_factor`."""
