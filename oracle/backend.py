@@ -228,6 +228,22 @@ def builtin_names() -> list[str]:
     return list(BUILTIN)
 
 
+def import_plugin(mod_name: str):
+    """The module, found as `python -m` would find it: the installed packages, then the current
+    directory (the `oracle` script does not put it on sys.path, so a plugin next to the user's
+    checkout, e.g. examples.fp64_backend, would not import otherwise)."""
+    import sys
+
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        top = mod_name.split(".")[0]
+        if e.name not in (top, mod_name) or "" in sys.path or str(Path.cwd()) in sys.path:
+            raise
+        sys.path.append(str(Path.cwd()))  # after the installed packages: never shadows them
+        return importlib.import_module(mod_name)
+
+
 def resolve(name: str) -> Backend:
     """A built-in backend by name, or `package.module:attr` for a plugin."""
     target = BUILTIN.get(name)
@@ -240,7 +256,7 @@ def resolve(name: str) -> Backend:
         target = name
     mod_name, _, attr = target.partition(":")
     try:
-        mod = importlib.import_module(mod_name)
+        mod = import_plugin(mod_name)
     except Exception as e:  # ImportError, or the plugin module failing on import
         raise BackendError(f"backend {name!r}: cannot import module {mod_name!r}: {type(e).__name__}: {e}") from None
     obj = getattr(mod, attr, None)

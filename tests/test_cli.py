@@ -1,13 +1,19 @@
 """The command line as a user meets it: exit codes, messages, nothing half-written."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from models import get_family
 from models.checkpoint import tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_check_writes_reports(cli, tmp_path):
@@ -52,6 +58,21 @@ def test_plugin_backend(cli, tmp_path):
     doc = json.loads(j.read_text())
     assert doc["provenance"]["backend"]["executor"] == "torch eager, float64"
     assert doc["e2e"]["token_exact"]
+
+
+def test_plugin_from_the_current_directory_through_the_oracle_script():
+    """The installed `oracle` script (which, unlike `python -m oracle`, does not put the current
+    directory on sys.path) finds a plugin beside the user, as the README says."""
+    script = Path(sys.executable).with_name("oracle")
+    if not script.is_file():
+        pytest.skip("no installed oracle script beside this interpreter")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([str(script), "check", "--family", "olmoe", "--backend", "examples.fp64_backend:BACKEND",
+                        "--validate-only"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([str(script), "check", "--family", "olmoe", "--backend", "nosuch_plugin.mod:X"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "No module named 'nosuch_plugin'" in r.stderr
 
 
 def test_require_on_unavailable_backend(cli, tmp_path):
