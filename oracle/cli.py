@@ -135,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--family", action="append", help="limit to this family (repeatable; default every supported family)")
     s.add_argument("--backend", default="eager")
     s.add_argument("--seeds", default="0,1,2", help="seeds of the clean (no-fault) runs (default 0,1,2)")
+    s.add_argument("--precision", default="fp32", help="of the clean runs and every fault (default fp32); at bf16 "
+                   "each fault also runs at fp32 to say whether it is above bf16's own error (only those are required)")
     weights_option(s)
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
     s.add_argument("--json", help="write the selftest report here")
@@ -442,9 +444,10 @@ def cmd_selftest(a) -> int:
         if prog:
             with prog:
                 res = run_selftest(a.backend, a.family, seeds, a.fault, lambda m: update(m), options_of(a),
-                                   a.weights)
+                                   a.weights, a.precision)
         else:
-            res = run_selftest(a.backend, a.family, seeds, a.fault, options=options_of(a), weights=a.weights)
+            res = run_selftest(a.backend, a.family, seeds, a.fault, options=options_of(a), weights=a.weights,
+                               precision=a.precision)
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]

@@ -4,6 +4,12 @@ Runs the seeded-fault catalogue (models/faults.py) through a backend and require
 fault to fail its check with the worst row at the right layer and block kind; then runs
 every family unmodified over several seeds and requires a pass (no false alarms).
 
+At a precision judged against its own measured error (bf16: oracle/noise.py), a fault too small
+to tell from that error cannot be required: each fault also runs at fp32, and its error on the
+block it targets, in units of that block's limit at the precision (`noise_ratio`), says whether it
+is above the precision's noise (> 1). The faults below it are stated, not required; every fault
+above it must be detected, and 90 % of them localised.
+
 A backend takes part by providing `with_fault(fault) -> backend | None` (None: the fault
 cannot be expressed on this backend, e.g. it patches a torch module mlx-lm does not have).
 """
@@ -14,8 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from models import FAMILY_NAMES, faults
-from oracle.backend import CheckSpec
-from oracle.backend import InputError
+from oracle import thresholds
+from oracle.backend import CheckSpec, InputError
 from oracle.check import model_source, run_check, validate
 
 SCHEMA = "oracle-selftest/v1"
@@ -34,6 +40,13 @@ class FaultRow:
     localized: bool
     worst: dict | None  # layer, kind, metric, value, limit, ratio
     seconds: float
+    # at a noise-relative precision: the fault's fp32 error on its block over that block's limit at
+    # the precision (> 1: above the precision's own error, so it must be detected); None at fp32
+    noise_ratio: float | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.noise_ratio is None or self.noise_ratio > 1.0
 
 
 @dataclass
@@ -55,26 +68,40 @@ class SelftestResult:
     not_applicable: list[dict] = field(default_factory=list)
     schema: str = SCHEMA
     weights: str = "normal"  # the weight profile of the tiny checkpoints (models/trained.py)
+    precision: str = "fp32"  # the clean runs' and every fault's (dtype faults: bf16 always)
 
     def summary(self) -> dict:
-        n = len(self.faults)
-        d = sum(r.detected for r in self.faults)
-        loc = sum(r.localized for r in self.faults)
+        req = [r for r in self.faults if r.required]
+        n = len(req)
+        d = sum(r.detected for r in req)
+        loc = sum(r.localized for r in req)
         m = len(self.false_alarms)
         f = sum(r.status != "pass" for r in self.false_alarms)
-        return {"detected": d, "localized": loc, "faults": n, "distinct_faults": len({r.fault for r in self.faults}),
-                "false_alarms": f, "clean_runs": m,
-                "ok": n > 0 and d == n and loc >= LOCALIZE_MIN * n and f == 0 and m > 0}
+        out = {"detected": d, "localized": loc, "faults": n, "distinct_faults": len({r.fault for r in self.faults}),
+               "false_alarms": f, "clean_runs": m,
+               "ok": n > 0 and d == n and loc >= LOCALIZE_MIN * n and f == 0 and m > 0}
+        if len(req) < len(self.faults):  # below the precision's noise: stated, not required
+            out["below_noise"] = len(self.faults) - len(req)
+            out["below_noise_detected"] = sum(r.detected for r in self.faults if not r.required)
+        return out
 
     def summary_line(self) -> str:
         s = self.summary()
-        return (f"detected {s['detected']}/{s['faults']}, localized {s['localized']}/{s['faults']}, "
+        line = (f"detected {s['detected']}/{s['faults']}, localized {s['localized']}/{s['faults']}, "
                 f"false alarms {s['false_alarms']}/{s['clean_runs']}")
+        if "below_noise" in s:
+            line += (f"; {s['below_noise']} fault(s) below {self.precision}'s own error, not required "
+                     f"({s['below_noise_detected']} detected anyway)")
+        return line
 
     def to_dict(self) -> dict:
         d = {**asdict(self), "summary": self.summary(), "summary_line": self.summary_line()}
         if self.weights == "normal":  # a report of the normal profile stays as before the profiles
             del d["weights"]
+        if self.precision == "fp32":  # likewise at fp32, before the precision option
+            del d["precision"]
+            for r in d["faults"]:
+                del r["noise_ratio"]
         return d
 
 
@@ -96,21 +123,51 @@ def _worst(doc_worst: dict | None) -> dict | None:
             "limit": limit, "ratio": doc_worst["ratio"]}
 
 
+def noise_ratio(fp32_result, bf_result, expected: dict) -> float | None:
+    """The fault's fp32 error on the block it targets over that block's limit at the noise-relative
+    precision (the row of `bf_result` has the limits HF's own error there sets): > 1, above the
+    precision's noise. inf where the fp32 run has no comparable row (it crashed, or the block is
+    not isolated): such a fault stays required."""
+    def row(result):
+        return next((b for b in result.blocks if (b.layer, b.kind) == (expected["layer"], expected["kind"])
+                     and b.status != "n/a"), None)
+
+    a, b = row(fp32_result), row(bf_result)
+    if a is None or b is None or fp32_result.status == "error":
+        return float("inf")
+    m, lim = a.metrics, b.limits
+    if expected["kind"] == "router":
+        if m.get("topk_agreement", 1.0) < lim.get("min_agreement", 1.0):
+            return float("inf")  # the fault routes tokens elsewhere at fp32
+        return _over(m.get("weight_max_abs"), lim.get("weight_atol"))
+    return max(_over(m.get("max_abs"), lim.get("max_abs")), _over(m.get("rel_l2"), lim.get("rel_l2")))
+
+
+def _over(x, limit) -> float:
+    if not isinstance(x, (int, float)) or not isinstance(limit, (int, float)):
+        return float("inf")  # nothing to compare: required
+    return x / limit if limit > 0 else float("inf")
+
+
 def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
-                 progress=None, options: dict | None = None, weights: str = "normal") -> SelftestResult:
+                 progress=None, options: dict | None = None, weights: str = "normal",
+                 precision: str = "fp32") -> SelftestResult:
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
     options = dict(options or {})
+    relative = thresholds.noise_relative(precision)
     for family in families:  # every family and option refused up front, not half-way through
-        base = validate(CheckSpec(family=family, backend=backend_name, options=options, weights=weights))
+        base = validate(CheckSpec(family=family, backend=backend_name, options=options, weights=weights,
+                                  precision=precision))
     if not hasattr(base, "with_fault"):
         raise InputError(f"backend {backend_name} cannot take seeded faults (it has no with_fault())")
     ok, reason = base.availability()
     if not ok:
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
-    res = SelftestResult(backend_name, families, list(seeds), weights=weights)
+    res = SelftestResult(backend_name, families, list(seeds), weights=weights, precision=precision)
     for family in families:
-        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options), weights=weights)
+        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options), weights=weights,
+                         precision=precision)
         args = model_source(spec).args
         for fault in faults.applicable(args):
             if fault_names and fault.name not in fault_names:
@@ -121,14 +178,18 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 continue
             progress(f"{family} {fault.name}")
             t = time.perf_counter()
-            r = run_check(replace(spec, precision=fault.precision), variant)
+            at = precision if fault.precision == "fp32" else fault.precision  # dtype faults show at bf16
+            r = run_check(replace(spec, precision=at), variant)
             expected = {"layer": fault.layer(args), "kind": fault.kind}
             w = r.worst
             localized = bool(w) and w["layer"] == expected["layer"] and w["kind"] == expected["kind"]
+            above = None
+            if relative and fault.precision == "fp32":  # how far the fault is above the precision's noise
+                above = noise_ratio(run_check(replace(spec, precision="fp32"), variant), r, expected)
             # a fault that makes the candidate crash is caught too (status error), if not as neatly
-            res.faults.append(FaultRow(family, fault.name, fault.what, fault.precision, expected, r.status,
+            res.faults.append(FaultRow(family, fault.name, fault.what, at, expected, r.status,
                                        r.status != "pass",
-                                       localized, _worst(w), time.perf_counter() - t))
+                                       localized, _worst(w), time.perf_counter() - t, above))
         for seed in seeds:
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
@@ -139,17 +200,22 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
 
 def render(res: SelftestResult) -> str:
     profile = "" if res.weights == "normal" else f"; {res.weights} weights"
+    profile += "" if res.precision == "fp32" else f"; {res.precision}"
     lines = [f"selftest of backend {res.backend}: families {', '.join(res.families)}; "
              f"clean seeds {res.seeds}{profile}", ""]
-    lines.append(f"{'family':12s} {'fault':30s} {'detected':8s} {'localized':9s} worst row")
+    noise = any(r.noise_ratio is not None for r in res.faults)
+    lines.append(f"{'family':12s} {'fault':30s} {'detected':8s} {'localized':9s} "
+                 + (f"{'x noise':8s} " if noise else "") + "worst row")
     for r in res.faults:
         w = r.worst
         where = "-" if not w else (f"{'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}: "
                                    f"{w['metric']} {_g(w['value'])} vs {_g(w['limit'])}")
         exp = f" (expected {'model' if r.expected['layer'] is None else 'layer ' + str(r.expected['layer'])}" \
               f" {r.expected['kind']})" if not r.localized else ""
-        lines.append(f"{r.family:12s} {r.fault:30s} {'yes' if r.detected else 'NO':8s} "
-                     f"{'yes' if r.localized else 'NO':9s} {where}{exp}")
+        flag = lambda ok: "yes" if ok else ("NO" if r.required else "no")  # below noise: not a miss
+        above = "" if not noise else f"{'-' if r.noise_ratio is None else _g(r.noise_ratio):8s} "
+        lines.append(f"{r.family:12s} {r.fault:30s} {flag(r.detected):8s} "
+                     f"{flag(r.localized):9s} {above}{where}{exp}")
     bad = [a for a in res.false_alarms if a.status != "pass"]
     for a in bad:
         lines.append(f"FALSE ALARM {a.family} seed {a.seed}: {a.status} {a.worst}")

@@ -34,6 +34,28 @@ def test_selftest_cli_subset(cli, tmp_path):
     assert doc["summary"]["ok"] and worst == {"rope_theta_wrong": "attention", "shared_expert_missing": "moe"}
 
 
+def test_selftest_at_bf16_states_which_faults_are_above_its_noise(cli, tmp_path):
+    """At bf16 each fault's fp32 error on its block, over that block's bf16 limit (HF bf16's own
+    error there), says whether bf16 can see it: a scale error of 1e-3 on expert weights is below
+    bf16's rounding (measured 0.38x on olmoe), stated and not required; a wrong rope theta is
+    9.6x above it and must be caught and localised; the dtype fault runs at bf16 as always."""
+    j = tmp_path / "st.json"
+    r = cli("selftest", "--backend", "eager", "--family", "olmoe", "--precision", "bf16", "--seeds", "0",
+            "--fault", "expert_weights_off_1e-3", "--fault", "rope_theta_wrong", "--fault", "moe_output_upcast",
+            "--json", str(j))
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(j.read_text())
+    rows = {row["fault"]: row for row in doc["faults"]}
+    assert doc["precision"] == "bf16" and {row["precision"] for row in doc["faults"]} == {"bf16"}
+    below, above, dtype = rows["expert_weights_off_1e-3"], rows["rope_theta_wrong"], rows["moe_output_upcast"]
+    assert below["noise_ratio"] < 1 and not below["detected"]
+    assert above["noise_ratio"] > 3 and above["detected"] and above["localized"]
+    assert dtype["noise_ratio"] is None and dtype["detected"]
+    s = doc["summary"]
+    assert (s["faults"], s["detected"], s["below_noise"], s["false_alarms"]) == (2, 2, 1, 0) and s["ok"]
+    assert "1 fault(s) below bf16's own error, not required" in r.stdout
+
+
 def test_selftest_fails_when_the_oracle_misses(cli, tmp_path):
     """A backend that hides faults (ignores with_fault) makes the selftest exit 1."""
     r = cli("selftest", "--backend", "tests.plugins:FAULT_BLIND", "--family", "olmoe", "--fault",
