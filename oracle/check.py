@@ -82,11 +82,11 @@ def validate(spec: CheckSpec, command: str = "check"):
     if supported is not None and spec.precision not in supported:
         raise InputError(f"backend {spec.backend} does not support precision {spec.precision} "
                          f"(supports {', '.join(supported)})")
-    if shipped_dir(spec) is not None:
     if spec.quant_reference not in QUANT_REFERENCES:
         raise InputError(f"--quant-reference {spec.quant_reference}: allowed values are {', '.join(QUANT_REFERENCES)}")
     if spec.quant_reference != "dequantized" and not thresholds.quantized(spec.precision):
         raise InputError(f"--quant-reference applies to the quantized precisions, not {spec.precision}")
+    if shipped_dir(spec) is not None:
         if spec.candidate_dir is not None and not getattr(backend, "loads_directory", False):
             raise InputError(f"backend {spec.backend} cannot load a prebuilt directory (--candidate-dir): "
                              "it builds its candidate from the checkpoint")
@@ -237,8 +237,8 @@ class Sources:
     shipped: str | None = None
     original: ModelSource | None = None
     quantization: dict | None = None  # the shipped directory's quantization (models.quantized.summary)
-
     built: bool = False  # the shipped directory is the one the backend wrote for --precision q8/q4
+
 
 QUANT_REFERENCES = ("dequantized", "original")
 
@@ -361,7 +361,8 @@ def tokenized_prompts(spec: CheckSpec, srcs, vocab: int) -> list[list[int]]:
 
 
 def prompt_set(ref0, e2e0, rows0, spec, src, cand, prompts: list[list[int]], progress) -> dict:
-    """Every prompt's e2e against its own reference, and the distribution metrics over all of
+    """Every prompt's e2e against its own reference (at a reduced precision, judged against HF's
+    own error on that prompt), and the distribution metrics over all of
     them (llama.cpp's --kl-divergence figures): KL percentiles, same top-1, and the perplexity
     of each prompt's own next tokens under the candidate and the reference (prefill rows)."""
     lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend),
@@ -373,9 +374,15 @@ def prompt_set(ref0, e2e0, rows0, spec, src, cand, prompts: list[list[int]], pro
             ref, e2e, rows = ref0, e2e0, rows0
         else:
             ref, rows = reference_of(spec, src, tokens), []
-            e2e = run_e2e(ref, cand, spec, reduction_length(src.args), rows)[0]
+            try:  # reduced precisions: each prompt's steps judged against HF's own error on that prompt
+                noise = noise_for(ref, src, spec, tokens)
+            except Exception:  # not measurable: the fixed table, as for the first prompt (run_check)
+                noise = None
+            e2e = run_e2e(ref, cand, spec, reduction_length(src.args), rows, noise)[0]
         per.append({"prompt_tokens": len(tokens), "status": e2e.status, "token_exact": e2e.token_exact,
                     "max_abs": max((s["max_abs"] for s in e2e.steps if s.get("max_abs") is not None), default=None)})
+        if any("vs_noise" in s for s in e2e.steps):  # judged against HF's own error on this prompt
+            per[-1]["max_vs_noise"] = max(s["vs_noise"] for s in e2e.steps if "vs_noise" in s)
         for k, r, c in rows:
             ref_all.append(r)
             cand_all.append(c)
@@ -1078,7 +1085,13 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             "original": str(srcs.original.model_dir) if srcs.original else None,
             "implementation": f"the candidate vs HF on the shipped weights (dequantized to fp32), at {spec.precision} "
                               "limits: does the runtime compute the model it was given?",
+            "limits": spec.precision,
         }
+        if srcs.built:
+            opts = quantizing_options(backend, asked.options)
+            result.quantization["built"] = (f"--precision {asked.precision}: the directory `{spec.backend}` exports "
+                                            f"({', '.join(f'{k}={v}' for k, v in opts.items()) or 'default options'}), "
+                                            "loaded as the candidate")
         if srcs.original is None:
             result.quantization["note"] = ("no original checkpoint given: only the implementation rows exist "
                                            "(the quantization error needs the weights it was made from)")
@@ -1150,13 +1163,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     w = worst_row(result.blocks)  # rows measured before a crash still localise
     result.worst = asdict(w) if w else None
     failed = (w is not None or (result.e2e and result.e2e.status in ("fail", "error"))
-            "limits": spec.precision,
               or any(g.status in ("fail", "error") for g in result.gates)
-        if srcs.built:
-            opts = quantizing_options(backend, asked.options)
-            result.quantization["built"] = (f"--precision {asked.precision}: the directory `{spec.backend}` exports "
-                                            f"({', '.join(f'{k}={v}' for k, v in opts.items()) or 'default options'}), "
-                                            "loaded as the candidate")
               or (result.quantization or {}).get("rows", {}).get("status") in ("fail", "error")
               or (result.prompts or {}).get("status") == "fail")
     result.status = "error" if result.error else "fail" if failed else "pass"
