@@ -19,6 +19,9 @@ th{background:#f2f2f2}.pass{color:#18794e;font-weight:600}.fail{color:#c62828;fo
 .error{color:#8e24aa;font-weight:600}.skipped{color:#777;font-weight:600}.xfail{color:#b26a00;font-weight:600}
 .tok td{font-family:monospace;text-align:center}.div{background:#ffcdd2;font-weight:700}.tie{background:#fff3c4}
 section{border-top:2px solid #ddd;margin-top:24px;padding-top:8px}small{color:#666}
+.grid td.cell{text-align:center;min-width:90px}.grid td.cell a{color:inherit;text-decoration:none;font-weight:600}
+.c-pass{background:#c8e6c9;color:#18794e}.c-fail{background:#ffcdd2;color:#c62828}.c-error{background:#e1bee7;color:#6a1b9a}
+.c-skipped{background:#eeeeee;color:#666}.c-xfail{background:#ffe0b2;color:#8d4f00}.none{color:#bbb}
 """
 
 
@@ -138,6 +141,25 @@ def check_section(doc: dict) -> str:
     return "".join(parts) + "</section>"
 
 
+def grid_html(summary: dict) -> str:
+    """One table per precision, families down and backends across, each cell coloured by its
+    status with the worst block's ratio, linking to the check's section."""
+    from oracle.summary import cell_text, grid
+
+    out = []
+    for g in grid(summary):
+        head = "".join(f"<th>{_esc(b)}</th>" for b in g["backends"])
+        body = []
+        for f, cells in zip(g["families"], g["cells"]):
+            tds = "".join(
+                "<td class='cell none'>·</td>" if c is None else
+                f"<td class='cell c-{_esc(c['status'])}'><a href='#{_esc(c['family'] + ' / ' + c['backend'] + ' / ' + c['precision'])}'>"
+                f"{_esc(cell_text(c))}</a></td>" for c in cells)
+            body.append(f"<tr><th>{_esc(f)}</th>{tds}</tr>")
+        out.append(f"<h3>{_esc(g['precision'])}</h3><table class='grid'><tr><th>family</th>{head}</tr>{''.join(body)}</table>")
+    return "".join(out)
+
+
 def render_html(summary: dict, report_dir: Path) -> str:
     c = summary["counts"]
     rows = "".join(
@@ -152,7 +174,8 @@ def render_html(summary: dict, report_dir: Path) -> str:
             sections.append(check_section(json.loads(path.read_text())))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>oracle report</title><style>{CSS}</style>"
             f"</head><body><h1>moe-oracle report</h1><p>{c['pass']} pass, {c['fail']} fail, {c['error']} error, "
-            f"{c['skipped']} skipped, {c.get('xfail', 0)} expected failure(s)</p><table><tr><th>family</th><th>backend</th><th>precision</th>"
+            f"{c['skipped']} skipped, {c.get('xfail', 0)} expected failure(s)</p>{grid_html(summary)}"
+            f"<h3>All checks</h3><table><tr><th>family</th><th>backend</th><th>precision</th>"
             f"<th>status</th><th>reason</th></tr>{rows}</table>{''.join(sections)}</body></html>\n")
 
 

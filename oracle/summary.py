@@ -76,11 +76,50 @@ def merge(summaries: list[dict]) -> dict:
     return summarize(list(rows.values()), timings, any(s.get("require") for s in summaries))
 
 
+ICON = {"pass": "✅", "fail": "❌", "error": "💥", "skipped": "⏭️", "xfail": "⚠️"}
+
+
+def grid(summary: dict) -> list[dict]:
+    """The matrix as a reviewer reads it: one grid per precision, families down and backends
+    across (in the order they first appear), each cell the row of that check or None."""
+    out = []
+    for precision in dict.fromkeys(r["precision"] for r in summary["rows"]):
+        rows = [r for r in summary["rows"] if r["precision"] == precision]
+        families = list(dict.fromkeys(r["family"] for r in rows))
+        backends = list(dict.fromkeys(r["backend"] for r in rows))
+        cells = {(r["family"], r["backend"]): r for r in rows}
+        out.append({"precision": precision, "families": families, "backends": backends,
+                    "cells": [[cells.get((f, b)) for b in backends] for f in families]})
+    return out
+
+
+def cell_text(row: dict | None) -> str:
+    """A check in a grid cell: its status, and its worst block's ratio to its limit where one failed."""
+    if row is None:
+        return ""
+    w = row["worst"]
+    return row["status"] + (f" {_g(w['ratio'])}x" if w and row["status"] != "pass" else "")
+
+
+def grid_markdown(summary: dict) -> list[str]:
+    lines = []
+    for g in grid(summary):
+        lines += [f"**{g['precision']}**", "", "| family | " + " | ".join(g["backends"]) + " |",
+                  "|---" * (len(g["backends"]) + 1) + "|"]
+        for f, cells in zip(g["families"], g["cells"]):
+            lines.append(f"| {f} | " + " | ".join(f"{ICON.get(c['status'], '')} {cell_text(c)}".strip() if c else "·"
+                                                  for c in cells) + " |")
+        lines.append("")
+    return lines
+
+
 def markdown(summary: dict) -> str:
     c = summary["counts"]
     icon = "✅" if summary["status"] == "pass" else "❌"
     lines = [f"### {icon} oracle matrix: {c['pass']} pass, {c['fail']} fail, {c['error']} error, "
-             f"{c['skipped']} skipped" + (f", {c['xfail']} expected failure(s)" if c.get("xfail") else ""), "", "| check | status | worst block | e2e |", "|---|---|---|---|"]
+             f"{c['skipped']} skipped" + (f", {c['xfail']} expected failure(s)" if c.get("xfail") else ""), ""]
+    lines += grid_markdown(summary)
+    lines += ["| check | status | worst block | e2e |", "|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: (-RANK[r["status"]], r["id"])):
         w = r["worst"]
         worst = "" if not w else f"{'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}" \

@@ -35,6 +35,20 @@ def test_matrix_writes_every_output(full_run):
     assert junit.count("<testcase") == 4 and "<failure" not in junit
 
 
+def test_summary_and_report_open_with_the_grid(full_run):
+    """Families down, backends across, one grid per precision, before the flat list of checks."""
+    fams = FAMS.split(",")
+    md = (full_run / "summary.md").read_text()
+    grid = md.index("| family | eager | hf |")
+    assert grid < md.index("| check | status |") and md.index("**fp32**") < grid
+    for f in fams:
+        assert f"| {f} | ✅ pass | ✅ pass |" in md
+    html = (full_run / "report.html").read_text()
+    assert html.index("<table class='grid'>") < html.index("All checks") < html.index("<section")
+    assert html.count("<td class='cell c-pass'>") == 4
+    assert f"href='#{fams[0]} / eager / fp32'" in html and f'<section id="{fams[0]} / eager / fp32">' in html
+
+
 def test_two_shards_merged_equal_one_run(cli, full_run, tmp_path):
     for i in (1, 2):
         r = cli("matrix", "--families", FAMS, "--backends", "eager,hf", "--shard", f"{i}/2",
@@ -200,6 +214,7 @@ def test_report_html_in_headless_chromium(full_run):
     px = set(img.getdata())
     assert any(r > 150 and g < 80 and b < 80 for r, g, b in px)  # red limit line
     assert any(g > 100 and r < 60 and b < 110 for r, g, b in px)  # green pass
+    assert (200, 230, 201) in px  # the grid's pass cells (.c-pass background #c8e6c9)
     html = (full_run / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4 and "First divergence" not in html
 
