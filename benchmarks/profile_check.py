@@ -40,7 +40,9 @@ def child(family: str, backend: str, out: str) -> None:
     from oracle import cli
 
     a = cli.parser().parse_args(["check", "--family", family, "--backend", backend])
-    cli._quiet()
+    from oracle.quiet import quiet
+
+    quiet()
     from oracle.backend import CheckSpec
     from oracle.check import run_check, validate
     from oracle.report import markdown

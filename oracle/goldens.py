@@ -103,15 +103,9 @@ def structure_gates(spec, structures: dict[str, str]) -> list[GateRow]:
     return rows
 
 
-def freeze(spec, backend=None) -> tuple[bool, str, list[Path]]:
-    """Run the numeric check (golden gates ignored); write goldens only if it passed."""
-    from oracle.backend import InputError
-    from oracle.check import run_check
-
-    try:
-        result = run_check(spec, backend, goldens=False)
-    except InputError as e:  # the backend refuses this family (e.g. mlx-lm's model computes another one)
-        return False, f"{spec.family}/{spec.backend}: refused, not freezing: {e}", []
+def freeze(spec, result) -> tuple[bool, str, list[Path]]:
+    """Write the goldens of `spec` from `result`, its numeric check run with the golden gates
+    ignored (`run_check(spec, goldens=False)`), only if it passed."""
     if result.status != "pass":
         why = result.skipped_reason or result.error or (
             f"worst block {result.worst['layer']} {result.worst['kind']}" if result.worst else "e2e or a gate failed")

@@ -17,7 +17,7 @@ WARM_ENV = "MOE_ORACLE_WARM_BACKENDS"  # comma-separated backend names; set for 
 
 
 def warm_up(backends: list[str]) -> None:
-    """What `oracle check` imports, in its order (`_quiet` first: transformers reads its
+    """What `oracle check` imports, in its order (oracle.quiet first: transformers reads its
     verbosity at import), before any torch op runs or any thread a fork would lose starts.
     Best effort: a backend that fails to import is the check's error, reported there. Output
     (import chatter) is discarded."""
@@ -26,12 +26,13 @@ def warm_up(backends: list[str]) -> None:
     os.dup2(null, 1)
     os.dup2(null, 2)
     try:
-        from oracle import cli
+        from oracle.quiet import quiet
 
-        cli._quiet()
+        quiet()
         import importlib
 
-        for module in ("oracle.check", "oracle.report", "oracle.result"):  # what cmd_check imports
+        # the CLI (run by each child as a program: run_check) and what its check command imports
+        for module in ("oracle.cli", "oracle.check", "oracle.report", "oracle.result"):
             importlib.import_module(module)
         from oracle.backend import resolve
 
@@ -82,12 +83,13 @@ def run_check(argv: list[str], env: dict, out_path: str, err_path: str) -> None:
     _unbuffered("stderr", 2)
     os.environ.clear()  # this check's environment, not the one the fork server started with
     os.environ.update(env)
-    from oracle import cli
+    import runpy
 
-    sys.argv = [cli.__file__, *argv]
+    sys.argv = ["oracle.cli", *argv]
     interrupted = False
-    try:
-        code = cli.main(argv)
+    try:  # `python -m oracle.cli check ...`, as the cold path runs it (its imports are preloaded)
+        runpy.run_module("oracle.cli", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as e:  # as the interpreter exits on it
         code = e.code
     except BaseException as e:  # noqa: BLE001 (as the interpreter: traceback on stderr, exit 1)
