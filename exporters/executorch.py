@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from exporters.eager import DTYPES
+from exporters.executorch_runtime import runtime  # noqa: F401 (the runtime the backends here load programs with)
 from models.args import SPARSE, block_keys, block_path, mlp_type
 from models.layers import STATE_BUFFERS, Transformer, traced_experts
 from models.sampling import Sampler, SampledModel, example_args, runtime_args
@@ -76,40 +77,6 @@ def missing_executorch() -> str | None:
         if not found:
             return f"executorch is not installed (no module {name}); pip install 'moe-oracle[executorch]'"
     return None
-
-
-def runtime():
-    """executorch.runtime's Runtime, without importing the compiler.
-
-    The pybindings import `executorch.exir._warnings` (two decorators) and with it the whole
-    of `executorch.exir` (4 s here), which running a cached program never uses. That one file is
-    loaded on its own under its own name while the runtime imports; a later `import
-    executorch.exir` (lowering) loads the real package and finds the same `_warnings`."""
-    import importlib.util
-    import sys
-    import types
-
-    if "executorch.runtime" not in sys.modules and "executorch.exir" not in sys.modules:
-        exir = Path(importlib.util.find_spec("executorch").submodule_search_locations[0]) / "exir"
-        spec = importlib.util.spec_from_file_location("executorch.exir._warnings", exir / "_warnings.py")
-        warn = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(warn)
-        stub = types.ModuleType("executorch.exir")
-        stub.__path__, stub._warnings = [str(exir)], warn
-        sys.modules["executorch.exir._warnings"] = warn
-        sys.modules["executorch.exir"] = stub
-        try:
-            import executorch.runtime  # noqa: F401
-        finally:
-            if sys.modules.get("executorch.exir") is stub:
-                del sys.modules["executorch.exir"]
-            import executorch
-
-            if getattr(executorch, "exir", None) is stub:
-                del executorch.exir
-    from executorch.runtime import Runtime
-
-    return Runtime.get()
 
 
 def block_paths(args) -> list[tuple[tuple, str]]:

@@ -70,7 +70,7 @@ def missing() -> str | None:
 def runtime_has_mlx() -> bool:
     """An ExecuTorch runtime with the MLX delegate registered (macOS builds with it)."""
     try:
-        from exporters.executorch import runtime
+        from exporters.executorch_runtime import runtime
 
         return runtime().backend_registry.is_available("MLXBackend")
     except Exception:
@@ -100,7 +100,7 @@ def executor_of(spec) -> str:
 
 def registered_backends() -> str:
     try:
-        from exporters.executorch import runtime
+        from exporters.executorch_runtime import runtime
 
         return ", ".join(runtime().backend_registry.registered_backend_names)
     except Exception as e:
@@ -330,7 +330,7 @@ class ExecutorchMlxBackend:
             arts.append(prod)
         hist = node_histogram(Path(prod.path))
         if executor == "runtime":
-            from exporters.executorch import runtime
+            from exporters.executorch_runtime import runtime
 
             program = runtime().load_program(check.path)
             how = f"executorch {importlib.metadata.version('executorch')} runtime (MLX delegate)"

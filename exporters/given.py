@@ -113,7 +113,7 @@ def host_llvm_target() -> tuple[str, str, frozenset]:
     """The llvm-cpu target iree-compile chooses for this host (`--iree-llvmcpu-target-cpu=host`,
     the flag exporters/iree.py compiles with): read from a trivial module compiled once per host
     CPU and compiler (cached)."""
-    from exporters.iree import FLAGS, host_cpu
+    from exporters.iree_program import FLAGS, host_cpu
     from oracle.artifacts import cached_json, versions
 
     def compile_trivial():
@@ -227,7 +227,7 @@ def _runtime_log(stderr: str) -> str:
 
 def _load_pte(pte: str, ptd: str | None = None) -> dict:
     """(child) Every method of the program loaded; the constant methods' values."""
-    from exporters.executorch import runtime
+    from exporters.executorch_runtime import runtime
 
     program = runtime().load_program(pte, data_path=ptd)
     methods = sorted(program.method_names)
@@ -245,7 +245,7 @@ def _load_vmfb(vmfb: str, irpa: str | None = None) -> dict:
     """(child) The module with its parameters in a context (its initializers run): its functions."""
     import iree.runtime as rt
 
-    from exporters.iree import PARAM_SCOPE
+    from exporters.iree_program import PARAM_SCOPE
 
     config = rt.Config("local-task")
     modules = []

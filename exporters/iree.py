@@ -35,8 +35,6 @@ import functools
 import gc
 import hashlib
 import json
-import platform
-import re
 import shutil
 import tempfile
 import time
@@ -45,26 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
+from exporters.iree_program import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, host_cpu, \
+    mlir_ops  # noqa: F401 (mlir_ops: the structural census, read by tests as this backend's)
 from oracle.artifacts import Artifact, cached_artifact, cached_json, sha256_file, versions
 from oracle.backend import InputError
 
-FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-         "--iree-llvmcpu-target-cpu=host")
 TOOLS = ("iree-base-compiler", "iree-base-runtime", "iree-turbine", "torch")
-PARAMS_FILE = "model.irpa"  # the model's parameters, beside model.vmfb
-PARAMS_INFO = "model.irpa.json"  # its sha256, size and mtime, written with it
-PARAM_SCOPE = "model"  # the scope of every `#flow.parameter.named<scope::name>`
-
-
-def host_cpu() -> str:
-    """What `--iree-llvmcpu-target-cpu=host` compiles for: CPU model and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
-        desc = "\n".join(dict.fromkeys(lines))
-    except OSError:
-        desc = platform.processor()
-    return f"{platform.machine()}-{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
 
 
 @functools.cache
@@ -76,7 +60,7 @@ def code_digest(faulted: bool) -> str:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for f in ("models/layers.py", "models/routing.py", "models/args.py", "exporters/eager.py", "exporters/iree.py",
-              "exporters/iree_export.py", *(["models/faults.py"] if faulted else [])):
+              "exporters/iree_program.py", "exporters/iree_export.py", *(["models/faults.py"] if faulted else [])):
         h.update(f.encode() + b"\0" + (root / f).read_bytes())
     return h.hexdigest()[:16]
 
@@ -102,21 +86,6 @@ def checked_parameters(vmfb: Path) -> dict | None:
     if st.st_mtime_ns != info.get("mtime_ns") and sha256_file(irpa) != info.get("sha256"):
         return None
     return info
-
-
-OPS_FILE = "mlir_ops.txt"
-_OP = re.compile(r"^\s*(?:%[^=]*=\s*)?\"?([a-z_][\w]*\.[\w.]+)\"?[\s(<{:]")
-
-
-def mlir_ops(text: str) -> dict:
-    """Op name -> count over the module's text (one op per line), up to the `{-# dialect_resources`
-    trailer: its blob names encode shapes (the cache length), not ops."""
-    counts = {}
-    for line in text.split("\n{-#")[0].splitlines():
-        m = _OP.match(line)
-        if m:
-            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts
 
 
 # ------------------------------------------------------------------ runtime

@@ -18,7 +18,7 @@ from torch import nn
 
 from models.args import block_keys
 from models.layers import block_fn
-from exporters.iree import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, mlir_ops
+from exporters.iree_program import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, mlir_ops
 from models.layers import STATE_BUFFERS, Transformer
 from oracle.artifacts import sha256_file
 from oracle.goldens import histogram_text
