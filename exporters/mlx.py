@@ -266,18 +266,36 @@ def loadable_config(family: str, config: dict, fields: dict) -> dict:
     """config.json of an mlx-lm directory that mlx-lm's own loader (config.json straight into
     ModelArgs.from_dict) reads as the model `fields` describe: the HF config, plus every field
     mlx-lm would otherwise miss or take from its defaults (rope_theta inside rope_parameters,
-    num_experts from num_local_experts, ...). Qwen3.5: the composite form mlx-lm reads."""
+    num_experts from num_local_experts, ...). Qwen3.5: the composite form mlx-lm reads.
+
+    `rope_scaling` is read by both: transformers 5 takes a config's legacy `rope_scaling` for its
+    whole `rope_parameters` (rope_theta and every key mlx-lm's form lacks would fall back to HF's
+    defaults: PhiMoE's rope_theta 1e6 for the original's 1e4). So it is written as the original's
+    rope_parameters with mlx-lm's keys over them (write_directory checks that HF still reads the
+    original's architecture; mlx-lm reads no key beyond its own)."""
     cls = mlx_args_class(family)
     text = dict(config.get("text_config") or config)
     required = {f.name: fields[f.name] for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in text}
     naive = dataclasses.asdict(cls.from_dict({**text, **required}))
     extra = {k: v for k, v in fields.items() if k != "model_type" and (k in required or naive.get(k) != v)}
+    if isinstance(extra.get("rope_scaling"), dict):
+        original = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        extra["rope_scaling"] = {**original, **extra["rope_scaling"]}
     m = mapping(family)
     if not m.composite:
         return {**config, **extra}
     top = {k: v for k, v in config.items() if k not in ("text_config", "model_type")}
     return {**top, "model_type": m.module, "text_config": {**text, **extra}}
+
+
+def hf_reading_differs(src, config: dict) -> str | None:
+    """Where transformers (through the family's args()) reads the directory's config.json as
+    another architecture than the original's (None: the same). The fields mlx-lm needs share
+    their names with HF's legacy ones (rope_scaling): the directory must mean the original to both."""
+    from oracle.check import first_difference
+
+    return first_difference(src.args, src.family.args(config, src.args.max_seq_len))
 
 
 def write_directory(src, out, bits: int | None, group_size: int, recipe: str | None = None) -> list:
@@ -291,6 +309,10 @@ def write_directory(src, out, bits: int | None, group_size: int, recipe: str | N
 
     model, fields = load_model(src)
     config = loadable_config(src.family.name, src.config, fields)
+    differs = hf_reading_differs(src, config)
+    if differs:
+        raise ConfigError(f"{src.family.name}: the config.json mlx-lm needs would mean another model to "
+                          f"transformers ({differs}): not written")
     if bits is not None or recipe:
         pred = mixed_quant_predicate_builder(recipe, model, group_size) if recipe else None
         with contextlib.redirect_stdout(io.StringIO()):
@@ -318,6 +340,8 @@ def load_directory(path, family: str, dtype, reference_config: dict):
         have = getattr(got, k, v)
         if have is None and k in DERIVED:  # mlx-lm derives it when absent
             have = DERIVED[k](got)
+        if isinstance(v, dict) and isinstance(have, dict):  # rope_scaling: mlx-lm reads the mapping's keys
+            have = {key: have.get(key) for key in v}  # (loadable_config writes HF's beside them)
         if k != "model_type" and have != v:
             mismatch[k] = {"mlx_lm": have, "reference": v}
     q = config.get("quantization") or {}

@@ -402,7 +402,9 @@ def rope_theta_any(config) -> float:
 def yarn(config) -> tuple:
     """ModelArgs.yarn of a config whose rope_parameters have rope_type "yarn", as HF 5.23's
     _compute_yarn_parameters reads them (factor defaults to max_position_embeddings /
-    original_max_position_embeddings, beta_fast 32, beta_slow 1, truncate True); () for default RoPE."""
+    original_max_position_embeddings, beta_fast 32, beta_slow 1, truncate True); () for default RoPE.
+    mscale is recorded as HF uses it: only with mscale_all_dim and no attention_factor (else 0: a
+    config's mscale that HF never reads, e.g. mlx-lm's own 1 beside mscale_all_dim 0, is no difference)."""
     rp = getattr(config, "rope_parameters", None) or {}
     kind = rp.get("rope_type", "default")
     if kind == "default":
@@ -414,8 +416,9 @@ def yarn(config) -> tuple:
     omp = int(rp["original_max_position_embeddings"])
     factor = float(rp.get("factor") or config.max_position_embeddings / omp)
     af = rp.get("attention_factor")
+    mscale, mscale_all_dim = float(rp.get("mscale") or 0), float(rp.get("mscale_all_dim") or 0)
     return (factor, omp, float(rp.get("beta_fast") or 32), float(rp.get("beta_slow") or 1),
-            float(rp.get("mscale") or 0), float(rp.get("mscale_all_dim") or 0), bool(rp.get("truncate", True)),
+            mscale if af is None and mscale_all_dim else 0.0, mscale_all_dim, bool(rp.get("truncate", True)),
             None if af is None else float(af))
 
 

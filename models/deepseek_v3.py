@@ -10,6 +10,7 @@ mlx-lm mapping are all this file has."""
 from models import (FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, mla, require, sanitize_hf,
                     sigmoid_routing)
 from models.mlx_lm import COMMON_REQUIRE, NOAUX, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
+from models.quantized import unstack_experts
 from models import rope_theta_any
 
 TINY = dict(
@@ -34,6 +35,23 @@ def to_args(c) -> ModelArgs:
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(drop_layers_from(weights, args.num_hidden_layers), args)
+
+
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names -> HF's: per-expert tensors, and kv_b_proj [H * (nope + v), kv_lora] back
+    from the two halves mlx-lm's sanitize() splits it into (absorbed MLA): embed_q
+    [H, kv_lora, nope] (the key half, transposed) and unembed_out [H, v, kv_lora]."""
+    import torch
+
+    out = {}
+    for k, v in unstack_experts(weights).items():
+        if k.endswith(".self_attn.embed_q.weight"):
+            p = k[: -len("embed_q.weight")]
+            wv = weights[p + "unembed_out.weight"]
+            out[p + "kv_b_proj.weight"] = torch.cat([v.transpose(-1, -2), wv], dim=1).reshape(-1, v.shape[1])
+        elif not k.endswith(".self_attn.unembed_out.weight"):
+            out[k] = v
+    return out
 
 
 MLX = MlxLm(
@@ -63,6 +81,6 @@ MLX = MlxLm(
 FAMILY = Family(
     name="deepseek_v3", model_types=("deepseek_v3",), hf_module="deepseek_v3",
     hf_class_name="DeepseekV3ForCausalLM", hf_config_name="DeepseekV3Config", tiny_config=TINY, to_args=to_args,
-    sanitize=sanitize, mlx=MLX, experts="n_routed_experts",
+    sanitize=sanitize, from_mlx=from_mlx, mlx=MLX, experts="n_routed_experts",
     rules=(*GROUPED, *FIRST_K_DENSE, ("positive", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank")),
 )

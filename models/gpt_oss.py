@@ -76,6 +76,29 @@ def to_mlx(weights: dict) -> dict:
     return out
 
 
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's SwitchGLU names -> HF's experts (to_mlx undone): gate_up_proj [E, H, 2I] with gate
+    in the even columns and up in the odd, its bias [E, 2I] likewise; down_proj [E, I, H]."""
+    import torch
+
+    out = {}
+    for k, v in weights.items():
+        if k.endswith("experts.gate_proj.weight"):
+            p = k[: -len("gate_proj.weight")]
+            up = weights[p + "up_proj.weight"]
+            out[p + "gate_up_proj"] = torch.stack([v, up], dim=-2).flatten(-3, -2).transpose(-1, -2)
+        elif k.endswith("experts.gate_proj.bias"):
+            p = k[: -len("gate_proj.bias")]
+            out[p + "gate_up_proj_bias"] = torch.stack([v, weights[p + "up_proj.bias"]], dim=-1).flatten(-2)
+        elif k.endswith("experts.down_proj.weight"):
+            out[k[: -len(".weight")]] = v.transpose(-1, -2)
+        elif k.endswith("experts.down_proj.bias"):
+            out[k[: -len(".bias")] + "_bias"] = v
+        elif not k.endswith(("experts.up_proj.weight", "experts.up_proj.bias")):
+            out[k] = v
+    return out
+
+
 def _rope_scaling(c):
     s = yarn_scaling(c)
     return None if s is None else {**s, "rope_type": "yarn"}
@@ -105,6 +128,6 @@ MLX = MlxLm(
 FAMILY = Family(
     name="gpt_oss", model_types=("gpt_oss",), hf_module="gpt_oss", hf_class_name="GptOssForCausalLM",
     hf_config_name="GptOssConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, hf_router="mlp.router",
-    mlx=MLX, tiny_std={"experts.gate_up_proj": 0.5},  # gate values beyond the clamp at 7 (std ~4)
+    from_mlx=from_mlx, mlx=MLX, tiny_std={"experts.gate_up_proj": 0.5},  # gate values beyond the clamp at 7 (std ~4)
     experts="num_local_experts", rules=(("positive", "intermediate_size", "sliding_window", "swiglu_limit"),),
 )

@@ -71,6 +71,26 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(strip_prefix(w), args)
 
 
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's composite names (language_model.*) -> the text model's (model.*, lm_head), and its
+    SwitchGLU experts [E, out, in] back to HF's x @ W layout: gate_up_proj [E, H, 2I] (gate columns,
+    then up), down_proj [E, I, H]."""
+    import torch
+
+    out = {}
+    for k, v in weights.items():
+        k = k[len("language_model."):] if k.startswith("language_model.") else k
+        if k.endswith("experts.gate_proj.weight"):
+            p = k[: -len("gate_proj.weight")]
+            up = weights["language_model." + p + "up_proj.weight"]
+            out[p + "gate_up_proj"] = torch.cat([v, up], dim=1).transpose(1, 2)
+        elif k.endswith("experts.down_proj.weight"):
+            out[k[: -len(".weight")]] = v.transpose(1, 2)
+        elif not k.endswith("experts.up_proj.weight"):
+            out[k] = v
+    return out
+
+
 def router_output(out, args):
     """HF's Llama4Router returns (sigmoid scores [N, E], zero outside the top-k; logits [N, E])."""
     scores, logits = out
@@ -119,7 +139,7 @@ FAMILY = Family(
     name="llama4", model_types=("llama4_text", "llama4"), hf_module="llama4", hf_class_name="Llama4ForCausalLM",
     hf_config_name="Llama4TextConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_moe="feed_forward", hf_router="feed_forward.router", hf_mlp="feed_forward", router_output=router_output,
-    mlx=MLX, experts="num_local_experts",
+    from_mlx=from_mlx, mlx=MLX, experts="num_local_experts",
     rules=(("positive", "intermediate_size", "intermediate_size_mlp", "interleave_moe_layer_step", "attention_chunk_size"),
            ("layer_index", "moe_layers"), ("per_layer", "no_rope_layers")),
 )

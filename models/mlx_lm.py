@@ -50,6 +50,10 @@ class MlxLm:
     # the model builds its causal mask as an array (create_attention_mask(..., return_array=True):
     # DeepSeek-V3's MLA adds it to its rope scores), not mlx's "causal" shorthand
     array_mask: bool = False
+    # checkpoint tensors (name endings) the mlx-lm model has no parameter for (its sanitize() drops
+    # them): a shipped directory cannot carry them; HF's reference on one takes them from the original
+    # checkpoint (models.quantized.from_original)
+    dropped: tuple = ()
 
     @property
     def composite(self) -> bool:
@@ -86,7 +90,9 @@ def yarn_scaling(c) -> dict | None:
     """mlx-lm's `rope_scaling` for HF 5.23's yarn rope_parameters (None for default RoPE). mlx-lm
     multiplies q/k by g(f, mscale) / g(f, mscale_all_dim) where HF multiplies cos/sin by its
     attention_factor (explicit, else that ratio when both are set, else g(f)): the mscale given
-    to mlx-lm is the one that makes its factor HF's."""
+    to mlx-lm is the one that makes its factor HF's: HF's own where HF computes mlx-lm's ratio
+    (both mscales set, no attention_factor), 1 where HF's factor is g(f) and mscale_all_dim is 0
+    (mlx-lm's g(f, 1) / g(f, 0)), else solved for (a float formed differently from any HF field)."""
     r = rope_parameters(c)
     if r.get("rope_type", "default") == "default":
         return None
@@ -94,11 +100,16 @@ def yarn_scaling(c) -> dict | None:
     f = float(r.get("factor") or c.max_position_embeddings / omp)
     ms, mad = r.get("mscale"), r.get("mscale_all_dim") or 0
     af = r.get("attention_factor")
-    if af is None:
-        af = yarn_mscale(f, ms) / yarn_mscale(f, mad) if (ms and mad) else yarn_mscale(f)
+    if af is None and ms and mad:
+        mscale = ms
+    elif (af is None and not mad) or f <= 1:
+        mscale = 1.0
+    else:
+        af = af if af is not None else yarn_mscale(f)
+        mscale = (af * yarn_mscale(f, mad) - 1) / (0.1 * math.log(f))
     return {"rope_type": "yarn", "factor": f, "original_max_position_embeddings": omp,
             "beta_fast": r.get("beta_fast") or 32, "beta_slow": r.get("beta_slow") or 1,
-            "mscale": (af * yarn_mscale(f, mad) - 1) / (0.1 * math.log(f)) if f > 1 else 1.0, "mscale_all_dim": mad}
+            "mscale": mscale, "mscale_all_dim": mad}
 
 
 YARN_REQUIRE = (

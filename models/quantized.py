@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from models.checkpoint import CheckpointError, cached_dir, checkpoint_identity, layer_groups, read_config, \
+from models.checkpoint import LAYER, CheckpointError, cached_dir, checkpoint_identity, layer_groups, read_config, \
     read_tensors, tensor_index
 
 if TYPE_CHECKING:
@@ -143,9 +143,37 @@ def read_dequantized(index: dict, q: dict | None, names: list[str]) -> tuple[dic
     return out, modules
 
 
-def write_dequantized(family, qdir: Path, config: dict, out: Path, progress=None) -> dict:
+def dropped_by_mlx_lm(family) -> tuple[str, ...]:
+    """The checkpoint tensors (name endings) the family's mlx-lm model has no parameter for: its
+    sanitize() drops them, so a shipped directory cannot carry them (models.mlx_lm.MlxLm.dropped)."""
+    return tuple(getattr(family.mlx, "dropped", ()) or ())
+
+
+def from_original(family, original: Path | None, layers: set | None = None) -> dict:
+    """The tensors mlx-lm's format drops (dropped_by_mlx_lm), read from the original checkpoint
+    (of the decoder `layers` given, when given): HF's reference on a shipped directory is the
+    original's architecture, and these are part of it (ERNIE 4.5's e_score_correction_bias chooses
+    the experts). Without the original there is no reference to build: a CheckpointError saying why."""
+    dropped = dropped_by_mlx_lm(family)
+    if not dropped:
+        return {}
+    if original is None:
+        raise CheckpointError(
+            f"{family.name}: mlx-lm's format drops {', '.join(dropped)} (mlx-lm's {family.mlx.module} has no such "
+            "parameter), so a shipped directory alone does not say HF's model: give the original checkpoint "
+            "too (--candidate-dir with --model-dir, or the tiny checkpoint)")
+    index = tensor_index(Path(original))
+    names = sorted(n for n in index if n.endswith(dropped)
+                   and (layers is None or (m := LAYER.search(n)) is None or int(m.group(1)) in layers))
+    if not names:
+        raise CheckpointError(f"{family.name}: the original checkpoint {original} has no {', '.join(dropped)}")
+    return {n: t.float() for n, t in read_tensors(index, names).items()}
+
+
+def write_dequantized(family, qdir: Path, config: dict, out: Path, progress=None, original: Path | None = None) -> dict:
     """The HF checkpoint of `qdir`'s weights dequantized to fp32 (one shard per decoder layer,
-    one for the rest: a layer at a time in memory), with `config` as its config.json. Returns
+    one for the rest: a layer at a time in memory), with `config` as its config.json, plus the
+    tensors mlx-lm's format drops taken from the `original` checkpoint (from_original). Returns
     the quantization summary."""
     from safetensors.torch import save_file
 
@@ -163,15 +191,30 @@ def write_dequantized(family, qdir: Path, config: dict, out: Path, progress=None
         shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file({k: v.contiguous() for k, v in hf.items()}, str(out / shard), metadata={"format": "pt"})
         weight_map.update({k: shard for k in hf})
+    restored = from_original(family, original, {int(m.group(1)) for n in index if (m := LAYER.search(n))})
+    if restored:
+        clash = sorted(set(restored) & set(weight_map))
+        if clash:
+            raise CheckpointError(f"{qdir} carries {clash[0]}, which mlx-lm's {family.mlx.module} drops")
+        save_file({k: v.contiguous() for k, v in restored.items()}, str(out / "model-from-original.safetensors"),
+                  metadata={"format": "pt"})
+        weight_map.update({k: "model-from-original.safetensors" for k in restored})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
-    return summary(q, modules)
+    info = summary(q, modules)
+    if restored:
+        dropped = ", ".join(dropped_by_mlx_lm(family))
+        info["from_original"] = (f"{len(restored)} tensor(s) mlx-lm's format drops ({dropped}) taken from the "
+                                 "original checkpoint for HF's reference")
+    return info
 
 
-def dequantized_checkpoint(family, qdir: Path, config: dict | None = None, progress=None) -> tuple[Path, dict]:
+def dequantized_checkpoint(family, qdir: Path, config: dict | None = None, progress=None,
+                           original: Path | None = None) -> tuple[Path, dict]:
     """(the cached HF checkpoint of `qdir` dequantized to fp32, its quantization summary).
     `config`: the config.json to give it (the original's, when there is one: same architecture);
-    by default the quantized directory's own without its quantization entries."""
+    by default the quantized directory's own without its quantization entries. `original`: the
+    checkpoint it was made from, where the tensors mlx-lm's format drops come from (from_original)."""
     from importlib.metadata import version
 
     qdir = Path(qdir)
@@ -181,8 +224,13 @@ def dequantized_checkpoint(family, qdir: Path, config: dict | None = None, progr
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     recipe = {"candidate_sha256": checkpoint_identity(qdir), "config": config, "format": FORMAT, "code": code,
               "family": family.name, "torch": version("torch")}
+    if dropped_by_mlx_lm(family):
+        if original is None:
+            from_original(family, None)  # refused (the reason) before any work
+        recipe["original_sha256"] = checkpoint_identity(Path(original))
+
     def build(out):
-        info = write_dequantized(family, qdir, config, out, progress)
+        info = write_dequantized(family, qdir, config, out, progress, original)
         (out / "oracle_quantization.json").write_text(json.dumps(info, indent=1, sort_keys=True))
 
     path = cached_dir(recipe, f"dequantized-{family.name}", "oracle_dequantized.json", build)
@@ -190,16 +238,16 @@ def dequantized_checkpoint(family, qdir: Path, config: dict | None = None, progr
 
 
 # ---------------------------------------------------------------- mlx-lm names -> HF names
-SWITCH = re.compile(r"(.*)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight")
+SWITCH = re.compile(r"(.*)\.(?:switch_mlp|experts)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 def unstack_experts(weights: dict, names: dict | None = None) -> dict:
-    """mlx-lm's stacked experts `P.switch_mlp.{gate,up,down}_proj.weight` [E, out, in] -> HF's
-    per-expert `P.experts.{e}.<name>.weight` (names: mlx projection -> HF name)."""
+    """mlx-lm's stacked experts `P.switch_mlp.{gate,up,down}_proj.weight` [E, out, in] (dots1's:
+    `P.experts.*`) -> HF's per-expert `P.experts.{e}.<name>.weight` (names: mlx projection -> HF name)."""
     out = {}
     for k, v in weights.items():
         m = SWITCH.fullmatch(k)
-        if m is None:
+        if m is None or v.ndim != 3:
             out[k] = v
             continue
         for e in range(v.shape[0]):

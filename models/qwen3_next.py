@@ -6,7 +6,7 @@ MLP layers (mlp_only_layers, decoder_sparse_step) and norm_topk_prob from the co
 from models import GATED_DELTANET, Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
 from models.args import DENSE, FULL, LINEAR, SPARSE
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
-from models.qwen3_5_moe import _conv1d_shape, _full_attention_interval, from_mlx_names
+from models.qwen3_5_moe import OFFSET_NORMS, _conv1d_shape, _full_attention_interval, from_mlx_names  # noqa: F401
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

@@ -298,7 +298,7 @@ def sources(spec: CheckSpec, progress=None, backend=None) -> Sources:
                 raise InputError(f"--candidate-dir {shipped} is not the architecture of {original.model_dir}: "
                                  f"config {differs}")
         deq, summary = dequantized_checkpoint(family, Path(shipped), original.config if original else None,
-                                              progress=progress)
+                                              progress=progress, original=original.model_dir if original else None)
         try:
             src = source_of(family, deq, spec)
         except CheckpointError as e:

@@ -109,6 +109,8 @@ def _shipped(q: dict) -> list[str]:
     lines = [f"Shipped directory `{q['shipped_dir']}`: {q.get('format', '')} {q.get('kind', '')} ({mods})."]
     if q.get("note"):
         lines.append(q["note"][0].upper() + q["note"][1:] + ".")
+    if q.get("from_original"):  # tensors the format cannot carry, in HF's reference from the original
+        lines.append(q["from_original"][0].upper() + q["from_original"][1:] + ".")
     return lines
 
 

@@ -1,7 +1,8 @@
 """Shipped mlx-lm directories (--candidate-dir): the format's dequantizer against mlx's own,
-the mlx-lm -> HF name mapping of every family, the implementation rows at fp32 limits for the
-five families (q4 g32; q8 g64 and mlx-lm's mixed_4_6 recipe for OLMoE and Qwen3-MoE), the quantization rows
-apart, two seeded runtime faults, a quantized directory without its original, and bad input."""
+the mlx-lm -> HF mapping of every family (names, layouts, the config HF reads), the implementation
+rows at fp32 limits for the five families (q4 g32; q8 g64 and mlx-lm's mixed_4_6 recipe for OLMoE
+and Qwen3-MoE), the quantization rows apart, two seeded runtime faults, a quantized directory
+without its original, and bad input."""
 
 import json
 import shutil
@@ -12,11 +13,11 @@ import pytest
 import torch
 
 from models import FAMILY_NAMES, get_family
-from models.checkpoint import read_weights
+from models.checkpoint import CheckpointError, read_config, read_weights
 from models.quantized import dequantize, dequantized_checkpoint
 from oracle import thresholds
 from oracle.backend import CheckSpec, InputError
-from oracle.check import model_source, run_check, validate
+from oracle.check import first_difference, model_source, run_check, validate
 from oracle.export import run_export
 
 mx = pytest.importorskip("mlx.core")
@@ -27,8 +28,8 @@ RECIPES = {"q4g32": ("q4", {"group_size": 32}), "q8g64": ("q8", {"group_size": 6
            "mixed_4_6": ("q4", {"recipe": "mixed_4_6", "group_size": 32})}
 # q4 for every family; q8 and the mixed recipe on two (Qwen3.5's quantization rows replay HF's
 # Gated DeltaNet per block kind: 30-50 s a check, so its q8/mixed rows are benchmarks/shipped.py's)
-ORIGINAL = FAMILY_NAMES[:5]  # shipped mlx-lm directories of the DeepSeek-style families: not mapped back yet
-CASES = [(f, "q4g32") for f in ORIGINAL] + [(f, r) for f in ("olmoe", "qwen3_moe") for r in ("q8g64", "mixed_4_6")]
+FIRST = FAMILY_NAMES[:5]  # the end-to-end checks of directories (every family's maps back: below)
+CASES = [(f, "q4g32") for f in FIRST] + [(f, r) for f in ("olmoe", "qwen3_moe") for r in ("q8g64", "mixed_4_6")]
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +62,23 @@ def test_dequantize_is_mlx_dequantize(bits, group_size):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("family", ORIGINAL)
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_unquantized_directory_maps_back_to_the_original_exactly(family, tmp_path):
     """An fp32 mlx-lm directory (mlx-lm's sanitize: stacked experts, Qwen3.5's 1 + w norms and
-    conv1d layout) read back through the family's from_mlx is the original checkpoint, bit for bit."""
+    conv1d layout, DeepSeek-V3's split kv_b_proj, gpt-oss's and Llama 4's fused experts) read back
+    through the family's from_mlx is the original checkpoint, bit for bit (ERNIE's correction bias,
+    which mlx-lm's format drops, from the original); its config.json, which carries the fields
+    mlx-lm needs, is the original's architecture to HF (rope_scaling is HF's legacy rope_parameters)."""
+    family_ = get_family(family)
     src = model_source(CheckSpec(family=family, backend="mlx"))
     run_export(CheckSpec(family=family, backend="mlx"), str(tmp_path / "d"))
-    deq, summary = dequantized_checkpoint(get_family(family), tmp_path / "d", src.config)
+    assert first_difference(src.args, family_.args(read_config(tmp_path / "d"), src.args.max_seq_len)) is None
+    deq, summary = dequantized_checkpoint(family_, tmp_path / "d", src.config, original=src.model_dir)
     assert summary["kind"] == "none"
+    assert ("from_original" in summary) == bool(family_.mlx.dropped)
+    if family_.mlx.dropped:  # the directory alone does not say HF's model: refused, with the reason
+        with pytest.raises(CheckpointError, match="mlx-lm's format drops"):
+            dequantized_checkpoint(family_, tmp_path / "d", src.config)
     orig, back = read_weights(src.model_dir), read_weights(deq)
     assert set(back) == set(orig)
     offset = getattr(__import__(f"models.{family}", fromlist=["x"]), "OFFSET_NORMS", ())
