@@ -56,11 +56,38 @@ def test_selftest_at_bf16_states_which_faults_are_above_its_noise(cli, tmp_path)
     assert "1 fault(s) below bf16's own error, not required" in r.stdout
 
 
-def test_selftest_fails_when_the_oracle_misses(cli, tmp_path):
-    """A backend that hides faults (ignores with_fault) makes the selftest exit 1."""
+def test_selftest_fails_when_the_fault_never_reaches_the_candidate(cli, tmp_path):
+    """A backend that hides faults (ignores with_fault) computes exactly what the clean one does:
+    the fault is "not injected", neither detected nor missed, and the selftest exits 1."""
+    j = tmp_path / "st.json"
     r = cli("selftest", "--backend", "tests.plugins:FAULT_BLIND", "--family", "olmoe", "--fault",
-            "qk_norm_missing", "--seeds", "0")
-    assert r.returncode == 1 and "detected 0/1" in r.stdout
+            "qk_norm_missing", "--seeds", "0", "--json", str(j))
+    assert r.returncode == 1 and "detected 0/0" in r.stdout and "1 not injected" in r.stdout
+    row = json.loads(j.read_text())["faults"][0]
+    assert row["injected"] is False and row["status"] == "pass" and not row["detected"]
+
+
+def test_a_crash_is_not_a_detection_and_a_refused_family_does_not_abort(monkeypatch):
+    """A faulted candidate that raises is counted `crashed`, not detected; a family the backend
+    refuses is reported with the reason while the others run to the end."""
+    from oracle import selftest
+
+    real = selftest.run_check
+
+    def run_check(spec, backend=None, **kw):
+        if spec.family == "mixtral":
+            raise selftest.InputError("this backend cannot check mixtral (a test)")
+        r = real(spec, backend, **kw)
+        if "+" in getattr(backend, "name", ""):  # every faulted run: as if the candidate had raised
+            r.status, r.error, r.worst = "error", "load: RuntimeError: boom", None
+        return r
+
+    monkeypatch.setattr(selftest, "run_check", run_check)
+    res = run_selftest("eager", families=["mixtral", "olmoe"], seeds=(0,), fault_names=["rope_theta_wrong"])
+    s = res.summary()
+    assert res.refused == [{"family": "mixtral", "why": "this backend cannot check mixtral (a test)"}]
+    assert (s["faults"], s["detected"], s["crashed"], s["refused"], s["clean_runs"]) == (1, 0, 1, 1, 1)
+    assert not s["ok"] and "1 crashed" in res.summary_line() and "REFUSED mixtral" in selftest.render(res)
 
 
 def test_fix_expert_probes():
