@@ -34,6 +34,7 @@ from models import drop_layers_from, get_family
 from models.args import CHUNKED, SLIDING
 from models.checkpoint import CheckpointError, shard_files
 from models.mlx_lm import ConfigError  # noqa: F401  (the backend's refusal; tests import it from here)
+from exporters.mlx_model import attention_block, moe_block, route, text_model  # noqa: F401 (route: tests read the mirrors here)
 from oracle.backend import Option
 from oracle.result import GateRow
 
@@ -352,122 +353,6 @@ def load_directory(path, family: str, dtype, reference_config: dict):
 
 
 # ---------------------------------------------------------------- running
-def text_model(model):
-    return getattr(model, "language_model", model)
-
-
-def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm name
-    return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp") if n in layer)
-
-
-def attention_block(layer):
-    return layer.linear_attn if getattr(layer, "is_linear", False) else layer.self_attn
-
-
-# How each mlx-lm MoE block routes (read off its __call__ in mlx_lm/models/<family>.py),
-# reading the block's own attributes (gate, top_k, norm_topk_prob). tests/test_mlx.py checks
-# each mirror against the weights the block itself applies, so a change in mlx-lm shows.
-def _route_olmoe(moe, x):  # olmoe: softmax over all, top-k by -probs, optional renorm
-    import mlx.core as mx
-
-    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
-    inds = mx.argpartition(-probs, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
-    scores = mx.take_along_axis(probs, inds, axis=-1)
-    if moe.norm_topk_prob:
-        scores = scores / scores.sum(axis=-1, keepdims=True)
-    return scores, inds
-
-
-def _route_qwen2_moe(moe, x):  # qwen2_moe: as olmoe, never renormalised
-    import mlx.core as mx
-
-    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
-    inds = mx.argpartition(-probs, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
-    return mx.take_along_axis(probs, inds, axis=-1), inds
-
-
-def _route_qwen3(moe, x):  # qwen3_moe, qwen3_next (Qwen3.5): top-k as the last k of argpartition
-    import mlx.core as mx
-
-    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
-    inds = mx.argpartition(probs, kth=-moe.top_k, axis=-1)[..., -moe.top_k :]
-    scores = mx.take_along_axis(probs, inds, axis=-1)
-    if moe.norm_topk_prob:
-        scores = scores / scores.sum(axis=-1, keepdims=True)
-    return scores, inds
-
-
-def _softmax_of_topk(logits, k: int):  # top-k of the logits, softmax over those k
-    import mlx.core as mx
-
-    inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
-    return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
-
-
-def _route_mixtral(moe, x):  # mixtral: the gate's logits
-    return _softmax_of_topk(moe.gate(x), moe.num_experts_per_tok)
-
-
-def _route_router(moe, x):  # granitemoe: a router module returns (indices, weights)
-    inds, scores = moe.router(x)
-    return scores, inds
-
-
-def _route_sparsemixer(moe, x):  # phimoe: mlx-lm's own sparsemixer over the gate's logits
-    from mlx_lm.models.phimoe import sparsemixer
-
-    inds, scores = sparsemixer(moe.gate(x), top_k=moe.top_k, jitter_eps=moe.jitter_eps)
-    return scores, inds
-
-
-def _route_ernie(moe, x):  # ernie4_5_moe: softmax (fp32), top-k without the correction bias, / max(sum, 1e-12)
-    import mlx.core as mx
-
-    gates = moe.gate_act(moe.gate(x).astype(mx.float32))
-    inds = mx.argpartition(-gates, kth=moe.k - 1, axis=-1)[..., : moe.k]
-    scores = mx.take_along_axis(gates, inds, axis=-1)
-    return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12), inds
-
-
-def _route_router_topk(moe, x):  # gpt_oss: the (biased) router's logits
-    return _softmax_of_topk(moe.router(x), moe.num_experts_per_tok)
-
-
-def _route_sigmoid_top(moe, x):  # llama4: top-k of the router logits, their sigmoid (scales the expert input)
-    import mlx.core as mx
-
-    logits = moe.router(x)
-    inds = mx.argpartition(-logits, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
-    return mx.sigmoid(mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32)), inds
-
-
-def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
-    inds, scores = moe.gate(x)
-    return scores, inds
-
-
-ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
-         "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
-         "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
-         "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
-         "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
-         "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate}
-
-
-def route(moe, x):
-    """(weights [.., k], indices [.., k]) as the mlx-lm MoE block computes them. A seeded
-    fault that changes routing sets `oracle_route` on the block (its patched __call__ uses
-    it too): mlx-lm routes inline, there is no router module to patch."""
-    fn = getattr(moe, "oracle_route", None)
-    if fn is not None:
-        return fn(x)
-    name = type(moe).__name__
-    fn = ROUTE.get(f"{type(moe).__module__}.{name}") or ROUTE.get(name)
-    if fn is None:
-        raise NotImplementedError(f"no routing mirror for mlx-lm's {name}")
-    return fn(moe, x)
-
-
 class MLXCandidate:
     block_mode = "isolated"
 
@@ -649,6 +534,15 @@ class MLXBackend:
             return False, (f"mlx / mlx-lm cannot be imported ({type(e).__name__}: {e}); "
                            "install the extra: pip install 'moe-oracle[mlx]'")
         return True, ""
+
+    def with_quantized_fault(self, name: str, layer: int):
+        """This backend with a quantized runtime fault (exporters/mlx_faults.py QUANTIZED_FAULTS)
+        in decoder layer `layer`'s experts: the weights in the file right, their dequantization wrong."""
+        from exporters import mlx_faults
+
+        fn = mlx_faults.QUANTIZED_FAULTS[name]
+        return type(self)(f"{self.name}+{name}", lambda m: fn(text_model(m).layers[layer]), f"{name}@{layer}",
+                          self.config_fn)
 
     def with_fault(self, fault):
         """This backend with a seeded fault (models/faults.py name) on mlx-lm's model; None

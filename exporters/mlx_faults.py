@@ -13,8 +13,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from exporters.mlx import attention_block, moe_block, text_model
-from exporters.mlx import route as mlx_route
+from exporters.mlx_model import attention_block, moe_block, text_model
+from exporters.mlx_model import route as mlx_route
 
 
 def patch_call(module, fn) -> None:
@@ -327,11 +327,3 @@ def _group_size_doubled(layer):  # each scale and bias applied to two groups: gr
 
 
 QUANTIZED_FAULTS = {"dequant_scale_bias_swap": _scale_bias_swap, "dequant_group_size_doubled": _group_size_doubled}
-
-
-def quantized_fault_backend(name: str, layer: int):
-    """The mlx backend with a quantized runtime fault in decoder layer `layer`'s experts."""
-    from exporters.mlx import MLXBackend
-
-    fn = QUANTIZED_FAULTS[name]
-    return MLXBackend(f"mlx+{name}", lambda m: fn(text_model(m).layers[layer]), f"{name}@{layer}")

@@ -118,12 +118,12 @@ def test_implementation_rows_pass_at_fp32_and_quantization_rows_are_apart(shippe
 
 @pytest.mark.parametrize("fault", ["dequant_scale_bias_swap", "dequant_group_size_doubled"])
 def test_runtime_dequantization_faults_fail_implementation_rows_only(shipped, fault):
-    from exporters.mlx_faults import quantized_fault_backend
+    from exporters.mlx import BACKEND as MLX
 
     d = shipped("olmoe", "q4g32")
     spec = CheckSpec(family="olmoe", backend="mlx", candidate_dir=str(d))
     clean = run_check(spec)
-    bad = run_check(spec, quantized_fault_backend(fault, 1))
+    bad = run_check(spec, MLX.with_quantized_fault(fault, 1))
     assert bad.status == "fail"
     assert (bad.worst["layer"], bad.worst["kind"]) == (1, "moe")  # localised to the faulty layer's experts
     assert all(b.status == "pass" for b in bad.blocks if b.layer == 0)
