@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from oracle.reference import (_normalize_output, block_modules, load_hf_model, materialized, model_args,
+from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -57,7 +57,7 @@ class HFCandidate:
             for c in probes:
                 x = c.x.to(self.dtype)
                 o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
-                o = _normalize_output(kind, o, keep_dtype=True, router_output=self.read_router)
+                o = normalize_output(kind, o, keep_dtype=True, router_output=self.read_router)
                 outs.append(o[: self._router_items] if kind == "router" else o)
         return outs
 
@@ -72,7 +72,7 @@ class HFCandidate:
             return args, {**kwargs, "hidden_states": x.reshape(kwargs["hidden_states"].shape)}
 
         def post(mod, args, kwargs, out):
-            o = _normalize_output(kind, out, keep_dtype=True, router_output=self.read_router)
+            o = normalize_output(kind, out, keep_dtype=True, router_output=self.read_router)
             outputs.append(o[: self._router_items] if kind == "router" else o)
             n[0] += 1
 

@@ -119,7 +119,7 @@ def torch_dtype(name: str):
     return getattr(torch, ST_DTYPES[name])
 
 
-def _open(shard: Path, framework: str = "pt"):
+def open_shard(shard: Path, framework: str = "pt"):
     """safe_open with the checkpoint's own error for every way a shard can be unreadable
     (framework "numpy": the headers without importing torch)."""
     try:
@@ -138,7 +138,7 @@ def tensor_index(model_dir: Path) -> dict[str, tuple[Path, str, tuple]]:
     model_dir = Path(model_dir)
     out: dict[str, tuple[Path, str, tuple]] = {}
     for shard in shard_files(model_dir):
-        with _open(shard, "numpy") as f:
+        with open_shard(shard, "numpy") as f:
             for name in f.keys():
                 if name in out:
                     raise CheckpointError(f"tensor {name} is in two shards: {out[name][0].name} and {shard.name}")
@@ -204,7 +204,7 @@ def read_tensors(index: dict, names: list[str]) -> dict:
         by_shard.setdefault(index[n][0], []).append(n)
     out = {}
     for shard, ns in by_shard.items():
-        with _open(shard) as f:
+        with open_shard(shard) as f:
             for n in ns:
                 out[n] = f.get_tensor(n)
     return out

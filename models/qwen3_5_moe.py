@@ -78,7 +78,7 @@ def _rope_parameters(c):
     return {"type": "default", "rope_theta": rope_theta(c), "partial_rotary_factor": partial}
 
 
-def _full_attention_interval(c):
+def full_attention_interval_of(c):
     """mlx-lm's Qwen3.5 ignores layer_types: layer i is full attention iff (i + 1) % n == 0."""
     types = list(c.layer_types)
     n = types.index(FULL) + 1 if FULL in types else 0
@@ -89,7 +89,7 @@ def _full_attention_interval(c):
     return n
 
 
-def _conv1d_shape(name: str, shape) -> str | None:
+def conv1d_shape(name: str, shape) -> str | None:
     """mlx-lm's sanitize adds 1 to the (1 + w) RMSNorm weights only while conv1d is still HF-shaped
     [C, 1, K]: anything else would silently drop the offset."""
     if name.endswith("conv1d.weight") and not (len(shape) == 3 and shape[1] == 1 and shape[2] > 1):
@@ -111,7 +111,7 @@ MLX = MlxLm(
         linear_num_value_heads="linear_num_value_heads", linear_num_key_heads="linear_num_key_heads",
         linear_key_head_dim="linear_key_head_dim", linear_value_head_dim="linear_value_head_dim",
         linear_conv_kernel_dim="linear_conv_kernel_dim",
-        full_attention_interval=_full_attention_interval,
+        full_attention_interval=full_attention_interval_of,
         num_experts="num_experts", num_experts_per_tok="num_experts_per_tok",
         moe_intermediate_size="moe_intermediate_size",
         shared_expert_intermediate_size="shared_expert_intermediate_size",
@@ -123,7 +123,7 @@ MLX = MlxLm(
     ),
     require=COMMON_REQUIRE + ((lambda c: c.num_experts > 0, "num_experts == 0 (a dense Qwen3.5, not this family)"),),
     experts="fused",  # its sanitize() accepts nothing else
-    check_tensor=_conv1d_shape,
+    check_tensor=conv1d_shape,
 )
 
 FAMILY = Family(

@@ -6,7 +6,7 @@ MLP layers (mlp_only_layers, decoder_sparse_step) and norm_topk_prob from the co
 from models import GATED_DELTANET, Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
 from models.args import DENSE, FULL, LINEAR, SPARSE
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
-from models.qwen3_5_moe import OFFSET_NORMS, _conv1d_shape, _full_attention_interval, from_mlx_names  # noqa: F401
+from models.qwen3_5_moe import OFFSET_NORMS, conv1d_shape, full_attention_interval_of, from_mlx_names  # noqa: F401
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -97,14 +97,14 @@ MLX = MlxLm(
         norm_topk_prob="norm_topk_prob",  # mlx-lm's default is False, HF's True
         tie_word_embeddings="tie_word_embeddings", attention_bias="attention_bias",
         rope_theta=rope_theta, partial_rotary_factor=lambda c: (c.rope_parameters or {}).get("partial_rotary_factor", 1.0),
-        rope_scaling=const(None), full_attention_interval=_full_attention_interval,
+        rope_scaling=const(None), full_attention_interval=full_attention_interval_of,
     ),
     require=COMMON_REQUIRE + (
         # mlx-lm's sanitize finds the MoE layers by their experts and does nothing (no (1 + w) offset,
         # no conv1d transpose) when there are none
         (lambda c: SPARSE in mlp_types(c), "no MoE layer (mlx-lm's qwen3_next sanitize would skip the norm offset)"),
     ),
-    check_tensor=_conv1d_shape,
+    check_tensor=conv1d_shape,
 )
 
 FAMILY = Family(

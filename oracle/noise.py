@@ -80,7 +80,7 @@ def measure(ref, src, spec) -> Noise:
     import torch
 
     from oracle.backend import resolve
-    from oracle.reference import _normalize_output, model_args, selection_scores
+    from oracle.reference import normalize_output, model_args, selection_scores
 
     hf = resolve("hf").load(src, replace(spec, options={}))
     hf.keep_router_logits = True
@@ -100,7 +100,7 @@ def measure(ref, src, spec) -> Noise:
 
     def record(layer):
         def hook(mod, a, kwargs, out):
-            logits = _normalize_output("router", out, router_output=hf.read_router)[2]
+            logits = normalize_output("router", out, router_output=hf.read_router)[2]
             scores = selection_scores(mod, logits.reshape(-1, logits.shape[-1]), args)[0]
             noise.e2e_scores.setdefault(layer, []).append(scores.numpy().astype(np.float32))
         return hook

@@ -130,7 +130,7 @@ def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=None):
     from transformers.integrations.accelerate import accelerate_disk_offload, accelerate_dispatch
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from models.checkpoint import CheckpointError, _open, layer_groups, read_config, tensor_index, torch_dtype
+    from models.checkpoint import CheckpointError, open_shard, layer_groups, read_config, tensor_index, torch_dtype
 
     index = tensor_index(model_dir)
     floats = {torch_dtype(d) for _, d, _ in index.values() if torch_dtype(d).is_floating_point}
@@ -159,7 +159,7 @@ def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=None):
     loaded, info = set(), None
     for names in layer_groups(index):
         with contextlib.ExitStack() as stack:  # only this group's shards mapped, unmapped after
-            files = {s: stack.enter_context(_open(s)) for s in sorted({index[n][0] for n in names})}
+            files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in names})}
             part, offload = convert_and_load_state_dict_in_model(
                 model, {n: files[index[n][0]].get_slice(n) for n in names}, load, offload)
         loaded |= expected - part.missing_keys
@@ -243,7 +243,7 @@ def block_modules(model, family) -> dict:
     return out
 
 
-def _normalize_output(kind: str, out, keep_dtype: bool = False, router_output=None):
+def normalize_output(kind: str, out, keep_dtype: bool = False, router_output=None):
     """HF module output -> tensor (router: weights, indices, logits); fp32 unless keep_dtype.
     router_output: the family's reading of its router's output (Family.router_output)."""
     cast = (lambda t: t.detach()) if keep_dtype else (lambda t: t.detach().float())
@@ -324,7 +324,7 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
         def fn(mod, a, kwargs, out):
             x = _first_tensor(a, kwargs).detach().float()
             recs[key][0].append(x.reshape(1, -1, x.shape[-1]).clone())
-            out = _normalize_output(key[1], out, router_output=reader)
+            out = normalize_output(key[1], out, router_output=reader)
             if key[1] == "router":
                 out = (*out[:2], *selection_scores(mod, out[2], args), weight_gap(out[2], args))
             recs[key][1].append(out)
@@ -409,17 +409,17 @@ def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:
                 for e in range(w.shape[0]):
                     x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
                     out = router(x.reshape(1, -1).to(router.weight.dtype))
-                    if e not in _normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
+                    if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
                         if pinv is None:
                             pinv = torch.linalg.pinv(w.double())  # [H, E]
                         z = torch.full((w.shape[0],), -8.0, dtype=torch.float64)
                         z[e] = 8.0
                         x = (pinv @ z).float().reshape(1, 1, -1)
                         out = router(x.reshape(1, -1).to(router.weight.dtype))
-                        if e not in _normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
+                        if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
                             unprobed.append(e)
                             continue
-                    weights, idx, logits = _normalize_output("router", out, router_output=reader)
+                    weights, idx, logits = normalize_output("router", out, router_output=reader)
                     choice, gap = selection_scores(router, logits, args)
                     wgap = weight_gap(logits, args)
                     call = BlockCall(x.numpy(), np.array([0]), [], probe=True)
@@ -431,7 +431,7 @@ def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:
                     if wgap is not None:
                         ref.weight_gaps[layer].append(wgap.numpy())
                     ref.inputs[layer, "moe"].append(call)
-                    ref.outputs[layer, "moe"].append(_normalize_output("moe", modules[layer, "moe"](x)).numpy())
+                    ref.outputs[layer, "moe"].append(normalize_output("moe", modules[layer, "moe"](x)).numpy())
             if unprobed:
                 ref.coverage[layer]["unprobed"] = unprobed
 
