@@ -620,14 +620,9 @@ class ExecutorchBackend:
     # clone, the model lets go of its parameters after export, XNNPACK's serialized weights go
     # to files, the delegates' consumed weights are dropped); what stays is the emitter's bytes
     # copy of the weights portable ops read (embedding, the experts of decode's gather and the
-    # probes). Measured, OLMoE --layers 2 (1.045 B parameters, 2026-11-24, this 2-core machine,
-    # RssAnon sampled every 2 s): 5.0 GiB at the build's peak (4.8 bytes/parameter, the
-    # interpreter included; 9.6 GiB when the model's weights were process memory), 2.4 GiB while
-    # the runtime runs the blocks, beside the mapped model.ptd, which the runtime mlocks (its
-    # data loader's default: resident, not evictable; VmHWM counts it once per mapping, 16.2
-    # GiB). `oracle check`: pass, 299 s. Mixtral --layers 2 (3.16 B): build 15.2 GiB anon (5.2
-    # bytes/parameter), runtime 5.3 GiB anon + 11.5 GiB mlocked model.ptd (5.6 bytes/parameter
-    # together); pass, 522 s.
+    # probes); the runtime mlocks the mapped model.ptd. 6 bytes/parameter covers the build (5.2
+    # measured at Mixtral's width) and the runtime (5.6 with the mlocked file): docs/executorch.md,
+    # "Memory of the build".
     memory_per_param = {"fp32": 6.0}
     memory_note = ("the emitter's copy of the portable ops' weights while lowering (the model's own are mapped "
                    "from files), then the runtime's mlocked weights file, XNNPACK's packed weights and the "

@@ -322,7 +322,9 @@ def _has_shared(a):
     return a.shared_expert_intermediate_size > 0
 
 
-CLASSIC: tuple[Fault, ...] = (
+# every MoE family's mechanisms: softmax top-k routing, SwiGLU experts, GQA attention with rope and
+# q/k norms, RMSNorm, KV and recurrent state, Gated DeltaNet, dtypes
+COMMON: tuple[Fault, ...] = (
     Fault("router_softmax_after_topk", "router", "last", "softmax over the top-k logits instead of over all experts",
           _softmax_after_topk, lambda a: not a.norm_topk_prob),
     Fault("router_no_renorm", "router", "last", "missing norm_topk_prob renormalisation", _no_renorm,
@@ -427,7 +429,8 @@ def _yarn_mscale_missing(attn: LatentAttention, a):
     attn.scale = (attn.dn + attn.dr) ** -0.5
 
 
-NEW_MECHANISMS: tuple[Fault, ...] = (
+# biased routing (sigmoid scores with a correction bias, groups, routed scaling), dense layers, MLA, YaRN
+BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
     Fault("router_bias_in_weights", "router", "last", "correction bias added to the weights too (not only the choice)",
           _bias_in_weights, lambda a: a.router_bias),
     Fault("router_bias_ignored", "router", "last", "correction bias left out of the expert choice",
@@ -511,7 +514,9 @@ def _interleave_sparse(a):
         and not a.shared_expert_gated
 
 
-LATER: tuple[Fault, ...] = (
+# the variants: attention sinks, sliding windows, clamped SwiGLU, router logit bias, sparsemixer,
+# LayerNorm, interleaved MoE layers, Granite's multipliers, NoPE layers
+VARIANTS: tuple[Fault, ...] = (
     Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
           _sinks_dropped, lambda a: a.attention_sinks),
     Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
@@ -536,7 +541,7 @@ LATER: tuple[Fault, ...] = (
     Fault("rope_on_nope_layer", "attention", "nope", "rope applied on a no-rope layer", _rope_on_nope_layer),
 )
 
-CATALOGUE: tuple[Fault, ...] = CLASSIC + NEW_MECHANISMS + LATER
+CATALOGUE: tuple[Fault, ...] = COMMON + BIASED_ROUTING_AND_MLA + VARIANTS
 
 
 def get(name: str) -> Fault:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from models import FAMILY_NAMES, faults, get_family
+from models import CORE, FAMILY_NAMES, faults, get_family
 from models.checkpoint import read_config, tiny_checkpoint
 from oracle import thresholds
 from oracle.check import CheckSpec, model_source, prompt_tokens, reference_for, run_check
@@ -40,11 +40,9 @@ def mlx():
     return mlx
 
 
-# the five original families; the later ones (DeepSeek-style, gpt_oss, phimoe, ...) are checked at fp32 in
-# test_new_families_pass_fp32 (their q8 tiny configs, routing mirrors' tests, fault mapping
-# and shipped-directory mapping are not done yet: issue 18's notes)
-ORIGINAL = FAMILY_NAMES[:5]
-NEW = FAMILY_NAMES[5:]
+# the core families (models.CORE) in depth; the others at fp32 in test_other_families_pass_fp32,
+# and every family's q8 in test_q8_on_trained_weights / the shipped-directory round trip
+OTHERS = tuple(f for f in FAMILY_NAMES if f not in CORE)
 
 
 # mlx-lm models with a known defect for the tiny checkpoint (goldens/known_divergences.toml): they
@@ -52,9 +50,9 @@ NEW = FAMILY_NAMES[5:]
 EXPECTED_FAILURES = {"ernie4_5_moe": "drops the router's e_score_correction_bias"}
 
 
-@pytest.mark.parametrize("new_family", [f for f in NEW if f not in EXPECTED_FAILURES])
-def test_new_families_pass_fp32(new_family):
-    """mlx-lm's own model of each later family against HF: every block and e2e."""
+@pytest.mark.parametrize("new_family", [f for f in OTHERS if f not in EXPECTED_FAILURES])
+def test_other_families_pass_fp32(new_family):
+    """mlx-lm's own model of each other family against HF: every block and e2e."""
     r = run_check(CheckSpec(family=new_family, backend="mlx"))
     assert r.status == "pass", (r.error, r.worst)
     assert r.e2e.token_exact and all(row.status == "pass" for row in r.blocks)
@@ -74,7 +72,7 @@ def test_mlx_lm_models_that_compute_another_model_are_expected_failures(family_n
     assert out.returncode == 0 and "**xfail**" in out.stdout and "expected failure" in out.stdout
 
 
-@pytest.fixture(scope="module", params=ORIGINAL)
+@pytest.fixture(scope="module", params=CORE)
 def family(request):
     """Module-scoped, so pytest runs each family's tests together: the reference (cached
     in-process by oracle.check.reference_for) is captured once per family."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import FAMILY_NAMES, get_family
+from models import CORE, FAMILY_NAMES, get_family
 from models.checkpoint import CheckpointError, read_config, read_weights
 from models.quantized import dequantize, dequantized_checkpoint
 from oracle import thresholds
@@ -28,8 +28,8 @@ RECIPES = {"q4g32": ("q4", {"group_size": 32}), "q8g64": ("q8", {"group_size": 6
            "mixed_4_6": ("q4", {"recipe": "mixed_4_6", "group_size": 32})}
 # q4 for every family; q8 and the mixed recipe on two (Qwen3.5's quantization rows replay HF's
 # Gated DeltaNet per block kind: 30-50 s a check, so its q8/mixed rows are benchmarks/shipped.py's)
-FIRST = FAMILY_NAMES[:5]  # the end-to-end checks of directories (every family's maps back: below)
-CASES = [(f, "q4g32") for f in FIRST] + [(f, r) for f in ("olmoe", "qwen3_moe") for r in ("q8g64", "mixed_4_6")]
+# end to end (every family's maps back: below)
+CASES = [(f, "q4g32") for f in CORE] + [(f, r) for f in ("olmoe", "qwen3_moe") for r in ("q8g64", "mixed_4_6")]
 
 
 @pytest.fixture(scope="module")
