@@ -126,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
                    "each fault also runs at fp32 to say whether it is above bf16's own error (only those are required)")
     weights_option(s)
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
+    s.add_argument("--shard", help="I/N: the families of shard I of N (every N-th family; the N shards cover them once)")
     s.add_argument("--json", help="write the selftest report here")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
@@ -426,14 +427,28 @@ def cmd_selftest(a) -> int:
     except ValueError:
         print(f"oracle: error: --seeds expects comma-separated integers, got {a.seeds!r}", file=sys.stderr)
         return EXIT["bad_input"]
+    families = a.family
+    if a.shard:
+        from models import FAMILY_NAMES
+        from oracle.matrix import parse_shard
+
+        try:
+            i, n = parse_shard(a.shard)
+        except ValueError as e:
+            print(f"oracle: error: {e}", file=sys.stderr)
+            return EXIT["bad_input"]
+        families = list(families or FAMILY_NAMES)[i - 1 :: n]
+        if not families:
+            print(f"oracle: error: --shard {a.shard}: no family in this shard", file=sys.stderr)
+            return EXIT["bad_input"]
     prog, update = progress_reporter()
     try:
         if prog:
             with prog:
-                res = run_selftest(a.backend, a.family, seeds, a.fault, lambda m: update(m), options_of(a),
+                res = run_selftest(a.backend, families, seeds, a.fault, lambda m: update(m), options_of(a),
                                    a.weights, a.precision)
         else:
-            res = run_selftest(a.backend, a.family, seeds, a.fault, options=options_of(a), weights=a.weights,
+            res = run_selftest(a.backend, families, seeds, a.fault, options=options_of(a), weights=a.weights,
                                precision=a.precision)
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)

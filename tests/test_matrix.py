@@ -279,8 +279,17 @@ def test_nightly_workflow_is_valid():
                         str(ROOT / ".github/workflows/oracle-nightly.yml")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     text = (ROOT / ".github/workflows/oracle-nightly.yml").read_text()
-    for needle in ("--shard ${{ matrix.shard }}/6", "macos-14", "executorch-cuda", "--require", "report diff"):
+    for needle in ("--shard ${{ matrix.shard }}/6", "macos-14", "executorch-cuda", "--require", "report diff",
+                   'selftest --backend ${{ matrix.backend }} --shard "$shard"'):
         assert needle in text
+    # every Linux backend that takes faults has its self-test, its shards covering every family once
+    import yaml
+
+    jobs = yaml.safe_load(text)["jobs"]["selftest"]["strategy"]["matrix"]["include"]
+    for backend in ("eager", "mlx", "iree-llvm-cpu", "executorch", "executorch-mlx"):
+        shards = sorted(j["shard"] for j in jobs if j["backend"] == backend and not j.get("tag"))
+        n = int(shards[0].split("/")[1])
+        assert shards == [f"{i}/{n}" for i in range(1, n + 1)], (backend, shards)
 
 
 def test_matrix_takes_a_checkpoint(cli, tmp_path):

@@ -34,6 +34,17 @@ def test_selftest_cli_subset(cli, tmp_path):
     assert doc["summary"]["ok"] and worst == {"rope_theta_wrong": "attention", "shared_expert_missing": "moe"}
 
 
+def test_selftest_shards_split_the_families(cli, tmp_path):
+    """--shard I/N: every N-th family (the nightly's shards); an empty shard is bad input."""
+    j = tmp_path / "st.json"
+    r = cli("selftest", "--backend", "eager", "--family", "olmoe", "--family", "mixtral", "--family", "qwen2_moe",
+            "--shard", "2/2", "--fault", "rope_theta_wrong", "--seeds", "0", "--json", str(j))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(j.read_text())["families"] == ["mixtral"]
+    r = cli("selftest", "--backend", "eager", "--family", "olmoe", "--shard", "2/2")
+    assert r.returncode == 2 and "no family in this shard" in r.stderr
+
+
 def test_selftest_at_bf16_states_which_faults_are_above_its_noise(cli, tmp_path):
     """At bf16 each fault's fp32 error on its block, over that block's bf16 limit (HF bf16's own
     error there), says whether bf16 can see it: a scale error of 1e-3 on expert weights is below
