@@ -34,6 +34,21 @@ def test_selftest_cli_subset(cli, tmp_path):
     assert doc["summary"]["ok"] and worst == {"rope_theta_wrong": "attention", "shared_expert_missing": "moe"}
 
 
+def test_a_family_with_a_known_divergence_is_self_tested_too():
+    """mlx-lm's ERNIE drops the router's correction bias (goldens/known_divergences.toml): its clean
+    run is an expected failure, not a false alarm, and a fault is localised among the rows that
+    pass without it (the known divergence's router row says nothing about a rope or norm fault)."""
+    pytest.importorskip("mlx_lm")
+    res = run_selftest("mlx", families=["ernie4_5_moe"], seeds=(0,),
+                       fault_names=["rope_theta_wrong", "residual_missing"])
+    assert [a.status for a in res.false_alarms] == ["xfail"]
+    rows = {r.fault: r for r in res.faults}
+    assert rows["rope_theta_wrong"].detected and rows["rope_theta_wrong"].worst["kind"] == "attention"
+    assert rows["residual_missing"].detected and rows["residual_missing"].worst["kind"] == "layer"
+    s = res.summary()
+    assert (s["detected"], s["localized"], s["false_alarms"]) == (2, 2, 0) and s["ok"]
+
+
 def test_selftest_shards_split_the_families(cli, tmp_path):
     """--shard I/N: every N-th family (the nightly's shards); an empty shard is bad input."""
     j = tmp_path / "st.json"
