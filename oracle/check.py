@@ -24,6 +24,7 @@ from models.checkpoint import CheckpointError, cache_root, cached_identity, chec
 from models.trained import PROFILES
 from oracle import expected
 from oracle import goldens as golden_files
+from oracle import insitu
 from oracle import thresholds
 from oracle.backend import CheckSpec, InputError, ModelSource, memory_refusal, resolve, validate_options
 from oracle.distribution import distribution_metrics, judge_distribution
@@ -547,13 +548,15 @@ def router_near_ties(ref, layer: int, spec, n: int | None = None, noise=None, in
 
 
 def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0,
-                  noise=None) -> BlockRow:
+                  noise=None, upstream: list | None = None) -> BlockRow:
     """One block row. `routes` (layer -> per token: did the candidate's router row route it as the
     reference did (oracle.check: the same experts, near-tie weights within the limit), filled in by
     the router row) decides which tokens the moe and layer rows compare: not a
     token the candidate's router row routed elsewhere (that row judges routing); a moe row then
     compares every token routed as the reference did, near ties included. `noise` (oracle/noise.py,
-    reduced precisions): the row is judged against HF's own error at this precision."""
+    reduced precisions): the row is judged against HF's own error at this precision. `upstream`
+    (oracle/insitu.py, an in-situ row at a precision with an in_situ rule): HF fp32's outputs on the
+    candidate's own upstream, what a correct block makes of the error the row's input carries."""
     layer, kind = key
     lim = thresholds.at_width(thresholds.limits(spec.precision, kind, spec.family, spec.backend), reduction)
     detail = layer_types[layer] if kind == "attention" else ""
@@ -578,6 +581,14 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
                          float(np.abs(ref_w).max()) * 2.0 ** -9) if ref_w.size else 0.0
             lim = {**lim, "weight_atol": lim["noise_factor"] * nm["weight_max_abs"] + lim["noise_floor"] * stored}
             m["noise_weight_max_abs"], m["noise_topk_agreement"] = nm["weight_max_abs"], nm["topk_agreement"]
+        rule = thresholds.in_situ(spec.precision) if upstream is not None else None
+        if rule and "shape_mismatch" not in m:  # in-situ: + factor x the weight error its own upstream carries
+            uw = np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in upstream]).astype(np.float64)
+            ui = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in upstream])
+            um = router_metrics(ref_w, ref_i, uw, ui, gaps, tie)
+            m["upstream_weight_max_abs"] = um["weight_max_abs"]
+            lim = {**lim, "upstream_factor": rule["upstream_factor"], "table_weight_atol": lim["weight_atol"],
+                   "weight_atol": lim["weight_atol"] + rule["upstream_factor"] * um["weight_max_abs"]}
         if np.ndim(tie):
             m["tie_tokens"] = int((gaps < tie).sum())
         status, ratio = thresholds.judge_router(m, lim)
@@ -619,6 +630,11 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             h = np.concatenate([o.reshape(-1, o.shape[-1]) for o in h]).astype(np.float64)
             h = h[keep] if keep is not None and h.shape[0] == keep.shape[0] else h
             lim = noise_row_limits(lim, r, h, spec.precision, m)
+        rule = thresholds.in_situ(spec.precision) if upstream is not None else None
+        if rule and "shape_mismatch" not in m and "dtype_mismatch" not in m:
+            u = np.concatenate([o.reshape(-1, o.shape[-1]) for o in upstream]).astype(np.float64)
+            u = u[keep] if keep is not None and u.shape[0] == keep.shape[0] else u
+            lim = upstream_metrics(lim, rule, r, c, u, m)
         if keep is not None:
             m["tie_tokens_excluded"] = int((~keep & ~rerouted).sum())  # near ties, not compared
             if rerouted.any():  # routed elsewhere by the candidate's router row, which judges that
@@ -628,8 +644,38 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
                 fd["index"][0] = int(np.flatnonzero(keep)[fd["index"][0]])
             if keep.size and (~keep).sum() * 4 > keep.size:  # said in the status line: a verdict on few tokens
                 m["excluded_over_quarter"] = f"{int((~keep).sum())} of {keep.size} tokens not compared"
-        status, ratio = thresholds.judge_noise(m, lim) if "noise_max_abs" in m else thresholds.judge_tensor(m, lim)
+        judge = (thresholds.judge_upstream if "upstream_allclose_ratio" in m
+                 else thresholds.judge_noise if "noise_max_abs" in m else thresholds.judge_tensor)
+        status, ratio = judge(m, lim)
     return BlockRow(layer, kind, status, "isolated", m, lim, ratio, detail)
+
+
+def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.ndarray, m: dict) -> dict:
+    """The limits of an in-situ row whose reference is `r` and candidate `c`, from `u`, HF fp32 on
+    the candidate's own upstream (oracle/insitu.py): element by element |c - r| <= atol + rtol |r| +
+    upstream_factor |u - r| (an element's propagated error follows what was summed into it
+    upstream, not its own magnitude), rel_l2 <= the table's + upstream_factor x u's. Records u's
+    error (`upstream_max_abs`, `upstream_rel_l2`), the candidate's max_abs as a multiple of it
+    (`vs_upstream`), the elementwise ratio and the first element beyond it in `m`."""
+    if u.shape != r.shape:
+        return lim
+    um = tensor_metrics(r, u, lim["atol"], lim["rtol"])
+    m["upstream_max_abs"], m["upstream_rel_l2"] = um["max_abs"], um["rel_l2"]
+    if um["max_abs"] > 0:  # nothing upstream (the first layer): the table alone, no ratio
+        m["vs_upstream"] = m["max_abs"] / um["max_abs"]
+    lim = thresholds.upstream_limits(lim, rule, um)
+    prop = np.nan_to_num(np.abs(u - r), nan=0.0, posinf=0.0)  # a non-finite upstream allows nothing more
+    d = np.abs(c - r)
+    tol = lim["atol"] + lim["rtol"] * np.abs(r) + lim["upstream_factor"] * prop
+    excess = np.where(np.isfinite(d), d / tol, np.inf)
+    m["upstream_allclose_ratio"] = float(excess.max()) if excess.size else 0.0
+    bad = np.flatnonzero(~(excess <= 1.0))
+    m["first_divergence"] = None
+    if bad.size:
+        i = int(bad[0])
+        m["first_divergence"] = {"index": [int(v) for v in np.unravel_index(i, r.shape)], "reference": float(r.flat[i]),
+                                 "candidate": float(c.flat[i]) if np.isfinite(c.flat[i]) else str(c.flat[i])}
+    return lim
 
 
 def noise_row_limits(lim: dict, r: np.ndarray, h: np.ndarray, precision: str, m: dict) -> dict:
@@ -888,16 +934,20 @@ def save_reference(spec: CheckSpec, out: str, progress=None) -> list[Path]:
         "host": platform.node()})
 
 
-def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None) -> list[BlockRow]:
+def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
+               src: ModelSource | None = None) -> list[BlockRow]:
     """Every block row of the candidate against the reference. A block that raises is that
-    row's error; RuntimeError when every block raised."""
+    row's error; RuntimeError when every block raised. With `src` (the checkpoint), in-situ rows at
+    a precision with an in_situ rule are judged against HF fp32 run on the candidate's own upstream
+    (oracle/insitu.py)."""
     keys = ref.block_keys()
     routes = {}  # layer -> the candidate's routing, from its router row (for the moe row)
     modes = getattr(cand, "block_modes", {})
-    rows, errors = [], []
+    rows, errors, outputs = {}, [], {}
+    mode_of = {key: modes.get(key[1], getattr(cand, "block_mode", "isolated")) for key in keys}
     for n, key in enumerate(keys):
         progress("blocks", n, len(keys))
-        mode = modes.get(key[1], getattr(cand, "block_mode", "isolated"))
+        mode = mode_of[key]
         try:
             outs = cand.run_block(key[0], key[1], ref.inputs[key])
         except Exception as e:  # this block crashed: its row is an error, the others are still measured
@@ -905,17 +955,44 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None) -> list[B
             detail = args.layer_types[key[0]] if key[1] == "attention" else ""
             reason = f"{type(e).__name__}: {e}"
             errors.append(f"{key[0]} {key[1]}: {reason}")
-            rows.append(invalid_row(key, mode, lim, detail, reason, "error"))
+            rows[key] = invalid_row(key, mode, lim, detail, reason, "error")
             continue
         if outs is None:
-            rows.append(BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend"))
+            rows[key] = BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend")
             continue
-        row = compare_block(ref, key, outs, spec, args.layer_types, routes, reduction_length(args), noise)
-        row.mode = mode
-        rows.append(row)
+        outputs[key] = outs
+    in_situ = {k: o for k, o in outputs.items() if insitu.is_in_situ(mode_of[k])}
+    if in_situ and src is not None and thresholds.in_situ(spec.precision):
+        progress("blocks: HF fp32 on the candidate's own upstream (in-situ rows)")
+    upstream, why = in_situ_upstream(ref, spec, src, in_situ)
+    for key, outs in outputs.items():
+        row = compare_block(ref, key, outs, spec, args.layer_types, routes, reduction_length(args), noise,
+                            upstream.get(key))
+        if why and insitu.is_in_situ(mode_of[key]):
+            row.metrics["upstream"] = why
+        row.mode = mode_of[key]
+        rows[key] = row
     if errors and len(errors) == len(keys):
         raise RuntimeError(f"every block raised; the first: {errors[0]}")
-    return rows
+    return [rows[key] for key in keys]
+
+
+def in_situ_upstream(ref, spec: CheckSpec, src: ModelSource | None, outputs: dict) -> tuple[dict, str | None]:
+    """(key -> HF fp32's outputs on the candidate's own upstream, or {}; why it was not measured,
+    or None) for the candidate's in-situ rows, at a precision with an in_situ rule."""
+    if not outputs or src is None or thresholds.in_situ(spec.precision) is None:
+        return {}, None
+    try:
+        arrays = {}
+        for key, outs in outputs.items():
+            if key[1] != "router":
+                try:
+                    arrays[key] = candidate_arrays(key[1], outs, ref.outputs[key])
+                except OutputError:
+                    continue  # that row fails on its own; the layers after it are fed HF's stream
+        return insitu.propagated(ref, src, spec, list(outputs), arrays), None
+    except Exception as e:  # judged by the isolated table, and the row says why
+        return {}, f"not measured ({type(e).__name__}: {e}): the isolated table judges"
 
 
 def limits_precision(quantization: dict) -> str:
@@ -1119,7 +1196,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
 
         stage = "blocks"
         t = time.perf_counter()
-        result.blocks = block_rows(ref, cand, spec, src.args, progress, noise)
+        result.blocks = block_rows(ref, cand, spec, src.args, progress, noise, src)
         timings["blocks_s"] = time.perf_counter() - t
 
         stage = "e2e"

@@ -43,8 +43,13 @@ def _blocks(all_rows: list, worst: dict | None, top: int) -> list[str]:
     if worst:
         lines.append(f"Localised fault: **{_where(worst)}**: {_metric_line(worst)}")
     noise = any("noise_max_abs" in r["metrics"] or "noise_weight_max_abs" in r["metrics"] for r in rows)
-    # reduced precisions: the candidate's error beside HF's own at this precision (oracle/noise.py)
-    extra = ("| HF max_abs | x HF " if noise else "", "|---|---" if noise else "")
+    # reduced precisions: the candidate's error beside HF's own at this precision (oracle/noise.py);
+    # in-situ rows: beside HF fp32's on the candidate's own upstream (oracle/insitu.py)
+    upstream = not noise and any("upstream_max_abs" in r["metrics"] or "upstream_weight_max_abs" in r["metrics"]
+                                 for r in rows)
+    prefix, label = ("upstream_", "upstream") if upstream else ("noise_", "HF")
+    beside = noise or upstream  # the two columns: that error, and the candidate's as a multiple of it
+    extra = (f"| {label} max_abs | x {label} " if beside else "", "|---|---" if beside else "")
     lines += ["", f"| block | status | max_abs | rel_l2 | limit | ratio {extra[0]}|", f"|---|---|---|---|---|---{extra[1]}|"]
 
     def key(r):
@@ -54,15 +59,15 @@ def _blocks(all_rows: list, worst: dict | None, top: int) -> list[str]:
     for r in sorted(rows, key=key)[:top]:
         m = r["metrics"]
         if "exception" in m or "invalid_output" in m:
-            lines.append(f"| {_where(r)} | {r['status']} | {_metric_line(r)} | | | inf |" + (" | |" if noise else ""))
+            lines.append(f"| {_where(r)} | {r['status']} | {_metric_line(r)} | | | inf |" + (" | |" if beside else ""))
             continue
         if r["kind"] == "router":
             vals = (m.get("weight_max_abs"), f"agree {_fmt(m.get('topk_agreement'))}", r["limits"].get("weight_atol"))
         else:
             vals = (m.get("max_abs"), m.get("rel_l2"), r["limits"].get("rel_l2"))
         cols = ""
-        if noise:
-            h = m.get("noise_weight_max_abs") if r["kind"] == "router" else m.get("noise_max_abs")
+        if beside:
+            h = m.get(f"{prefix}weight_max_abs") if r["kind"] == "router" else m.get(f"{prefix}max_abs")
             x = vals[0] / h if isinstance(h, float) and h > 0 and isinstance(vals[0], float) else None
             cols = f" {_fmt(h) if h is not None else ''} | {_fmt(x) if x is not None else ''} |"
         lines.append(f"| {_where(r)} | {r['status']} | {_fmt(vals[0])} | {_fmt(vals[1])} | {_fmt(vals[2])} |"

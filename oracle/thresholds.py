@@ -117,6 +117,30 @@ def judge_noise(m: dict, lim: dict) -> tuple[str, float]:
     return ("pass" if ratio <= 1.0 else "fail"), ratio
 
 
+def in_situ(precision: str, path: Path = DEFAULT_PATH) -> dict | None:
+    """The precision's rule for in-situ rows (oracle/insitu.py), its `[<precision>.in_situ]`
+    table, or None: in-situ rows are then judged by the isolated tables."""
+    return load(path).get(precision, {}).get("in_situ")
+
+
+def upstream_limits(lim: dict, rule: dict, upstream: dict) -> dict:
+    """The limits of an in-situ row: the isolated table plus `upstream_factor` times what HF fp32
+    makes of the candidate's own upstream (`upstream`: its max_abs and rel_l2 against the
+    reference). rel_l2 here; the elementwise bound, atol + rtol |ref| + factor |upstream - ref| per
+    element, is applied where the arrays are (oracle.check.upstream_metrics). See thresholds.toml."""
+    f = rule["upstream_factor"]
+    return {**lim, "upstream_factor": f, "table_rel_l2": lim["rel_l2"], "rel_l2": lim["rel_l2"] + f * upstream["rel_l2"]}
+
+
+def judge_upstream(m: dict, lim: dict) -> tuple[str, float]:
+    """(status, ratio) of an in-situ row against upstream_limits: the worse of the elementwise
+    bound (`upstream_allclose_ratio`) and rel_l2 over its limit; > 1 fails. NaN/Inf always fails."""
+    if "shape_mismatch" in m or "dtype_mismatch" in m or m["nonfinite"]:
+        return "fail", float("inf")
+    ratio = max(m["upstream_allclose_ratio"], _over(m["rel_l2"], lim["rel_l2"]))
+    return ("pass" if ratio <= 1.0 else "fail"), ratio
+
+
 def judge_router(m: dict, lim: dict) -> tuple[str, float]:
     if "shape_mismatch" in m or m["nonfinite"]:
         return "fail", float("inf")

@@ -1,0 +1,90 @@
+"""In-situ rows at fp32 (oracle/insitu.py, issue 37): a row whose input carries the candidate's
+own upstream error is judged against what HF fp32 makes of that input, element by element, with
+the isolated table as the floor; the same output error on an exact input fails the table, and a
+fault in one block is still found and localised behind the upstream error.
+
+The candidate is tests/plugins.py:IN_SITU, the eager production model read the way ExecuTorch's
+runtime taps read a program (every row of the sequence from one whole run); on the trained profile
+its fp32 rows grow as ExecuTorch's do (qwen3_5_moe: the final norm at 7x the isolated table)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from models import faults
+from oracle import insitu
+from oracle.check import CheckSpec, compare_block, model_source, reference_of, prompt_tokens, run_check
+from oracle.backend import resolve
+
+PLUGINS = "tests.plugins"
+SPEC = CheckSpec(family="qwen3_5_moe", backend=f"{PLUGINS}:IN_SITU", weights="trained")
+
+
+def table_ratio(row) -> float:
+    """What the isolated table alone says of a row."""
+    return max(row.metrics["allclose_ratio"], row.metrics["rel_l2"] / row.limits["table_rel_l2"])
+
+
+@pytest.fixture(scope="module")
+def in_situ():
+    return run_check(SPEC)
+
+
+def test_rows_carrying_upstream_error_pass_within_what_a_correct_block_makes_of_it(in_situ):
+    r = in_situ
+    assert r.status == "pass", r.worst
+    rows = {(b.layer, b.kind): b for b in r.blocks}
+    assert all(b.mode.startswith("in-situ") for b in r.blocks)
+    # the first layer's input is the embedding, exact: nothing upstream, the table alone judges
+    assert all(rows[0, k].metrics["upstream_max_abs"] == 0 for k in ("attention", "moe", "layer"))
+    beyond = [b for b in r.blocks if b.kind != "router" and table_ratio(b) > 1]
+    # the later rows: beyond the isolated table (the final norm several times), as a correct fp32
+    # block fed that input is (HF fp32's own error there within 0.8-1.3x the candidate's)
+    assert (3, "layer") in {(b.layer, b.kind) for b in beyond} and table_ratio(rows[None, "final_norm"]) > 3
+    assert all(0.8 < b.metrics["vs_upstream"] < 1.3 and b.ratio <= 0.6 for b in beyond)
+    assert all(b.limits["upstream_factor"] == 2.0 for b in beyond)
+
+
+def test_the_same_outputs_said_to_be_isolated_fail_the_table(in_situ):
+    """Exactly the in-situ candidate's numbers, but claimed to come from the reference's exact
+    inputs: nothing excuses them."""
+    r = run_check(replace(SPEC, backend=f"{PLUGINS}:CLAIMS_ISOLATED"))
+    assert r.status == "fail"
+    same = {(b.layer, b.kind): b for b in in_situ.blocks}
+    failing = [b for b in r.blocks if b.status == "fail"]
+    assert failing and all("upstream_max_abs" not in b.metrics for b in r.blocks)
+    for b in failing:  # the same error as the in-situ row that passed
+        twin, m = same[b.layer, b.kind], "weight_max_abs" if b.kind == "router" else "max_abs"
+        assert twin.status == "pass" and b.metrics[m] == twin.metrics[m]
+    assert (None, "final_norm") in {(b.layer, b.kind) for b in failing}
+
+
+def test_three_times_the_propagated_error_fails():
+    """On the real numbers of the final norm (the row with the most upstream error): an output at
+    1.9x what HF fp32 makes of the candidate's upstream passes, at 3x it fails."""
+    src = model_source(SPEC)
+    ref = reference_of(SPEC, src, prompt_tokens(SPEC, src.args.vocab_size))
+    cand = resolve(SPEC.backend).load(src, SPEC)
+    keys = [k for k in ref.block_keys() if k[1] != "router"]
+    outs = {k: [np.asarray(o, np.float64).reshape(-1, o.shape[-1]) for o in cand.run_block(*k, ref.inputs[k])]
+            for k in keys}
+    key = (None, "final_norm")
+    up = insitu.propagated(ref, src, SPEC, [key], outs)[key]
+    verdicts = {}
+    for k in (1.9, 3.0):
+        c = [(r + k * (u - r.astype(np.float64))).astype(np.float32) for r, u in zip(ref.outputs[key], up)]
+        row = compare_block(ref, key, c, SPEC, src.args.layer_types, upstream=up)
+        verdicts[k] = row.status
+        assert row.metrics["vs_upstream"] == pytest.approx(k, rel=1e-2)
+    assert verdicts == {1.9: "pass", 3.0: "fail"}
+
+
+def test_a_fault_behind_upstream_error_is_found_and_localised():
+    """The catalogue's smallest fault (one used expert's weights off by 1e-3) in the last layer,
+    behind three layers of upstream error; before the rule the clean candidate already failed."""
+    fault = faults.get("expert_weights_off_1e-3")
+    r = run_check(SPEC, resolve(SPEC.backend).with_fault(fault))
+    assert r.status == "fail"
+    assert (r.worst["layer"], r.worst["kind"]) == (fault.layer(model_source(SPEC).args), fault.kind)
+    assert all(b.status == "pass" for b in r.blocks if b.layer is not None and b.layer < r.worst["layer"])
