@@ -53,7 +53,7 @@ def main(argv=None) -> int:
         sys.exit("needs /usr/bin/time (GNU time) to measure each process's peak RSS")
     sys.path.insert(0, str(ROOT))
     from oracle.backend import InputError
-    from oracle.check import family_of
+    from oracle.validation import family_of
 
     try:
         family = family_of(None, args.config, args.layers)

@@ -44,7 +44,8 @@ def child(family: str, backend: str, out: str) -> None:
 
     quiet()
     from oracle.backend import CheckSpec
-    from oracle.check import run_check, validate
+    from oracle.check import run_check
+    from oracle.validation import validate
     from oracle.report import markdown
     from oracle.result import dumps, write_atomic
 

@@ -15,7 +15,8 @@ import time
 import torch
 
 from exporters.eager import EagerBackend
-from oracle.check import CheckSpec, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
 
 DELTAS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 

@@ -294,7 +294,7 @@ def hf_reading_differs(src, config: dict) -> str | None:
     """Where transformers (through the family's args()) reads the directory's config.json as
     another architecture than the original's (None: the same). The fields mlx-lm needs share
     their names with HF's legacy ones (rope_scaling): the directory must mean the original to both."""
-    from oracle.check import first_difference
+    from oracle.sources import first_difference
 
     return first_difference(src.args, src.family.args(config, src.args.max_seq_len))
 

@@ -31,7 +31,8 @@ def compare(path: Path, doc: dict) -> list[str]:
 
 def main(argv=None) -> int:
     """Run every saved baseline's check and report which differ (exit 1 if any)."""
-    from oracle.check import CheckSpec, run_check
+    from oracle.backend import CheckSpec
+    from oracle.check import run_check
 
     names = sorted(BASELINES.glob("*.json"))
     bad = 0

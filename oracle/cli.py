@@ -283,7 +283,7 @@ def default_family(a) -> bool:
     """--family from the --model-dir / --config config.json's model_type; False (the reason on
     stderr) when there is none to read."""
     from oracle.backend import InputError
-    from oracle.check import family_of
+    from oracle.validation import family_of
 
     try:
         a.family = family_of(a.model_dir, a.config, a.layers)
@@ -333,7 +333,8 @@ def cmd_check(a, argv: list[str]) -> int:
 
         return check_in_child(argv, "--pte" if a.pte else "--vmfb", given)
     from oracle.backend import CheckSpec, InputError
-    from oracle.check import run_check, validate
+    from oracle.check import run_check
+    from oracle.validation import validate
     from oracle.report import markdown
     from oracle.result import dumps, write_atomic
 
@@ -464,7 +465,7 @@ def cmd_matrix(a) -> int:
 
     if a.families is None and (a.model_dir or a.config):  # the one family that checkpoint's config names
         from oracle.backend import InputError
-        from oracle.check import family_of
+        from oracle.validation import family_of
 
         try:
             a.families = family_of(a.model_dir, a.config, a.layers)
@@ -630,7 +631,8 @@ def cmd_goldens(a) -> int:
 
 def cmd_reference(a) -> int:
     from oracle.backend import CheckSpec, InputError
-    from oracle.check import family_of, save_reference, validate
+    from oracle.references import save_reference
+    from oracle.validation import family_of, validate
 
     from pathlib import Path
 

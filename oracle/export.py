@@ -8,7 +8,8 @@ from pathlib import Path
 from oracle.artifacts import write_manifest
 from oracle.backend import CheckSpec
 from oracle.backend import InputError, memory_refusal
-from oracle.check import model_source, validate
+from oracle.sources import model_source
+from oracle.validation import validate
 
 
 def run_export(spec: CheckSpec, output_dir: str) -> Path:

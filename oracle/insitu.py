@@ -43,7 +43,7 @@ def sequence_calls(ref) -> list:
 def propagated(ref, src, spec, keys, cand: dict) -> dict:
     """(layer|None, kind) -> HF fp32's outputs for each of `keys`, one per call of ref.inputs[key]
     (router: (weights, indices)), on the candidate's own upstream. `cand`: the candidate's in-situ
-    outputs as host arrays (oracle.check.candidate_arrays), one [T, H] per call: a decoder layer's
+    outputs as host arrays (oracle.compare.candidate_arrays), one [T, H] per call: a decoder layer's
     input is replaced where the candidate's previous layer output is there (the final norm's where
     its last layer's is, the head's where its final norm's is)."""
     import torch

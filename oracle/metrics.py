@@ -106,7 +106,7 @@ def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap) -> dict:
     """Top-k routing agreement per token (as sets of experts) and the weight difference
     on tokens that agree. `ref_gap` [N]: the margin of the reference's choice per token (its
     k-th minus (k+1)-th selection score, or of another decision of its routing, such as a group
-    choice or sparsemixer's mask: oracle.check.router_gaps); a token whose margin is below
+    choice or sparsemixer's mask: oracle.compare.router_gaps); a token whose margin is below
     `tie_gap` (a number, or one per token) is a tie: a disagreement there, of the experts or of
     their weights, is counted apart, not hidden."""
     rw, cw, gap = as_f64(ref_w), as_f64(cand_w), as_f64(ref_gap).reshape(-1)

@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass, field, replace
 from models import FAMILY_NAMES, faults
 from oracle import thresholds
 from oracle.backend import CheckSpec, InputError
-from oracle.check import model_source, run_check, validate
+from oracle.check import run_check
+from oracle.sources import model_source
+from oracle.validation import validate
 from oracle.result import worst_row
 
 SCHEMA = "oracle-selftest/v1"

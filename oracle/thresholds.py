@@ -127,7 +127,7 @@ def upstream_limits(lim: dict, rule: dict, upstream: dict) -> dict:
     """The limits of an in-situ row: the isolated table plus `upstream_factor` times what HF fp32
     makes of the candidate's own upstream (`upstream`: its max_abs and rel_l2 against the
     reference). rel_l2 here; the elementwise bound, atol + rtol |ref| + factor |upstream - ref| per
-    element, is applied where the arrays are (oracle.check.upstream_metrics). See thresholds.toml."""
+    element, is applied where the arrays are (oracle.compare.upstream_metrics). See thresholds.toml."""
     f = rule["upstream_factor"]
     return {**lim, "upstream_factor": f, "table_rel_l2": lim["rel_l2"], "rel_l2": lim["rel_l2"] + f * upstream["rel_l2"]}
 

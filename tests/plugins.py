@@ -284,7 +284,8 @@ class ThriceHFError:
         import numpy as np
 
         from oracle.backend import resolve
-        from oracle.check import prompt_tokens, reference_for
+        from oracle.references import reference_for
+        from oracle.sources import prompt_tokens
 
         cand = resolve("hf").load(model, spec)
         ref = reference_for(spec.family, str(model.model_dir), model.checkpoint_sha256,

@@ -7,7 +7,8 @@ whose artifacts the rest of the suite builds anyway; `python -m oracle.baseline`
 import pytest
 
 from oracle.baseline import BASELINES, baseline_name, compare
-from oracle.check import CheckSpec, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
 
 FAMILIES = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral")
 CHEAP = [(f, b, p) for f in FAMILIES for b, p in (("eager", "fp32"), ("eager", "bf16"), ("hf", "fp32"), ("mlx", "fp32"))]

@@ -185,7 +185,7 @@ def test_layer_by_layer_build_equals_the_whole_dict_build(family):
     """build_from (parameters on meta, filled one decoder layer at a time from the shards) gives
     exactly the model the whole-dict build gives, in fp32 and bf16."""
     from oracle.backend import CheckSpec
-    from oracle.check import model_source
+    from oracle.sources import model_source
 
     src = model_source(CheckSpec(family=family, backend="eager"))
     for dtype in (torch.float32, torch.bfloat16):

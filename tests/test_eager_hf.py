@@ -3,9 +3,10 @@
 import pytest
 
 from models import FAMILY_NAMES
-from oracle.check import CheckSpec, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
 from models.args import block_keys
-from oracle.check import model_source
+from oracle.sources import model_source
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -22,7 +22,9 @@ from exporters.executorch_cuda import BACKEND as CUDA
 from exporters.executorch_metal import BACKEND as METAL
 from models import faults
 from models.layers import reset_state
-from oracle.check import CheckSpec, InputError, model_source, run_check
+from oracle.backend import CheckSpec, InputError
+from oracle.check import run_check
+from oracle.sources import model_source
 from oracle.reference import BlockCall
 
 needs_executorch = pytest.mark.skipif(not BACKEND.availability()[0], reason=BACKEND.availability()[1])

@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 
 from exporters.executorch_mlx import BACKEND, KIND, histogram_text, node_gates, node_histogram
 from models import FAMILY_NAMES, faults
-from oracle.check import CheckSpec, model_source, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
+from oracle.sources import model_source
 
 AVAILABLE, WHY = BACKEND.availability()
 needs_backend = pytest.mark.skipif(not AVAILABLE, reason=WHY)

@@ -5,7 +5,9 @@ import pytest
 
 from exporters.eager import EagerBackend
 from models import FAMILY_NAMES, faults
-from oracle.check import CheckSpec, model_source, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
+from oracle.sources import model_source
 
 # The five the spine issue names, with the family where each exists.
 NAMED = [

@@ -14,7 +14,11 @@ import pytest
 
 from models import faults
 from oracle import insitu
-from oracle.check import CheckSpec, compare_block, model_source, reference_of, prompt_tokens, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
+from oracle.compare import compare_block
+from oracle.references import reference_of
+from oracle.sources import model_source, prompt_tokens
 from oracle.backend import resolve
 
 PLUGINS = "tests.plugins"

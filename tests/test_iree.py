@@ -20,7 +20,9 @@ import exporters.iree_export as iree_export  # noqa: E402
 from exporters.iree import BACKEND, IreeBackend  # noqa: E402
 from exporters.iree_export import block_programs  # noqa: E402
 from models import faults  # noqa: E402
-from oracle.check import CheckSpec, model_source, run_check  # noqa: E402
+from oracle.backend import CheckSpec  # noqa: E402
+from oracle.check import run_check
+from oracle.sources import model_source
 
 NAME = "iree-llvm-cpu"
 

@@ -26,7 +26,8 @@ from exporters.iree import BACKEND, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO  # noq
 from models.layers import STATE_BUFFERS  # noqa: E402
 from oracle import goldens  # noqa: E402
 from oracle.artifacts import cached_artifact, sha256_file  # noqa: E402
-from oracle.check import CheckSpec, model_source  # noqa: E402
+from oracle.backend import CheckSpec  # noqa: E402
+from oracle.sources import model_source
 
 NAME = "iree-llvm-cpu"
 SPEC = CheckSpec(family="qwen2_moe", backend=NAME)  # test_iree.py's qwen2_moe check: its cached program

@@ -71,7 +71,7 @@ ROUTER = {"weight_atol": 1e-5, "min_agreement": 1.0, "tie_gap": 1e-3}
 
 
 def gaps(probs, k):
-    """The k-th minus (k+1)-th probability per token (what oracle.check.router_gaps gives)."""
+    """The k-th minus (k+1)-th probability per token (what oracle.compare.router_gaps gives)."""
     srt = -np.sort(-probs, axis=-1)
     return srt[:, k - 1] - srt[:, k] if probs.shape[-1] > k else np.full(probs.shape[0], np.inf)
 
@@ -150,7 +150,7 @@ def _e2e_case(step1_logits, tie_position):
     everywhere but returns `step1_logits` at decode step 1."""
     from types import SimpleNamespace
 
-    from oracle.check import run_e2e
+    from oracle.e2e import run_e2e
     from oracle.backend import CheckSpec
 
     V, P = 6, 3

@@ -14,7 +14,10 @@ import pytest
 from models import CORE, FAMILY_NAMES, faults, get_family
 from models.checkpoint import read_config, tiny_checkpoint
 from oracle import thresholds
-from oracle.check import CheckSpec, model_source, prompt_tokens, reference_for, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
+from oracle.references import reference_for
+from oracle.sources import model_source, prompt_tokens
 from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import as_f64
 from models.args import block_keys
@@ -75,7 +78,7 @@ def test_mlx_lm_models_that_compute_another_model_are_expected_failures(family_n
 @pytest.fixture(scope="module", params=CORE)
 def family(request):
     """Module-scoped, so pytest runs each family's tests together: the reference (cached
-    in-process by oracle.check.reference_for) is captured once per family."""
+    in-process by oracle.references.reference_for) is captured once per family."""
     return request.param
 
 
@@ -298,7 +301,7 @@ def test_bad_options_are_refused_with_the_reason(mlx, options, precision, messag
     import mlx.core as mx
 
     from oracle.backend import InputError
-    from oracle.check import validate
+    from oracle.validation import validate
 
     if options.get("device") == "gpu" and mx.is_available(mx.gpu):
         pytest.skip("this host has an mlx GPU")

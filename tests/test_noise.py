@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from oracle.check import CheckSpec, excuse_routing_ties, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
+from oracle.e2e import excuse_routing_ties
 from oracle.noise import rounding, score_error
 
 PLUGINS = "tests.plugins"

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from oracle.backend import CheckSpec, InputError
-from oracle.check import run_check, save_reference
+from oracle.check import run_check
+from oracle.references import save_reference
 
 
 def _report(path):

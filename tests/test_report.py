@@ -4,7 +4,8 @@ import json
 
 from exporters.eager import EagerBackend
 from models import faults
-from oracle.check import CheckSpec, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
 from oracle.report import markdown
 from oracle.result import dumps, write_atomic
 

@@ -8,7 +8,9 @@ import torch
 
 from exporters.eager import EagerBackend
 from models import FAMILY_NAMES, faults
-from oracle.check import CheckSpec, model_source, run_check
+from oracle.backend import CheckSpec
+from oracle.check import run_check
+from oracle.sources import model_source
 from oracle.selftest import run_selftest
 
 

@@ -17,7 +17,9 @@ from models.checkpoint import CheckpointError, read_config, read_weights
 from models.quantized import dequantize, dequantized_checkpoint
 from oracle import thresholds
 from oracle.backend import CheckSpec, InputError
-from oracle.check import first_difference, model_source, run_check, validate
+from oracle.check import run_check
+from oracle.sources import first_difference, model_source
+from oracle.validation import validate
 from oracle.export import run_export
 
 mx = pytest.importorskip("mlx.core")

@@ -151,7 +151,7 @@ def test_hf_reference_is_finite_and_not_degenerate(family):
 
     fam = get_family(family)
     d = tiny_checkpoint(fam, 0, "trained")
-    # a check's prompt at seed 0 (oracle.check.prompt_tokens), opening with a massive-activation token
+    # a check's prompt at seed 0 (oracle.sources.prompt_tokens), opening with a massive-activation token
     prompt = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(0)).tolist()
     prompt[0] = T.massive_rows(0, 256)[0]
     ref = capture(load_hf_model(fam, d), fam, prompt, 4)

@@ -1,0 +1,331 @@
+"""Block rows: the candidate's outputs of each block against the reference's, judged by the limits
+of the row's precision (fixed tables, HF's own error at a reduced precision, or the in-situ rule),
+router near ties read off the reference's gaps. Pure comparisons plus `block_rows`, which asks the
+candidate for each block."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from oracle import insitu
+from oracle import thresholds
+from oracle.backend import CheckSpec, ModelSource
+from oracle.metrics import OutputError, as_array, router_metrics, tensor_metrics, weight_diffs
+from oracle.noise import rounding, score_error
+from oracle.result import BlockRow
+
+
+def dtype_name(x) -> str | None:
+    """The dtype a candidate returned: torch and numpy arrays; None when unknown."""
+    dt = getattr(x, "dtype", None)
+    return None if dt is None else str(dt).rsplit(".", 1)[-1]  # torch.float32, mlx.core.float32, float32
+
+
+def expected_dtype(spec) -> str | None:
+    try:
+        return thresholds.limits(spec.precision, "output", spec.family, spec.backend).get("dtype")
+    except KeyError:
+        return None
+
+
+def shape_text(a) -> str:
+    return "[" + ", ".join(map(str, a.shape)) + "]"
+
+
+def _rows(a: np.ndarray, width: int) -> np.ndarray:
+    """[..., width] -> [N, width] (a candidate may drop or keep the batch dimension)."""
+    return a.reshape(-1, width) if a.ndim and a.shape[-1] == width else a.reshape(1, -1)
+
+
+def candidate_arrays(kind: str, outs, ref_outs) -> list:
+    """A candidate's outputs for one block as host arrays, one per call, each the
+    reference's shape up to leading 1s: router (weights [T, k] float64, indices [T, k] int64),
+    others [T, H] float64. OutputError says what is wrong (count, None, a tuple where an
+    array is expected, a shape) and for which call."""
+    if not isinstance(outs, (list, tuple)):
+        raise OutputError(f"run_block returned a {type(outs).__name__}, expected a list with one output per call")
+    if len(outs) != len(ref_outs):
+        raise OutputError(f"{len(outs)} output(s) for {len(ref_outs)} call(s)")
+    arrays = []
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        try:
+            if kind == "router":
+                if not isinstance(o, (tuple, list)) or len(o) != 2:
+                    what = "None" if o is None else f"a {type(o).__name__}" + (
+                        f" of {len(o)}" if isinstance(o, (tuple, list)) else "")
+                    raise OutputError(f"{what} where (weights [T, k], indices [T, k]) is expected")
+                rw, ri = r
+                want = (int(ri.size // ri.shape[-1]), int(ri.shape[-1]))
+                w, idx = as_array(o[0]), as_array(o[1], np.int64)
+                for name, a in (("weights", w), ("indices", idx)):
+                    a2 = _rows(a, want[1]) if a.ndim else a.reshape(1, 1)
+                    if a2.shape != want:
+                        got = a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
+                        raise OutputError(f"{name} shape {shape_text(got)} vs reference [{want[0]}, {want[1]}]")
+                arrays.append((w.reshape(want), idx.reshape(want)))
+            else:
+                want = (int(r.size // r.shape[-1]), int(r.shape[-1]))
+                a = as_array(o)
+                if a.size != want[0] * want[1] or (a.ndim and a.shape[-1] != want[1]):
+                    got = a.reshape(-1, a.shape[-1]) if a.ndim else a
+                    raise OutputError(f"shape {shape_text(got)} vs reference [{want[0]}, {want[1]}]")
+                arrays.append(a.reshape(want))
+        except OutputError as e:
+            raise OutputError(f"call {i}: {e}") from None
+    return arrays
+
+
+def invalid_row(key, mode, lim, detail, reason: str, status: str = "fail") -> BlockRow:
+    """A row the candidate's output could not be compared for (fail) or whose block raised (error)."""
+    field = "exception" if status == "error" else "invalid_output"
+    return BlockRow(key[0], key[1], status, mode, {field: reason, "nonfinite": 0}, lim, float("inf"), detail)
+
+
+def reduction_length(args) -> int:
+    """The longest dot product of the model's blocks (what fp32 summation error grows with)."""
+    return max(args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size,
+               args.intermediate_size, args.q_lora_rank, args.kv_lora_rank)
+
+
+def router_gaps(ref, layer: int, n: int | None = None, dtype=np.float32, weights: bool = True) -> np.ndarray:
+    """The reference's k-th minus (k+1)-th selection score per token of `layer`'s router calls
+    (the first n: the sequence's calls come first, then the expert probes); for a group-limited
+    router the smaller of that and the margin of its group choice; with `weights`, also of the
+    decisions that set its weights (sparsemixer's masks: the block rows judge the weights; e2e
+    does not excuse a step for them, oracle/e2e.py excuse_routing_ties)."""
+    p = -np.sort(-np.concatenate(ref.router_probs[layer])[:n].astype(dtype), axis=-1)  # descending
+    k = ref.outputs[layer, "router"][0][1].shape[-1]
+    with np.errstate(invalid="ignore"):  # -inf (a group left out) below the k-th: an infinite gap
+        gap = p[:, k - 1] - p[:, k] if p.shape[-1] > k else np.full(p.shape[0], np.inf)
+    if layer in ref.group_gaps:
+        gap = np.minimum(gap, np.concatenate(ref.group_gaps[layer])[:n])
+    if weights and layer in ref.weight_gaps:
+        gap = np.minimum(gap, np.concatenate(ref.weight_gaps[layer])[:n])
+    return gap
+
+
+def tie_gaps(ref, layer: int, spec, noise=None, n: int | None = None, in_model: bool = False):
+    """The near-tie gap per token of `layer`'s first n router calls (an array) or for all (a
+    number): with the precision's measured error (oracle/noise.py), `tie_factor` times its error on
+    that token's selection scores (the logit gap against the logit error): on the reference's
+    router inputs (a block row), or inside HF's whole run at this precision (`in_model`: e2e, whose
+    router inputs carry the upstream layers' error); else the router table's fixed tie gap,
+    scaled to the number of experts."""
+    router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
+    scores = None if noise is None else (noise.e2e_scores if in_model else noise.scores).get(layer)
+    if scores is not None and "tie_factor" in router_lim:
+        return router_lim["tie_factor"] * score_error(ref.router_probs[layer], scores, n)
+    return thresholds.tie_gap(router_lim, ref.router_probs[layer][0].shape[-1])
+
+
+def router_near_ties(ref, layer: int, spec, n: int | None = None, noise=None, in_model: bool = False) -> np.ndarray:
+    """Per token of `layer`'s first n router calls: is the reference's routing a near tie at this
+    precision (its gap below tie_gaps)?"""
+    return ~(router_gaps(ref, layer, n, weights=not in_model) >= tie_gaps(ref, layer, spec, noise, n, in_model))
+
+
+def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0,
+                  noise=None, upstream: list | None = None) -> BlockRow:
+    """One block row. `routes` (layer -> per token: did the candidate's router row route it as the
+    reference did (oracle.check: the same experts, near-tie weights within the limit), filled in by
+    the router row) decides which tokens the moe and layer rows compare: not a
+    token the candidate's router row routed elsewhere (that row judges routing); a moe row then
+    compares every token routed as the reference did, near ties included. `noise` (oracle/noise.py,
+    reduced precisions): the row is judged against HF's own error at this precision. `upstream`
+    (oracle/insitu.py, an in-situ row at a precision with an in_situ rule): HF fp32's outputs on the
+    candidate's own upstream, what a correct block makes of the error the row's input carries."""
+    layer, kind = key
+    lim = thresholds.at_width(thresholds.limits(spec.precision, kind, spec.family, spec.backend), reduction)
+    detail = layer_types[layer] if kind == "attention" else ""
+    try:
+        arrays = candidate_arrays(kind, outs, ref.outputs[key])
+    except OutputError as e:
+        return invalid_row(key, "isolated", lim, detail, str(e))
+    if kind == "router":
+        ref_w = np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in ref.outputs[key]])
+        ref_i = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in ref.outputs[key]])
+        cand_w = np.concatenate([w for w, _ in arrays])
+        cand_i = np.concatenate([i for _, i in arrays])
+        gaps, tie = router_gaps(ref, layer, dtype=np.float64), tie_gaps(ref, layer, spec, noise)
+        m = router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie)
+        h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None
+        if h is not None and "shape_mismatch" not in m:  # the weights: against HF's own weight error
+            nm = router_metrics(ref_w, ref_i, np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in h]),
+                                np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in h]), gaps, tie)
+            # storing the weights at this precision, at least half a unit in the last place of the
+            # largest (a weight of exactly 1, as sparsemixer's, still allows its neighbours' rounding)
+            stored = max(float(np.abs(rounding(ref_w, spec.precision) - ref_w).max()),
+                         float(np.abs(ref_w).max()) * 2.0 ** -9) if ref_w.size else 0.0
+            lim = {**lim, "weight_atol": lim["noise_factor"] * nm["weight_max_abs"] + lim["noise_floor"] * stored}
+            m["noise_weight_max_abs"], m["noise_topk_agreement"] = nm["weight_max_abs"], nm["topk_agreement"]
+        rule = thresholds.in_situ(spec.precision) if upstream is not None else None
+        if rule and "shape_mismatch" not in m:  # in-situ: + factor x the weight error its own upstream carries
+            uw = np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in upstream]).astype(np.float64)
+            ui = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in upstream])
+            um = router_metrics(ref_w, ref_i, uw, ui, gaps, tie)
+            m["upstream_weight_max_abs"] = um["weight_max_abs"]
+            lim = {**lim, "upstream_factor": rule["upstream_factor"], "table_weight_atol": lim["weight_atol"],
+                   "weight_atol": lim["weight_atol"] + rule["upstream_factor"] * um["weight_max_abs"]}
+        if np.ndim(tie):
+            m["tie_tokens"] = int((gaps < tie).sum())
+        status, ratio = thresholds.judge_router(m, lim)
+        if routes is not None and "shape_mismatch" not in m:
+            # routed as the reference did: the same experts and, at a near tie of a decision that
+            # sets the weights (sparsemixer's mask), weights within the limit
+            dw = weight_diffs(ref_w, ref_i, cand_w, cand_i)
+            routes[layer] = (dw < np.inf) & ~((gaps < tie) & (dw > lim["weight_atol"]))
+    else:
+        r = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
+        c = np.concatenate(arrays)
+        keep = None
+        if kind in ("moe", "layer") and layer in ref.router_probs and r.shape[0] == c.shape[0]:
+            # tokens whose reference routing is a near tie at this precision: a flipped
+            # expert there is the precision's doing, reported as a count, not compared
+            # (router calls = the sequence's calls, then the expert probes: moe has both, layer none)
+            keep = ~router_near_ties(ref, layer, spec, r.shape[0], noise)
+            rerouted = np.zeros_like(keep)
+            if routes is not None and len(routes.get(layer, ())) >= len(keep):
+                # the candidate's router row (the reference's router inputs): a token it routed
+                # to other experts is the router row's to judge (its agreement limit: 1.0 at
+                # fp32/bf16, 0.75 for a 4-bit router), not compared here; a moe row (the same
+                # inputs) compares every token routed as the reference did, near ties included
+                same = routes[layer][: len(keep)]
+                rerouted = ~same
+                keep = same if kind == "moe" else keep & same
+            if not keep.any():  # nothing left to compare: not a pass
+                return BlockRow(layer, kind, "n/a", "isolated", {"tie_tokens_excluded": int(keep.size), "nonfinite": 0},
+                                lim, 0.0, f"every token is a router near tie at {spec.precision} or routed elsewhere "
+                                          "by the candidate's router: nothing compared")
+            r, c = r[keep], c[keep]
+        lim = thresholds.at_scale(lim, math.sqrt(float(np.mean(r * r))))
+        m = tensor_metrics(r, c, lim["atol"], lim["rtol"])
+        want, got = expected_dtype(spec), dtype_name(outs[0]) if outs else None
+        if want and got and got != want:  # e.g. an unconditional cast that changes the output dtype
+            m["dtype_mismatch"] = f"{got} (expected {want})"
+        h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None
+        if h is not None:  # HF at this precision, the same inputs and the same tokens kept
+            h = np.concatenate([o.reshape(-1, o.shape[-1]) for o in h]).astype(np.float64)
+            h = h[keep] if keep is not None and h.shape[0] == keep.shape[0] else h
+            lim = noise_row_limits(lim, r, h, spec.precision, m)
+        rule = thresholds.in_situ(spec.precision) if upstream is not None else None
+        if rule and "shape_mismatch" not in m and "dtype_mismatch" not in m:
+            u = np.concatenate([o.reshape(-1, o.shape[-1]) for o in upstream]).astype(np.float64)
+            u = u[keep] if keep is not None and u.shape[0] == keep.shape[0] else u
+            lim = upstream_metrics(lim, rule, r, c, u, m)
+        if keep is not None:
+            m["tie_tokens_excluded"] = int((~keep & ~rerouted).sum())  # near ties, not compared
+            if rerouted.any():  # routed elsewhere by the candidate's router row, which judges that
+                m["rerouted_tokens_excluded"] = int(rerouted.sum())
+            if m.get("first_divergence"):  # back to the token index of the whole sequence
+                fd = m["first_divergence"]
+                fd["index"][0] = int(np.flatnonzero(keep)[fd["index"][0]])
+            if keep.size and (~keep).sum() * 4 > keep.size:  # said in the status line: a verdict on few tokens
+                m["excluded_over_quarter"] = f"{int((~keep).sum())} of {keep.size} tokens not compared"
+        judge = (thresholds.judge_upstream if "upstream_allclose_ratio" in m
+                 else thresholds.judge_noise if "noise_max_abs" in m else thresholds.judge_tensor)
+        status, ratio = judge(m, lim)
+    return BlockRow(layer, kind, status, "isolated", m, lim, ratio, detail)
+
+
+def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.ndarray, m: dict) -> dict:
+    """The limits of an in-situ row whose reference is `r` and candidate `c`, from `u`, HF fp32 on
+    the candidate's own upstream (oracle/insitu.py): element by element |c - r| <= atol + rtol |r| +
+    upstream_factor |u - r| (an element's propagated error follows what was summed into it
+    upstream, not its own magnitude), rel_l2 <= the table's + upstream_factor x u's. Records u's
+    error (`upstream_max_abs`, `upstream_rel_l2`), the candidate's max_abs as a multiple of it
+    (`vs_upstream`), the elementwise ratio and the first element beyond it in `m`."""
+    if u.shape != r.shape:
+        return lim
+    um = tensor_metrics(r, u, lim["atol"], lim["rtol"])
+    m["upstream_max_abs"], m["upstream_rel_l2"] = um["max_abs"], um["rel_l2"]
+    if um["max_abs"] > 0:  # nothing upstream (the first layer): the table alone, no ratio
+        m["vs_upstream"] = m["max_abs"] / um["max_abs"]
+    lim = thresholds.upstream_limits(lim, rule, um)
+    prop = np.nan_to_num(np.abs(u - r), nan=0.0, posinf=0.0)  # a non-finite upstream allows nothing more
+    d = np.abs(c - r)
+    tol = lim["atol"] + lim["rtol"] * np.abs(r) + lim["upstream_factor"] * prop
+    excess = np.where(np.isfinite(d), d / tol, np.inf)
+    m["upstream_allclose_ratio"] = float(excess.max()) if excess.size else 0.0
+    bad = np.flatnonzero(~(excess <= 1.0))
+    m["first_divergence"] = None
+    if bad.size:
+        i = int(bad[0])
+        m["first_divergence"] = {"index": [int(v) for v in np.unravel_index(i, r.shape)], "reference": float(r.flat[i]),
+                                 "candidate": float(c.flat[i]) if np.isfinite(c.flat[i]) else str(c.flat[i])}
+    return lim
+
+
+def noise_row_limits(lim: dict, r: np.ndarray, h: np.ndarray, precision: str, m: dict) -> dict:
+    """The limits of a row (or an e2e step) whose reference is `r`, from HF's own output `h` at
+    this precision on the same inputs; records HF's error and the candidate's ratio to it in `m`."""
+    if h.shape != r.shape:
+        return lim
+    nm = tensor_metrics(r, h, lim["atol"], lim["rtol"])
+    stored = tensor_metrics(r, rounding(r, precision), lim["atol"], lim["rtol"])
+    m["noise_max_abs"], m["noise_rel_l2"] = nm["max_abs"], nm["rel_l2"]
+    if "max_abs" in m:  # the candidate's error as a multiple of the precision's own
+        m["vs_noise"] = m["max_abs"] / nm["max_abs"] if nm["max_abs"] > 0 else (0.0 if m["max_abs"] == 0 else math.inf)
+    return thresholds.noise_limits(lim, nm, stored)
+
+
+def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
+               src: ModelSource | None = None) -> list[BlockRow]:
+    """Every block row of the candidate against the reference. A block that raises is that
+    row's error; RuntimeError when every block raised. With `src` (the checkpoint), in-situ rows at
+    a precision with an in_situ rule are judged against HF fp32 run on the candidate's own upstream
+    (oracle/insitu.py)."""
+    keys = ref.block_keys()
+    routes = {}  # layer -> the candidate's routing, from its router row (for the moe row)
+    modes = getattr(cand, "block_modes", {})
+    rows, errors, outputs = {}, [], {}
+    mode_of = {key: modes.get(key[1], getattr(cand, "block_mode", "isolated")) for key in keys}
+    for n, key in enumerate(keys):
+        progress("blocks", n, len(keys))
+        mode = mode_of[key]
+        try:
+            outs = cand.run_block(key[0], key[1], ref.inputs[key])
+        except Exception as e:  # this block crashed: its row is an error, the others are still measured
+            lim = thresholds.limits(spec.precision, key[1], spec.family, spec.backend)
+            detail = args.layer_types[key[0]] if key[1] == "attention" else ""
+            reason = f"{type(e).__name__}: {e}"
+            errors.append(f"{key[0]} {key[1]}: {reason}")
+            rows[key] = invalid_row(key, mode, lim, detail, reason, "error")
+            continue
+        if outs is None:
+            rows[key] = BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend")
+            continue
+        outputs[key] = outs
+    in_situ = {k: o for k, o in outputs.items() if insitu.is_in_situ(mode_of[k])}
+    if in_situ and src is not None and thresholds.in_situ(spec.precision):
+        progress("blocks: HF fp32 on the candidate's own upstream (in-situ rows)")
+    upstream, why = in_situ_upstream(ref, spec, src, in_situ)
+    for key, outs in outputs.items():
+        row = compare_block(ref, key, outs, spec, args.layer_types, routes, reduction_length(args), noise,
+                            upstream.get(key))
+        if why and insitu.is_in_situ(mode_of[key]):
+            row.metrics["upstream"] = why
+        row.mode = mode_of[key]
+        rows[key] = row
+    if errors and len(errors) == len(keys):
+        raise RuntimeError(f"every block raised; the first: {errors[0]}")
+    return [rows[key] for key in keys]
+
+
+def in_situ_upstream(ref, spec: CheckSpec, src: ModelSource | None, outputs: dict) -> tuple[dict, str | None]:
+    """(key -> HF fp32's outputs on the candidate's own upstream, or {}; why it was not measured,
+    or None) for the candidate's in-situ rows, at a precision with an in_situ rule."""
+    if not outputs or src is None or thresholds.in_situ(spec.precision) is None:
+        return {}, None
+    try:
+        arrays = {}
+        for key, outs in outputs.items():
+            if key[1] != "router":
+                try:
+                    arrays[key] = candidate_arrays(key[1], outs, ref.outputs[key])
+                except OutputError:
+                    continue  # that row fails on its own; the layers after it are fed HF's stream
+        return insitu.propagated(ref, src, spec, list(outputs), arrays), None
+    except Exception as e:  # judged by the isolated table, and the row says why
+        return {}, f"not measured ({type(e).__name__}: {e}): the isolated table judges"
