@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
-from models.args import DENSE, SPARSE, ModelArgs
+from models.args import DENSE, SPARSE, ModelArgs, kept_fp32
 from models.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
@@ -204,8 +204,8 @@ class Family:
         for i, group in enumerate(self.production_tensors(model_dir, args, dtype)):
             if mapped is not None:
                 group = map_group(group, Path(mapped) / f"layer-group-{i:05d}.safetensors")
-            for name, value in group.items():
-                set_module_tensor_to_device(model, name, "cpu", value=value, dtype=dtype)
+            for name, value in group.items():  # in `dtype`, or fp32 where kept (production_tensors)
+                set_module_tensor_to_device(model, name, "cpu", value=value, dtype=value.dtype)
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise CheckpointError(f"missing tensor(s): {', '.join(missing[:6])}")
@@ -216,7 +216,8 @@ class Family:
         layer at a time (then the embedding, final norm and head): each group read from the
         shards' memory maps, sanitized and converted, in fresh memory. What build_from assigns,
         and what a backend that keeps its weights outside the model (an IREE parameter archive)
-        writes group by group without ever holding the whole model."""
+        writes group by group without ever holding the whole model. Below fp32, the parameters
+        HF keeps in fp32 (models.args.kept_fp32) are fp32."""
         import torch
 
         from models.checkpoint import layer_groups, read_tensors, tensor_index
@@ -226,8 +227,17 @@ class Family:
         for names in layer_groups(index):
             # fresh memory either way (a tensor read from a shard can sit at an alignment
             # that makes BLAS round differently from run to run of the same weights)
-            yield {name: t.to(dtype) if t.dtype != dtype else t.clone()
-                   for name, t in self.sanitize(read_tensors(index, names), args).items()}
+            group = self.sanitize(read_tensors(index, names), args)
+            yield {name: t.to(d) if t.dtype != (d := stored_dtype(args, name, dtype)) else t.clone()
+                   for name, t in group.items()}
+
+
+def stored_dtype(args: ModelArgs, name: str, dtype):
+    """The dtype the production model stores its parameter `name` in when built in `dtype`:
+    `dtype`, or fp32 below fp32 where HF keeps the tensor in fp32 (models.args.kept_fp32)."""
+    import torch
+
+    return torch.float32 if dtype.itemsize < 4 and kept_fp32(args, name) else dtype
 
 
 # ------------------------------------------------------------------ config consistency
@@ -474,7 +484,8 @@ def sigmoid_routing(c) -> dict:
     """DeepSeek-V3's routing (also GLM-4.5's and dots.llm1's): sigmoid scores, the correction
     bias for the choice, the topk_group best of n_group groups (by the sum of their best two)."""
     return dict(router_scoring="sigmoid", router_bias=True, n_group=c.n_group or 1, topk_group=c.topk_group or 1,
-                group_score="top2", norm_topk_prob=bool(c.norm_topk_prob))
+                group_score="top2", norm_topk_prob=bool(c.norm_topk_prob),
+                router_fp32_params=("e_score_correction_bias",))  # HF: _keep_in_fp32_modules_strict
 
 
 def mla(c) -> dict:

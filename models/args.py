@@ -65,6 +65,10 @@ class ModelArgs:
     group_score: str = "top2"
     routed_scaling_factor: float = 1.0
     router_fp32: bool = False
+    # the router's parameters kept in fp32 at a reduced precision ("weight",
+    # "e_score_correction_bias"), as HF's _keep_in_fp32_modules_strict keeps them (ERNIE 4.5: both;
+    # DeepSeek-V3, GLM-4.5, dots.llm1: the correction bias); else stored in the model's dtype
+    router_fp32_params: tuple[str, ...] = ()
     # attention: "gqa" (q/k/v projections) or "mla" (DeepSeek's multi-head latent attention:
     # q (optionally through a q_lora_rank bottleneck), a kv_lora_rank latent plus one shared
     # rotary key cached per position, heads of qk_nope + qk_rope dims for q.k and v_head_dim)
@@ -75,6 +79,10 @@ class ModelArgs:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3) ... instead of rotate-half
+    # q and k rotated in fp32 (cos/sin kept in fp32) and cast back to the activation dtype, as HF's
+    # ERNIE 4.5 ("full precision"), DeepSeek-V2 and Llama 4 (complex products of x.float()) do;
+    # else cos/sin in the activation dtype and the rotation in it (Llama's apply_rotary_pos_emb)
+    rope_fp32: bool = False
     # YaRN (rope_type "yarn"): (factor, original_max_position_embeddings, beta_fast, beta_slow,
     # mscale, mscale_all_dim, truncate); () = plain RoPE
     yarn: tuple = ()
@@ -86,6 +94,9 @@ class ModelArgs:
     llama3_rope: tuple = ()
     # --- later families
     norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE)
+    # RMSNorm's gain applied in fp32 and the product rounded once: (w * x_normed).to(dtype), as HF's
+    # GptOssRMSNorm does; else w * x_normed.to(dtype) (Llama's: two roundings)
+    norm_gain_fp32: bool = False
     lm_head_bias: bool = False
     # Granite's multipliers: embeddings times embedding_multiplier, each block's output times
     # residual_multiplier before its residual add, attention_multiplier as the softmax scale
@@ -119,6 +130,13 @@ class ModelArgs:
     def from_dict(cls, d: dict) -> ModelArgs:
         """From its JSON form (dataclasses.asdict, read back: the tuples came back as lists)."""
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def kept_fp32(a: ModelArgs, name: str) -> bool:
+    """Is the production model's parameter `name` (state-dict name) stored in fp32 whatever the
+    model's dtype (a.router_fp32_params of a router: layers.{i}.mlp.gate.<param>)?"""
+    module, _, leaf = name.rpartition(".")
+    return leaf in a.router_fp32_params and module.endswith(".mlp.gate")
 
 
 def mlp_type(a: ModelArgs, layer: int) -> str:

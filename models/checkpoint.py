@@ -388,14 +388,17 @@ def validate_state(model, weights: dict) -> None:
 
 
 def load_state(model, weights: dict, dtype) -> None:
-    """Copy `weights` into `model`'s parameters, strictly (see validate_state). State
-    buffers are not loaded."""
+    """Copy `weights` into `model`'s parameters, strictly (see validate_state), in `dtype` (or
+    fp32 where the model keeps a parameter in fp32: models.stored_dtype). State buffers are not
+    loaded."""
     import torch
+
+    from models import stored_dtype
 
     validate_state(model, weights)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.data = weights[name].detach().to(dtype).clone()
+            p.data = weights[name].detach().to(stored_dtype(model.args, name, dtype)).clone()
 
 
 def _draw(name: str, shape, gen, std: dict | None = None):

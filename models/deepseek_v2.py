@@ -23,7 +23,8 @@ def to_args(c) -> ModelArgs:
     require(not c.mlp_bias, "deepseek_v2: mlp_bias is not supported yet")
     require(c.topk_method in ("greedy", "group_limited_greedy"), f"deepseek_v2: topk_method {c.topk_method!r}")
     grouped = c.topk_method == "group_limited_greedy"
-    return hf_args(c, "deepseek_v2", rope_interleave=True, **mla(c), **first_k_dense(c),
+    # HF rotates q and k in fp32 (complex products of x.float()): rope_fp32
+    return hf_args(c, "deepseek_v2", rope_interleave=True, rope_fp32=True, **mla(c), **first_k_dense(c),
                    router_scoring="softmax", n_group=(c.n_group or 1) if grouped else 1,
                    topk_group=(c.topk_group or 1) if grouped else 1, group_score="max", norm_topk_prob=False)
 

@@ -31,10 +31,12 @@ def to_args(c) -> ModelArgs:
     require(isinstance(c.moe_layer_start_index, int) and isinstance(c.moe_layer_end_index, int),
             "ernie4_5_moe: per-modality moe_layer_start/end_index lists (the VL model) are not supported")
     return hf_args(
-        c, "ernie4_5_moe", rope_interleave=True, qkv_bias=c.use_bias, o_bias=c.use_bias, mlp_bias=c.use_bias,
+        c, "ernie4_5_moe", rope_interleave=True, rope_fp32=True,  # HF rotates q and k "in full precision"
+        qkv_bias=c.use_bias, o_bias=c.use_bias, mlp_bias=c.use_bias,
         lm_head_bias=c.use_bias, mlp_types=mlp_types(c), intermediate_size=c.intermediate_size,
         num_experts=c.moe_num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True,
         norm_topk_min=float(c.moe_norm_min), router_bias=True, router_fp32=True,
+        router_fp32_params=("weight", "e_score_correction_bias"),  # HF: _keep_in_fp32_modules_strict
         shared_expert_intermediate_size=c.moe_intermediate_size * (c.moe_num_shared_experts or 0),
         shared_expert_gated=False,
     )

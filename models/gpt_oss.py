@@ -25,7 +25,8 @@ def to_args(c) -> ModelArgs:
     require(set(c.layer_types) <= {FULL, SLIDING}, f"gpt_oss: unknown layer_types {sorted(set(c.layer_types))}")
     return hf_args(
         c, "gpt_oss", rope_theta=rope_theta_any(c), yarn=yarn(c), layer_types=tuple(c.layer_types),
-        sliding_window=c.sliding_window, attention_sinks=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+        sliding_window=c.sliding_window, norm_gain_fp32=True,  # GptOssRMSNorm: (w * x).to(dtype)
+        attention_sinks=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
         num_experts=c.num_local_experts, moe_intermediate_size=c.intermediate_size, norm_topk_prob=True,
         router_linear_bias=True, expert_bias=True, expert_act="clamped_swiglu", swiglu_limit=float(c.swiglu_limit),
         swiglu_alpha=float(getattr(c, "swiglu_alpha", 1.702)),

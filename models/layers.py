@@ -28,18 +28,21 @@ from models.args import (CHUNKED, FULL, LINEAR, SLIDING, SPARSE, STATE_BUFFERS, 
 
 
 class RMSNorm(nn.Module):
-    """HF RMSNorm: normalise in fp32. offset=False: w * x.to(dtype); offset=True: (x * (1 + w)).to(dtype)."""
+    """HF RMSNorm: normalise in fp32. offset=False: w * x.to(dtype) (gain_fp32: (w * x).to(dtype),
+    one rounding); offset=True: (x * (1 + w)).to(dtype)."""
 
-    def __init__(self, dim: int, eps: float, offset: bool = False):
+    def __init__(self, dim: int, eps: float, offset: bool = False, gain_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.gain_fp32 = eps, offset, gain_fp32
 
     def forward(self, x):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (xf * (1.0 + self.weight.float())).type_as(x)
+        if self.gain_fp32 and x.dtype != torch.float32:
+            return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -51,7 +54,7 @@ def norm(a: ModelArgs, dim: int) -> nn.Module:
     """The family's norm of a hidden state (ModelArgs.norm)."""
     if a.norm == "layer":
         return LayerNorm(dim, eps=a.rms_norm_eps)
-    return RMSNorm(dim, a.rms_norm_eps, a.norm_offset)
+    return RMSNorm(dim, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
 
 
 class GatedRMSNorm(nn.Module):
@@ -77,13 +80,15 @@ class Rope(nn.Module):
     """Rotate-half RoPE on the first `rotary_dim` dims of each head (partial rotary).
     interleave: the rotary pairs are (x0, x1), (x2, x3) ... (DeepSeek): the head is de-interleaved
     first (even dims, then odd), which rotates the same pairs; q.k is unchanged by that order.
-    yarn: YaRN's frequencies and its cos/sin attention factor (models.args.ModelArgs.yarn)."""
+    yarn: YaRN's frequencies and its cos/sin attention factor (models.args.ModelArgs.yarn).
+    fp32: cos/sin kept in fp32 and the rotation computed in fp32, cast back to x's dtype once
+    (ModelArgs.rope_fp32); else cos/sin cast to x's dtype and the rotation in it."""
 
     def __init__(self, head_dim: int, theta: float, partial: float = 1.0, interleave: bool = False,
-                 yarn: tuple = (), longrope: tuple = (), llama3: tuple = ()):
+                 yarn: tuple = (), longrope: tuple = (), llama3: tuple = (), fp32: bool = False):
         super().__init__()
         self.rotary_dim = int(head_dim * partial)
-        self.interleave = interleave
+        self.interleave, self.fp32 = interleave, fp32
         inv = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
         self.factor, self.longrope = 1.0, None
         if yarn:
@@ -100,20 +105,24 @@ class Rope(nn.Module):
     def forward(self, x, pos):  # x [B, nh, T, hd], pos [T]
         freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, rd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
+        up = self.fp32 and x.dtype != torch.float32  # (static when traced: an fp32 program is unchanged)
+        dtype = torch.float32 if up else x.dtype  # of cos/sin and of the rotation
         if self.longrope is not None:  # the call's length decides the scale (HF: max(position) + 1)
             original_max, short_mscale, long_mscale = self.longrope
             mscale = short_mscale if short_mscale == long_mscale else torch.where(
                 pos.max() + 1 > original_max, long_mscale, short_mscale)
-            cos, sin = (emb.cos() * mscale).to(x.dtype), (emb.sin() * mscale).to(x.dtype)
+            cos, sin = (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
         elif self.factor != 1.0:  # YaRN's attention factor
-            cos, sin = (emb.cos() * self.factor).to(x.dtype), (emb.sin() * self.factor).to(x.dtype)
+            cos, sin = (emb.cos() * self.factor).to(dtype), (emb.sin() * self.factor).to(dtype)
         else:
-            cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         if self.interleave:
             rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
+        if up:
+            rot = rot.float()
         rot = rot * cos + rotate_half(rot) * sin
-        return torch.cat((rot, rest), dim=-1)
+        return torch.cat((rot.to(x.dtype) if up else rot, rest), dim=-1)
 
 
 def llama3_frequencies(inv, factor, low_freq_factor, high_freq_factor, original_max):
@@ -172,14 +181,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=a.o_bias)
         self.qk_norm = a.qk_norm
         if a.qk_norm == "head":
-            self.q_norm = RMSNorm(self.hd, a.rms_norm_eps, a.norm_offset)
-            self.k_norm = RMSNorm(self.hd, a.rms_norm_eps, a.norm_offset)
+            self.q_norm = RMSNorm(self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
+            self.k_norm = RMSNorm(self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
         elif a.qk_norm == "flat":
-            self.q_norm = RMSNorm(self.nh * self.hd, a.rms_norm_eps, a.norm_offset)
-            self.k_norm = RMSNorm(self.kvh * self.hd, a.rms_norm_eps, a.norm_offset)
+            self.q_norm = RMSNorm(self.nh * self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
+            self.k_norm = RMSNorm(self.kvh * self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
         self.use_rope = not a.rope_layers or bool(a.rope_layers[layer])
         self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor, a.rope_interleave, a.yarn, a.longrope,
-                         a.llama3_rope)
+                         a.llama3_rope, a.rope_fp32)
         self.scale = a.attention_multiplier or self.hd**-0.5
         self.eps = a.rms_norm_eps
         kind = a.layer_types[layer]
@@ -280,7 +289,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
         self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.o_bias)
-        self.rope = Rope(self.dr, a.rope_theta, 1.0, a.rope_interleave, a.yarn)
+        self.rope = Rope(self.dr, a.rope_theta, 1.0, a.rope_interleave, a.yarn, fp32=a.rope_fp32)
         self.scale = qk**-0.5
         if a.yarn and a.yarn[5]:  # mscale_all_dim: the softmax scale times mscale^2 (HF yarn_apply_mscale)
             self.scale = self.scale * yarn_mscale(a.yarn[0], a.yarn[5]) ** 2

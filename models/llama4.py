@@ -41,7 +41,8 @@ def to_args(c) -> ModelArgs:
     require(c.hidden_act == "silu", f"llama4: hidden_act {c.hidden_act!r} (the experts are SwiGLU)")
     return hf_args(
         c, "llama4", rope_theta=float(rope_parameters(c)["rope_theta"]), llama3_rope=llama3_rope(c),
-        rope_interleave=True, layer_types=tuple(c.layer_types), attention_chunk_size=c.attention_chunk_size or 0,
+        rope_interleave=True, rope_fp32=True,  # HF rotates in fp32 (complex products of x.float())
+        layer_types=tuple(c.layer_types), attention_chunk_size=c.attention_chunk_size or 0,
         rope_layers=tuple(int(bool(r)) for r in c.no_rope_layers), qk_norm="l2" if c.use_qk_norm else "none",
         attn_temperature_tuning=bool(c.attn_temperature_tuning), floor_scale=float(c.floor_scale),
         attn_scale=float(c.attn_scale), qkv_bias=c.attention_bias, o_bias=c.attention_bias,
