@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
-from models.args import DENSE, SPARSE, ModelArgs, kept_fp32
+from models.args import DENSE, SPARSE, ModelArgs, stored_dtype
 from models.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
@@ -230,14 +230,6 @@ class Family:
             group = self.sanitize(read_tensors(index, names), args)
             yield {name: t.to(d) if t.dtype != (d := stored_dtype(args, name, dtype)) else t.clone()
                    for name, t in group.items()}
-
-
-def stored_dtype(args: ModelArgs, name: str, dtype):
-    """The dtype the production model stores its parameter `name` in when built in `dtype`:
-    `dtype`, or fp32 below fp32 where HF keeps the tensor in fp32 (models.args.kept_fp32)."""
-    import torch
-
-    return torch.float32 if dtype.itemsize < 4 and kept_fp32(args, name) else dtype
 
 
 # ------------------------------------------------------------------ config consistency

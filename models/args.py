@@ -139,6 +139,14 @@ def kept_fp32(a: ModelArgs, name: str) -> bool:
     return leaf in a.router_fp32_params and module.endswith(".mlp.gate")
 
 
+def stored_dtype(a: ModelArgs, name: str, dtype):
+    """The dtype the production model stores its parameter `name` in when built in `dtype`:
+    `dtype`, or fp32 below fp32 where HF keeps the tensor in fp32 (kept_fp32)."""
+    import torch
+
+    return torch.float32 if dtype.itemsize < 4 and kept_fp32(a, name) else dtype
+
+
 def mlp_type(a: ModelArgs, layer: int) -> str:
     return a.mlp_types[layer] if a.mlp_types else SPARSE
 

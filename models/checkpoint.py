@@ -389,11 +389,11 @@ def validate_state(model, weights: dict) -> None:
 
 def load_state(model, weights: dict, dtype) -> None:
     """Copy `weights` into `model`'s parameters, strictly (see validate_state), in `dtype` (or
-    fp32 where the model keeps a parameter in fp32: models.stored_dtype). State buffers are not
+    fp32 where the model keeps a parameter in fp32: models.args.stored_dtype). State buffers are not
     loaded."""
     import torch
 
-    from models import stored_dtype
+    from models.args import stored_dtype
 
     validate_state(model, weights)
     with torch.no_grad():
