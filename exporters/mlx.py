@@ -500,8 +500,8 @@ class MLXCandidate:
 
 
 class MLXBackend:
-    """`transform(model)` modifies the loaded mlx-lm model in place (how exporters/mlx_faults.py
-    injects faults), before any quantization. `config_fn(family, config.json dict)` gives the
+    """`transform(model, args)` modifies the loaded mlx-lm model in place (how exporters/mlx_faults.py
+    injects faults; args: the checkpoint's ModelArgs), before any quantization. `config_fn(family, config.json dict)` gives the
     ModelArgs fields (naive_mlx_config shows what mlx-lm's own loader would do)."""
 
     precisions = PRECISIONS
@@ -541,7 +541,7 @@ class MLXBackend:
         from exporters import mlx_faults
 
         fn = mlx_faults.QUANTIZED_FAULTS[name]
-        return type(self)(f"{self.name}+{name}", lambda m: fn(text_model(m).layers[layer]), f"{name}@{layer}",
+        return type(self)(f"{self.name}+{name}", lambda m, a: fn(text_model(m).layers[layer]), f"{name}@{layer}",
                           self.config_fn)
 
     def with_fault(self, fault):
@@ -551,7 +551,7 @@ class MLXBackend:
 
         if fault.name not in mlx_faults.FAULTS:
             return None
-        return type(self)(f"{self.name}+{fault.name}", lambda m: mlx_faults.inject(fault, m), fault.name,
+        return type(self)(f"{self.name}+{fault.name}", lambda m, a: mlx_faults.inject(fault, m, a), fault.name,
                           self.config_fn)
 
     def check_options(self, spec) -> str | None:
@@ -590,7 +590,7 @@ class MLXBackend:
                 m, shipped = load_directory(spec.candidate_dir, model.family.name, dtype, model.config)
                 fields, quant = shipped["config"], shipped["quantization"]
                 if self.transform is not None:
-                    self.transform(m)
+                    self.transform(m, model.args)
             else:
                 try:
                     m, fields = load_model(model, self.config_fn)
@@ -600,7 +600,7 @@ class MLXBackend:
                     raise InputError(f"mlx-lm cannot check this checkpoint: {e}") from None
                 cast(m, dtype)
                 if self.transform is not None:
-                    self.transform(m)
+                    self.transform(m, model.args)
                 quant = quantize(m, QUANT_BITS[spec.precision], group_size) if spec.precision in QUANT_BITS else None
             # evaluated a decoder layer at a time: the lazily loaded checkpoint arrays of one layer
             # (and their fp32/quantization intermediates) are live at once, not the model's

@@ -2,10 +2,15 @@
 
 Each transform changes one block of a loaded mlx-lm model in place, the way the bug would
 look in an MLX port: a module attribute (rope, scale, eps, norm), weights, or one module
-instance's `__call__`. `inject(fault, model)` applies it where models/faults.py expects the
-oracle to localise it (fault.target / fault.kind). Faults with no natural form on mlx-lm's
-model are absent (`MLXBackend.with_fault` returns None for them): the bf16 dtype faults
-(mlx's CPU gather_mm is fp32 only, so mlx runs bf16 MoE models on the GPU only).
+instance's `__call__`. `inject(fault, model, args)` applies it at the layer models/faults.py
+expects the oracle to localise it (`fault.layer(args)`, `fault.kind`), reading the checkpoint's
+ModelArgs for what mlx-lm's modules do not all carry (top-k, renormalisation, head_dim, rope theta).
+mlx-lm's families name their parts differently (exporters/mlx_model.py: `switch_mlp` or `experts`,
+a router that routes by itself or a linear gate whose logits the block routes inline, Granite's
+`router.layer`, GPT-OSS's `sm_scale`, Llama 4's `use_qk_norm`, ropes with explicit frequencies):
+every transform goes through those accessors, so each fault has its own form on every family.
+Faults with no natural form on mlx-lm's model are absent (`MLXBackend.with_fault` returns None
+for them, and `NOT_APPLICABLE` says why).
 """
 
 from __future__ import annotations
@@ -13,14 +18,16 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from exporters.mlx_model import attention_block, moe_block, text_model
+from exporters.mlx_model import attention_block, experts_of, moe_block, router_linear, router_logits, router_module, \
+    text_model
 from exporters.mlx_model import route as mlx_route
 
 
 def patch_call(module, fn) -> None:
-    """Override `__call__` of this one instance (Python looks it up on the type)."""
+    """Override `__call__` of this one instance (Python looks it up on the type). The subclass keeps
+    the class's name and module (exporters.mlx_model.route finds its routing mirror through the MRO)."""
     cls = type(module)
-    module.__class__ = type(cls.__name__, (cls,), {"__call__": fn})
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": fn, "__module__": cls.__module__})
 
 
 # ------------------------------------------------------------------ router / moe
@@ -32,66 +39,144 @@ def _topk(scores, k):
 def _scores(logits, k, renorm, score=lambda v: mx.softmax(v, axis=-1, precise=True)):
     """Score all experts, top-k, renormalised where the family does (Mixtral's softmax over
     the top-k logits is the same)."""
-    s, inds = _topk(score(logits), k)
+    s, inds = _topk(score(logits.astype(mx.float32)), k)
     return (s / s.sum(axis=-1, keepdims=True) if renorm else s), inds
 
 
-def _moe(layer, route=None, renorm=None, weighted=True, shared=True, shared_sigmoid=True):
-    """The layer's MoE block computing mlx-lm's MoE with one step changed. A changed routing
-    `route(logits, k, renorm)` is set as the block's `oracle_route`, which the router block
-    program uses too; otherwise the routing is mlx-lm's (exporters.mlx.route)."""
-    moe = moe_block(layer)
-    if route is not None:
-        k = getattr(moe, "top_k", None) or moe.num_experts_per_tok
-        renorm = getattr(moe, "norm_topk_prob", "block_sparse_moe" in layer) if renorm is None else renorm
-        moe.oracle_route = lambda x: route(moe.gate(x), k, renorm)
-
-    def call(self, x):
-        scores, inds = mlx_route(self, x)
-        y = self.switch_mlp(x, inds)
-        y = (y * scores[..., None]).sum(axis=-2) if weighted else y.sum(axis=-2)
-        if shared and "shared_expert" in self:
-            g = self.shared_expert_gate(x)
-            y = y + (mx.sigmoid(g) if shared_sigmoid else g) * self.shared_expert(x)
-        return y
-
-    patch_call(moe, call)
-
-
 def _softmax_after_topk(logits, k, renorm):
-    v, inds = _topk(logits, k)
+    v, inds = _topk(logits.astype(mx.float32), k)
     return mx.softmax(v, axis=-1, precise=True), inds
 
 
-def _gate_up_swapped(layer):
-    sw = moe_block(layer).switch_mlp
+def combine(moe, x, scores, inds, a, weighted=True, shared=True, shared_sigmoid=True):
+    """What the family's mlx-lm MoE block computes from its routing (scores [.., k], inds [.., k]):
+    the routed experts weighted and summed (Llama 4: each expert's input scaled by its weight),
+    plus the shared expert(s) (Qwen's behind a sigmoid gate). One step changed by the flags."""
+    ex = experts_of(moe)
+    if a.router_weights_on_input:  # Llama 4 (top-1): experts(x * sigmoid score)
+        y = ex(x * scores.astype(x.dtype) if weighted else x, inds).sum(axis=-2)
+    else:
+        y = ex(x, inds)
+        y = (y * scores[..., None] if weighted else y).sum(axis=-2).astype(x.dtype)
+    if shared and a.shared_expert_intermediate_size > 0:
+        if "shared_expert" in moe:
+            s = moe.shared_expert(x)
+            if "shared_expert_gate" in moe:
+                g = moe.shared_expert_gate(x)
+                s = (mx.sigmoid(g) if shared_sigmoid else g) * s
+        else:
+            s = moe.shared_experts(x)
+        y = y + s
+    return y
+
+
+def _moe(layer, a, **changed):
+    """The layer's MoE block computing mlx-lm's MoE (its own routing: exporters.mlx_model.route)
+    with one step of the combine changed (combine's flags)."""
+    patch_call(moe_block(layer), lambda self, x: combine(self, x, *mlx_route(self, x), a, **changed))
+
+
+def _reroute(layer, a, route):
+    """The layer's routing replaced by `route(logits, k, renorm) -> (weights, indices)` on the
+    router's logits. A router module that routes by itself (DeepSeek's MoEGate, dots1, Granite) is
+    patched: the block calls it as before. A block that routes inline gets `oracle_route`, which
+    both its patched __call__ and the router block program use (mlx-lm has no router module there)."""
+    moe = moe_block(layer)
+    k, renorm = a.num_experts_per_tok, a.norm_topk_prob
+
+    def faulty(x):
+        return route(router_logits(moe, x), k, renorm)
+
+    gate = router_module(moe)
+    if gate is not None:  # returns (indices, weights)
+        patch_call(gate, lambda self, x: tuple(reversed(faulty(x))))
+    else:
+        moe.oracle_route = faulty
+        _moe(layer, a)
+
+
+def _no_renorm(layer, a):
+    gate = router_module(moe_block(layer))
+    if gate is not None and hasattr(gate, "norm_topk_prob"):  # DeepSeek-V3, GLM-4, dots1: the gate's own flag
+        gate.norm_topk_prob = False
+    elif hasattr(moe_block(layer), "norm_topk_prob"):  # Qwen3's block reads its flag at every call
+        moe_block(layer).norm_topk_prob = False
+    else:
+        _reroute(layer, a, lambda v, k, renorm: _scores(v, k, False))
+
+
+def _one_expert_fewer(layer, a):
+    """The router's linear layer with its last expert's row dropped: every family's own routing
+    then runs over one expert fewer than the checkpoint has."""
+    r = router_linear(moe_block(layer))
+    r.weight = r.weight[:-1]
+    if "bias" in r:
+        r.bias = r.bias[:-1]
+
+
+def _sigmoid(layer, a):
+    moe = moe_block(layer)
+    if "gate_act" in moe:  # ERNIE's block has the choice itself
+        moe.gate_act = nn.Sigmoid()
+    else:
+        _reroute(layer, a, lambda v, k, renorm: _scores(v, k, renorm, mx.sigmoid))
+
+
+def _gate_up_swapped(layer, a):
+    sw = experts_of(moe_block(layer))
     sw["gate_proj"], sw["up_proj"] = sw["up_proj"], sw["gate_proj"]
 
 
-def _one_expert_off(layer):
+def _one_expert_off(layer, a):
     """The most-routed-to expert (largest router row norm) off by 1e-3 in all its weights."""
     moe = moe_block(layer)
-    e = int(mx.argmax(mx.linalg.norm(moe.gate.weight, axis=1)))
-    for proj in (moe.switch_mlp.gate_proj, moe.switch_mlp.up_proj, moe.switch_mlp.down_proj):
+    e = int(mx.argmax(mx.linalg.norm(router_linear(moe).weight, axis=1)))
+    sw = experts_of(moe)
+    for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
         hit = (mx.arange(proj.weight.shape[0]) == e)[:, None, None]
         proj.weight = proj.weight + 1e-3 * hit
 
 
-def _expert_index_off_by_one(layer):
-    sw = moe_block(layer).switch_mlp
+def _expert_index_off_by_one(layer, a):
+    sw = experts_of(moe_block(layer))
     n, call = sw.gate_proj.weight.shape[0], type(sw).__call__
     patch_call(sw, lambda self, x, inds: call(self, x, (inds + 1) % n))
 
 
-def _stray_bf16(layer):
+def _stray_bf16(layer, a):
     moe = moe_block(layer)
     call = type(moe).__call__
     patch_call(moe, lambda self, x: call(self, x).astype(mx.bfloat16).astype(x.dtype))
 
 
 # ------------------------------------------------------------------ full attention
-def _head_dim(attn) -> int:
-    return getattr(attn, "head_dim", None) or attn.rope.dims
+class _Rotary(nn.Module):
+    """mx.fast.rope with explicit frequencies: an mlx-lm rope (YaRN, Llama 3, LongRoPE, DeepSeek-V2's
+    YaRN) rebuilt with one thing changed. `scale` multiplies the rotated features first (YaRN's
+    mscale, LongRoPE's scale)."""
+
+    def __init__(self, dims: int, traditional: bool, freqs, scale: float = 1.0):
+        super().__init__()
+        self.dims, self.traditional, self.scale, self._freqs = dims, traditional, scale, freqs
+
+    def __call__(self, x, offset=0):
+        if self.scale != 1.0:
+            x = x.at[..., : self.dims].multiply(self.scale)
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset,
+                            freqs=self._freqs)
+
+
+# ropes with explicit frequencies whose rotation order is fixed in their __call__
+FIXED_ORDER = {"SuScaledRoPE": False, "DeepseekV2YarnRotaryEmbedding": True}
+
+
+def rotary(r) -> _Rotary:
+    """An mlx-lm rope with explicit frequencies (`_freqs`) as a _Rotary that computes the same."""
+    freqs = r._freqs
+    dims = getattr(r, "dims", None) or getattr(r, "dim", None) or 2 * freqs.shape[0]
+    traditional = FIXED_ORDER.get(type(r).__name__, getattr(r, "traditional", False))
+    scale = getattr(r, "mscale", None) or getattr(r, "_scale", None) or 1.0
+    return _Rotary(dims, traditional, freqs, float(scale))
 
 
 def _rope(attn, **kw):
@@ -99,17 +184,43 @@ def _rope(attn, **kw):
     attn.rope = nn.RoPE(**{"dims": r.dims, "traditional": r.traditional, "base": r.base, "scale": r.scale, **kw})
 
 
-def _rope_theta_wrong(attn):
-    _rope(attn, base=1e4 if attn.rope.base != 1e4 else 1e6)  # the qwen2_moe / mlx-lm default mix-up
+def _exponents(dims):
+    return mx.arange(0, dims, 2, dtype=mx.float32) / dims
 
 
-def _rotary_fraction_wrong(attn):
-    hd = _head_dim(attn)
-    _rope(attn, dims=hd if attn.rope.dims < hd else hd // 2)
+def _rope_theta_wrong(attn, a):
+    theta = 1e4 if a.rope_theta != 1e4 else 1e6  # the qwen2_moe / mlx-lm default mix-up
+    if isinstance(attn.rope, nn.RoPE):
+        return _rope(attn, base=theta)
+    r = rotary(attn.rope)  # the same scaled frequencies, from the other theta
+    r._freqs = r._freqs * (theta / a.rope_theta) ** _exponents(r.dims)
+    attn.rope = r
 
 
-def _qk_norm_missing(attn):
-    attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
+def _rope_interleaved(attn, a):
+    if isinstance(attn.rope, nn.RoPE):
+        return _rope(attn, traditional=True)
+    r = rotary(attn.rope)
+    r.traditional = True
+    attn.rope = r
+
+
+def _rotary_fraction_wrong(attn, a):
+    """The rotated dims wrong (all of head_dim where the family rotates a part, else half), their
+    frequencies computed for that width (as a port with the wrong fraction would)."""
+    hd = a.head_dim
+    if isinstance(attn.rope, nn.RoPE):
+        return _rope(attn, dims=hd if attn.rope.dims < hd else hd // 2)
+    r = rotary(attn.rope)
+    dims = hd if r.dims < hd else hd // 2
+    attn.rope = _Rotary(dims, r.traditional, a.rope_theta ** _exponents(dims), r.scale)
+
+
+def _qk_norm_missing(attn, a):
+    if hasattr(attn, "use_qk_norm"):  # Llama 4's weightless L2-style norm is a flag in its __call__
+        attn.use_qk_norm = False
+    else:
+        attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
 
 
 class _RegroupedNorm(nn.Module):
@@ -125,31 +236,32 @@ class _RegroupedNorm(nn.Module):
         return mx.fast.rms_norm(g, None, self.eps).reshape(shape) * self.weight
 
 
-def _qk_norm_per_head_for_flat(attn):  # olmoe: the norm spans the whole projection
-    hd = _head_dim(attn)
+def _qk_norm_per_head_for_flat(attn, a):  # olmoe: the norm spans the whole projection
+    hd = a.head_dim
     attn.q_norm, attn.k_norm = _RegroupedNorm(attn.q_norm, hd, False), _RegroupedNorm(attn.k_norm, hd, False)
 
 
-def _qk_norm_flat_for_per_head(attn):  # applied to [B, L, heads, hd]: normalise over heads * hd
-    hd = _head_dim(attn)
+def _qk_norm_flat_for_per_head(attn, a):  # applied to [B, L, heads, hd]: normalise over heads * hd
+    hd = a.head_dim
     attn.q_norm, attn.k_norm = _RegroupedNorm(attn.q_norm, hd, True), _RegroupedNorm(attn.k_norm, hd, True)
 
 
-def _not_causal(attn):
+def _not_causal(attn, a):
     call = type(attn).__call__
     patch_call(attn, lambda self, x, mask=None, cache=None: call(self, x, None, cache))
 
 
-def _scale_wrong(attn):
-    attn.scale = 1.0 / _head_dim(attn)
+def _scale_wrong(attn, a):
+    # GPT-OSS's attention (with sinks) keeps its softmax scale as sm_scale, the others as scale
+    setattr(attn, "sm_scale" if hasattr(attn, "sm_scale") else "scale", 1.0 / a.head_dim)
 
 
-def _gqa_repeat_wrong(attn):
+def _gqa_repeat_wrong(attn, a):
     """kv heads tiled (0, 1, 0, 1) instead of repeated (0, 0, 1, 1): k/v projections widened
     to one kv head per query head, in tiled order."""
-    nh_attr = next(a for a in ("n_heads", "num_heads", "num_attention_heads") if a in attn.__dict__)
-    kv_attr = next(a for a in ("n_kv_heads", "num_key_value_heads") if a in attn.__dict__)
-    nh, kvh, hd = getattr(attn, nh_attr), getattr(attn, kv_attr), _head_dim(attn)
+    nh_attr = next(n for n in ("n_heads", "num_heads", "num_attention_heads") if n in attn.__dict__)
+    kv_attr = next(n for n in ("n_kv_heads", "num_key_value_heads") if n in attn.__dict__)
+    nh, kvh, hd = getattr(attn, nh_attr), getattr(attn, kv_attr), a.head_dim
     for p in (attn.k_proj, attn.v_proj):
         p.weight = mx.tile(p.weight.reshape(kvh, hd, -1), (nh // kvh, 1, 1)).reshape(nh * hd, -1)
         if "bias" in p:
@@ -157,7 +269,7 @@ def _gqa_repeat_wrong(attn):
     setattr(attn, kv_attr, nh)
 
 
-def _output_gate_no_sigmoid(attn):
+def _output_gate_no_sigmoid(attn, a):
     """Qwen3.5's gated attention with o_proj fed output * gate instead of output *
     sigmoid(gate): mlx-lm's own __call__ runs with o_proj set aside, then the sigmoid is
     swapped for the raw gate (the gate as Qwen3NextAttention splits it off q_proj)."""
@@ -206,7 +318,7 @@ def _gdn_forget(gdn, slot: int):
     patch_call(gdn, fn)
 
 
-def _gdn_chunked_prefill(gdn):
+def _gdn_chunked_prefill(gdn, a):
     """Prefill in two chunks, the second from a zero recurrent state (conv state carried)."""
     call = type(gdn).__call__
 
@@ -223,15 +335,15 @@ def _gdn_chunked_prefill(gdn):
 
 
 # ------------------------------------------------------------------ layer / model
-def _input_norm_eps(layer):
+def _input_norm_eps(layer, a):
     layer.input_layernorm.eps *= 1e3
 
 
-def _norm_offset_missing(layer):  # sanitize()'s +1 on (1 + w) weights lost (conv1d-shape trap)
+def _norm_offset_missing(layer, a):  # sanitize()'s +1 on (1 + w) weights lost (conv1d-shape trap)
     layer.post_attention_layernorm.weight = layer.post_attention_layernorm.weight - 1.0
 
 
-def _residual_missing(layer):
+def _residual_missing(layer, a):
     def call(self, x, mask=None, cache=None):
         h = attention_block(self)(self.input_layernorm(x), mask, cache)
         return h + moe_block(self)(self.post_attention_layernorm(h))
@@ -239,24 +351,26 @@ def _residual_missing(layer):
     patch_call(layer, call)
 
 
-def _final_norm_eps(model):
+def _final_norm_eps(model, a):
     text_model(model).model.norm.eps *= 1e3
 
 
+# name -> transform(target, args): target the layer, its attention block (fault.kind attention),
+# or the model (fault.target model; MODEL_LEVEL: the model and the layer index)
 FAULTS = {
-    "router_softmax_after_topk": lambda layer: _moe(layer, _softmax_after_topk),
-    "router_no_renorm": lambda layer: _moe(layer, _scores, renorm=False),
-    "router_wrong_num_experts": lambda layer: _moe(layer, lambda v, k, renorm: _scores(v[..., :-1], k, renorm)),
-    "router_sigmoid": lambda layer: _moe(layer, lambda v, k, renorm: _scores(v, k, renorm, mx.sigmoid)),
+    "router_softmax_after_topk": lambda layer, a: _reroute(layer, a, _softmax_after_topk),
+    "router_no_renorm": _no_renorm,
+    "router_wrong_num_experts": _one_expert_fewer,
+    "router_sigmoid": _sigmoid,
     "expert_gate_up_swapped": _gate_up_swapped,
     "expert_weights_off_1e-3": _one_expert_off,
     "expert_index_off_by_one": _expert_index_off_by_one,
-    "expert_weights_not_applied": lambda layer: _moe(layer, weighted=False),
-    "shared_expert_gate_no_sigmoid": lambda layer: _moe(layer, shared_sigmoid=False),
-    "shared_expert_missing": lambda layer: _moe(layer, shared=False),
+    "expert_weights_not_applied": lambda layer, a: _moe(layer, a, weighted=False),
+    "shared_expert_gate_no_sigmoid": lambda layer, a: _moe(layer, a, shared_sigmoid=False),
+    "shared_expert_missing": lambda layer, a: _moe(layer, a, shared=False),
     "stray_bf16_downcast": _stray_bf16,
     "rope_theta_wrong": _rope_theta_wrong,
-    "rope_interleaved": lambda attn: _rope(attn, traditional=True),
+    "rope_interleaved": _rope_interleaved,
     "rotary_fraction_wrong": _rotary_fraction_wrong,
     "qk_norm_missing": _qk_norm_missing,
     "qk_norm_per_head_for_flat": _qk_norm_per_head_for_flat,
@@ -266,8 +380,8 @@ FAULTS = {
     "attention_scale_wrong": _scale_wrong,
     "gqa_kv_heads_tiled": _gqa_repeat_wrong,
     "attention_gate_no_sigmoid": _output_gate_no_sigmoid,
-    "gdn_state_not_carried": lambda gdn: _gdn_forget(gdn, 1),
-    "gdn_conv_state_not_carried": lambda gdn: _gdn_forget(gdn, 0),
+    "gdn_state_not_carried": lambda gdn, a: _gdn_forget(gdn, 1),
+    "gdn_conv_state_not_carried": lambda gdn, a: _gdn_forget(gdn, 0),
     "gdn_chunked_prefill_differs": _gdn_chunked_prefill,
     "rmsnorm_eps_wrong": _input_norm_eps,
     "norm_offset_missing": _norm_offset_missing,
@@ -275,31 +389,20 @@ FAULTS = {
     "final_norm_eps_wrong": _final_norm_eps,
 }
 
-
 MODEL_LEVEL = {"kv_cache_write_off_by_one"}  # transforms taking (model, layer index)
 
 
-def target_layer(fault, model) -> int | None:
-    """The layer index models/faults.py expects for `fault` (None: the model)."""
-    if fault.target == "model":
-        return None
-    layers = model.layers
-    if fault.target == "last":
-        return len(layers) - 1
-    want = fault.target == "linear"
-    return max(i for i, layer in enumerate(layers) if getattr(layer, "is_linear", False) == want)
-
-
-def inject(fault, model) -> None:
-    i = target_layer(fault, model)
+def inject(fault, model, args) -> None:
+    """Apply `fault` to the loaded mlx-lm model where models/faults.py expects it (fault.layer(args))."""
+    i = fault.layer(args)
     if fault.name in MODEL_LEVEL:
         FAULTS[fault.name](model, i)
     elif i is None:
-        FAULTS[fault.name](model)
+        FAULTS[fault.name](model, args)
     elif fault.kind == "attention":
-        FAULTS[fault.name](attention_block(model.layers[i]))
+        FAULTS[fault.name](attention_block(model.layers[i]), args)
     else:
-        FAULTS[fault.name](model.layers[i])
+        FAULTS[fault.name](model.layers[i], args)
 
 
 # ------------------------------------------------------------------ a quantized runtime's faults

@@ -17,6 +17,32 @@ def attention_block(layer):
     return layer.linear_attn if getattr(layer, "is_linear", False) else layer.self_attn
 
 
+def experts_of(moe):
+    """The MoE block's routed experts (mlx-lm's SwitchGLU): `switch_mlp`, or `experts` (dots1,
+    gpt_oss, llama4)."""
+    return moe["switch_mlp"] if "switch_mlp" in moe else moe["experts"]
+
+
+def router_module(moe):
+    """The module that routes by itself, returning (indices, weights) (DeepSeek's and GLM's MoEGate,
+    dots1's TopkRouter, Granite's TopKGating), or None where the block routes inline from a linear
+    layer's logits (the routing in its own __call__)."""
+    r = moe["gate"] if "gate" in moe else moe.get("router")
+    return r if hasattr(r, "top_k") else None
+
+
+def router_linear(moe):
+    """The linear layer (or the gate's own weight holder) that gives the router logits."""
+    r = moe["gate"] if "gate" in moe else moe["router"]
+    return r["layer"] if "layer" in r else r  # Granite's gating wraps an nn.Linear
+
+
+def router_logits(moe, x):
+    """The router's logits [.., E] for the block's input x, as the block's own routing computes them."""
+    r = router_linear(moe)
+    return x @ r.weight.T if hasattr(r, "top_k") else r(x)  # a routing gate holds a bare weight
+
+
 # How each mlx-lm MoE block routes (read off its __call__ in mlx_lm/models/<family>.py),
 # reading the block's own attributes (gate, top_k, norm_topk_prob). tests/test_mlx.py checks
 # each mirror against the weights the block itself applies, so a change in mlx-lm shows.
@@ -82,8 +108,12 @@ def _route_ernie(moe, x):  # ernie4_5_moe: softmax (fp32), top-k without the cor
     return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12), inds
 
 
-def _route_router_topk(moe, x):  # gpt_oss: the (biased) router's logits
-    return _softmax_of_topk(moe.router(x), moe.num_experts_per_tok)
+def _route_router_topk(moe, x):  # gpt_oss: its own top-k (the last k of argpartition) of the (biased) router's logits
+    import mlx.core as mx
+    from mlx_lm.models.gpt_oss import mlx_topk
+
+    v, inds = mlx_topk(moe.router(x), k=moe.num_experts_per_tok, axis=-1)
+    return mx.softmax(v, axis=-1, precise=True), inds
 
 
 def _route_sigmoid_top(moe, x):  # llama4: top-k of the router logits, their sigmoid (scales the expert input)
@@ -114,8 +144,9 @@ def route(moe, x):
     fn = getattr(moe, "oracle_route", None)
     if fn is not None:
         return fn(x)
-    name = type(moe).__name__
-    fn = ROUTE.get(f"{type(moe).__module__}.{name}") or ROUTE.get(name)
-    if fn is None:
-        raise NotImplementedError(f"no routing mirror for mlx-lm's {name}")
-    return fn(moe, x)
+    # the block's class, or the mlx-lm class a seeded fault's patched subclass derives from
+    for cls in type(moe).__mro__:
+        fn = ROUTE.get(f"{cls.__module__}.{cls.__name__}") or ROUTE.get(cls.__name__)
+        if fn is not None:
+            return fn(moe, x)
+    raise NotImplementedError(f"no routing mirror for mlx-lm's {type(moe).__name__}")

@@ -37,6 +37,23 @@ def test_a_pass_makes_the_entry_stale_and_red():
     assert r.status == "fail" and r.expected["verdict"].startswith("stale: the expected failure did not happen")
 
 
+def test_a_defect_on_some_inputs_is_not_stale_when_they_are_not_met():
+    """mlx-lm's group choice (DeepSeek-V3, GLM-4, dots1) differs from HF's only where a kept group's
+    k-th score is negative: a check that passes did not meet such inputs (no verdict, still a pass);
+    one that fails where the entry says is an expected failure; anywhere else it is red."""
+    entry = Divergence(**{**ENTRY.__dict__, "on_some_inputs": True})
+    r = result()
+    judge(r, [entry])
+    assert r.status == "pass" and r.expected is None
+    r = result(failing=("router",))
+    judge(r, [entry])
+    assert r.status == "xfail"
+    r = result(failing=("attention",))
+    judge(r, [entry])
+    assert r.status == "fail" and "also fails attention" in r.expected["verdict"]
+    assert {e.family for e in load() if e.on_some_inputs} >= {"deepseek_v3", "glm4_moe", "dots1"}
+
+
 def test_failing_elsewhere_is_red():
     r = result(failing=("router", "attention"), e2e="fail")
     judge(r, [ENTRY])
@@ -62,6 +79,8 @@ def test_the_shipped_data_file_is_valid():
      "reference='y'\ncolour='red'\n", "unknown keys ['colour']"),
     ("[[divergence]]\nfamily='a'\nbackend='b'\npackage='c'\nversions='about one'\nfails=['router']\ncause='x'\n"
      "reference='y'\n", "not a PEP 440 specifier set"),
+    ("[[divergence]]\nfamily='a'\nbackend='b'\npackage='c'\nversions='<=1'\nfails=['router']\ncause='x'\n"
+     "reference='y'\non_some_inputs='sometimes'\n", "on_some_inputs must be true or false"),
     ("[[divergence\n", "known_divergences.toml"),
 ])
 def test_a_malformed_data_file_is_refused_with_its_path(tmp_path, text, needle):

@@ -177,37 +177,111 @@ def test_q8_on_trained_weights_passes_with_the_loss_reported(mlx, weights_family
     assert rows["status"] == "reported" and rows["e2e"]["distribution"]["kl_mean"] > 0
 
 
-def test_router_mirror_is_what_the_block_applies(mlx, family):
+@pytest.mark.parametrize("any_family", FAMILY_NAMES)
+def test_router_mirror_is_what_the_block_applies(mlx, any_family):
     """exporters.mlx.route mirrors each mlx-lm MoE block's routing: run the block itself with
     its experts replaced by one-hot rows, so its own weighted sum returns the weights it
-    applies (exact), and compare, on random tokens and on single tokens."""
+    applies (exact; Llama 4 scales the expert's input by its weight: the ratio, to rounding), and
+    compare, on random tokens and on single tokens. Also through a seeded fault's patched subclass of
+    the block (exporters.mlx_faults.patch_call): the mirror is still found (a router row the harness
+    cannot read is a containment defect)."""
     import mlx.core as mx
 
-    model, _ = mlx.load_model(model_source(CheckSpec(family=family, backend="mlx")))
+    from exporters.mlx_faults import patch_call
+    from exporters.mlx_model import experts_of, router_linear
+
+    src = model_source(CheckSpec(family=any_family, backend="mlx"))
+    model, _ = mlx.load_model(src)
+    on_input = src.args.router_weights_on_input
+    checked = 0
     for layer in model.layers:
         moe = mlx.moe_block(layer)
-        for T in (5, 1):
-            x = mx.random.normal((1, T, moe.gate.weight.shape[1]), key=mx.random.key(T))
+        if not ("gate" in moe or "router" in moe):
+            continue  # a dense layer's MLP
+        for T, patched in ((5, False), (1, False), (3, True)):
+            if patched:
+                patch_call(moe, type(moe).__call__)
+            x = mx.random.normal((1, T, router_linear(moe).weight.shape[1]), key=mx.random.key(T))
             w, idx = mlx.route(moe, x)
             seen = {}
 
             def experts(h, indices):
                 seen["idx"] = indices
-                eye = mx.eye(indices.shape[-1], h.shape[-1], dtype=h.dtype)
-                return mx.broadcast_to(eye, (*indices.shape, h.shape[-1]))
+                eye = mx.broadcast_to(mx.eye(indices.shape[-1], h.shape[-1], dtype=h.dtype), (*indices.shape, h.shape[-1]))
+                return eye * (h / x)[..., None, :1] if on_input else eye  # on input: its weight
 
-            saved = {k: moe[k] for k in ("switch_mlp", "shared_expert") if k in moe}
-            moe["switch_mlp"] = experts
-            if "shared_expert" in saved:
-                moe["shared_expert"] = mx.zeros_like
+            name = "switch_mlp" if "switch_mlp" in moe else "experts"
+            saved = {k: moe[k] for k in (name, "shared_expert", "shared_experts") if moe.get(k) is not None}
+            assert saved[name] is experts_of(moe)
+            moe[name] = experts
+            for k in ("shared_expert", "shared_experts"):
+                if k in saved:
+                    moe[k] = mx.zeros_like
             try:
                 y = moe(x)
             finally:
                 for k, v in saved.items():
                     moe[k] = v
             k = idx.shape[-1]
+            got = np.array(y).reshape(-1, y.shape[-1])[:, :k]
             assert np.array_equal(np.array(idx).reshape(-1, k), np.array(seen["idx"]).reshape(-1, k))
-            assert np.array_equal(np.array(w).reshape(-1, k), np.array(y).reshape(-1, y.shape[-1])[:, :k])
+            if on_input:
+                np.testing.assert_allclose(got, np.array(w).reshape(-1, k), rtol=1e-5)
+            else:
+                assert np.array_equal(np.array(w).reshape(-1, k), got)
+            checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize("any_family", ["gpt_oss", "deepseek_v2", "deepseek_v3", "llama4", "phimoe"])
+def test_rotary_rebuilds_the_ropes_with_explicit_frequencies(mlx, any_family):
+    """The seeded rope faults rebuild mlx-lm's ropes with explicit frequencies (YaRN, DeepSeek-V2's
+    YaRN, Llama 3, LongRoPE) as exporters.mlx_faults._Rotary, then change one thing: unchanged, the
+    rebuild computes what the rope does (so the fault is the one change)."""
+    import mlx.core as mx
+
+    from exporters.mlx_faults import rotary
+
+    model, _ = mlx.load_model(model_source(CheckSpec(family=any_family, backend="mlx")))
+    ropes = [mlx.attention_block(layer).rope for layer in model.layers if "rope" in mlx.attention_block(layer)]
+    ropes = [r for r in ropes if "_freqs" in r or hasattr(r, "_freqs")]
+    assert ropes
+    for r in ropes:
+        rebuilt = rotary(r)
+        x = mx.random.normal((1, 2, 5, 2 * r._freqs.shape[0]), key=mx.random.key(1))
+        for offset in (0, 7):
+            assert np.array_equal(np.array(r(x, offset)), np.array(rebuilt(x, offset)))
+
+
+@pytest.mark.parametrize("module", ["deepseek_v3", "glm4_moe", "dots1"])
+def test_mlx_lm_group_choice_fills_left_out_groups_with_zero(mlx, module):
+    """mlx-lm's group_expert_select sets the selection scores of the groups it leaves out to 0.0;
+    HF's routers (DeepseekV3TopkRouter, Glm4MoeTopkRouter, Dots1TopkRouter) to -inf. Where a kept
+    group's k-th best score (sigmoid + correction bias) is negative, mlx-lm picks an expert of a
+    left-out group (goldens/known_divergences.toml, on_some_inputs: measured on dots1 seed 2). When
+    this fails, mlx-lm has fixed it: remove the three entries."""
+    import importlib
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    import torch
+
+    # 8 experts in 2 groups, top-2 from the best group; sigmoid(0) = 0.5 everywhere, the bias sets
+    # the choice: group 0 = 0.9, -0.05, -0.1, -0.2 (its score 0.85), group 1 = -0.5 each (score -1)
+    bias = np.array([0.4, -0.55, -0.6, -0.7, -1.0, -1.0, -1.0, -1.0], np.float32)
+    select = importlib.import_module(f"mlx_lm.models.{module}").group_expert_select
+    inds, _ = select(mx.zeros((1, 1, 8)), mx.array(bias), 2, 2, 1, 1.0, True)
+    mlx_choice = sorted(np.array(inds).reshape(-1).tolist())
+    hf_module = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    router_cls = next(getattr(hf_module, n) for n in dir(hf_module) if n.endswith("TopkRouter"))
+    cfg = SimpleNamespace(num_experts_per_tok=2, num_local_experts=8, n_routed_experts=8, hidden_size=4,
+                          routed_scaling_factor=1.0, n_group=2, topk_group=1, norm_topk_prob=True)
+    router = router_cls(cfg)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    hf_choice = sorted(router(torch.zeros(1, 4))[2].reshape(-1).tolist())
+    assert hf_choice == [0, 1]  # within the kept group
+    assert mlx_choice[0] == 0 and mlx_choice[1] >= 4  # an expert of the left-out group (score 0 > -0.05)
 
 
 def test_config_table_covers_every_mlx_field(mlx, family):
@@ -222,6 +296,30 @@ def test_config_table_covers_every_mlx_field(mlx, family):
     hf = get_family(family).args(cfg)
     assert args.rope_theta == hf.rope_theta and args.num_experts_per_tok == hf.num_experts_per_tok
     assert (getattr(args, "num_experts", None) or args.num_local_experts) == hf.num_experts
+
+
+# faults on the other families' mlx-lm modules, each where the family names a part its own way
+# (crashed or never reached mlx-lm's model before: issue 33)
+OTHER_FAULTS = [
+    ("deepseek_v2", "rope_theta_wrong"), ("deepseek_v2", "router_sigmoid"), ("deepseek_v3", "router_no_renorm"),
+    ("dots1", "expert_index_off_by_one"), ("dots1", "shared_expert_missing"), ("glm4_moe", "gqa_kv_heads_tiled"),
+    ("glm4_moe", "expert_weights_not_applied"), ("gpt_oss", "attention_scale_wrong"), ("gpt_oss", "rope_interleaved"),
+    ("gpt_oss", "expert_weights_off_1e-3"), ("granitemoe", "router_sigmoid"), ("llama4", "qk_norm_missing"),
+    ("llama4", "rope_theta_wrong"), ("llama4", "router_softmax_after_topk"), ("phimoe", "rotary_fraction_wrong"),
+    ("phimoe", "router_wrong_num_experts"),
+]
+
+
+@pytest.mark.parametrize("family_name,fault_name", OTHER_FAULTS)
+def test_seeded_faults_on_the_other_families(mlx, family_name, fault_name):
+    spec = CheckSpec(family=family_name, backend="mlx")
+    fault = faults.get(fault_name)
+    assert fault.is_applicable(model_source(spec).args)
+    r = run_check(spec, mlx.BACKEND.with_fault(fault))
+    assert r.status == "fail", (r.status, r.error)
+    w = r.worst
+    assert (w["layer"], w["kind"]) == (fault.layer(model_source(spec).args), fault.kind)
+    assert all(v is not None for k, v in w["metrics"].items() if k in ("rel_l2", "weight_max_abs", "topk_agreement"))
 
 
 def test_seeded_faults_fail_where_expected(mlx, family):

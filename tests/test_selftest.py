@@ -11,7 +11,7 @@ from models import FAMILY_NAMES, faults
 from oracle.backend import CheckSpec
 from oracle.check import run_check
 from oracle.sources import model_source
-from oracle.selftest import run_selftest
+from oracle.selftest import render, run_selftest
 
 
 def test_selftest_eager_catches_and_localises_everything():
@@ -39,16 +39,24 @@ def test_selftest_cli_subset(cli, tmp_path):
 def test_a_family_with_a_known_divergence_is_self_tested_too():
     """mlx-lm's ERNIE drops the router's correction bias (goldens/known_divergences.toml): its clean
     run is an expected failure, not a false alarm, and a fault is localised among the rows that
-    pass without it (the known divergence's router row says nothing about a rope or norm fault)."""
+    pass without it (the known divergence's router row says nothing about a rope or norm fault).
+    A fault aimed at the router row that already fails is `masked`: stated with whether a row that
+    passes without it failed (router_sigmoid: the moe row), not required (one expert fewer changes
+    only tokens the failing router row already routes elsewhere: nothing else sees it)."""
     pytest.importorskip("mlx_lm")
     res = run_selftest("mlx", families=["ernie4_5_moe"], seeds=(0,),
-                       fault_names=["rope_theta_wrong", "residual_missing"])
+                       fault_names=["rope_theta_wrong", "residual_missing", "router_sigmoid", "router_wrong_num_experts"])
     assert [a.status for a in res.false_alarms] == ["xfail"]
     rows = {r.fault: r for r in res.faults}
     assert rows["rope_theta_wrong"].detected and rows["rope_theta_wrong"].worst["kind"] == "attention"
     assert rows["residual_missing"].detected and rows["residual_missing"].worst["kind"] == "layer"
+    assert rows["router_sigmoid"].masked and rows["router_sigmoid"].detected and not rows["router_sigmoid"].required
+    assert rows["router_wrong_num_experts"].masked and not rows["router_wrong_num_experts"].detected
+    assert not rows["rope_theta_wrong"].masked
     s = res.summary()
-    assert (s["detected"], s["localized"], s["false_alarms"]) == (2, 2, 0) and s["ok"]
+    assert (s["detected"], s["localized"], s["false_alarms"], s["masked"], s["masked_detected"]) == (2, 2, 0, 2, 1)
+    assert s["ok"] and "2 fault(s) at a block that fails without them" in res.summary_line()
+    assert "(m)" in render(res)
 
 
 def test_selftest_shards_split_the_families(cli, tmp_path):
