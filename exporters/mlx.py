@@ -549,10 +549,16 @@ class MLXBackend:
         where the fault has no natural form there (exporters/mlx_faults.py)."""
         from exporters import mlx_faults
 
-        if fault.name not in mlx_faults.FAULTS:
+        if mlx_faults.not_applicable(fault, "") is not None:
             return None
         return type(self)(f"{self.name}+{fault.name}", lambda m, a: mlx_faults.inject(fault, m, a), fault.name,
                           self.config_fn)
+
+    def fault_not_applicable(self, fault) -> str | None:
+        """Why with_fault(fault) is None (the selftest lists the fault as not applicable with this)."""
+        from exporters import mlx_faults
+
+        return mlx_faults.not_applicable(fault, "")
 
     def check_options(self, spec) -> str | None:
         """What is wrong with spec.options for this backend on this host (None: nothing).

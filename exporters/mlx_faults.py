@@ -9,8 +9,9 @@ mlx-lm's families name their parts differently (exporters/mlx_model.py: `switch_
 a router that routes by itself or a linear gate whose logits the block routes inline, Granite's
 `router.layer`, GPT-OSS's `sm_scale`, Llama 4's `use_qk_norm`, ropes with explicit frequencies):
 every transform goes through those accessors, so each fault has its own form on every family.
-Faults with no natural form on mlx-lm's model are absent (`MLXBackend.with_fault` returns None
-for them, and `NOT_APPLICABLE` says why).
+Faults with no form on mlx-lm's model (the bf16 dtype faults; ERNIE's correction-bias faults, whose
+bias mlx-lm drops) are refused: `MLXBackend.with_fault` returns None for them and `not_applicable`
+says why.
 """
 
 from __future__ import annotations
@@ -355,6 +356,175 @@ def _final_norm_eps(model, a):
     text_model(model).model.norm.eps *= 1e3
 
 
+# ------------------------------------------------------------------ DeepSeek-style routing
+# DeepSeek-V2/V3, GLM-4 and dots1 route in a gate module (MoEGate / TopkRouter) that keeps its
+# routing fields as attributes: most of these faults are one of them set wrong.
+def _gate(layer):
+    return router_module(moe_block(layer))
+
+
+def _set_gate(**fields):
+    def apply(layer, a):
+        g = _gate(layer)
+        for k, v in fields.items():
+            setattr(g, k, v(a) if callable(v) else v)
+
+    return apply
+
+
+def _group_limit_ignored(layer, a):
+    g = _gate(layer)
+    g.n_group, g.topk_group = 1, 1  # V3 / GLM-4: `if n_group > 1`; dots1: `n_group - topk_group` groups dropped
+    if hasattr(g, "topk_method"):  # V2's group_limited_greedy reads its method
+        g.topk_method = "greedy"
+
+
+def _bias_ignored(layer, a):
+    g = _gate(layer)
+    g.e_score_correction_bias = mx.zeros_like(g.e_score_correction_bias)
+
+
+def _bias_in_weights(layer, a):
+    """The gate's own choice, its weights taken from sigmoid + correction bias (not the sigmoid alone)."""
+    g = _gate(layer)
+    call = type(g).__call__
+
+    def fn(self, x):
+        inds, _ = call(self, x)
+        s = mx.take_along_axis(mx.sigmoid((x @ self.weight.T).astype(mx.float32)) + self.e_score_correction_bias,
+                               inds, axis=-1)
+        if self.top_k > 1 and self.norm_topk_prob:
+            s = s / s.sum(axis=-1, keepdims=True)
+        return inds, s * self.routed_scaling_factor
+
+    patch_call(g, fn)
+
+
+def _softmax_for_sigmoid(layer, a):
+    """Softmax scores where the family's are sigmoid. A routing gate runs its module's own
+    group_expert_select (which takes the sigmoid of what it is given) on logit(softmax): its scores
+    are then the softmax probabilities. Llama 4 (inline): softmax over all experts, top-k of those."""
+    import sys
+
+    g = _gate(layer)
+    if g is None:
+        return _reroute(layer, a, lambda v, k, renorm: _scores(v, k, False))
+    select = sys.modules[type(g).__module__].group_expert_select
+
+    def fn(self, x):
+        p = mx.softmax((x @ self.weight.T).astype(mx.float32), axis=-1, precise=True)
+        return select(mx.log(p) - mx.log1p(-p), self.e_score_correction_bias, self.top_k, self.n_group,
+                      self.topk_group, self.routed_scaling_factor, self.norm_topk_prob)
+
+    patch_call(g, fn)
+
+
+def _dense_layer_routed(layer, a):
+    mlp = moe_block(layer)
+    call = type(mlp).__call__
+    patch_call(mlp, lambda self, x: call(self, x) * a.routed_scaling_factor)
+
+
+def _moe_layer_as_dense(layer, a):
+    """A wrong MoE/dense interleave: the layer's routed experts left out, its shared expert(s) all it computes."""
+    moe = moe_block(layer)
+    patch_call(moe, lambda self, x: (self["shared_expert"] if "shared_expert" in self else self["shared_experts"])(x))
+
+
+# ------------------------------------------------------------------ multi-head latent attention
+def _mla_rope_nope_swapped(attn, a):
+    """q's rotary part taken from the front of each head instead of the back: the q projection's rows
+    of each head rotated by the rope width, so mlx-lm's split [nope | rope] gets [rope | nope]."""
+    p = attn.q_proj if "q_proj" in attn else attn.q_b_proj
+    nh, d = attn.num_heads, attn.q_head_dim
+    p.weight = mx.roll(p.weight.reshape(nh, d, -1), -attn.qk_rope_head_dim, axis=1).reshape(nh * d, -1)
+
+
+def _mla_cache_not_carried(attn, a):
+    """The compressed KV cache (V3: the latent and the rotary key; V2: its keys and values) zeroed
+    before every call: positions kept, what was written before lost."""
+    call = type(attn).__call__
+
+    def fn(self, x, mask=None, cache=None):
+        if cache is not None and cache.keys is not None:
+            cache.keys, cache.values = mx.zeros_like(cache.keys), mx.zeros_like(cache.values)
+        return call(self, x, mask, cache)
+
+    patch_call(attn, fn)
+
+
+def _yarn_mscale_missing(attn, a):
+    attn.scale = attn.q_head_dim ** -0.5
+
+
+# ------------------------------------------------------------------ the variants
+def _sinks_dropped(attn, a):
+    attn.sinks = None  # a plain softmax (mlx-lm's sdpa takes sinks=None)
+
+
+def _window_off_by_one(model, layer: int):
+    """The sliding layer's window one key wider: its cache holds window + 1 keys and its attention
+    builds its mask for window + 1 (mlx-lm's model hands every sliding layer the same mask)."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import RotatingKVCache
+
+    w = text_model(model).args.sliding_window + 1
+    make = model.make_cache
+    model.make_cache = lambda: [RotatingKVCache(max_size=w) if i == layer else c for i, c in enumerate(make())]
+    attn = attention_block(model.layers[layer])
+    call = type(attn).__call__
+
+    def fn(self, x, mask=None, cache=None):
+        mask = create_attention_mask(x, cache, window_size=w, return_array=isinstance(mask, mx.array))
+        return call(self, x, mask, cache)
+
+    patch_call(attn, fn)
+
+
+def _clamp_missing(layer, a):
+    experts_of(moe_block(layer)).activation._limit = float("inf")  # SwigluOAI's limit (7)
+
+
+def _router_logit_bias_ignored(layer, a):
+    moe_block(layer).router.pop("bias")  # nn.Linear adds a bias only when it has one
+
+
+def _sparsemixer_first_unmasked(layer, a):
+    from mlx_lm.models.phimoe import sparsemixer
+
+    def route(logits, k, renorm):
+        inds, scores = sparsemixer(logits, top_k=k, jitter_eps=a.router_jitter_eps)
+        return mx.repeat(scores[..., :1], k, axis=-1), mx.repeat(inds[..., :1], k, axis=-1)
+
+    _reroute(layer, a, route)
+
+
+def _layernorm_as_rmsnorm(layer, a):
+    ln = layer.input_layernorm
+    rms = nn.RMSNorm(ln.weight.shape[0], eps=ln.eps)
+    rms.weight = ln.weight
+    layer.input_layernorm = rms
+
+
+def _rope_on_nope_layer(model, layer: int):
+    """Llama 4's no-rope layer rotated as the rope layers are (their rope, no q/k norm there: mlx-lm's
+    use_qk_norm is off on that layer; its temperature tuning, for no-rope layers, then stops)."""
+    attn = attention_block(model.layers[layer])
+    donor = next(attention_block(lay) for lay in reversed(model.layers) if getattr(attention_block(lay), "use_rope", 0))
+    attn.rope, attn.use_rope = donor.rope, 1
+
+
+def _logits_scaling_missing(model, a):
+    text_model(model).logits_scaling = 1.0  # mlx-lm's Granite divides by it (so does the logits block)
+
+
+def _set(name, value):
+    def apply(obj, a):
+        setattr(obj, name, value(a) if callable(value) else value)
+
+    return apply
+
+
 # name -> transform(target, args): target the layer, its attention block (fault.kind attention),
 # or the model (fault.target model; MODEL_LEVEL: the model and the layer index)
 FAULTS = {
@@ -387,13 +557,61 @@ FAULTS = {
     "norm_offset_missing": _norm_offset_missing,
     "residual_missing": _residual_missing,
     "final_norm_eps_wrong": _final_norm_eps,
+    "router_bias_in_weights": _bias_in_weights,
+    "router_bias_ignored": _bias_ignored,
+    "router_group_limit_ignored": _group_limit_ignored,
+    "routed_scaling_missing": _set_gate(routed_scaling_factor=1.0),
+    "routed_scaling_twice": _set_gate(routed_scaling_factor=lambda a: a.routed_scaling_factor ** 2),
+    "router_softmax_for_sigmoid": _softmax_for_sigmoid,
+    "dense_layer_routed": _dense_layer_routed,
+    "mla_rope_nope_swapped": _mla_rope_nope_swapped,
+    "mla_cache_not_carried": _mla_cache_not_carried,
+    "yarn_mscale_missing": _yarn_mscale_missing,
+    "attention_sinks_dropped": _sinks_dropped,
+    "sliding_window_off_by_one": _window_off_by_one,
+    "swiglu_clamp_missing": _clamp_missing,
+    "router_logit_bias_ignored": _router_logit_bias_ignored,
+    "sparsemixer_first_unmasked": _sparsemixer_first_unmasked,
+    "layernorm_as_rmsnorm": _layernorm_as_rmsnorm,
+    "moe_interleave_wrong": _moe_layer_as_dense,
+    "residual_multiplier_missing": _set("residual_multiplier", 1.0),
+    "attention_multiplier_missing": _set("scale", lambda a: a.head_dim ** -0.5),
+    "logits_scaling_missing": _logits_scaling_missing,
+    "rope_on_nope_layer": _rope_on_nope_layer,
 }
 
-MODEL_LEVEL = {"kv_cache_write_off_by_one"}  # transforms taking (model, layer index)
+# transforms taking (model, layer index): what they change is also outside the layer (its cache, a donor rope)
+MODEL_LEVEL = {"kv_cache_write_off_by_one", "sliding_window_off_by_one", "rope_on_nope_layer"}
+
+# faults of the catalogue with no form on mlx-lm's model, and why (None from MLXBackend.with_fault)
+NOT_APPLICABLE = {
+    "moe_output_upcast": "a bf16 dtype fault: mlx's CPU gather_mm (the experts) is float32-only, so mlx runs bf16 "
+                         "on Apple GPUs only, where no form of it is written yet",
+    "logits_cast_to_float": "a bf16 dtype fault: mlx's CPU gather_mm (the experts) is float32-only, so mlx runs "
+                            "bf16 on Apple GPUs only, where no form of it is written yet",
+}
+# ... and on one family's mlx-lm model only: (fault, mlx-lm module) -> why
+NOT_APPLICABLE_ON = {
+    ("router_bias_in_weights", "ernie4_5_moe"): "mlx-lm's ernie4_5_moe has no correction bias (its sanitize() drops "
+                                                "it: the known divergence), so there is no bias to misuse",
+    ("router_bias_ignored", "ernie4_5_moe"): "mlx-lm's ernie4_5_moe already ignores the correction bias (the known "
+                                             "divergence): the fault is the candidate as it is",
+}
+
+
+def not_applicable(fault, module: str) -> str | None:
+    """Why `fault` has no form on the mlx-lm model `module` (None: it has one)."""
+    return NOT_APPLICABLE_ON.get((fault.name, module)) or NOT_APPLICABLE.get(fault.name) or (
+        None if fault.name in FAULTS else "no form on mlx-lm's model in exporters/mlx_faults.py")
 
 
 def inject(fault, model, args) -> None:
     """Apply `fault` to the loaded mlx-lm model where models/faults.py expects it (fault.layer(args))."""
+    why = NOT_APPLICABLE_ON.get((fault.name, type(model).__module__.rsplit(".", 1)[-1]))
+    if why:  # refused for this family's mlx-lm model (the selftest lists it as not applicable)
+        from oracle.backend import InputError
+
+        raise InputError(f"{fault.name}: {why}")
     i = fault.layer(args)
     if fault.name in MODEL_LEVEL:
         FAULTS[fault.name](model, i)

@@ -15,7 +15,9 @@ A fault aimed at one of those rows (ERNIE's router on mlx-lm) cannot be told apa
 `masked`, stated with whether it was detected anyway, not required.
 
 A backend takes part by providing `with_fault(fault) -> backend | None` (None: the fault
-cannot be expressed on this backend, e.g. it patches a torch module mlx-lm does not have).
+cannot be expressed on this backend, e.g. it patches a torch module mlx-lm does not have; an optional
+`fault_not_applicable(fault) -> str` says why). A faulted candidate that refuses to load (InputError:
+the fault has no form on this family's model) is listed as not applicable with its reason.
 """
 
 from __future__ import annotations
@@ -254,8 +256,9 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             if fault_names and fault.name not in fault_names:
                 continue
             variant = base.with_fault(fault)
-            if variant is None:
-                res.not_applicable.append({"family": family, "fault": fault.name, "why": "not expressible on backend"})
+            if variant is None:  # the backend may say why (fault_not_applicable)
+                why = getattr(base, "fault_not_applicable", lambda f: None)(fault) or "not expressible on backend"
+                res.not_applicable.append({"family": family, "fault": fault.name, "why": why})
                 continue
             progress(f"{family} {fault.name}")
             t = time.perf_counter()

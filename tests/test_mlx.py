@@ -307,7 +307,30 @@ OTHER_FAULTS = [
     ("gpt_oss", "expert_weights_off_1e-3"), ("granitemoe", "router_sigmoid"), ("llama4", "qk_norm_missing"),
     ("llama4", "rope_theta_wrong"), ("llama4", "router_softmax_after_topk"), ("phimoe", "rotary_fraction_wrong"),
     ("phimoe", "router_wrong_num_experts"),
+    # the biased-routing, MLA and variant faults, each in its mlx-lm form
+    ("deepseek_v2", "mla_rope_nope_swapped"), ("deepseek_v2", "dense_layer_routed"),
+    ("deepseek_v2", "router_group_limit_ignored"), ("deepseek_v3", "mla_cache_not_carried"),
+    ("deepseek_v3", "router_softmax_for_sigmoid"), ("deepseek_v3", "yarn_mscale_missing"),
+    ("dots1", "router_bias_ignored"), ("glm4_moe", "router_bias_in_weights"), ("glm4_moe", "routed_scaling_twice"),
+    ("gpt_oss", "sliding_window_off_by_one"), ("gpt_oss", "attention_sinks_dropped"),
+    ("gpt_oss", "swiglu_clamp_missing"), ("gpt_oss", "router_logit_bias_ignored"),
+    ("phimoe", "sparsemixer_first_unmasked"), ("phimoe", "layernorm_as_rmsnorm"),
+    ("granitemoe", "logits_scaling_missing"), ("granitemoe", "residual_multiplier_missing"),
+    ("llama4", "rope_on_nope_layer"), ("llama4", "moe_interleave_wrong"), ("llama4", "router_softmax_for_sigmoid"),
 ]
+
+
+def test_faults_without_a_form_on_mlx_lm_say_why(mlx):
+    """The bf16 dtype faults have no form here (with_fault None, and the reason); ERNIE's correction-bias
+    faults are refused when the faulted candidate loads: mlx-lm's ERNIE has no bias (its known divergence)."""
+    from oracle.backend import InputError
+
+    for name in ("moe_output_upcast", "logits_cast_to_float"):
+        assert mlx.BACKEND.with_fault(faults.get(name)) is None
+        assert "bf16" in mlx.BACKEND.fault_not_applicable(faults.get(name))
+    spec = CheckSpec(family="ernie4_5_moe", backend="mlx")
+    with pytest.raises(InputError, match="has no correction bias"):
+        run_check(spec, mlx.BACKEND.with_fault(faults.get("router_bias_in_weights")))
 
 
 @pytest.mark.parametrize("family_name,fault_name", OTHER_FAULTS)

@@ -45,7 +45,11 @@ def test_a_family_with_a_known_divergence_is_self_tested_too():
     only tokens the failing router row already routes elsewhere: nothing else sees it)."""
     pytest.importorskip("mlx_lm")
     res = run_selftest("mlx", families=["ernie4_5_moe"], seeds=(0,),
-                       fault_names=["rope_theta_wrong", "residual_missing", "router_sigmoid", "router_wrong_num_experts"])
+                       fault_names=["rope_theta_wrong", "residual_missing", "router_sigmoid", "router_wrong_num_experts",
+                                    "router_bias_ignored"])
+    # a fault with no form on this family's mlx-lm model: listed with the backend's reason
+    assert [(x["fault"], "already ignores the correction bias" in x["why"]) for x in res.not_applicable] == [
+        ("router_bias_ignored", True)]
     assert [a.status for a in res.false_alarms] == ["xfail"]
     rows = {r.fault: r for r in res.faults}
     assert rows["rope_theta_wrong"].detected and rows["rope_theta_wrong"].worst["kind"] == "attention"
