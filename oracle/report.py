@@ -112,6 +112,8 @@ def _e2e(e: dict | None) -> list[str]:
 def _shipped(q: dict) -> list[str]:
     mods = ", ".join(f"{k}: {n} modules" for k, n in (q.get("modules") or {}).items()) or "no quantized module"
     lines = [f"Shipped directory `{q['shipped_dir']}`: {q.get('format', '')} {q.get('kind', '')} ({mods})."]
+    if q.get("built"):
+        lines.append(q["built"] + ".")
     if q.get("note"):
         lines.append(q["note"][0].upper() + q["note"][1:] + ".")
     if q.get("from_original"):  # tensors the format cannot carry, in HF's reference from the original
@@ -119,8 +121,6 @@ def _shipped(q: dict) -> list[str]:
     return lines
 
 
-    if q.get("built"):
-        lines.append(q["built"] + ".")
 def markdown(doc: dict, top: int = 5) -> str:
     spec = doc["spec"]
     icon = {"pass": "✅", "fail": "❌", "xfail": "⚠️", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
