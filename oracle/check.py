@@ -86,9 +86,10 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         return spec_record(replace(s, precision=asked.precision, candidate_dir=None, options=asked.options)
                            if srcs.built else s)
 
+    spent = quantizing_options(backend, spec.options) if srcs.built else {}  # the directory's, spent on it
     if srcs.built:  # the candidate loads the directory at fp32 activations, judged at the fp32 limits
         spec = replace(spec, candidate_dir=srcs.shipped, precision="fp32",
-                       options={k: v for k, v in spec.options.items() if k not in quantizing_options(backend, spec.options)})
+                       options={k: v for k, v in spec.options.items() if k not in spent})
     elif srcs.shipped is not None and getattr(backend, "loads_directory", False):
         spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
         result.spec = spec_record(spec)
@@ -151,9 +152,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             "limits": spec.precision,
         }
         if srcs.built:
-            opts = quantizing_options(backend, asked.options)
             result.quantization["built"] = (f"--precision {asked.precision}: the directory `{spec.backend}` exports "
-                                            f"({', '.join(f'{k}={v}' for k, v in opts.items()) or 'default options'}), "
+                                            f"({', '.join(f'{k}={v}' for k, v in spent.items()) or 'default options'}), "
                                             "loaded as the candidate")
         if srcs.original is None:
             result.quantization["note"] = ("no original checkpoint given: only the implementation rows exist "
