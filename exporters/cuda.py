@@ -21,6 +21,7 @@ import torch
 
 from exporters.eager import DTYPES, TorchCandidate, block_fn
 from models.layers import reset_state
+from oracle.backend import Backend
 
 RECOMPILE_LIMIT = 4096  # per function: each (layer, block kind, length) is its own compiled graph
 
@@ -64,7 +65,7 @@ class CompiledCandidate(TorchCandidate):
         return outs
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """`device` "cpu" (tests only, not a CLI option): the same compiled functions with Inductor's
     C++ kernels, how the backend is tested on a host without a GPU."""
 

@@ -10,11 +10,12 @@ import torch
 
 from models.layers import Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
 from models.sampling import Sampler, check_args
+from oracle.backend import Backend, Candidate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class TorchCandidate:
+class TorchCandidate(Candidate):
     """A production torch model as a candidate (eager execution)."""
 
     block_mode = "isolated"
@@ -57,7 +58,7 @@ class TorchCandidate:
         return self.sample_logits(self.decode(token, pos), temperature, top_p, seed)
 
 
-class EagerBackend:
+class EagerBackend(Backend):
     """`transform(model)` may modify the built model in place: how faults are injected."""
 
     precisions = tuple(DTYPES)

@@ -56,7 +56,7 @@ from exporters.executorch_runtime import runtime  # noqa: F401 (the runtime the 
 from models.args import SPARSE, block_keys, block_path, mlp_type
 from models.layers import STATE_BUFFERS, Transformer, traced_experts
 from models.sampling import Sampler, SampledModel, example_args, runtime_args
-from oracle.backend import Option
+from oracle.backend import Backend, Candidate, Option
 from oracle.goldens import histogram_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -489,7 +489,7 @@ def release_delegated_constants(edge) -> None:
     gc.collect()
 
 
-class ExecutorchCandidate:
+class ExecutorchCandidate(Candidate):
     """A .pte with prefill/decode (+ taps) and probe methods, run by executorch.runtime.
     Rows of the reference's sequence are in-situ; router/moe expert probes are isolated."""
 
@@ -604,7 +604,7 @@ def block_output(kind: str, tensors: list):
     return tensors[0]
 
 
-class ExecutorchBackend:
+class ExecutorchBackend(Backend):
     """`transform(model)` modifies the built production model before export (how faults are
     injected); `transform_id` names it in the artifact cache key.
 

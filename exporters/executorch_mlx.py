@@ -40,7 +40,7 @@ from exporters.eager import DTYPES
 from models.layers import LINEAR, Transformer
 from models.sampling import runtime_args
 from oracle import goldens
-from oracle.backend import Option
+from oracle.backend import Backend, Candidate, Option
 
 KIND = "executorch-mlx"
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ def node_gates(family: str, hist: dict[str, int], where: str) -> list:
 
 
 # ---------------------------------------------------------------- running it
-class MlxCandidate:
+class MlxCandidate(Candidate):
     """forward (prefill / decode) and the block methods of the check's program."""
 
     block_mode = "isolated"
@@ -251,7 +251,7 @@ class MlxSamplingCandidate(MlxCandidate):
         return int(self.call(self._loaded("sample_logits"), lg, *runtime_args(temperature, top_p, seed))[0][0])
 
 
-class ExecutorchMlxBackend:
+class ExecutorchMlxBackend(Backend):
     """`transform(model)` modifies the built production model before the MLX source
     transformations (how faults are injected); `transform_id` names it in the cache key."""
 

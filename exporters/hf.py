@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
+from oracle.backend import Backend, Candidate
 from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class HFCandidate:
+class HFCandidate(Candidate):
     block_mode = "isolated"
 
     def __init__(self, model, family, dtype):
@@ -91,7 +92,7 @@ class HFCandidate:
         return outputs
 
 
-class HFBackend:
+class HFBackend(Backend):
     name = "hf"
     precisions = tuple(DTYPES)
 

@@ -46,7 +46,7 @@ import numpy as np
 from exporters.iree_program import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, host_cpu, \
     mlir_ops  # noqa: F401 (mlir_ops: the structural census, read by tests as this backend's)
 from oracle.artifacts import Artifact, cached_artifact, cached_json, sha256_file, versions
-from oracle.backend import InputError
+from oracle.backend import Backend, Candidate, InputError
 
 TOOLS = ("iree-base-compiler", "iree-base-runtime", "iree-turbine", "torch")
 
@@ -95,7 +95,7 @@ def _host(result) -> list[np.ndarray]:
     return [r.to_host().copy() for r in results]
 
 
-class IreeCandidate:
+class IreeCandidate(Candidate):
     block_mode = "isolated"
 
     def __init__(self, vmfb: bytes, blocks: dict, prompt_len: int, info: dict, ops: str | None = None,
@@ -179,7 +179,7 @@ class IreeCandidate:
         return outs
 
 
-class IreeBackend:
+class IreeBackend(Backend):
     """`transform(model)` may modify the built production model in place (seeded faults);
     `transform_id` names it in every cache key (a transform without an id is not cached)."""
 

@@ -35,7 +35,7 @@ from models.args import CHUNKED, SLIDING
 from models.checkpoint import CheckpointError, shard_files
 from models.mlx_lm import ConfigError  # noqa: F401  (the backend's refusal; tests import it from here)
 from exporters.mlx_model import attention_block, moe_block, route, text_model  # noqa: F401 (route: tests read the mirrors here)
-from oracle.backend import Option
+from oracle.backend import Backend, Candidate, Option
 from oracle.result import GateRow
 
 # bf16 only where a GPU can be: mlx's CPU gather_mm (the experts) is float32-only (0.32.4)
@@ -353,7 +353,7 @@ def load_directory(path, family: str, dtype, reference_config: dict):
 
 
 # ---------------------------------------------------------------- running
-class MLXCandidate:
+class MLXCandidate(Candidate):
     block_mode = "isolated"
 
     def __init__(self, model, dtype, device, info, array_mask: bool = False, windows: dict | None = None,
@@ -499,7 +499,7 @@ class MLXCandidate:
         return fn
 
 
-class MLXBackend:
+class MLXBackend(Backend):
     """`transform(model, args)` modifies the loaded mlx-lm model in place (how exporters/mlx_faults.py
     injects faults; args: the checkpoint's ModelArgs), before any quantization. `config_fn(family, config.json dict)` gives the
     ModelArgs fields (naive_mlx_config shows what mlx-lm's own loader would do)."""

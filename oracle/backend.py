@@ -1,52 +1,13 @@
-"""The backend protocol. A backend is any object with these members:
+"""The backend contract: `Backend` and `Candidate` below, every member documented where it is
+declared. The required ones (a backend's `name`, `availability` and `load`; a candidate's
+`prefill`, `decode` and `run_block`) raise NotImplementedError; every optional one has its
+default on the base class, so the harness reads `backend.member` and never probes.
 
-    name: str
-    def availability(self) -> tuple[bool, str]:
-        (True, "") or (False, "the exact reason, e.g. 'torch is a CPU build'")
-    def load(self, model: ModelSource, spec: CheckSpec) -> Candidate
-
-and a Candidate (what `load` returns) has:
-
-    def prefill(self, tokens: list[int]) -> array [T or 1, V]
-        logits of a new sequence (state reset); the last row is the last token's logits
-    def decode(self, token: int, pos: int) -> array [V] (or [1, V])
-        one step, carrying the state of the previous calls
-    def run_block(self, layer: int | None, kind: str, calls: list[BlockCall]) -> list | None
-        the block `kind` of `layer` on the reference's inputs, one output per call, state
-        carried from call to call and fresh at the first; kinds: attention, router, moe,
-        layer (per layer), final_norm, logits (layer None). router returns
-        (weights [T, k], indices [T, k]); the others [1, T, H] (logits [1, T, V]).
-        Return None for a kind the backend cannot isolate (the row is reported 'n/a').
-    info: dict  (optional) executor etc. -> result provenance; info["artifacts"]: a list of
-        oracle.artifacts.Artifact.as_dict() (name, path, sha256, cached, build_s)
-    block_mode: str (optional) 'isolated' (default) or 'in-situ'
-    gates(): list[GateRow] (optional) backend gates (e.g. cast counts)
-    structures(): dict[str, str] (optional) name -> canonical text of a lowered graph (an op
-        or node histogram), compared byte-exact with goldens/<family>/<backend>/<name>.txt
-    sample_prefill / sample_decode / sample_logits, host_sampler, top_p_after_temperature
-        (optional) an on-device sampler: see oracle/sampling.py (`--sampling` rows)
-
-Optional backend members: `precisions` (tuple of the precisions it supports),
-`option_schema` (a tuple of `Option`: the only options it accepts; none when absent; the
-harness refuses unknown or ill-typed ones before any work), `check_options(spec) -> str | None`
-(what is wrong with a combination of options on this host, e.g. `--device gpu` without one) and
-`export(model, spec, output_dir) -> list[Path]` (for `oracle export`) and
-`memory_per_param` (precision -> peak bytes per checkpoint parameter its load/build needs, with
-`memory_note` saying what is held) or `memory_estimate(src, spec) -> (bytes, how)` (where the
-peak follows the largest layer rather than the whole model); + BASE_MEMORY: a model that would not
-fit in the available memory is refused with exit 2 and the estimate, instead of being killed
-mid-build. A backend with `loads_directory` (it loads a shipped directory, --candidate-dir) and
-`export` writing one checks its quantized precisions (q8/q4) on the directory it exports: the
-harness builds it (cached), and judges the candidate against HF on its weights dequantized
-(CheckSpec.quant_reference). Torch-based
-backends take `transform` (a callable modifying the built production model, how seeded
-faults are injected) and `transform_id` (part of every artifact cache key).
-
-Arrays may be torch tensors or numpy arrays. A BlockCall (oracle/reference.py) holds its input
-as numpy (`x_array`, `pos_array`) and gives torch copies as `x`, `pos`. `runs_torch = False`
-(optional) says the candidate runs no torch: provenance then records no torch thread count, so
-a warm check of such a backend never imports torch. Built-in backends are named; a user's own
-is given as `package.module:attr` (an object as above, or a class / factory making one).
+Built-in backends are named (BUILTIN); a user's own is given as `package.module:attr` (a
+`Backend`, or a class / factory making one). An object written against the older duck-typed
+contract (the same member names, no base class) still works: `resolve` wraps it in an adapter
+whose members are the object's where it has them and the defaults otherwise, and `as_candidate`
+does the same for what its `load` returns. Arrays may be torch tensors or numpy arrays.
 """
 
 from __future__ import annotations
@@ -54,7 +15,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 BUILTIN = {
     "eager": "exporters.eager:BACKEND",
@@ -133,8 +94,8 @@ HARNESS_OPTIONS = {"sampling": "check", "max_seq_len": "export"}
 def validate_options(backend, options: dict, command: str = "check") -> dict:
     """`options` converted to each option's declared type; InputError for an option the
     backend does not declare, one that does not apply to `command`, or a bad value."""
-    schema = {o.name: o for o in getattr(backend, "option_schema", ())}
-    name = getattr(backend, "name", "?")
+    schema = {o.name: o for o in backend.option_schema}
+    name = backend.name
     out = {}
     for key, value in options.items():
         if key in HARNESS_OPTIONS:
@@ -211,17 +172,198 @@ class ModelSource:
         return self.family.build_from(self.config, self.model_dir, dtype, self.args.max_seq_len, self.args, mapped)
 
 
-class Candidate(Protocol):
-    def prefill(self, tokens: list[int]): ...
-    def decode(self, token: int, pos: int): ...
-    def run_block(self, layer, kind: str, calls: list): ...
+class Candidate:
+    """What `Backend.load` returns: the model built (or loaded) by the backend, run by the harness.
+    Subclass it; override the three required methods and whichever optional members apply."""
+
+    # provenance: the executor etc.; info["artifacts"]: a list of oracle.artifacts.Artifact.as_dict()
+    # (name, path, sha256, cached, build_s), info["host"]: host facts (e.g. the target CPU)
+    info: dict = {}
+    # how run_block's rows are fed: 'isolated' (the reference's inputs) or 'in-situ' (the candidate's
+    # own upstream, oracle/insitu.py); block_modes: per kind, overriding block_mode
+    block_mode: str = "isolated"
+    block_modes: dict = {}
+    # the on-device sampler (oracle/sampling.py, the `--sampling` rows); None: the candidate has none
+    # and the sampling rows are skipped. sample_prefill(tokens, temperature, top_p, seed) -> token,
+    # sample_decode(token, pos, temperature, top_p, seed) -> token; sample_logits(logits,
+    # temperature, top_p, seed) -> token: the sampling head alone (None: the distribution is drawn
+    # through sample_prefill)
+    sample_prefill = None
+    sample_decode = None
+    sample_logits = None
+    # the sampler's order: top-p applied to the tempered distribution (True) or the untempered one
+    top_p_after_temperature: bool = True
+
+    def prefill(self, tokens: list[int]):
+        """Logits [T or 1, V] of a new sequence (state reset); the last row is the last token's."""
+        raise NotImplementedError
+
+    def decode(self, token: int, pos: int):
+        """Logits [V] (or [1, V]) of one step, carrying the state of the previous calls."""
+        raise NotImplementedError
+
+    def run_block(self, layer: int | None, kind: str, calls: list) -> list | None:
+        """The block `kind` of `layer` on the reference's calls (oracle.reference.BlockCall: the
+        input as numpy `x_array`, `pos_array`, and torch copies `x`, `pos`), one output per call,
+        state carried from call to call and fresh at the first. Kinds: attention, router, moe, mlp
+        (a dense layer's MLP), layer (per layer), final_norm, logits (layer None). router returns
+        (weights [T, k], indices [T, k]); the others [1, T, H] (logits [1, T, V]). None: the kind
+        cannot be isolated (its rows are 'n/a')."""
+        raise NotImplementedError
+
+    def gates(self) -> list:
+        """The backend's own gate rows (oracle.result.GateRow, e.g. cast counts); none by default."""
+        return []
+
+    def structures(self) -> dict[str, str]:
+        """name -> canonical text of a lowered graph (an op or node histogram), compared byte-exact
+        with goldens/<family>/<backend>/<name>.txt; none by default."""
+        return {}
+
+    def host_sampler(self, logits, temperature: float, top_p: float, seed: int) -> tuple:
+        """The host implementation the sampler's seed schedule is judged against: (token, margin)."""
+        from oracle.sampling import reference_sample  # oracle.sampling reads this module's types
+
+        return reference_sample(logits, temperature, top_p, seed)
 
 
-class Backend(Protocol):
+class Backend:
+    """A backend: builds (or loads) a candidate for a checkpoint. Subclass it; set `name`, override
+    `availability` and `load`, and whichever optional members apply. By convention torch-based
+    backends take `transform` (a callable modifying the built production model: how seeded faults
+    are injected) and `transform_id` (part of every artifact cache key); the harness never reads them."""
+
     name: str
+    # the precisions it supports; None: every precision the harness knows
+    precisions: tuple[str, ...] | None = None
+    # the only options it accepts (`Option`s): unknown or ill-typed ones are refused before any work
+    option_schema: tuple = ()
+    # False: the candidate runs no torch (provenance records no torch thread count, so a warm check
+    # of the backend never imports torch)
+    runs_torch: bool = True
+    # it loads a shipped directory as the candidate (--candidate-dir). With `export` writing one, its
+    # quantized precisions (q8/q4) are checked on the directory it exports: the harness builds it
+    # (cached) and judges the candidate against HF on its weights dequantized (CheckSpec.quant_reference)
+    loads_directory: bool = False
+    # the suffix of a program built elsewhere that it runs (--pte .pte / --vmfb .vmfb); None: refused
+    artifact_suffix: str | None = None
+    # the memory guard: peak bytes per checkpoint parameter its load/build needs, per precision (no
+    # entry: no guard), and what is held then (see memory_estimate)
+    memory_per_param: dict = {}
+    memory_note: str = ""
+    # export(model: ModelSource, spec, output_dir: Path) -> list[Path]: write the artifacts for
+    # `oracle export` (and the directory a q8/q4 check loads, with loads_directory); None: it cannot
+    export = None
+    # with_fault(fault) -> Backend | None: this backend with a seeded fault (models/faults.py)
+    # injected, None where the fault cannot be expressed on it; None here: `oracle selftest` refused
+    with_fault = None
 
-    def availability(self) -> tuple[bool, str]: ...
-    def load(self, model: ModelSource, spec: CheckSpec) -> Candidate: ...
+    def availability(self) -> tuple[bool, str]:
+        """(True, "") or (False, "the exact reason, e.g. 'torch is a CPU build'"): the check is then
+        skipped with that reason."""
+        raise NotImplementedError
+
+    def load(self, model: ModelSource, spec: CheckSpec) -> Candidate:
+        """The candidate for this checkpoint and spec (export/lower/compile cached by content hash)."""
+        raise NotImplementedError
+
+    def check_options(self, spec: CheckSpec) -> str | None:
+        """What is wrong with this combination of options on this host (e.g. `--device gpu`
+        without one), or None."""
+        return None
+
+    def check_given(self, model: ModelSource, spec: CheckSpec) -> None:
+        """Check the program given with --pte / --vmfb (its methods and signatures), raising
+        InputError with the fix; nothing by default."""
+
+    def memory_estimate(self, model: ModelSource, spec: CheckSpec) -> tuple[int | None, str]:
+        """(peak bytes its load/build needs, how that is made up), or (None, "") for no guard. By
+        default memory_per_param at this precision times the checkpoint's parameters; a backend
+        whose peak follows the largest layer rather than the whole model overrides it."""
+        per = (self.memory_per_param or {}).get(spec.precision)
+        if per is None:
+            return None, ""
+        params = model.parameter_count()
+        note = self.memory_note
+        return int(params * per), f"{params / 1e9:.2f} B parameters x {per:g} bytes{f': {note}' if note else ''}"
+
+    def fault_not_applicable(self, fault) -> str | None:
+        """Why with_fault(fault) is None, for the selftest's list (None: 'not expressible on backend')."""
+        return None
+
+
+# the members with a default: what an adapter takes from a duck-typed plugin where it has them
+_OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_directory", "artifact_suffix",
+                       "memory_per_param", "memory_note", "export", "with_fault", "check_options",
+                       "check_given", "memory_estimate", "fault_not_applicable"),
+             Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
+                         "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler")}
+
+
+class _Duck:
+    """An object written against the duck-typed contract, wrapped: the members declared with
+    `_members` below are the object's where it has them and the base class's defaults otherwise;
+    any other attribute is the object's."""
+
+    def __init__(self, plugin):
+        object.__setattr__(self, "plugin", plugin)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "plugin"), name)
+
+    def __setattr__(self, name, value):
+        setattr(self.plugin, name, value)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.plugin!r})"
+
+
+def _members(cls: type, base: type, names: tuple[str, ...]) -> type:
+    def member(name):
+        default = vars(base).get(name)  # (`name` has none: resolve requires it)
+
+        def get(self):
+            try:
+                return getattr(self.plugin, name)
+            except AttributeError:  # absent: the default (a method bound to the adapter)
+                return default.__get__(self) if hasattr(default, "__get__") else default
+        return property(get)
+
+    for name in names:
+        setattr(cls, name, member(name))
+    return cls
+
+
+class _DuckCandidate(_Duck, Candidate):
+    pass
+
+
+class _DuckBackend(_Duck, Backend):
+    def load(self, model, spec):
+        return as_candidate(self.plugin.load(model, spec))
+
+    @property
+    def with_fault(self):  # the faulted backend wrapped too
+        with_fault = getattr(self.plugin, "with_fault", None)
+        return None if with_fault is None else lambda fault: _optional_backend(with_fault(fault))
+
+
+_members(_DuckCandidate, Candidate, ("prefill", "decode", "run_block") + _OPTIONAL[Candidate])
+_members(_DuckBackend, Backend, ("name", "availability") + tuple(m for m in _OPTIONAL[Backend] if m != "with_fault"))
+
+
+def as_candidate(obj) -> Candidate:
+    """`obj` as a Candidate: itself, or a duck-typed candidate wrapped with the defaults."""
+    return obj if isinstance(obj, Candidate) else _DuckCandidate(obj)
+
+
+def as_backend(obj) -> Backend:
+    """`obj` as a Backend: itself, or a duck-typed backend wrapped with the defaults."""
+    return obj if isinstance(obj, Backend) else _DuckBackend(obj)
+
+
+def _optional_backend(obj):
+    return None if obj is None else as_backend(obj)
 
 
 def builtin_names() -> list[str]:
@@ -245,7 +387,8 @@ def import_plugin(mod_name: str):
 
 
 def resolve(name: str) -> Backend:
-    """A built-in backend by name, or `package.module:attr` for a plugin."""
+    """A built-in backend by name, or `package.module:attr` for a plugin (a duck-typed one wrapped
+    with the defaults: as_backend)."""
     target = BUILTIN.get(name)
     if target is None:
         if ":" not in name:
@@ -267,7 +410,7 @@ def resolve(name: str) -> Backend:
     for member in ("name", "availability", "load"):
         if not hasattr(obj, member):
             raise BackendError(f"backend {name!r}: {target} has no {member!r} (see oracle/backend.py for the protocol)")
-    return obj
+    return as_backend(obj)
 
 
 GIB = 1 << 30
@@ -298,26 +441,16 @@ def available_memory() -> int | None:
 def memory_refusal(backend, src: ModelSource, spec: CheckSpec) -> str | None:
     """Why this backend cannot hold this model here (its estimate of the peak bytes it needs,
     + BASE_MEMORY, above the available memory), or None. The estimate is the backend's
-    `memory_estimate(src, spec)` -> (bytes, how it is made up) where it has one (a need that
-    follows the largest layer, not the whole model), else its `memory_per_param` at this
-    precision times the checkpoint's parameters. $MOE_ORACLE_MEMORY_CHECK=off skips it (e.g. with
+    `memory_estimate(src, spec)` -> (bytes, how it is made up): by default its `memory_per_param`
+    at this precision times the checkpoint's parameters. $MOE_ORACLE_MEMORY_CHECK=off skips it (e.g. with
     swap the kernel does not count)."""
     import os
 
     if os.environ.get("MOE_ORACLE_MEMORY_CHECK", "on") == "off":
         return None
-    estimate = getattr(backend, "memory_estimate", None)
-    if estimate is not None:
-        need, how = estimate(src, spec)
-        if need is None:
-            return None
-    else:
-        per = (getattr(backend, "memory_per_param", None) or {}).get(spec.precision)
-        if per is None:
-            return None
-        params = src.parameter_count()
-        note = getattr(backend, "memory_note", "")
-        need, how = int(params * per), f"{params / 1e9:.2f} B parameters x {per:g} bytes{f': {note}' if note else ''}"
+    need, how = backend.memory_estimate(src, spec)
+    if need is None:
+        return None
     need += BASE_MEMORY
     avail = available_memory()
     if avail is None or need <= avail:

@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from oracle import expected
 from oracle import goldens as golden_files
 from oracle import thresholds
-from oracle.backend import CheckSpec, InputError, memory_refusal
+from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, memory_refusal
 from oracle.noise import noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
@@ -67,8 +67,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     progress = progress or (lambda stage, done=0, total=0: None)
     t0 = time.perf_counter()
     timings = {}
-    if backend is None:
-        backend = validate(spec)
+    backend = validate(spec) if backend is None else as_backend(backend)  # (a duck-typed object wrapped)
     if goldens and not golden_files.root().is_dir():  # a broken install would silently drop every golden gate
         raise InputError(f"the goldens directory {golden_files.root()} is missing (a broken install?): "
                          "reinstall moe-oracle, or set MOE_ORACLE_GOLDENS")
@@ -90,7 +89,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     if srcs.built:  # the candidate loads the directory at fp32 activations, judged at the fp32 limits
         spec = replace(spec, candidate_dir=srcs.shipped, precision="fp32",
                        options={k: v for k, v in spec.options.items() if k not in spent})
-    elif srcs.shipped is not None and getattr(backend, "loads_directory", False):
+    elif srcs.shipped is not None and backend.loads_directory:
         spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
         result.spec = spec_record(spec)
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
@@ -101,9 +100,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         raise InputError(refusal)
     if spec.artifact is not None:
         artifact_matches(spec, src)
-        check_given = getattr(backend, "check_given", None)  # the program itself (exporters/given.py)
-        if check_given is not None:
-            check_given(src, spec)
+        backend.check_given(src, spec)  # the program itself (exporters/given.py)
     if spec.reference is not None:
         saved = saved_reference(spec)["checkpoint_sha256"]
         here = [s.checkpoint_sha256 for s in (src, srcs.original) if s is not None]
@@ -168,9 +165,9 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     try:
         progress("load")
         t = time.perf_counter()
-        cand = backend.load(src, spec)
+        cand = as_candidate(backend.load(src, spec))
         timings["load_s"] = time.perf_counter() - t
-        info = dict(getattr(cand, "info", {}) or {})
+        info = dict(cand.info or {})
         artifacts = info.pop("artifacts", [])
         result.provenance["host"].update(info.pop("host", {}))  # e.g. IREE's target CPU: host facts in one place
         result.provenance["backend"] = info
@@ -199,9 +196,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             result.prompts = prompt_set(ref, result.e2e, rows, spec, src, cand, prompts, progress)
             timings["prompts_s"] = time.perf_counter() - t
         stage = "gates"
-        gates = getattr(cand, "gates", None)
-        if gates is not None:
-            result.gates += _contained(result, "backend_gates", lambda: list(gates())) or []
+        result.gates += _contained(result, "backend_gates", lambda: list(cand.gates())) or []
         sampling = spec.options.get("sampling")
         if sampling is not None:
             stage = "sampling"
@@ -211,9 +206,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
                 ref, cand, float(sampling["temperature"]), float(sampling["top_p"]), spec.seed,
                 thresholds.limits(spec.precision, "e2e")["tie_margin"])) or []
             timings["sampling_s"] = time.perf_counter() - t
-        structures = getattr(cand, "structures", None)
-        if structures is not None:
-            result.structures = dict(_contained(result, "structures", structures) or {})
+        result.structures = dict(_contained(result, "structures", cand.structures) or {})
         if goldens:
             stage = "goldens"
             tok = golden_files.token_gate(spec, result.e2e.candidate_tokens)

@@ -251,10 +251,9 @@ def cmd_backends() -> int:
             b, ok, reason = None, False, str(e)
         print(f"{name:18s} {'available' if ok else 'unavailable'}{'' if ok else ': ' + reason}")
         if b is not None:
-            precisions = getattr(b, "precisions", None)
-            if precisions:
-                print(f"    precisions: {', '.join(precisions)}")
-            schema = getattr(b, "option_schema", ())
+            if b.precisions:
+                print(f"    precisions: {', '.join(b.precisions)}")
+            schema = b.option_schema
             for o in schema:
                 print(f"    {o.describe()}")
             if not schema:

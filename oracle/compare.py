@@ -278,9 +278,8 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     (oracle/insitu.py)."""
     keys = ref.block_keys()
     routes = {}  # layer -> the candidate's routing, from its router row (for the moe row)
-    modes = getattr(cand, "block_modes", {})
     rows, errors, outputs = {}, [], {}
-    mode_of = {key: modes.get(key[1], getattr(cand, "block_mode", "isolated")) for key in keys}
+    mode_of = {key: cand.block_modes.get(key[1], cand.block_mode) for key in keys}
     for n, key in enumerate(keys):
         progress("blocks", n, len(keys))
         mode = mode_of[key]

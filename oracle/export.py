@@ -14,8 +14,7 @@ from oracle.validation import validate
 
 def run_export(spec: CheckSpec, output_dir: str) -> Path:
     backend = validate(spec, "export")
-    export = getattr(backend, "export", None)
-    if export is None:
+    if backend.export is None:
         raise InputError(f"backend {spec.backend} has no exporter (nothing to write)")
     ok, reason = backend.availability()
     if not ok:
@@ -26,7 +25,7 @@ def run_export(spec: CheckSpec, output_dir: str) -> Path:
         raise InputError(refusal)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = export(src, spec, out)
+    files = backend.export(src, spec, out)
     options = {k: v for k, v in asdict(spec).items()  # (the normal weight profile: as before the profiles)
                if k not in ("family", "model_dir") and not (k == "weights" and v == "normal")}
     return write_manifest(out, spec.family, src.config, options, files,

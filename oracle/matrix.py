@@ -59,8 +59,7 @@ def _precision_skip(c: Combo) -> str | None:
         be = resolve(c.backend)
     except BackendError as e:
         return str(e)
-    supported = getattr(be, "precisions", None)
-    if supported is not None and c.precision not in supported:
+    if be.precisions is not None and c.precision not in be.precisions:
         return f"backend {c.backend} does not support precision {c.precision}"
     return None
 

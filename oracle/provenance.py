@@ -22,7 +22,7 @@ def provenance(spec: CheckSpec, backend=None) -> dict:
 
     host = {"name": platform.node(), "machine": platform.machine(), "system": platform.system(),
             "cpus": os.cpu_count()}
-    if getattr(backend, "runs_torch", True):
+    if backend.runs_torch:
         import torch
 
         host["torch_threads"] = torch.get_num_threads()

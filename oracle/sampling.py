@@ -80,7 +80,7 @@ def _skip(name, why):
 def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_margin: float) -> list[GateRow]:
     names = ("sampling_greedy", "sampling_reproducible", "sampling_seed_schedule", "sampling_arguments",
              "sampling_distribution")
-    if not all(hasattr(cand, m) for m in ("sample_prefill", "sample_decode")):
+    if cand.sample_prefill is None or cand.sample_decode is None:
         return [_skip(n, "the backend has no on-device sampler") for n in names]
     P = ref.prompt_len
     steps = len(ref.logits)
@@ -98,7 +98,7 @@ def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_m
     bad = [k for k, (a, b) in enumerate(zip(greedy, want))
            if a != b and reference_sample(ref.logits[k][-1], 0.0, 1.0, 0)[1] >= tie_margin]
     msg = "argmax of the reference logits at every step"
-    if not bad and hasattr(cand, "sample_logits"):
+    if not bad and cand.sample_logits is not None:
         tie = np.asarray(ref.logits[0][-1], dtype=np.float32).copy()
         top = int(tie.argmax())
         tie[(top + 1) % tie.size] = np.nextafter(tie[top], np.float32(-np.inf))  # a near tie, one ulp apart
@@ -119,8 +119,7 @@ def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_m
                         f"seed {seed}: {a}; again: {b}; seed {seed + 1000}: {c}"))
 
     # 3. the seed schedule (prefill s, decode step k: s + k) matches the host reference sampler
-    host_sample = getattr(cand, "host_sampler", reference_sample)
-    host = [host_sample(ref.logits[k][-1], t_r, top_p, seed + k) for k in range(steps)]
+    host = [cand.host_sampler(ref.logits[k][-1], t_r, top_p, seed + k) for k in range(steps)]
     diff = [k for k in range(steps) if a[k] != host[k][0] and (host[k][1] is None or host[k][1] >= tie_margin)]
     rows.append(GateRow("sampling_seed_schedule", "fail" if diff else "pass",
                         f"{len(diff)} steps differ" if diff else "match", "match",
@@ -142,13 +141,13 @@ def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_m
     # 5. the distribution at the prefill step over many seeds matches softmax(logits / T) on the
     # nucleus. With the head exported on its own, it is fed the candidate's prefill logits (fast);
     # otherwise every draw is a fused prefill.
-    if hasattr(cand, "sample_logits"):
+    if cand.sample_logits is not None:
         logits = np.asarray(cand.prefill(ref.tokens[:P]), dtype=np.float32).reshape(-1, ref.logits[0].shape[-1])[-1]
         draws = np.array([int(cand.sample_logits(logits, t_r, top_p, 10_000 + i)) for i in range(N_DRAWS)])
     else:
         draws = np.array([int(cand.sample_prefill(ref.tokens[:P], t_r, top_p, 10_000 + i)) for i in range(N_DRAWS)])
     rows.append(distribution_gate(np.asarray(ref.logits[0][-1]), draws, t_r, top_p,
-                                  getattr(cand, "top_p_after_temperature", True)))
+                                  cand.top_p_after_temperature))
     return rows
 
 

@@ -226,7 +226,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     for family in families:
         if family not in FAMILY_NAMES:
             validate(CheckSpec(family=family, backend=backend_name, options=options, weights=weights))
-    if not hasattr(base, "with_fault"):
+    if base.with_fault is None:
         raise InputError(f"backend {backend_name} cannot take seeded faults (it has no with_fault())")
     ok, reason = base.availability()
     if not ok:
@@ -257,7 +257,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 continue
             variant = base.with_fault(fault)
             if variant is None:  # the backend may say why (fault_not_applicable)
-                why = getattr(base, "fault_not_applicable", lambda f: None)(fault) or "not expressible on backend"
+                why = base.fault_not_applicable(fault) or "not expressible on backend"
                 res.not_applicable.append({"family": family, "fault": fault.name, "why": why})
                 continue
             progress(f"{family} {fault.name}")

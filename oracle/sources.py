@@ -123,13 +123,13 @@ def builds_quantized(spec: CheckSpec, backend) -> bool:
     and loads directories, no directory or program given, --quant-reference dequantized."""
     return (spec.quant_reference == "dequantized" and thresholds.quantized(spec.precision)
             and spec.candidate_dir is None and spec.artifact is None and shipped_dir(spec) is None
-            and getattr(backend, "loads_directory", False) and hasattr(backend, "export"))
+            and backend.loads_directory and backend.export is not None)
 
 
 def quantizing_options(backend, options: dict) -> dict:
     """The options that shape the quantized weights (the schema's `quantizes`), spent on the
     directory the backend writes."""
-    schema = {o.name: o for o in getattr(backend, "option_schema", ())}
+    schema = {o.name: o for o in backend.option_schema}
     return {k: v for k, v in options.items() if k in schema and schema[k].quantizes}
 
 

@@ -36,16 +36,15 @@ def validate(spec: CheckSpec, command: str = "check"):
     if spec.precision not in thresholds.precisions():
         raise InputError(f"unknown precision {spec.precision!r}; known: {', '.join(thresholds.precisions())}")
     backend = resolve(spec.backend)
-    supported = getattr(backend, "precisions", None)
-    if supported is not None and spec.precision not in supported:
+    if backend.precisions is not None and spec.precision not in backend.precisions:
         raise InputError(f"backend {spec.backend} does not support precision {spec.precision} "
-                         f"(supports {', '.join(supported)})")
+                         f"(supports {', '.join(backend.precisions)})")
     if spec.quant_reference not in QUANT_REFERENCES:
         raise InputError(f"--quant-reference {spec.quant_reference}: allowed values are {', '.join(QUANT_REFERENCES)}")
     if spec.quant_reference != "dequantized" and not thresholds.quantized(spec.precision):
         raise InputError(f"--quant-reference applies to the quantized precisions, not {spec.precision}")
     if shipped_dir(spec) is not None:
-        if spec.candidate_dir is not None and not getattr(backend, "loads_directory", False):
+        if spec.candidate_dir is not None and not backend.loads_directory:
             raise InputError(f"backend {spec.backend} cannot load a prebuilt directory (--candidate-dir): "
                              "it builds its candidate from the checkpoint")
         if spec.precision not in ("fp32", "bf16"):
@@ -54,7 +53,7 @@ def validate(spec: CheckSpec, command: str = "check"):
     if spec.reference is not None:
         saved_reference(spec)
     if spec.artifact is not None:
-        suffix = getattr(backend, "artifact_suffix", None)
+        suffix = backend.artifact_suffix
         if suffix is None:
             raise InputError(f"backend {spec.backend} runs no prebuilt program (--pte / --vmfb)")
         if not spec.artifact.endswith(suffix):
@@ -62,8 +61,7 @@ def validate(spec: CheckSpec, command: str = "check"):
         if not Path(spec.artifact).is_file():
             raise InputError(f"--{suffix[1:]} {spec.artifact}: no such file")
     spec.options.update(validate_options(backend, spec.options, command))
-    check_options = getattr(backend, "check_options", None)
-    problem = check_options(spec) if check_options else None
+    problem = backend.check_options(spec)
     if problem:
         raise InputError(f"backend {spec.backend}: {problem}")
     return backend
