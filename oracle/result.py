@@ -3,6 +3,7 @@ renderers never recompute numbers."""
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
@@ -11,7 +12,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SCHEMA = "oracle-report/v1"
-STATUSES = ("pass", "fail", "xfail", "skipped", "error")  # xfail: oracle/expected.py
+
+
+class Status(enum.StrEnum):
+    """Every status a check, row, gate or step has. A str: JSON, markdown, HTML and comparisons
+    with the strings read back from a report are the value itself ("pass", ...)."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    ERROR = "error"  # the candidate (or a stage of the check) raised
+    SKIPPED = "skipped"  # the backend is unavailable here, or the check was refused
+    XFAIL = "xfail"  # a failure its known divergence explains (oracle/expected.py)
+    NA = "n/a"  # a block row the backend cannot isolate
+    REPORTED = "reported"  # measured and shown, not judged (a quantization's own error)
+    ROUTING_TIE = "routing-tie"  # an e2e step that differs after a router near tie: reported, not failed
+
+
+# the statuses of a whole check
+STATUSES = (Status.PASS, Status.FAIL, Status.XFAIL, Status.SKIPPED, Status.ERROR)
 # composite blocks contain others: a fault is localised to the most specific failing block
 SPECIFICITY = {"router": 0, "attention": 1, "moe": 1, "mlp": 1, "layer": 2, "final_norm": 3, "logits": 3}
 
