@@ -17,7 +17,8 @@ from oracle.backend import Backend, Candidate
 from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp64: HF's exact answer for fp32's own measured error (oracle/noise.py exact_for), not a user precision
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 class HFCandidate(Candidate):
@@ -94,7 +95,7 @@ class HFCandidate(Candidate):
 
 class HFBackend(Backend):
     name = "hf"
-    precisions = tuple(DTYPES)
+    precisions = ("fp32", "bf16")
 
     def availability(self):
         return True, ""

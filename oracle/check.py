@@ -13,7 +13,7 @@ from oracle import expected
 from oracle import goldens as golden_files
 from oracle import thresholds
 from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, memory_refusal
-from oracle.noise import noise_for
+from oracle.noise import exact_for, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
 from oracle.result import CheckResult, GateRow, worst_row
@@ -186,7 +186,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         progress("e2e")
         t = time.perf_counter()
         rows = []
-        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args), rows, noise)
+        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args), rows, noise,
+                                         exact=lambda: exact_for(ref, src, spec, prompt))
         if dtype_gate:
             result.gates.append(dtype_gate)
         timings["e2e_s"] = time.perf_counter() - t

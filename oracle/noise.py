@@ -74,9 +74,9 @@ def _key(spec, src, prompt) -> str:
                    **versions("torch", "transformers", "safetensors")})
 
 
-def measure(ref, src, spec) -> Noise:
-    """HF at spec.precision: every block on the reference's inputs, then the e2e steps fed the
-    reference's tokens."""
+def measure(ref, src, spec, blocks: bool = True) -> Noise:
+    """HF at spec.precision: every block on the reference's inputs (unless not `blocks`), then the
+    e2e steps fed the reference's tokens."""
     import torch
 
     from oracle.backend import resolve
@@ -86,7 +86,7 @@ def measure(ref, src, spec) -> Noise:
     hf.keep_router_logits = True
     args = model_args(hf.model, src.family)
     noise = Noise(spec.precision)
-    for key in ref.block_keys():
+    for key in ref.block_keys() if blocks else ():
         outs = hf.run_block(key[0], key[1], ref.inputs[key])
         if key[1] == "router":
             with torch.no_grad():
@@ -158,12 +158,12 @@ def _load(path: Path) -> Noise | None:
 _MEMORY: dict[str, Noise] = {}  # this process's measurements (a matrix server runs many checks)
 
 
-def _cached(key: str, ref, src, spec) -> Noise:
+def _cached(key: str, ref, src, spec, blocks: bool = True) -> Noise:
     if key not in _MEMORY:
         path = cache_root() / "noise" / key
         noise = _load(path)
         if noise is None:
-            noise = measure(ref, src, spec)
+            noise = measure(ref, src, spec, blocks)
             _save(noise, path)
         if len(_MEMORY) >= 4:
             _MEMORY.pop(next(iter(_MEMORY)))
@@ -180,3 +180,13 @@ def noise_for(ref, src, spec, prompt) -> Noise | None:
         return None
     spec = replace(spec, backend="hf", options={}, candidate_dir=None, artifact=None, reference=None, prompts=None)
     return _cached(_key(spec, src, prompt), ref, src, spec)
+
+
+def exact_for(ref, src, spec, prompt) -> Noise:
+    """fp32's own error: HF at fp64 on the teacher-forced e2e steps (its logits, and its routers'
+    selection scores inside the run), against which HF fp32 (the reference) is then measured as
+    bf16 is against fp32. Measured only when an fp32 step fails its fixed table (oracle/e2e.py);
+    cached like the others. The blocks are not run: fp32's block rows keep their tables."""
+    spec = replace(spec, backend="hf", precision="fp64", options={}, candidate_dir=None, artifact=None,
+                   reference=None, prompts=None)
+    return _cached(_key(spec, src, prompt), ref, src, spec, blocks=False)

@@ -67,6 +67,8 @@ class E2E:
     # positions whose expert choice is a near tie in some layer of the reference: a step that
     # attends to one and fails is `routing-tie` (reported apart, not failed)
     routing_ties: list[int] = field(default_factory=list)
+    # fp32 beyond its table: how the steps were judged against fp32's own measured error (oracle/e2e.py)
+    measured_noise: str | None = None
 
 
 @dataclass

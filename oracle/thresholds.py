@@ -107,6 +107,21 @@ def noise_limits(lim: dict, noise: dict, stored: dict) -> dict:
             "rel_l2": f * noise["rel_l2"] + g * stored["rel_l2"]}
 
 
+def exact(precision: str, path: Path = DEFAULT_PATH) -> dict | None:
+    """The precision's rule for e2e steps beyond its fixed table, judged against its own error
+    measured against HF at fp64 (`[<precision>.exact]`: fp32), or None."""
+    return load(path).get(precision, {}).get("exact")
+
+
+def exact_limits(lim: dict, rule: dict) -> dict:
+    """An e2e step's limits against the precision's own measured error (HF fp32 against HF at fp64,
+    oracle/noise.py exact_for): the noise rule with the rule's `factor` and no storage floor (fp32 is
+    the reference's own storage), ties at its `tie_factor` times that error; `exact_factor` marks
+    that the fixed table stays the floor (oracle/e2e.py). See thresholds.toml [fp32.exact]."""
+    return {**lim, "exact_factor": rule["factor"], "noise_factor": rule["factor"], "noise_floor": 0.0,
+            "tie_factor": rule["tie_factor"]}
+
+
 def judge_noise(m: dict, lim: dict) -> tuple[str, float]:
     """(status, ratio) of a tensor row against noise_limits: ratio is the worse of max_abs and
     rel_l2 over their limits; > 1 fails. NaN/Inf always fails."""

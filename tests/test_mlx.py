@@ -119,7 +119,7 @@ def test_fp32_blocks_and_e2e(mlx, family):
     assert r.e2e.token_exact and r.e2e.candidate_tokens == r.e2e.reference_tokens
     info = r.provenance["backend"]
     assert info["device"] == ("gpu" if sys.platform == "darwin" else "cpu") and info["dtype"] == "float32"
-    want = get_family(family).args(read_config(tiny_checkpoint(get_family(family), 0))).rope_theta
+    want = get_family(family).args(read_config(tiny_checkpoint(get_family(family), 0))).rope.theta
     assert info["config"]["rope_theta"] == want  # out of rope_parameters, not mlx-lm's default
 
 
@@ -161,18 +161,21 @@ def test_q8_against_the_original_reference_keeps_the_table(mlx):
         thresholds.limits("q8", "moe", "olmoe", "mlx")["rel_l2"]}
 
 
-@pytest.mark.parametrize("weights_family", ["olmoe", pytest.param("qwen3_5_moe", marks=pytest.mark.xfail(
-    strict=True, reason="the oracle's fp32 e2e limits are still a fixed table: on trained weights mlx's q8 "
-    "implementation of its own weights reaches 1.05x at step 3 (logits max_abs 2.9e-4, rel_l2 5e-5), an "
-    "accumulation-order error a second correct fp32 run would show too (issue 37, left open)")), "gpt_oss"])
+@pytest.mark.parametrize("weights_family", ["olmoe", "qwen3_5_moe", "gpt_oss"])
 def test_q8_on_trained_weights_passes_with_the_loss_reported(mlx, weights_family):
     """Trained statistics (outlier dims, massive activations): q8's own loss exceeds the table fitted
     on normal-law weights (measured: olmoe layer 0 moe 1.4x; qwen3_5_moe KL mean 0.49, where HF's own
     bf16 run has 0.072 against the q8 table's 0.01), so it is reported; the check judges mlx's
-    implementation of its q8 weights, at the fp32 limits."""
+    implementation of its q8 weights, at the fp32 limits. qwen3_5_moe's e2e step 3 is beyond the
+    fixed fp32 table (mlx 2.9e-4 from HF fp32, ratio 1.05), where HF fp32 itself is 3.1e-4 from HF at
+    fp64: judged against fp32's own measured error, mlx is 0.95x it."""
     r = run_check(CheckSpec(family=weights_family, backend="mlx", precision="q8", weights="trained"))
     assert r.status == "pass", (r.error, r.worst)
     assert all(row.status == "pass" for row in r.blocks) and r.e2e.token_exact
+    if weights_family == "qwen3_5_moe":
+        beyond = [s for s in r.e2e.steps if s.get("beyond_table")]
+        assert beyond and all(s["vs_noise"] < thresholds.exact("fp32")["factor"] for s in beyond)
+        assert "beyond the fixed table" in r.e2e.measured_noise
     rows = r.quantization["rows"]
     assert rows["status"] == "reported" and rows["e2e"]["distribution"]["kl_mean"] > 0
 
@@ -294,7 +297,7 @@ def test_config_table_covers_every_mlx_field(mlx, family):
     args = mlx.text_model(model).args
     assert all(getattr(args, k) == v for k, v in converted.items())
     hf = get_family(family).args(cfg)
-    assert args.rope_theta == hf.rope_theta and args.num_experts_per_tok == hf.num_experts_per_tok
+    assert args.rope_theta == hf.rope.theta and args.num_experts_per_tok == hf.num_experts_per_tok
     assert (getattr(args, "num_experts", None) or args.num_local_experts) == hf.num_experts
 
 
