@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.args import SPARSE, mlp_type
-from models.layers import Attention, Experts, GatedDeltaNet, RMSNorm, Router, Transformer
+from models.layers import Attention, Experts, GatedDeltaNet, LatentAttention, RMSNorm, Router, Transformer
 
 
 def swap(obj, name: str, fn) -> bool:
@@ -175,6 +175,25 @@ def transform_attention(attn: Attention, theta: float) -> None:
         swap(attn, "attend", attend)
 
 
+def update_latent_cache(self, latent, k_rot, pos):
+    """MLA's cache write in the MLX delegate's KV cache op: the latent [B, T, r] and the shared
+    rotary key [B, T, dr] go into caches held as one head ([B, 1, S, r], [B, 1, S, dr]; the torch
+    form, index_put on [B, S, r], is not something the delegate lowers: deepseek_v2/v3 were refused
+    before, naming aten::index_put and aten::copy_)."""
+    start = start_of(pos, self.latent_cache.shape[2])
+    torch.ops.mlx.kv_cache_update(self.latent_cache, latent[:, None], start)
+    torch.ops.mlx.kv_cache_update(self.rope_key_cache, k_rot[:, None], start)
+    return self.latent_cache[:, 0], self.rope_key_cache[:, 0]
+
+
+def transform_latent_attention(attn: LatentAttention) -> None:
+    if "update_cache" in attn.__dict__:  # a seeded fault's own cache write: kept as it is
+        return
+    for name in ("latent_cache", "rope_key_cache"):  # [B, S, d] -> [B, 1, S, d], the op's layout
+        setattr(attn, name, getattr(attn, name)[:, None].clone())
+    swap(attn, "update_cache", update_latent_cache)
+
+
 # seeded faults (models/faults.py) whose torch code the MLX delegate cannot lower, in this
 # program's own ops: fault name -> apply(module at the fault's target, args)
 MLX_FAULTS = {"kv_cache_write_off_by_one": lambda attn, a: swap(attn, "update_cache", update_cache_off_by_one)}
@@ -259,6 +278,8 @@ def mlx_source_transformations(model: Transformer, use_custom_kernel: bool = Tru
             transform_experts(m)
         elif isinstance(m, Attention):
             transform_attention(m, model.args.rope_theta)
+        elif isinstance(m, LatentAttention):
+            transform_latent_attention(m)
         elif isinstance(m, GatedDeltaNet):
             transform_gdn(m, dtype, use_custom_kernel)
     return model
