@@ -277,7 +277,7 @@ def mlx_source_transformations(model: Transformer, use_custom_kernel: bool = Tru
         elif isinstance(m, Experts):
             transform_experts(m)
         elif isinstance(m, Attention):
-            transform_attention(m, model.args.rope_theta)
+            transform_attention(m, model.args.rope.theta)
         elif isinstance(m, LatentAttention):
             transform_latent_attention(m)
         elif isinstance(m, GatedDeltaNet):

@@ -190,11 +190,11 @@ def _exponents(dims):
 
 
 def _rope_theta_wrong(attn, a):
-    theta = 1e4 if a.rope_theta != 1e4 else 1e6  # the qwen2_moe / mlx-lm default mix-up
+    theta = 1e4 if a.rope.theta != 1e4 else 1e6  # the qwen2_moe / mlx-lm default mix-up
     if isinstance(attn.rope, nn.RoPE):
         return _rope(attn, base=theta)
     r = rotary(attn.rope)  # the same scaled frequencies, from the other theta
-    r._freqs = r._freqs * (theta / a.rope_theta) ** _exponents(r.dims)
+    r._freqs = r._freqs * (theta / a.rope.theta) ** _exponents(r.dims)
     attn.rope = r
 
 
@@ -214,7 +214,7 @@ def _rotary_fraction_wrong(attn, a):
         return _rope(attn, dims=hd if attn.rope.dims < hd else hd // 2)
     r = rotary(attn.rope)
     dims = hd if r.dims < hd else hd // 2
-    attn.rope = _Rotary(dims, r.traditional, a.rope_theta ** _exponents(dims), r.scale)
+    attn.rope = _Rotary(dims, r.traditional, a.rope.theta ** _exponents(dims), r.scale)
 
 
 def _qk_norm_missing(attn, a):

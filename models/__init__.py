@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
-from models.args import DENSE, SPARSE, ModelArgs, stored_dtype
+from models.args import DENSE, SPARSE, ModelArgs, RopeArgs, YaRN, stored_dtype
 from models.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
@@ -402,16 +402,16 @@ def rope_theta_any(config) -> float:
     return float(rp["rope_theta"])
 
 
-def yarn(config) -> tuple:
-    """ModelArgs.yarn of a config whose rope_parameters have rope_type "yarn", as HF 5.23's
+def yarn(config) -> YaRN | None:
+    """The YaRN scaling of a config whose rope_parameters have rope_type "yarn", as HF 5.23's
     _compute_yarn_parameters reads them (factor defaults to max_position_embeddings /
-    original_max_position_embeddings, beta_fast 32, beta_slow 1, truncate True); () for default RoPE.
+    original_max_position_embeddings, beta_fast 32, beta_slow 1, truncate True); None for default RoPE.
     mscale is recorded as HF uses it: only with mscale_all_dim and no attention_factor (else 0: a
     config's mscale that HF never reads, e.g. mlx-lm's own 1 beside mscale_all_dim 0, is no difference)."""
     rp = getattr(config, "rope_parameters", None) or {}
     kind = rp.get("rope_type", "default")
     if kind == "default":
-        return ()
+        return None
     if kind != "yarn":
         raise CheckpointError(f"rope_type {kind!r} is not supported yet (only 'default' and 'yarn' RoPE)")
     if "original_max_position_embeddings" not in rp:
@@ -420,9 +420,14 @@ def yarn(config) -> tuple:
     factor = float(rp.get("factor") or config.max_position_embeddings / omp)
     af = rp.get("attention_factor")
     mscale, mscale_all_dim = float(rp.get("mscale") or 0), float(rp.get("mscale_all_dim") or 0)
-    return (factor, omp, float(rp.get("beta_fast") or 32), float(rp.get("beta_slow") or 1),
-            mscale if af is None and mscale_all_dim else 0.0, mscale_all_dim, bool(rp.get("truncate", True)),
-            None if af is None else float(af))
+    return YaRN(factor, omp, beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
+                mscale=mscale if af is None and mscale_all_dim else 0.0, mscale_all_dim=mscale_all_dim,
+                truncate=bool(rp.get("truncate", True)), attention_factor=None if af is None else float(af))
+
+
+def rope_of(config, **how) -> RopeArgs:
+    """The RopeArgs of a config with default or YaRN RoPE; `how` sets the rest (interleave, ...)."""
+    return RopeArgs.scaled(rope_theta_any(config), yarn(config), **how)
 
 
 def hf_args(c, family: str, **specific) -> ModelArgs:
@@ -436,8 +441,8 @@ def hf_args(c, family: str, **specific) -> ModelArgs:
         rms_norm_eps=c.rms_norm_eps, num_experts_per_tok=c.num_experts_per_tok,
         layer_types=("full_attention",) * c.num_hidden_layers, tie_word_embeddings=c.tie_word_embeddings,
     )
-    if "rope_theta" not in specific:  # (a family with YaRN passes its own: models.mla)
-        common["rope_theta"] = rope_theta(c)
+    if "rope" not in specific:  # (a family with scaled RoPE passes its own: rope_of)
+        common["rope"] = RopeArgs(rope_theta(c))
     return ModelArgs(**{**common, **specific})
 
 
@@ -481,10 +486,10 @@ def sigmoid_routing(c) -> dict:
 
 
 def mla(c) -> dict:
-    """The ModelArgs of DeepSeek's multi-head latent attention."""
+    """The ModelArgs of DeepSeek's multi-head latent attention (its RoPE: rope_of)."""
     return dict(attention="mla", q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank,
                 qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-                qkv_bias=c.attention_bias, o_bias=c.attention_bias, rope_theta=rope_theta_any(c), yarn=yarn(c))
+                qkv_bias=c.attention_bias, o_bias=c.attention_bias)
 
 
 def drop_layers_from(weights: dict, n: int) -> dict:

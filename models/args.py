@@ -3,7 +3,10 @@ plain data, no torch (a warm check of a backend that runs no torch reads it from
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Literal
 
 FULL, LINEAR = "full_attention", "linear_attention"
 # attention over a window of the last `sliding_window` positions (gpt-oss, Mixtral), or within
@@ -14,6 +17,125 @@ SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one pla
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
 
 
+def check_kinds(obj) -> None:
+    """ValueError naming the field when a Literal-typed field of the dataclass `obj` holds a value
+    outside its Literal (an unknown kind is refused when the args are built, never read as another)."""
+    for name, allowed in _kinds(type(obj)).items():
+        value = getattr(obj, name)
+        if value not in allowed:
+            raise ValueError(f"{type(obj).__name__}.{name}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+@functools.cache
+def _kinds(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in fields(cls) if typing.get_origin(hints[f.name]) is Literal}
+
+
+def from_json(cls, d: dict):
+    """A dataclass of this module from its JSON form (dataclasses.asdict read back: the tuples came
+    back as lists, the groups as dicts)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        if f.name not in d:
+            continue
+        v, t = d[f.name], hints[f.name]
+        group = next((g for g in (t, *typing.get_args(t)) if is_dataclass(g)), None)
+        if isinstance(v, dict) and group is not None:  # (a group with variants reads its own: from_dict)
+            v = group.from_dict(v) if hasattr(group, "from_dict") else from_json(group, v)
+        elif isinstance(v, list):
+            v = tuple(v)
+        out[f.name] = v
+    unknown = set(d) - set(out)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(sorted(unknown))}")
+    return cls(**out)
+
+
+# ------------------------------------------------------------------ rotary position embedding
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN's scaling (rope_type "yarn") as HF 5.23's _compute_yarn_parameters reads it (models.yarn).
+    mscale / mscale_all_dim: the attention factor's (mscale 0: unused); attention_factor: HF's own
+    override of that factor (None: derived from factor and the mscales)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class LongRoPE:
+    """LongRoPE as HF 5.23's PhiMoE applies it: the short factors divide the frequencies at every
+    length; cos/sin times short_mscale, or long_mscale once a call reaches past
+    original_max_position_embeddings."""
+
+    original_max_position_embeddings: int
+    short_mscale: float
+    long_mscale: float
+    short_factor: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3's rope scaling (HF _compute_llama3_parameters)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+SCALINGS = {"default": type(None), "yarn": YaRN, "longrope": LongRoPE, "llama3": Llama3Scaling}
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """The rotary position embedding: base `theta`, the scaling variant `kind` with its parameters
+    (`scaling`: None for default RoPE), the rotated fraction of each head, and how it rotates."""
+
+    theta: float
+    kind: Literal["default", "yarn", "longrope", "llama3"] = "default"
+    scaling: YaRN | LongRoPE | Llama3Scaling | None = None
+    partial_rotary_factor: float = 1.0
+    interleave: bool = False  # rotary pairs (x0, x1), (x2, x3) ... instead of rotate-half
+    # q and k rotated in fp32 (cos/sin kept in fp32) and cast back to the activation dtype, as HF's
+    # ERNIE 4.5 ("full precision"), DeepSeek-V2 and Llama 4 (complex products of x.float()) do;
+    # else cos/sin in the activation dtype and the rotation in it (Llama's apply_rotary_pos_emb)
+    fp32: bool = False
+    # per layer: () = every attention layer rotates; else 1 (rope) / 0 (no rope) per layer (Llama 4)
+    per_layer: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        check_kinds(self)
+        if not isinstance(self.scaling, SCALINGS[self.kind]):
+            raise ValueError(f"RopeArgs.scaling: {type(self.scaling).__name__} for kind {self.kind!r} "
+                             f"(wants {SCALINGS[self.kind].__name__})")
+
+    @classmethod
+    def scaled(cls, theta: float, scaling: YaRN | LongRoPE | Llama3Scaling | None, **how) -> RopeArgs:
+        """RopeArgs whose kind is its scaling's (None: default RoPE); `how` sets the rest."""
+        return cls(theta, next(k for k, t in SCALINGS.items() if isinstance(scaling, t)), scaling, **how)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RopeArgs:
+        """From its JSON form: the scaling's parameters are those of its kind."""
+        scaling = d.get("scaling")
+        if isinstance(scaling, dict):
+            d = {**d, "scaling": from_json(SCALINGS[d.get("kind", "default")], scaling)}
+        return from_json(cls, d)
+
+    def rotates(self, layer: int) -> bool:
+        return not self.per_layer or bool(self.per_layer[layer])
+
+
+# ------------------------------------------------------------------ the model
 @dataclass(frozen=True)
 class ModelArgs:
     family: str
@@ -24,13 +146,12 @@ class ModelArgs:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
     norm_topk_prob: bool
     layer_types: tuple[str, ...]
-    partial_rotary_factor: float = 1.0
+    rope: RopeArgs
     norm_offset: bool = False  # (1 + w) RMSNorm, zero-centred weights (Qwen3.5)
     qk_norm: str = "none"  # none | head (per head, Qwen3) | flat (whole projection, OLMoE)
     attn_output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
@@ -78,21 +199,6 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3) ... instead of rotate-half
-    # q and k rotated in fp32 (cos/sin kept in fp32) and cast back to the activation dtype, as HF's
-    # ERNIE 4.5 ("full precision"), DeepSeek-V2 and Llama 4 (complex products of x.float()) do;
-    # else cos/sin in the activation dtype and the rotation in it (Llama's apply_rotary_pos_emb)
-    rope_fp32: bool = False
-    # YaRN (rope_type "yarn"): (factor, original_max_position_embeddings, beta_fast, beta_slow,
-    # mscale, mscale_all_dim, truncate); () = plain RoPE
-    yarn: tuple = ()
-    # LongRoPE as HF 5.23's PhiMoE applies it: the short factors divide the frequencies at every
-    # length; cos/sin times short_mscale, or long_mscale once a call reaches past
-    # original_max_position_embeddings: (original_max, short_mscale, long_mscale, *short_factor)
-    longrope: tuple = ()
-    # Llama 3's rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
-    llama3_rope: tuple = ()
-    # --- later families
     norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE)
     # RMSNorm's gain applied in fp32 and the product rounded once: (w * x_normed).to(dtype), as HF's
     # GptOssRMSNorm does; else w * x_normed.to(dtype) (Llama's: two roundings)
@@ -107,8 +213,6 @@ class ModelArgs:
     logits_scaling: float = 1.0
     attention_sinks: bool = False  # a learned logit per head that takes part in the softmax (gpt-oss)
     attention_chunk_size: int = 0  # CHUNKED layers
-    # rope per layer: () = every attention layer rotates; else 1 (rope) / 0 (no rope) per layer (Llama 4)
-    rope_layers: tuple[int, ...] = ()
     # Llama 4's no-rope layers: q scaled by log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1
     attn_temperature_tuning: bool = False
     floor_scale: float = 8192.0
@@ -126,10 +230,13 @@ class ModelArgs:
     norm_topk_min: float = 0.0  # renormalise top-k weights by max(sum, norm_topk_min) (ERNIE 4.5)
     extra: dict = field(default_factory=dict, compare=False)
 
+    def __post_init__(self):
+        check_kinds(self)
+
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
-        """From its JSON form (dataclasses.asdict, read back: the tuples came back as lists)."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        """From its JSON form (dataclasses.asdict: the groups are nested dicts)."""
+        return from_json(cls, d)
 
 
 def kept_fp32(a: ModelArgs, name: str) -> bool:

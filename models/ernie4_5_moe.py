@@ -4,7 +4,7 @@ whose correction bias (moe_statics) decides the choice only, the top-k weights d
 max(sum, moe_norm_min), and always-on shared experts (no gate)."""
 
 from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
-from models.args import DENSE, SPARSE
+from models.args import DENSE, SPARSE, RopeArgs
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, MlxLm, const
 
 TINY = dict(
@@ -31,7 +31,7 @@ def to_args(c) -> ModelArgs:
     require(isinstance(c.moe_layer_start_index, int) and isinstance(c.moe_layer_end_index, int),
             "ernie4_5_moe: per-modality moe_layer_start/end_index lists (the VL model) are not supported")
     return hf_args(
-        c, "ernie4_5_moe", rope_interleave=True, rope_fp32=True,  # HF rotates q and k "in full precision"
+        c, "ernie4_5_moe", rope=RopeArgs(rope_theta(c), interleave=True, fp32=True),  # HF rotates q and k "in full precision"
         qkv_bias=c.use_bias, o_bias=c.use_bias, mlp_bias=c.use_bias,
         lm_head_bias=c.use_bias, mlp_types=mlp_types(c), intermediate_size=c.intermediate_size,
         num_experts=c.moe_num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True,

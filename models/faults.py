@@ -64,9 +64,7 @@ class Fault:
 
 def _targets(a: ModelArgs, target: str) -> list[int]:
     """The layers a target names (its fault goes to the last)."""
-    def rotates(i):
-        return not a.rope_layers or bool(a.rope_layers[i])
-
+    rotates = a.rope.rotates
     pick = {"full": lambda i, t: t != LINEAR, "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
             "rope": lambda i, t: t != LINEAR and rotates(i), "nope": lambda i, t: t != LINEAR and not rotates(i)}[target]
     return [i for i, t in enumerate(a.layer_types) if pick(i, t)]
@@ -166,7 +164,7 @@ def _logits_to_float(model, a):
 
 # ------------------------------------------------------------------ full attention
 def _rope_theta_wrong(attn: Attention, a):
-    theta = 1e4 if a.rope_theta != 1e4 else 1e6  # the classic qwen2_moe / mlx-lm default mix-up
+    theta = 1e4 if a.rope.theta != 1e4 else 1e6  # the classic qwen2_moe / mlx-lm default mix-up
     rd = attn.rope.rotary_dim
     attn.rope.inv_freq.copy_(1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd)))
 
@@ -188,7 +186,7 @@ def _rope_interleaved(attn: Attention, a):
 def _rotary_fraction_wrong(attn: Attention, a):
     rope = attn.rope
     rd = attn.hd if rope.rotary_dim < attn.hd else attn.hd // 2
-    theta = a.rope_theta
+    theta = a.rope.theta
     rope.rotary_dim = rd
     rope.inv_freq = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
 
@@ -346,7 +344,7 @@ COMMON: tuple[Fault, ...] = (
     Fault("rope_theta_wrong", "attention", "rope", "wrong rope theta (1e4 vs the checkpoint's)", _rope_theta_wrong,
           attention=("gqa", "mla")),
     Fault("rope_interleaved", "attention", "rope", "interleaved (GPT-J) rotation instead of rotate-half",
-          _rope_interleaved, lambda a: not a.rope_interleave),
+          _rope_interleaved, lambda a: not a.rope.interleave),
     Fault("rotary_fraction_wrong", "attention", "rope", "partial-rotary fraction wrong", _rotary_fraction_wrong),
     Fault("qk_norm_missing", "attention", "rope", "q/k RMSNorm missing", _qk_norm_missing,
           lambda a: a.qk_norm != "none"),
@@ -450,7 +448,8 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
     Fault("mla_cache_not_carried", "attention", "full", "MLA: compressed KV cache not carried across calls",
           _mla_cache_not_carried, attention=("mla",)),
     Fault("yarn_mscale_missing", "attention", "full", "YaRN mscale missing from the softmax scale",
-          _yarn_mscale_missing, lambda a: bool(a.yarn) and bool(a.yarn[5]), attention=("mla",)),
+          _yarn_mscale_missing, lambda a: a.rope.kind == "yarn" and bool(a.rope.scaling.mscale_all_dim),
+          attention=("mla",)),
 )
 
 # ------------------------------------------------------------------ later families

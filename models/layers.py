@@ -24,7 +24,7 @@ from torch import nn
 
 from models import routing
 from models.args import (CHUNKED, FULL, LINEAR, SLIDING, SPARSE, STATE_BUFFERS, ModelArgs,  # noqa: F401
-                         block_path, mlp_type)
+                         Llama3Scaling, RopeArgs, YaRN, block_path, mlp_type)
 
 
 class RMSNorm(nn.Module):
@@ -77,29 +77,28 @@ def rotate_half(x):
 
 
 class Rope(nn.Module):
-    """Rotate-half RoPE on the first `rotary_dim` dims of each head (partial rotary).
-    interleave: the rotary pairs are (x0, x1), (x2, x3) ... (DeepSeek): the head is de-interleaved
-    first (even dims, then odd), which rotates the same pairs; q.k is unchanged by that order.
-    yarn: YaRN's frequencies and its cos/sin attention factor (models.args.ModelArgs.yarn).
-    fp32: cos/sin kept in fp32 and the rotation computed in fp32, cast back to x's dtype once
-    (ModelArgs.rope_fp32); else cos/sin cast to x's dtype and the rotation in it."""
+    """Rotate-half RoPE on the first `rotary_dim` dims of each head (r.partial_rotary_factor of
+    them, or `partial`). r.interleave: the rotary pairs are (x0, x1), (x2, x3) ... (DeepSeek): the
+    head is de-interleaved first (even dims, then odd), which rotates the same pairs; q.k is
+    unchanged by that order. r.kind: the frequencies of YaRN (and its cos/sin attention factor),
+    of Llama 3's scaling, or LongRoPE's (and its cos/sin scale). r.fp32: cos/sin kept in fp32 and
+    the rotation computed in fp32, cast back to x's dtype once; else cos/sin cast to x's dtype and
+    the rotation in it."""
 
-    def __init__(self, head_dim: int, theta: float, partial: float = 1.0, interleave: bool = False,
-                 yarn: tuple = (), longrope: tuple = (), llama3: tuple = (), fp32: bool = False):
+    def __init__(self, head_dim: int, r: RopeArgs, partial: float | None = None):
         super().__init__()
-        self.rotary_dim = int(head_dim * partial)
-        self.interleave, self.fp32 = interleave, fp32
-        inv = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        self.rotary_dim = int(head_dim * (r.partial_rotary_factor if partial is None else partial))
+        self.interleave, self.fp32 = r.interleave, r.fp32
+        inv = 1.0 / (r.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
         self.factor, self.longrope = 1.0, None
-        if yarn:
-            inv, self.factor = yarn_frequencies(inv, self.rotary_dim, theta, *yarn)
-        if llama3:
-            inv = llama3_frequencies(inv, *llama3)
-        if longrope:
-            original_max, short_mscale, long_mscale, *short = longrope
-            inv = 1.0 / (torch.tensor(short, dtype=torch.float32)
-                         * theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
-            self.longrope = (int(original_max), float(short_mscale), float(long_mscale))
+        if r.kind == "yarn":
+            inv, self.factor = yarn_frequencies(inv, self.rotary_dim, r.theta, r.scaling)
+        elif r.kind == "llama3":
+            inv = llama3_frequencies(inv, r.scaling)
+        elif r.kind == "longrope":
+            inv = 1.0 / (torch.tensor(r.scaling.short_factor, dtype=torch.float32)
+                         * r.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+            self.longrope = r.scaling
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, x, pos):  # x [B, nh, T, hd], pos [T]
@@ -108,9 +107,9 @@ class Rope(nn.Module):
         up = self.fp32 and x.dtype != torch.float32  # (static when traced: an fp32 program is unchanged)
         dtype = torch.float32 if up else x.dtype  # of cos/sin and of the rotation
         if self.longrope is not None:  # the call's length decides the scale (HF: max(position) + 1)
-            original_max, short_mscale, long_mscale = self.longrope
-            mscale = short_mscale if short_mscale == long_mscale else torch.where(
-                pos.max() + 1 > original_max, long_mscale, short_mscale)
+            lr = self.longrope
+            mscale = lr.short_mscale if lr.short_mscale == lr.long_mscale else torch.where(
+                pos.max() + 1 > lr.original_max_position_embeddings, lr.long_mscale, lr.short_mscale)
             cos, sin = (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
         elif self.factor != 1.0:  # YaRN's attention factor
             cos, sin = (emb.cos() * self.factor).to(dtype), (emb.sin() * self.factor).to(dtype)
@@ -125,9 +124,11 @@ class Rope(nn.Module):
         return torch.cat((rot.to(x.dtype) if up else rot, rest), dim=-1)
 
 
-def llama3_frequencies(inv, factor, low_freq_factor, high_freq_factor, original_max):
+def llama3_frequencies(inv, s: Llama3Scaling):
     """Llama 3's rope scaling (HF _compute_llama3_parameters): long wavelengths divided by
     `factor`, short ones kept, a smooth blend between."""
+    factor, low_freq_factor, high_freq_factor = s.factor, s.low_freq_factor, s.high_freq_factor
+    original_max = s.original_max_position_embeddings
     low_wavelen, high_wavelen = original_max / low_freq_factor, original_max / high_freq_factor
     wavelen = 2 * math.pi / inv
     inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -141,11 +142,13 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_frequencies(inv, dim: int, theta: float, factor, original_max, beta_fast, beta_slow, mscale,
-                     mscale_all_dim, truncate, attention_factor=None):
+def yarn_frequencies(inv, dim: int, theta: float, y: YaRN):
     """YaRN (arXiv 2309.00071): high-frequency dims keep their frequency (extrapolate), low ones
     are divided by `factor` (interpolate), a linear ramp between the two correction dims; and the
     factor cos/sin are multiplied by. Returns (inv_freq [dim/2], factor)."""
+    factor, original_max, beta_fast, beta_slow = y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow
+    mscale, mscale_all_dim, truncate, attention_factor = y.mscale, y.mscale_all_dim, y.truncate, y.attention_factor
+
     def correction_dim(rotations):
         return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -168,7 +171,7 @@ def yarn_frequencies(inv, dim: int, theta: float, factor, original_max, beta_fas
 class Attention(nn.Module):
     """Causal attention over a static KV cache [B, kvh, S, hd]: over every earlier position (FULL),
     the last `sliding_window` (SLIDING) or those in the same `attention_chunk_size` chunk (CHUNKED);
-    with rope or not (ModelArgs.rope_layers), and optionally a learned sink logit per head."""
+    with rope or not (RopeArgs.per_layer), and optionally a learned sink logit per head."""
 
     def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
@@ -186,9 +189,8 @@ class Attention(nn.Module):
         elif a.qk_norm == "flat":
             self.q_norm = RMSNorm(self.nh * self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
             self.k_norm = RMSNorm(self.kvh * self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
-        self.use_rope = not a.rope_layers or bool(a.rope_layers[layer])
-        self.rope = Rope(self.hd, a.rope_theta, a.partial_rotary_factor, a.rope_interleave, a.yarn, a.longrope,
-                         a.llama3_rope, a.rope_fp32)
+        self.use_rope = a.rope.rotates(layer)
+        self.rope = Rope(self.hd, a.rope)
         self.scale = a.attention_multiplier or self.hd**-0.5
         self.eps = a.rms_norm_eps
         kind = a.layer_types[layer]
@@ -289,10 +291,11 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
         self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.o_bias)
-        self.rope = Rope(self.dr, a.rope_theta, 1.0, a.rope_interleave, a.yarn, fp32=a.rope_fp32)
+        self.rope = Rope(self.dr, a.rope, partial=1.0)
         self.scale = qk**-0.5
-        if a.yarn and a.yarn[5]:  # mscale_all_dim: the softmax scale times mscale^2 (HF yarn_apply_mscale)
-            self.scale = self.scale * yarn_mscale(a.yarn[0], a.yarn[5]) ** 2
+        y = a.rope.scaling
+        if a.rope.kind == "yarn" and y.mscale_all_dim:  # the softmax scale times mscale^2 (HF yarn_apply_mscale)
+            self.scale = self.scale * yarn_mscale(y.factor, y.mscale_all_dim) ** 2
         S = a.max_seq_len
         self.register_buffer("latent_cache", torch.zeros(1, S, self.r, dtype=dtype))
         self.register_buffer("rope_key_cache", torch.zeros(1, S, self.dr, dtype=dtype))

@@ -7,7 +7,7 @@ scales the expert's *input*, plus an always-on shared expert; the other layers d
 import math
 
 from models import Family, ModelArgs, hf_args, require, sanitize_hf, strip_prefix
-from models.args import CHUNKED, DENSE, FULL, SPARSE
+from models.args import CHUNKED, DENSE, FULL, SPARSE, Llama3Scaling, RopeArgs
 from models.checkpoint import CheckpointError
 from models.mlx_lm import MlxLm, rope_parameters
 
@@ -25,25 +25,27 @@ TINY = dict(
 )
 
 
-def llama3_rope(c) -> tuple:
+def llama3_rope(c) -> Llama3Scaling | None:
     rp = rope_parameters(c)
     kind = rp.get("rope_type", "default")
     if kind == "default":
-        return ()
+        return None
     if kind != "llama3":
         raise CheckpointError(f"llama4: rope_type {kind!r} is not supported (only 'default' and 'llama3')")
-    return (float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"]),
-            int(rp["original_max_position_embeddings"]))
+    return Llama3Scaling(float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"]),
+                         int(rp["original_max_position_embeddings"]))
 
 
 def to_args(c) -> ModelArgs:
     require(set(c.layer_types) <= {FULL, CHUNKED}, f"llama4: unknown layer_types {sorted(set(c.layer_types))}")
     require(c.hidden_act == "silu", f"llama4: hidden_act {c.hidden_act!r} (the experts are SwiGLU)")
     return hf_args(
-        c, "llama4", rope_theta=float(rope_parameters(c)["rope_theta"]), llama3_rope=llama3_rope(c),
-        rope_interleave=True, rope_fp32=True,  # HF rotates in fp32 (complex products of x.float())
+        c, "llama4", rope=RopeArgs.scaled(
+            float(rope_parameters(c)["rope_theta"]), llama3_rope(c),
+            interleave=True, fp32=True,  # HF rotates in fp32 (complex products of x.float())
+            per_layer=tuple(int(bool(r)) for r in c.no_rope_layers)),
         layer_types=tuple(c.layer_types), attention_chunk_size=c.attention_chunk_size or 0,
-        rope_layers=tuple(int(bool(r)) for r in c.no_rope_layers), qk_norm="l2" if c.use_qk_norm else "none",
+        qk_norm="l2" if c.use_qk_norm else "none",
         attn_temperature_tuning=bool(c.attn_temperature_tuning), floor_scale=float(c.floor_scale),
         attn_scale=float(c.attn_scale), qkv_bias=c.attention_bias, o_bias=c.attention_bias,
         mlp_types=tuple(SPARSE if i in c.moe_layers else DENSE for i in range(c.num_hidden_layers)),

@@ -3,7 +3,7 @@ LongRoPE, 16 experts routed by sparsemixer: the best expert, then the best of th
 weighted by its softmax among the experts within 2 * router_jitter_noise of it (relative)."""
 
 from models import Family, ModelArgs, hf_args, require, sanitize_hf
-from models.args import SLIDING
+from models.args import SLIDING, LongRoPE, RopeArgs
 from models.checkpoint import CheckpointError, stack_experts
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const, rope_parameters
 from models.quantized import unstack_experts
@@ -22,16 +22,16 @@ TINY = dict(
 )
 
 
-def longrope(c) -> tuple:
-    """ModelArgs.longrope of a config with rope_type longrope; () for default RoPE."""
+def longrope(c) -> LongRoPE | None:
+    """The LongRoPE scaling of a config with rope_type longrope; None for default RoPE."""
     rp = rope_parameters(c)
     kind = rp.get("rope_type", "default")
     if kind == "default":
-        return ()
+        return None
     if kind != "longrope":
         raise CheckpointError(f"phimoe: rope_type {kind!r} is not supported (only 'default' and 'longrope')")
     omp = getattr(c, "original_max_position_embeddings", None) or rp["original_max_position_embeddings"]
-    return (int(omp), float(rp["short_mscale"]), float(rp["long_mscale"]), *map(float, rp["short_factor"]))
+    return LongRoPE(int(omp), float(rp["short_mscale"]), float(rp["long_mscale"]), tuple(map(float, rp["short_factor"])))
 
 
 def to_args(c) -> ModelArgs:
@@ -39,8 +39,9 @@ def to_args(c) -> ModelArgs:
     rp = rope_parameters(c)
     window = c.sliding_window
     return hf_args(
-        c, "phimoe", head_dim=c.hidden_size // c.num_attention_heads, rope_theta=float(rp["rope_theta"]),
-        longrope=longrope(c), norm="layer", qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+        c, "phimoe", head_dim=c.hidden_size // c.num_attention_heads,
+        rope=RopeArgs.scaled(float(rp["rope_theta"]), longrope(c)), norm="layer",
+        qkv_bias=c.attention_bias, o_bias=c.attention_bias,
         lm_head_bias=c.lm_head_bias, num_experts=c.num_local_experts, moe_intermediate_size=c.intermediate_size,
         num_experts_per_tok=2,  # sparsemixer is top-2 whatever num_experts_per_tok says (HF and mlx-lm)
         norm_topk_prob=False, router_scoring="sparsemixer", router_jitter_eps=float(c.router_jitter_noise),
@@ -76,7 +77,8 @@ MLX = MlxLm(
         intermediate_size="intermediate_size", num_hidden_layers="num_hidden_layers",
         num_attention_heads="num_attention_heads", num_key_value_heads="num_key_value_heads",
         max_position_embeddings="max_position_embeddings",
-        original_max_position_embeddings=lambda c: longrope(c)[0] if longrope(c) else c.max_position_embeddings,
+        original_max_position_embeddings=lambda c: longrope(c).original_max_position_embeddings if longrope(c)
+        else c.max_position_embeddings,
         rms_norm_eps="rms_norm_eps", rope_theta=lambda c: float(rope_parameters(c)["rope_theta"]),
         rope_scaling=_rope_scaling, num_local_experts="num_local_experts", num_experts_per_tok=const(2),
         router_jitter_noise="router_jitter_noise",
@@ -84,7 +86,7 @@ MLX = MlxLm(
     require=COMMON_REQUIRE + (
         (lambda c: c.attention_bias and c.lm_head_bias, "attention_bias or lm_head_bias False (mlx-lm's phimoe "
                                                         "always has them)"),
-        (lambda c: not longrope(c) or longrope(c)[1] == longrope(c)[2],
+        (lambda c: not longrope(c) or longrope(c).short_mscale == longrope(c).long_mscale,
          "short_mscale != long_mscale (mlx-lm's SuScaledRoPE has one scale for every length)"),
         (lambda c: not c.sliding_window or c.sliding_window >= c.max_position_embeddings,
          "a sliding_window shorter than max_position_embeddings (mlx-lm's phimoe has none)"),

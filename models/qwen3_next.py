@@ -4,7 +4,7 @@ fused per key head (in_proj_qkvz, in_proj_ba: re-laid out by sanitize() into Qwe
 MLP layers (mlp_only_layers, decoder_sparse_step) and norm_topk_prob from the config."""
 
 from models import GATED_DELTANET, Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
-from models.args import DENSE, FULL, LINEAR, SPARSE
+from models.args import DENSE, FULL, LINEAR, SPARSE, RopeArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
 from models.qwen3_5_moe import OFFSET_NORMS, conv1d_shape, full_attention_interval_of, from_mlx_names  # noqa: F401
 
@@ -33,7 +33,8 @@ def to_args(c) -> ModelArgs:
     require(set(c.layer_types) <= {FULL, LINEAR}, f"qwen3_next: unknown layer_types {sorted(set(c.layer_types))}")
     require(c.hidden_act == "silu", f"qwen3_next: hidden_act {c.hidden_act!r} (the experts and the conv are silu)")
     return hf_args(
-        c, "qwen3_next", partial_rotary_factor=rp.get("partial_rotary_factor", 1.0), norm_offset=True, qk_norm="head",
+        c, "qwen3_next", rope=RopeArgs(rope_theta(c), partial_rotary_factor=rp.get("partial_rotary_factor", 1.0)),
+        norm_offset=True, qk_norm="head",
         attn_output_gate=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
         num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
         shared_expert_intermediate_size=c.shared_expert_intermediate_size, layer_types=tuple(c.layer_types),
