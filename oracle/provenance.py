@@ -22,7 +22,7 @@ def provenance(spec: CheckSpec, backend=None) -> dict:
 
     host = {"name": platform.node(), "machine": platform.machine(), "system": platform.system(),
             "cpus": os.cpu_count()}
-    if backend.runs_torch:
+    if backend is None or backend.runs_torch:  # None: a saved reference (HF, torch)
         import torch
 
         host["torch_threads"] = torch.get_num_threads()
