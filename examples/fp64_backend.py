@@ -2,19 +2,19 @@
 
     oracle check --family olmoe --backend examples.fp64_backend:BACKEND
 
-A backend is any object with `name`, `availability()` and `load(model, spec)`; `load`
-returns a candidate with `prefill`, `decode` and `run_block` (see oracle/backend.py).
+A backend subclasses oracle.backend.Backend: `name`, `availability()` and `load(model, spec)`;
+`load` returns an oracle.backend.Candidate with `prefill`, `decode` and `run_block`. Every other
+member is optional, with its default on the base class (see oracle/backend.py).
 """
 
 import torch
 
 from exporters.eager import block_fn
 from models.layers import reset_state
+from oracle.backend import Backend, Candidate
 
 
-class Fp64Candidate:
-    block_mode = "isolated"  # blocks are fed the reference's captured inputs
-
+class Fp64Candidate(Candidate):
     def __init__(self, model):
         self.model = model
         self.info = {"executor": "torch eager, float64"}
@@ -41,7 +41,7 @@ def _float(out):
     return tuple(t.float() if t.is_floating_point() else t for t in out) if isinstance(out, tuple) else out.float()
 
 
-class Fp64Backend:
+class Fp64Backend(Backend):
     name = "fp64"
     precisions = ("fp32",)  # judged against the fp32 thresholds
 

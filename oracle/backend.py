@@ -362,6 +362,11 @@ def as_backend(obj) -> Backend:
     return obj if isinstance(obj, Backend) else _DuckBackend(obj)
 
 
+def implementation(backend: Backend) -> type:
+    """The class whose source is the backend's code (part of a cache key): a duck-typed plugin's own."""
+    return type(backend.plugin) if isinstance(backend, _DuckBackend) else type(backend)
+
+
 def _optional_backend(obj):
     return None if obj is None else as_backend(obj)
 

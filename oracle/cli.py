@@ -11,6 +11,7 @@ import os
 import sys
 
 from oracle.quiet import quiet
+from oracle.result import Status
 
 EXIT = {"pass": 0, "xfail": 0, "fail": 1, "bad_input": 2, "skipped_required": 3, "error": 4}
 
@@ -369,7 +370,7 @@ def cmd_check(a, argv: list[str]) -> int:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]
     if a.validate_only:  # nothing was run: no report
-        if result.status == "skipped":
+        if result.status == Status.SKIPPED:
             print(f"oracle: backend {spec.backend} is unavailable here ({result.skipped_reason}): inputs not checked",
                   file=sys.stderr)
             return EXIT["skipped_required"] if a.require else EXIT["pass"]
@@ -383,10 +384,10 @@ def cmd_check(a, argv: list[str]) -> int:
         write_atomic(a.markdown, md)
     if "-" not in (a.json, a.markdown):  # standard output carries only what was asked for
         print(md, end="")
-    if result.status == "error":
+    if result.status == Status.ERROR:
         print(result.error, file=sys.stderr)
         return EXIT["error"]
-    if result.status == "skipped":
+    if result.status == Status.SKIPPED:
         return EXIT["skipped_required"] if a.require else EXIT["pass"]
     return EXIT[result.status]
 
@@ -508,7 +509,7 @@ def cmd_matrix(a) -> int:
     from oracle.summary import markdown
 
     print(markdown(summary), end="")
-    return 0 if summary["status"] == "pass" else EXIT["fail"]
+    return 0 if summary["status"] == Status.PASS else EXIT["fail"]
 
 
 def matrix_names_known(families, backends, precisions) -> None:
@@ -554,7 +555,7 @@ def cmd_report(a) -> int:
 
             merged = merge_dirs([Path(d) for d in a.dirs], Path(a.report_dir))
             print(S.markdown(merged), end="")
-            return 0 if merged["status"] == "pass" else EXIT["fail"]
+            return 0 if merged["status"] == Status.PASS else EXIT["fail"]
         docs = {}
         for flag, path in (("--baseline", a.baseline), ("--current", a.current)):
             if not Path(path).is_file():
@@ -619,11 +620,11 @@ def cmd_goldens(a) -> int:
             print(f"oracle: error: {e}", file=sys.stderr)
             return EXIT["bad_input"]
         gates = [g for g in r.gates if g.name == "golden_tokens" or g.name.startswith("structure:")]
-        bad = [g for g in gates if g.status != "pass"]
+        bad = [g for g in gates if g.status != Status.PASS]
         print(f"{f}/{b}: {r.status}; goldens " + (", ".join(f"{g.name} {g.status}" for g in gates) or "none applied"))
         for g in bad:
             print(f"  {g.message}")
-        if bad or r.status != "pass":
+        if bad or r.status != Status.PASS:
             rc = EXIT["fail"]
     return rc
 

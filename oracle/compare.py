@@ -14,7 +14,7 @@ from oracle import thresholds
 from oracle.backend import CheckSpec, ModelSource
 from oracle.metrics import OutputError, as_array, router_metrics, tensor_metrics, weight_diffs
 from oracle.noise import rounding, score_error
-from oracle.result import BlockRow
+from oracle.result import BlockRow, Status
 
 
 def dtype_name(x) -> str | None:
@@ -77,9 +77,9 @@ def candidate_arrays(kind: str, outs, ref_outs) -> list:
     return arrays
 
 
-def invalid_row(key, mode, lim, detail, reason: str, status: str = "fail") -> BlockRow:
+def invalid_row(key, mode, lim, detail, reason: str, status: Status = Status.FAIL) -> BlockRow:
     """A row the candidate's output could not be compared for (fail) or whose block raised (error)."""
-    field = "exception" if status == "error" else "invalid_output"
+    field = "exception" if status == Status.ERROR else "invalid_output"
     return BlockRow(key[0], key[1], status, mode, {field: reason, "nonfinite": 0}, lim, float("inf"), detail)
 
 
@@ -195,7 +195,7 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
                 rerouted = ~same
                 keep = same if kind == "moe" else keep & same
             if not keep.any():  # nothing left to compare: not a pass
-                return BlockRow(layer, kind, "n/a", "isolated", {"tie_tokens_excluded": int(keep.size), "nonfinite": 0},
+                return BlockRow(layer, kind, Status.NA, "isolated", {"tie_tokens_excluded": int(keep.size), "nonfinite": 0},
                                 lim, 0.0, f"every token is a router near tie at {spec.precision} or routed elsewhere "
                                           "by the candidate's router: nothing compared")
             r, c = r[keep], c[keep]
@@ -290,10 +290,10 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
             detail = args.layer_types[key[0]] if key[1] == "attention" else ""
             reason = f"{type(e).__name__}: {e}"
             errors.append(f"{key[0]} {key[1]}: {reason}")
-            rows[key] = invalid_row(key, mode, lim, detail, reason, "error")
+            rows[key] = invalid_row(key, mode, lim, detail, reason, Status.ERROR)
             continue
         if outs is None:
-            rows[key] = BlockRow(key[0], key[1], "n/a", mode, {}, {}, 0.0, "not isolated by backend")
+            rows[key] = BlockRow(key[0], key[1], Status.NA, mode, {}, {}, 0.0, "not isolated by backend")
             continue
         outputs[key] = outs
     in_situ = {k: o for k, o in outputs.items() if insitu.is_in_situ(mode_of[k])}

@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from oracle.metrics import as_f64
+from oracle.result import Status
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -72,14 +73,14 @@ def judge_distribution(m: dict, lim: dict) -> tuple[str, float]:
     """(status, ratio) against kl_mean, kl_p99, kl_max, min_same_top1, delta_p_max_abs;
     ratio is the worst metric / its limit (> 1 fails); NaN/Inf or a shape mismatch fails."""
     if "shape_mismatch" in m or m["nonfinite"]:
-        return "fail", math.inf
+        return Status.FAIL, math.inf
     allowed = max(1.0 - lim["min_same_top1"], 1e-3)
     same = 1.0 if m["same_top1"] is None else m["same_top1"]  # None: every position a near tie
     ratios = [m["kl_mean"] / lim["kl_mean"], m["kl_p99"] / lim["kl_p99"], m["kl_max"] / lim["kl_max"],
               m["delta_p_max_abs"] / lim["delta_p_max_abs"], (1.0 - same) / allowed]
     ok = (m["kl_mean"] <= lim["kl_mean"] and m["kl_p99"] <= lim["kl_p99"] and m["kl_max"] <= lim["kl_max"]
           and m["delta_p_max_abs"] <= lim["delta_p_max_abs"] and same >= lim["min_same_top1"])
-    return ("pass" if ok else "fail"), max(ratios)
+    return (Status.PASS if ok else Status.FAIL), max(ratios)
 
 
 def perplexity(logits, targets) -> tuple[float, int]:

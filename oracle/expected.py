@@ -21,6 +21,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from oracle.goldens import root
+from oracle.result import Status
 
 FILE = "known_divergences.toml"
 
@@ -82,13 +83,13 @@ def load(path=None) -> list[Divergence]:
 
 def failing_parts(result) -> list[str]:
     """What failed in a CheckResult, in the vocabulary of `fails`."""
-    parts = [b.kind for b in result.blocks if b.status in ("fail", "error")]
-    if result.e2e is not None and result.e2e.status in ("fail", "error"):
+    parts = [b.kind for b in result.blocks if b.status in (Status.FAIL, Status.ERROR)]
+    if result.e2e is not None and result.e2e.status in (Status.FAIL, Status.ERROR):
         parts.append("e2e")
-    parts += [f"gate:{g.name}" for g in result.gates if g.status in ("fail", "error")]
-    if (result.prompts or {}).get("status") == "fail":
+    parts += [f"gate:{g.name}" for g in result.gates if g.status in (Status.FAIL, Status.ERROR)]
+    if (result.prompts or {}).get("status") == Status.FAIL:
         parts.append("prompts")
-    if (result.quantization or {}).get("rows", {}).get("status") in ("fail", "error"):
+    if (result.quantization or {}).get("rows", {}).get("status") in (Status.FAIL, Status.ERROR):
         parts.append("quantization")
     return list(dict.fromkeys(parts))
 
@@ -96,20 +97,20 @@ def failing_parts(result) -> list[str]:
 def judge(result, entries: list[Divergence] | None = None) -> None:
     """Turn a check that fails as a known divergence says into `xfail`, and one whose known
     divergence did not show as said into `fail` with the reason. Sets result.expected."""
-    if result.status not in ("pass", "fail"):
+    if result.status not in (Status.PASS, Status.FAIL):
         return  # an error or a skip is not a verdict on the candidate's numbers
     spec, versions = result.spec, result.provenance.get("versions", {})
     entries = load() if entries is None else entries
     entry = next((e for e in entries if e.applies(spec["family"], spec["backend"], spec["precision"], versions)), None)
-    if entry is None or (result.status == "pass" and entry.on_some_inputs):
+    if entry is None or (result.status == Status.PASS and entry.on_some_inputs):
         return  # (a defect that needs some inputs: these did not meet it)
     parts = failing_parts(result)
     elsewhere = [p for p in parts if p not in entry.fails]
-    if result.status == "pass":
+    if result.status == Status.PASS:
         verdict, result.status = (f"stale: the expected failure did not happen ({entry.package} "
-                                  f"{versions[entry.package]} passes): remove the entry from {FILE}"), "fail"
+                                  f"{versions[entry.package]} passes): remove the entry from {FILE}"), Status.FAIL
     elif elsewhere:
         verdict = f"unexpected: it also fails {', '.join(elsewhere)}, outside the expected {', '.join(entry.fails)}"
     else:
-        verdict, result.status = f"expected failure: {entry.cause}", "xfail"
+        verdict, result.status = f"expected failure: {entry.cause}", Status.XFAIL
     result.expected = {**asdict(entry), "verdict": verdict, "failed": parts}

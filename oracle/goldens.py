@@ -18,7 +18,7 @@ import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from oracle.result import GateRow, write_atomic
+from oracle.result import GateRow, Status, write_atomic
 
 # a golden applies to the spec it was frozen for: these fields and the backend options (an
 # option can change the artifact, e.g. a partitioner, or the tokens, e.g. weight quantization),
@@ -70,14 +70,14 @@ def token_gate(spec, candidate_tokens: list[int]) -> GateRow | None:
     doc = json.loads(path.read_text())
     want = doc["tokens"]
     if candidate_tokens == want:
-        return GateRow("golden_tokens", "pass", len(want), len(want), f"{path.relative_to(root())}")
+        return GateRow("golden_tokens", Status.PASS, len(want), len(want), f"{path.relative_to(root())}")
     pos = next((i for i, (a, b) in enumerate(zip(candidate_tokens, want)) if a != b),
                min(len(want), len(candidate_tokens)))
     got = candidate_tokens[pos] if pos < len(candidate_tokens) else None
     exp = want[pos] if pos < len(want) else None
     msg = (f"{spec.family}/{spec.backend}: golden token mismatch at position {pos} (generated token {pos}): "
            f"golden {exp}, candidate {got}; golden {want}, candidate {candidate_tokens}")
-    return GateRow("golden_tokens", "fail", got, exp, msg)
+    return GateRow("golden_tokens", Status.FAIL, got, exp, msg)
 
 
 def structure_gates(spec, structures: dict[str, str]) -> list[GateRow]:
@@ -94,11 +94,11 @@ def structure_gates(spec, structures: dict[str, str]) -> list[GateRow]:
             continue
         want = path.read_text()
         if text == want:
-            rows.append(GateRow(f"structure:{name}", "pass", "identical", str(path.relative_to(root()))))
+            rows.append(GateRow(f"structure:{name}", Status.PASS, "identical", str(path.relative_to(root()))))
             continue
         diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True),
                                             f"golden {path.relative_to(root())}", "candidate", n=1))
-        rows.append(GateRow(f"structure:{name}", "fail", "differs", str(path.relative_to(root())),
+        rows.append(GateRow(f"structure:{name}", Status.FAIL, "differs", str(path.relative_to(root())),
                             f"{spec.family}/{spec.backend} {name} differs from the golden:\n{diff}"))
     return rows
 
@@ -106,7 +106,7 @@ def structure_gates(spec, structures: dict[str, str]) -> list[GateRow]:
 def freeze(spec, result) -> tuple[bool, str, list[Path]]:
     """Write the goldens of `spec` from `result`, its numeric check run with the golden gates
     ignored (`run_check(spec, goldens=False)`), only if it passed."""
-    if result.status != "pass":
+    if result.status != Status.PASS:
         why = result.skipped_reason or result.error or (
             f"worst block {result.worst['layer']} {result.worst['kind']}" if result.worst else "e2e or a gate failed")
         return False, f"{spec.family}/{spec.backend}: check {result.status}, not freezing: {why}", []

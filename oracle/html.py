@@ -11,6 +11,8 @@ import json
 import math
 from pathlib import Path
 
+from oracle.result import Status
+
 KIND_STYLE = {"attention": "o-", "router": "s--", "moe": "^-", "mlp": "v-", "layer": "d-", "final_norm": "*", "logits": "P"}
 CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -40,7 +42,7 @@ def error_plot(doc: dict) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [b for b in doc["blocks"] if b["status"] != "n/a"]
+    rows = [b for b in doc["blocks"] if b["status"] != Status.NA]
     n_layers = 1 + max((b["layer"] for b in rows if b["layer"] is not None), default=-1)
     fig, ax = plt.subplots(figsize=(8.5, 3.2), dpi=100)
     for kind, style in KIND_STYLE.items():
@@ -85,13 +87,13 @@ def check_section(doc: dict) -> str:
     title = f"{spec['family']} / {spec['backend']} / {spec['precision']}"
     parts = [f'<section id="{_esc(title)}"><h2>{_esc(title)}: <span class="{doc["status"]}">'
              f'{doc["status"]}</span></h2>']
-    if doc["status"] == "skipped":
+    if doc["status"] == Status.SKIPPED:
         return "".join(parts) + f"<p>Skipped: {_esc(doc.get('skipped_reason'))}</p></section>"
     if doc.get("error"):
         parts.append(f"<pre>{_esc(doc['error'][:2000])}</pre>")
     ex = doc.get("expected")
     if ex:
-        parts.append(f"<p class='{'xfail' if doc['status'] == 'xfail' else 'fail'}'>Known divergence: "
+        parts.append(f"<p class='{'xfail' if doc['status'] == Status.XFAIL else 'fail'}'>Known divergence: "
                      f"{_esc(ex['verdict'])} ({_esc(ex['package'])} {_esc(ex['versions'])}; {_esc(ex['reference'])})</p>")
     if doc.get("blocks"):
         parts.append(f'<img alt="error per layer and block kind" src="data:image/png;base64,{error_plot(doc)}">')
@@ -173,8 +175,8 @@ def render_html(summary: dict, report_dir: Path) -> str:
         if path and path.is_file():
             sections.append(check_section(json.loads(path.read_text())))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>oracle report</title><style>{CSS}</style>"
-            f"</head><body><h1>moe-oracle report</h1><p>{c['pass']} pass, {c['fail']} fail, {c['error']} error, "
-            f"{c['skipped']} skipped, {c.get('xfail', 0)} expected failure(s)</p>{grid_html(summary)}"
+            f"</head><body><h1>moe-oracle report</h1><p>{c[Status.PASS]} pass, {c[Status.FAIL]} fail, {c[Status.ERROR]} error, "
+            f"{c[Status.SKIPPED]} skipped, {c.get(Status.XFAIL, 0)} expected failure(s)</p>{grid_html(summary)}"
             f"<h3>All checks</h3><table><tr><th>family</th><th>backend</th><th>precision</th>"
             f"<th>status</th><th>reason</th></tr>{rows}</table>{''.join(sections)}</body></html>\n")
 

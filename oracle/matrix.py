@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oracle import summary as S
-from oracle.result import write_atomic
+from oracle.result import Status, write_atomic
 
 OUTPUTS = ("summary.json", "summary.md", "junit.xml", "report.html")
 
@@ -76,7 +76,7 @@ def outcome_row(c: Combo, json_path: Path, returncode: int, stderr: str) -> dict
     if json_path.is_file():
         return S.row_of(json.loads(json_path.read_text()), f"checks/{json_path.name}")
     tail = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
-    status = "skipped" if returncode == 2 else "error"
+    status = Status.SKIPPED if returncode == 2 else Status.ERROR
     return S.synthetic_row(c.family, c.backend, c.precision, status, f"exit {returncode}: {tail}")
 
 
@@ -241,7 +241,7 @@ def run_checks(cs: list[Combo], out_dir: Path, timeout: float, seed: int, extra:
     for i, c in enumerate(cs):
         reason = _precision_skip(c)
         if reason:
-            results[i] = S.synthetic_row(c.family, c.backend, c.precision, "skipped", reason), 0.0
+            results[i] = S.synthetic_row(c.family, c.backend, c.precision, Status.SKIPPED, reason), 0.0
         else:
             pending.append(i)
     if not pending:
@@ -313,7 +313,7 @@ def run_checks(cs: list[Combo], out_dir: Path, timeout: float, seed: int, extra:
                     finish(i, outcome_row(r.combo, r.json_path, code, stderr))
                 elif now - r.started > timeout:
                     r.handle.kill()
-                    finish(i, S.synthetic_row(r.combo.family, r.combo.backend, r.combo.precision, "error",
+                    finish(i, S.synthetic_row(r.combo.family, r.combo.backend, r.combo.precision, Status.ERROR,
                                               f"timed out after {timeout:g} s"))
                 else:
                     continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from oracle.backend import CheckSpec, resolve
-from oracle.result import worst_row
+from oracle.result import Status, worst_row
 from oracle.compare import block_rows, reduction_length
 from oracle.e2e import run_e2e
 from oracle.references import reference_of
@@ -39,8 +39,8 @@ def quantization_rows(spec: CheckSpec, srcs: Sources, prompt: list[int], progres
         rows = block_rows(ref, hf, qspec, srcs.original.args, lambda *a: progress("quantization", *a[1:]))
         e2e, _ = run_e2e(ref, hf, qspec, reduction_length(srcs.original.args))
     except Exception as e:
-        return {**out, "status": "error", "error": f"{type(e).__name__}: {e}"}
+        return {**out, "status": Status.ERROR, "error": f"{type(e).__name__}: {e}"}
     w = worst_row(rows)
-    status = "reported" if srcs.built else "fail" if e2e.status in ("fail", "error") else "pass"
+    status = Status.REPORTED if srcs.built else Status.FAIL if e2e.status in (Status.FAIL, Status.ERROR) else Status.PASS
     return {**out, "status": status, "blocks": [asdict(r) for r in rows],
             "e2e": asdict(e2e), "over_table": asdict(w) if w else None}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.result import GateRow
+from oracle.result import GateRow, Status
 
 ALPHA = 1e-3  # chi-square significance: a correct sampler fails 1 time in 1000 seeds-lists
 N_DRAWS = 2000  # draws of the distribution test (expected count >= 5 per pooled bin)
@@ -74,7 +74,7 @@ def reference_sample(logits, temperature: float, top_p: float, seed: int) -> tup
 
 
 def _skip(name, why):
-    return GateRow(name, "skipped", None, None, why)
+    return GateRow(name, Status.SKIPPED, None, None, why)
 
 
 def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_margin: float) -> list[GateRow]:
@@ -106,7 +106,7 @@ def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_m
         if picks != {top}:
             bad.append("near-tie")
             msg = f"on a one-ulp near tie, 64 seeds picked {sorted(picks)} instead of always {top}"
-    rows.append(GateRow("sampling_greedy", "fail" if bad else "pass", f"{len(bad)} steps differ" if bad else "exact",
+    rows.append(GateRow("sampling_greedy", Status.FAIL if bad else Status.PASS, f"{len(bad)} steps differ" if bad else "exact",
                         "exact", msg if not bad else f"temperature 0 differs from argmax at {bad}: {msg}"))
 
     # 2. the same seed reproduces; a different seed differs somewhere
@@ -114,14 +114,14 @@ def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_m
     a, b = run(t_r, top_p, seed), run(t_r, top_p, seed)
     c = run(t_r, top_p, seed + 1000)
     ok = a == b and a != c
-    rows.append(GateRow("sampling_reproducible", "pass" if ok else "fail", f"same seed {'equal' if a == b else 'DIFFER'}"
+    rows.append(GateRow("sampling_reproducible", Status.PASS if ok else Status.FAIL, f"same seed {'equal' if a == b else 'DIFFER'}"
                         f", seed+1000 {'differs' if a != c else 'EQUAL'}", "equal / differs",
                         f"seed {seed}: {a}; again: {b}; seed {seed + 1000}: {c}"))
 
     # 3. the seed schedule (prefill s, decode step k: s + k) matches the host reference sampler
     host = [cand.host_sampler(ref.logits[k][-1], t_r, top_p, seed + k) for k in range(steps)]
     diff = [k for k in range(steps) if a[k] != host[k][0] and (host[k][1] is None or host[k][1] >= tie_margin)]
-    rows.append(GateRow("sampling_seed_schedule", "fail" if diff else "pass",
+    rows.append(GateRow("sampling_seed_schedule", Status.FAIL if diff else Status.PASS,
                         f"{len(diff)} steps differ" if diff else "match", "match",
                         f"candidate {a} vs host reference sampler {[h[0] for h in host]}"
                         + (f"; first difference at step {diff[0]} (seed {seed + diff[0]})" if diff else "")))
@@ -134,7 +134,7 @@ def sampling_gates(ref, cand, temperature: float, top_p: float, seed: int, tie_m
             accepted.append((t, p))
         except ValueError:
             pass
-    rows.append(GateRow("sampling_arguments", "fail" if accepted else "pass",
+    rows.append(GateRow("sampling_arguments", Status.FAIL if accepted else Status.PASS,
                         f"accepted {accepted}" if accepted else "all refused", "refused",
                         "top_p outside (0, 1] and negative temperature must be refused"))
 
@@ -161,7 +161,7 @@ def distribution_gate(logits: np.ndarray, draws: np.ndarray, temperature: float,
     order = "temperature, then top-p" if top_p_after_temperature else "top-p, then temperature"
     outside = int((~keep[draws]).sum())
     if outside:
-        return GateRow("sampling_distribution", "fail", f"{outside} draws outside the top-p nucleus", 0,
+        return GateRow("sampling_distribution", Status.FAIL, f"{outside} draws outside the top-p nucleus", 0,
                        f"temperature {temperature}, top_p {top_p} ({order})")
     q = np.where(keep, p, 0.0)
     q /= q.sum()
@@ -177,6 +177,6 @@ def distribution_gate(logits: np.ndarray, draws: np.ndarray, temperature: float,
         from scipy import stats  # imported only when a sampling check runs (0.8 s)
 
         pval = float(stats.chisquare(o, e).pvalue)
-    return GateRow("sampling_distribution", "pass" if pval >= ALPHA else "fail", round(pval, 6), ALPHA,
+    return GateRow("sampling_distribution", Status.PASS if pval >= ALPHA else Status.FAIL, round(pval, 6), ALPHA,
                    f"chi-square p-value over {draws.size} seeds, {len(e)} bins, temperature {temperature}, "
                    f"top_p {top_p} ({order}; a correct sampler fails with probability {ALPHA})")

@@ -31,7 +31,7 @@ from oracle.backend import CheckSpec, InputError
 from oracle.check import run_check
 from oracle.sources import model_source
 from oracle.validation import validate
-from oracle.result import worst_row
+from oracle.result import Status, worst_row
 
 SCHEMA = "oracle-selftest/v1"
 LOCALIZE_MIN = 0.9  # share of detected faults whose worst row must name the right block
@@ -63,7 +63,7 @@ class FaultRow:
 
     @property
     def crashed(self) -> bool:
-        return self.status == "error"
+        return self.status == Status.ERROR
 
     @property
     def required(self) -> bool:
@@ -145,13 +145,13 @@ class SelftestResult:
         return d
 
 
-CLEAN = ("pass", "xfail")  # a clean run that fails as its known divergence says is no false alarm
+CLEAN = (Status.PASS, Status.XFAIL)  # a clean run that fails as its known divergence says is no false alarm
 
 
 def same_numbers(a, b) -> bool:
     """Whether two checks of the same spec measured exactly the same: every block row's metrics
     and every e2e step and token (a fault that changed nothing in the candidate)."""
-    if a.status == "error" or b.status == "error":
+    if a.status == Status.ERROR or b.status == Status.ERROR:
         return False
     rows = lambda r: {(x.layer, x.kind): (x.status, x.metrics) for x in r.blocks}  # noqa: E731
     e2e = lambda r: None if r.e2e is None else (r.e2e.candidate_tokens, [s.get("max_abs") for s in r.e2e.steps])  # noqa: E731
@@ -162,7 +162,7 @@ def new_worst(faulted, clean) -> dict | None:
     """The row that localises a fault: the faulted check's worst row among the rows that did not
     already fail without the fault (a family with a known divergence fails some rows clean: those
     say nothing about the fault). asdict of the row, or None."""
-    failed_clean = {(b.layer, b.kind) for b in clean.blocks if b.status in ("fail", "error")}
+    failed_clean = {(b.layer, b.kind) for b in clean.blocks if b.status in (Status.FAIL, Status.ERROR)}
     if not failed_clean:
         return faulted.worst
     w = worst_row([b for b in faulted.blocks if (b.layer, b.kind) not in failed_clean])
@@ -194,10 +194,10 @@ def noise_ratio(fp32_result, bf_result, expected: dict) -> float | None:
     not isolated): such a fault stays required."""
     def row(result):
         return next((b for b in result.blocks if (b.layer, b.kind) == (expected["layer"], expected["kind"])
-                     and b.status != "n/a"), None)
+                     and b.status != Status.NA), None)
 
     a, b = row(fp32_result), row(bf_result)
-    if a is None or b is None or fp32_result.status == "error":
+    if a is None or b is None or fp32_result.status == Status.ERROR:
         return float("inf")
     m, lim = a.metrics, b.limits
     if expected["kind"] == "router":
@@ -271,8 +271,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             expected = {"layer": fault.layer(args), "kind": fault.kind}
             base_run = clean_at(at)
             # the targeted block fails without the fault: the family's known divergence is there
-            masked = base_run.status == "xfail" and any(
-                (b.layer, b.kind) == (expected["layer"], expected["kind"]) and b.status in ("fail", "error")
+            masked = base_run.status == Status.XFAIL and any(
+                (b.layer, b.kind) == (expected["layer"], expected["kind"]) and b.status in (Status.FAIL, Status.ERROR)
                 for b in base_run.blocks)
             w = _worst(new_worst(r, base_run))
             # localised: the worst row is the fault's block and holds a measured value (a null is a
@@ -284,7 +284,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 above = noise_ratio(run_check(replace(spec, precision="fp32"), variant), r, expected)
             # detected: the check failed, or (a family failing as its known divergence says) a row
             # failed that passes without the fault
-            detected = r.status == "fail" or (r.status == "xfail" and w is not None)
+            detected = r.status == Status.FAIL or (r.status == Status.XFAIL and w is not None)
             res.faults.append(FaultRow(family, fault.name, fault.what, at, expected, r.status,
                                        detected, localized, w, time.perf_counter() - t, above,
                                        injected=not same_numbers(r, base_run), masked=masked))

@@ -14,7 +14,7 @@ from models.quantized import dequantized_checkpoint, quantization_of
 from models.checkpoint import CheckpointError, cached_identity, checkpoint_identity, config_checkpoint, meta_weights, published_config, read_config, tiny_checkpoint
 from oracle import thresholds
 from oracle.provenance import PACKAGES
-from oracle.backend import CheckSpec, InputError, ModelSource
+from oracle.backend import CheckSpec, InputError, ModelSource, implementation
 
 
 
@@ -141,7 +141,7 @@ def quantized_directory(backend, src: ModelSource, spec: CheckSpec, progress) ->
     from oracle.artifacts import cached_artifact, sha256_file, versions
 
     opts = quantizing_options(backend, spec.options)
-    code = sha256_file(Path(inspect.getsourcefile(type(backend))))
+    code = sha256_file(Path(inspect.getsourcefile(implementation(backend))))
     parts = {"checkpoint": src.checkpoint_sha256, "precision": spec.precision, "options": opts, "code": code,
              **versions(*PACKAGES)}
     progress(f"writing the {spec.precision} directory ({spec.backend} export)")

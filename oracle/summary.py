@@ -8,9 +8,11 @@ import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from oracle.result import Status
+
 SCHEMA = "oracle-matrix/v1"
 # xfail: a known candidate defect failing as its entry says (oracle/expected.py): does not gate
-RANK = {"pass": 0, "xfail": 1, "skipped": 2, "fail": 3, "error": 4}
+RANK = {Status.PASS: 0, Status.XFAIL: 1, Status.SKIPPED: 2, Status.FAIL: 3, Status.ERROR: 4}
 
 
 def check_id(family: str, backend: str, precision: str) -> str:
@@ -27,7 +29,7 @@ def row_of(doc: dict, json_name: str | None) -> dict:
     w = doc.get("worst")
     e = doc.get("e2e")
     blocks = {f"{'model' if b['layer'] is None else b['layer']}.{b['kind']}": b["ratio"]
-              for b in doc.get("blocks", []) if b["status"] != "n/a"}
+              for b in doc.get("blocks", []) if b["status"] != Status.NA}
     return {
         "id": check_id(spec["family"], spec["backend"], spec["precision"]),
         "family": spec["family"], "backend": spec["backend"], "precision": spec["precision"],
@@ -59,8 +61,8 @@ def summarize(rows: list[dict], timings: dict | None = None, require: bool = Fal
     """require: a skipped check (unavailable backend) fails the matrix too."""
     rows = sorted(rows, key=lambda r: r["id"])
     counts = {s: sum(r["status"] == s for r in rows) for s in RANK}
-    bad = counts["fail"] + counts["error"] + (counts["skipped"] if require else 0)
-    return {"schema": SCHEMA, "status": "pass" if bad == 0 else "fail", "require": require, "counts": counts,
+    bad = counts[Status.FAIL] + counts[Status.ERROR] + (counts[Status.SKIPPED] if require else 0)
+    return {"schema": SCHEMA, "status": Status.PASS if bad == 0 else Status.FAIL, "require": require, "counts": counts,
             "rows": rows, "timings": timings or {}}
 
 
@@ -76,7 +78,7 @@ def merge(summaries: list[dict]) -> dict:
     return summarize(list(rows.values()), timings, any(s.get("require") for s in summaries))
 
 
-ICON = {"pass": "✅", "fail": "❌", "error": "💥", "skipped": "⏭️", "xfail": "⚠️"}
+ICON = {Status.PASS: "✅", Status.FAIL: "❌", Status.ERROR: "💥", Status.SKIPPED: "⏭️", Status.XFAIL: "⚠️"}
 
 
 def grid(summary: dict) -> list[dict]:
@@ -98,7 +100,7 @@ def cell_text(row: dict | None) -> str:
     if row is None:
         return ""
     w = row["worst"]
-    return row["status"] + (f" {_g(w['ratio'])}x" if w and row["status"] != "pass" else "")
+    return row["status"] + (f" {_g(w['ratio'])}x" if w and row["status"] != Status.PASS else "")
 
 
 def grid_markdown(summary: dict) -> list[str]:
@@ -115,9 +117,9 @@ def grid_markdown(summary: dict) -> list[str]:
 
 def markdown(summary: dict) -> str:
     c = summary["counts"]
-    icon = "✅" if summary["status"] == "pass" else "❌"
-    lines = [f"### {icon} oracle matrix: {c['pass']} pass, {c['fail']} fail, {c['error']} error, "
-             f"{c['skipped']} skipped" + (f", {c['xfail']} expected failure(s)" if c.get("xfail") else ""), ""]
+    icon = "✅" if summary["status"] == Status.PASS else "❌"
+    lines = [f"### {icon} oracle matrix: {c[Status.PASS]} pass, {c[Status.FAIL]} fail, {c[Status.ERROR]} error, "
+             f"{c[Status.SKIPPED]} skipped" + (f", {c[Status.XFAIL]} expected failure(s)" if c.get(Status.XFAIL) else ""), ""]
     lines += grid_markdown(summary)
     lines += ["| check | status | worst block | e2e |", "|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: (-RANK[r["status"]], r["id"])):
@@ -126,7 +128,7 @@ def markdown(summary: dict) -> str:
                                  f" ({_g(w['ratio'])}x limit)"
         e = r["e2e"]
         e2e = "" if not e else f"{e['status']}{'' if e['token_exact'] else ', tokens differ'}"
-        note = f" ({r['reason']})" if r["status"] in ("skipped", "error", "xfail") and r["reason"] else ""
+        note = f" ({r['reason']})" if r["status"] in (Status.SKIPPED, Status.ERROR, Status.XFAIL) and r["reason"] else ""
         lines.append(f"| {r['family']} / {r['backend']} / {r['precision']} | {r['status']}{note} | {worst} | {e2e} |")
     return "\n".join(lines) + "\n"
 
@@ -134,19 +136,19 @@ def markdown(summary: dict) -> str:
 def junit(summary: dict) -> str:
     """One testcase per check; skipped checks are <skipped> with the reason."""
     c = summary["counts"]
-    suite = ET.Element("testsuite", name="oracle", tests=str(len(summary["rows"])), failures=str(c["fail"]),
-                       errors=str(c["error"]), skipped=str(c["skipped"] + c.get("xfail", 0)))
+    suite = ET.Element("testsuite", name="oracle", tests=str(len(summary["rows"])), failures=str(c[Status.FAIL]),
+                       errors=str(c[Status.ERROR]), skipped=str(c[Status.SKIPPED] + c.get(Status.XFAIL, 0)))
     for r in summary["rows"]:
         tc = ET.SubElement(suite, "testcase", classname=f"oracle.{r['backend']}",
                            name=f"{r['family']}[{r['precision']}]",
                            time=f"{summary.get('timings', {}).get(r['id'], 0.0):.1f}")
-        if r["status"] == "skipped":
+        if r["status"] == Status.SKIPPED:
             ET.SubElement(tc, "skipped", message=r["reason"] or "skipped")
-        elif r["status"] == "xfail":  # JUnit has no expected failure: a skip typed as pytest writes one
+        elif r["status"] == Status.XFAIL:  # JUnit has no expected failure: a skip typed as pytest writes one
             ET.SubElement(tc, "skipped", type="xfail", message=r["reason"] or "expected failure")
-        elif r["status"] == "error":
+        elif r["status"] == Status.ERROR:
             ET.SubElement(tc, "error", message=r["reason"] or "error")
-        elif r["status"] == "fail":
+        elif r["status"] == Status.FAIL:
             w = r["worst"]
             msg = "e2e failed" if not w else f"worst block: layer {w['layer']} {w['kind']}, {_g(w['ratio'])}x limit"
             ET.SubElement(tc, "failure", message=msg)
@@ -165,13 +167,13 @@ def diff(baseline: dict, current: dict, factor: float = 4.0, floor: float = 0.05
     for cid, r in cur.items():
         b = base.get(cid)
         if b is None:
-            if r["status"] in ("fail", "error"):
+            if r["status"] in (Status.FAIL, Status.ERROR):
                 status_changes.append({"id": cid, "from": None, "to": r["status"], "reason": r["reason"]})
                 regressions.append(cid)
             continue
         if r["status"] != b["status"]:
             status_changes.append({"id": cid, "from": b["status"], "to": r["status"], "reason": r["reason"]})
-            if r["status"] == "skipped":
+            if r["status"] == Status.SKIPPED:
                 new_skips.append({"id": cid, "reason": r["reason"]})
             elif RANK[r["status"]] > RANK[b["status"]]:
                 regressions.append(cid)

@@ -116,3 +116,10 @@ def test_an_old_style_plugin_still_checks():
 def test_a_plugin_missing_a_required_member_is_refused():
     with pytest.raises(BackendError, match="has no 'load'"):
         resolve("tests.plugins:NO_LOAD")
+
+
+def test_a_duck_typed_backend_keeps_its_own_code_as_its_cache_key():
+    from oracle.backend import implementation
+
+    assert implementation(resolve("tests.test_contract:OLD_STYLE")).__name__ == "OldBackend"
+    assert implementation(resolve("eager")).__name__ == "EagerBackend"
