@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from oracle import expected
 from oracle import goldens as golden_files
@@ -56,6 +56,38 @@ def spec_record(spec: CheckSpec) -> dict:
     return {k: v for k, v in asdict(spec).items() if k != "reference" and not (k in defaults and v == defaults[k])}
 
 
+@dataclass
+class Run:
+    """What one check has so far, handed from stage to stage."""
+
+    spec: CheckSpec  # as the stages see it (a built q8/q4 directory: its fp32 check)
+    asked: CheckSpec  # as the user asked
+    backend: object
+    result: CheckResult
+    progress: object
+    t0: float
+    timings: dict = field(default_factory=dict)
+    srcs: object = None  # oracle.sources.Sources
+    src: object = None  # the checkpoint the reference runs (a shipped directory's: dequantized)
+    prompts: list | None = None  # --prompts, tokenized
+    prompt: list | None = None  # the first prompt: the reference's, the blocks' and e2e's
+    ref: object = None
+    noise: object = None
+    cand: object = None
+    spent: dict = field(default_factory=dict)  # options spent on writing a q8/q4 directory
+    stage: str = ""  # the candidate's stage running (a crash's error names it)
+
+    def record(self, s: CheckSpec) -> dict:  # q8/q4 as asked, not the fp32 check of the directory built for it
+        return spec_record(replace(s, precision=self.asked.precision, candidate_dir=None, options=self.asked.options)
+                           if self.srcs.built else s)
+
+    def timed(self, name: str, fn):
+        t = time.perf_counter()
+        out = fn()
+        self.timings[f"{name}_s"] = time.perf_counter() - t
+        return out
+
+
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,
               validate_only: bool = False) -> CheckResult:
     """Run one check. Raises InputError for bad input. A crash in the backend's load() (or in
@@ -64,43 +96,68 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     goldens=False leaves out the golden gates (how `oracle goldens freeze` checks).
     validate_only: every input read and checked (checkpoint, config, given program, saved
     reference, prompts), then the result as it stands: no reference is captured, nothing is run."""
-    progress = progress or (lambda stage, done=0, total=0: None)
+    run = start(spec, backend, progress, goldens)
+    if run.result.status == "skipped":  # the backend is not available here
+        return run.result
+    read_sources(run)  # checkpoint, the directory a q8/q4 check builds, memory, given program, saved reference
+    read_prompts(run)
+    if validate_only:
+        read_saved_reference(run)
+        return run.result
+    capture_reference(run)  # HF fp32 on the prompt: every block's inputs and outputs, the e2e logits
+    measure_noise(run)  # reduced precisions: HF at the precision, same inputs
+    quantization(run)  # a shipped or built directory: what it is, and its quantization's own loss
+    try:
+        run_candidate(run, goldens)  # load, block rows, e2e, prompts, gates, sampling, structures, goldens
+    except InputError:  # the backend refused what it was given (e.g. a program without the exporter's methods)
+        raise
+    except Exception as e:  # load() crashed (or every block did): this check is an error, not the run
+        run.result.error = f"{run.stage}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-8))
+    return verdict(run)
+
+
+def start(spec: CheckSpec, backend, progress, goldens: bool) -> Run:
+    """The spec validated (or a given backend wrapped), the result begun; skipped where the
+    backend cannot run on this host."""
     t0 = time.perf_counter()
-    timings = {}
     backend = validate(spec) if backend is None else as_backend(backend)  # (a duck-typed object wrapped)
     if goldens and not golden_files.root().is_dir():  # a broken install would silently drop every golden gate
         raise InputError(f"the goldens directory {golden_files.root()} is missing (a broken install?): "
                          "reinstall moe-oracle, or set MOE_ORACLE_GOLDENS")
     result = CheckResult(spec=spec_record(spec), status="pass", provenance=provenance(spec, backend))
+    run = Run(spec, spec, backend, result, progress or (lambda stage, done=0, total=0: None), t0)
     ok, reason = backend.availability()
     if not ok:
         result.status, result.skipped_reason = "skipped", reason
-        return result
-    progress("checkpoint")
-    srcs = sources(spec, lambda msg: progress(f"checkpoint: {msg}"), backend)
-    src = srcs.src
-    asked = spec
+    return run
 
-    def record(s: CheckSpec) -> dict:  # q8/q4 as asked, not the fp32 check of the directory built for it
-        return spec_record(replace(s, precision=asked.precision, candidate_dir=None, options=asked.options)
-                           if srcs.built else s)
 
-    spent = quantizing_options(backend, spec.options) if srcs.built else {}  # the directory's, spent on it
+def read_sources(run: Run) -> None:
+    """The checkpoints (a q8/q4 check of a backend that writes directories: the directory it
+    exports, checked at fp32 against HF on its weights dequantized), then every refusal that
+    needs them: memory, a given program that is not this model's, a saved reference of another
+    checkpoint."""
+    spec, backend, result = run.spec, run.backend, run.result
+    run.progress("checkpoint")
+    run.srcs = srcs = sources(spec, lambda msg: run.progress(f"checkpoint: {msg}"), backend)
+    run.src = src = srcs.src
+    run.spent = quantizing_options(backend, spec.options) if srcs.built else {}  # the directory's, spent on it
     if srcs.built:  # the candidate loads the directory at fp32 activations, judged at the fp32 limits
         spec = replace(spec, candidate_dir=srcs.shipped, precision="fp32",
-                       options={k: v for k, v in spec.options.items() if k not in spent})
+                       options={k: v for k, v in spec.options.items() if k not in run.spent})
     elif srcs.shipped is not None and backend.loads_directory:
         spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
         result.spec = spec_record(spec)
+    run.spec = spec
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
                                        "tiny": spec.model_dir is None and spec.config is None}
-    timings["checkpoint_s"] = time.perf_counter() - t0
+    run.timings["checkpoint_s"] = time.perf_counter() - run.t0
     refusal = memory_refusal(backend, src, spec)
     if refusal:
         raise InputError(refusal)
     if spec.artifact is not None:
         artifact_matches(spec, src)
-        backend.check_given(src, spec)  # the program itself (exporters/given.py)
+        backend.check_given(src, spec)  # the program itself (exporters/given.py; a no-op by default)
     if spec.reference is not None:
         saved = saved_reference(spec)["checkpoint_sha256"]
         here = [s.checkpoint_sha256 for s in (src, srcs.original) if s is not None]
@@ -108,115 +165,127 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
             raise InputError(f"--reference {spec.reference} was captured from checkpoint sha256 {saved[:16]}..., "
                              f"not this check's ({', '.join(h[:16] + '...' for h in here)})")
 
-    prompts = None
+
+def read_prompts(run: Run) -> None:
+    """--prompts tokenized; static-length artifacts are then sized for the longest."""
+    spec, src = run.spec, run.src
     if spec.prompts:
-        prompts = tokenized_prompts(spec, srcs, src.args.vocab_size)
-        longest = max(map(len, prompts))
+        run.prompts = tokenized_prompts(spec, run.srcs, src.args.vocab_size)
+        longest = max(map(len, run.prompts))
         check_length(src.config, longest + spec.decode_tokens,
                      f"the longest prompt ({longest} tokens) + decode-tokens {spec.decode_tokens}")
-        spec = replace(spec, prompt_len=longest)  # what static-length artifacts are sized for
-        src = replace(src, args=replace(src.args, max_seq_len=longest + spec.decode_tokens))
-        result.spec = record(spec)
+        run.spec = replace(spec, prompt_len=longest)  # what static-length artifacts are sized for
+        run.src = replace(src, args=replace(src.args, max_seq_len=longest + spec.decode_tokens))
+        run.result.spec = run.record(run.spec)
+    run.prompt = run.prompts[0] if run.prompts else prompt_tokens(run.spec, run.src.args.vocab_size)
 
-    if validate_only:
-        if spec.reference is not None and saved_reference(spec)["checkpoint_sha256"] == src.checkpoint_sha256:
-            reference_of(spec, src, prompts[0] if prompts else prompt_tokens(spec, src.args.vocab_size))  # read
-        return result
-    progress("reference")
+
+def read_saved_reference(run: Run) -> None:
+    """validate_only: a saved reference of this checkpoint is read (and so checked) too."""
+    if run.spec.reference is not None and saved_reference(run.spec)["checkpoint_sha256"] == run.src.checkpoint_sha256:
+        reference_of(run.spec, run.src, run.prompt)
+
+
+def capture_reference(run: Run) -> None:
+    run.progress("reference")
+    run.ref = run.timed("reference", lambda: reference_of(run.spec, run.src, run.prompt))
+    run.timings["reference_peak_rss_gib"] = peak_rss_gib()
+    run.result.reference = reference_margins(run.ref)
+
+
+def measure_noise(run: Run) -> None:
+    """The precision's own error (HF at it, same inputs: oracle/noise.py); where it cannot be
+    measured the fixed tables judge, and the report says so."""
+    spec = run.spec
+    if not thresholds.noise_relative(spec.precision):
+        return
+    run.progress(f"HF at {spec.precision} (the precision's own error)")
     t = time.perf_counter()
-    prompt = prompts[0] if prompts else prompt_tokens(spec, src.args.vocab_size)
-    ref = reference_of(spec, src, prompt)
-    timings["reference_s"] = time.perf_counter() - t
-    timings["reference_peak_rss_gib"] = peak_rss_gib()
-    result.reference = reference_margins(ref)
-    noise = None
-    if thresholds.noise_relative(spec.precision):  # the precision's own error: HF at it, same inputs
-        progress(f"HF at {spec.precision} (the precision's own error)")
-        t = time.perf_counter()
-        try:
-            noise = noise_for(ref, src, spec, prompt)
-            result.reference["noise"] = f"HF transformers at {spec.precision} on the same inputs (oracle/noise.py)"
-        except Exception as e:  # the limits fall back to the fixed tables, and the report says so
-            result.reference["noise"] = f"not measured ({type(e).__name__}: {e}): fixed {spec.precision} tables"
-        timings["noise_s"] = time.perf_counter() - t
-    if srcs.shipped is not None:
-        result.quantization = {
-            "shipped_dir": srcs.shipped, **(srcs.quantization or {}),
-            "dequantized_checkpoint": {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256},
-            "original": str(srcs.original.model_dir) if srcs.original else None,
-            "implementation": f"the candidate vs HF on the shipped weights (dequantized to fp32), at {spec.precision} "
-                              "limits: does the runtime compute the model it was given?",
-            "limits": spec.precision,
-        }
-        if srcs.built:
-            result.quantization["built"] = (f"--precision {asked.precision}: the directory `{spec.backend}` exports "
-                                            f"({', '.join(f'{k}={v}' for k, v in spent.items()) or 'default options'}), "
-                                            "loaded as the candidate")
-        if srcs.original is None:
-            result.quantization["note"] = ("no original checkpoint given: only the implementation rows exist "
-                                           "(the quantization error needs the weights it was made from)")
-        else:
-            progress("quantization")
-            t = time.perf_counter()
-            result.quantization["rows"] = quantization_rows(spec, srcs, prompt, progress)
-            timings["quantization_s"] = time.perf_counter() - t
-
-    stage = "load"
     try:
-        progress("load")
-        t = time.perf_counter()
-        cand = as_candidate(backend.load(src, spec))
-        timings["load_s"] = time.perf_counter() - t
-        info = dict(cand.info or {})
-        artifacts = info.pop("artifacts", [])
-        result.provenance["host"].update(info.pop("host", {}))  # e.g. IREE's target CPU: host facts in one place
-        result.provenance["backend"] = info
-        result.provenance["artifacts"] = [{"name": a["name"], "sha256": a["sha256"]} for a in artifacts]
-        result.cache = {"artifacts": [{k: a[k] for k in ("name", "cached", "build_s", "path")} for a in artifacts],
-                        "all_cached": bool(artifacts) and all(a["cached"] for a in artifacts)}
-        if spec.reference is not None:  # where the reference came from is run state: the numbers are the same
-            result.cache["reference"] = spec.reference
+        run.noise = noise_for(run.ref, run.src, spec, run.prompt)
+        run.result.reference["noise"] = f"HF transformers at {spec.precision} on the same inputs (oracle/noise.py)"
+    except Exception as e:
+        run.result.reference["noise"] = f"not measured ({type(e).__name__}: {e}): fixed {spec.precision} tables"
+    run.timings["noise_s"] = time.perf_counter() - t
 
-        stage = "blocks"
-        t = time.perf_counter()
-        result.blocks = block_rows(ref, cand, spec, src.args, progress, noise, src)
-        timings["blocks_s"] = time.perf_counter() - t
 
-        stage = "e2e"
-        progress("e2e")
-        t = time.perf_counter()
-        rows = []
-        result.e2e, dtype_gate = run_e2e(ref, cand, spec, reduction_length(src.args), rows, noise,
-                                         exact=lambda: exact_for(ref, src, spec, prompt))
-        if dtype_gate:
-            result.gates.append(dtype_gate)
-        timings["e2e_s"] = time.perf_counter() - t
-        if prompts:
-            stage = "prompts"
-            t = time.perf_counter()
-            result.prompts = prompt_set(ref, result.e2e, rows, spec, src, cand, prompts, progress)
-            timings["prompts_s"] = time.perf_counter() - t
-        stage = "gates"
-        result.gates += _contained(result, "backend_gates", lambda: list(cand.gates())) or []
-        sampling = spec.options.get("sampling")
-        if sampling is not None:
-            stage = "sampling"
-            progress("sampling")
-            t = time.perf_counter()
-            result.gates += _contained(result, "sampling", lambda: sampling_gates(
-                ref, cand, float(sampling["temperature"]), float(sampling["top_p"]), spec.seed,
-                thresholds.limits(spec.precision, "e2e")["tie_margin"])) or []
-            timings["sampling_s"] = time.perf_counter() - t
-        result.structures = dict(_contained(result, "structures", cand.structures) or {})
-        if goldens:
-            stage = "goldens"
-            tok = golden_files.token_gate(spec, result.e2e.candidate_tokens)
-            result.gates += ([tok] if tok else []) + golden_files.structure_gates(spec, result.structures)
-    except InputError:  # the backend refused what it was given (e.g. a program without the exporter's methods)
-        raise
-    except Exception as e:  # load() crashed (or every block did): this check is an error, not the run
-        result.error = f"{stage}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-8))
+def quantization(run: Run) -> None:
+    """A shipped (or built) directory: what it holds and what is judged, and its quantization's
+    own loss (HF on the original weights vs HF on the dequantized ones) where the original is known."""
+    spec, srcs = run.spec, run.srcs
+    if srcs.shipped is None:
+        return
+    q = run.result.quantization = {
+        "shipped_dir": srcs.shipped, **(srcs.quantization or {}),
+        "dequantized_checkpoint": {"dir": str(run.src.model_dir), "sha256": run.src.checkpoint_sha256},
+        "original": str(srcs.original.model_dir) if srcs.original else None,
+        "implementation": f"the candidate vs HF on the shipped weights (dequantized to fp32), at {spec.precision} "
+                          "limits: does the runtime compute the model it was given?",
+        "limits": spec.precision,
+    }
+    if srcs.built:
+        q["built"] = (f"--precision {run.asked.precision}: the directory `{spec.backend}` exports "
+                      f"({', '.join(f'{k}={v}' for k, v in run.spent.items()) or 'default options'}), "
+                      "loaded as the candidate")
+    if srcs.original is None:
+        q["note"] = ("no original checkpoint given: only the implementation rows exist "
+                     "(the quantization error needs the weights it was made from)")
+    else:
+        run.progress("quantization")
+        q["rows"] = run.timed("quantization", lambda: quantization_rows(spec, srcs, run.prompt, run.progress))
 
+
+def run_candidate(run: Run, goldens: bool) -> None:
+    """The candidate's stages in order; `run.stage` names the one running (a crash's error says
+    where). The optional ones (gates, sampling, structures) are contained: a crash there is that
+    gate's error row."""
+    spec, src, ref, result = run.spec, run.src, run.ref, run.result
+    run.stage = "load"
+    run.progress("load")
+    run.cand = cand = run.timed("load", lambda: as_candidate(run.backend.load(src, spec)))
+    info = dict(cand.info or {})
+    artifacts = info.pop("artifacts", [])
+    result.provenance["host"].update(info.pop("host", {}))  # e.g. IREE's target CPU: host facts in one place
+    result.provenance["backend"] = info
+    result.provenance["artifacts"] = [{"name": a["name"], "sha256": a["sha256"]} for a in artifacts]
+    result.cache = {"artifacts": [{k: a[k] for k in ("name", "cached", "build_s", "path")} for a in artifacts],
+                    "all_cached": bool(artifacts) and all(a["cached"] for a in artifacts)}
+    if spec.reference is not None:  # where the reference came from is run state: the numbers are the same
+        result.cache["reference"] = spec.reference
+
+    run.stage = "blocks"
+    result.blocks = run.timed("blocks", lambda: block_rows(ref, cand, spec, src.args, run.progress, run.noise, src))
+
+    run.stage = "e2e"
+    run.progress("e2e")
+    rows = []  # every e2e step's (step, reference rows, candidate rows), for the prompt set's distribution
+    result.e2e, dtype_gate = run.timed("e2e", lambda: run_e2e(ref, cand, spec, reduction_length(src.args), rows,
+                                                              run.noise, exact=lambda: exact_for(ref, src, spec, run.prompt)))
+    if dtype_gate:
+        result.gates.append(dtype_gate)
+    if run.prompts:
+        run.stage = "prompts"
+        result.prompts = run.timed("prompts", lambda: prompt_set(ref, result.e2e, rows, spec, src, cand, run.prompts,
+                                                                 run.progress))
+    run.stage = "gates"
+    result.gates += _contained(result, "backend_gates", lambda: list(cand.gates())) or []
+    sampling = spec.options.get("sampling")
+    if sampling is not None:
+        run.stage = "sampling"
+        run.progress("sampling")
+        result.gates += run.timed("sampling", lambda: _contained(result, "sampling", lambda: sampling_gates(
+            ref, cand, float(sampling["temperature"]), float(sampling["top_p"]), spec.seed,
+            thresholds.limits(spec.precision, "e2e")["tie_margin"]))) or []
+    result.structures = dict(_contained(result, "structures", cand.structures) or {})
+    if goldens:
+        run.stage = "goldens"
+        tok = golden_files.token_gate(spec, result.e2e.candidate_tokens)
+        result.gates += ([tok] if tok else []) + golden_files.structure_gates(spec, result.structures)
+
+
+def verdict(run: Run) -> CheckResult:
+    """The worst block row, the status (error, fail or pass), a known defect's expected failure."""
+    result = run.result
     w = worst_row(result.blocks)  # rows measured before a crash still localise
     result.worst = asdict(w) if w else None
     failed = (w is not None or (result.e2e and result.e2e.status in ("fail", "error"))
@@ -225,9 +294,9 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
               or (result.prompts or {}).get("status") == "fail")
     result.status = "error" if result.error else "fail" if failed else "pass"
     expected.judge(result)  # a known candidate defect: fails as its entry says -> xfail; passes -> stale
-    timings["total_s"] = time.perf_counter() - t0
-    timings["peak_rss_gib"] = peak_rss_gib()
-    result.timings = timings
+    run.timings["total_s"] = time.perf_counter() - run.t0
+    run.timings["peak_rss_gib"] = peak_rss_gib()
+    result.timings = run.timings
     return result
 
 
