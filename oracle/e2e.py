@@ -10,7 +10,7 @@ from oracle import thresholds
 from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import OutputError, as_array, as_f64, tensor_metrics, top2_margin
 from oracle.noise import exact_for, noise_for
-from oracle.result import E2E, GateRow
+from oracle.result import E2E, GateRow, Status
 from oracle.compare import shape_text, dtype_name, expected_dtype, noise_row_limits, reduction_length, router_near_ties
 from oracle.references import reference_of
 
@@ -81,7 +81,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     want, got = expected_dtype(spec), sorted(d for d in dtypes if d)
     gate = None
     if want and got:
-        gate = GateRow("logits_dtype", "pass" if got == [want] else "fail", ", ".join(got), want,
+        gate = GateRow("logits_dtype", Status.PASS if got == [want] else Status.FAIL, ", ".join(got), want,
                        "the logits keep the model's declared dtype (no unconditional cast)")
     return e2e, gate
 
@@ -89,7 +89,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
 def beyond_table(e2e: E2E) -> bool:
     """Whether any finite, readable step fails the table or takes another token: fp32's own error
     is then measured (a NaN, a crash or an unreadable output fails whatever it is)."""
-    return any((s["logits_status"] in ("fail", "routing-tie") or s["token"] != "match")
+    return any((s["logits_status"] in (Status.FAIL, Status.ROUTING_TIE) or s["token"] != "match")
                and not s["nonfinite"] and "invalid_output" not in s for s in e2e.steps)
 
 
@@ -117,7 +117,7 @@ def judge_steps(ref, answers: list, error: str | None, spec, lim: dict, noise=No
         except OutputError as e:
             cand_tokens.append(-1)
             steps.append({"step": k, "max_abs": None, "rel_l2": None, "nonfinite": 0, "ratio": float("inf"),
-                          "logits_status": "fail", "invalid_output": str(e), "reference_margin": margin,
+                          "logits_status": Status.FAIL, "invalid_output": str(e), "reference_margin": margin,
                           "reference_token": ref_tok, "candidate_token": -1, "token": "mismatch",
                           "first_divergence": None})
             if first is None:
@@ -139,15 +139,15 @@ def judge_steps(ref, answers: list, error: str | None, spec, lim: dict, noise=No
             tie_margin = lim["tie_factor"] * step_noise[k]["max_abs"]
             if "exact_factor" in lim:  # fp32: the fixed table is the floor of the measured rule
                 table_status, table_ratio = thresholds.judge_tensor(m, lim)
-                extra["beyond_table"] = table_status == "fail"
+                extra["beyond_table"] = table_status == Status.FAIL
                 status, ratio = (table_status, table_ratio) if table_ratio <= ratio else (status, ratio)
                 tie_margin = max(tie_margin, lim["tie_margin"])
         else:
             status, ratio = thresholds.judge_tensor(m, lim)
         position = P + k - 1 if k else P - 1
         routed_tie = first_routing_tie is not None and first_routing_tie <= position and not m["nonfinite"]
-        if status == "fail" and routed_tie and "shape_mismatch" not in m:
-            status = "routing-tie"
+        if status == Status.FAIL and routed_tie and "shape_mismatch" not in m:
+            status = Status.ROUTING_TIE
         cand_tok = int(np.nanargmax(out[-1])) if np.isfinite(out[-1]).any() else -1
         cand_tokens.append(cand_tok)
         token_status = "match"
@@ -169,14 +169,14 @@ def judge_steps(ref, answers: list, error: str | None, spec, lim: dict, noise=No
         excuse_routing_ties(steps, routing_ties, P, first)
     complete = error is None and len(steps) == len(ref.logits)
     exact = complete and all(s["token"] == "match" for s in steps)
-    ok = complete and all(s["logits_status"] in ("pass", "routing-tie") and s["token"] != "mismatch" for s in steps)
+    ok = complete and all(s["logits_status"] in (Status.PASS, Status.ROUTING_TIE) and s["token"] != "mismatch" for s in steps)
     distribution = None
     if "kl_mean" in lim and cand_rows:  # quantized precisions: judged by the logits' distribution, tokens reported
         distribution = distribution_metrics(np.concatenate(ref_rows), np.concatenate(cand_rows),
                                             lim.get("tie_margin", 0.0))
         distribution["status"], distribution["ratio"] = judge_distribution(distribution, lim)
-        ok = distribution["status"] == "pass" and complete and not any("invalid_output" in s for s in steps)
-    status = "error" if error else "pass" if ok else "fail"
+        ok = distribution["status"] == Status.PASS and complete and not any("invalid_output" in s for s in steps)
+    status = Status.ERROR if error else Status.PASS if ok else Status.FAIL
     e2e = E2E(status, ref.tokens[:P], ref.tokens[P:], cand_tokens, exact, steps, lim,
               first, ties, distribution, error=error, routing_ties=routing_ties)
     return e2e, rows, dtypes
@@ -211,15 +211,15 @@ def excuse_routing_ties(steps: list[dict], tie_positions: list[int], P: int, fir
     sparsemixer's masks, which the block rows judge.)"""
     ties = set(tie_positions)
     for s in steps:
-        if s["logits_status"] != "fail" and s["token"] != "mismatch":
+        if s["logits_status"] != Status.FAIL and s["token"] != "mismatch":
             continue
         if s["nonfinite"] or "invalid_output" in s:
             continue
         held = range(P) if s["step"] == 0 else [P + s["step"] - 1]
         if not ties.intersection(held):
             continue
-        if s["logits_status"] == "fail":
-            s["logits_status"] = "routing-tie"
+        if s["logits_status"] == Status.FAIL:
+            s["logits_status"] = Status.ROUTING_TIE
         if s["token"] == "mismatch":
             s["token"] = "routing-tie"
             if first is not None and first["step"] == s["step"]:
@@ -269,6 +269,6 @@ def prompt_set(ref0, e2e0, rows0, spec, src, cand, prompts: list[list[int]], pro
         for who, parts in nll.items():
             ppl[who], n = perplexity(np.concatenate([p for p, _ in parts]), np.concatenate([t for _, t in parts]))
         out["perplexity"] = {**ppl, "ratio": ppl["candidate"] / ppl["reference"], "positions": n}
-    failed = any(p["status"] in ("fail", "error") for p in per) or (out.get("distribution") or {}).get("status") == "fail"
-    out["status"] = "fail" if failed else "pass"
+    failed = any(p["status"] in (Status.FAIL, Status.ERROR) for p in per) or (out.get("distribution") or {}).get("status") == Status.FAIL
+    out["status"] = Status.FAIL if failed else Status.PASS
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from oracle.result import Status
+
 
 def _fmt(x) -> str:
     if isinstance(x, float):
@@ -35,10 +37,10 @@ def _metric_line(row: dict) -> str:
 
 def _blocks(all_rows: list, worst: dict | None, top: int) -> list[str]:
     lines = []
-    rows = [r for r in all_rows if r["status"] != "n/a"]
+    rows = [r for r in all_rows if r["status"] != Status.NA]
     if all_rows and not rows:
         return [f"Blocks: none compared ({len(all_rows)} n/a: {all_rows[0].get('detail') or 'not isolated'})"]
-    failing = sum(r["status"] in ("fail", "error") for r in rows)
+    failing = sum(r["status"] in (Status.FAIL, Status.ERROR) for r in rows)
     lines.append(f"Blocks: {len(rows) - failing}/{len(rows)} pass ({rows[0]['mode'] if rows else 'isolated'})")
     if worst:
         lines.append(f"Localised fault: **{_where(worst)}**: {_metric_line(worst)}")
@@ -91,7 +93,7 @@ def _e2e(e: dict | None) -> list[str]:
                       + (f", ties at steps {e['ties']}" if e["ties"] else "")]
         if e.get("measured_noise"):
             lines.append(f"Beyond the fixed e2e table: {e['measured_noise']}.")
-        routed = [s["step"] for s in e["steps"] if "routing-tie" in (s.get("logits_status"), s.get("token"))]
+        routed = [s["step"] for s in e["steps"] if Status.ROUTING_TIE in (s.get("logits_status"), s.get("token"))]
         if routed and any("vs_noise" in s for s in e["steps"]):  # measured noise: excused at their own positions
             lines.append(f"Routing near ties: steps {routed} differ where their own position's expert choice is a"
                          f" router near tie within the measured noise (reported, not failed; the block rows judge"
@@ -129,13 +131,13 @@ def _shipped(q: dict) -> list[str]:
 
 def markdown(doc: dict, top: int = 5) -> str:
     spec = doc["spec"]
-    icon = {"pass": "✅", "fail": "❌", "xfail": "⚠️", "skipped": "⏭️", "error": "💥"}.get(doc["status"], "")
+    icon = {Status.PASS: "✅", Status.FAIL: "❌", Status.XFAIL: "⚠️", Status.SKIPPED: "⏭️", Status.ERROR: "💥"}.get(doc["status"], "")
     src = spec.get("model_dir") or (spec.get("config") and spec["config"] + (f" --layers {spec['layers']}" if spec.get("layers") else "")) or "tiny"
     lines = [f"### {icon} oracle check `{spec['family']}` on `{spec['backend']}` ({spec['precision']}, {src}):"
              f" **{doc['status']}**", ""]
-    if doc["status"] == "skipped":
+    if doc["status"] == Status.SKIPPED:
         return "\n".join(lines + [f"Skipped: {doc['skipped_reason']}", ""])
-    if doc["status"] == "error":
+    if doc["status"] == Status.ERROR:
         first = (doc.get("error") or "").splitlines()[:1]
         return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""])
     ex = doc.get("expected")
@@ -151,7 +153,7 @@ def markdown(doc: dict, top: int = 5) -> str:
     rows = (q or {}).get("rows")
     if rows:
         how = ("the chosen bits and group size on these weights, not the backend's doing: reported, not judged"
-               if rows["status"] == "reported" else "judged end to end, by the logits' distribution")
+               if rows["status"] == Status.REPORTED else "judged end to end, by the logits' distribution")
         lines += ["", f"**Quantization error** (HF on the original weights vs HF on the dequantized ones, at the "
                       f"{rows['precision']} limits): **{rows['status']}** ({how})"]
         if rows.get("error"):
@@ -166,7 +168,7 @@ def markdown(doc: dict, top: int = 5) -> str:
     if ps:
         exact = sum(p["token_exact"] for p in ps["per_prompt"])
         lines += ["", f"Prompts: **{ps['status']}**, {ps['count']} prompt(s), "
-                      f"{sum(p['status'] == 'pass' for p in ps['per_prompt'])} pass end to end, {exact} token-exact"]
+                      f"{sum(p['status'] == Status.PASS for p in ps['per_prompt'])} pass end to end, {exact} token-exact"]
         d, pp = ps.get("distribution"), ps.get("perplexity")
         if d:
             lines.append(f"Over all prompts: KL mean {_fmt(d.get('kl_mean'))} (p99 {_fmt(d.get('kl_p99'))}, max "

@@ -125,7 +125,7 @@ def worst_row(rows: list[BlockRow]) -> BlockRow | None:
     fail downstream of the fault: if any failing row is in-situ, take the first failing
     block in program order (layer by layer, sub-blocks before their layer, then the final
     norm and the logits)."""
-    failing = [r for r in rows if r.status in ("fail", "error")]
+    failing = [r for r in rows if r.status in (Status.FAIL, Status.ERROR)]
     if not failing:
         return None
     if any("in-situ" in r.mode for r in failing):

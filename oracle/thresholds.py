@@ -8,6 +8,8 @@ import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
+from oracle.result import Status
+
 DEFAULT_PATH = Path(__file__).with_name("thresholds.toml")
 
 
@@ -73,11 +75,11 @@ def tie_gap(router_lim: dict, num_experts: int) -> float:
 def judge_tensor(m: dict, lim: dict) -> tuple[str, float]:
     """(status, ratio): ratio is the worst metric / limit; > 1 fails. NaN/Inf always fails."""
     if "shape_mismatch" in m or "dtype_mismatch" in m:
-        return "fail", float("inf")
+        return Status.FAIL, float("inf")
     if m["nonfinite"]:
-        return "fail", float("inf")
+        return Status.FAIL, float("inf")
     ratio = max(m["allclose_ratio"], m["rel_l2"] / lim["rel_l2"])
-    return ("pass" if ratio <= 1.0 else "fail"), ratio
+    return (Status.PASS if ratio <= 1.0 else Status.FAIL), ratio
 
 
 def _over(x: float, limit: float) -> float:
@@ -126,10 +128,10 @@ def judge_noise(m: dict, lim: dict) -> tuple[str, float]:
     """(status, ratio) of a tensor row against noise_limits: ratio is the worse of max_abs and
     rel_l2 over their limits; > 1 fails. NaN/Inf always fails."""
     if "shape_mismatch" in m or "dtype_mismatch" in m or m["nonfinite"]:
-        return "fail", float("inf")
+        return Status.FAIL, float("inf")
 
     ratio = max(_over(m["max_abs"], lim["max_abs"]), _over(m["rel_l2"], lim["rel_l2"]))
-    return ("pass" if ratio <= 1.0 else "fail"), ratio
+    return (Status.PASS if ratio <= 1.0 else Status.FAIL), ratio
 
 
 def in_situ(precision: str, path: Path = DEFAULT_PATH) -> dict | None:
@@ -151,15 +153,15 @@ def judge_upstream(m: dict, lim: dict) -> tuple[str, float]:
     """(status, ratio) of an in-situ row against upstream_limits: the worse of the elementwise
     bound (`upstream_allclose_ratio`) and rel_l2 over its limit; > 1 fails. NaN/Inf always fails."""
     if "shape_mismatch" in m or "dtype_mismatch" in m or m["nonfinite"]:
-        return "fail", float("inf")
+        return Status.FAIL, float("inf")
     ratio = max(m["upstream_allclose_ratio"], _over(m["rel_l2"], lim["rel_l2"]))
-    return ("pass" if ratio <= 1.0 else "fail"), ratio
+    return (Status.PASS if ratio <= 1.0 else Status.FAIL), ratio
 
 
 def judge_router(m: dict, lim: dict) -> tuple[str, float]:
     if "shape_mismatch" in m or m["nonfinite"]:
-        return "fail", float("inf")
+        return Status.FAIL, float("inf")
     allowed = max(1.0 - lim["min_agreement"], 1e-3)
     ratio = max(_over(m["weight_max_abs"], lim["weight_atol"]), (1.0 - m["topk_agreement"]) / allowed)
     ok = m["weight_max_abs"] <= lim["weight_atol"] and m["topk_agreement"] >= lim["min_agreement"]
-    return ("pass" if ok else "fail"), ratio
+    return (Status.PASS if ok else Status.FAIL), ratio
