@@ -16,7 +16,7 @@ from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, memo
 from oracle.noise import exact_for, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
-from oracle.result import CheckResult, GateRow, worst_row
+from oracle.result import CheckResult, GateRow, Status, worst_row
 from oracle.compare import block_rows, reduction_length
 from oracle.e2e import prompt_set, run_e2e
 from oracle.quantization import quantization_rows
@@ -31,7 +31,7 @@ def _contained(result, name: str, fn):
     try:
         return fn()
     except Exception as e:
-        result.gates.append(GateRow(name, "error", None, None, f"{type(e).__name__}: {e}"))
+        result.gates.append(GateRow(name, Status.ERROR, None, None, f"{type(e).__name__}: {e}"))
         return None
 
 
@@ -97,7 +97,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     validate_only: every input read and checked (checkpoint, config, given program, saved
     reference, prompts), then the result as it stands: no reference is captured, nothing is run."""
     run = start(spec, backend, progress, goldens)
-    if run.result.status == "skipped":  # the backend is not available here
+    if run.result.status == Status.SKIPPED:  # the backend is not available here
         return run.result
     read_sources(run)  # checkpoint, the directory a q8/q4 check builds, memory, given program, saved reference
     read_prompts(run)
@@ -124,11 +124,11 @@ def start(spec: CheckSpec, backend, progress, goldens: bool) -> Run:
     if goldens and not golden_files.root().is_dir():  # a broken install would silently drop every golden gate
         raise InputError(f"the goldens directory {golden_files.root()} is missing (a broken install?): "
                          "reinstall moe-oracle, or set MOE_ORACLE_GOLDENS")
-    result = CheckResult(spec=spec_record(spec), status="pass", provenance=provenance(spec, backend))
+    result = CheckResult(spec=spec_record(spec), status=Status.PASS, provenance=provenance(spec, backend))
     run = Run(spec, spec, backend, result, progress or (lambda stage, done=0, total=0: None), t0)
     ok, reason = backend.availability()
     if not ok:
-        result.status, result.skipped_reason = "skipped", reason
+        result.status, result.skipped_reason = Status.SKIPPED, reason
     return run
 
 
@@ -288,11 +288,11 @@ def verdict(run: Run) -> CheckResult:
     result = run.result
     w = worst_row(result.blocks)  # rows measured before a crash still localise
     result.worst = asdict(w) if w else None
-    failed = (w is not None or (result.e2e and result.e2e.status in ("fail", "error"))
-              or any(g.status in ("fail", "error") for g in result.gates)
-              or (result.quantization or {}).get("rows", {}).get("status") in ("fail", "error")
-              or (result.prompts or {}).get("status") == "fail")
-    result.status = "error" if result.error else "fail" if failed else "pass"
+    failed = (w is not None or (result.e2e and result.e2e.status in (Status.FAIL, Status.ERROR))
+              or any(g.status in (Status.FAIL, Status.ERROR) for g in result.gates)
+              or (result.quantization or {}).get("rows", {}).get("status") in (Status.FAIL, Status.ERROR)
+              or (result.prompts or {}).get("status") == Status.FAIL)
+    result.status = Status.ERROR if result.error else Status.FAIL if failed else Status.PASS
     expected.judge(result)  # a known candidate defect: fails as its entry says -> xfail; passes -> stale
     run.timings["total_s"] = time.perf_counter() - run.t0
     run.timings["peak_rss_gib"] = peak_rss_gib()

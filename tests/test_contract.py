@@ -123,3 +123,24 @@ def test_a_duck_typed_backend_keeps_its_own_code_as_its_cache_key():
 
     assert implementation(resolve("tests.test_contract:OLD_STYLE")).__name__ == "OldBackend"
     assert implementation(resolve("eager")).__name__ == "EagerBackend"
+
+
+def test_statuses_are_compared_as_the_enum():
+    """oracle.result.Status is the one list of statuses: the harness compares with its members, not
+    with bare strings (a typo in a string compares False silently; a member that does not exist
+    fails on import)."""
+    from oracle.result import Status
+
+    values = {s.value for s in Status} - {"routing-tie"}  # also a token verdict (match/tie/mismatch/routing-tie)
+
+    def bare(node):
+        if isinstance(node, ast.Constant):
+            return node.value in values
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(bare(e) for e in node.elts)
+
+    found = []
+    for p in sorted((ROOT / "oracle").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare) and any(bare(x) for x in [node.left, *node.comparators]):
+                found.append(f"{p.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "compare with oracle.result.Status members:\n" + "\n".join(found)
