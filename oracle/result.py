@@ -38,7 +38,7 @@ SPECIFICITY = {"router": 0, "attention": 1, "moe": 1, "mlp": 1, "layer": 2, "fin
 class BlockRow:
     layer: int | None
     kind: str
-    status: str  # pass | fail | error (the candidate raised) | n/a
+    status: Status  # pass | fail | error (the candidate raised) | n/a
     mode: str  # isolated: fed the reference's inputs; in-situ: the candidate's own intermediate
     metrics: dict
     limits: dict
@@ -48,7 +48,7 @@ class BlockRow:
 
 @dataclass
 class E2E:
-    status: str
+    status: Status
     prompt_tokens: list[int]
     reference_tokens: list[int]  # greedy continuation of the reference
     candidate_tokens: list[int]  # candidate argmax at each step, fed the reference's tokens
@@ -74,7 +74,7 @@ class E2E:
 @dataclass
 class GateRow:
     name: str
-    status: str
+    status: Status
     value: object
     limit: object
     message: str = ""
@@ -83,7 +83,7 @@ class GateRow:
 @dataclass
 class CheckResult:
     spec: dict
-    status: str
+    status: Status
     provenance: dict
     blocks: list[BlockRow] = field(default_factory=list)
     e2e: E2E | None = None
