@@ -10,6 +10,7 @@ import torch
 
 from models.layers import Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
 from models.sampling import Sampler, check_args
+from oracle import points
 from oracle.backend import Backend, Candidate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -38,6 +39,14 @@ class TorchCandidate(Candidate):
         module, fn = block_fn(self.model, layer, kind)
         reset_state(module)
         return [fn(c.x.to(self.dtype), c.pos) for c in calls]
+
+    @torch.no_grad()
+    def run_block_points(self, layer, kind, calls):
+        module, _ = block_fn(self.model, layer, kind)
+        rec = points.Recorder()
+        with points.hooks(module, rec, kind), points.production_taps(rec):
+            self.run_block(layer, kind, calls)
+        return rec.points
 
     # the on-device sampler (models/sampling.py), run eagerly
     sampler = Sampler()

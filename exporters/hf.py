@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from oracle import points
 from oracle.backend import Backend, Candidate
 from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
@@ -27,7 +28,8 @@ class HFCandidate(Candidate):
     def __init__(self, model, family, dtype):
         self.model, self.family, self.dtype = model, family, dtype
         self.modules = block_modules(model, family)
-        self.read_router = router_reader(family, model_args(model, family))
+        self.args = model_args(model, family)
+        self.read_router = router_reader(family, self.args)
         self.cache = None
         self.info = {"executor": "transformers eager"}
         # routers: (weights, indices), and their logits too where asked (oracle/noise.py reads the
@@ -62,6 +64,14 @@ class HFCandidate(Candidate):
                 o = normalize_output(kind, o, keep_dtype=True, router_output=self.read_router)
                 outs.append(o[: self._router_items] if kind == "router" else o)
         return outs
+
+    @torch.no_grad()
+    def run_block_points(self, layer, kind, calls):
+        block, rec = self.modules[layer, kind], points.Recorder()
+        with points.hooks(block, rec, kind), points.hf_taps(block, self.modules.get((layer, "router")), rec, self.args,
+                                                      self.read_router):
+            self.run_block(layer, kind, calls)
+        return rec.points
 
     def _replay(self, layer, kind, calls):
         target = self.modules[layer, kind]

@@ -26,6 +26,17 @@ from models import routing
 from models.args import (CHUNKED, FULL, LINEAR, SLIDING, SPARSE, STATE_BUFFERS, ModelArgs,  # noqa: F401
                          Llama3Scaling, RopeArgs, YaRN, block_path, mlp_type)
 
+# a drill's recorder (oracle/points.py), called as TAPS(point, tensor) while one runs; None otherwise,
+# so `tap` is a no-op and traced graphs (torch.export) do not change
+TAPS = None
+
+
+def tap(point: str, x):
+    """A value with no module of its own, named for the drill (oracle.points.TAPS)."""
+    if TAPS is not None:
+        TAPS(point, x)
+    return x
+
 
 class RMSNorm(nn.Module):
     """HF RMSNorm: normalise in fp32. offset=False: w * x.to(dtype) (gain_fp32: (w * x).to(dtype),
@@ -229,7 +240,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.use_rope:
-            q, k = self.rope(q, pos), self.rope(k, pos)
+            q, k = tap("q_rope", self.rope(q, pos)), tap("k_rope", self.rope(k, pos))
             if self.qk_norm == "l2":  # Llama 4: weightless, after the rotation, rope layers only
                 q, k = l2_rms(q, self.eps), l2_rms(k, self.eps)
         if self.temperature is not None:
@@ -474,23 +485,23 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
         else:
             logits = F.linear(x, self.weight, bias)
-        w, idx = self.route(logits)
+        w, idx = self.route(tap("logits", logits))
         return (w.to(logits.dtype) if self.cast else w), idx
 
     def route(self, logits):  # [N, E] -> fp32 top-k weights, indices
         if self.softmax_only:
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            probs = tap("selection", tap("scores", torch.softmax(logits, dim=-1, dtype=torch.float32)))
             w, idx = torch.topk(probs, self.top_k, dim=-1)
             if self.norm_topk:
                 w = w / w.sum(dim=-1, keepdim=True)
-            return w, idx
+            return tap("weights", w), tap("topk", idx)
         a = self.args  # read at every call: a seeded fault routes by other fields (models/faults.py)
-        probs = routing.scores(logits, a)
+        probs = tap("scores", routing.scores(logits, a))
         bias = self.e_score_correction_bias if a.router_bias else None
-        idx = torch.topk(routing.selection(probs, bias, a), self.top_k, dim=-1).indices
+        idx = tap("topk", torch.topk(tap("selection", routing.selection(probs, bias, a)), self.top_k, dim=-1).indices)
         # idx is also used by weights(): a node used inside the router is not one of its outputs
         # to ExecuTorch's module-path taps, so the indices leave the router as their own node
-        return self.weights(probs, idx), idx.clone()
+        return tap("weights", self.weights(probs, idx)), idx.clone()
 
     def weights(self, probs, idx):  # the selected experts' scores [N, k], renormalised, scaled
         if self.args.router_scoring == "sparsemixer":

@@ -143,6 +143,9 @@ class CheckSpec:
     prompts: tuple[str, ...] | None = None
     artifact: str | None = None  # a program built elsewhere (--pte / --vmfb) for the backend to run, not build
     options: dict = field(default_factory=dict)  # backend-specific options
+    # the drill-down inside blocks (oracle/points.py): "auto" the worst failing block of a failing
+    # check, where the backend exposes its points; "all" every block; "off" none
+    drill: str = "auto"
 
 
 @dataclass
@@ -210,6 +213,13 @@ class Candidate:
         (weights [T, k], indices [T, k]); the others [1, T, H] (logits [1, T, V]). None: the kind
         cannot be isolated (its rows are 'n/a')."""
         raise NotImplementedError
+
+    def run_block_points(self, layer: int | None, kind: str, calls: list) -> dict | None:
+        """The drill (oracle/points.py): run_block on the same calls with the points inside the block
+        recorded: point name (a submodule path as in HF's module, or one of oracle.points.TAPS) ->
+        its outputs, one per firing, in the order the points first fire. None: the backend exposes
+        no points (the drill says so)."""
+        return None
 
     def gates(self) -> list:
         """The backend's own gate rows (oracle.result.GateRow, e.g. cast counts); none by default."""
@@ -297,7 +307,8 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
                        "memory_per_param", "memory_note", "export", "with_fault", "check_options",
                        "check_given", "memory_estimate", "fault_not_applicable"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
-                         "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler")}
+                         "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
+                         "run_block_points")}
 
 
 class _Duck:

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from oracle import expected
 from oracle import goldens as golden_files
-from oracle import thresholds
-from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, memory_refusal
+from oracle import points, thresholds
+from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, memory_refusal, resolve
 from oracle.noise import exact_for, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
@@ -52,7 +52,7 @@ def spec_record(spec: CheckSpec) -> dict:
     so a check against a moved reference reports the same bytes as one captured in-process; the
     weight profile and the quantization reference only where they are not the default (a report of
     the defaults stays as before they existed)."""
-    defaults = {"weights": "normal", "quant_reference": "dequantized"}
+    defaults = {"weights": "normal", "quant_reference": "dequantized", "drill": "auto"}
     return {k: v for k, v in asdict(spec).items() if k != "reference" and not (k in defaults and v == defaults[k])}
 
 
@@ -263,6 +263,7 @@ def run_candidate(run: Run, goldens: bool) -> None:
                                                               run.noise, exact=lambda: exact_for(ref, src, spec, run.prompt)))
     if dtype_gate:
         result.gates.append(dtype_gate)
+    drill_down(run)
     if run.prompts:
         run.stage = "prompts"
         result.prompts = run.timed("prompts", lambda: prompt_set(ref, result.e2e, rows, spec, src, cand, run.prompts,
@@ -281,6 +282,32 @@ def run_candidate(run: Run, goldens: bool) -> None:
         run.stage = "goldens"
         tok = golden_files.token_gate(spec, result.e2e.candidate_tokens)
         result.gates += ([tok] if tok else []) + golden_files.structure_gates(spec, result.structures)
+
+
+def drill_down(run: Run) -> None:
+    """Inside the blocks (oracle/points.py): the worst failing block of a failing check ("auto"),
+    or every block ("all"), run again on both sides with its points recorded. A drill that cannot
+    run says why in its section; it never changes the check's status."""
+    spec, result = run.spec, run.result
+    failing = worst_row(result.blocks)
+    if spec.drill == "off" or (spec.drill == "auto" and (failing is None or failing.kind not in points.DRILLED)):
+        return
+    keys = ([(r.layer, r.kind) for r in result.blocks if r.kind in points.DRILLED and r.status != Status.NA]
+            if spec.drill == "all" else [(failing.layer, failing.kind)])
+    run.stage = "drill"
+    run.progress("drill")
+    t = time.perf_counter()
+    try:
+        hf = resolve("hf").load(run.src, replace(spec, backend="hf", precision="fp32", options={}, candidate_dir=None,
+                                                 artifact=None))
+        drills = []
+        for key in keys:
+            lim = points.point_limits(spec.precision, key[1], spec.family, spec.backend, reduction_length(run.src.args))
+            drills.append(points.drill(run.ref, key, run.cand, hf, lim).as_dict())
+        result.drill = {"blocks": drills}
+    except Exception as e:  # the drill is a diagnosis: its crash is reported, the verdict stands
+        result.drill = {"blocks": [], "error": f"{type(e).__name__}: {e}"}
+    run.timings["drill_s"] = time.perf_counter() - t
 
 
 def verdict(run: Run) -> CheckResult:

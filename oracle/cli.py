@@ -98,6 +98,10 @@ def parser() -> argparse.ArgumentParser:
                    "and config, --pte/--vmfb, --reference, --prompts) and stop: exit 0 when all are valid, 2 naming "
                    "the first that is not; no reference is captured, nothing is run or written")
     c.add_argument("--sampling", action="store_true", help="add the on-device sampler gate rows")
+    c.add_argument("--drill", choices=["auto", "all", "off"], default="auto",
+                   help="the points inside blocks, compared one by one (the first that diverges): auto (default) the "
+                   "worst failing block of a failing check, all: every block, off: none; backends without points "
+                   "say n/a")
     c.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; >= 0)")
     c.add_argument("--top-p", type=float, default=0.9, help="sampling top-p (default 0.9; in (0, 1])")
     backend_options(c)
@@ -357,7 +361,7 @@ def cmd_check(a, argv: list[str]) -> int:
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
                      layers=a.layers, weights=a.weights, candidate_dir=a.candidate_dir,
                      quant_reference=a.quant_reference, reference=a.reference,
-                     prompts=read_prompts(a), artifact=a.pte or a.vmfb, options=options)
+                     prompts=read_prompts(a), artifact=a.pte or a.vmfb, options=options, drill=a.drill)
     prog, update = progress_reporter()
     try:
         backend = validate(spec)

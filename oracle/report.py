@@ -82,6 +82,28 @@ def _blocks(all_rows: list, worst: dict | None, top: int) -> list[str]:
     return lines
 
 
+def _drill(d: dict | None) -> list[str]:
+    """The points inside drilled blocks (oracle/points.py), in program order, the first divergence in bold."""
+    if not d:
+        return []
+    lines = []
+    if d.get("error"):
+        lines += ["", f"Drill: not run ({d['error']})"]
+    for b in d.get("blocks", []):
+        lines += ["", f"Drill: {b['verdict']} ({b['seconds']:.1f} s)"]
+        if not b["points"]:
+            continue
+        lines += ["", "| point | status | max_abs | rel_l2 | ratio |", "|---|---|---|---|---|"]
+        for p in b["points"]:
+            m, name = p["metrics"], f"`{p['name']}`"
+            if p["name"] == b["first_divergence"]:
+                name = f"**{name}**"
+            ratio = _fmt(p["ratio"]) if p["status"] != Status.NA else "n/a"
+            lines.append(f"| {name} | {p['status']} | {_fmt(m.get('max_abs', '-'))} | {_fmt(m.get('rel_l2', '-'))} | "
+                         f"{ratio}{' (' + p['reason'] + ')' if p['reason'] else ''} |")
+    return lines
+
+
 def _e2e(e: dict | None) -> list[str]:
     lines = []
     if e:
@@ -149,7 +171,7 @@ def markdown(doc: dict, top: int = 5) -> str:
         lines += _shipped(q)
         lines += ["", f"**Implementation error** (the candidate vs HF on the shipped weights dequantized, "
                       f"{q.get('limits', spec['precision'])} limits): does the runtime compute the model it was given?", ""]
-    lines += _blocks(doc["blocks"], doc.get("worst"), top) + _e2e(doc.get("e2e"))
+    lines += _blocks(doc["blocks"], doc.get("worst"), top) + _drill(doc.get("drill")) + _e2e(doc.get("e2e"))
     rows = (q or {}).get("rows")
     if rows:
         how = ("the chosen bits and group size on these weights, not the backend's doing: reported, not judged"

@@ -106,6 +106,8 @@ class CheckResult:
     # a known candidate defect (goldens/known_divergences.toml) that applies to this check: the
     # entry, what failed, and the verdict (expected failure / stale / unexpected): oracle/expected.py
     expected: dict | None = None
+    # the drill-down inside blocks (oracle/points.py): {"blocks": [Drill.as_dict()], "error"?}
+    drill: dict | None = None
     schema: str = SCHEMA
 
     def to_dict(self) -> dict:

@@ -36,7 +36,10 @@ def test_markdown_names_the_fault():
     md = markdown(r.to_dict())
     assert "**fail**" in md and "Localised fault: **layer 1 attention (full_attention)**" in md
     assert "First divergence: step" in md
-    assert len(md.splitlines()) < 30
+    # the drill-down of the failing block (oracle/points.py) names the point inside it, in bold
+    assert "Drill: layer 1 attention: first divergence at `q_rope`" in md and "| **`q_rope`** | fail |" in md
+    drill = [line for line in md.splitlines() if line.startswith("| `") or line.startswith("| **`")]
+    assert len(md.splitlines()) - len(drill) < 30  # compact besides the drill's points table (one row per point)
 
 
 def test_nonfinite_json_is_valid():

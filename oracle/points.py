@@ -1,0 +1,257 @@
+"""Drill-down: the points inside a block, compared one by one, and the first that diverges.
+
+A failing row says *which* block; the drill says *where in it*. The block is run isolated on the
+reference's captured inputs twice, HF fp32 and the candidate, with every point recorded on both
+sides, and the points are compared in program order (the order they are computed in the
+candidate's own run) with the block's limits. The verdict is the first point that fails while
+every point before it agrees.
+
+Points are of two sorts:
+- a submodule's output, by its path relative to the block (`q_proj`, `k_norm`,
+  `shared_expert.down_proj`, `experts`, `input_layernorm`, ...): recorded by forward hooks on both
+  sides wherever the same path exists in the HF module and the production one (the production
+  model's modules carry HF's names, models/layers.py); `context` is the output projection's input;
+- a computed value with no module of its own, the vocabulary below (TAPS): the production model
+  records it with `models.layers.tap` (a no-op unless a drill is recording: exported graphs do not
+  change); HF's side reads the same value from what HF computes (its `apply_rotary_pos_emb`'s
+  results, its router's logits and, through the family's routing (models.routing) with HF's own
+  correction bias, the scores and selection scores).
+
+A point whose two sides do not have the same shape is `n/a` with both shapes (never a guess), and
+so is a tap HF's module does not expose. Limits: the block's table at the model's width
+(thresholds.toml); top-k indices by agreement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from oracle.result import Status
+
+# computed values with no module of their own, per block kind, in program order
+TAPS = {
+    "attention": ("q_rope", "k_rope"),
+    "router": ("logits", "scores", "selection", "topk", "weights"),
+}
+DRILLED = ("attention", "router", "moe", "layer", "final_norm", "logits")
+
+
+@dataclass
+class Point:
+    name: str
+    status: Status  # pass | fail | n/a
+    metrics: dict = field(default_factory=dict)
+    ratio: float = 0.0
+    reason: str = ""
+
+
+@dataclass
+class Drill:
+    layer: int | None
+    kind: str
+    points: list[Point]
+    first_divergence: str | None  # the first failing point whose predecessors agree
+    verdict: str
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- recording
+class Points(dict):
+    """point -> outputs; `registered`: the block's submodule paths, fired or not (a module the
+    candidate has but never ran, where HF runs its counterpart, is a divergence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.registered: list[str] = []
+
+
+class Recorder:
+    """point -> its outputs, one per firing, in the order points first fire (a module fires once
+    per call of the block; the same module on both sides fires as often)."""
+
+    def __init__(self):
+        self.points = Points()
+
+    def add(self, name: str, x) -> None:
+        import torch
+
+        if torch.is_tensor(x):
+            self.points.setdefault(name, []).append(x.detach().float().cpu().numpy())
+
+
+@contextlib.contextmanager
+def hooks(block, rec: Recorder, kind: str | None = None):
+    """Forward hooks recording every submodule's output by its path in the block (a tuple output,
+    such as a router's, is read by the taps instead), and `context`: the output projection's input."""
+    from oracle.reference import normalize_output
+
+    def output(mod, a, out):  # the block's own output (an HF block may return a tuple; a router's: the taps)
+        if kind not in (None, "router"):
+            rec.add("output", normalize_output(kind, out, keep_dtype=True))
+
+    handles = [block.register_forward_hook(output)]
+    for path, m in block.named_modules():
+        if not path:
+            continue
+        rec.points.registered.append(path)
+        handles.append(m.register_forward_hook(lambda mod, a, out, p=path: rec.add(p, out)))
+        if path.rsplit(".", 1)[-1] in ("o_proj", "out_proj"):
+            handles.append(m.register_forward_pre_hook(lambda mod, a: rec.add("context", a[0] if a else None)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def production_taps(rec: Recorder):
+    """models.layers.tap records into `rec` while the block runs."""
+    from models import layers
+
+    old = layers.TAPS
+    layers.TAPS = rec.add
+    try:
+        yield
+    finally:
+        layers.TAPS = old
+
+
+@contextlib.contextmanager
+def hf_taps(block, router, rec: Recorder, args, read_router):
+    """HF's side of TAPS: its rotary function's results (patched in the modeling file of every module
+    of the block that has one) and, where the block holds the layer's router, the router's logits,
+    scores, selection scores, choice and weights."""
+    import torch
+
+    from models import routing
+    from oracle.reference import normalize_output, selection_scores
+
+    patched, handles = [], []
+    inside = [False]  # HF's isolation replays the whole model: record only while the block runs
+    handles.append(block.register_forward_pre_hook(lambda mod, a: inside.__setitem__(0, True)))
+    handles.append(block.register_forward_hook(lambda mod, a, out: inside.__setitem__(0, False)))
+    for m in block.modules():
+        mod = sys.modules.get(type(m).__module__)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None or any(p[0] is mod for p in patched):
+            continue
+
+        def rotary(*a, _fn=fn, **kw):
+            q, k = _fn(*a, **kw)
+            if inside[0]:
+                rec.add("q_rope", q)
+                rec.add("k_rope", k)
+            return q, k
+        patched.append((mod, fn))
+        mod.apply_rotary_pos_emb = rotary
+    if router is not None and any(m is router for m in block.modules()):
+        def record(mod, a, out):
+            w, idx, logits = normalize_output("router", out, router_output=read_router)[:3]
+            logits = logits.float().reshape(-1, logits.shape[-1])
+            rec.add("logits", logits)
+            with torch.no_grad():
+                rec.add("scores", routing.scores(logits, args))
+                rec.add("selection", selection_scores(mod, logits, args)[0])
+            rec.add("topk", idx.reshape(-1, idx.shape[-1]))
+            rec.add("weights", w.reshape(-1, w.shape[-1]))
+        handles.append(router.register_forward_hook(record))
+    try:
+        yield
+    finally:
+        for mod, fn in patched:
+            mod.apply_rotary_pos_emb = fn
+        for h in handles:
+            h.remove()
+
+
+# ---------------------------------------------------------------- comparing
+def _rows(arrays: list) -> np.ndarray:
+    return np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1, np.shape(a)[-1]) for a in arrays])
+
+
+def compare_point(name: str, ref: list, cand: list, lim: dict) -> Point:
+    from oracle import thresholds
+    from oracle.metrics import tensor_metrics
+
+    if (cand is None or not cand) and ref:
+        return Point(name, Status.FAIL, ratio=float("inf"), reason="HF computes it; the candidate does not")
+    if cand is None or not cand or any(c is None for c in cand):
+        return Point(name, Status.NA, reason="not recorded by the candidate")
+    if ref is None or not ref or any(r is None for r in ref):
+        return Point(name, Status.NA, reason="not exposed by HF's module")
+    if len(ref) != len(cand):
+        return Point(name, Status.NA, reason=f"computed {len(ref)} time(s) by HF, {len(cand)} by the candidate")
+    shapes = [np.shape(r) for r in ref], [np.shape(c) for c in cand]
+    if shapes[0] != shapes[1]:
+        i = next(i for i, (a, b) in enumerate(zip(*shapes)) if a != b)
+        return Point(name, Status.NA, reason=f"shapes differ: HF {list(shapes[0][i])}, candidate {list(shapes[1][i])}")
+    r, c = _rows(ref), _rows(cand)
+    if name == "topk":  # the chosen experts, as sets per token
+        same = np.mean([set(a) == set(b) for a, b in zip(r.astype(int).tolist(), c.astype(int).tolist())])
+        return Point(name, Status.PASS if same == 1.0 else Status.FAIL, {"agreement": float(same)},
+                     0.0 if same == 1.0 else float("inf"))
+    m = tensor_metrics(r, c, lim["atol"], lim["rtol"])
+    status, ratio = thresholds.judge_tensor(m, lim)
+    return Point(name, status, {k: m[k] for k in ("max_abs", "rel_l2", "nonfinite") if k in m}, ratio)
+
+
+def verdict(layer, kind: str, points: list[Point], seconds: float = 0.0) -> Drill:
+    where = f"{'model' if layer is None else f'layer {layer}'} {kind}"
+    first = next((p for p in points if p.status == Status.FAIL), None)
+    before = [p for p in points[: points.index(first)] if p.status == Status.PASS] if first else []
+    if first is None:
+        text = (f"{where}: every point within its limit (worst ratio "
+                f"{max((p.ratio for p in points if p.status == Status.PASS), default=0.0):.3g})")
+        return Drill(layer, kind, points, None, text, seconds)
+    agree = (f"; {', '.join(f'`{p.name}`' for p in before[-3:])} agree, ratio <= "
+             f"{max(p.ratio for p in before):.3g}") if before else "; it is the block's first point"
+    return Drill(layer, kind, points, first.name,
+                 f"{where}: first divergence at `{first.name}`, ratio {first.ratio:.3g}{agree}", seconds)
+
+
+def point_limits(precision: str, kind: str, family: str, backend: str, reduction: int) -> dict:
+    """A point's limits: its block's table at the model's width (a router's table has only weight
+    limits: its points, logits to weights, take the moe table's, the same arithmetic's)."""
+    from oracle import thresholds
+
+    lim = thresholds.limits(precision, kind, family, backend)
+    if "atol" not in lim:
+        lim = thresholds.limits(precision, "moe", family, backend)
+    return thresholds.at_width(lim, reduction)
+
+
+def drill(ref, key, cand, hf, lim: dict) -> Drill:
+    """Both sides' points of block `key` on the reference's calls (`hf`: an HF fp32 candidate,
+    exporters/hf.py), compared in the candidate's program order: the submodule paths both have,
+    and the taps either records."""
+    import time
+
+    t = time.perf_counter()
+    calls = ref.inputs[key]
+    cand_points = cand.run_block_points(key[0], key[1], calls)
+    if cand_points is None:
+        return Drill(key[0], key[1], [], None, "n/a: the backend exposes no points inside its blocks",
+                     time.perf_counter() - t)
+    ref_points = hf.run_block_points(key[0], key[1], calls)
+    taps = {n for names in TAPS.values() for n in names}
+    names = [n for n in cand_points if n in ref_points or n in taps]
+    # what HF computes and the candidate skips: a tap, or a module the candidate has but never ran
+    skipped = [n for n in ref_points if n not in cand_points and (n in taps or n in cand_registered(cand_points))]
+    for n in skipped:  # placed before the candidate's first point that follows it in HF's order
+        order = list(ref_points)
+        after = next((m for m in order[order.index(n) + 1:] if m in names), None)
+        names.insert(names.index(after) if after else len(names), n)
+    points = [compare_point(n, ref_points.get(n), cand_points.get(n), lim) for n in names]
+    return verdict(key[0], key[1], points, time.perf_counter() - t)
+
+
+def cand_registered(cand_points) -> set:
+    return set(getattr(cand_points, "registered", ()))
