@@ -110,7 +110,7 @@ def registered_backends() -> str:
 def uses_kernel(args) -> bool:
     """Whether the production graph has the Gated DeltaNet Metal kernel (the delegate emits it
     for a key head dim that is a multiple of 32, its SIMD width)."""
-    return LINEAR in args.layer_types and args.linear_key_head_dim % 32 == 0
+    return LINEAR in args.layer_types and args.linear_attention.key_head_dim % 32 == 0
 
 
 def metal_here() -> bool:

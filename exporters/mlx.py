@@ -625,8 +625,8 @@ class MLXBackend(Backend):
         if self.transform_id:
             info["transform"] = self.transform_id
         a = model.args
-        windows = {i: a.sliding_window for i, t in enumerate(a.layer_types) if t == SLIDING}
-        chunks = {i: a.attention_chunk_size for i, t in enumerate(a.layer_types) if t == CHUNKED}
+        windows = {i: a.attention.sliding_window for i, t in enumerate(a.layer_types) if t == SLIDING}
+        chunks = {i: a.attention.chunk_size for i, t in enumerate(a.layer_types) if t == CHUNKED}
         return MLXCandidate(m, dtype, device, info, mapping(model.family.name).array_mask, windows, chunks)
 
     def export(self, model, spec, output_dir) -> list:

@@ -54,7 +54,7 @@ def combine(moe, x, scores, inds, a, weighted=True, shared=True, shared_sigmoid=
     the routed experts weighted and summed (Llama 4: each expert's input scaled by its weight),
     plus the shared expert(s) (Qwen's behind a sigmoid gate). One step changed by the flags."""
     ex = experts_of(moe)
-    if a.router_weights_on_input:  # Llama 4 (top-1): experts(x * sigmoid score)
+    if a.router.weights_on_input:  # Llama 4 (top-1): experts(x * sigmoid score)
         y = ex(x * scores.astype(x.dtype) if weighted else x, inds).sum(axis=-2)
     else:
         y = ex(x, inds)
@@ -83,7 +83,7 @@ def _reroute(layer, a, route):
     patched: the block calls it as before. A block that routes inline gets `oracle_route`, which
     both its patched __call__ and the router block program use (mlx-lm has no router module there)."""
     moe = moe_block(layer)
-    k, renorm = a.num_experts_per_tok, a.norm_topk_prob
+    k, renorm = a.num_experts_per_tok, a.router.norm_topk_prob
 
     def faulty(x):
         return route(router_logits(moe, x), k, renorm)
@@ -422,7 +422,7 @@ def _softmax_for_sigmoid(layer, a):
 def _dense_layer_routed(layer, a):
     mlp = moe_block(layer)
     call = type(mlp).__call__
-    patch_call(mlp, lambda self, x: call(self, x) * a.routed_scaling_factor)
+    patch_call(mlp, lambda self, x: call(self, x) * a.router.routed_scaling_factor)
 
 
 def _moe_layer_as_dense(layer, a):
@@ -493,7 +493,7 @@ def _sparsemixer_first_unmasked(layer, a):
     from mlx_lm.models.phimoe import sparsemixer
 
     def route(logits, k, renorm):
-        inds, scores = sparsemixer(logits, top_k=k, jitter_eps=a.router_jitter_eps)
+        inds, scores = sparsemixer(logits, top_k=k, jitter_eps=a.router.jitter_eps)
         return mx.repeat(scores[..., :1], k, axis=-1), mx.repeat(inds[..., :1], k, axis=-1)
 
     _reroute(layer, a, route)
@@ -561,7 +561,7 @@ FAULTS = {
     "router_bias_ignored": _bias_ignored,
     "router_group_limit_ignored": _group_limit_ignored,
     "routed_scaling_missing": _set_gate(routed_scaling_factor=1.0),
-    "routed_scaling_twice": _set_gate(routed_scaling_factor=lambda a: a.routed_scaling_factor ** 2),
+    "routed_scaling_twice": _set_gate(routed_scaling_factor=lambda a: a.router.routed_scaling_factor ** 2),
     "router_softmax_for_sigmoid": _softmax_for_sigmoid,
     "dense_layer_routed": _dense_layer_routed,
     "mla_rope_nope_swapped": _mla_rope_nope_swapped,

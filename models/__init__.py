@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
-from models.args import DENSE, SPARSE, ModelArgs, RopeArgs, YaRN, stored_dtype
+from models.args import DENSE, MLA, SPARSE, AttentionArgs, ModelArgs, RopeArgs, RouterArgs, YaRN, stored_dtype
 from models.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
@@ -467,29 +467,36 @@ def tie_embeddings(weights: dict, args: ModelArgs) -> dict:
 def first_k_dense(c) -> dict:
     """The ModelArgs of a DeepSeek-style layer stack: the first `first_k_dense_replace` layers
     have a dense MLP (intermediate_size), the rest experts plus `n_shared_experts` always-on
-    shared experts (no gate)."""
+    shared experts (no gate). Its router: deepseek_router."""
     first = c.first_k_dense_replace or 0
     return dict(mlp_types=tuple(DENSE if i < first else SPARSE for i in range(c.num_hidden_layers)),
                 intermediate_size=c.intermediate_size, num_experts=c.n_routed_experts,
                 moe_intermediate_size=c.moe_intermediate_size,
                 shared_expert_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
-                shared_expert_gated=False, routed_scaling_factor=float(c.routed_scaling_factor),
-                router_fp32=True, router_weights_in_model_dtype=False)
+                shared_expert_gated=False)
+
+
+def deepseek_router(c, **how) -> RouterArgs:
+    """The router of a DeepSeek-style layer stack: fp32 logits and weights, routed_scaling_factor;
+    `how` sets the rest (sigmoid_routing)."""
+    return RouterArgs(routed_scaling_factor=float(c.routed_scaling_factor), fp32=True, weights_in_model_dtype=False,
+                      **how)
 
 
 def sigmoid_routing(c) -> dict:
     """DeepSeek-V3's routing (also GLM-4.5's and dots.llm1's): sigmoid scores, the correction
     bias for the choice, the topk_group best of n_group groups (by the sum of their best two)."""
-    return dict(router_scoring="sigmoid", router_bias=True, n_group=c.n_group or 1, topk_group=c.topk_group or 1,
+    return dict(scoring="sigmoid", correction_bias=True, n_group=c.n_group or 1, topk_group=c.topk_group or 1,
                 group_score="top2", norm_topk_prob=bool(c.norm_topk_prob),
-                router_fp32_params=("e_score_correction_bias",))  # HF: _keep_in_fp32_modules_strict
+                fp32_params=("e_score_correction_bias",))  # HF: _keep_in_fp32_modules_strict
 
 
-def mla(c) -> dict:
-    """The ModelArgs of DeepSeek's multi-head latent attention (its RoPE: rope_of)."""
-    return dict(attention="mla", q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank,
-                qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-                qkv_bias=c.attention_bias, o_bias=c.attention_bias)
+def mla(c) -> AttentionArgs:
+    """DeepSeek's multi-head latent attention (its RoPE: rope_of)."""
+    return AttentionArgs("mla", MLA(kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                                    qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                                    q_lora_rank=c.q_lora_rank or 0),
+                         qkv_bias=c.attention_bias, o_bias=c.attention_bias)
 
 
 def drop_layers_from(weights: dict, n: int) -> dict:

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import functools
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Literal
 
 FULL, LINEAR = "full_attention", "linear_attention"
 # attention over a window of the last `sliding_window` positions (gpt-oss, Mixtral), or within
-# fixed chunks of `attention_chunk_size` positions (Llama 4's rope layers)
+# fixed chunks of `chunk_size` positions (Llama 4's rope layers; AttentionArgs)
 SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
+LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED), (SPARSE, DENSE)
 # the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
 
@@ -135,9 +136,137 @@ class RopeArgs:
         return not self.per_layer or bool(self.per_layer[layer])
 
 
+# ------------------------------------------------------------------ attention
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek's multi-head latent attention: q (optionally through a q_lora_rank bottleneck), a
+    kv_lora_rank latent plus one shared rotary key cached per position, heads of qk_nope + qk_rope
+    dims for q.k and v_head_dim for the values."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: q_proj directly
+
+
+@dataclass(frozen=True)
+class AttentionArgs:
+    """The softmax attention layers: "gqa" (q/k/v projections, num_key_value_heads shared heads)
+    or "mla" (its dimensions in `mla`), and their options."""
+
+    kind: Literal["gqa", "mla"] = "gqa"
+    mla: MLA | None = None
+    # q/k RMSNorm: per head (Qwen3), over the whole projection (OLMoE), or weightless after the
+    # rotation (Llama 4's "l2", rope layers only)
+    qk_norm: Literal["none", "head", "flat", "l2"] = "none"
+    output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None  # SLIDING layers
+    chunk_size: int = 0  # CHUNKED layers
+    sinks: bool = False  # a learned logit per head that takes part in the softmax (gpt-oss)
+    # Llama 4's no-rope layers: q scaled by log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1
+    temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+
+    def __post_init__(self):
+        check_kinds(self)
+        if (self.kind == "mla") != (self.mla is not None):
+            raise ValueError(f"AttentionArgs.mla: {self.mla!r} for kind {self.kind!r} (its dimensions go with 'mla' only)")
+
+
+@dataclass(frozen=True)
+class LinearAttentionArgs:
+    """The Gated DeltaNet of LINEAR layers (Qwen3.5, Qwen3-Next)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int = 4
+
+
+# ------------------------------------------------------------------ routing and experts
+@dataclass(frozen=True)
+class RouterArgs:
+    """scores = `scoring` of the logits (fp32: softmax over the experts, a sigmoid each, or
+    sparsemixer's logits); the experts are *selected* on scores + e_score_correction_bias
+    (`correction_bias`), among the topk_group of n_group groups ranked by group_score ("top2": sum
+    of the group's best two, DeepSeek-V3; "max": V2); the weights are the selected experts' scores
+    (renormalised if norm_topk_prob, then times routed_scaling_factor)."""
+
+    scoring: Literal["softmax", "sigmoid", "sparsemixer"] = "softmax"
+    norm_topk_prob: bool = False
+    norm_topk_min: float = 0.0  # renormalise top-k weights by max(sum, norm_topk_min) (ERNIE 4.5)
+    correction_bias: bool = False  # e_score_correction_bias: decides the choice, never the weights
+    logit_bias: bool = False  # a bias on the router's logits (gpt-oss), not a selection bias
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: Literal["top2", "max"] = "top2"
+    routed_scaling_factor: float = 1.0
+    fp32: bool = False  # the logits in fp32 whatever the model's dtype
+    # the router's parameters kept in fp32 at a reduced precision ("weight",
+    # "e_score_correction_bias"), as HF's _keep_in_fp32_modules_strict keeps them (ERNIE 4.5: both;
+    # DeepSeek-V3, GLM-4.5, dots.llm1: the correction bias); else stored in the model's dtype
+    fp32_params: tuple[str, ...] = ()
+    weights_in_model_dtype: bool = True  # Mixtral keeps top-k weights in fp32
+    weights_on_input: bool = False  # expert(x * w) instead of w * expert(x) (Llama 4)
+    jitter_eps: float = 0.0  # sparsemixer's threshold (PhiMoE's router_jitter_noise)
+
+    def __post_init__(self):
+        check_kinds(self)
+
+
+@dataclass(frozen=True)
+class ExpertArgs:
+    """The routed experts' MLP: "swiglu" silu(gate) * up; "clamped_swiglu" (gpt-oss) gate clamped
+    to <= swiglu_limit, up to [-swiglu_limit, swiglu_limit], gate * sigmoid(swiglu_alpha * gate) * (up + 1)."""
+
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    bias: bool = False  # biases on the experts' projections (gpt-oss)
+
+    def __post_init__(self):
+        check_kinds(self)
+
+
+# ------------------------------------------------------------------ norms and multipliers
+@dataclass(frozen=True)
+class NormArgs:
+    """The norms of the hidden state (and of q/k): RMSNorm (eps: rms_norm_eps) or LayerNorm with
+    bias (PhiMoE)."""
+
+    kind: Literal["rms", "layer"] = "rms"
+    offset: bool = False  # (1 + w) RMSNorm, zero-centred weights (Qwen3.5)
+    # RMSNorm's gain applied in fp32 and the product rounded once: (w * x_normed).to(dtype), as HF's
+    # GptOssRMSNorm does; else w * x_normed.to(dtype) (Llama's: two roundings)
+    gain_fp32: bool = False
+
+    def __post_init__(self):
+        check_kinds(self)
+
+
+@dataclass(frozen=True)
+class Multipliers:
+    """Granite's: the embeddings times `embedding`, each block's output times `residual` before
+    its residual add, `attention` as the softmax scale (0: head_dim^-0.5), the logits divided by
+    `logits_scaling`."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    attention: float = 0.0
+    logits_scaling: float = 1.0
+
+
 # ------------------------------------------------------------------ the model
 @dataclass(frozen=True)
 class ModelArgs:
+    """The model's dimensions, its layer pattern, and one group per mechanism (a family sets the
+    groups it uses; the others keep their defaults)."""
+
     family: str
     vocab_size: int
     hidden_size: int
@@ -149,89 +278,36 @@ class ModelArgs:
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
-    norm_topk_prob: bool
-    layer_types: tuple[str, ...]
+    layer_types: tuple[str, ...]  # per layer: FULL, LINEAR, SLIDING or CHUNKED
     rope: RopeArgs
-    norm_offset: bool = False  # (1 + w) RMSNorm, zero-centred weights (Qwen3.5)
-    qk_norm: str = "none"  # none | head (per head, Qwen3) | flat (whole projection, OLMoE)
-    attn_output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
-    qkv_bias: bool = False
-    o_bias: bool = False
-    sliding_window: int | None = None
-    router_weights_in_model_dtype: bool = True  # Mixtral keeps top-k weights in fp32
-    shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel_dim: int = 4
     tie_word_embeddings: bool = False
     max_seq_len: int = 256
     # the MLP of each layer (SPARSE / DENSE); () = every layer SPARSE. A DENSE layer's MLP has
     # `intermediate_size` (DeepSeek's first_k_dense_replace, Qwen2's mlp_only_layers)
     mlp_types: tuple[str, ...] = ()
     intermediate_size: int = 0
-    # the shared expert: sigmoid-gated (Qwen: shared_expert + shared_expert_gate) or always on
-    # (DeepSeek: shared_experts, n_shared_experts x moe_intermediate_size wide)
+    # the shared expert (0: none): sigmoid-gated (Qwen: shared_expert + shared_expert_gate) or
+    # always on (DeepSeek: shared_experts, n_shared_experts x moe_intermediate_size wide)
+    shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True
-    # routing: scores = softmax or sigmoid of the logits (fp32); the experts are *selected* on
-    # scores + e_score_correction_bias (router_bias), among the topk_group of n_group groups
-    # ranked by group_score ("top2": sum of the group's best two, DeepSeek-V3; "max": V2); the
-    # weights are the selected experts' scores (renormalised if norm_topk_prob, then times
-    # routed_scaling_factor). router_fp32: the logits in fp32 whatever the model's dtype
-    router_scoring: str = "softmax"
-    router_bias: bool = False
-    n_group: int = 1
-    topk_group: int = 1
-    group_score: str = "top2"
-    routed_scaling_factor: float = 1.0
-    router_fp32: bool = False
-    # the router's parameters kept in fp32 at a reduced precision ("weight",
-    # "e_score_correction_bias"), as HF's _keep_in_fp32_modules_strict keeps them (ERNIE 4.5: both;
-    # DeepSeek-V3, GLM-4.5, dots.llm1: the correction bias); else stored in the model's dtype
-    router_fp32_params: tuple[str, ...] = ()
-    # attention: "gqa" (q/k/v projections) or "mla" (DeepSeek's multi-head latent attention:
-    # q (optionally through a q_lora_rank bottleneck), a kv_lora_rank latent plus one shared
-    # rotary key cached per position, heads of qk_nope + qk_rope dims for q.k and v_head_dim)
-    attention: str = "gqa"
-    q_lora_rank: int = 0  # 0: q_proj directly
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE)
-    # RMSNorm's gain applied in fp32 and the product rounded once: (w * x_normed).to(dtype), as HF's
-    # GptOssRMSNorm does; else w * x_normed.to(dtype) (Llama's: two roundings)
-    norm_gain_fp32: bool = False
-    lm_head_bias: bool = False
-    # Granite's multipliers: embeddings times embedding_multiplier, each block's output times
-    # residual_multiplier before its residual add, attention_multiplier as the softmax scale
-    # (0: head_dim^-0.5), logits divided by logits_scaling
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
-    attention_multiplier: float = 0.0
-    logits_scaling: float = 1.0
-    attention_sinks: bool = False  # a learned logit per head that takes part in the softmax (gpt-oss)
-    attention_chunk_size: int = 0  # CHUNKED layers
-    # Llama 4's no-rope layers: q scaled by log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1
-    attn_temperature_tuning: bool = False
-    floor_scale: float = 8192.0
-    attn_scale: float = 0.1
-    # experts: "swiglu" silu(gate) * up; "clamped_swiglu" (gpt-oss) gate clamped to <= limit, up to
-    # [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
-    expert_act: str = "swiglu"
-    swiglu_limit: float = 7.0
-    swiglu_alpha: float = 1.702
-    expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
-    router_linear_bias: bool = False  # a bias on the router's logits (gpt-oss), not a selection bias
-    router_weights_on_input: bool = False  # expert(x * w) instead of w * expert(x) (Llama 4)
-    router_jitter_eps: float = 0.0  # sparsemixer's threshold (PhiMoE's router_jitter_noise)
     mlp_bias: bool = False  # biases on the dense and shared-expert MLPs (ERNIE 4.5's use_bias)
-    norm_topk_min: float = 0.0  # renormalise top-k weights by max(sum, norm_topk_min) (ERNIE 4.5)
-    extra: dict = field(default_factory=dict, compare=False)
+    lm_head_bias: bool = False
+    attention: AttentionArgs = AttentionArgs()
+    linear_attention: LinearAttentionArgs | None = None  # the LINEAR layers'
+    router: RouterArgs = RouterArgs()
+    experts: ExpertArgs = ExpertArgs()
+    norm: NormArgs = NormArgs()
+    multipliers: Multipliers = Multipliers()
 
     def __post_init__(self):
         check_kinds(self)
+        for name, values, allowed in (("layer_types", self.layer_types, LAYER_TYPES),
+                                      ("mlp_types", self.mlp_types, MLP_TYPES)):
+            unknown = [v for v in values if v not in allowed]
+            if unknown:
+                raise ValueError(f"ModelArgs.{name}: {unknown[0]!r} is not one of {', '.join(map(repr, allowed))}")
+        if LINEAR in self.layer_types and self.linear_attention is None:
+            raise ValueError("ModelArgs.linear_attention: None, but layer_types has linear_attention layers")
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
@@ -241,9 +317,9 @@ class ModelArgs:
 
 def kept_fp32(a: ModelArgs, name: str) -> bool:
     """Is the production model's parameter `name` (state-dict name) stored in fp32 whatever the
-    model's dtype (a.router_fp32_params of a router: layers.{i}.mlp.gate.<param>)?"""
+    model's dtype (a.router.fp32_params of a router: layers.{i}.mlp.gate.<param>)?"""
     module, _, leaf = name.rpartition(".")
-    return leaf in a.router_fp32_params and module.endswith(".mlp.gate")
+    return leaf in a.router.fp32_params and module.endswith(".mlp.gate")
 
 
 def stored_dtype(a: ModelArgs, name: str, dtype):

@@ -5,7 +5,7 @@ expert probability; weights times routed_scaling_factor, never renormalised (HF 
 norm_topk_prob for V2); always-on shared experts."""
 
 from models import FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, mla, require, sanitize_hf
-from models import rope_of
+from models import deepseek_router, rope_of
 from models import rope_theta_any
 from models.mlx_lm import COMMON_REQUIRE, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
 
@@ -25,9 +25,10 @@ def to_args(c) -> ModelArgs:
     require(c.topk_method in ("greedy", "group_limited_greedy"), f"deepseek_v2: topk_method {c.topk_method!r}")
     grouped = c.topk_method == "group_limited_greedy"
     # HF rotates q and k in fp32 (complex products of x.float()): rope_fp32
-    return hf_args(c, "deepseek_v2", rope=rope_of(c, interleave=True, fp32=True), **mla(c), **first_k_dense(c),
-                   router_scoring="softmax", n_group=(c.n_group or 1) if grouped else 1,
-                   topk_group=(c.topk_group or 1) if grouped else 1, group_score="max", norm_topk_prob=False)
+    return hf_args(c, "deepseek_v2", rope=rope_of(c, interleave=True, fp32=True), attention=mla(c), **first_k_dense(c),
+                   router=deepseek_router(c, scoring="softmax", n_group=(c.n_group or 1) if grouped else 1,
+                                          topk_group=(c.topk_group or 1) if grouped else 1, group_score="max",
+                                          norm_topk_prob=False))
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:

@@ -11,7 +11,7 @@ from models import (FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from,
                     sigmoid_routing)
 from models.mlx_lm import COMMON_REQUIRE, NOAUX, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
 from models.quantized import unstack_experts
-from models import rope_of, rope_theta_any
+from models import deepseek_router, rope_of, rope_theta_any
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -29,8 +29,8 @@ TINY = dict(
 
 def to_args(c) -> ModelArgs:
     require(c.hidden_act == "silu", f"deepseek_v3: hidden_act {c.hidden_act!r} (the experts are SwiGLU)")
-    return hf_args(c, "deepseek_v3", rope=rope_of(c, interleave=bool(c.rope_interleave)), **mla(c), **first_k_dense(c),
-                   **sigmoid_routing(c))
+    return hf_args(c, "deepseek_v3", rope=rope_of(c, interleave=bool(c.rope_interleave)), attention=mla(c),
+                   **first_k_dense(c), router=deepseek_router(c, **sigmoid_routing(c)))
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:

@@ -4,7 +4,8 @@ always-on shared experts. Sliding-window layers (layer_types) are refused: the r
 configs have none."""
 
 from models import FIRST_K_DENSE, GROUPED, Family, ModelArgs, first_k_dense, hf_args, require, rope_theta, sanitize_hf, sigmoid_routing
-from models.args import FULL
+from models import deepseek_router
+from models.args import FULL, AttentionArgs
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, NOAUX, MlxLm, const, head_dim
 
 TINY = dict(
@@ -20,8 +21,8 @@ TINY = dict(
 def to_args(c) -> ModelArgs:
     require(c.hidden_act == "silu", f"dots1: hidden_act {c.hidden_act!r} (the experts are SwiGLU)")
     require(all(t == FULL for t in c.layer_types), "dots1: sliding_attention layers are not supported yet")
-    return hf_args(c, "dots1", qk_norm="head", qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-                   **first_k_dense(c), **sigmoid_routing(c))
+    return hf_args(c, "dots1", attention=AttentionArgs(qk_norm="head", qkv_bias=c.attention_bias, o_bias=c.attention_bias),
+                   **first_k_dense(c), router=deepseek_router(c, **sigmoid_routing(c)))
 
 
 MLX = MlxLm(

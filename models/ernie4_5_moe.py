@@ -4,7 +4,7 @@ whose correction bias (moe_statics) decides the choice only, the top-k weights d
 max(sum, moe_norm_min), and always-on shared experts (no gate)."""
 
 from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
-from models.args import DENSE, SPARSE, RopeArgs
+from models.args import DENSE, SPARSE, AttentionArgs, RopeArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, MlxLm, const
 
 TINY = dict(
@@ -32,11 +32,11 @@ def to_args(c) -> ModelArgs:
             "ernie4_5_moe: per-modality moe_layer_start/end_index lists (the VL model) are not supported")
     return hf_args(
         c, "ernie4_5_moe", rope=RopeArgs(rope_theta(c), interleave=True, fp32=True),  # HF rotates q and k "in full precision"
-        qkv_bias=c.use_bias, o_bias=c.use_bias, mlp_bias=c.use_bias,
+        attention=AttentionArgs(qkv_bias=c.use_bias, o_bias=c.use_bias), mlp_bias=c.use_bias,
         lm_head_bias=c.use_bias, mlp_types=mlp_types(c), intermediate_size=c.intermediate_size,
-        num_experts=c.moe_num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True,
-        norm_topk_min=float(c.moe_norm_min), router_bias=True, router_fp32=True,
-        router_fp32_params=("weight", "e_score_correction_bias"),  # HF: _keep_in_fp32_modules_strict
+        num_experts=c.moe_num_experts, moe_intermediate_size=c.moe_intermediate_size,
+        router=RouterArgs(norm_topk_prob=True, norm_topk_min=float(c.moe_norm_min), correction_bias=True, fp32=True,
+                          fp32_params=("weight", "e_score_correction_bias")),  # HF: _keep_in_fp32_modules_strict
         shared_expert_intermediate_size=c.moe_intermediate_size * (c.moe_num_shared_experts or 0),
         shared_expert_gated=False,
     )

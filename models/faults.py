@@ -31,7 +31,7 @@ class Fault:
     apply: Callable  # (module at the target, args) -> None
     applies: Callable = lambda a: True
     precision: str = "fp32"  # the precision the fault shows at (dtype faults need bf16)
-    attention: tuple = ("gqa",)  # an attention fault: the attention kinds (ModelArgs.attention) its code is for
+    attention: tuple = ("gqa",)  # an attention fault: the attention kinds (AttentionArgs.kind) its code is for
 
     def layer(self, a: ModelArgs) -> int | None:
         if self.target == "model":
@@ -47,7 +47,7 @@ class Fault:
             return False
         if self.target == "dense" and DENSE not in a.mlp_types:
             return False
-        if self.kind == "attention" and self.target in ("full", "rope") and a.attention not in self.attention:
+        if self.kind == "attention" and self.target in ("full", "rope") and a.attention.kind not in self.attention:
             return False
         return self.applies(a)
 
@@ -324,19 +324,19 @@ def _has_shared(a):
 # q/k norms, RMSNorm, KV and recurrent state, Gated DeltaNet, dtypes
 COMMON: tuple[Fault, ...] = (
     Fault("router_softmax_after_topk", "router", "last", "softmax over the top-k logits instead of over all experts",
-          _softmax_after_topk, lambda a: not a.norm_topk_prob),
+          _softmax_after_topk, lambda a: not a.router.norm_topk_prob),
     Fault("router_no_renorm", "router", "last", "missing norm_topk_prob renormalisation", _no_renorm,
-          lambda a: a.norm_topk_prob),
+          lambda a: a.router.norm_topk_prob),
     Fault("router_wrong_num_experts", "router", "last", "router sees one expert fewer than the checkpoint has",
           _wrong_num_experts, lambda a: not routing.grouped(a)),
     Fault("router_sigmoid", "router", "last", "sigmoid scoring instead of softmax", _sigmoid_router,
-          lambda a: a.router_scoring == "softmax"),
+          lambda a: a.router.scoring == "softmax"),
     Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", _gate_up_swapped),
     Fault("expert_weights_off_1e-3", "moe", "last", "one (used) expert's weights off by 1e-3", _one_expert_off),
     Fault("expert_index_off_by_one", "moe", "last", "expert weights gathered at index + 1", _expert_index_off_by_one),
     # (sparsemixer's weights are 1 but inside its jitter band: nothing to see there)
     Fault("expert_weights_not_applied", "moe", "last", "expert outputs summed without routing weights",
-          _weights_not_applied, lambda a: a.router_scoring != "sparsemixer"),
+          _weights_not_applied, lambda a: a.router.scoring != "sparsemixer"),
     Fault("shared_expert_gate_no_sigmoid", "moe", "last", "shared-expert gate used without sigmoid",
           _shared_gate_no_sigmoid, lambda a: _has_shared(a) and a.shared_expert_gated),
     Fault("shared_expert_missing", "moe", "last", "shared expert dropped", _shared_missing, _has_shared),
@@ -347,18 +347,18 @@ COMMON: tuple[Fault, ...] = (
           _rope_interleaved, lambda a: not a.rope.interleave),
     Fault("rotary_fraction_wrong", "attention", "rope", "partial-rotary fraction wrong", _rotary_fraction_wrong),
     Fault("qk_norm_missing", "attention", "rope", "q/k RMSNorm missing", _qk_norm_missing,
-          lambda a: a.qk_norm != "none"),
+          lambda a: a.attention.qk_norm != "none"),
     Fault("qk_norm_per_head_for_flat", "attention", "full", "per-head q/k norm where the family's is flat",
-          _qk_norm_per_head_for_flat, lambda a: a.qk_norm == "flat"),
+          _qk_norm_per_head_for_flat, lambda a: a.attention.qk_norm == "flat"),
     Fault("qk_norm_flat_for_per_head", "attention", "full", "flat q/k norm where the family's is per head",
-          _qk_norm_flat_for_per_head, lambda a: a.qk_norm == "head"),
+          _qk_norm_flat_for_per_head, lambda a: a.attention.qk_norm == "head"),
     Fault("kv_cache_write_off_by_one", "attention", "full", "KV cache written one position late", _kv_off_by_one),
     Fault("attention_not_causal", "attention", "full", "attention mask not causal", _not_causal),
     Fault("attention_scale_wrong", "attention", "full", "softmax scale 1/d instead of 1/sqrt(d)", _scale_wrong),
     Fault("gqa_kv_heads_tiled", "attention", "full", "kv heads tiled instead of repeated for GQA",
           _gqa_repeat_wrong, lambda a: a.num_attention_heads != a.num_key_value_heads),
     Fault("attention_gate_no_sigmoid", "attention", "full", "attention output gate without sigmoid",
-          _output_gate_no_sigmoid, lambda a: a.attn_output_gate),
+          _output_gate_no_sigmoid, lambda a: a.attention.output_gate),
     Fault("gdn_state_not_carried", "attention", "linear", "Gated DeltaNet recurrent state not carried",
           _gdn_state_not_carried),
     Fault("gdn_conv_state_not_carried", "attention", "linear", "Gated DeltaNet conv state not carried",
@@ -367,7 +367,7 @@ COMMON: tuple[Fault, ...] = (
           _gdn_chunked_prefill),
     Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", _input_norm_eps),
     Fault("norm_offset_missing", "layer", "last", "(1 + w) RMSNorm offset missing", _norm_offset_missing,
-          lambda a: a.norm_offset),
+          lambda a: a.norm.offset),
     Fault("residual_missing", "layer", "last", "attention residual connection dropped", _residual_missing),
     Fault("final_norm_eps_wrong", "final_norm", "model", "final RMSNorm eps 1000x too large", _final_norm_eps),
     Fault("moe_output_upcast", "moe", "last", "an unconditional cast that changes the MoE output dtype (bf16 model)",
@@ -379,10 +379,10 @@ COMMON: tuple[Fault, ...] = (
 
 # ------------------------------------------------------------------ DeepSeek-style routing
 def _rerouted(change):
-    """A fault that is the last layer's router with other routing fields: change(args) -> fields."""
+    """A fault that is the last layer's router with other routing fields: change(args) -> RouterArgs fields."""
     def apply(layer, a):
         r: Router = layer.mlp.gate
-        r.args = replace(r.args, **change(a))
+        r.args = replace(r.args, router=replace(r.args.router, **change(a)))
 
     return apply
 
@@ -396,15 +396,15 @@ def _dense_layer_routed(layer, a):
     """The dense layer's MLP treated as a routed one: its output scaled by routed_scaling_factor."""
     mlp = layer.mlp
     fwd = type(mlp).forward
-    patch(mlp, "forward", lambda x: fwd(mlp, x) * a.routed_scaling_factor)
+    patch(mlp, "forward", lambda x: fwd(mlp, x) * a.router.routed_scaling_factor)
 
 
 def _is_sigmoid(a):
-    return a.router_scoring == "sigmoid"
+    return a.router.scoring == "sigmoid"
 
 
 def _is_scaled(a):
-    return a.routed_scaling_factor != 1.0
+    return a.router.routed_scaling_factor != 1.0
 
 
 # ------------------------------------------------------------------ multi-head latent attention
@@ -430,17 +430,17 @@ def _yarn_mscale_missing(attn: LatentAttention, a):
 # biased routing (sigmoid scores with a correction bias, groups, routed scaling), dense layers, MLA, YaRN
 BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
     Fault("router_bias_in_weights", "router", "last", "correction bias added to the weights too (not only the choice)",
-          _bias_in_weights, lambda a: a.router_bias),
+          _bias_in_weights, lambda a: a.router.correction_bias),
     Fault("router_bias_ignored", "router", "last", "correction bias left out of the expert choice",
-          _rerouted(lambda a: {"router_bias": False}), lambda a: a.router_bias),
+          _rerouted(lambda a: {"correction_bias": False}), lambda a: a.router.correction_bias),
     Fault("router_group_limit_ignored", "router", "last", "group limit ignored (top-k over every expert)",
           _rerouted(lambda a: {"n_group": 1, "topk_group": 1}), routing.grouped),
     Fault("routed_scaling_missing", "router", "last", "routed_scaling_factor not applied",
           _rerouted(lambda a: {"routed_scaling_factor": 1.0}), _is_scaled),
     Fault("routed_scaling_twice", "router", "last", "routed_scaling_factor applied twice",
-          _rerouted(lambda a: {"routed_scaling_factor": a.routed_scaling_factor ** 2}), _is_scaled),
+          _rerouted(lambda a: {"routed_scaling_factor": a.router.routed_scaling_factor ** 2}), _is_scaled),
     Fault("router_softmax_for_sigmoid", "router", "last", "softmax scores where the family's are sigmoid",
-          _rerouted(lambda a: {"router_scoring": "softmax"}), _is_sigmoid),
+          _rerouted(lambda a: {"scoring": "softmax"}), _is_sigmoid),
     Fault("dense_layer_routed", "mlp", "dense", "a dense layer's MLP treated as routed (scaled by routed_scaling_factor)",
           _dense_layer_routed, _is_scaled),
     Fault("mla_rope_nope_swapped", "attention", "full", "MLA: q's rope and no-rope parts swapped",
@@ -517,26 +517,26 @@ def _interleave_sparse(a):
 # LayerNorm, interleaved MoE layers, Granite's multipliers, NoPE layers
 VARIANTS: tuple[Fault, ...] = (
     Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
-          _sinks_dropped, lambda a: a.attention_sinks),
+          _sinks_dropped, lambda a: a.attention.sinks),
     Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
           _window_off_by_one),
     Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", _clamp_missing,
-          lambda a: a.expert_act == "clamped_swiglu"),
+          lambda a: a.experts.activation == "clamped_swiglu"),
     Fault("router_logit_bias_ignored", "router", "last", "the router's bias left out of its logits",
-          _router_logit_bias_ignored, lambda a: a.router_linear_bias),
+          _router_logit_bias_ignored, lambda a: a.router.logit_bias),
     Fault("sparsemixer_first_unmasked", "router", "last", "sparsemixer's second expert chosen without masking the first",
-          _second_expert_unmasked, lambda a: a.router_scoring == "sparsemixer"),
+          _second_expert_unmasked, lambda a: a.router.scoring == "sparsemixer"),
     Fault("layernorm_as_rmsnorm", "layer", "last", "LayerNorm computed as RMSNorm (no mean, no bias)",
-          _layernorm_as_rmsnorm, lambda a: a.norm == "layer"),
+          _layernorm_as_rmsnorm, lambda a: a.norm.kind == "layer"),
     Fault("moe_interleave_wrong", "moe", "last", "an MoE layer taken for a dense one (wrong MoE/dense interleave)",
           _moe_layer_as_dense, _interleave_sparse),
     Fault("residual_multiplier_missing", "layer", "last", "residual_multiplier not applied",
-          _residual_multiplier_missing, lambda a: a.residual_multiplier != 1.0),
+          _residual_multiplier_missing, lambda a: a.multipliers.residual != 1.0),
     Fault("attention_multiplier_missing", "attention", "full", "attention_multiplier replaced by 1/sqrt(head_dim)",
-          _attention_multiplier_missing, lambda a: bool(a.attention_multiplier)
-          and a.attention_multiplier != a.head_dim**-0.5),
+          _attention_multiplier_missing, lambda a: bool(a.multipliers.attention)
+          and a.multipliers.attention != a.head_dim**-0.5),
     Fault("logits_scaling_missing", "logits", "model", "logits not divided by logits_scaling",
-          _logits_scaling_missing, lambda a: a.logits_scaling != 1.0),
+          _logits_scaling_missing, lambda a: a.multipliers.logits_scaling != 1.0),
     Fault("rope_on_nope_layer", "attention", "nope", "rope applied on a no-rope layer", _rope_on_nope_layer),
 )
 

@@ -5,7 +5,8 @@ shared experts."""
 
 from models import (FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, require, rope_theta,
                     sanitize_hf, sigmoid_routing)
-from models.args import RopeArgs
+from models import deepseek_router
+from models.args import AttentionArgs, RopeArgs
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, NOAUX, UNTIED, MlxLm, const, head_dim, rope_parameters
 
 TINY = dict(
@@ -24,8 +25,10 @@ def partial_rotary(c) -> float:
 
 def to_args(c) -> ModelArgs:
     require(c.hidden_act == "silu", f"glm4_moe: hidden_act {c.hidden_act!r} (the experts are SwiGLU)")
-    return hf_args(c, "glm4_moe", qk_norm="head" if c.use_qk_norm else "none", qkv_bias=c.attention_bias,
-                   o_bias=False, rope=RopeArgs(rope_theta(c), partial_rotary_factor=partial_rotary(c)), **first_k_dense(c), **sigmoid_routing(c))
+    return hf_args(c, "glm4_moe", attention=AttentionArgs(qk_norm="head" if c.use_qk_norm else "none",
+                                                          qkv_bias=c.attention_bias, o_bias=False),
+                   rope=RopeArgs(rope_theta(c), partial_rotary_factor=partial_rotary(c)), **first_k_dense(c),
+                   router=deepseek_router(c, **sigmoid_routing(c)))
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:

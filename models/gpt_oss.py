@@ -4,7 +4,7 @@ logits are softmaxed, and experts with biases and the clamped SwiGLU
 (gate <= limit, |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)), gate/up interleaved."""
 
 from models import Family, ModelArgs, hf_args, require, rope_of, rope_theta_any, sanitize_hf
-from models.args import FULL, SLIDING
+from models.args import FULL, SLIDING, AttentionArgs, ExpertArgs, NormArgs, RouterArgs
 from models.checkpoint import CheckpointError
 from models.mlx_lm import MlxLm, YARN_REQUIRE, yarn_scaling
 
@@ -25,11 +25,13 @@ def to_args(c) -> ModelArgs:
     require(set(c.layer_types) <= {FULL, SLIDING}, f"gpt_oss: unknown layer_types {sorted(set(c.layer_types))}")
     return hf_args(
         c, "gpt_oss", rope=rope_of(c), layer_types=tuple(c.layer_types),
-        sliding_window=c.sliding_window, norm_gain_fp32=True,  # GptOssRMSNorm: (w * x).to(dtype)
-        attention_sinks=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-        num_experts=c.num_local_experts, moe_intermediate_size=c.intermediate_size, norm_topk_prob=True,
-        router_linear_bias=True, expert_bias=True, expert_act="clamped_swiglu", swiglu_limit=float(c.swiglu_limit),
-        swiglu_alpha=float(getattr(c, "swiglu_alpha", 1.702)),
+        norm=NormArgs(gain_fp32=True),  # GptOssRMSNorm: (w * x).to(dtype)
+        attention=AttentionArgs(sliding_window=c.sliding_window, sinks=True, qkv_bias=c.attention_bias,
+                                o_bias=c.attention_bias),
+        num_experts=c.num_local_experts, moe_intermediate_size=c.intermediate_size,
+        router=RouterArgs(norm_topk_prob=True, logit_bias=True),
+        experts=ExpertArgs("clamped_swiglu", swiglu_limit=float(c.swiglu_limit),
+                           swiglu_alpha=float(getattr(c, "swiglu_alpha", 1.702)), bias=True),
     )
 
 

@@ -6,6 +6,7 @@ the logits, softmax over those k (= softmax, top-k, renormalised)."""
 import re
 
 from models import Family, ModelArgs, hf_args, rope_theta, sanitize_hf
+from models.args import AttentionArgs, Multipliers, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
 
 TINY = dict(
@@ -22,10 +23,10 @@ TINY = dict(
 def to_args(c) -> ModelArgs:
     return hf_args(
         c, "granitemoe", head_dim=c.hidden_size // c.num_attention_heads, num_experts=c.num_local_experts,
-        moe_intermediate_size=c.intermediate_size, norm_topk_prob=True, qkv_bias=c.attention_bias,
-        o_bias=c.attention_bias, embedding_multiplier=float(c.embedding_multiplier),
-        residual_multiplier=float(c.residual_multiplier), attention_multiplier=float(c.attention_multiplier),
-        logits_scaling=float(c.logits_scaling),
+        moe_intermediate_size=c.intermediate_size, router=RouterArgs(norm_topk_prob=True),
+        attention=AttentionArgs(qkv_bias=c.attention_bias, o_bias=c.attention_bias),
+        multipliers=Multipliers(embedding=float(c.embedding_multiplier), residual=float(c.residual_multiplier),
+                                attention=float(c.attention_multiplier), logits_scaling=float(c.logits_scaling)),
     )
 
 

@@ -63,9 +63,13 @@ class LayerNorm(nn.LayerNorm):
 
 def norm(a: ModelArgs, dim: int) -> nn.Module:
     """The family's norm of a hidden state (ModelArgs.norm)."""
-    if a.norm == "layer":
+    if a.norm.kind == "layer":
         return LayerNorm(dim, eps=a.rms_norm_eps)
-    return RMSNorm(dim, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
+    return rms_norm(a, dim)
+
+
+def rms_norm(a: ModelArgs, dim: int) -> RMSNorm:
+    return RMSNorm(dim, a.rms_norm_eps, a.norm.offset, a.norm.gain_fp32)
 
 
 class GatedRMSNorm(nn.Module):
@@ -181,36 +185,37 @@ def yarn_frequencies(inv, dim: int, theta: float, y: YaRN):
 
 class Attention(nn.Module):
     """Causal attention over a static KV cache [B, kvh, S, hd]: over every earlier position (FULL),
-    the last `sliding_window` (SLIDING) or those in the same `attention_chunk_size` chunk (CHUNKED);
+    the last `sliding_window` (SLIDING) or those in the same `chunk_size` chunk (CHUNKED: AttentionArgs);
     with rope or not (RopeArgs.per_layer), and optionally a learned sink logit per head."""
 
     def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
         self.nh, self.kvh, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.gated = a.attn_output_gate
+        at = a.attention
+        self.gated = at.output_gate
         q_out = self.nh * self.hd * (2 if self.gated else 1)
-        self.q_proj = nn.Linear(a.hidden_size, q_out, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=a.o_bias)
-        self.qk_norm = a.qk_norm
-        if a.qk_norm == "head":
-            self.q_norm = RMSNorm(self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
-            self.k_norm = RMSNorm(self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
-        elif a.qk_norm == "flat":
-            self.q_norm = RMSNorm(self.nh * self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
-            self.k_norm = RMSNorm(self.kvh * self.hd, a.rms_norm_eps, a.norm_offset, a.norm_gain_fp32)
+        self.q_proj = nn.Linear(a.hidden_size, q_out, bias=at.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=at.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=at.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=at.o_bias)
+        self.qk_norm = at.qk_norm
+        if at.qk_norm == "head":
+            self.q_norm = rms_norm(a, self.hd)
+            self.k_norm = rms_norm(a, self.hd)
+        elif at.qk_norm == "flat":
+            self.q_norm = rms_norm(a, self.nh * self.hd)
+            self.k_norm = rms_norm(a, self.kvh * self.hd)
         self.use_rope = a.rope.rotates(layer)
         self.rope = Rope(self.hd, a.rope)
-        self.scale = a.attention_multiplier or self.hd**-0.5
+        self.scale = a.multipliers.attention or self.hd**-0.5
         self.eps = a.rms_norm_eps
         kind = a.layer_types[layer]
-        self.window = a.sliding_window if kind == SLIDING else None
-        self.chunk = a.attention_chunk_size if kind == CHUNKED else None
-        if a.attention_sinks:
+        self.window = at.sliding_window if kind == SLIDING else None
+        self.chunk = at.chunk_size if kind == CHUNKED else None
+        if at.sinks:
             self.sinks = nn.Parameter(torch.zeros(self.nh))
         # Llama 4's no-rope layers scale q with the position
-        self.temperature = (a.floor_scale, a.attn_scale) if a.attn_temperature_tuning and not self.use_rope else None
+        self.temperature = (at.floor_scale, at.attn_scale) if at.temperature_tuning and not self.use_rope else None
         S = a.max_seq_len
         self.register_buffer("k_cache", torch.zeros(1, self.kvh, S, self.hd, dtype=dtype))
         self.register_buffer("v_cache", torch.zeros(1, self.kvh, S, self.hd, dtype=dtype))
@@ -289,19 +294,20 @@ class LatentAttention(nn.Module):
 
     def __init__(self, a: ModelArgs, dtype=torch.float32):
         super().__init__()
-        self.nh, self.r = a.num_attention_heads, a.kv_lora_rank
-        self.dn, self.dr, self.dv = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        m, bias = a.attention.mla, a.attention.qkv_bias
+        self.nh, self.r = a.num_attention_heads, m.kv_lora_rank
+        self.dn, self.dr, self.dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         qk = self.dn + self.dr
-        if a.q_lora_rank:
-            self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=a.qkv_bias)
-            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(a.q_lora_rank, self.nh * qk, bias=False)
+        if m.q_lora_rank:
+            self.q_a_proj = nn.Linear(a.hidden_size, m.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.nh * qk, bias=False)
         else:
             self.q_proj = nn.Linear(a.hidden_size, self.nh * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, self.r + self.dr, bias=a.qkv_bias)
+        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, self.r + self.dr, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
         self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
-        self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.o_bias)
+        self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.attention.o_bias)
         self.rope = Rope(self.dr, a.rope, partial=1.0)
         self.scale = qk**-0.5
         y = a.rope.scaling
@@ -394,10 +400,11 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, a: ModelArgs, dtype=torch.float32):
         super().__init__()
-        self.nk, self.nv = a.linear_num_key_heads, a.linear_num_value_heads
-        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
+        la = a.linear_attention
+        self.nk, self.nv = la.num_key_heads, la.num_value_heads
+        self.dk, self.dv = la.key_head_dim, la.value_head_dim
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
-        self.K = a.linear_conv_kernel_dim
+        self.K = la.conv_kernel_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.max_len = a.max_seq_len
         self.in_proj_qkv = nn.Linear(a.hidden_size, self.conv_dim, bias=False)
@@ -469,19 +476,20 @@ class Router(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.args = a
+        r = a.router
         self.weight = nn.Parameter(torch.zeros(a.num_experts, a.hidden_size))
-        if a.router_linear_bias:
+        if r.logit_bias:
             self.bias = nn.Parameter(torch.zeros(a.num_experts))
-        if a.router_bias:  # selection only (DeepSeek-V3's e_score_correction_bias)
+        if r.correction_bias:  # selection only (DeepSeek-V3's e_score_correction_bias)
             self.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts))
-        self.top_k, self.norm_topk = a.num_experts_per_tok, a.norm_topk_prob
-        self.cast = a.router_weights_in_model_dtype
-        self.softmax_only = (a.router_scoring == "softmax" and not a.router_bias and a.n_group <= 1
-                             and a.routed_scaling_factor == 1.0 and not a.router_fp32 and not a.norm_topk_min)
+        self.top_k, self.norm_topk = a.num_experts_per_tok, r.norm_topk_prob
+        self.cast = r.weights_in_model_dtype
+        self.softmax_only = (r.scoring == "softmax" and not r.correction_bias and r.n_group <= 1
+                             and r.routed_scaling_factor == 1.0 and not r.fp32 and not r.norm_topk_min)
 
     def forward(self, x):  # x [N, H] -> weights [N, k], indices [N, k]
         bias = getattr(self, "bias", None)
-        if self.args.router_fp32:
+        if self.args.router.fp32:
             logits = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
         else:
             logits = F.linear(x, self.weight, bias)
@@ -497,21 +505,22 @@ class Router(nn.Module):
             return tap("weights", w), tap("topk", idx)
         a = self.args  # read at every call: a seeded fault routes by other fields (models/faults.py)
         probs = tap("scores", routing.scores(logits, a))
-        bias = self.e_score_correction_bias if a.router_bias else None
+        bias = self.e_score_correction_bias if a.router.correction_bias else None
         idx = tap("topk", torch.topk(tap("selection", routing.selection(probs, bias, a)), self.top_k, dim=-1).indices)
         # idx is also used by weights(): a node used inside the router is not one of its outputs
         # to ExecuTorch's module-path taps, so the indices leave the router as their own node
         return tap("weights", self.weights(probs, idx)), idx.clone()
 
     def weights(self, probs, idx):  # the selected experts' scores [N, k], renormalised, scaled
-        if self.args.router_scoring == "sparsemixer":
-            return routing.sparsemixer_weights(probs, idx, self.args.router_jitter_eps)
+        r = self.args.router
+        if r.scoring == "sparsemixer":
+            return routing.sparsemixer_weights(probs, idx, r.jitter_eps)
         w = routing.pick(probs, idx)
-        if self.norm_topk and self.args.norm_topk_min:
-            w = w / w.sum(dim=-1, keepdim=True).clamp(min=self.args.norm_topk_min)
+        if self.norm_topk and r.norm_topk_min:
+            w = w / w.sum(dim=-1, keepdim=True).clamp(min=r.norm_topk_min)
         elif self.norm_topk:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.args.routed_scaling_factor
+        return w * r.routed_scaling_factor
 
 
 class Experts(nn.Module):
@@ -530,12 +539,12 @@ class Experts(nn.Module):
         E, H, I = a.num_experts, a.hidden_size, a.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # gate rows, then up rows
         self.down_proj = nn.Parameter(torch.zeros(E, H, I))
-        if a.expert_bias:
+        if a.experts.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I))
             self.down_proj_bias = nn.Parameter(torch.zeros(E, H))
-        self.act = a.expert_act
-        self.limit, self.alpha = a.swiglu_limit, a.swiglu_alpha
-        self.on_input = a.router_weights_on_input
+        self.act = a.experts.activation
+        self.limit, self.alpha = a.experts.swiglu_limit, a.experts.swiglu_alpha
+        self.on_input = a.router.weights_on_input
 
     def forward(self, x, idx, w):  # x [N, H], idx/w [N, k]
         if self.on_input:  # Llama 4: each expert's input scaled by its weight (one expert per token)
@@ -648,14 +657,14 @@ class DecoderLayer(nn.Module):
         self.layer_type = a.layer_types[i]
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(a, dtype)
-        elif a.attention == "mla":
+        elif a.attention.kind == "mla":
             self.self_attn = LatentAttention(a, dtype)
         else:
             self.self_attn = Attention(a, dtype, i)
         self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
         self.input_layernorm = norm(a, a.hidden_size)
         self.post_attention_layernorm = norm(a, a.hidden_size)
-        self.residual_multiplier = a.residual_multiplier
+        self.residual_multiplier = a.multipliers.residual
 
     @property
     def attn(self) -> nn.Module:
@@ -683,8 +692,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens, pos):
         x = self.embed_tokens(tokens)
-        if self.args.embedding_multiplier != 1.0:  # Granite
-            x = x * self.args.embedding_multiplier
+        if self.args.multipliers.embedding != 1.0:  # Granite
+            x = x * self.args.multipliers.embedding
         for layer in self.layers:
             x = layer(x, pos)
         return self.lm_head(self.norm(x))
@@ -695,7 +704,7 @@ class LMHead(nn.Linear):
 
     def __init__(self, a: ModelArgs):
         super().__init__(a.hidden_size, a.vocab_size, bias=a.lm_head_bias)
-        self.logits_scaling = a.logits_scaling
+        self.logits_scaling = a.multipliers.logits_scaling
 
     def forward(self, x):
         y = super().forward(x)

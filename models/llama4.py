@@ -7,7 +7,7 @@ scales the expert's *input*, plus an always-on shared expert; the other layers d
 import math
 
 from models import Family, ModelArgs, hf_args, require, sanitize_hf, strip_prefix
-from models.args import CHUNKED, DENSE, FULL, SPARSE, Llama3Scaling, RopeArgs
+from models.args import CHUNKED, DENSE, FULL, SPARSE, AttentionArgs, Llama3Scaling, RopeArgs, RouterArgs
 from models.checkpoint import CheckpointError
 from models.mlx_lm import MlxLm, rope_parameters
 
@@ -44,14 +44,14 @@ def to_args(c) -> ModelArgs:
             float(rope_parameters(c)["rope_theta"]), llama3_rope(c),
             interleave=True, fp32=True,  # HF rotates in fp32 (complex products of x.float())
             per_layer=tuple(int(bool(r)) for r in c.no_rope_layers)),
-        layer_types=tuple(c.layer_types), attention_chunk_size=c.attention_chunk_size or 0,
-        qk_norm="l2" if c.use_qk_norm else "none",
-        attn_temperature_tuning=bool(c.attn_temperature_tuning), floor_scale=float(c.floor_scale),
-        attn_scale=float(c.attn_scale), qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+        layer_types=tuple(c.layer_types),
+        attention=AttentionArgs(chunk_size=c.attention_chunk_size or 0, qk_norm="l2" if c.use_qk_norm else "none",
+                                temperature_tuning=bool(c.attn_temperature_tuning), floor_scale=float(c.floor_scale),
+                                attn_scale=float(c.attn_scale), qkv_bias=c.attention_bias, o_bias=c.attention_bias),
         mlp_types=tuple(SPARSE if i in c.moe_layers else DENSE for i in range(c.num_hidden_layers)),
         intermediate_size=c.intermediate_size_mlp, num_experts=c.num_local_experts,
         moe_intermediate_size=c.intermediate_size, shared_expert_intermediate_size=c.intermediate_size,
-        shared_expert_gated=False, router_scoring="sigmoid", norm_topk_prob=False, router_weights_on_input=True,
+        shared_expert_gated=False, router=RouterArgs("sigmoid", norm_topk_prob=False, weights_on_input=True),
     )
 
 

@@ -1,7 +1,7 @@
 """Mixtral: plain attention, softmax top-k routing always renormalised (weights kept in fp32)."""
 
 from models import Family, ModelArgs, hf_args, rope_theta, sanitize_hf
-from models.args import FULL, SLIDING
+from models.args import FULL, SLIDING, AttentionArgs, RouterArgs
 from models.checkpoint import stack_experts
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, rope
 from models.quantized import unstack_experts
@@ -17,9 +17,10 @@ TINY = dict(
 def to_args(c) -> ModelArgs:
     return hf_args(
         # a sliding_window applies to every layer (the layers that have one are SLIDING)
-        c, "mixtral", sliding_window=c.sliding_window,
+        c, "mixtral", attention=AttentionArgs(sliding_window=c.sliding_window),
         layer_types=((SLIDING if c.sliding_window else FULL),) * c.num_hidden_layers, num_experts=c.num_local_experts,
-        moe_intermediate_size=c.intermediate_size, norm_topk_prob=True, router_weights_in_model_dtype=False,
+        moe_intermediate_size=c.intermediate_size,
+        router=RouterArgs(norm_topk_prob=True, weights_in_model_dtype=False),
     )
 
 

@@ -1,6 +1,7 @@
 """OLMoE: flat q/k RMSNorm over the whole projection, softmax top-k routing, no shared expert."""
 
 from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models.args import AttentionArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const, head_dim, rope
 
 TINY = dict(
@@ -14,9 +15,10 @@ TINY = dict(
 def to_args(c) -> ModelArgs:
     require(c.clip_qkv is None, "olmoe: clip_qkv is not supported yet (q/k/v clamping)")
     return hf_args(
-        c, "olmoe", head_dim=c.hidden_size // c.num_attention_heads, qk_norm="flat",
-        qkv_bias=c.attention_bias, o_bias=c.attention_bias, num_experts=c.num_experts,
-        moe_intermediate_size=c.intermediate_size, norm_topk_prob=c.norm_topk_prob,
+        c, "olmoe", head_dim=c.hidden_size // c.num_attention_heads,
+        attention=AttentionArgs(qk_norm="flat", qkv_bias=c.attention_bias, o_bias=c.attention_bias),
+        num_experts=c.num_experts, moe_intermediate_size=c.intermediate_size,
+        router=RouterArgs(norm_topk_prob=c.norm_topk_prob),
     )
 
 

@@ -3,7 +3,7 @@ LongRoPE, 16 experts routed by sparsemixer: the best expert, then the best of th
 weighted by its softmax among the experts within 2 * router_jitter_noise of it (relative)."""
 
 from models import Family, ModelArgs, hf_args, require, sanitize_hf
-from models.args import SLIDING, LongRoPE, RopeArgs
+from models.args import SLIDING, AttentionArgs, LongRoPE, NormArgs, RopeArgs, RouterArgs
 from models.checkpoint import CheckpointError, stack_experts
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const, rope_parameters
 from models.quantized import unstack_experts
@@ -40,12 +40,12 @@ def to_args(c) -> ModelArgs:
     window = c.sliding_window
     return hf_args(
         c, "phimoe", head_dim=c.hidden_size // c.num_attention_heads,
-        rope=RopeArgs.scaled(float(rp["rope_theta"]), longrope(c)), norm="layer",
-        qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+        rope=RopeArgs.scaled(float(rp["rope_theta"]), longrope(c)), norm=NormArgs("layer"),
+        attention=AttentionArgs(qkv_bias=c.attention_bias, o_bias=c.attention_bias, sliding_window=window),
         lm_head_bias=c.lm_head_bias, num_experts=c.num_local_experts, moe_intermediate_size=c.intermediate_size,
         num_experts_per_tok=2,  # sparsemixer is top-2 whatever num_experts_per_tok says (HF and mlx-lm)
-        norm_topk_prob=False, router_scoring="sparsemixer", router_jitter_eps=float(c.router_jitter_noise),
-        sliding_window=window, layer_types=((SLIDING if window else "full_attention"),) * c.num_hidden_layers,
+        router=RouterArgs("sparsemixer", norm_topk_prob=False, jitter_eps=float(c.router_jitter_noise)),
+        layer_types=((SLIDING if window else "full_attention"),) * c.num_hidden_layers,
     )
 
 

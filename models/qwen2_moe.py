@@ -1,6 +1,7 @@
 """Qwen2-MoE: q/k/v bias, softmax top-k routing, sigmoid-gated shared expert. rope_theta 1e4 (HF default)."""
 
 from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models.args import AttentionArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, rope
 
 TINY = dict(
@@ -17,8 +18,9 @@ def to_args(c) -> ModelArgs:
             "qwen2_moe: dense MLP layers (mlp_only_layers / decoder_sparse_step > 1) are not supported yet")
     require(not c.use_sliding_window, "qwen2_moe: use_sliding_window is not supported yet")
     return hf_args(
-        c, "qwen2_moe", head_dim=c.hidden_size // c.num_attention_heads, qkv_bias=c.qkv_bias,
-        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+        c, "qwen2_moe", head_dim=c.hidden_size // c.num_attention_heads, attention=AttentionArgs(qkv_bias=c.qkv_bias),
+        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size,
+        router=RouterArgs(norm_topk_prob=c.norm_topk_prob),
         shared_expert_intermediate_size=c.shared_expert_intermediate_size,
     )
 

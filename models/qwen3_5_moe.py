@@ -3,7 +3,7 @@ per-head q/k norm), (1 + w) RMSNorm, softmax top-k routing with renormalisation 
 sigmoid-gated shared expert."""
 
 from models import GATED_DELTANET, Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
-from models.args import FULL, LINEAR, RopeArgs
+from models.args import FULL, LINEAR, AttentionArgs, LinearAttentionArgs, NormArgs, RopeArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, ConfigError, MlxLm, const
 from models.quantized import unstack_experts
 
@@ -23,14 +23,17 @@ def to_args(c) -> ModelArgs:
     partial = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     require(set(c.layer_types) <= {FULL, LINEAR}, f"qwen3_5_moe: unknown layer_types {sorted(set(c.layer_types))}")
     return hf_args(
-        c, "qwen3_5_moe", rope=RopeArgs(rope_theta(c), partial_rotary_factor=partial), norm_offset=True, qk_norm="head",
-        attn_output_gate=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True,
+        c, "qwen3_5_moe", rope=RopeArgs(rope_theta(c), partial_rotary_factor=partial), norm=NormArgs(offset=True),
+        attention=AttentionArgs(qk_norm="head", output_gate=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias),
+        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size, router=RouterArgs(norm_topk_prob=True),
         shared_expert_intermediate_size=c.shared_expert_intermediate_size, layer_types=tuple(c.layer_types),
-        linear_num_key_heads=c.linear_num_key_heads, linear_num_value_heads=c.linear_num_value_heads,
-        linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
-        linear_conv_kernel_dim=c.linear_conv_kernel_dim,
+        linear_attention=gated_deltanet(c),
     )
+
+
+def gated_deltanet(c) -> LinearAttentionArgs:
+    return LinearAttentionArgs(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                               c.linear_value_head_dim, c.linear_conv_kernel_dim)
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:

@@ -1,6 +1,7 @@
 """Qwen3-MoE: per-head q/k RMSNorm, softmax top-k routing with renormalisation, no shared expert."""
 
 from models import Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
+from models.args import AttentionArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const, head_dim
 
 TINY = dict(
@@ -16,8 +17,9 @@ def to_args(c) -> ModelArgs:
             "qwen3_moe: dense MLP layers (mlp_only_layers / decoder_sparse_step > 1) are not supported yet")
     require(not c.use_sliding_window, "qwen3_moe: use_sliding_window is not supported yet")
     return hf_args(
-        c, "qwen3_moe", qk_norm="head", qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+        c, "qwen3_moe", attention=AttentionArgs(qk_norm="head", qkv_bias=c.attention_bias, o_bias=c.attention_bias),
+        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size,
+        router=RouterArgs(norm_topk_prob=c.norm_topk_prob),
     )
 
 

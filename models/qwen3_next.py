@@ -4,9 +4,9 @@ fused per key head (in_proj_qkvz, in_proj_ba: re-laid out by sanitize() into Qwe
 MLP layers (mlp_only_layers, decoder_sparse_step) and norm_topk_prob from the config."""
 
 from models import GATED_DELTANET, Family, ModelArgs, hf_args, require, rope_theta, sanitize_hf
-from models.args import DENSE, FULL, LINEAR, SPARSE, RopeArgs
+from models.args import DENSE, FULL, LINEAR, SPARSE, AttentionArgs, NormArgs, RopeArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
-from models.qwen3_5_moe import OFFSET_NORMS, conv1d_shape, full_attention_interval_of, from_mlx_names  # noqa: F401
+from models.qwen3_5_moe import OFFSET_NORMS, conv1d_shape, full_attention_interval_of, from_mlx_names, gated_deltanet  # noqa: F401
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -34,14 +34,12 @@ def to_args(c) -> ModelArgs:
     require(c.hidden_act == "silu", f"qwen3_next: hidden_act {c.hidden_act!r} (the experts and the conv are silu)")
     return hf_args(
         c, "qwen3_next", rope=RopeArgs(rope_theta(c), partial_rotary_factor=rp.get("partial_rotary_factor", 1.0)),
-        norm_offset=True, qk_norm="head",
-        attn_output_gate=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+        norm=NormArgs(offset=True),
+        attention=AttentionArgs(qk_norm="head", output_gate=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias),
+        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size,
+        router=RouterArgs(norm_topk_prob=bool(c.norm_topk_prob)),
         shared_expert_intermediate_size=c.shared_expert_intermediate_size, layer_types=tuple(c.layer_types),
-        mlp_types=mlp_types(c), intermediate_size=c.intermediate_size,
-        linear_num_key_heads=c.linear_num_key_heads, linear_num_value_heads=c.linear_num_value_heads,
-        linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
-        linear_conv_kernel_dim=c.linear_conv_kernel_dim,
+        mlp_types=mlp_types(c), intermediate_size=c.intermediate_size, linear_attention=gated_deltanet(c),
     )
 
 
@@ -51,7 +49,8 @@ def split_qkvz_ba(qkvz, ba, a: ModelArgs):
     -> Qwen3.5's in_proj_qkv (every q, then every k, then every v), in_proj_z, in_proj_b, in_proj_a."""
     import torch
 
-    nk, nv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    la = a.linear_attention
+    nk, nv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
     r, H = nv // nk, qkvz.shape[1:]
     q, k, v, z = torch.split(qkvz.reshape(nk, 2 * dk + 2 * r * dv, *H), [dk, dk, r * dv, r * dv], dim=1)
     b, a_ = torch.split(ba.reshape(nk, 2 * r, *H), [r, r], dim=1)

@@ -1,4 +1,4 @@
-"""Expert selection, the part of routing every family configures (ModelArgs' router fields):
+"""Expert selection, the part of routing every family configures (ModelArgs.router):
 shared by the production router (models/layers.py) and the reference, which records each
 token's *selection scores* (what the family's own top-k ranks) to measure near ties and to
 find a probe token for every expert.
@@ -16,17 +16,17 @@ from models.args import ModelArgs
 def scores(logits, a: ModelArgs):
     """Routing scores [N, E] fp32: softmax over all experts, a sigmoid per expert, or the logits
     themselves (sparsemixer: the weights are computed from them by sparsemixer_weights)."""
-    if a.router_scoring == "sigmoid":
+    if a.router.scoring == "sigmoid":
         return torch.sigmoid(logits.float())
-    if a.router_scoring == "sparsemixer":
+    if a.router.scoring == "sparsemixer":
         return logits.float()
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
 def group_scores(choice, a: ModelArgs):
     """[N, E] -> [N, G]: each group's score, the sum of its best two (DeepSeek-V3) or its best (V2)."""
-    grouped = choice.view(choice.shape[0], a.n_group, -1)
-    if a.group_score == "max":
+    grouped = choice.view(choice.shape[0], a.router.n_group, -1)
+    if a.router.group_score == "max":
         # amax, not a top-1 topk: IREE 3.13's llvm-cpu fails to compile that one here ('linalg.generic'
         # op write affecting operations on global resources ...). amax lowers to max.dim, which the MLX
         # delegate does not take (measured on glm4_moe's group choice): V2's only user, whose MLX
@@ -39,19 +39,20 @@ def selection(probs, bias, a: ModelArgs):
     """The scores the top-k ranks [N, E]: probs (+ the correction bias, which decides the choice
     and never the weights), -inf outside the topk_group best groups when n_group > 1."""
     choice = probs + bias if bias is not None else probs
-    if a.n_group > 1:
+    r = a.router
+    if r.n_group > 1:
         g = group_scores(choice, a)  # [N, G]
         # the kept groups: those at or above the topk_group-th group score (a comparison, not a
         # scatter of the top groups' indices: the MLX delegate takes no scatter)
-        kth = torch.topk(g, a.topk_group, dim=-1).values[:, -1:]
-        keep = (g >= kth)[:, :, None].expand(-1, -1, a.num_experts // a.n_group).reshape(choice.shape)
+        kth = torch.topk(g, r.topk_group, dim=-1).values[:, -1:]
+        keep = (g >= kth)[:, :, None].expand(-1, -1, a.num_experts // r.n_group).reshape(choice.shape)
         choice = choice.masked_fill(~keep, float("-inf"))
     return choice
 
 
 def grouped(a: ModelArgs) -> bool:
     """Does the group limit decide anything (some groups left out)?"""
-    return a.n_group > 1 and a.topk_group < a.n_group
+    return a.router.n_group > 1 and a.router.topk_group < a.router.n_group
 
 
 def group_gap(probs, bias, a: ModelArgs):
@@ -60,7 +61,7 @@ def group_gap(probs, bias, a: ModelArgs):
     if not grouped(a):
         return torch.full(probs.shape[:1], float("inf"))
     g = torch.sort(group_scores(probs + bias if bias is not None else probs, a), dim=-1, descending=True).values
-    return g[:, a.topk_group - 1] - g[:, a.topk_group]
+    return g[:, a.router.topk_group - 1] - g[:, a.router.topk_group]
 
 
 def mask_margin(logits, k: int, eps: float):
@@ -80,13 +81,13 @@ def mask_margin(logits, k: int, eps: float):
 
 def weighs_discretely(a: ModelArgs) -> bool:
     """Does a discrete decision set the top-k weights (sparsemixer's masks)?"""
-    return a.router_scoring == "sparsemixer"
+    return a.router.scoring == "sparsemixer"
 
 
 def weight_gap(probs, a: ModelArgs):
     """[N]: the margin of the decisions that set the weights (mask_margin: top-2 whatever k says),
     in the units of the selection scores (sparsemixer's are its logits)."""
-    return mask_margin(probs, 2, a.router_jitter_eps)
+    return mask_margin(probs, 2, a.router.jitter_eps)
 
 
 def pick(probs, idx):

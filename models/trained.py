@@ -66,7 +66,7 @@ def profile_rewrite(family, cfg: dict, weights: str, seed: int):
         raise ValueError(f"unknown weight profile {weights!r}; known: {', '.join(PROFILES)}")
     if weights == "normal":
         return None
-    offset = family.args(cfg).norm_offset
+    offset = family.args(cfg).norm.offset
     return lambda sd: rewrite(sd, seed, offset, family.hf_router)
 
 
@@ -99,7 +99,7 @@ def massive_rows(seed: int, vocab: int) -> list[int]:
 def rewrite(sd: dict, seed: int, norm_offset: bool, router: str) -> None:
     """Rewrite the normal-law tensors of `sd` (HF in-memory names -> fp32 tensors: a whole model,
     whole layers, or the modules outside the layers) in place. `norm_offset`: the family's norms
-    compute (1 + w) * x (ModelArgs.norm_offset), so a gain g is stored as g - 1; `router`: the
+    compute (1 + w) * x (NormArgs.offset), so a gain g is stored as g - 1; `router`: the
     family's router module inside a layer (Family.hf_router)."""
     import torch
 

@@ -85,8 +85,9 @@ def invalid_row(key, mode, lim, detail, reason: str, status: Status = Status.FAI
 
 def reduction_length(args) -> int:
     """The longest dot product of the model's blocks (what fp32 summation error grows with)."""
+    mla = args.attention.mla
     return max(args.hidden_size, args.moe_intermediate_size, args.shared_expert_intermediate_size,
-               args.intermediate_size, args.q_lora_rank, args.kv_lora_rank)
+               args.intermediate_size, *((mla.q_lora_rank, mla.kv_lora_rank) if mla else ()))
 
 
 def router_gaps(ref, layer: int, n: int | None = None, dtype=np.float32, weights: bool = True) -> np.ndarray:

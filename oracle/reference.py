@@ -284,8 +284,8 @@ def check_selection(layer: int, choice: np.ndarray, idx: np.ndarray, k: int) -> 
     kth = -np.sort(-choice, axis=-1)[:, k - 1]  # a top-k: no chosen expert scores below the k-th score
     for t in np.flatnonzero(np.take_along_axis(choice, idx, axis=-1).min(axis=-1) < kth):
         raise RuntimeError(f"layer {layer}: HF's router chose experts {sorted(idx[t].tolist())} where the "
-                           "family's selection scores rank others first: its routing fields (ModelArgs: "
-                           "router_scoring, router_bias, n_group, topk_group, group_score) do not describe "
+                           "family's selection scores rank others first: its routing fields (ModelArgs.router: "
+                           "scoring, correction_bias, n_group, topk_group, group_score) do not describe "
                            "this model")
 
 

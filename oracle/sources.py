@@ -5,7 +5,7 @@ real text through the checkpoint's own tokenizer)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
 
 from models import UNSUPPORTED, code_digest, family_for_model_type, get_family, text_config
@@ -183,11 +183,16 @@ def sources(spec: CheckSpec, progress=None, backend=None) -> Sources:
     return Sources(src, shipped, original, summary, built)
 
 
-def first_difference(a, b) -> str | None:
-    """The first ModelArgs field (bar the sequence length) where two checkpoints differ, as text."""
+def first_difference(a, b, group: str = "") -> str | None:
+    """The first ModelArgs field (bar the sequence length; within a group, the group's field:
+    "router.n_group") where two checkpoints differ, as text."""
     for f in fields(a):
-        if f.name != "max_seq_len" and getattr(a, f.name) != getattr(b, f.name):
-            return f"{f.name}: {getattr(a, f.name)!r} (original) vs {getattr(b, f.name)!r} (candidate)"
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "max_seq_len" or x == y:
+            continue
+        if is_dataclass(x) and type(x) is type(y):
+            return first_difference(x, y, f"{group}{f.name}.")
+        return f"{group}{f.name}: {x!r} (original) vs {y!r} (candidate)"
     return None
 
 

@@ -9,8 +9,7 @@ from models.layers import Experts, ModelArgs
 def _experts(E=8, H=64, I=32):
     a = ModelArgs(family="t", vocab_size=16, hidden_size=H, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=4, head_dim=16, rms_norm_eps=1e-6, rope=RopeArgs(1e4), num_experts=E,
-                  num_experts_per_tok=2, moe_intermediate_size=I, norm_topk_prob=False,
-                  layer_types=("full_attention",))
+                  num_experts_per_tok=2, moe_intermediate_size=I, layer_types=("full_attention",))
     ex = Experts(a)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -195,7 +195,7 @@ def test_router_mirror_is_what_the_block_applies(mlx, any_family):
 
     src = model_source(CheckSpec(family=any_family, backend="mlx"))
     model, _ = mlx.load_model(src)
-    on_input = src.args.router_weights_on_input
+    on_input = src.args.router.weights_on_input
     checked = 0
     for layer in model.layers:
         moe = mlx.moe_block(layer)

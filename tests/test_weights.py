@@ -54,7 +54,7 @@ def test_profile_statistics_in_the_checkpoint(family):
     q/k x2.5 (or their norm gains, or MLA's queries x2.5^2), the attention output projection writing
     the outlier dims x20; nothing else changed."""
     fam, normal, trained = both(family)
-    offset = fam.args(fam.tiny_config).norm_offset
+    offset = fam.args(fam.tiny_config).norm.offset
     changed = {k for k in normal if not torch.equal(normal[k], trained[k])}
     assert {role(k) for k in changed} >= set(ROLES), changed  # every role rewritten in every family
     assert all(role(k) for k in changed), sorted(k for k in changed if not role(k))
