@@ -452,7 +452,8 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
           attention=("mla",)),
 )
 
-# ------------------------------------------------------------------ later families
+# ------------------------------------------------------------------ variants: sinks, windows, clamped and
+# input-scaled experts, router logit bias, sparsemixer, LayerNorm, multipliers, no-rope layers
 def _sinks_dropped(attn: Attention, a):
     del attn.sinks  # a plain softmax (Attention.attend uses sinks where the module has them)
 
