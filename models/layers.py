@@ -31,10 +31,11 @@ from models.args import (CHUNKED, FULL, LINEAR, SLIDING, SPARSE, STATE_BUFFERS, 
 TAPS = None
 
 
-def tap(point: str, x):
-    """A value with no module of its own, named for the drill (oracle.points.TAPS)."""
+def tap(point: str, x, view=None):
+    """A value with no module of its own, named for the drill (oracle.points.TAPS); `view` maps it to
+    the layout HF computes it in (applied only while a drill records)."""
     if TAPS is not None:
-        TAPS(point, x)
+        TAPS(point, x if view is None else view(x))
     return x
 
 
@@ -137,6 +138,14 @@ class Rope(nn.Module):
             rot = rot.float()
         rot = rot * cos + rotate_half(rot) * sin
         return torch.cat((rot.to(x.dtype) if up else rot, rest), dim=-1)
+
+    def hf_layout(self, y):
+        """A rotated head in HF's layout: interleaved pairs put back in place (q.k is the same either way)."""
+        if not self.interleave:
+            return y
+        rot, rest = y[..., : self.rotary_dim], y[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        return torch.cat((torch.stack((rot[..., :half], rot[..., half:]), dim=-1).flatten(-2), rest), dim=-1)
 
 
 def llama3_frequencies(inv, s: Llama3Scaling):
@@ -245,7 +254,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.use_rope:
-            q, k = tap("q_rope", self.rope(q, pos)), tap("k_rope", self.rope(k, pos))
+            q = tap("q_rope", self.rope(q, pos), self.rope.hf_layout)
+            k = tap("k_rope", self.rope(k, pos), self.rope.hf_layout)
             if self.qk_norm == "l2":  # Llama 4: weightless, after the rotation, rope layers only
                 q, k = l2_rms(q, self.eps), l2_rms(k, self.eps)
         if self.temperature is not None:
@@ -430,14 +440,16 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(B, T, self.nk, self.dk).float()
         k = k.reshape(B, T, self.nk, self.dk).float()
         v = v.reshape(B, T, self.nv, self.dv).float()
+        if TAPS is not None:  # the causal conv's output as the recurrence takes it (oracle/points.py)
+            tap("conv", torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1))
         if self.nv != self.nk:
             q = q.repeat_interleave(self.nv // self.nk, dim=2)
             k = k.repeat_interleave(self.nv // self.nk, dim=2)
-        q = l2norm(q).transpose(1, 2) * self.dk**-0.5  # [B, nv, T, dk]
-        k = l2norm(k).transpose(1, 2)
-        beta = torch.sigmoid(b.float()).transpose(1, 2)  # [B, nv, T]
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
-        o = self.delta_rule(q, k, v.transpose(1, 2), g, beta).transpose(1, 2).to(x.dtype)  # [B, T, nv, dv]
+        q = tap("q_l2norm", l2norm(q)).transpose(1, 2) * self.dk**-0.5  # [B, nv, T, dk]
+        k = tap("k_l2norm", l2norm(k)).transpose(1, 2)
+        beta = tap("beta", torch.sigmoid(b.float())).transpose(1, 2)  # [B, nv, T]
+        g = tap("g", -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
+        o = tap("recurrence", self.delta_rule(q, k, v.transpose(1, 2), g, beta).transpose(1, 2)).to(x.dtype)
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(B, T, self.value_dim)
         return self.out_proj(o)
 

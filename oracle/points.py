@@ -35,6 +35,7 @@ from oracle.result import Status
 # computed values with no module of their own, per block kind, in program order
 TAPS = {
     "attention": ("q_rope", "k_rope"),
+    "linear_attention": ("conv", "q_l2norm", "k_l2norm", "beta", "g", "recurrence"),
     "router": ("logits", "scores", "selection", "topk", "weights"),
 }
 DRILLED = ("attention", "router", "moe", "layer", "final_norm", "logits")
@@ -138,20 +139,43 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
     inside = [False]  # HF's isolation replays the whole model: record only while the block runs
     handles.append(block.register_forward_pre_hook(lambda mod, a: inside.__setitem__(0, True)))
     handles.append(block.register_forward_hook(lambda mod, a, out: inside.__setitem__(0, False)))
-    for m in block.modules():
-        mod = sys.modules.get(type(m).__module__)
-        fn = getattr(mod, "apply_rotary_pos_emb", None)
-        if fn is None or any(p[0] is mod for p in patched):
-            continue
-
-        def rotary(*a, _fn=fn, **kw):
-            q, k = _fn(*a, **kw)
+    def rotary(fn, mod):
+        def wrapped(*a, **kw):
+            q, k = fn(*a, **kw)
             if inside[0]:
                 rec.add("q_rope", q)
                 rec.add("k_rope", k)
             return q, k
-        patched.append((mod, fn))
-        mod.apply_rotary_pos_emb = rotary
+        return wrapped
+
+    def delta_rule(fn, mod):  # HF's Gated DeltaNet kernel: its inputs are the conv's q, k, v, g and beta
+        def wrapped(query, key, value, *a, **kw):
+            out = fn(query, key, value, *a, **kw)
+            if inside[0]:
+                rec.add("conv", torch.cat([query.flatten(2), key.flatten(2), value.flatten(2)], dim=-1))
+                q, k, rep = query.float(), key.float(), value.shape[2] // query.shape[2]
+                if rep > 1:
+                    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+                if kw.get("use_qk_l2norm_in_kernel"):  # HF's own l2norm, as its kernel applies it
+                    q, k = mod.l2norm(q, dim=-1, eps=1e-6), mod.l2norm(k, dim=-1, eps=1e-6)
+                rec.add("q_l2norm", q)
+                rec.add("k_l2norm", k)
+                rec.add("beta", kw.get("beta"))
+                rec.add("g", kw.get("g"))
+                rec.add("recurrence", out[0])
+            return out
+        return wrapped
+
+    functions = {"apply_rotary_pos_emb": rotary, "torch_chunk_gated_delta_rule": delta_rule,
+                 "torch_recurrent_gated_delta_rule": delta_rule}
+    for m in block.modules():
+        mod = sys.modules.get(type(m).__module__)
+        for name, wrap in functions.items():
+            fn = getattr(mod, name, None)
+            if fn is None or any(p[0] is mod and p[1] == name for p in patched):
+                continue
+            patched.append((mod, name, fn))
+            setattr(mod, name, wrap(fn, mod))
     if router is not None and any(m is router for m in block.modules()):
         def record(mod, a, out):
             w, idx, logits = normalize_output("router", out, router_output=read_router)[:3]
@@ -166,8 +190,8 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
     try:
         yield
     finally:
-        for mod, fn in patched:
-            mod.apply_rotary_pos_emb = fn
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
         for h in handles:
             h.remove()
 

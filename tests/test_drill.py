@@ -1,0 +1,124 @@
+"""The drill-down inside a block (oracle/points.py): on eager (the production model), a fault names
+the point it breaks, the points before it agree, and a clean block has no false divergence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exporters.eager import EagerBackend
+from models import FAMILY_NAMES, faults
+from oracle.backend import CheckSpec, resolve
+from oracle.check import run_check
+from oracle.compare import reduction_length
+from oracle.points import drill, point_limits
+from oracle.references import reference_of
+from oracle.result import Status
+from oracle.sources import model_source, prompt_tokens
+
+
+def _drilled(family: str, transform) -> dict:
+    """The check's own drill of its worst failing block (the default, --drill auto)."""
+    r = run_check(CheckSpec(family=family, backend="eager"), EagerBackend(name="drilled", transform=transform))
+    assert r.status == Status.FAIL and r.drill and not r.drill.get("error"), (r.status, r.drill)
+    (d,) = r.drill["blocks"]
+    assert (d["layer"], d["kind"]) == (r.worst["layer"], r.worst["kind"])  # the localised block
+    return d
+
+
+def _first(d: dict) -> dict:
+    names = [p["name"] for p in d["points"]]
+    i = names.index(d["first_divergence"])
+    assert all(p["status"] in (Status.PASS, Status.NA) for p in d["points"][:i]), d["points"][:i]
+    assert all(p["ratio"] < 0.1 for p in d["points"][:i] if p["status"] == Status.PASS)  # the inputs agree
+    return d["points"][i]
+
+
+def _scale_one_expert(layer: int, expert: int):
+    def transform(model):
+        with torch.no_grad():
+            model.layers[layer].mlp.experts.down_proj[expert] *= 1.01
+    return transform
+
+
+def _scale_shared_expert(model):
+    with torch.no_grad():
+        for layer in model.layers:
+            if getattr(layer.mlp, "shared_expert", None) is not None:
+                layer.mlp.shared_expert.down_proj.weight *= 1.01
+
+
+@pytest.mark.parametrize("family,fault,point", [
+    ("qwen3_moe", "rope_theta_wrong", "q_rope"),  # RoPE: the rotated query, its projections agree
+    ("olmoe", "qk_norm_missing", "q_norm"),  # computed by HF, skipped by the candidate
+    ("qwen3_5_moe", "gdn_conv_state_not_carried", "conv"),  # Gated DeltaNet: the causal conv's output
+    ("qwen3_5_moe", "gdn_state_not_carried", "recurrence"),  # ... and the recurrence after it
+    ("deepseek_v3", "router_bias_ignored", "selection"),  # the correction bias: scores agree, selection not
+    ("qwen3_moe", "router_no_renorm", "weights"),
+])
+def test_a_catalogue_fault_is_drilled_to_its_point(family, fault, point):
+    d = _drilled(family, faults.get(fault).inject)
+    assert d["first_divergence"] == point, d["verdict"]
+    assert _first(d)["status"] == Status.FAIL and f"first divergence at `{point}`" in d["verdict"]
+
+
+def test_a_single_experts_fault_is_drilled_to_the_experts():
+    """One expert of one layer off by 1%: the router's points agree, the experts' output does not."""
+    d = _drilled("qwen3_moe", _scale_one_expert(1, 3))
+    assert (d["layer"], d["kind"], d["first_divergence"]) == (1, "moe", "experts"), d["verdict"]
+    assert {p["name"]: p["status"] for p in d["points"]}["topk"] == Status.PASS
+
+
+def test_a_shared_experts_fault_is_drilled_to_its_projection():
+    """The shared expert's down projection off by 1%: its gate and up projections agree."""
+    d = _drilled("qwen2_moe", _scale_shared_expert)
+    assert d["first_divergence"] == "shared_expert.down_proj", d["verdict"]
+    status = {p["name"]: p["status"] for p in d["points"]}
+    assert status["shared_expert.gate_proj"] == status["shared_expert.up_proj"] == Status.PASS
+
+
+def test_the_markdown_report_has_the_points_table():
+    r = run_check(CheckSpec(family="qwen3_moe", backend="eager"),
+                  EagerBackend(name="drilled", transform=faults.get("rope_theta_wrong").inject))
+    from oracle.report import markdown
+
+    md = markdown(r.to_dict())
+    assert "| **`q_rope`** | fail |" in md and "| `q_proj` | pass |" in md
+
+
+def test_a_backend_without_points_says_so():
+    """A candidate without run_block_points (the contract's default): the drill is n/a, never a guess."""
+    from tests.plugins import NAN_IN_MOE  # eager with NaN in one MoE block
+
+    class NoPoints:  # an old-style plugin whose candidate has only the three required methods
+        name = "no-points"
+
+        def availability(self):
+            return True, ""
+
+        def load(self, model, spec):
+            cand = NAN_IN_MOE.load(model, spec)
+
+            class C:
+                prefill, decode, run_block = cand.prefill, cand.decode, cand.run_block
+            return C()
+
+    r = run_check(CheckSpec(family="olmoe", backend="eager"), NoPoints())
+    assert r.status == Status.FAIL
+    (d,) = r.drill["blocks"]
+    assert d["points"] == [] and d["verdict"].startswith("n/a: the backend exposes no points")
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_no_false_divergence_in_a_clean_layer(family):
+    """Every family's first decoder layer (its attention, router and experts inside), clean: every
+    point HF and the production model both compute is within its limit."""
+    spec = CheckSpec(family=family, backend="eager")
+    src = model_source(spec)
+    ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
+    key = next(k for k in ref.block_keys() if k[1] == "layer")
+    lim = point_limits("fp32", "layer", family, "eager", reduction_length(src.args))
+    d = drill(ref, key, resolve("eager").load(src, spec), resolve("hf").load(src, spec), lim)
+    assert d.first_divergence is None, d.verdict
+    compared = [p for p in d.points if p.status == Status.PASS]
+    assert len(compared) >= 4 and all(p.ratio <= 1 for p in compared), [(p.name, p.status, p.reason) for p in d.points]
