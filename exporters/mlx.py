@@ -353,6 +353,65 @@ def load_directory(path, family: str, dtype, reference_config: dict):
 
 
 # ---------------------------------------------------------------- running
+@contextlib.contextmanager
+def mlx_points(block, rec, mx):
+    """Each submodule of an mlx-lm block records what it returns while the block runs: its class
+    swapped for a subclass whose __call__ records (mlx modules take no hooks), swapped back after."""
+    from exporters.mlx_model import router_linear
+
+    def array(a):
+        return np.array(a.astype(mx.float32)) if isinstance(a, mx.array) else None
+
+    rope_calls = [0]
+    logits_of = None
+    for moe in (block, *[m for _, m in block.named_modules() if m is not block]):
+        try:
+            logits_of = router_linear(moe)
+            break
+        except (KeyError, StopIteration, TypeError, AttributeError):
+            continue
+    if logits_of is not None and hasattr(logits_of, "top_k") and rec.points.taps is not None:
+        rec.points.taps.discard("logits")  # a gate that routes by itself (DeepSeek's MoEGate): no logits out
+    swapped, patched = [], []
+    for _, m in block.named_modules():  # the Gated DeltaNet recurrence: mlx-lm's gated_delta_update
+        mod = sys.modules.get(type(m).__module__)
+        fn = getattr(mod, "gated_delta_update", None)
+        if fn is not None and not any(p[0] is mod for p in patched):
+            def recurrence(*a, _fn=fn, **kw):
+                out = _fn(*a, **kw)
+                rec.add("recurrence", array(out[0]))
+                return out
+            patched.append((mod, fn))
+            mod.gated_delta_update = recurrence
+    for path, m in block.named_modules():
+        if not path or not callable(m):
+            continue
+        leaf = path.rsplit(".", 1)[-1]
+
+        def call(self, *a, _cls=type(m), _path=path, _leaf=leaf, _m=m, **kw):
+            out = _cls.__call__(self, *a, **kw)
+            if _leaf in ("o_proj", "out_proj") and a:
+                rec.add("context", array(a[0]))
+            if _leaf == "rope":  # q first, then k
+                rec.add("q_rope" if rope_calls[0] % 2 == 0 else "k_rope", array(out))
+                rope_calls[0] += 1
+            elif _m is logits_of and isinstance(out, mx.array):  # (a gate that routes by itself: its choice)
+                rec.add("logits", array(out).reshape(-1, out.shape[-1]))
+            elif isinstance(out, mx.array):
+                rec.add(_path, array(out))
+            return out
+        cls = type(m)
+        m.__class__ = type(cls.__name__, (cls,), {"__call__": call})
+        swapped.append((m, cls))
+    try:
+        yield
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+        for mod, fn in patched:
+            mod.gated_delta_update = fn
+
+
 class MLXCandidate(Candidate):
     block_mode = "isolated"
 
@@ -448,6 +507,34 @@ class MLXCandidate(Candidate):
         with self.mx.stream(self.device):
             fn = self._block(layer, kind)
             return [fn(self._in(c.x_array), c) for c in calls]
+
+    def run_block_points(self, layer, kind, calls):
+        """The drill (oracle/points.py): every submodule of mlx-lm's block records its output under its
+        path (mlx-lm names them as HF does: q_proj, q_norm, shared_expert.down_proj, ...), the output
+        projection its input (`context`), the rotary module its two calls (`q_rope`, `k_rope`: mlx-lm
+        rotates q, then k), the router's linear layer its `logits`, the block's routing mirror its
+        `topk` and `weights`. mlx-lm computes scores and selection inline: not recorded."""
+        from oracle import points
+
+        tm = text_model(self.model)
+        if kind in ("final_norm", "logits"):
+            block = tm.model.norm if kind == "final_norm" else tm.lm_head if "lm_head" in tm else None
+        else:
+            dec = self.model.layers[layer]
+            block = {"attention": attention_block(dec), "layer": dec}.get(kind) or moe_block(dec)
+        if block is None:
+            return None
+        rec = points.Recorder(taps=("q_rope", "k_rope", "logits", "recurrence")
+                              + (("topk", "weights") if kind == "router" else ()))
+        with self.mx.stream(self.device), mlx_points(block, rec, self.mx):
+            outs = self.run_block(layer, kind, calls)
+        for out in outs:
+            if kind == "router":
+                rec.add("topk", np.asarray(out[1], dtype=np.float32))
+                rec.add("weights", np.asarray(out[0], dtype=np.float32))
+            else:  # the block's own output (as run_block returns it)
+                rec.add("output", np.asarray(out, dtype=np.float32))
+        return rec.points
 
     def chunk_mask(self, x, cache, chunk: int):
         """The chunked layers' mask as mlx-lm's llama4 builds it over its ChunkedKVCache (key j visible

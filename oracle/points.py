@@ -17,9 +17,14 @@ Points are of two sorts:
   results, its router's logits and, through the family's routing (models.routing) with HF's own
   correction bias, the scores and selection scores).
 
-A point whose two sides do not have the same shape is `n/a` with both shapes (never a guess), and
-so is a tap HF's module does not expose. Limits: the block's table at the model's width
-(thresholds.toml); top-k indices by agreement.
+Both sides' outputs of a point are compared as rows of its last dimension, leading dimensions
+flattened in order (HF's [B*T*h, d] and a backend's [B, T, h, d] are the same rows). A point whose
+sides differ in size or last dimension is `n/a` with both shapes (never a guess), and so is a tap a
+side does not expose (mlx-lm computes the router's scores inline, for one). A tap the candidate
+records where it happens, or a module it has, that HF computes and the candidate skips is a
+divergence ("HF computes it; the candidate does not"). Top-k weights are compared in expert order.
+Limits: the block's table at the model's width (thresholds.toml; a router's points take the moe
+table's); top-k indices by agreement.
 """
 
 from __future__ import annotations
@@ -68,23 +73,30 @@ class Points(dict):
     """point -> outputs; `registered`: the block's submodule paths, fired or not (a module the
     candidate has but never ran, where HF runs its counterpart, is a divergence)."""
 
-    def __init__(self):
+    def __init__(self, taps=None):
         super().__init__()
         self.registered: list[str] = []
+        # the taps this side records where they happen (None: every one of TAPS); a tap HF computes
+        # that the candidate records nowhere else is a divergence only where it is in this set
+        self.taps = None if taps is None else set(taps)
 
 
 class Recorder:
     """point -> its outputs, one per firing, in the order points first fire (a module fires once
     per call of the block; the same module on both sides fires as often)."""
 
-    def __init__(self):
-        self.points = Points()
+    def __init__(self, taps=None):
+        self.points = Points(taps)
 
     def add(self, name: str, x) -> None:
+        """A torch tensor, or a numpy array (a backend that runs no torch converts its own)."""
+        if isinstance(x, np.ndarray):
+            self.points.setdefault(name, []).append(x.astype(np.float32))  # (a copy)
+            return
         import torch
 
-        if torch.is_tensor(x):
-            self.points.setdefault(name, []).append(x.detach().float().cpu().numpy())
+        if torch.is_tensor(x):  # a copy: the module's caller may add to its output in place (Llama 4)
+            self.points.setdefault(name, []).append(x.detach().float().cpu().numpy().copy())
 
 
 @contextlib.contextmanager
@@ -214,10 +226,12 @@ def compare_point(name: str, ref: list, cand: list, lim: dict) -> Point:
     if len(ref) != len(cand):
         return Point(name, Status.NA, reason=f"computed {len(ref)} time(s) by HF, {len(cand)} by the candidate")
     shapes = [np.shape(r) for r in ref], [np.shape(c) for c in cand]
-    if shapes[0] != shapes[1]:
+    if shapes[0] != shapes[1] and not all(a[-1:] == b[-1:] and np.prod(a) == np.prod(b) for a, b in zip(*shapes)):
         i = next(i for i, (a, b) in enumerate(zip(*shapes)) if a != b)
         return Point(name, Status.NA, reason=f"shapes differ: HF {list(shapes[0][i])}, candidate {list(shapes[1][i])}")
     r, c = _rows(ref), _rows(cand)
+    same_inf = np.isinf(r) & (r == c)  # a left-out group's -inf on both sides is agreement (NaN never is)
+    r, c = np.where(same_inf, 0.0, r), np.where(same_inf, 0.0, c)
     if name == "topk":  # the chosen experts, as sets per token
         same = np.mean([set(a) == set(b) for a, b in zip(r.astype(int).tolist(), c.astype(int).tolist())])
         return Point(name, Status.PASS if same == 1.0 else Status.FAIL, {"agreement": float(same)},
@@ -266,15 +280,41 @@ def drill(ref, key, cand, hf, lim: dict) -> Drill:
                      time.perf_counter() - t)
     ref_points = hf.run_block_points(key[0], key[1], calls)
     taps = {n for names in TAPS.values() for n in names}
+    recorded = getattr(cand_points, "taps", None)
+    recorded = taps if recorded is None else recorded
     names = [n for n in cand_points if n in ref_points or n in taps]
-    # what HF computes and the candidate skips: a tap, or a module the candidate has but never ran
-    skipped = [n for n in ref_points if n not in cand_points and (n in taps or n in cand_registered(cand_points))]
+    # what HF computes and the candidate skips: a tap it records where it happens, or a module it has
+    # but never ran; a tap the backend cannot record is n/a
+    skipped = [n for n in ref_points if n not in cand_points
+               and (n in taps or n in cand_registered(cand_points))]
     for n in skipped:  # placed before the candidate's first point that follows it in HF's order
         order = list(ref_points)
         after = next((m for m in order[order.index(n) + 1:] if m in names), None)
         names.insert(names.index(after) if after else len(names), n)
-    points = [compare_point(n, ref_points.get(n), cand_points.get(n), lim) for n in names]
+    ref_points, cand_points = aligned(ref_points), aligned(cand_points)
+    points = [compare_point(n, ref_points.get(n), cand_points.get(n), lim) if n in cand_points or n in recorded
+              or n not in taps else Point(n, Status.NA, reason="not exposed by the backend (computed inline)")
+              for n in names]
     return verdict(key[0], key[1], points, time.perf_counter() - t)
+
+
+def aligned(pts: dict) -> dict:
+    """Top-k weights in expert order: each token's k weights sorted by its chosen experts' ids (a
+    backend may list the k in another order)."""
+    if "weights" not in pts or "topk" not in pts or len(pts["weights"]) != len(pts["topk"]):
+        return pts
+    out = type(pts)() if isinstance(pts, Points) else {}
+    if isinstance(pts, Points):
+        out.registered, out.taps = pts.registered, pts.taps
+    out.update(pts)
+    w_sorted = []
+    for w, idx in zip(pts["weights"], pts["topk"]):
+        w2, i2 = np.reshape(w, (-1, np.shape(w)[-1])), np.reshape(idx, (-1, np.shape(idx)[-1]))
+        if w2.shape != i2.shape:
+            return pts
+        w_sorted.append(np.take_along_axis(w2, np.argsort(i2, axis=-1, kind="stable"), axis=-1))
+    out["weights"] = w_sorted
+    return out
 
 
 def cand_registered(cand_points) -> set:

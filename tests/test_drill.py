@@ -116,9 +116,56 @@ def test_no_false_divergence_in_a_clean_layer(family):
     spec = CheckSpec(family=family, backend="eager")
     src = model_source(spec)
     ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
-    key = next(k for k in ref.block_keys() if k[1] == "layer")
     lim = point_limits("fp32", "layer", family, "eager", reduction_length(src.args))
-    d = drill(ref, key, resolve("eager").load(src, spec), resolve("hf").load(src, spec), lim)
-    assert d.first_divergence is None, d.verdict
-    compared = [p for p in d.points if p.status == Status.PASS]
-    assert len(compared) >= 4 and all(p.ratio <= 1 for p in compared), [(p.name, p.status, p.reason) for p in d.points]
+    cand, hf = resolve("eager").load(src, spec), resolve("hf").load(src, spec)
+    for key in [k for k in ref.block_keys() if k[1] == "layer"]:  # every layer: dense, sparse, linear, full
+        d = drill(ref, key, cand, hf, lim)
+        assert d.first_divergence is None, d.verdict
+        compared = [p for p in d.points if p.status == Status.PASS]
+        assert len(compared) >= 4 and all(p.ratio <= 1 for p in compared), [(p.name, p.status, p.reason) for p in d.points]
+
+
+# ---------------------------------------------------------------- mlx (mlx-lm's own model, compiled by MLX)
+@pytest.fixture(scope="module")
+def mlx():
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+
+
+@pytest.mark.parametrize("family,fault,point", [
+    ("qwen3_moe", "rope_theta_wrong", "q_rope"),  # mlx-lm's rotary module, its q call
+    ("olmoe", "qk_norm_missing", "q_norm"),
+    ("qwen3_5_moe", "gdn_state_not_carried", "recurrence"),  # mlx-lm's gated_delta_update
+    ("qwen3_moe", "router_no_renorm", "weights"),  # the block's routing mirror
+])
+def test_an_mlx_fault_is_drilled_to_its_point(mlx, family, fault, point):
+    r = run_check(CheckSpec(family=family, backend="mlx"), resolve("mlx").with_fault(faults.get(fault)))
+    assert r.status == Status.FAIL and r.drill and not r.drill.get("error"), (r.status, r.drill)
+    (d,) = r.drill["blocks"]
+    assert d["first_divergence"] == point, d["verdict"]
+    _first(d)
+    # what mlx-lm computes inline is n/a with the reason, never a guess
+    assert all(p["reason"] for p in d["points"] if p["status"] == Status.NA)
+
+
+# mlx-lm's known defects (goldens/known_divergences.toml): where the drill finds them, inside the router
+KNOWN_MLX_DIVERGENCE = {"ernie4_5_moe": ("logits", "topk", "weights", "output", "mlp"),  # correction bias dropped
+                        "deepseek_v3": ("topk", "weights", "output", "mlp"),  # dropped groups filled with 0
+                        "glm4_moe": ("topk", "weights", "output", "mlp"), "dots1": ("topk", "weights", "output", "mlp")}
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_no_false_divergence_in_a_clean_mlx_layer(mlx, family):
+    """mlx-lm's first decoder layer of every family, clean: no point diverges."""
+    spec = CheckSpec(family=family, backend="mlx")
+    src = model_source(spec)
+    ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
+    lim = point_limits("fp32", "layer", family, "mlx", reduction_length(src.args))
+    cand, hf = resolve("mlx").load(src, spec), resolve("hf").load(src, CheckSpec(family=family, backend="hf"))
+    for key in [k for k in ref.block_keys() if k[1] == "layer"]:
+        d = drill(ref, key, cand, hf, lim)
+        if family in KNOWN_MLX_DIVERGENCE and d.first_divergence is not None:  # goldens/known_divergences.toml
+            assert d.first_divergence in KNOWN_MLX_DIVERGENCE[family], d.verdict
+            continue
+        assert d.first_divergence is None, d.verdict
+        assert sum(p.status == Status.PASS for p in d.points) >= 4, [(p.name, p.status, p.reason) for p in d.points]
