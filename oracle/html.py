@@ -66,6 +66,33 @@ def error_plot(doc: dict) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def drill_plot(block: dict) -> str:
+    """PNG (base64) of a drilled block's points (oracle/points.py): each point's ratio to its limit, in
+    program order; the first divergence in red, n/a points left out; 1 is the limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [p for p in block["points"] if p["status"] != Status.NA]
+    fig, ax = plt.subplots(figsize=(8.5, 2.8), dpi=100)
+    xs = range(len(pts))
+    ys = [min(max(_ratio(p["ratio"]), 1e-6), 1e6) for p in pts]
+    colors = ["#c62828" if p["name"] == block["first_divergence"] else
+              "#ef9a9a" if p["status"] == Status.FAIL else "#2e7d32" for p in pts]
+    ax.bar(xs, ys, color=colors)
+    ax.axhline(1.0, color="#c62828", linestyle=":", linewidth=1.5)
+    ax.set_yscale("log")
+    ax.set_ylabel("error / limit")
+    ax.set_xticks(list(xs), [p["name"] for p in pts], rotation=45, ha="right", fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def tokens_table(e: dict) -> str:
     first = (e.get("first_mismatch") or {}).get("step")
     ties = set(e.get("ties") or []) | {s["step"] for s in e.get("steps", []) if s.get("token") == "routing-tie"}
@@ -101,6 +128,10 @@ def check_section(doc: dict) -> str:
         if w:
             parts.append(f"<p>Localised fault: <b>{'model' if w['layer'] is None else 'layer ' + str(w['layer'])}"
                          f" {_esc(w['kind'])}</b> ({_esc(_fmt(w['ratio']))}x its limit)</p>")
+    for block in (doc.get("drill") or {}).get("blocks", []):  # the points inside (oracle/points.py)
+        parts.append(f"<h3>Drill: {_esc(block['verdict'])}</h3>")
+        if any(p["status"] != Status.NA for p in block["points"]):
+            parts.append(f'<img alt="error per point inside the block" src="data:image/png;base64,{drill_plot(block)}">')
     e = doc.get("e2e")
     if e:
         parts.append(f"<h3>End to end: <span class='{e['status']}'>{e['status']}</span></h3>{tokens_table(e)}")

@@ -42,6 +42,9 @@ def row_of(doc: dict, json_name: str | None) -> dict:
                                    "max_abs": max((_num(s["max_abs"]) for s in e["steps"]), default=0.0)},
         "gates": [{"name": g["name"], "status": g["status"]} for g in doc.get("gates", [])],
         "json": json_name,
+        # drilled blocks (oracle/points.py): block -> the first point that diverges (None: every point agrees)
+        **({"drill": {f"{'model' if d['layer'] is None else d['layer']}.{d['kind']}": d["first_divergence"]
+                      for d in doc["drill"].get("blocks", [])}} if doc.get("drill") else {}),
     }
 
 
@@ -163,7 +166,7 @@ def diff(baseline: dict, current: dict, factor: float = 4.0, floor: float = 0.05
     limit is not news)."""
     base = {r["id"]: r for r in baseline["rows"]}
     cur = {r["id"]: r for r in current["rows"]}
-    status_changes, grown, new_skips, regressions = [], [], [], []
+    status_changes, grown, new_skips, regressions, points = [], [], [], [], []
     for cid, r in cur.items():
         b = base.get(cid)
         if b is None:
@@ -177,6 +180,9 @@ def diff(baseline: dict, current: dict, factor: float = 4.0, floor: float = 0.05
                 new_skips.append({"id": cid, "reason": r["reason"]})
             elif RANK[r["status"]] > RANK[b["status"]]:
                 regressions.append(cid)
+        for blk, point in (r.get("drill") or {}).items():  # the drill names another point inside a block
+            if blk in (b.get("drill") or {}) and b["drill"][blk] != point:
+                points.append({"id": cid, "block": blk, "from": b["drill"][blk], "to": point})
         for blk, ratio in r["blocks"].items():
             old = b["blocks"].get(blk)
             if old is None:
@@ -188,11 +194,11 @@ def diff(baseline: dict, current: dict, factor: float = 4.0, floor: float = 0.05
     status_changes.sort(key=lambda c: (-RANK.get(c["to"], 0), c["id"]))
     grown.sort(key=lambda g: -g["to"])
     return {"status_changes": status_changes, "grown_blocks": grown, "new_skips": new_skips,
-            "regressed": sorted(set(regressions)), "factor": factor}
+            "regressed": sorted(set(regressions)), "factor": factor, "drill_changes": points}
 
 
 def diff_markdown(d: dict) -> str:
-    if not (d["status_changes"] or d["grown_blocks"] or d["new_skips"]):
+    if not (d["status_changes"] or d["grown_blocks"] or d["new_skips"] or d.get("drill_changes")):
         return "### ✅ oracle: no change against the baseline\n"
     head = "❌ oracle: regressions" if d["regressed"] else "ℹ️ oracle: changes (no regression)"
     lines = [f"### {head} against the baseline", ""]
@@ -209,6 +215,12 @@ def diff_markdown(d: dict) -> str:
                   "| check | block | was | now |", "|---|---|---|---|"]
         for g in d["grown_blocks"][:20]:
             lines.append(f"| {g['id']} | {g['block']} | {_g(g['from'])} | {_g(g['to'])} |")
+        lines.append("")
+    if d.get("drill_changes"):
+        lines += ["Drilled blocks whose first diverging point changed:", "", "| check | block | was | now |",
+                  "|---|---|---|---|"]
+        for p in d["drill_changes"]:
+            lines.append(f"| {p['id']} | {p['block']} | {p['from'] or 'none'} | {p['to'] or 'none'} |")
         lines.append("")
     if d["new_skips"]:
         lines.append("New skips: " + "; ".join(f"`{s['id']}` ({s['reason']})" for s in d["new_skips"]))

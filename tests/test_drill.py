@@ -169,3 +169,21 @@ def test_no_false_divergence_in_a_clean_mlx_layer(mlx, family):
             continue
         assert d.first_divergence is None, d.verdict
         assert sum(p.status == Status.PASS for p in d.points) >= 4, [(p.name, p.status, p.reason) for p in d.points]
+
+
+def test_the_html_report_plots_the_points_and_report_diff_names_a_changed_point():
+    from oracle.html import check_section
+    from oracle.summary import diff, diff_markdown, row_of
+
+    r = run_check(CheckSpec(family="qwen3_moe", backend="eager"),
+                  EagerBackend(name="drilled", transform=faults.get("rope_theta_wrong").inject))
+    doc = r.to_dict()
+    html = check_section(doc)
+    assert "<h3>Drill: layer 1 attention: first divergence at `q_rope`" in html
+    assert 'alt="error per point inside the block"' in html
+    row = row_of(doc, "r.json")
+    assert row["drill"] == {"1.attention": "q_rope"}
+    moved = {**row, "drill": {"1.attention": "q_norm"}}  # the same check, another point diverging first
+    d = diff({"rows": [row]}, {"rows": [moved]})
+    assert d["drill_changes"] == [{"id": row["id"], "block": "1.attention", "from": "q_rope", "to": "q_norm"}]
+    assert "| 1.attention | q_rope | q_norm |" in diff_markdown(d)
