@@ -43,7 +43,7 @@ TAPS = {
     "linear_attention": ("conv", "q_l2norm", "k_l2norm", "beta", "g", "recurrence"),
     "router": ("logits", "scores", "selection", "topk", "weights"),
 }
-DRILLED = ("attention", "router", "moe", "layer", "final_norm", "logits")
+DRILLED = ("attention", "router", "moe", "mlp", "layer", "final_norm", "logits")
 
 
 @dataclass
