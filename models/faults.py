@@ -554,3 +554,34 @@ def get(name: str) -> Fault:
 def applicable(a: ModelArgs) -> list[Fault]:
     return [f for f in CATALOGUE if f.is_applicable(a)]
 
+
+# The point inside its block each fault breaks (oracle/points.py): what the drill-down should name
+# first. `output` where the fault is in the block's own arithmetic between points (a residual, a
+# combine, a cast) or where no finer point exists (a final norm, the head).
+POINTS: dict[str, str] = {
+    # router
+    "router_softmax_after_topk": "weights", "router_no_renorm": "weights", "router_wrong_num_experts": "logits",
+    "router_sigmoid": "scores", "router_bias_in_weights": "weights", "router_bias_ignored": "selection",
+    "router_group_limit_ignored": "selection", "routed_scaling_missing": "weights", "routed_scaling_twice": "weights",
+    "router_softmax_for_sigmoid": "scores", "router_logit_bias_ignored": "logits",
+    "sparsemixer_first_unmasked": "weights",
+    # experts and the MoE block
+    "expert_gate_up_swapped": "experts", "expert_weights_off_1e-3": "experts", "expert_index_off_by_one": "experts",
+    "expert_weights_not_applied": "experts", "swiglu_clamp_missing": "experts", "moe_interleave_wrong": "experts",
+    "stray_bf16_downcast": "experts", "shared_expert_gate_no_sigmoid": "output", "shared_expert_missing": "output",
+    "moe_output_upcast": "output", "dense_layer_routed": "output",
+    # attention
+    "rope_theta_wrong": "q_rope", "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
+    "yarn_mscale_missing": "q_rope", "rope_on_nope_layer": "q_rope",
+    "qk_norm_missing": "q_norm", "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
+    "kv_cache_write_off_by_one": "context", "attention_not_causal": "context", "attention_scale_wrong": "context",
+    "gqa_kv_heads_tiled": "context", "attention_gate_no_sigmoid": "context", "attention_sinks_dropped": "context",
+    "sliding_window_off_by_one": "context", "attention_multiplier_missing": "context",
+    "mla_rope_nope_swapped": "context", "mla_cache_not_carried": "context",
+    "gdn_state_not_carried": "recurrence", "gdn_chunked_prefill_differs": "recurrence",
+    "gdn_conv_state_not_carried": "conv",
+    # layer, final norm, head
+    "rmsnorm_eps_wrong": "input_layernorm", "norm_offset_missing": "input_layernorm",
+    "layernorm_as_rmsnorm": "input_layernorm", "residual_missing": "output", "residual_multiplier_missing": "output",
+    "final_norm_eps_wrong": "output", "logits_cast_to_float": "output", "logits_scaling_missing": "output",
+}

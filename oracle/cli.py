@@ -133,6 +133,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
     s.add_argument("--shard", help="I/N: the families of shard I of N (every N-th family; the N shards cover them once)")
     s.add_argument("--json", help="write the selftest report here")
+    s.add_argument("--drill", action="store_true", help="drill each detected fault's block (docs/drill.md) and report "
+                   "the share whose first diverging point is the one the fault breaks")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
     m.add_argument("--families", help="comma-separated (default: every supported family; with --model-dir / --config, the family its config names)")
@@ -451,10 +453,10 @@ def cmd_selftest(a) -> int:
         if prog:
             with prog:
                 res = run_selftest(a.backend, families, seeds, a.fault, lambda m: update(m), options_of(a),
-                                   a.weights, a.precision)
+                                   a.weights, a.precision, a.drill)
         else:
             res = run_selftest(a.backend, families, seeds, a.fault, options=options_of(a), weights=a.weights,
-                               precision=a.precision)
+                               precision=a.precision, drill=a.drill)
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]

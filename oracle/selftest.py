@@ -60,6 +60,10 @@ class FaultRow:
     # True: the block the fault targets fails without it (the family's known divergence there), so
     # the fault cannot be localised or told apart at its block: stated, not required
     masked: bool = False
+    # --drill: the point inside the block the fault breaks (models.faults.POINTS) and the first point
+    # the check's drill-down named (oracle/points.py; None: not drilled, or every point agreed)
+    point: str | None = None
+    drill_point: str | None = None
 
     @property
     def crashed(self) -> bool:
@@ -107,6 +111,10 @@ class SelftestResult:
         if masked:  # at a block that fails without them (a known divergence): stated, not required
             out["masked"] = len(masked)
             out["masked_detected"] = sum(r.detected for r in masked)
+        drilled = [r for r in req if r.detected and r.localized and r.point is not None and r.drill_point is not None]
+        if drilled:  # --drill: the share whose drill names the point the fault breaks
+            out["drilled"] = len(drilled)
+            out["point_localized"] = sum(r.drill_point == r.point for r in drilled)
         below = [r for r in self.faults if r.injected and not r.masked and not r.required]
         if below:  # below the precision's noise: stated, not required
             out["below_noise"] = len(below)
@@ -117,6 +125,8 @@ class SelftestResult:
         s = self.summary()
         line = (f"detected {s['detected']}/{s['faults']}, localized {s['localized']}/{s['faults']}, "
                 f"false alarms {s['false_alarms']}/{s['clean_runs']}")
+        if "drilled" in s:
+            line += f"; drill names the fault's point {s['point_localized']}/{s['drilled']}"
         if s["crashed"]:
             line += f"; {s['crashed']} crashed (the faulted candidate raised: not a detection)"
         if s["not_injected"]:
@@ -215,7 +225,9 @@ def _over(x, limit) -> float:
 
 def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
                  progress=None, options: dict | None = None, weights: str = "normal",
-                 precision: str = "fp32") -> SelftestResult:
+                 precision: str = "fp32", drill: bool = False) -> SelftestResult:
+    """`drill`: each detected fault's check drills its worst block (oracle/points.py) and the row
+    records the first point named against the point the fault breaks (models.faults.POINTS)."""
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
     options = dict(options or {})
@@ -233,10 +245,10 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
     res = SelftestResult(backend_name, families, list(seeds), weights=weights, precision=precision)
     for family in families:
-        # no drill-down inside each fault's check (a drill per detected fault would double the run;
-        # the self-test localises by block rows)
+        # the drill-down inside each fault's check only with `drill` (it adds an HF run per detected
+        # fault; the self-test localises by block rows)
         spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options), weights=weights,
-                         precision=precision, drill="off")
+                         precision=precision, drill="auto" if drill else "off")
         try:  # a family the backend cannot check is reported with its reason; the others go on
             validate(spec)
             args = model_source(spec).args
@@ -287,9 +299,12 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             # detected: the check failed, or (a family failing as its known divergence says) a row
             # failed that passes without the fault
             detected = r.status == Status.FAIL or (r.status == Status.XFAIL and w is not None)
+            drilled = (r.drill or {}).get("blocks") or [{}]
             res.faults.append(FaultRow(family, fault.name, fault.what, at, expected, r.status,
                                        detected, localized, w, time.perf_counter() - t, above,
-                                       injected=not same_numbers(r, base_run), masked=masked))
+                                       injected=not same_numbers(r, base_run), masked=masked,
+                                       point=faults.POINTS.get(fault.name) if drill else None,
+                                       drill_point=drilled[0].get("first_divergence")))
         for seed in seeds[1:]:
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
@@ -316,8 +331,10 @@ def render(res: SelftestResult) -> str:
         above = "" if not noise else f"{'-' if r.noise_ratio is None else _g(r.noise_ratio):8s} "
         detected = "crashed" if r.crashed else "n/inj" if not r.injected else \
             f"{flag(r.detected)} (m)" if r.masked else flag(r.detected)
+        point = "" if r.point is None else (f"; drill: `{r.drill_point}`" + (
+            "" if r.drill_point == r.point else f" (the fault breaks `{r.point}`)"))
         lines.append(f"{r.family:12s} {r.fault:30s} {detected:8s} "
-                     f"{flag(r.localized):9s} {above}{where}{exp}")
+                     f"{flag(r.localized):9s} {above}{where}{exp}{point}")
     bad = [a for a in res.false_alarms if a.status not in CLEAN]
     for a in bad:
         lines.append(f"FALSE ALARM {a.family} seed {a.seed}: {a.status} {a.worst}")

@@ -187,3 +187,23 @@ def test_the_html_report_plots_the_points_and_report_diff_names_a_changed_point(
     d = diff({"rows": [row]}, {"rows": [moved]})
     assert d["drill_changes"] == [{"id": row["id"], "block": "1.attention", "from": "q_rope", "to": "q_norm"}]
     assert "| 1.attention | q_rope | q_norm |" in diff_markdown(d)
+
+
+def test_every_catalogue_fault_declares_the_point_it_breaks():
+    from oracle.points import TAPS
+
+    assert set(faults.POINTS) == {f.name for f in faults.CATALOGUE}
+    taps = {n for names in TAPS.values() for n in names}
+    modules = {"q_norm", "experts", "input_layernorm", "context", "output"}  # submodule paths and specials
+    assert set(faults.POINTS.values()) <= taps | modules
+
+
+def test_the_selftest_reports_the_share_drilled_to_the_faults_point():
+    from oracle.selftest import render, run_selftest
+
+    names = ["rope_theta_wrong", "router_no_renorm", "expert_gate_up_swapped", "qk_norm_flat_for_per_head"]
+    res = run_selftest("eager", ["qwen3_moe"], seeds=(0,), fault_names=names, drill=True)
+    s = res.summary()
+    assert s["detected"] == s["faults"] == len(names) and s["drilled"] == len(names), s
+    assert s["point_localized"] == len(names), [(r.fault, r.point, r.drill_point) for r in res.faults]
+    assert "drill names the fault's point 4/4" in render(res)
