@@ -141,9 +141,14 @@ class Family:
         from models.layers import Transformer
 
         try:
-            args = self.args(cfg, max_seq_len)
-            # before the model is made (a depth of 10**9 would take forever even on the meta device)
+            # before anything per layer is made (a depth of 10**9: a 10**9-entry layer_types, then a model
+            # that would take forever even on the meta device)
             depth = 1 + max((int(m.group(1)) for k in weights if (m := LAYER.search(k))), default=-1)
+            text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+            stated = text.get("num_hidden_layers")
+            if isinstance(stated, int) and not isinstance(stated, bool) and stated > depth:
+                raise CheckpointError(f"num_hidden_layers {stated}: the checkpoint has tensors of {depth} layer(s)")
+            args = self.args(cfg, max_seq_len)
             if args.num_hidden_layers > depth:
                 raise CheckpointError(f"num_hidden_layers {args.num_hidden_layers}: the checkpoint has tensors of "
                                       f"{depth} layer(s)")
