@@ -556,11 +556,13 @@ def applicable(a: ModelArgs) -> list[Fault]:
 
 
 # The point inside its block each fault breaks (oracle/points.py): what the drill-down should name
-# first. `output` where the fault is in the block's own arithmetic between points (a residual, a
-# combine, a cast) or where no finer point exists (a final norm, the head).
-POINTS: dict[str, str] = {
+# first (a tuple: any of these, where families differ). `output` where the fault is in the block's
+# own arithmetic after its last point (a combine, a cast) or where no finer point exists (a final
+# norm, the head); the first point after a residual sum for a residual fault. None: a dtype fault
+# whose numbers agree (the drill compares values; the dtype gate and the block's dtype check name it).
+POINTS: dict[str, str | tuple | None] = {
     # router
-    "router_softmax_after_topk": "weights", "router_no_renorm": "weights", "router_wrong_num_experts": "logits",
+    "router_softmax_after_topk": "scores", "router_no_renorm": "weights", "router_wrong_num_experts": "scores",
     "router_sigmoid": "scores", "router_bias_in_weights": "weights", "router_bias_ignored": "selection",
     "router_group_limit_ignored": "selection", "routed_scaling_missing": "weights", "routed_scaling_twice": "weights",
     "router_softmax_for_sigmoid": "scores", "router_logit_bias_ignored": "logits",
@@ -568,11 +570,15 @@ POINTS: dict[str, str] = {
     # experts and the MoE block
     "expert_gate_up_swapped": "experts", "expert_weights_off_1e-3": "experts", "expert_index_off_by_one": "experts",
     "expert_weights_not_applied": "experts", "swiglu_clamp_missing": "experts", "moe_interleave_wrong": "experts",
-    "stray_bf16_downcast": "experts", "shared_expert_gate_no_sigmoid": "output", "shared_expert_missing": "output",
-    "moe_output_upcast": "output", "dense_layer_routed": "output",
+    "stray_bf16_downcast": "output", "shared_expert_gate_no_sigmoid": "output",
+    # the shared expert never runs: its first projection, which HF computes (an always-on one: DeepSeek's
+    # shared_experts); where the module is gone from the candidate, the block's output
+    "shared_expert_missing": ("shared_expert.gate_proj", "shared_experts.gate_proj", "output"),
+    "moe_output_upcast": None, "dense_layer_routed": "output",
     # attention
-    "rope_theta_wrong": "q_rope", "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
-    "yarn_mscale_missing": "q_rope", "rope_on_nope_layer": "q_rope",
+    # (MLA's rotation has no tap: the attention's context there)
+    "rope_theta_wrong": ("q_rope", "context"), "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
+    "yarn_mscale_missing": ("q_rope", "context"), "rope_on_nope_layer": "q_rope",
     "qk_norm_missing": "q_norm", "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
     "kv_cache_write_off_by_one": "context", "attention_not_causal": "context", "attention_scale_wrong": "context",
     "gqa_kv_heads_tiled": "context", "attention_gate_no_sigmoid": "context", "attention_sinks_dropped": "context",
@@ -581,7 +587,8 @@ POINTS: dict[str, str] = {
     "gdn_state_not_carried": "recurrence", "gdn_chunked_prefill_differs": "recurrence",
     "gdn_conv_state_not_carried": "conv",
     # layer, final norm, head
-    "rmsnorm_eps_wrong": "input_layernorm", "norm_offset_missing": "input_layernorm",
-    "layernorm_as_rmsnorm": "input_layernorm", "residual_missing": "output", "residual_multiplier_missing": "output",
-    "final_norm_eps_wrong": "output", "logits_cast_to_float": "output", "logits_scaling_missing": "output",
+    "rmsnorm_eps_wrong": "input_layernorm", "norm_offset_missing": "post_attention_layernorm",
+    "layernorm_as_rmsnorm": "input_layernorm", "residual_missing": "post_attention_layernorm",
+    "residual_multiplier_missing": "post_attention_layernorm",
+    "final_norm_eps_wrong": "output", "logits_cast_to_float": None, "logits_scaling_missing": "output",
 }

@@ -228,7 +228,11 @@ def compare_point(name: str, ref: list, cand: list, lim: dict) -> Point:
     shapes = [np.shape(r) for r in ref], [np.shape(c) for c in cand]
     if shapes[0] != shapes[1] and not all(a[-1:] == b[-1:] and np.prod(a) == np.prod(b) for a, b in zip(*shapes)):
         i = next(i for i, (a, b) in enumerate(zip(*shapes)) if a != b)
-        return Point(name, Status.NA, reason=f"shapes differ: HF {list(shapes[0][i])}, candidate {list(shapes[1][i])}")
+        a, b = shapes[0][i], shapes[1][i]
+        if a[:-1] == b[:-1]:  # the same rows, another number of features (experts, heads x dims): computed wrong
+            return Point(name, Status.FAIL, ratio=float("inf"),
+                         reason=f"another last dimension: HF {list(a)}, candidate {list(b)}")
+        return Point(name, Status.NA, reason=f"shapes differ: HF {list(a)}, candidate {list(b)}")
     r, c = _rows(ref), _rows(cand)
     same_inf = np.isinf(r) & (r == c)  # a left-out group's -inf on both sides is agreement (NaN never is)
     r, c = np.where(same_inf, 0.0, r), np.where(same_inf, 0.0, c)

@@ -62,8 +62,13 @@ class FaultRow:
     masked: bool = False
     # --drill: the point inside the block the fault breaks (models.faults.POINTS) and the first point
     # the check's drill-down named (oracle/points.py; None: not drilled, or every point agreed)
-    point: str | None = None
+    point: str | tuple | None = None
     drill_point: str | None = None
+    drilled: bool = False  # the check drilled the fault's block (a drill finding no divergence is a miss)
+
+    @property
+    def point_localized(self) -> bool:
+        return self.drill_point in (self.point if isinstance(self.point, (tuple, list)) else (self.point,))
 
     @property
     def crashed(self) -> bool:
@@ -111,10 +116,11 @@ class SelftestResult:
         if masked:  # at a block that fails without them (a known divergence): stated, not required
             out["masked"] = len(masked)
             out["masked_detected"] = sum(r.detected for r in masked)
-        drilled = [r for r in req if r.detected and r.localized and r.point is not None and r.drill_point is not None]
+        # the faults the drill can name (a dtype fault's numbers agree: POINTS None), drilled at their block
+        drilled = [r for r in req if r.drilled and r.localized and r.point is not None]
         if drilled:  # --drill: the share whose drill names the point the fault breaks
             out["drilled"] = len(drilled)
-            out["point_localized"] = sum(r.drill_point == r.point for r in drilled)
+            out["point_localized"] = sum(r.point_localized for r in drilled)
         below = [r for r in self.faults if r.injected and not r.masked and not r.required]
         if below:  # below the precision's noise: stated, not required
             out["below_noise"] = len(below)
@@ -304,7 +310,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                                        detected, localized, w, time.perf_counter() - t, above,
                                        injected=not same_numbers(r, base_run), masked=masked,
                                        point=faults.POINTS.get(fault.name) if drill else None,
-                                       drill_point=drilled[0].get("first_divergence")))
+                                       drill_point=drilled[0].get("first_divergence"),
+                                       drilled=bool(drilled[0].get("points"))))
         for seed in seeds[1:]:
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
@@ -332,7 +339,7 @@ def render(res: SelftestResult) -> str:
         detected = "crashed" if r.crashed else "n/inj" if not r.injected else \
             f"{flag(r.detected)} (m)" if r.masked else flag(r.detected)
         point = "" if r.point is None else (f"; drill: `{r.drill_point}`" + (
-            "" if r.drill_point == r.point else f" (the fault breaks `{r.point}`)"))
+            "" if r.point_localized else f" (the fault breaks `{r.point}`)"))
         lines.append(f"{r.family:12s} {r.fault:30s} {detected:8s} "
                      f"{flag(r.localized):9s} {above}{where}{exp}{point}")
     bad = [a for a in res.false_alarms if a.status not in CLEAN]
