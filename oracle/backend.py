@@ -13,7 +13,7 @@ does the same for what its `load` returns. Arrays may be torch tensors or numpy 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,14 @@ class CheckSpec:
     # the drill-down inside blocks (oracle/points.py): "auto" the worst failing block of a failing
     # check, where the backend exposes its points; "all" every block; "off" none
     drill: str = "auto"
+
+
+def hf_spec(spec: CheckSpec, precision: str | None = None) -> CheckSpec:
+    """The spec of HF transformers on the same checkpoint and prompt (at `precision`, default the
+    spec's): the reference's side of a measurement, without the candidate's options, shipped
+    directory, given program, saved reference or prompt set."""
+    return replace(spec, backend="hf", precision=precision or spec.precision, options={}, candidate_dir=None,
+                   artifact=None, reference=None, prompts=None)
 
 
 @dataclass

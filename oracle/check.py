@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from oracle import expected
 from oracle import goldens as golden_files
 from oracle import points, thresholds
-from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, memory_refusal, resolve
+from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_refusal, resolve
 from oracle.noise import exact_for, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
@@ -298,8 +298,7 @@ def drill_down(run: Run) -> None:
     run.progress("drill")
     t = time.perf_counter()
     try:
-        hf = resolve("hf").load(run.src, replace(spec, backend="hf", precision="fp32", options={}, candidate_dir=None,
-                                                 artifact=None))
+        hf = resolve("hf").load(run.src, hf_spec(spec, "fp32"))
         drills = []
         for key in keys:
             lim = points.point_limits(spec.precision, key[1], spec.family, spec.backend, reduction_length(run.src.args))

@@ -25,8 +25,6 @@ reference's.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 
@@ -48,11 +46,10 @@ def propagated(ref, src, spec, keys, cand: dict) -> dict:
     its last layer's is, the head's where its final norm's is)."""
     import torch
 
-    from oracle.backend import resolve
+    from oracle.backend import hf_spec, resolve
     from oracle.reference import normalize_output
 
-    hf = resolve("hf").load(src, replace(spec, backend="hf", precision="fp32", options={}, candidate_dir=None,
-                                         artifact=None, reference=None, prompts=None))
+    hf = resolve("hf").load(src, hf_spec(spec, "fp32"))
     modules = hf.modules
     calls = sequence_calls(ref)
     n_seq = len(calls)

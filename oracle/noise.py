@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from models.checkpoint import cache_root
+from oracle.backend import hf_spec
 
 
 @dataclass
@@ -178,7 +179,7 @@ def noise_for(ref, src, spec, prompt) -> Noise | None:
 
     if not thresholds.noise_relative(spec.precision):
         return None
-    spec = replace(spec, backend="hf", options={}, candidate_dir=None, artifact=None, reference=None, prompts=None)
+    spec = hf_spec(spec)
     return _cached(_key(spec, src, prompt), ref, src, spec)
 
 
@@ -187,6 +188,5 @@ def exact_for(ref, src, spec, prompt) -> Noise:
     selection scores inside the run), against which HF fp32 (the reference) is then measured as
     bf16 is against fp32. Measured only when an fp32 step fails its fixed table (oracle/e2e.py);
     cached like the others. The blocks are not run: fp32's block rows keep their tables."""
-    spec = replace(spec, backend="hf", precision="fp64", options={}, candidate_dir=None, artifact=None,
-                   reference=None, prompts=None)
+    spec = hf_spec(spec, "fp64")
     return _cached(_key(spec, src, prompt), ref, src, spec, blocks=False)
