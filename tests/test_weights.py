@@ -228,7 +228,8 @@ def test_matrix_and_selftest_pass_the_profile_on(tmp_path, monkeypatch, capsys):
         assert main(argv) == 0
     assert seen == [["--weights", "trained"], []]
 
-    def fake(backend, families, seeds, faults, progress=None, options=None, weights="normal", precision="fp32"):
+    def fake(backend, families, seeds, faults, progress=None, options=None, weights="normal", precision="fp32",
+             drill=False):
         seen.append(weights)
         return oracle.selftest.SelftestResult(backend, ["olmoe"], seeds, weights=weights)
 
