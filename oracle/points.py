@@ -30,6 +30,7 @@ table's); top-k indices by agreement.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -289,10 +290,10 @@ def drill(ref, key, cand, hf, lim: dict) -> Drill:
     names = [n for n in cand_points if n in ref_points or n in taps]
     # what HF computes and the candidate skips: a tap it records where it happens, or a module it has
     # but never ran; a tap the backend cannot record is n/a
-    skipped = [n for n in ref_points if n not in cand_points
-               and (n in taps or n in cand_registered(cand_points))]
+    registered = set(getattr(cand_points, "registered", ()))
+    skipped = [n for n in ref_points if n not in cand_points and (n in taps or n in registered)]
+    order = list(ref_points)
     for n in skipped:  # placed before the candidate's first point that follows it in HF's order
-        order = list(ref_points)
         after = next((m for m in order[order.index(n) + 1:] if m in names), None)
         names.insert(names.index(after) if after else len(names), n)
     ref_points, cand_points = aligned(ref_points), aligned(cand_points)
@@ -307,10 +308,7 @@ def aligned(pts: dict) -> dict:
     backend may list the k in another order)."""
     if "weights" not in pts or "topk" not in pts or len(pts["weights"]) != len(pts["topk"]):
         return pts
-    out = type(pts)() if isinstance(pts, Points) else {}
-    if isinstance(pts, Points):
-        out.registered, out.taps = pts.registered, pts.taps
-    out.update(pts)
+    out = copy.copy(pts)  # (a Points keeps its registered paths and taps)
     w_sorted = []
     for w, idx in zip(pts["weights"], pts["topk"]):
         w2, i2 = np.reshape(w, (-1, np.shape(w)[-1])), np.reshape(idx, (-1, np.shape(idx)[-1]))
@@ -319,7 +317,3 @@ def aligned(pts: dict) -> dict:
         w_sorted.append(np.take_along_axis(w2, np.argsort(i2, axis=-1, kind="stable"), axis=-1))
     out["weights"] = w_sorted
     return out
-
-
-def cand_registered(cand_points) -> set:
-    return set(getattr(cand_points, "registered", ()))
