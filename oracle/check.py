@@ -1,6 +1,6 @@
 """One check as a pipeline of stages: validate -> sources (checkpoint, shipped directory, prompts)
--> reference (HF fp32) -> the precision's own error (HF at it) -> candidate -> block rows -> e2e
--> quantization rows -> gates -> CheckResult. Each stage lives in its own module; this one runs
+-> reference (HF fp32) -> the precision's own error (HF at it) -> quantization rows -> candidate
+-> block rows -> e2e -> drill (inside the worst failing block) -> gates -> CheckResult. Each stage lives in its own module; this one runs
 them in order, times them and contains a stage that crashes."""
 
 from __future__ import annotations
