@@ -67,6 +67,26 @@ class TorchCandidate(Candidate):
         return self.sample_logits(self.decode(token, pos), temperature, top_p, seed)
 
 
+class PointsCall(torch.nn.Module):
+    """A block with its drill points as extra outputs, for a backend that compiles programs (the
+    points cannot be read from inside them): forward(x, pos) -> (*the block's outputs, *its points
+    as fp32, in firing order). After a trace, `fired` names each point output and `registered` lists
+    the block's submodule paths. `m` is the block's module, under the name _Call gives it: a block
+    program's weight and state names are this module's too."""
+
+    def __init__(self, module: torch.nn.Module, fn, kind: str):
+        super().__init__()
+        self.m, self.fn, self.kind = module, fn, kind
+        self.fired, self.registered = [], []
+
+    def forward(self, x, pos):
+        rec = points.Recorder(keep=True)
+        with points.hooks(self.m, rec, self.kind), points.production_taps(rec):
+            out = self.fn(x, pos)
+        self.fired, self.registered = list(rec.fired), list(rec.points.registered)
+        return (*(out if isinstance(out, tuple) else (out,)), *rec.values)
+
+
 class EagerBackend(Backend):
     """`transform(model)` may modify the built model in place: how faults are injected."""
 

@@ -65,6 +65,12 @@ def code_digest(faulted: bool) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
+def points_digest() -> str:
+    """The drill's recording code a points program is traced with."""
+    return hashlib.sha256((Path(__file__).resolve().parents[1] / "oracle/points.py").read_bytes()).hexdigest()[:16]
+
+
 def args_digest(src) -> str:
     """The production model's args (config resolved, max_seq_len set). Its weights are named by
     the checkpoint's sha256 and the transform's id, both in the key: reading them is not needed."""
@@ -177,6 +183,32 @@ class IreeCandidate(Candidate):
             out = _host(res[:n_out])
             outs.append(tuple(out) if kind == "router" else out[0])
         return outs
+
+
+    points_program = None  # (program name, lengths) -> (points.vmfb, its points.json): IreeBackend.points_program
+
+    def run_block_points(self, layer, kind, calls):
+        """The block's points program (compiled for the drill, cached), on the same inputs as run_block."""
+        if self.points_program is None:
+            return None
+        from oracle.points import from_outputs
+
+        p, weights, state = self.which[layer, kind]
+        vmfb, meta = self.points_program(p.name, sorted({c.x_array.shape[1] for c in calls}))
+        module = self.rt.SystemContext(vm_modules=[self.rt.VmModule.copy_buffer(self.config.vm_instance, vmfb)],
+                                       config=self.config).modules.module
+        fired, values = [], []
+        for c in calls:
+            T = c.x_array.shape[1]
+            x, pos = np.ascontiguousarray(c.x_array, np.float32), c.pos_array.astype(np.int64)
+            res = module[f"points_{p.name}_t{T}"](*weights, *state, x, pos)
+            res = res if isinstance(res, (list, tuple)) else [res]
+            names = meta["fired"][str(T)]
+            end = len(res) - len(p.state)
+            state = res[end:]
+            fired += names
+            values += _host(res[end - len(names):end])
+        return from_outputs(fired, meta["registered"], values)
 
 
 class IreeBackend(Backend):
@@ -311,6 +343,28 @@ class IreeBackend(Backend):
             raise RuntimeError(f"{PARAMS_FILE} is missing beside {art.path}")
         return Built(programs, which, art, Path(art.path), params)
 
+    def points_program(self, src, spec, program: str, lengths: list[int]) -> tuple[bytes, dict]:
+        """(points.vmfb, points.json) of block program `program` at `lengths` (iree_export.build_points),
+        built from the transformed production structure on a miss and cached beside the check's
+        program key (an unnamed transform: built every time, in a temporary directory)."""
+        model, plan = self.plan(src)
+
+        def build(path: Path):
+            from exporters import iree_export
+
+            iree_export.build_points(model if model is not None else self.model(src), program, lengths, path)
+
+        if self.transform is not None and self.transform_id is None:
+            with tempfile.TemporaryDirectory(prefix="moe-oracle-iree-") as tmp:
+                path = Path(tmp) / "points.vmfb"
+                build(path)
+                return path.read_bytes(), json.loads(path.with_name("points.json").read_text())
+        parts = {"program": self.key(src, spec, parse_plan(plan)[0]), "points": program, "lengths": lengths,
+                 "code": code_digest(self.transform is not None), "points_code": points_digest()}
+        art = cached_artifact("iree-points", parts, "points.vmfb", build)
+        path = Path(art.path)
+        return path.read_bytes(), json.loads(path.with_name("points.json").read_text())
+
     def check_given(self, src, spec) -> None:
         self.given(src, spec)
 
@@ -376,6 +430,8 @@ class IreeBackend(Backend):
                 raise
             raise InputError(f"--vmfb {b.vmfb}: the IREE runtime cannot run it ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:300]})") from None
+        if not spec.artifact:  # a given program's points would be this exporter's, not its own: none
+            cand.points_program = functools.partial(self.points_program, src, spec)
         missing = sorted(required_functions(b.programs, spec.prompt_len) - set(cand.blocks.vm_module.function_names))
         if missing:
             raise InputError(f"--vmfb {b.vmfb} does not have the production exporter's functions for this check "

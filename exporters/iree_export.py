@@ -92,14 +92,16 @@ class BlockProgram:
     state: list[str]  # state buffers: inputs and (after the output) results, in order
     fingerprint: str
 
-    def entry(self) -> Callable:
-        """The exported function: (root, weights, state, x, pos) -> (*outputs, *new_state)."""
+    def entry(self, call: nn.Module | None = None) -> Callable:
+        """The exported function: (root, weights, state, x, pos) -> (*outputs, *new_state). `call`: a
+        module with the block's tensor names run instead of the block (eager.PointsCall: the points
+        are more outputs)."""
 
         def entry(_root, weights, state, x, pos):
             tensors = dict(zip(self.weights, weights))
             new_state = [s.clone() for s in state]
             tensors.update(zip(self.state, new_state))
-            out = torch.func.functional_call(self.call, tensors, (x, pos))
+            out = torch.func.functional_call(call or self.call, tensors, (x, pos))
             return (*(out if isinstance(out, tuple) else (out,)), *new_state)
 
         return entry
@@ -310,28 +312,53 @@ def _export(model: Transformer, programs: dict[str, BlockProgram], prompt_len: i
     blocks = aot.FxProgramsBuilder(nn.Module())  # weights are inputs: nothing to lift
     dtype, hidden = model.embed_tokens.weight.dtype, model.args.hidden_size
     for p in programs.values():
-        tensors = block_tensors(p.call)
-        # example inputs: only their shapes and dtypes are traced (fake tensors), so uninitialised
-        # memory the export never touches (no copy of the block's weights: at a cache miss the
-        # clones of every program's weights were most of the peak above the model itself);
-        # distinct tensors, never one object for two inputs (FINDINGS: k and v get tied)
-        weights = [torch.empty_like(tensors[n]) for n in p.weights]
-        state = [torch.zeros_like(tensors[n]) for n in p.state]
-        # non-strict torch.export of a functional_call that mutates a state input leaves fake
-        # tensors in the block's modules (torch 2.13): put the real ones back afterwards
-        saved = [(m, dict(m._parameters), dict(m._buffers)) for m in p.call.modules()]
-        try:
-            for T in sorted({prompt_len, 1}):
-                blocks.export_program(p.entry(), name=f"block_{p.name}_t{T}", strict=False,
-                                      args=(weights, state, torch.zeros(1, T, hidden, dtype=dtype), torch.arange(T)))
-        finally:
-            for m, params, buffers in saved:
-                m._parameters.update(params)
-                m._buffers.update(buffers)
+        for T in sorted({prompt_len, 1}):
+            export_block(blocks, p, f"block_{p.name}_t{T}", torch.zeros(1, T, hidden, dtype=dtype))
     both = aot.FxPrograms()
     both.programs.update(fxb.programs)
     both.programs.update(blocks.programs)
     return aot.export(both)
+
+
+def export_block(builder, p: BlockProgram, name: str, x: torch.Tensor, call: nn.Module | None = None) -> None:
+    """Block program `p` at x's length into `builder` as entry point `name` (`call`: see BlockProgram.entry)."""
+    tensors = block_tensors(p.call)
+    # example inputs: only their shapes and dtypes are traced (fake tensors), so uninitialised
+    # memory the export never touches (no copy of the block's weights: at a cache miss the
+    # clones of every program's weights were most of the peak above the model itself);
+    # distinct tensors, never one object for two inputs (FINDINGS: k and v get tied)
+    weights = [torch.empty_like(tensors[n]) for n in p.weights]
+    state = [torch.zeros_like(tensors[n]) for n in p.state]
+    # non-strict torch.export of a functional_call that mutates a state input leaves fake
+    # tensors in the block's modules (torch 2.13): put the real ones back afterwards
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in p.call.modules()]
+    try:
+        builder.export_program(p.entry(call), name=name, strict=False, args=(weights, state, x, torch.arange(x.shape[1])))
+    finally:
+        for m, params, buffers in saved:
+            m._parameters.update(params)
+            m._buffers.update(buffers)
+
+
+def build_points(model: Transformer, program: str, lengths: list[int], path: Path) -> None:
+    """The drill's program of block program `program` (oracle/points.py): entry points
+    `points_<program>_t<T>`, the block program's inputs, results (*outputs, *points, *new state),
+    compiled to `path`; `points.json` beside it names the points (per T, in firing order) and the
+    block's submodule paths."""
+    from iree.turbine import aot
+
+    from exporters.eager import PointsCall
+
+    untouched_weights(model)  # the weights are inputs: only their shapes are traced
+    p = block_programs(model)[0][program]
+    call = PointsCall(p.call.m, p.call.fn, p.kind)
+    builder = aot.FxProgramsBuilder(nn.Module())
+    dtype, hidden, fired = model.embed_tokens.weight.dtype, model.args.hidden_size, {}
+    for T in lengths:
+        export_block(builder, p, f"points_{program}_t{T}", torch.zeros(1, T, hidden, dtype=dtype), call)
+        fired[T] = call.fired
+    compile_to(aot.export(builder), path)
+    path.with_name("points.json").write_text(json.dumps({"fired": fired, "registered": call.registered}))
 
 
 def compile_to(exported, path: Path) -> None:

@@ -84,13 +84,25 @@ class Points(dict):
 
 class Recorder:
     """point -> its outputs, one per firing, in the order points first fire (a module fires once
-    per call of the block; the same module on both sides fires as often)."""
+    per call of the block; the same module on both sides fires as often).
 
-    def __init__(self, taps=None):
+    keep=True (a program being traced, exporters/eager.PointsCall): the tensors themselves are kept,
+    in firing order (`fired`: their names, `values`: the tensors), to become the program's extra
+    outputs; nothing is read."""
+
+    def __init__(self, taps=None, keep: bool = False):
         self.points = Points(taps)
+        self.keep, self.fired, self.values = keep, [], []
 
     def add(self, name: str, x) -> None:
         """A torch tensor, or a numpy array (a backend that runs no torch converts its own)."""
+        if self.keep:
+            import torch
+
+            if torch.is_tensor(x):  # a copy of its own: an output never aliases another or an input
+                self.fired.append(name)
+                self.values.append(x.detach().float().clone())
+            return
         if isinstance(x, np.ndarray):
             self.points.setdefault(name, []).append(x.astype(np.float32))  # (a copy)
             return
@@ -98,6 +110,16 @@ class Recorder:
 
         if torch.is_tensor(x):  # a copy: the module's caller may add to its output in place (Llama 4)
             self.points.setdefault(name, []).append(x.detach().float().cpu().numpy().copy())
+
+
+def from_outputs(fired: list[str], registered: list[str], values: list) -> Points:
+    """A compiled points program's extra outputs (numpy, in firing order; several calls' one after
+    another) as the drill's Points (`fired`: their names; `registered`: the block's submodule paths)."""
+    rec = Recorder()
+    for name, v in zip(fired, values, strict=True):
+        rec.add(name, np.asarray(v))
+    rec.points.registered = list(registered)
+    return rec.points
 
 
 @contextlib.contextmanager
