@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from models.layers import Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
+from models.layers import STATE_BUFFERS, Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
 from models.sampling import Sampler, check_args
 from oracle import points
 from oracle.backend import Backend, Candidate
@@ -83,8 +83,45 @@ class PointsCall(torch.nn.Module):
         rec = points.Recorder(keep=True)
         with points.hooks(self.m, rec, self.kind), points.production_taps(rec):
             out = self.fn(x, pos)
-        self.fired, self.registered = list(rec.fired), list(rec.points.registered)
+        # in place: torch.export puts back attributes a traced module assigns
+        self.fired[:], self.registered[:] = rec.fired, rec.points.registered
         return (*(out if isinstance(out, tuple) else (out,)), *rec.values)
+
+
+class PointsProgram(torch.nn.Module):
+    """A PointsCall with the block's state as inputs and results, its weights the module's own (a
+    backend that lowers one program for the drilled block, its weights constants as in its
+    production program): forward(x, pos, *state) -> (*outputs, *points, *new state)."""
+
+    def __init__(self, call: PointsCall):
+        super().__init__()
+        self.call = call
+        self.state = [n for n, _ in call.named_buffers() if n.rsplit(".", 1)[-1] in STATE_BUFFERS]
+
+    def state_examples(self) -> list[torch.Tensor]:
+        """Fresh state (zeros), one distinct tensor per input."""
+        buffers = dict(self.call.named_buffers())
+        return [torch.zeros_like(buffers[n]) for n in self.state]
+
+    def forward(self, x, pos, *state):
+        new = [s.clone() for s in state]
+        out = torch.func.functional_call(self.call, dict(zip(self.state, new)), (x, pos), strict=False)
+        return (*out, *new)
+
+    def export(self, lengths: list[int], hidden: int, dtype: torch.dtype) -> tuple[dict, dict]:
+        """({f"points_t{T}": the non-strict torch.export at each length}, what running them needs:
+        "fired" (per T, the points in output order), "registered" (the block's submodule paths),
+        "state" ([shape, dtype] per state input))."""
+        methods, fired = {}, {}
+        state = self.state_examples()
+        with torch.no_grad():
+            for T in lengths:
+                args = (torch.zeros(1, T, hidden, dtype=dtype), torch.arange(T), *state)
+                self(*args)  # eagerly (the state is functional: nothing changes), for the names: the
+                fired[T] = list(self.call.fired)  # export runs the forward on a copy of the module
+                methods[f"points_t{T}"] = torch.export.export(self, args, strict=False)
+        return methods, {"fired": fired, "registered": self.call.registered,
+                         "state": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in state]}
 
 
 class EagerBackend(Backend):

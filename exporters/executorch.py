@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import gc
 import hashlib
 import itertools
@@ -557,6 +558,32 @@ class ExecutorchCandidate(Candidate):
             n += t
         return out
 
+    points_program = None  # (layer, kind, lengths) -> (points.pte, its points.json): ExecutorchBackend.points_program
+
+    def run_block_points(self, layer, kind, calls):
+        """The drill: the block alone, isolated on the reference's inputs, in a program lowered like
+        the production one (ExecutorchBackend.points_program) with its points as extra outputs."""
+        if self.points_program is None:
+            return None
+        from oracle.points import from_outputs
+
+        xs = [c.x.reshape(1, -1, c.x.shape[-1]).to(self.dtype) for c in calls]
+        pte, meta = self.points_program(layer, kind, sorted({x.shape[1] for x in xs}))
+        program = runtime().load_program(str(pte), data_path=str(weights_file(pte) or "") or None)
+        state = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in meta["state"]]
+        methods, fired, values = {}, [], []
+        for x, c in zip(xs, calls):
+            T = x.shape[1]
+            if T not in methods:
+                methods[T] = program.load_method(f"points_t{T}")
+            pos = c.pos if c.pos.numel() == T else torch.arange(T)
+            outs = [o.clone() for o in methods[T].execute([x, pos, *state])]
+            names, end = meta["fired"][str(T)], len(outs) - len(state)
+            state = outs[end:]
+            fired += names
+            values += [o.float().numpy() for o in outs[end - len(names):end]]
+        return from_outputs(fired, meta["registered"], values)
+
     def run_block(self, layer, kind, calls):
         if not self.taps:
             return None  # a production program (no taps, no probes): its blocks are not isolated
@@ -705,6 +732,35 @@ class ExecutorchBackend(Backend):
         parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
         return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte")
 
+    def points_program(self, model, spec, layer, kind: str, lengths: list[int]) -> tuple[Path, dict]:
+        """The drill's program of block (layer, kind): the block of the production model (the fault
+        and the options applied) with its points as extra outputs and its state as inputs
+        (eager.PointsProgram), one method per length, lowered by this backend's own lowering;
+        cached. (points.pte, points.json)."""
+        from exporters.eager import PointsCall, PointsProgram
+        from models.layers import block_fn
+        from oracle.artifacts import cached_artifact
+
+        opts = {k: v for k, v in self.options(spec).items() if k not in ("sample", "sampling")}
+
+        def build(path):
+            with tempfile.TemporaryDirectory(prefix=".weights-", dir=path.parent) as mapped:
+                m = self.production_model(model, spec, opts, Path(mapped))
+                prog = PointsProgram(PointsCall(*block_fn(m, layer, kind), kind))
+                methods, meta = prog.export(lengths, m.args.hidden_size, m.embed_tokens.weight.dtype)
+                with spill_directory(path.parent):
+                    save(self.lower(methods, m, opts), path)
+                del m, prog, methods
+                gc.collect()
+            path.with_name("points.json").write_text(json.dumps(meta))
+
+        parts = {**cache_parts(self.kind, model, spec, "points", self.transform_id, opts, self.source),
+                 "block": [layer, kind], "lengths": lengths,
+                 "points_code": source_digest("exporters/eager.py", "oracle/points.py")}
+        art = cached_artifact(f"{self.kind}-points", parts, "points.pte", build)
+        path = Path(art.path)
+        return path, json.loads(path.with_name("points.json").read_text())
+
     artifact_suffix = ".pte"  # --pte: a program built elsewhere
 
     def check_given(self, model, spec) -> None:
@@ -775,7 +831,9 @@ class ExecutorchBackend(Backend):
                 + (["sample_decode", "sample_logits", "sample_prefill"] if sampling else []),
                 "block_modes": ExecutorchCandidate.block_modes, "artifacts": [art.as_dict()]}
         cls = ExecutorchSamplingCandidate if sampling else ExecutorchCandidate
-        return cls(pte, info, DTYPES[spec.precision], probe_rows(model.args))
+        cand = cls(pte, info, DTYPES[spec.precision], probe_rows(model.args))
+        cand.points_program = functools.partial(self.points_program, model, spec)
+        return cand
 
     def export(self, model, spec, output_dir) -> list[Path]:
         """model.pte (and the .ptd a delegate writes beside it) in output_dir."""
