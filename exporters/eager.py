@@ -6,6 +6,8 @@ production model on the reference's calls.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from models.layers import STATE_BUFFERS, Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
@@ -80,12 +82,29 @@ class PointsCall(torch.nn.Module):
         self.fired, self.registered = [], []
 
     def forward(self, x, pos):
-        rec = points.Recorder(keep=True)
-        with points.hooks(self.m, rec, self.kind), points.production_taps(rec):
-            out = self.fn(x, pos)
-        # in place: torch.export puts back attributes a traced module assigns
-        self.fired[:], self.registered[:] = rec.fired, rec.points.registered
+        if self.rec is not None:  # recording() is on (a strict export: dynamo traces hooks, not their set-up)
+            self.rec.fired.clear()
+            self.rec.values.clear()
+            rec, out = self.rec, self.fn(x, pos)
+        else:
+            rec = points.Recorder(keep=True)
+            with points.hooks(self.m, rec, self.kind), points.production_taps(rec):
+                out = self.fn(x, pos)
+            # in place: torch.export puts back attributes a traced module assigns
+            self.fired[:], self.registered[:] = rec.fired, rec.points.registered
         return (*(out if isinstance(out, tuple) else (out,)), *rec.values)
+
+    rec = None
+
+    @contextlib.contextmanager
+    def recording(self):
+        """The recorder set up outside forward, for a strict (dynamo) export."""
+        self.rec = points.Recorder(keep=True)
+        try:
+            with points.hooks(self.m, self.rec, self.kind), points.production_taps(self.rec):
+                yield
+        finally:
+            self.rec = None
 
 
 class PointsProgram(torch.nn.Module):

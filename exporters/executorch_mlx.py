@@ -26,6 +26,7 @@ the gates and the structural golden always count the production graph (the check
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import platform
@@ -219,6 +220,30 @@ class MlxCandidate(Candidate):
                 out.append(self.call(name, x)[0])
         return out
 
+    points_program = None  # (layer, kind) -> (the points program, its points.json): ExecutorchMlxBackend.points_program
+
+    @torch.no_grad()
+    def run_block_points(self, layer, kind, calls):
+        """The drill: the block alone in a method lowered like the check's block methods, its
+        points as more outputs, fed the reference's inputs."""
+        if self.points_program is None:
+            return None
+        from oracle.points import from_outputs
+
+        program, meta = self.points_program(layer, kind)
+        method = program.load_method("points")
+        if hasattr(method, "reset"):
+            method.reset()
+        fired, values = [], []
+        for c in calls:
+            x = c.x.reshape(1, -1, c.x.shape[-1]).to(self.dtype)
+            pos = c.pos if c.pos.numel() == x.shape[1] else torch.arange(x.shape[1])
+            outs = [o.clone() if torch.is_tensor(o) else o for o in method.execute([x, pos])]
+            names = meta["fired"]
+            fired += names
+            values += [o.float().numpy() for o in outs[len(outs) - len(names):]]
+        return from_outputs(fired, meta["registered"], values)
+
     def gates(self):
         if not self.tiny:  # the limits are the tiny model's
             return []
@@ -318,6 +343,41 @@ class ExecutorchMlxBackend(Backend):
         name = f"{spec.family}.{spec.precision}.{program}{'.sampling' if sampling else ''}.pte"
         return cached_artifact(KIND, parts, "model.pte", build, name=name)
 
+    def points_program(self, model, spec, executor: str, kernel: bool, layer, kind: str):
+        """The drill's program of block (layer, kind) (executorch_mlx_export.export_points), lowered
+        as the check's program is and cached; (the loaded program, its points.json)."""
+        import json
+
+        from oracle.artifacts import cached_artifact, versions
+
+        parts = {"backend": KIND, "program": "points", "block": [layer, kind], "family": spec.family,
+                 "precision": spec.precision, "checkpoint": model.checkpoint_sha256, "args": repr(model.args),
+                 "kernel": kernel, "transform_id": self.transform_id, "source": source_digest(),
+                 "points_code": hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in (
+                     "exporters/eager.py", "oracle/points.py"))).hexdigest()[:16],
+                 "versions": versions("torch", "executorch", "mlx", "torchao")}
+
+        def build(path: Path):
+            from exporters.executorch_mlx_export import export_points, lower
+
+            methods, meta = export_points(self.production_model(model, spec, kernel), layer, kind)
+            prog = lower(methods)
+            path.write_bytes(prog.buffer)
+            if prog._tensor_data:
+                prog.write_tensor_data_to_file(str(path.parent))
+            path.with_name("points.json").write_text(json.dumps(meta))
+
+        path = Path(cached_artifact(KIND, parts, "points.pte", build).path)
+        if executor == "runtime":
+            from exporters.executorch_runtime import runtime
+
+            program = runtime().load_program(str(path))
+        else:
+            from exporters.executorch_mlx_interp import Program
+
+            program = Program.load(path)
+        return program, json.loads(path.with_name("points.json").read_text())
+
     def load(self, model, spec):
         executor = executor_of(spec)
         kernel = uses_kernel(model.args)
@@ -352,7 +412,9 @@ class ExecutorchMlxBackend(Backend):
             info["gated_delta_rule"] = {"executed": "Metal kernel" if run_kernel else "scan fallback",
                                         "production": "Metal kernel" if kernel else "scan fallback"}
         cls = MlxSamplingCandidate if "sample_forward" in program.method_names else MlxCandidate
-        return cls(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None)
+        cand = cls(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None)
+        cand.points_program = functools.partial(self.points_program, model, spec, executor, run_kernel)
+        return cand
 
     def export(self, model, spec, output_dir) -> list[Path]:
         """The production program (forward only, the Metal kernel where the delegate emits it)."""

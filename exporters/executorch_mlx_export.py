@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.args import SPARSE, mlp_type
-from models.layers import Attention, Experts, GatedDeltaNet, LatentAttention, RMSNorm, Router, Transformer
+from models.layers import Attention, Experts, GatedDeltaNet, LatentAttention, RMSNorm, Router, Transformer, tap
 
 
 def swap(obj, name: str, fn) -> bool:
@@ -75,10 +75,10 @@ def transform_norm(norm: RMSNorm) -> None:
 
 # ---------------------------------------------------------------- router and experts
 def route(self, logits):
-    w, idx = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    w, idx = torch.topk(tap("selection", tap("scores", torch.softmax(logits, dim=-1))), self.top_k, dim=-1)
     if self.norm_topk:
         w = w / w.sum(dim=-1, keepdim=True)
-    return w, idx
+    return tap("weights", w), tap("topk", idx)
 
 
 def transform_router(router: Router) -> None:
@@ -214,12 +214,14 @@ def gdn_forward(self, x, pos):  # x [B, T, H], pos [T]
     # l2norm(x, eps) = rms_norm(x, eps / dk) / sqrt(dk); q also carries the dk^-1/2 attention scale
     # (the scales as tensors of the model's dtype: a Python float becomes an fp32 constant and a cast)
     scale = torch.tensor(self.dk**-0.5, dtype=x.dtype)
-    q = F.rms_norm(q.reshape(B, T, self.nk, self.dk), (self.dk,), None, 1e-6 / self.dk) * (scale * scale)
-    k = F.rms_norm(k.reshape(B, T, self.nk, self.dk), (self.dk,), None, 1e-6 / self.dk) * scale
-    beta = torch.sigmoid(b)
+    tap("conv", conv)  # the drill's points (oracle/points.py), in the production model's layout
+    hf = lambda u: (u * self.dk**-0.5).repeat_interleave(self.nv // self.nk, dim=2)  # noqa: E731  (l2norm, heads as v's)
+    q = tap("q_l2norm", F.rms_norm(q.reshape(B, T, self.nk, self.dk), (self.dk,), None, 1e-6 / self.dk), hf) * (scale * scale)
+    k = tap("k_l2norm", F.rms_norm(k.reshape(B, T, self.nk, self.dk), (self.dk,), None, 1e-6 / self.dk), hf) * scale
+    beta = tap("beta", torch.sigmoid(b))
     ab = a + self.dt_bias
-    g = -torch.exp(self.A_log) * torch.logaddexp(ab, torch.zeros_like(ab))  # log decay (softplus)
-    o = self.delta_rule(q, k, v.reshape(B, T, self.nv, self.dv), g, beta)  # [B, T, nv, dv]
+    g = tap("g", -torch.exp(self.A_log) * torch.logaddexp(ab, torch.zeros_like(ab)))  # log decay (softplus)
+    o = tap("recurrence", self.delta_rule(q, k, v.reshape(B, T, self.nv, self.dv), g, beta))  # [B, T, nv, dv]
     o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(B, T, self.value_dim)
     return self.out_proj(o)
 
@@ -338,6 +340,29 @@ def export_methods(model: Transformer, check: bool, sampling: bool = False) -> d
             out["sample_logits"] = export(Sampler(), (torch.zeros(1, a.vocab_size, dtype=dtype), *example_args()),
                                           strict=True)
     return out
+
+
+def export_points(model: Transformer, layer, kind: str) -> tuple[dict, dict]:
+    """The drill's method of block (layer, kind) (oracle/points.py): the block as the check's block
+    methods have it (its state as the method's buffers, T dynamic) with its points as more outputs
+    (eager.PointsCall), strict as they are (ExecuTorch's to_edge refuses a non-strict export's buffer
+    mutations), the recorder set up outside the trace. ({"points":
+    the export}, {"fired": the points in output order, "registered": the block's submodule paths})."""
+    from torch.export import Dim, export
+
+    from exporters.eager import PointsCall
+    from models.layers import block_fn, reset_state
+
+    a, dtype = model.args, model.embed_tokens.weight.dtype
+    call = PointsCall(*block_fn(model, layer, kind), kind)
+    x, pos = torch.zeros(1, 2, a.hidden_size, dtype=dtype), torch.arange(2)
+    T = Dim("T", min=1, max=a.max_seq_len - 1)
+    with torch.no_grad():
+        call(x, pos)  # eagerly, for the names (the export runs a copy of the module) ...
+        reset_state(call.m)  # ... its state written back to zeros: the program's initial state
+        with call.recording():
+            ep = export(call, (x, pos), dynamic_shapes=({1: T}, {0: T}), strict=True)
+    return {"points": ep}, {"fired": list(call.fired), "registered": list(call.registered)}
 
 
 def metadata(a) -> dict:

@@ -209,3 +209,56 @@ def test_the_selftest_reports_the_share_drilled_to_the_faults_point():
     assert s["detected"] == s["faults"] == len(names) and s["drilled"] == len(names), s
     assert s["point_localized"] == len(names), [(r.fault, r.point, r.drill_point) for r in res.faults]
     assert "drill names the fault's point 4/4" in render(res)
+
+
+# ---------------------------------------------------------------- iree-llvm-cpu (a compiled backend)
+# One faulted build per family, each fault in another block (a compile per family, not per fault);
+# each block is drilled through its points program (the block program with the points as results).
+def _q_norm_skipped(layer):  # the q/k-norm fault of one layer: its q_norm returns its input
+    def transform(model):
+        model.layers[layer].self_attn.q_norm.forward = lambda x: x
+    return transform
+
+
+def _rope_off(layer):  # one layer's RoPE frequencies 10% off (a wrong theta in one layer)
+    def transform(model):
+        model.layers[layer].self_attn.rope.inv_freq *= 1.1
+    return transform
+
+
+def _all(*transforms):
+    def transform(model):
+        for t in transforms:
+            t(model)
+    return transform
+
+
+IREE_CASES = {  # family -> (faults, [(block, the point its drill must name)])
+    "qwen3_moe": (_all(_q_norm_skipped(0), _rope_off(1), _scale_one_expert(1, 3)),
+                  [((0, "attention"), "q_norm"), ((1, "attention"), "q_rope"), ((1, "moe"), "experts")]),
+    # the catalogue's conv-state fault is in the last linear-attention layer (2); the shared expert's in every one
+    "qwen3_5_moe": (_all(faults.get("gdn_conv_state_not_carried").inject, _scale_shared_expert),
+                    [((2, "attention"), "conv"), ((1, "moe"), "shared_expert.down_proj")]),
+    # every router ignores its correction bias; layer 2's is the one whose selection it changes
+    "deepseek_v3": (faults.get("router_bias_ignored").inject, [((2, "router"), "selection")]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(IREE_CASES))
+def test_iree_drills_each_fault_to_its_point(family):
+    from oracle.backend import resolve as resolve_backend
+
+    backend = resolve_backend("iree-llvm-cpu")
+    if not backend.availability()[0]:
+        pytest.skip(backend.availability()[1])
+    transform, cases = IREE_CASES[family]
+    spec = CheckSpec(family=family, backend="iree-llvm-cpu")
+    src = model_source(spec)
+    ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
+    cand = type(backend)(f"iree-llvm-cpu+drill-test", transform, f"tests/test_drill.py {family}").load(src, spec)
+    hf = resolve("hf").load(src, CheckSpec(family=family, backend="hf"))
+    for key, point in cases:
+        lim = point_limits("fp32", key[1], family, "iree-llvm-cpu", reduction_length(src.args))
+        d = drill(ref, key, cand, hf, lim).as_dict()
+        assert d["first_divergence"] == point, (key, d["verdict"])
+        assert _first(d)["status"] == Status.FAIL
