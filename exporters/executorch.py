@@ -582,7 +582,7 @@ class ExecutorchCandidate(Candidate):
             state = outs[end:]
             fired += names
             values += [o.float().numpy() for o in outs[end - len(names):end]]
-        return from_outputs(fired, meta["registered"], values)
+        return from_outputs(fired, meta["registered"], values, meta.get("build_s"))
 
     def run_block(self, layer, kind, calls):
         if not self.taps:
@@ -759,7 +759,7 @@ class ExecutorchBackend(Backend):
                  "points_code": source_digest("exporters/eager.py", "oracle/points.py")}
         art = cached_artifact(f"{self.kind}-points", parts, "points.pte", build)
         path = Path(art.path)
-        return path, json.loads(path.with_name("points.json").read_text())
+        return path, {**json.loads(path.with_name("points.json").read_text()), "build_s": art.build_s}
 
     artifact_suffix = ".pte"  # --pte: a program built elsewhere
 

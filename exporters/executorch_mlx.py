@@ -242,7 +242,7 @@ class MlxCandidate(Candidate):
             names = meta["fired"]
             fired += names
             values += [o.float().numpy() for o in outs[len(outs) - len(names):]]
-        return from_outputs(fired, meta["registered"], values)
+        return from_outputs(fired, meta["registered"], values, meta.get("build_s"))
 
     def gates(self):
         if not self.tiny:  # the limits are the tiny model's
@@ -367,7 +367,8 @@ class ExecutorchMlxBackend(Backend):
                 prog.write_tensor_data_to_file(str(path.parent))
             path.with_name("points.json").write_text(json.dumps(meta))
 
-        path = Path(cached_artifact(KIND, parts, "points.pte", build).path)
+        art = cached_artifact(KIND, parts, "points.pte", build)
+        path = Path(art.path)
         if executor == "runtime":
             from exporters.executorch_runtime import runtime
 
@@ -376,7 +377,7 @@ class ExecutorchMlxBackend(Backend):
             from exporters.executorch_mlx_interp import Program
 
             program = Program.load(path)
-        return program, json.loads(path.with_name("points.json").read_text())
+        return program, {**json.loads(path.with_name("points.json").read_text()), "build_s": art.build_s}
 
     def load(self, model, spec):
         executor = executor_of(spec)

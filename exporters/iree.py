@@ -208,7 +208,7 @@ class IreeCandidate(Candidate):
             state = res[end:]
             fired += names
             values += _host(res[end - len(names):end])
-        return from_outputs(fired, meta["registered"], values)
+        return from_outputs(fired, meta["registered"], values, meta.get("build_s"))
 
 
 class IreeBackend(Backend):
@@ -356,14 +356,15 @@ class IreeBackend(Backend):
 
         if self.transform is not None and self.transform_id is None:
             with tempfile.TemporaryDirectory(prefix="moe-oracle-iree-") as tmp:
-                path = Path(tmp) / "points.vmfb"
+                t, path = time.perf_counter(), Path(tmp) / "points.vmfb"
                 build(path)
-                return path.read_bytes(), json.loads(path.with_name("points.json").read_text())
+                meta = json.loads(path.with_name("points.json").read_text())
+                return path.read_bytes(), {**meta, "build_s": time.perf_counter() - t}
         parts = {"program": self.key(src, spec, parse_plan(plan)[0]), "points": program, "lengths": lengths,
                  "code": code_digest(self.transform is not None), "points_code": points_digest()}
         art = cached_artifact("iree-points", parts, "points.vmfb", build)
         path = Path(art.path)
-        return path.read_bytes(), json.loads(path.with_name("points.json").read_text())
+        return path.read_bytes(), {**json.loads(path.with_name("points.json").read_text()), "build_s": art.build_s}
 
     def check_given(self, src, spec) -> None:
         self.given(src, spec)

@@ -64,6 +64,7 @@ class Drill:
     first_divergence: str | None  # the first failing point whose predecessors agree
     verdict: str
     seconds: float = 0.0
+    build_s: float = 0.0  # of `seconds`, building the backend's points program (0: from the cache)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -80,6 +81,9 @@ class Points(dict):
         # the taps this side records where they happen (None: every one of TAPS); a tap HF computes
         # that the candidate records nowhere else is a divergence only where it is in this set
         self.taps = None if taps is None else set(taps)
+        # seconds the backend spent building a program for this drill (a compiled backend's points
+        # program on a cache miss): the drill then costs more than the block, and says so
+        self.build_s = 0.0
 
 
 class Recorder:
@@ -112,13 +116,15 @@ class Recorder:
             self.points.setdefault(name, []).append(x.detach().float().cpu().numpy().copy())
 
 
-def from_outputs(fired: list[str], registered: list[str], values: list) -> Points:
+def from_outputs(fired: list[str], registered: list[str], values: list, build_s: float = 0.0) -> Points:
     """A compiled points program's extra outputs (numpy, in firing order; several calls' one after
-    another) as the drill's Points (`fired`: their names; `registered`: the block's submodule paths)."""
+    another) as the drill's Points (`fired`: their names; `registered`: the block's submodule paths;
+    `build_s`: the seconds the program took to build, 0 from the cache)."""
     rec = Recorder()
     for name, v in zip(fired, values, strict=True):
         rec.add(name, np.asarray(v))
     rec.points.registered = list(registered)
+    rec.points.build_s = float(build_s or 0.0)
     return rec.points
 
 
@@ -322,7 +328,9 @@ def drill(ref, key, cand, hf, lim: dict) -> Drill:
     points = [compare_point(n, ref_points.get(n), cand_points.get(n), lim) if n in cand_points or n in recorded
               or n not in taps else Point(n, Status.NA, reason="not exposed by the backend (computed inline)")
               for n in names]
-    return verdict(key[0], key[1], points, time.perf_counter() - t)
+    d = verdict(key[0], key[1], points, time.perf_counter() - t)
+    d.build_s = getattr(cand_points, "build_s", 0.0)
+    return d
 
 
 def aligned(pts: dict) -> dict:

@@ -90,7 +90,8 @@ def _drill(d: dict | None) -> list[str]:
     if d.get("error"):
         lines += ["", f"Drill: not run ({d['error']})"]
     for b in d.get("blocks", []):
-        lines += ["", f"Drill: {b['verdict']} ({b['seconds']:.1f} s)"]
+        built = f", {b['build_s']:.1f} s of it building the points program" if b.get("build_s") else ""
+        lines += ["", f"Drill: {b['verdict']} ({b['seconds']:.1f} s{built})"]
         if not b["points"]:
             continue
         lines += ["", "| point | status | max_abs | rel_l2 | ratio |", "|---|---|---|---|---|"]
