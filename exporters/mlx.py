@@ -647,6 +647,12 @@ class MLXBackend(Backend):
 
         return mlx_faults.not_applicable(fault, "")
 
+    def fault_point(self, fault) -> str | tuple | None:
+        """Where a fault's mlx form breaks another point than its torch form (exporters/mlx_faults.POINTS)."""
+        from exporters import mlx_faults
+
+        return mlx_faults.POINTS.get(fault.name)
+
     def check_options(self, spec) -> str | None:
         """What is wrong with spec.options for this backend on this host (None: nothing).
         For the harness to refuse before any work (bad input); load() raises it as well."""

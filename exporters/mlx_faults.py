@@ -648,3 +648,12 @@ def _group_size_doubled(layer):  # each scale and bias applied to two groups: gr
 
 
 QUANTIZED_FAULTS = {"dequant_scale_bias_swap": _scale_bias_swap, "dequant_group_size_doubled": _group_size_doubled}
+
+
+# the point inside its block each fault's form here breaks, where it is not the catalogue's
+# (models.faults.POINTS): these forms edit a projection's weights, so that projection diverges first
+POINTS = {
+    "gqa_kv_heads_tiled": ("k_proj", "v_proj"),  # k/v projections widened to one head per query head
+    "mla_rope_nope_swapped": ("q_proj", "q_b_proj"),  # the q projection's rows rolled by the rope width
+    "router_wrong_num_experts": "logits",  # the gate's rows sliced: the logits have fewer experts
+}

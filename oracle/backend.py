@@ -309,11 +309,17 @@ class Backend:
         """Why with_fault(fault) is None, for the selftest's list (None: 'not expressible on backend')."""
         return None
 
+    def fault_point(self, fault) -> str | tuple | None:
+        """The point inside its block that this backend's form of `fault` breaks, where it is not the
+        catalogue's (models.faults.POINTS): a fault whose form here edits a projection's weights breaks
+        that projection. None: the catalogue's."""
+        return None
+
 
 # the members with a default: what an adapter takes from a duck-typed plugin where it has them
 _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_directory", "artifact_suffix",
                        "memory_per_param", "memory_note", "export", "with_fault", "check_options",
-                       "check_given", "memory_estimate", "fault_not_applicable"),
+                       "check_given", "memory_estimate", "fault_not_applicable", "fault_point"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "run_block_points")}

@@ -65,6 +65,10 @@ class FaultRow:
     point: str | tuple | None = None
     drill_point: str | None = None
     drilled: bool = False  # the check drilled the fault's block (a drill finding no divergence is a miss)
+    # the backend exposes the fault's point in that drill (False: it is n/a there, e.g. computed inline
+    # by mlx-lm; the drill can then only name a later point: listed apart, with the reason)
+    point_exposed: bool = True
+    point_reason: str = ""
 
     @property
     def point_localized(self) -> bool:
@@ -118,9 +122,12 @@ class SelftestResult:
             out["masked_detected"] = sum(r.detected for r in masked)
         # the faults the drill can name (a dtype fault's numbers agree: POINTS None), drilled at their block
         drilled = [r for r in req if r.drilled and r.localized and r.point is not None]
-        if drilled:  # --drill: the share whose drill names the point the fault breaks
-            out["drilled"] = len(drilled)
-            out["point_localized"] = sum(r.point_localized for r in drilled)
+        if drilled:  # --drill: the share whose drill names the point the fault breaks, where the backend exposes it
+            exposed = [r for r in drilled if r.point_exposed]
+            out["drilled"] = len(exposed)
+            out["point_localized"] = sum(r.point_localized for r in exposed)
+            if len(exposed) < len(drilled):
+                out["point_not_exposed"] = len(drilled) - len(exposed)
         below = [r for r in self.faults if r.injected and not r.masked and not r.required]
         if below:  # below the precision's noise: stated, not required
             out["below_noise"] = len(below)
@@ -133,6 +140,9 @@ class SelftestResult:
                 f"false alarms {s['false_alarms']}/{s['clean_runs']}")
         if "drilled" in s:
             line += f"; drill names the fault's point {s['point_localized']}/{s['drilled']}"
+            if s.get("point_not_exposed"):
+                line += (f" (+ {s['point_not_exposed']} whose point the backend does not expose: the drill "
+                         "names a later one)")
         if s["crashed"]:
             line += f"; {s['crashed']} crashed (the faulted candidate raised: not a detection)"
         if s["not_injected"]:
@@ -158,6 +168,8 @@ class SelftestResult:
         for r in d["faults"]:  # only where a known divergence masks the fault's block
             if not r["masked"]:
                 del r["masked"]
+            if r["point"] is None:  # not drilled: no point to expose
+                del r["point_exposed"], r["point_reason"]
         return d
 
 
@@ -227,6 +239,18 @@ def _over(x, limit) -> float:
     if not isinstance(x, (int, float)) or not isinstance(limit, (int, float)):
         return float("inf")  # nothing to compare: required
     return x / limit if limit > 0 else float("inf")
+
+
+def point_exposed(point, drilled_points: list[dict]) -> tuple[bool, str]:
+    """Whether a drill's points include the fault's point (one of them, for a tuple) with a value on
+    the candidate's side; else why not (its n/a reason, or "not a point of this backend's block")."""
+    if point is None or not drilled_points:
+        return True, ""
+    names = point if isinstance(point, (tuple, list)) else (point,)
+    found = [p for p in drilled_points if p["name"] in names]
+    if any(p["status"] != Status.NA for p in found):
+        return True, ""
+    return False, (found[0]["reason"] if found else "not a point of this backend's block")
 
 
 def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
@@ -306,12 +330,14 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             # failed that passes without the fault
             detected = r.status == Status.FAIL or (r.status == Status.XFAIL and w is not None)
             drilled = (r.drill or {}).get("blocks") or [{}]
+            point = (base.fault_point(fault) or faults.POINTS.get(fault.name)) if drill else None
+            exposed, why = point_exposed(point, drilled[0].get("points") or [])
             res.faults.append(FaultRow(family, fault.name, fault.what, at, expected, r.status,
                                        detected, localized, w, time.perf_counter() - t, above,
                                        injected=not same_numbers(r, base_run), masked=masked,
-                                       point=faults.POINTS.get(fault.name) if drill else None,
-                                       drill_point=drilled[0].get("first_divergence"),
-                                       drilled=bool(drilled[0].get("points"))))
+                                       point=point, drill_point=drilled[0].get("first_divergence"),
+                                       drilled=bool(drilled[0].get("points")), point_exposed=exposed,
+                                       point_reason=why))
         for seed in seeds[1:]:
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
@@ -339,7 +365,8 @@ def render(res: SelftestResult) -> str:
         detected = "crashed" if r.crashed else "n/inj" if not r.injected else \
             f"{flag(r.detected)} (m)" if r.masked else flag(r.detected)
         point = "" if r.point is None else (f"; drill: `{r.drill_point}`" + (
-            "" if r.point_localized else f" (the fault breaks `{r.point}`)"))
+            "" if r.point_localized else f" (the fault breaks `{r.point}`" + (
+                ")" if r.point_exposed else f", not exposed here: {r.point_reason})")))
         lines.append(f"{r.family:12s} {r.fault:30s} {detected:8s} "
                      f"{flag(r.localized):9s} {above}{where}{exp}{point}")
     bad = [a for a in res.false_alarms if a.status not in CLEAN]
