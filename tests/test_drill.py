@@ -211,6 +211,28 @@ def test_the_selftest_reports_the_share_drilled_to_the_faults_point():
     assert "drill names the fault's point 4/4" in render(res)
 
 
+def test_a_point_the_backend_does_not_expose_is_counted_apart():
+    """mlx-lm computes the router's scores inline: a fault that breaks `scores` there is drilled to a
+    later point, listed with the reason, not counted as a miss nor as a hit."""
+    from oracle.selftest import FaultRow, SelftestResult, point_exposed, render
+
+    pts = [{"name": "logits", "status": Status.PASS, "reason": ""},
+           {"name": "scores", "status": Status.NA, "reason": "not exposed by the backend (computed inline)"},
+           {"name": "topk", "status": Status.FAIL, "reason": ""}]
+    assert point_exposed("scores", pts) == (False, "not exposed by the backend (computed inline)")
+    assert point_exposed(("scores", "topk"), pts) == (True, "")
+    assert point_exposed("experts", pts) == (False, "not a point of this backend's block")
+    where = {"layer": 1, "kind": "router"}
+    rows = [FaultRow("f", "a", "", "fp32", where, Status.FAIL, True, True, None, 0.0, point="scores",
+                     drill_point="topk", drilled=True, point_exposed=False, point_reason="computed inline"),
+            FaultRow("f", "b", "", "fp32", where, Status.FAIL, True, True, None, 0.0, point="weights",
+                     drill_point="weights", drilled=True)]
+    res = SelftestResult("mlx", ["f"], [0], faults=rows)
+    s = res.summary()
+    assert (s["drilled"], s["point_localized"], s["point_not_exposed"]) == (1, 1, 1)
+    assert "not exposed here: computed inline" in render(res)
+
+
 # ---------------------------------------------------------------- iree-llvm-cpu (a compiled backend)
 # One faulted build per family, each fault in another block (a compile per family, not per fault);
 # each block is drilled through its points program (the block program with the points as results).
@@ -233,14 +255,25 @@ def _all(*transforms):
     return transform
 
 
-IREE_CASES = {  # family -> (faults, [(block, the point its drill must name)])
-    "qwen3_moe": (_all(_q_norm_skipped(0), _rope_off(1), _scale_one_expert(1, 3)),
+def _scale_shared_experts(model):  # DeepSeek's shared experts' down projection off by 1%
+    with torch.no_grad():
+        for layer in model.layers:
+            if getattr(layer.mlp, "shared_experts", None) is not None:
+                layer.mlp.shared_experts.down_proj.weight *= 1.01
+
+
+IREE_CASES = {  # family -> (faults, their transform_id, [(block, the point its drill must name)])
+    "qwen3_moe": (_all(_q_norm_skipped(0), _rope_off(1), _scale_one_expert(1, 3)), "tests/test_drill.py qwen3_moe",
                   [((0, "attention"), "q_norm"), ((1, "attention"), "q_rope"), ((1, "moe"), "experts")]),
-    # the catalogue's conv-state fault is in the last linear-attention layer (2); the shared expert's in every one
-    "qwen3_5_moe": (_all(faults.get("gdn_conv_state_not_carried").inject, _scale_shared_expert),
-                    [((2, "attention"), "conv"), ((1, "moe"), "shared_expert.down_proj")]),
-    # every router ignores its correction bias; layer 2's is the one whose selection it changes
-    "deepseek_v3": (faults.get("router_bias_ignored").inject, [((2, "router"), "selection")]),
+    # the build tests/test_iree.py makes too (same transform_id: one compile): layer 2's Gated DeltaNet
+    # state not carried, layer 3's RoPE theta wrong
+    "qwen3_5_moe": (_all(faults.get("gdn_state_not_carried").inject, faults.get("rope_theta_wrong").inject),
+                    "gdn_state_not_carried+rope_theta_wrong",
+                    [((2, "attention"), "recurrence"), ((3, "attention"), "q_rope")]),
+    # every router ignores its correction bias (layer 2's is the one whose selection it changes); the
+    # shared experts of every MoE layer off by 1%
+    "deepseek_v3": (_all(faults.get("router_bias_ignored").inject, _scale_shared_experts), "tests/test_drill.py deepseek_v3",
+                    [((2, "router"), "selection"), ((1, "moe"), "shared_experts.down_proj")]),
 }
 
 
@@ -251,11 +284,11 @@ def test_iree_drills_each_fault_to_its_point(family):
     backend = resolve_backend("iree-llvm-cpu")
     if not backend.availability()[0]:
         pytest.skip(backend.availability()[1])
-    transform, cases = IREE_CASES[family]
+    transform, transform_id, cases = IREE_CASES[family]
     spec = CheckSpec(family=family, backend="iree-llvm-cpu")
     src = model_source(spec)
     ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
-    cand = type(backend)(f"iree-llvm-cpu+drill-test", transform, f"tests/test_drill.py {family}").load(src, spec)
+    cand = type(backend)(transform=transform, transform_id=transform_id).load(src, spec)
     hf = resolve("hf").load(src, CheckSpec(family=family, backend="hf"))
     for key, point in cases:
         lim = point_limits("fp32", key[1], family, "iree-llvm-cpu", reduction_length(src.args))
