@@ -806,6 +806,7 @@ class ExecutorchBackend(Backend):
             cand = ExecutorchCandidate(pte, {}, DTYPES[spec.precision], probe_rows(model.args))
         except Exception as e:
             raise InputError(f"--pte {pte}: the ExecuTorch runtime cannot load it ({type(e).__name__}: {e})") from None
+        cand.no_points = "a program given with --pte: a points program would be this exporter's block, not the given program's"
         cand.info = {"executor": f"executorch {version('executorch')} runtime (a program brought with --pte)",
                      "methods": sorted(cand.methods), "block_modes": ExecutorchCandidate.block_modes,
                      "blocks": "tapped (taps.json beside it)" if cand.taps else

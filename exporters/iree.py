@@ -431,7 +431,10 @@ class IreeBackend(Backend):
                 raise
             raise InputError(f"--vmfb {b.vmfb}: the IREE runtime cannot run it ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:300]})") from None
-        if not spec.artifact:  # a given program's points would be this exporter's, not its own: none
+        if spec.artifact:
+            cand.no_points = ("a program given with --vmfb: a points program would be this exporter's block, "
+                              "not the given program's")
+        else:
             cand.points_program = functools.partial(self.points_program, src, spec)
         missing = sorted(required_functions(b.programs, spec.prompt_len) - set(cand.blocks.vm_module.function_names))
         if missing:

@@ -226,8 +226,11 @@ class Candidate:
         """The drill (oracle/points.py): run_block on the same calls with the points inside the block
         recorded: point name (a submodule path as in HF's module, or one of oracle.points.TAPS) ->
         its outputs, one per firing, in the order the points first fire. None: the backend exposes
-        no points (the drill says so)."""
+        no points (the drill says so, with `no_points`)."""
         return None
+
+    # why run_block_points gives None, for the drill's n/a
+    no_points = "the backend exposes no points inside its blocks"
 
     def gates(self) -> list:
         """The backend's own gate rows (oracle.result.GateRow, e.g. cast counts); none by default."""
@@ -322,7 +325,7 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
                        "check_given", "memory_estimate", "fault_not_applicable", "fault_point"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
-                         "run_block_points")}
+                         "run_block_points", "no_points")}
 
 
 class _Duck:

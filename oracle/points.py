@@ -309,8 +309,7 @@ def drill(ref, key, cand, hf, lim: dict) -> Drill:
     calls = ref.inputs[key]
     cand_points = cand.run_block_points(key[0], key[1], calls)
     if cand_points is None:
-        return Drill(key[0], key[1], [], None, "n/a: the backend exposes no points inside its blocks",
-                     time.perf_counter() - t)
+        return Drill(key[0], key[1], [], None, f"n/a: {cand.no_points}", time.perf_counter() - t)
     ref_points = hf.run_block_points(key[0], key[1], calls)
     taps = {n for names in TAPS.values() for n in names}
     recorded = getattr(cand_points, "taps", None)
