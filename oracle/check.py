@@ -299,10 +299,13 @@ def drill_down(run: Run) -> None:
     t = time.perf_counter()
     try:
         hf = resolve("hf").load(run.src, hf_spec(spec, "fp32"))
+        # at a precision judged against its own error (bf16), HF at that precision sets each point's limit
+        noise = resolve("hf").load(run.src, hf_spec(spec, spec.precision)) \
+            if thresholds.noise_relative(spec.precision) else None
         drills = []
         for key in keys:
             lim = points.point_limits(spec.precision, key[1], spec.family, spec.backend, reduction_length(run.src.args))
-            drills.append(points.drill(run.ref, key, run.cand, hf, lim).as_dict())
+            drills.append(points.drill(run.ref, key, run.cand, hf, lim, noise, spec.precision).as_dict())
         result.drill = {"blocks": drills}
     except Exception as e:  # the drill is a diagnosis: its crash is reported, the verdict stands
         result.drill = {"blocks": [], "error": f"{type(e).__name__}: {e}"}

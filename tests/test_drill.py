@@ -211,6 +211,21 @@ def test_the_selftest_reports_the_share_drilled_to_the_faults_point():
     assert "drill names the fault's point 4/4" in render(res)
 
 
+def test_at_bf16_each_point_is_judged_against_hfs_own_bf16_error():
+    """Trained weights at bf16: a clean model's every point is within HF bf16's own error there (a token
+    HF bf16 routes elsewhere too is no divergence), and a RoPE fault is still drilled to `q_rope`."""
+    spec = CheckSpec(family="qwen3_moe", backend="eager", precision="bf16", weights="trained", drill="all")
+    r = run_check(spec, EagerBackend())
+    assert r.drill and not r.drill.get("error") and len(r.drill["blocks"]) >= 8, r.drill
+    assert all(d["first_divergence"] is None for d in r.drill["blocks"]), [d["verdict"] for d in r.drill["blocks"]]
+    judged = [p for d in r.drill["blocks"] for p in d["points"] if "noise_rel_l2" in p["metrics"]]
+    assert judged  # some points were beyond the table and within bf16's own error
+    faulted = run_check(CheckSpec(family="qwen3_moe", backend="eager", precision="bf16", weights="trained"),
+                        EagerBackend(name="drilled", transform=faults.get("rope_theta_wrong").inject))
+    (d,) = faulted.drill["blocks"]
+    assert d["first_divergence"] == "q_rope", d["verdict"]
+
+
 def test_a_point_the_backend_does_not_expose_is_counted_apart():
     """mlx-lm computes the router's scores inline: a fault that breaks `scores` there is drilled to a
     later point, listed with the reason, not counted as a miss nor as a hit."""
