@@ -94,6 +94,14 @@ def failing_parts(result) -> list[str]:
     return list(dict.fromkeys(parts))
 
 
+def known_fails(result, entries: list[Divergence] | None = None) -> tuple[str, ...]:
+    """The row kinds a known divergence of this check's candidate fails (its entry's `fails`), or ()."""
+    spec, versions = result.spec, result.provenance.get("versions", {})
+    entries = load() if entries is None else entries
+    entry = next((e for e in entries if e.applies(spec["family"], spec["backend"], spec["precision"], versions)), None)
+    return entry.fails if entry else ()
+
+
 def judge(result, entries: list[Divergence] | None = None) -> None:
     """Turn a check that fails as a known divergence says into `xfail`, and one whose known
     divergence did not show as said into `fail` with the reason. Sets result.expected."""

@@ -31,6 +31,14 @@ def test_failing_where_the_entry_says_is_an_expected_failure():
     assert r.expected["failed"] == ["router", "e2e"]
 
 
+def test_the_kinds_a_known_divergence_fails_are_known_to_the_drill():
+    """The drill (oracle/check.py drill_down) prefers a failing block of another kind: a new defect."""
+    from oracle.expected import known_fails
+
+    assert known_fails(result(failing=("router",)), [ENTRY]) == ("router", "e2e")
+    assert known_fails(result(failing=("router",), mlx_lm="0.33.0"), [ENTRY]) == ()
+
+
 def test_a_pass_makes_the_entry_stale_and_red():
     r = result()
     judge(r, [ENTRY])
