@@ -569,7 +569,10 @@ POINTS: dict[str, str | tuple | None] = {
     "sparsemixer_first_unmasked": "weights",
     # experts and the MoE block
     "expert_gate_up_swapped": "experts", "expert_weights_off_1e-3": "experts", "expert_index_off_by_one": "experts",
-    "expert_weights_not_applied": "experts", "swiglu_clamp_missing": "experts", "moe_interleave_wrong": "experts",
+    "expert_weights_not_applied": "experts", "swiglu_clamp_missing": "experts",
+    # the routed experts and their router never run: the router's logits come first where HF's router is
+    # inside the block (measured: the DeepSeek-style families, ERNIE, Llama 4), else the experts' output
+    "moe_interleave_wrong": ("logits", "experts"),
     "stray_bf16_downcast": "output", "shared_expert_gate_no_sigmoid": "output",
     # the shared expert never runs: its first projection, which HF computes (an always-on one: DeepSeek's
     # shared_experts); where the module is gone from the candidate, the block's output
