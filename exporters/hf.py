@@ -70,7 +70,11 @@ class HFCandidate(Candidate):
         block, rec = self.modules[layer, kind], points.Recorder()
         with points.hooks(block, rec, kind), points.hf_taps(block, self.modules.get((layer, "router")), rec, self.args,
                                                       self.read_router):
-            self.run_block(layer, kind, calls)
+            outs = self.run_block(layer, kind, calls)
+        if kind != "router":  # the block's output as its row has it (Granite's logits: lm_head's, then scaled)
+            rec.points["output"] = []
+            for o in outs:
+                rec.add("output", o)
         return rec.points
 
     def _replay(self, layer, kind, calls):

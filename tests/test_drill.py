@@ -55,6 +55,8 @@ def _scale_shared_expert(model):
     ("qwen3_5_moe", "gdn_state_not_carried", "recurrence"),  # ... and the recurrence after it
     ("deepseek_v3", "router_bias_ignored", "selection"),  # the correction bias: scores agree, selection not
     ("qwen3_moe", "router_no_renorm", "weights"),
+    # Granite divides the logits after lm_head: HF's `output` is its block output (the row's), not lm_head's
+    ("granitemoe", "logits_scaling_missing", "output"),
 ])
 def test_a_catalogue_fault_is_drilled_to_its_point(family, fault, point):
     d = _drilled(family, faults.get(fault).inject)
