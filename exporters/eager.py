@@ -80,6 +80,7 @@ class PointsCall(torch.nn.Module):
         super().__init__()
         self.m, self.fn, self.kind = module, fn, kind
         self.fired, self.registered = [], []
+        self.rec = None  # the recorder while recording() is on
 
     def forward(self, x, pos):
         if self.rec is not None:  # recording() is on (a strict export: dynamo traces hooks, not their set-up)
@@ -93,8 +94,6 @@ class PointsCall(torch.nn.Module):
             # in place: torch.export puts back attributes a traced module assigns
             self.fired[:], self.registered[:] = rec.fired, rec.points.registered
         return (*(out if isinstance(out, tuple) else (out,)), *rec.values)
-
-    rec = None
 
     @contextlib.contextmanager
     def recording(self):
