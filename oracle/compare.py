@@ -13,7 +13,8 @@ from oracle import insitu
 from oracle import thresholds
 from oracle.backend import CheckSpec, ModelSource
 from oracle.metrics import OutputError, as_array, router_metrics, tensor_metrics, weight_diffs
-from oracle.noise import rounding, score_error
+from oracle.metrics import rounding
+from oracle.noise import score_error
 from oracle.result import BlockRow, Status
 
 
@@ -209,7 +210,7 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         if h is not None:  # HF at this precision, the same inputs and the same tokens kept
             h = np.concatenate([o.reshape(-1, o.shape[-1]) for o in h]).astype(np.float64)
             h = h[keep] if keep is not None and h.shape[0] == keep.shape[0] else h
-            lim = noise_row_limits(lim, r, h, spec.precision, m)
+            lim = thresholds.noise_row_limits(lim, r, h, spec.precision, m)
         rule = thresholds.in_situ(spec.precision) if upstream is not None else None
         if rule and "shape_mismatch" not in m and "dtype_mismatch" not in m:
             u = np.concatenate([o.reshape(-1, o.shape[-1]) for o in upstream]).astype(np.float64)
@@ -256,19 +257,6 @@ def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.
         m["first_divergence"] = {"index": [int(v) for v in np.unravel_index(i, r.shape)], "reference": float(r.flat[i]),
                                  "candidate": float(c.flat[i]) if np.isfinite(c.flat[i]) else str(c.flat[i])}
     return lim
-
-
-def noise_row_limits(lim: dict, r: np.ndarray, h: np.ndarray, precision: str, m: dict) -> dict:
-    """The limits of a row (or an e2e step) whose reference is `r`, from HF's own output `h` at
-    this precision on the same inputs; records HF's error and the candidate's ratio to it in `m`."""
-    if h.shape != r.shape:
-        return lim
-    nm = tensor_metrics(r, h, lim["atol"], lim["rtol"])
-    stored = tensor_metrics(r, rounding(r, precision), lim["atol"], lim["rtol"])
-    m["noise_max_abs"], m["noise_rel_l2"] = nm["max_abs"], nm["rel_l2"]
-    if "max_abs" in m:  # the candidate's error as a multiple of the precision's own
-        m["vs_noise"] = m["max_abs"] / nm["max_abs"] if nm["max_abs"] > 0 else (0.0 if m["max_abs"] == 0 else math.inf)
-    return thresholds.noise_limits(lim, nm, stored)
 
 
 def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,

@@ -11,7 +11,7 @@ from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import OutputError, as_array, as_f64, tensor_metrics, top2_margin
 from oracle.noise import exact_for, noise_for
 from oracle.result import E2E, GateRow, Status
-from oracle.compare import shape_text, dtype_name, expected_dtype, noise_row_limits, reduction_length, router_near_ties
+from oracle.compare import shape_text, dtype_name, expected_dtype, reduction_length, router_near_ties
 from oracle.references import reference_of
 
 
@@ -139,7 +139,7 @@ def judge_steps(ref, answers: list, error: str | None, spec, lim: dict, noise=No
         extra = {}
         if noisy:
             h = noise.logits[k].reshape(-1, vocab)[-out.shape[0]:].astype(np.float64)
-            step_lim = noise_row_limits(lim, as_f64(r).reshape(h.shape), h, spec.precision, m)
+            step_lim = thresholds.noise_row_limits(lim, as_f64(r).reshape(h.shape), h, spec.precision, m)
             status, ratio = thresholds.judge_noise(m, noise_step_floor(step_lim, noise_median))
             tie_margin = lim["tie_factor"] * step_noise[k]["max_abs"]
             if "exact_factor" in lim:  # fp32: the fixed table is the floor of the measured rule

@@ -138,3 +138,17 @@ def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap) -> dict:
 def top2_margin(logits) -> float:
     v = np.sort(as_f64(logits).ravel())
     return float(v[-1] - v[-2])
+
+
+def rounding(r: np.ndarray, precision: str) -> np.ndarray:
+    """`r` rounded to the precision's storage (round to nearest even): what merely storing the
+    exact result costs, the floor of any implementation's error."""
+    r32 = np.ascontiguousarray(r, dtype=np.float32)
+    if precision == "fp16":
+        return r32.astype(np.float16).astype(np.float64)
+    if precision != "bf16":
+        return r32.astype(np.float64)
+    u = r32.view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    out = u.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isfinite(r32), out, r32)

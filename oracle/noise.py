@@ -23,6 +23,7 @@ import numpy as np
 
 from models.checkpoint import cache_root
 from oracle.backend import hf_spec
+from oracle.metrics import rounding  # noqa: F401  (re-exported: the precision's storage)
 
 
 @dataclass
@@ -34,20 +35,6 @@ class Noise:
     # this precision, whose router inputs carry the upstream layers' error (e2e near ties)
     e2e_scores: dict = field(default_factory=dict)
     logits: list = field(default_factory=list)  # per e2e step: [rows, V] (teacher-forced)
-
-
-def rounding(r: np.ndarray, precision: str) -> np.ndarray:
-    """`r` rounded to the precision's storage (round to nearest even): what merely storing the
-    exact result costs, the floor of any implementation's error."""
-    r32 = np.ascontiguousarray(r, dtype=np.float32)
-    if precision == "fp16":
-        return r32.astype(np.float16).astype(np.float64)
-    if precision != "bf16":
-        return r32.astype(np.float64)
-    u = r32.view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    out = u.astype(np.uint32).view(np.float32).astype(np.float64)
-    return np.where(np.isfinite(r32), out, r32)
 
 
 def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> np.ndarray:

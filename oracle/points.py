@@ -248,7 +248,6 @@ def compare_point(name: str, ref: list, cand: list, lim: dict, noise: list | Non
     inputs: the point is then judged as the block rows are, against that precision's own error
     there (thresholds.noise_limits), the table as the floor."""
     from oracle import thresholds
-    from oracle.compare import noise_row_limits
     from oracle.metrics import tensor_metrics
 
     if (cand is None or not cand) and ref:
@@ -284,7 +283,7 @@ def compare_point(name: str, ref: list, cand: list, lim: dict, noise: list | Non
     if status == Status.FAIL and "noise_factor" in lim and noise and all(n is not None for n in noise):
         h = np.where(same_inf, 0.0, _rows(noise)) if _rows(noise).shape == r.shape else None
         if h is not None:  # beyond the table: within the precision's own error here?
-            status, ratio = thresholds.judge_noise(m, noise_row_limits(lim, r, h, precision, m))
+            status, ratio = thresholds.judge_noise(m, thresholds.noise_row_limits(lim, r, h, precision, m))
     keep = ("max_abs", "rel_l2", "nonfinite", "noise_max_abs", "noise_rel_l2")
     return Point(name, status, {k: m[k] for k in keep if k in m}, ratio)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
@@ -165,3 +166,18 @@ def judge_router(m: dict, lim: dict) -> tuple[str, float]:
     ratio = max(_over(m["weight_max_abs"], lim["weight_atol"]), (1.0 - m["topk_agreement"]) / allowed)
     ok = m["weight_max_abs"] <= lim["weight_atol"] and m["topk_agreement"] >= lim["min_agreement"]
     return (Status.PASS if ok else Status.FAIL), ratio
+
+
+def noise_row_limits(lim: dict, r, h, precision: str, m: dict) -> dict:
+    """The limits of a row (or an e2e step) whose reference is `r`, from HF's own output `h` at
+    this precision on the same inputs; records HF's error and the candidate's ratio to it in `m`."""
+    if h.shape != r.shape:
+        return lim
+    from oracle.metrics import rounding, tensor_metrics
+
+    nm = tensor_metrics(r, h, lim["atol"], lim["rtol"])
+    stored = tensor_metrics(r, rounding(r, precision), lim["atol"], lim["rtol"])
+    m["noise_max_abs"], m["noise_rel_l2"] = nm["max_abs"], nm["rel_l2"]
+    if "max_abs" in m:  # the candidate's error as a multiple of the precision's own
+        m["vs_noise"] = m["max_abs"] / nm["max_abs"] if nm["max_abs"] > 0 else (0.0 if m["max_abs"] == 0 else math.inf)
+    return noise_limits(lim, nm, stored)
