@@ -380,3 +380,20 @@ class ClaimsIsolated(InSitu):
 
 IN_SITU = InSitu(name="in-situ")
 CLAIMS_ISOLATED = ClaimsIsolated(name="claims-isolated")
+
+
+def qwen35_four_faults(model):
+    """Four faults in four blocks of qwen3_5_moe, one IREE compile for the tests that need them
+    (tests/test_iree.py, tests/test_drill.py; transform_id QWEN35_FOUR_FAULTS): the catalogue's
+    layer-2 Gated DeltaNet state not carried and layer-3 RoPE theta wrong, layer 0's expert 3 and
+    layer 1's shared expert with their down projections 1% off."""
+    from models import faults
+
+    faults.get("gdn_state_not_carried").inject(model)
+    faults.get("rope_theta_wrong").inject(model)
+    with torch.no_grad():
+        model.layers[0].mlp.experts.down_proj[3] *= 1.01
+        model.layers[1].mlp.shared_expert.down_proj.weight *= 1.01
+
+
+QWEN35_FOUR_FAULTS = "gdn_state_not_carried+rope_theta_wrong+expert_0.3+shared_expert_1"

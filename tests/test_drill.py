@@ -259,12 +259,6 @@ def _q_norm_skipped(layer):  # the q/k-norm fault of one layer: its q_norm retur
     return transform
 
 
-def _rope_off(layer):  # one layer's RoPE frequencies 10% off (a wrong theta in one layer)
-    def transform(model):
-        model.layers[layer].self_attn.rope.inv_freq *= 1.1
-    return transform
-
-
 def _all(*transforms):
     def transform(model):
         for t in transforms:
@@ -272,25 +266,22 @@ def _all(*transforms):
     return transform
 
 
-def _scale_shared_experts(model):  # DeepSeek's shared experts' down projection off by 1%
-    with torch.no_grad():
-        for layer in model.layers:
-            if getattr(layer.mlp, "shared_experts", None) is not None:
-                layer.mlp.shared_experts.down_proj.weight *= 1.01
+def _router_bias_zeroed(layer):  # one layer's correction bias lost (as a converter that drops it)
+    def transform(model):
+        with torch.no_grad():
+            model.layers[layer].mlp.gate.e_score_correction_bias.zero_()
+    return transform
 
 
 IREE_CASES = {  # family -> (faults, their transform_id, [(block, the point its drill must name)])
-    "qwen3_moe": (_all(_q_norm_skipped(0), _rope_off(1), _scale_one_expert(1, 3)), "tests/test_drill.py qwen3_moe",
-                  [((0, "attention"), "q_norm"), ((1, "attention"), "q_rope"), ((1, "moe"), "experts")]),
-    # the build tests/test_iree.py makes too (same transform_id: one compile): layer 2's Gated DeltaNet
-    # state not carried, layer 3's RoPE theta wrong
-    "qwen3_5_moe": (_all(faults.get("gdn_state_not_carried").inject, faults.get("rope_theta_wrong").inject),
-                    "gdn_state_not_carried+rope_theta_wrong",
-                    [((2, "attention"), "recurrence"), ((3, "attention"), "q_rope")]),
-    # every router ignores its correction bias (layer 2's is the one whose selection it changes); the
-    # shared experts of every MoE layer off by 1%
-    "deepseek_v3": (_all(faults.get("router_bias_ignored").inject, _scale_shared_experts), "tests/test_drill.py deepseek_v3",
-                    [((2, "router"), "selection"), ((1, "moe"), "shared_experts.down_proj")]),
+    # the build tests/test_iree.py makes too (tests/plugins.py, one compile): layer 2's Gated DeltaNet state
+    # not carried, layer 3's RoPE theta wrong, layer 0's expert 3 and layer 1's shared expert 1% off
+    "qwen3_5_moe": ("qwen35_four_faults", "QWEN35_FOUR_FAULTS",
+                    [((2, "attention"), "recurrence"), ((3, "attention"), "q_rope"), ((0, "moe"), "experts"),
+                     ((1, "moe"), "shared_expert.down_proj")]),
+    # a per-head q/k norm skipped in layer 1; layer 2's router without its correction bias
+    "glm4_moe": (_all(_q_norm_skipped(1), _router_bias_zeroed(2)), "tests/test_drill.py glm4_moe",
+                 [((1, "attention"), "q_norm"), ((2, "router"), "selection")]),
 }
 
 
@@ -302,6 +293,10 @@ def test_iree_drills_each_fault_to_its_point(family):
     if not backend.availability()[0]:
         pytest.skip(backend.availability()[1])
     transform, transform_id, cases = IREE_CASES[family]
+    if isinstance(transform, str):  # shared with another test file: by name from tests/plugins.py
+        from tests import plugins
+
+        transform, transform_id = getattr(plugins, transform), getattr(plugins, transform_id)
     spec = CheckSpec(family=family, backend="iree-llvm-cpu")
     src = model_source(spec)
     ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))

@@ -186,20 +186,18 @@ def test_not_causal_attention_fails_at_that_block():
 
 
 def test_faults_survive_export_and_fail_exactly_their_blocks():
-    """Two faults in one program (one compile): a patched method in a stateful block (the
-    Gated DeltaNet state of layer 2 not carried) and a changed buffer (layer 3's RoPE
-    inv_freq, a program input). Exactly the blocks containing them fail."""
-    gdn, rope = faults.get("gdn_state_not_carried"), faults.get("rope_theta_wrong")
-
-    def both(model):
-        gdn.inject(model)
-        rope.inject(model)
+    """Four faults in one program (one compile, tests/plugins.py): a patched method in a stateful
+    block (the Gated DeltaNet state of layer 2 not carried), a changed buffer (layer 3's RoPE
+    inv_freq, a program input), changed weights (an expert of layer 0, layer 1's shared expert).
+    Exactly the blocks containing them fail."""
+    from tests.plugins import QWEN35_FOUR_FAULTS, qwen35_four_faults
 
     spec = _spec("qwen3_5_moe")
-    r, _ = _timed_check(spec, IreeBackend(transform=both, transform_id="gdn_state_not_carried+rope_theta_wrong"))
+    r, _ = _timed_check(spec, IreeBackend(transform=qwen35_four_faults, transform_id=QWEN35_FOUR_FAULTS))
     assert r.status == "fail" and r.e2e.status == "fail"
     failed = {(b.layer, b.kind) for b in r.blocks if b.status == "fail"}
-    assert failed == {(2, "attention"), (2, "layer"), (3, "attention"), (3, "layer")}
+    assert failed == {(0, "moe"), (0, "layer"), (1, "moe"), (1, "layer"), (2, "attention"), (2, "layer"),
+                      (3, "attention"), (3, "layer")}
     row = next(b for b in r.blocks if (b.layer, b.kind) == (2, "attention"))
     assert row.metrics["first_divergence"]["index"][0] >= 8  # state lost between calls: prefill rows match
 
