@@ -348,13 +348,13 @@ class ExecutorchMlxBackend(Backend):
         as the check's program is and cached; (the loaded program, its points.json)."""
         import json
 
+        from exporters.executorch import source_digest as exporters_source_digest
         from oracle.artifacts import cached_artifact, versions
 
         parts = {"backend": KIND, "program": "points", "block": [layer, kind], "family": spec.family,
                  "precision": spec.precision, "checkpoint": model.checkpoint_sha256, "args": repr(model.args),
                  "kernel": kernel, "transform_id": self.transform_id, "source": source_digest(),
-                 "points_code": hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in (
-                     "exporters/eager.py", "oracle/points.py"))).hexdigest()[:16],
+                 "points_code": exporters_source_digest("exporters/eager.py", "oracle/points.py"),
                  "versions": versions("torch", "executorch", "mlx", "torchao")}
 
         def build(path: Path):
