@@ -54,7 +54,7 @@ from torch import nn
 
 from exporters.eager import DTYPES
 from exporters.executorch_runtime import runtime  # noqa: F401 (the runtime the backends here load programs with)
-from models.args import SPARSE, block_keys, block_path, mlp_type
+from models.args import SPARSE, block_input_path, block_keys, block_path, mlp_type
 from models.layers import STATE_BUFFERS, Transformer, traced_experts
 from models.sampling import Sampler, SampledModel, example_args, runtime_args
 from oracle.backend import Backend, Candidate, Option
@@ -118,9 +118,18 @@ def export_sampling(model: Transformer, dense_prefill: bool = False) -> dict:
     return out
 
 
+def input_taps(args) -> list[list]:
+    """[layer, kind, tap kind] of every block fed its own input inside the layer (the norm before
+    it, models.args.block_input_path): the tap kind names that input in the tap table, one per
+    module (the router and the experts share theirs)."""
+    return [[k[0], k[1], "input:" + path.rsplit(".", 1)[1]] for k in block_keys(args)
+            if (path := block_input_path(args, *k))]
+
+
 def add_taps(ep, args) -> list[list]:
-    """Make every block's output an extra output of `ep` (in place). Returns [layer, kind,
-    output index] per tap; routers have two taps (weights and indices, told apart by dtype)."""
+    """Make every block's output an extra output of `ep` (in place), and each block's own input
+    inside its layer (input_taps). Returns [layer, kind, output index] per tap; routers have two
+    taps (weights and indices, told apart by dtype)."""
     from executorch.devtools.intermediate_output_tap import FULL_TENSOR, select_by_module_path, tap_intermediate_outputs_
 
     hit = {}
@@ -136,8 +145,9 @@ def add_taps(ep, args) -> list[list]:
 
         return select, FULL_TENSOR
 
+    inputs = {(layer, tap): block_input_path(args, layer, kind) for layer, kind, tap in input_taps(args)}
     # one rule per block: with several patterns in one rule a parent would hide its children
-    _, specs = tap_intermediate_outputs_(ep, [rule(k, p) for k, p in block_paths(args)])
+    _, specs = tap_intermediate_outputs_(ep, [rule(k, p) for k, p in [*block_paths(args), *inputs.items()]])
     return [[*hit[s.node_name], s.output_index] for s in specs]
 
 
@@ -309,6 +319,7 @@ def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict
     methods = export_methods(model, bool(opts.get("sample")), dense_prefill)
     if check:
         taps = {name: add_taps(ep, model.args) for name, ep in methods.items()}
+        taps["inputs"] = input_taps(model.args)
         methods.update(export_probes(model))
         if opts.get("sampling"):
             methods.update(export_sampling(model, dense_prefill))
@@ -503,6 +514,8 @@ class ExecutorchCandidate(Candidate):
         data_path = data_path or weights_file(pte)
         self.program = runtime().load_program(str(pte), data_path=str(data_path) if data_path else None)
         self.taps, self.info = read_taps(pte), info
+        # (layer, kind) -> the tap of the block's own input (a program tapped before the inputs were: none)
+        self.inputs = {(layer, kind): tap for layer, kind, tap in self.taps.pop("inputs", [])}
         self.ops = Path(pte).with_name(OPS_FILE)
         self.dtype, self.probe_rows = dtype, probe_rows  # probe inputs: the model's dtype, at most rows per call
         # every method up front: loading a method initialises the shared state buffers, so a
@@ -545,18 +558,27 @@ class ExecutorchCandidate(Candidate):
             self._seq = (key, rows)
         return self._seq[1]
 
-    def probe(self, layer: int, calls) -> list[tuple]:
-        """(moe, weights, indices) per probe call, from the layer's probe method."""
-        x = torch.cat([c.x.reshape(-1, c.x.shape[-1]) for c in calls]).to(self.dtype)
+    def probe(self, layer: int, xs: list) -> list[tuple]:
+        """(moe, weights, indices) per input ([..., H] each), from the layer's probe method."""
+        xs = [torch.as_tensor(x).reshape(-1, x.shape[-1]) for x in xs]
+        x = torch.cat(xs).to(self.dtype)
         runs = [[o.clone() for o in self.method(f"probe_{layer}").execute([x[i:i + self.probe_rows]])]
                 for i in range(0, x.shape[0], self.probe_rows)]  # clone: the next call reuses the memory
         moe, w, idx = (torch.cat([r[j] for r in runs], dim=d) for j, d in ((0, 1), (1, 0), (2, 0)))
         out, n = [], 0
-        for c in calls:
-            t = c.x.reshape(-1, c.x.shape[-1]).shape[0]
+        for t in (x.shape[0] for x in xs):
             out.append((moe[:, n:n + t], w[n:n + t], idx[n:n + t]))
             n += t
         return out
+
+    def block_input(self, layer, kind, calls):
+        """The block's own input inside the layer on the sequence's calls (its norm's output, tapped)."""
+        tap = self.inputs.get((layer, kind))
+        seq = [c for c in calls if not c.probe]
+        taps = self.sequence_taps(seq) if tap and seq else []
+        if not taps or any((layer, tap) not in t for t in taps):
+            return None
+        return [t[layer, tap][0] for t in taps]
 
     points_program = None  # (layer, kind, lengths) -> (points.pte, its points.json): ExecutorchBackend.points_program
 
@@ -591,11 +613,20 @@ class ExecutorchCandidate(Candidate):
         taps = self.sequence_taps(seq)
         if any((layer, kind) not in t for t in taps):
             return None  # no node of the program is this block's output (not tapped)
-        seq_outs = iter([block_output(kind, t[layer, kind]) for t in taps])
+        if kind == "router" and not all(any(o.is_floating_point() for o in t[layer, kind]) for t in taps):
+            # no node computes the routing weights (nothing downstream uses them): the router of the
+            # layer's probe method on the program's own input to it, its weights as outputs
+            xs = self.block_input(layer, kind, seq)
+            if xs is None:
+                raise ValueError("the program computes no routing weights (nothing uses them) and its "
+                                 "router's input is not tapped: no router output to compare")
+            seq_outs = iter([(w, idx) for _, w, idx in self.probe(layer, xs)])
+        else:
+            seq_outs = iter([block_output(kind, t[layer, kind]) for t in taps])
         probes = [c for c in calls if c.probe]
         if probes and kind not in ("router", "moe"):
             return None
-        probe_outs = iter(self.probe(layer, probes) if probes else [])
+        probe_outs = iter(self.probe(layer, [c.x for c in probes]) if probes else [])
         out = []
         for c in calls:
             if not c.probe:

@@ -356,3 +356,13 @@ def block_path(a: ModelArgs, layer: int | None, kind: str) -> str:
     attn = "linear_attn" if a.layer_types[layer] == LINEAR else "self_attn"
     return f"layers.{layer}" + {"attention": f".{attn}", "router": ".mlp.gate", "moe": ".mlp", "mlp": ".mlp",
                                 "layer": ""}[kind]
+
+
+def block_input_path(a: ModelArgs, layer: int | None, kind: str) -> str | None:
+    """The production model's module whose output is a decoder layer's block's own input (the norm
+    before it: the attention's, or the router's and the experts'); None for a block fed the stream
+    itself (the layer, the final norm, the head)."""
+    if layer is None or kind == "layer":
+        return None
+    block_path(a, layer, kind)  # a block the layer has
+    return f"layers.{layer}." + ("input_layernorm" if kind == "attention" else "post_attention_layernorm")

@@ -222,6 +222,14 @@ class Candidate:
         cannot be isolated (its rows are 'n/a')."""
         raise NotImplementedError
 
+    def block_input(self, layer: int, kind: str, calls: list) -> list | None:
+        """An in-situ row's own input (block_mode 'in-situ'): what the candidate fed block `kind` of
+        `layer` inside the layer (its norm's output) on the sequence's calls (those not `probe`),
+        one [T, H] per call. With it, the row is judged against HF's block on that same input, and
+        an error of the norm before the block stays in the layer's row; None: against HF's block
+        on the candidate's layer input, through HF's own norm (oracle/insitu.py)."""
+        return None
+
     def run_block_points(self, layer: int | None, kind: str, calls: list) -> dict | None:
         """The drill (oracle/points.py): run_block on the same calls with the points inside the block
         recorded: point name (a submodule path as in HF's module, or one of oracle.points.TAPS) ->
@@ -325,7 +333,7 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
                        "check_given", "memory_estimate", "fault_not_applicable", "fault_point"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
-                         "run_block_points", "no_points")}
+                         "block_input", "run_block_points", "no_points")}
 
 
 class _Duck:

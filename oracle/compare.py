@@ -288,7 +288,16 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     in_situ = {k: o for k, o in outputs.items() if insitu.is_in_situ(mode_of[k])}
     if in_situ and src is not None and thresholds.in_situ(spec.precision):
         progress("blocks: HF fp32 on the candidate's own upstream (in-situ rows)")
-    upstream, why = in_situ_upstream(ref, spec, src, in_situ)
+    inputs = {}  # the in-situ blocks' own inputs inside their layers, where the candidate gives them
+    for key in in_situ if src is not None and thresholds.in_situ(spec.precision) else ():
+        if key[0] is not None and key[1] != "layer":
+            try:
+                x = cand.block_input(key[0], key[1], ref.inputs[key])
+            except Exception:  # noqa: BLE001 - judged on its layer's input instead, as without one
+                x = None
+            if x is not None:
+                inputs[key] = [as_array(a, np.float32).reshape(-1, a.shape[-1]) for a in x]
+    upstream, why = in_situ_upstream(ref, spec, src, in_situ, inputs)
     for key, outs in outputs.items():
         row = compare_block(ref, key, outs, spec, args.layer_types, routes, reduction_length(args), noise,
                             upstream.get(key))
@@ -301,9 +310,11 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     return [rows[key] for key in keys]
 
 
-def in_situ_upstream(ref, spec: CheckSpec, src: ModelSource | None, outputs: dict) -> tuple[dict, str | None]:
+def in_situ_upstream(ref, spec: CheckSpec, src: ModelSource | None, outputs: dict,
+                     inputs: dict | None = None) -> tuple[dict, str | None]:
     """(key -> HF fp32's outputs on the candidate's own upstream, or {}; why it was not measured,
-    or None) for the candidate's in-situ rows, at a precision with an in_situ rule."""
+    or None) for the candidate's in-situ rows, at a precision with an in_situ rule; `inputs`: the
+    blocks' own inputs (Candidate.block_input), fed to HF's block instead of its layer's stream."""
     if not outputs or src is None or thresholds.in_situ(spec.precision) is None:
         return {}, None
     try:
@@ -314,6 +325,6 @@ def in_situ_upstream(ref, spec: CheckSpec, src: ModelSource | None, outputs: dic
                     arrays[key] = candidate_arrays(key[1], outs, ref.outputs[key])
                 except OutputError:
                     continue  # that row fails on its own; the layers after it are fed HF's stream
-        return insitu.propagated(ref, src, spec, list(outputs), arrays), None
+        return insitu.propagated(ref, src, spec, list(outputs), arrays, inputs), None
     except Exception as e:  # judged by the isolated table, and the row says why
         return {}, f"not measured ({type(e).__name__}: {e}): the isolated table judges"

@@ -19,6 +19,11 @@ stream through HF's own norms). The row is then judged by `upstream_limits`
 that propagated error at the same element. An element's propagated error follows what was
 summed into it upstream, not the element's own magnitude.
 
+A candidate that also gives each block's own input inside the layer (Candidate.block_input: its
+attention's, its router's and experts' norm outputs) has those rows judged against HF's block fed
+that very input: a norm before the block that computes wrong then fails the layer's row alone, as
+an isolated check would say, and not the block after it (rmsnorm_eps_wrong on executorch).
+
 Expert probes (fed the reference's inputs) propagate nothing: their upstream output is the
 reference's.
 """
@@ -38,16 +43,16 @@ def sequence_calls(ref) -> list:
     return [c for c in ref.inputs[key] if not c.probe]
 
 
-def propagated(ref, src, spec, keys, cand: dict) -> dict:
+def propagated(ref, src, spec, keys, cand: dict, inputs: dict | None = None) -> dict:
     """(layer|None, kind) -> HF fp32's outputs for each of `keys`, one per call of ref.inputs[key]
     (router: (weights, indices)), on the candidate's own upstream. `cand`: the candidate's in-situ
     outputs as host arrays (oracle.compare.candidate_arrays), one [T, H] per call: a decoder layer's
     input is replaced where the candidate's previous layer output is there (the final norm's where
-    its last layer's is, the head's where its final norm's is)."""
-    import torch
-
+    its last layer's is, the head's where its final norm's is). `inputs`: (layer, kind) -> the
+    candidate's own input to that block inside its layer (Candidate.block_input), one [T, H] per
+    call: those blocks are recorded in a second replay that feeds each of them that input (an error
+    of the norm before a block then shows in its layer's row, not in the block's)."""
     from oracle.backend import hf_spec, resolve
-    from oracle.reference import normalize_output
 
     hf = resolve("hf").load(src, hf_spec(spec, "fp32"))
     modules = hf.modules
@@ -57,12 +62,29 @@ def propagated(ref, src, spec, keys, cand: dict) -> dict:
     feeds = {(layers[i], "layer"): (layers[i - 1], "layer") for i in range(1, len(layers))}
     feeds[None, "final_norm"] = (layers[-1], "layer")
     feeds[None, "logits"] = (None, "final_norm")
-    now = [0]  # the call being replayed
-    recorded = {key: [] for key in modules if key in set(keys)}
+    stream = {key: cand[source] for key, source in feeds.items() if source in cand and len(cand[source]) >= n_seq}
+    own = {k: v for k, v in (inputs or {}).items() if k in set(keys) and k in modules and len(v) >= n_seq}
+    recorded = replay(hf, calls, stream, [k for k in keys if k in modules and k not in own])
+    if own:
+        recorded.update(replay(hf, calls, own, list(own)))
+    # the expert probes were fed the reference's inputs: nothing upstream, the reference's outputs
+    return {key: outs + list(ref.outputs[key][len(outs):]) for key, outs in recorded.items()}
 
-    def substitute(source):
+
+def replay(hf, calls, feeds: dict, keys: list) -> dict:
+    """HF's run of the sequence's `calls` with each module of `feeds` fed the given input (one host
+    array per call) instead of its own, recording the outputs of the blocks `keys`."""
+    import torch
+
+    from oracle.reference import normalize_output
+
+    modules = hf.modules
+    now = [0]  # the call being replayed
+    recorded = {key: [] for key in keys}
+
+    def substitute(arrays):
         def pre(mod, args, kwargs):
-            x = torch.as_tensor(np.ascontiguousarray(cand[source][now[0]]), dtype=torch.float32)
+            x = torch.as_tensor(np.ascontiguousarray(arrays[now[0]]), dtype=torch.float32)
             if args and torch.is_tensor(args[0]):
                 return (x.reshape(args[0].shape).to(args[0].dtype), *args[1:]), kwargs
             h = kwargs["hidden_states"]
@@ -79,9 +101,8 @@ def propagated(ref, src, spec, keys, cand: dict) -> dict:
 
     handles = []
     try:
-        for key, source in feeds.items():
-            if source in cand and len(cand[source]) >= n_seq:
-                handles.append(modules[key].register_forward_pre_hook(substitute(source), with_kwargs=True))
+        for key, arrays in feeds.items():
+            handles.append(modules[key].register_forward_pre_hook(substitute(arrays), with_kwargs=True))
         for key in recorded:
             handles.append(modules[key].register_forward_hook(record(key), with_kwargs=True))
         cache = None
@@ -95,5 +116,4 @@ def propagated(ref, src, spec, keys, cand: dict) -> dict:
     finally:
         for h in handles:
             h.remove()
-    # the expert probes were fed the reference's inputs: nothing upstream, the reference's outputs
-    return {key: outs + list(ref.outputs[key][len(outs):]) for key, outs in recorded.items()}
+    return recorded

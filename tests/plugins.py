@@ -323,7 +323,7 @@ class _InSituCandidate(_Broken):
         self._seq = (None, None)
 
     def _sequence(self, calls) -> dict:
-        from models.args import block_keys, block_path
+        from models.args import block_input_path, block_keys, block_path
         from models.layers import reset_state
 
         key = tuple((tuple(c.tokens), tuple(c.pos.tolist())) for c in calls)
@@ -339,6 +339,8 @@ class _InSituCandidate(_Broken):
         for k in block_keys(model.args):
             if k[1] != "logits":  # the model's logits, below
                 handles.append(model.get_submodule(block_path(model.args, *k)).register_forward_hook(record(k)))
+            if self.own_inputs and (path := block_input_path(model.args, *k)):  # the block's own input
+                handles.append(model.get_submodule(path).register_forward_hook(record((k[0], "input:" + k[1]))))
         try:
             reset_state(model)
             with torch.no_grad():
@@ -354,6 +356,11 @@ class _InSituCandidate(_Broken):
         seq = [c for c in calls if not c.probe]
         probes = [c for c in calls if c.probe]
         return self._sequence(seq)[layer, kind] + (self.inner.run_block(layer, kind, probes) if probes else [])
+
+    own_inputs = True  # gives each block's own input inside the layer (its norm's output), as ExecuTorch's taps do
+
+    def block_input(self, layer, kind, calls):
+        return self._sequence([c for c in calls if not c.probe]).get((layer, "input:" + kind)) if self.own_inputs else None
 
 
 class _ClaimsIsolated(_InSituCandidate):
@@ -378,7 +385,16 @@ class ClaimsIsolated(InSitu):
     wrapper = _ClaimsIsolated
 
 
+class _InSituLayerInputsOnly(_InSituCandidate):
+    own_inputs = False  # the blocks' inputs not given: HF's blocks see the candidate's stream through HF's norms
+
+
+class InSituLayerInputsOnly(InSitu):
+    wrapper = _InSituLayerInputsOnly
+
+
 IN_SITU = InSitu(name="in-situ")
+IN_SITU_LAYER_INPUTS = InSituLayerInputsOnly(name="in-situ-layer-inputs")
 CLAIMS_ISOLATED = ClaimsIsolated(name="claims-isolated")
 
 

@@ -142,18 +142,28 @@ def test_qwen35_prefill_at_position_0_resets_the_gated_deltanet_state(qwen35_pro
 
 
 @needs_executorch
-def test_a_seeded_fault_survives_export_and_is_localised():
-    fault = faults.get("kv_cache_write_off_by_one")
+def test_seeded_faults_survive_export_and_are_localised():
+    """Two faults in the last layer, one lowering: the KV cache written one slot off (attention) and
+    the expert outputs summed without the routing weights (moe). The second leaves no node computing
+    the routing weights (nothing uses them), so the router row is the layer's probe method on the
+    program's own input to the router (issue 33: the row was an exception, `null`, and the worst)."""
+    both = [faults.get("kv_cache_write_off_by_one"), faults.get("expert_weights_not_applied")]
     spec = CheckSpec(family="mixtral", backend="executorch", options=PORTABLE)
-    r = run_check(spec, BACKEND.with_fault(fault))
+    r = run_check(spec, type(BACKEND)("executorch+2", lambda m: [f.inject(m) for f in both],
+                                      "+".join(f.name for f in both)))
     assert r.status == "fail"
-    layer = fault.layer(model_source(spec).args)
-    rows = {(b.layer, b.kind): b.status for b in r.blocks}
-    assert rows[layer, fault.kind] == "fail"
-    # in-situ rows: every block after the fault fails too (the harness's worst row picks the
-    # most specific kind, here layer 1's router, fed by the faulty attention); none before it
-    assert r.worst["layer"] == layer
-    assert all(s == "pass" for (lay, _), s in rows.items() if lay is not None and lay < layer)
+    layer = both[0].layer(model_source(spec).args)
+    assert layer == both[1].layer(model_source(spec).args)
+    rows = {(b.layer, b.kind): b for b in r.blocks}
+    # in-situ rows fed their own inputs (Candidate.block_input: the norms' outputs, tapped): the
+    # faulty attention fails first; the router after it is measured (not an exception): a correct
+    # router on the program's own input, its weights what HF's router makes of that input (its
+    # top-k, judged against the reference's, follows the attention's error)
+    router = rows[layer, "router"].metrics
+    assert "exception" not in router and rows[layer, "moe"].status == "fail"
+    assert abs(router["weight_max_abs"] - router["upstream_weight_max_abs"]) < 1e-5 < router["weight_max_abs"]
+    assert (r.worst["layer"], r.worst["kind"]) == (layer, "attention")
+    assert all(b.status == "pass" for (lay, _), b in rows.items() if lay is not None and lay < layer)
 
 
 def test_with_fault_needs_an_id_and_skips_other_precisions():

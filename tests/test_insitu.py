@@ -40,8 +40,10 @@ def test_rows_carrying_upstream_error_pass_within_what_a_correct_block_makes_of_
     assert r.status == "pass", r.worst
     rows = {(b.layer, b.kind): b for b in r.blocks}
     assert all(b.mode.startswith("in-situ") for b in r.blocks)
-    # the first layer's input is the embedding, exact: nothing upstream, the table alone judges
-    assert all(rows[0, k].metrics["upstream_max_abs"] == 0 for k in ("attention", "moe", "layer"))
+    # the first layer's input is the embedding, exact: nothing upstream, the table alone judges;
+    # its moe is fed the candidate's own post-attention norm (block_input), which carries its attention's error
+    assert all(rows[0, k].metrics["upstream_max_abs"] == 0 for k in ("attention", "layer"))
+    assert 0 < rows[0, "moe"].metrics["upstream_max_abs"] <= rows[0, "attention"].metrics["max_abs"]
     beyond = [b for b in r.blocks if b.kind != "router" and table_ratio(b) > 1]
     # the later rows: beyond the isolated table (the final norm several times), as a correct fp32
     # block fed that input is (HF fp32's own error there within 0.8-1.3x the candidate's)
@@ -92,3 +94,20 @@ def test_a_fault_behind_upstream_error_is_found_and_localised():
     assert r.status == "fail"
     assert (r.worst["layer"], r.worst["kind"]) == (fault.layer(model_source(SPEC).args), fault.kind)
     assert all(b.status == "pass" for b in r.blocks if b.layer is not None and b.layer < r.worst["layer"])
+
+
+@pytest.mark.parametrize("backend, named", [("IN_SITU", "layer"), ("IN_SITU_LAYER_INPUTS", "attention")])
+def test_a_norm_fault_is_the_layers_when_the_blocks_own_inputs_are_given(backend, named):
+    """The input RMSNorm's eps 1000x too large (issue 33: ExecuTorch named the attention). With the
+    blocks' own inputs (Candidate.block_input, ExecuTorch's norm taps) HF's attention is fed the
+    candidate's normed input: the attention row passes and the layer's row, which holds the norm,
+    fails. Without them HF's attention sees the stream through HF's own norm, and the attention row,
+    first in program order, carries the norm's error."""
+    fault = faults.get("rmsnorm_eps_wrong")
+    spec = replace(SPEC, backend=f"{PLUGINS}:{backend}", weights="normal")
+    r = run_check(spec, resolve(spec.backend).with_fault(fault))
+    layer = fault.layer(model_source(spec).args)
+    assert r.status == "fail" and (r.worst["layer"], r.worst["kind"]) == (layer, named)
+    rows = {(b.layer, b.kind): b for b in r.blocks}
+    assert rows[layer, "attention"].status == ("pass" if named == "layer" else "fail")
+    assert rows[layer, "layer"].status == "fail"
