@@ -27,6 +27,7 @@ BUILTIN = {
     "cuda": "exporters.cuda:BACKEND",
     "executorch-metal": "exporters.executorch_metal:BACKEND",
     "executorch-mlx": "exporters.executorch_mlx:BACKEND",
+    "llamacpp": "exporters.llamacpp:BACKEND",
 }
 
 

@@ -1,0 +1,645 @@
+"""llama.cpp as a backend: the checkpoint converted to GGUF by llama.cpp's own converter, run by
+llama.cpp (llama-cpp-python's build of it) with its own KV cache.
+
+- **Export**: `convert_hf_to_gguf.py` and its `conversion/` package and `gguf-py`, from the
+  llama-cpp-python source distribution of the installed version (the wheel has none of them:
+  `python -m exporters.llamacpp setup`, run by `make setup`, fetches that sdist from the package
+  registry and keeps those three in `<cache>/llama.cpp/<version>/`; never a copy in this
+  repository). The converter runs in a child process (it puts its own `gguf` first on sys.path).
+  A tiny checkpoint has no tokenizer: the converter's `set_vocab` is given a synthetic SPM
+  vocabulary of `vocab_size` tokens (the check feeds token ids; llama.cpp never tokenizes).
+  `--option outtype=` f32 (the fp32 check's), bf16, q8_0 (the converter's own types), or a
+  llama-quantize type (Q8_0, Q6_K, Q5_K_M, Q4_K_M: `llama_model_quantize` on the f32 GGUF).
+- **Run**: prefill is one `llama_decode` of the tokens, decode one token at its position, the KV
+  cache llama.cpp's (`--option kv=f32|f16`: f32 at fp32, f16 what users run by default).
+- **Block rows, in-situ**: the eval callback (`cb_eval`) reads the graph's tensors while the
+  sequence runs: a layer is `l_out-L`, its attention the branch added to the stream into
+  `ffn_inp-L` (the operand of that ADD that is not the layer's input, a residual SCALE undone), its
+  experts the branch added into `l_out-L`, its router `ffn_moe_topk-L` and the last
+  `ffn_moe_weights*-L`, the final norm `result_norm`, the logits `result_output`; each block's own
+  input is its norm's output (`attn_norm-L`, `ffn_norm-L`: Candidate.block_input). The expert
+  probes (the reference's inputs to a MoE) are run by writing them over `ffn_norm-L` in the
+  callback, in a sequence of their own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from oracle.artifacts import Artifact, cached_artifact, sha256_file, versions
+from oracle.backend import Backend, Candidate, InputError, Option
+
+PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"  # the converter is fetched for the installed version; this one is tested
+# the converter's own output types, and llama-quantize's (from the f32 GGUF) that users ship
+CONVERTER_TYPES = ("f32", "bf16", "f16", "q8_0")
+QUANTIZE_TYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q4_K_M": 15}  # llama_ftype values
+KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
+SEQ_MODE, PROBE_MODE = "in-situ", "isolated"
+
+
+def installed_version() -> str | None:
+    return versions(PACKAGE)[PACKAGE]
+
+
+def converter_dir() -> Path:
+    """Where `setup` keeps the installed version's converter (convert_hf_to_gguf.py, conversion/, gguf-py/)."""
+    from models.checkpoint import cache_root
+
+    return cache_root() / "llama.cpp" / str(installed_version()) / "llama.cpp"
+
+
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+
+
+def converter_problem() -> str | None:
+    d = converter_dir()
+    if all((d / f).exists() for f in CONVERTER_FILES):
+        return None
+    return (f"llama.cpp's converter is not set up for {PACKAGE} {installed_version()} ({d} is missing): "
+            "run `make setup` or `python -m exporters.llamacpp setup` (fetches the package's source from PyPI)")
+
+
+def setup() -> Path:
+    """Fetch the installed version's sdist (pip download, cached by pip) and keep its converter."""
+    version = installed_version()
+    if version is None:
+        raise RuntimeError(f"{PACKAGE} is not installed (pip install 'moe-oracle[llamacpp]')")
+    target = converter_dir()
+    if converter_problem() is None:
+        return target
+    import tarfile
+
+    with tempfile.TemporaryDirectory(prefix="moe-oracle-llamacpp-") as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"{PACKAGE}=={version}", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("*.tar.gz"))
+        out = Path(tmp) / "out"
+        with tarfile.open(sdist) as tar:
+            prefix = f"{tar.getnames()[0].split('/')[0]}/vendor/llama.cpp/"
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                       and m.name[len(prefix):].split("/")[0] in CONVERTER_FILES]
+            tar.extractall(out, members=members, filter="data")
+        staged = out / prefix
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(str(staged), str(target))
+    return target
+
+
+# ---------------------------------------------------------------- conversion (child process)
+
+def convert(model_dir: Path, out: Path, outtype: str) -> dict:
+    """The checkpoint at `model_dir` as a GGUF at `out` by llama.cpp's converter (a child process).
+    InputError with the converter's own reason where it does not support the model."""
+    r = subprocess.run([sys.executable, "-m", "exporters.llamacpp", "convert", str(model_dir), str(out), outtype],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    if r.returncode != 0:
+        lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
+        reason = next((x for x in reversed(lines) if "not supported" in x or "Error" in x), lines[-1] if lines else "")
+        if r.returncode == 3:
+            raise InputError(f"llama.cpp's converter cannot convert this checkpoint: {reason.split(':', 1)[-1].strip()}")
+        raise RuntimeError(f"llama.cpp's converter failed (exit {r.returncode}): {' '.join(lines[-6:])[:1500]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _convert_main(model_dir: str, out: str, outtype: str) -> None:
+    """In the child: llama.cpp's converter, with a synthetic vocabulary where the checkpoint has no tokenizer."""
+    import logging
+
+    d = converter_dir()
+    sys.path[:0] = [str(d), str(d / "gguf-py")]
+    logging.basicConfig(level=logging.WARNING)
+    import gguf
+    import torch
+    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+             "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+    hparams = ModelBase.load_hparams(Path(model_dir), False)
+    arch = get_model_architecture(hparams, ModelType.TEXT)
+    try:
+        cls = get_model_class(arch)
+    except NotImplementedError:
+        print(f"Error: model architecture {arch} is not supported by convert_hf_to_gguf.py", file=sys.stderr)
+        sys.exit(3)
+    if getattr(cls, "supports_mtp_export", False):
+        cls.no_mtp = True  # --no-mtp: the check is of the model, not of a multi-token-prediction head
+    tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+    with torch.inference_mode():
+        model = cls(Path(model_dir), ftype, Path(out))
+        if not tokenizer:
+            n = hparams.get("vocab_size") or hparams.get("text_config", {}).get("vocab_size")
+
+            def synthetic_vocab():
+                w = model.gguf_writer
+                w.add_tokenizer_model("llama")
+                w.add_tokenizer_pre("default")
+                w.add_token_list([f"<t{i}>".encode() for i in range(n)])
+                w.add_token_scores([0.0] * n)
+                w.add_token_types([gguf.TokenType.NORMAL] * n)
+
+            model.set_vocab = synthetic_vocab
+        model.write()
+    print(json.dumps({"architecture": arch, "gguf_arch": model.model_arch_name if hasattr(model, "model_arch_name")
+                      else str(model.model_arch), "synthetic_vocab": not tokenizer}))
+
+
+# ---------------------------------------------------------------- llama.cpp through ctypes
+
+class _Tensor(ctypes.Structure):
+    """The head of ggml.h's `struct ggml_tensor` (its layout is checked against ggml_get_name at load)."""
+
+    _fields_ = [("type", ctypes.c_int32), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int32), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+GGML_F32, GGML_I32 = 0, 26
+
+
+@functools.cache
+def ggml():
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    for name, res, args in (("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
+                            ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+                            ("ggml_is_contiguous", ctypes.c_bool, [ctypes.c_void_p]),
+                            ("ggml_op_name", ctypes.c_char_p, [ctypes.c_int]),
+                            ("ggml_backend_tensor_get", None, [ctypes.c_void_p] * 2 + [ctypes.c_size_t] * 2),
+                            ("ggml_backend_tensor_set", None, [ctypes.c_void_p] * 2 + [ctypes.c_size_t] * 2)):
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+    return lib
+
+
+LOG: list[str] = []  # llama.cpp's recent log lines (quiet; quoted in an error)
+
+
+@functools.cache
+def _quiet_logs():
+    import llama_cpp
+
+    @llama_cpp.llama_log_callback
+    def sink(level, text, user_data):
+        LOG.append(text.decode(errors="replace"))
+        del LOG[:-200]
+
+    llama_cpp.llama_log_set(sink, None)
+    llama_cpp.llama_backend_init()
+    return sink  # kept alive by the cache
+
+
+def log_tail(n: int = 4) -> str:
+    """The last error lines llama.cpp logged (its own reason for a failed load)."""
+    lines = [x.strip() for x in "".join(LOG).splitlines() if x.strip()]
+    errs = [x for x in lines if "error" in x.lower() or "failed" in x.lower()] or lines
+    return " | ".join(errs[-n:])
+
+
+class Graph:
+    """What one `llama_decode` computed, read by the eval callback: every f32 node's value by its
+    pointer (`values`), the named ones by name (`named`: name -> pointer, the last of that name),
+    and each node's op and operands (`nodes`: pointer -> (name, op, srcs)). `patch`: name -> array
+    written over that node's value once it is computed (what its consumers then read)."""
+
+    def __init__(self, record: bool, patch: dict | None = None):
+        self.record, self.patch = record, patch or {}
+        self.values, self.named, self.nodes, self.order, self.patched = {}, {}, {}, [], set()
+
+    def __call__(self, t, ask, user_data) -> bool:
+        if ask:
+            return self.record or bool(self.patch)
+        lib = ggml()
+        s = ctypes.cast(t, ctypes.POINTER(_Tensor)).contents
+        name = lib.ggml_get_name(t).decode(errors="replace")
+        if name in self.patch:
+            x = np.ascontiguousarray(self.patch[name], dtype=np.float32)
+            if s.type != GGML_F32 or not lib.ggml_is_contiguous(t) or x.nbytes != lib.ggml_nbytes(t):
+                raise RuntimeError(f"cannot write {list(x.shape)} over {name} (type {s.type}, ne {list(s.ne)})")
+            lib.ggml_backend_tensor_set(t, x.ctypes.data, 0, x.nbytes)
+            self.patched.add(name)
+        if not self.record:
+            return True
+        self.nodes[t] = (name, lib.ggml_op_name(s.op).decode(), [p for p in s.src if p])
+        self.named[name] = t
+        self.order.append(t)
+        if s.type not in (GGML_F32, GGML_I32):
+            return True
+        dt = np.float32 if s.type == GGML_F32 else np.int32
+        dims = [int(s.ne[i]) for i in range(4)]
+        while len(dims) > 1 and dims[-1] == 1:
+            dims.pop()
+        if lib.ggml_is_contiguous(t):
+            n = lib.ggml_nbytes(t)
+            a = np.empty(n // 4, dt)
+            lib.ggml_backend_tensor_get(t, a.ctypes.data, 0, n)
+            self.values[t] = a.reshape(dims[::-1])
+        elif s.view_src in self.values and self.values[s.view_src].dtype == dt:  # a strided view of a node read
+            base = self.values[s.view_src]
+            self.values[t] = np.lib.stride_tricks.as_strided(
+                base.reshape(-1)[s.view_offs // 4:], shape=dims[::-1],
+                strides=[int(s.nb[i]) for i in range(len(dims))][::-1]).copy()
+        return True
+
+    def value(self, name: str):
+        p = self.named.get(name)
+        return None if p is None else self.values.get(p)
+
+    def branch(self, add: str, stream) -> np.ndarray | None:
+        """The operand of the ADD named `add` that is not `stream` (a pointer): the block's output
+        added to the residual stream, read before a SCALE on it (a residual multiplier)."""
+        p = self.named.get(add)
+        if p is None or self.nodes[p][1] != "ADD":
+            return None
+        other = [q for q in self.nodes[p][2] if self.through(q) != self.through(stream)]
+        if len(other) != 1:
+            return None
+        q = other[0]
+        while q in self.nodes and self.nodes[q][1] == "SCALE":  # the block's output is what is scaled
+            q = self.nodes[q][2][0]
+        return self.values.get(q)
+
+    def through(self, p):
+        """`p` seen through row selections and views (the last layer keeps only the output rows)."""
+        while p in self.nodes and self.nodes[p][1] in ("GET_ROWS", "VIEW", "RESHAPE", "CONT", "CPY") and self.nodes[p][2]:
+            p = self.nodes[p][2][0]
+        return p
+
+    def normed(self, stream):
+        """The first norm's output (a NORM/RMS_NORM times its weight) of `stream` (a pointer): what the
+        block after it is fed (llama.cpp names it per model: ffn_norm-L, attn_post_norm-L, ...)."""
+        for p in self.order:
+            _, op, srcs = self.nodes[p]
+            if op == "MUL" and srcs and srcs[0] in self.nodes and self.nodes[srcs[0]][1] in ("RMS_NORM", "NORM") \
+                    and self.nodes[srcs[0]][2] and self.through(self.nodes[srcs[0]][2][0]) == self.through(stream):
+                return p
+        return None
+
+    def stream_into(self, norm: str):
+        """The pointer of the stream a norm named `norm` normalises (the RMS_NORM/NORM under it)."""
+        p = self.named.get(norm)
+        while p is not None and p in self.nodes and self.nodes[p][1] not in ("RMS_NORM", "NORM"):
+            srcs = self.nodes[p][2]
+            p = srcs[0] if srcs else None
+        return None if p is None or p not in self.nodes else self.nodes[p][2][0]
+
+
+class Runner:
+    """llama.cpp on one GGUF, in the child process (`python -m exporters.llamacpp serve`): a
+    GGML_ASSERT aborts that process, not the check."""
+
+    def __init__(self, gguf: str, n_ctx: int, kv: str, flash_attn: str, threads: int):
+        import llama_cpp as L
+
+        self.L = L
+        _quiet_logs()
+        self.graph = Graph(record=False)
+        self._cb = L.ggml_backend_sched_eval_callback(lambda t, ask, ud: self.graph(t, ask, ud))
+        self.model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+        if not self.model:
+            raise LoadError(f"llama.cpp cannot load the GGUF: {log_tail()}")
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.type_k = cp.type_v = KV_TYPES[kv]
+        cp.flash_attn_type = FLASH_ATTN[flash_attn]
+        cp.cb_eval, cp.cb_eval_user_data = self._cb, None
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise LoadError(f"llama.cpp cannot make a context for the GGUF: {log_tail()}")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.n_layer = L.llama_model_n_layer(self.model)
+        self.ffn_inputs = {}  # layer -> the graph's name of its experts' input (probe)
+        g = self.record([0], [0])  # ggml_tensor's layout as Graph reads it: the name where ggml_get_name finds it
+        p = next(iter(g.nodes), None)
+        if p is None or ctypes.cast(p, ctypes.POINTER(_Tensor)).contents.name.decode() != g.nodes[p][0]:
+            raise RuntimeError("this llama.cpp's ggml_tensor layout is not the one exporters/llamacpp.py reads")
+
+    def decode(self, tokens, pos, logits_all: bool) -> np.ndarray:
+        L = self.L
+        if pos[0] == 0:
+            L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        n = len(tokens)
+        batch = L.llama_batch_init(n, 0, 1)
+        try:
+            batch.n_tokens = n
+            for i, (t, p) in enumerate(zip(tokens, pos)):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(t), int(p), 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = logits_all or i == n - 1
+            rc = L.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}: {log_tail()}")
+            rows = n if logits_all else 1
+            out = np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(rows * self.n_vocab,))
+            return out.reshape(rows, self.n_vocab).copy()
+        finally:
+            L.llama_batch_free(batch)
+
+    def record(self, tokens, pos, patch=None) -> Graph:
+        self.graph = Graph(record=True, patch=patch)
+        try:
+            self.decode(tokens, pos, logits_all=True)
+            return self.graph
+        finally:
+            self.graph = Graph(record=False)
+
+    def blocks(self, tokens, pos, patch=None) -> dict:
+        """(layer, kind) -> output of one recorded call: a layer, its attention and its experts (or
+        MLP, "ffn"), their own inputs ("input:attention", "input:ffn"), its router; the final norm
+        and the logits."""
+        g = self.record(tokens, pos, patch)
+        if set(patch or ()) - g.patched:
+            raise RuntimeError(f"no node of llama.cpp's graph is named {', '.join(sorted(set(patch) - g.patched))}: "
+                               "the expert probes' inputs cannot be written")
+        out = {}
+        for L in range(self.n_layer):
+            stream = g.stream_into(f"attn_norm-{L}")
+            for key, v in (((L, "layer"), g.value(f"l_out-{L}")),
+                           ((L, "attention"), g.branch(f"ffn_inp-{L}", stream)),
+                           ((L, "ffn"), g.branch(f"l_out-{L}", g.named.get(f"ffn_inp-{L}"))),
+                           ((L, "input:attention"), g.value(f"attn_norm-{L}")),
+                           ((L, "input:ffn"), g.values.get(g.normed(g.named.get(f"ffn_inp-{L}")))),
+                           ((L, "router"), router_of(g, L))):
+                if v is not None:
+                    out[key] = v
+        for key, name in (((None, "final_norm"), "result_norm"), ((None, "logits"), "result_output")):
+            if g.value(name) is not None:
+                out[key] = g.value(name)
+        return out
+
+
+    def probe(self, layer: int, x) -> tuple:
+        """(the layer's experts' output, its routing) on `x` [N, H]: `x` written over the experts'
+        input (the norm of `ffn_inp-L`, found in a one-token run) in a sequence of its own."""
+        if layer not in self.ffn_inputs:
+            g = self.record([0], [0])
+            p = g.normed(g.named.get(f"ffn_inp-{layer}"))
+            name = None if p is None else g.nodes[p][0]
+            if name is None or sum(g.nodes[q][0] == name for q in g.order) != 1:
+                raise RuntimeError(f"layer {layer}'s experts' input is not one named node of llama.cpp's graph "
+                                   f"({name!r}): the expert probes cannot be written")
+            self.ffn_inputs[layer] = name
+        b = self.blocks([0] * x.shape[0], list(range(x.shape[0])), {self.ffn_inputs[layer]: x})
+        return b.get((layer, "ffn")), b.get((layer, "router"))
+
+
+class LoadError(RuntimeError):
+    """llama.cpp refused the GGUF (its loader's reason)."""
+
+
+def router_of(g: Graph, L: int):
+    """(weights [T, k], indices [T, k]) of layer L's routing: `ffn_moe_topk-L` and the last
+    `ffn_moe_weights*-L` (after llama.cpp's softmax, normalisation and scaling, as HF's router returns)."""
+    idx = g.value(f"ffn_moe_topk-{L}")
+    if idx is None:
+        return None
+    weights = [t for t in g.order if g.nodes[t][0].startswith("ffn_moe_weights") and
+               g.nodes[t][0].endswith(f"-{L}") and t in g.values]
+    k = idx.shape[-1]
+    return None if not weights else (g.values[weights[-1]].reshape(-1, k), idx.reshape(-1, k).astype(np.int64))
+
+
+def _serve(gguf: str, n_ctx: str, kv: str, flash_attn: str, threads: str) -> None:
+    """The child: requests (method, args) pickled on stdin, (ok, value) pickled on the stdout it was
+    started with (fd 1 itself is pointed at stderr: nothing llama.cpp prints can corrupt the channel)."""
+    import pickle
+
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+    try:
+        r = Runner(gguf, int(n_ctx), kv, flash_attn, int(threads))
+        pickle.dump((True, {"n_vocab": r.n_vocab, "n_layer": r.n_layer}), out)
+    except Exception as e:  # noqa: BLE001 - its reason goes to the parent
+        pickle.dump((False, (type(e).__name__, str(e))), out)
+        out.flush()
+        return
+    out.flush()
+    while True:
+        try:
+            method, args = pickle.load(inp)
+        except EOFError:
+            return
+        try:
+            pickle.dump((True, getattr(r, method)(*args)), out)
+        except Exception as e:  # noqa: BLE001
+            pickle.dump((False, (type(e).__name__, str(e))), out)
+        out.flush()
+
+
+class LlamaCppCandidate(Candidate):
+    """A GGUF run by llama.cpp in a child process (exporters.llamacpp serve): logits from
+    `llama_decode`, block rows from its eval callback."""
+
+    block_mode = SEQ_MODE
+    block_modes = {k: f"{SEQ_MODE} (sequence) + {PROBE_MODE} (expert probes)" for k in ("router", "moe")}
+
+    def __init__(self, gguf: Path, n_ctx: int, kv: str, info: dict, threads: int | None = None,
+                 flash_attn: str = "auto"):
+        self.info, self.gguf = info, Path(gguf)
+        threads = threads or max(1, min(4, os.cpu_count() or 1))
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "exporters.llamacpp", "serve", str(gguf), str(n_ctx), kv,
+                                      flash_attn, str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, cwd=Path(__file__).resolve().parent.parent)
+        head = self._reply()
+        self.n_vocab, self.n_layer = head["n_vocab"], head["n_layer"]
+        self._seq = (None, None)
+
+    def _reply(self):
+        import pickle
+
+        try:
+            ok, value = pickle.load(self.proc.stdout)
+        except EOFError:
+            self.proc.wait()
+            self._stderr.seek(0)
+            lines = [x for x in self._stderr.read().decode(errors="replace").splitlines() if x.strip()]
+            why = next((x for x in lines if "GGML_ASSERT" in x or "error" in x.lower()), lines[-1] if lines else "")
+            raise RuntimeError(f"llama.cpp aborted (exit {self.proc.returncode}): {why.strip()[-600:]}") from None
+        if not ok:
+            name, msg = value
+            raise (LoadError if name == "LoadError" else RuntimeError)(msg)
+        return value
+
+    def _call(self, method: str, *args):
+        import pickle
+
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"llama.cpp's process ended (exit {self.proc.returncode})")
+        pickle.dump((method, args), self.proc.stdin)
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self):
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+
+    __del__ = close
+
+    def prefill(self, tokens):
+        return self._call("decode", list(tokens), list(range(len(tokens))), True)
+
+    def decode(self, token, pos):
+        return self._call("decode", [int(token)], [int(pos)], False)[0]
+
+    def sequence(self, calls) -> list[dict]:
+        """Per call of the sequence: (layer, kind) -> output, from one recorded run."""
+        key = tuple((tuple(c.tokens), tuple(c.pos.tolist())) for c in calls)
+        if self._seq[0] != key:
+            if calls and int(calls[0].pos[0]) != 0:
+                raise ValueError("the block calls must start a sequence at position 0")
+            self._seq = (key, [self._call("blocks", list(c.tokens), c.pos.tolist()) for c in calls])
+        return self._seq[1]
+
+    def block_input(self, layer, kind, calls):
+        seq = [c for c in calls if not c.probe]
+        rows = self.sequence(seq) if seq else []
+        name = (layer, "input:attention" if kind == "attention" else "input:ffn")
+        if not rows or any(name not in r for r in rows):
+            return None
+        return [r[name] for r in rows]
+
+    def probe(self, layer: int, xs: list) -> list[tuple]:
+        """(block output, (weights, indices)) per input: Runner.probe."""
+        return [self._call("probe", layer, np.asarray(x, np.float32).reshape(-1, x.shape[-1])) for x in xs]
+
+    def run_block(self, layer, kind, calls):
+        seq = [c for c in calls if not c.probe]
+        probes = [c for c in calls if c.probe]
+        if probes and kind not in ("router", "moe"):
+            return None
+        name = (layer, "ffn" if kind in ("moe", "mlp") else kind)
+        rows = self.sequence(seq) if seq else []
+        if any(name not in r for r in rows):
+            return None  # not in this graph (a name llama.cpp's graph of the model does not give)
+        outs = [r[name][None] if kind != "router" else r[name] for r in rows]
+        for moe, router in self.probe(layer, [c.x_array for c in probes]) if probes else []:
+            outs.append(router if kind == "router" else moe[None])
+        return outs
+
+
+class LlamaCppBackend(Backend):
+    """llama.cpp on a GGUF converted by its own converter from the checkpoint (cached)."""
+
+    name = "llamacpp"
+    runs_torch = False
+    precisions = ("fp32", "bf16")
+    option_schema = (
+        Option("outtype", str, CONVERTER_TYPES + tuple(QUANTIZE_TYPES), None,
+               "the GGUF's type: the converter's (f32: the fp32 check's; bf16: the bf16 check's) or a "
+               "llama-quantize type from the f32 GGUF"),
+        Option("kv", str, tuple(KV_TYPES), None, "the KV cache's type (default f32 at fp32, f16 otherwise: "
+               "llama.cpp's default, what users run)"),
+        Option("flash_attn", str, tuple(FLASH_ATTN), None, "llama.cpp's flash attention (default off at fp32: "
+               "its CPU kernel reads K and V as f16 whatever the cache's type; auto otherwise, llama.cpp's default)"),
+    )
+
+    def __init__(self, name: str = "llamacpp", transform=None, transform_id: str | None = None):
+        self.name, self.transform, self.transform_id = name, transform, transform_id
+
+    def availability(self):
+        if installed_version() is None:
+            return False, f"{PACKAGE} not installed (pip install 'moe-oracle[llamacpp]': a source build of llama.cpp)"
+        try:
+            import llama_cpp  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - a broken build: say why
+            return False, f"llama_cpp cannot be imported: {type(e).__name__}: {e}"
+        problem = converter_problem()
+        return (False, problem) if problem else (True, "")
+
+    def settings(self, spec) -> tuple[str, str, str]:
+        """(outtype, kv, flash_attn): at fp32 an f32 GGUF, an f32 KV cache and no flash attention;
+        else a bf16 GGUF with llama.cpp's defaults (f16 KV cache, flash attention auto)."""
+        fp32 = spec.precision == "fp32"
+        o = spec.options
+        return (o.get("outtype") or ("f32" if fp32 else "bf16"), o.get("kv") or ("f32" if fp32 else "f16"),
+                o.get("flash_attn") or ("off" if fp32 else "auto"))
+
+    def gguf(self, src, spec) -> Artifact:
+        """The checkpoint as a GGUF of `outtype` (cached by checkpoint, type, version and code)."""
+        outtype = self.settings(spec)[0]
+        base = "f32" if outtype in QUANTIZE_TYPES else outtype
+        code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+        parts = {"backend": "llamacpp", "checkpoint": src.checkpoint_sha256, "outtype": base,
+                 "versions": versions(PACKAGE), "code": code, "transform_id": self.transform_id}
+
+        def build(path: Path):
+            convert(src.model_dir, path, base)
+            if self.transform is not None:
+                self.transform(path)
+
+        art = cached_artifact("llamacpp", parts, "model.gguf", build)
+        if outtype not in QUANTIZE_TYPES:
+            return art
+
+        def quantize(path: Path):
+            import llama_cpp as L
+
+            _quiet_logs()
+            qp = L.llama_model_quantize_default_params()
+            qp.ftype = QUANTIZE_TYPES[outtype]
+            rc = L.llama_model_quantize(art.path.encode(), str(path).encode(), ctypes.byref(qp))
+            if rc != 0:
+                raise RuntimeError(f"llama_model_quantize to {outtype} returned {rc}")
+
+        return cached_artifact("llamacpp", {**parts, "quantize": outtype}, "model.gguf", quantize)
+
+    def load(self, src, spec):
+        outtype, kv, fa = self.settings(spec)
+        t = time.perf_counter()
+        art = self.gguf(src, spec)
+        info = {"executor": f"llama.cpp ({PACKAGE} {installed_version()}), CPU, KV cache {kv}, flash attention {fa}",
+                "gguf": {"outtype": outtype, "kv": kv, "flash_attn": fa, "converter": f"convert_hf_to_gguf.py of {PACKAGE} "
+                                                                     f"{installed_version()}"},
+                "artifacts": [art.as_dict()]}
+        n_ctx = max(src.args.max_seq_len, 2 * (src.args.num_experts or 1), 32)
+        try:
+            cand = LlamaCppCandidate(Path(art.path), n_ctx, kv, info, flash_attn=fa)
+        except LoadError as e:  # llama.cpp refuses what its own converter wrote: its reason
+            raise InputError(f"{e} (written by llama.cpp's converter from this checkpoint)") from None
+        cand.info["load_s"] = round(time.perf_counter() - t, 3)
+        return cand
+
+    def with_fault(self, fault):
+        return None
+
+    def export(self, src, spec, output_dir: Path) -> list[Path]:
+        art = self.gguf(src, spec)
+        out = Path(output_dir) / "model.gguf"
+        shutil.copyfile(art.path, out)
+        return [out]
+
+
+BACKEND = LlamaCppBackend()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["setup"]:
+        print(setup())
+    elif sys.argv[1:2] == ["convert"]:
+        _convert_main(*sys.argv[2:5])
+    elif sys.argv[1:2] == ["serve"]:
+        _serve(*sys.argv[2:7])
+    else:
+        print("usage: python -m exporters.llamacpp setup | convert MODEL_DIR OUT.gguf OUTTYPE", file=sys.stderr)
+        sys.exit(2)
