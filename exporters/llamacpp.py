@@ -108,11 +108,15 @@ def convert(model_dir: Path, out: Path, outtype: str) -> dict:
     r = subprocess.run([sys.executable, "-m", "exporters.llamacpp", "convert", str(model_dir), str(out), outtype],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     if r.returncode != 0:
-        lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
-        reason = next((x for x in reversed(lines) if "not supported" in x or "Error" in x), lines[-1] if lines else "")
-        if r.returncode == 3:
-            raise InputError(f"llama.cpp's converter cannot convert this checkpoint: {reason.split(':', 1)[-1].strip()}")
-        raise RuntimeError(f"llama.cpp's converter failed (exit {r.returncode}): {' '.join(lines[-6:])[:1500]}")
+        # the converter's own reason: its last exception line (or its message of an unsupported model)
+        lines = [x.strip() for x in (r.stderr + r.stdout).splitlines() if x.strip()]
+        reason = next((x for x in reversed(lines) if "not supported" in x or
+                       (x.split(":", 1)[0].endswith(("Error", "Exception")) and " " not in x.split(":", 1)[0])),
+                      lines[-1] if lines else f"exit {r.returncode}")
+        where = next((x for x in reversed(lines) if x.startswith("File ") and "/conversion/" in x), "")
+        where = f" (at {where.split('/conversion/', 1)[1]})" if where else ""
+        raise InputError(f"llama.cpp's converter (convert_hf_to_gguf.py of {PACKAGE} {installed_version()}) cannot "
+                         f"convert this checkpoint: {reason}{where}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -261,10 +265,9 @@ class Graph:
         p = self.named.get(name)
         return None if p is None else self.values.get(p)
 
-    def branch(self, add: str, stream) -> np.ndarray | None:
-        """The operand of the ADD named `add` that is not `stream` (a pointer): the block's output
-        added to the residual stream, read before a SCALE on it (a residual multiplier)."""
-        p = self.named.get(add)
+    def branch(self, p, stream) -> np.ndarray | None:
+        """The operand of the ADD `p` (a pointer) that is not `stream`: the block's output added to
+        the residual stream, read before a SCALE on it (a residual multiplier)."""
         if p is None or self.nodes[p][1] != "ADD":
             return None
         other = [q for q in self.nodes[p][2] if self.through(q) != self.through(stream)]
@@ -274,6 +277,27 @@ class Graph:
         while q in self.nodes and self.nodes[q][1] == "SCALE":  # the block's output is what is scaled
             q = self.nodes[q][2][0]
         return self.values.get(q)
+
+    def add_onto(self, stream, after):
+        """The first ADD after node `after` with `stream` as an operand: the residual sum (llama.cpp
+        names it per model: ffn_inp-L, attn_residual-L, ...)."""
+        if stream is None or after not in self.nodes:
+            return None
+        for p in self.order[self.order.index(after) + 1:]:
+            _, op, srcs = self.nodes[p]
+            if op == "ADD" and any(self.through(q) == self.through(stream) for q in srcs):
+                return p
+        return None
+
+    def layer(self, L: int) -> dict:
+        """Layer L's nodes (pointers): its input `stream`, the residual sum after its attention
+        `mid`, its output `out` (l_out-L), its attention's input `attn_in` (attn_norm-L), its
+        experts' or MLP's input `ffn_in` (the norm of `mid`)."""
+        attn_in = self.named.get(f"attn_norm-{L}")
+        stream = self.stream_into(f"attn_norm-{L}")
+        mid = self.add_onto(stream, attn_in)
+        return {"stream": stream, "mid": mid, "out": self.named.get(f"l_out-{L}"), "attn_in": attn_in,
+                "ffn_in": self.normed(mid) if mid is not None else None}
 
     def through(self, p):
         """`p` seen through row selections and views (the last layer keeps only the output rows)."""
@@ -370,12 +394,12 @@ class Runner:
                                "the expert probes' inputs cannot be written")
         out = {}
         for L in range(self.n_layer):
-            stream = g.stream_into(f"attn_norm-{L}")
-            for key, v in (((L, "layer"), g.value(f"l_out-{L}")),
-                           ((L, "attention"), g.branch(f"ffn_inp-{L}", stream)),
-                           ((L, "ffn"), g.branch(f"l_out-{L}", g.named.get(f"ffn_inp-{L}"))),
-                           ((L, "input:attention"), g.value(f"attn_norm-{L}")),
-                           ((L, "input:ffn"), g.values.get(g.normed(g.named.get(f"ffn_inp-{L}")))),
+            n = g.layer(L)
+            for key, v in (((L, "layer"), g.values.get(n["out"])),
+                           ((L, "attention"), g.branch(n["mid"], n["stream"])),
+                           ((L, "ffn"), g.branch(n["out"], n["mid"])),
+                           ((L, "input:attention"), g.values.get(n["attn_in"])),
+                           ((L, "input:ffn"), g.values.get(n["ffn_in"])),
                            ((L, "router"), router_of(g, L))):
                 if v is not None:
                     out[key] = v
@@ -387,10 +411,10 @@ class Runner:
 
     def probe(self, layer: int, x) -> tuple:
         """(the layer's experts' output, its routing) on `x` [N, H]: `x` written over the experts'
-        input (the norm of `ffn_inp-L`, found in a one-token run) in a sequence of its own."""
+        input (Graph.layer's `ffn_in`, found in a one-token run) in a sequence of its own."""
         if layer not in self.ffn_inputs:
             g = self.record([0], [0])
-            p = g.normed(g.named.get(f"ffn_inp-{layer}"))
+            p = g.layer(layer)["ffn_in"]
             name = None if p is None else g.nodes[p][0]
             if name is None or sum(g.nodes[q][0] == name for q in g.order) != 1:
                 raise RuntimeError(f"layer {layer}'s experts' input is not one named node of llama.cpp's graph "
@@ -615,8 +639,8 @@ class LlamaCppBackend(Backend):
         n_ctx = max(src.args.max_seq_len, 2 * (src.args.num_experts or 1), 32)
         try:
             cand = LlamaCppCandidate(Path(art.path), n_ctx, kv, info, flash_attn=fa)
-        except LoadError as e:  # llama.cpp refuses what its own converter wrote: its reason
-            raise InputError(f"{e} (written by llama.cpp's converter from this checkpoint)") from None
+        except RuntimeError as e:  # llama.cpp cannot load or run what its own converter wrote: its reason
+            raise InputError(f"{e} (the GGUF llama.cpp's converter wrote from this checkpoint)") from None
         cand.info["load_s"] = round(time.perf_counter() - t, 3)
         return cand
 

@@ -11,7 +11,7 @@ from oracle import thresholds
 from oracle.backend import CheckSpec
 
 PACKAGES = ("torch", "transformers", "safetensors", "numpy", "executorch", "iree-base-compiler",
-            "iree-base-runtime", "iree-turbine", "mlx", "mlx-lm", "moe-oracle")
+            "iree-base-runtime", "iree-turbine", "mlx", "mlx-lm", "llama-cpp-python", "moe-oracle")
 
 
 def provenance(spec: CheckSpec, backend=None) -> dict:
