@@ -328,14 +328,16 @@ class Runner:
     """llama.cpp on one GGUF, in the child process (`python -m exporters.llamacpp serve`): a
     GGML_ASSERT aborts that process, not the check."""
 
-    def __init__(self, gguf: str, n_ctx: int, kv: str, flash_attn: str, threads: int):
+    def __init__(self, gguf: str, n_ctx: int, kv: str, flash_attn: str, threads: int, repack: str = "on"):
         import llama_cpp as L
 
         self.L = L
         _quiet_logs()
         self.graph = Graph(record=False)
         self._cb = L.ggml_backend_sched_eval_callback(lambda t, ask, ud: self.graph(t, ask, ud))
-        self.model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+        mp = L.llama_model_default_params()
+        mp.use_extra_bufts = repack == "on"  # the CPU's repacked weight buffers (AMX, interleaved quants)
+        self.model = L.llama_model_load_from_file(str(gguf).encode(), mp)
         if not self.model:
             raise LoadError(f"llama.cpp cannot load the GGUF: {log_tail()}")
         cp = L.llama_context_default_params()
@@ -440,7 +442,7 @@ def router_of(g: Graph, L: int):
     return None if not weights else (g.values[weights[-1]].reshape(-1, k), idx.reshape(-1, k).astype(np.int64))
 
 
-def _serve(gguf: str, n_ctx: str, kv: str, flash_attn: str, threads: str) -> None:
+def _serve(gguf: str, n_ctx: str, kv: str, flash_attn: str, threads: str, repack: str) -> None:
     """The child: requests (method, args) pickled on stdin, (ok, value) pickled on the stdout it was
     started with (fd 1 itself is pointed at stderr: nothing llama.cpp prints can corrupt the channel)."""
     import pickle
@@ -449,7 +451,7 @@ def _serve(gguf: str, n_ctx: str, kv: str, flash_attn: str, threads: str) -> Non
     os.dup2(2, 1)
     inp = sys.stdin.buffer
     try:
-        r = Runner(gguf, int(n_ctx), kv, flash_attn, int(threads))
+        r = Runner(gguf, int(n_ctx), kv, flash_attn, int(threads), repack)
         pickle.dump((True, {"n_vocab": r.n_vocab, "n_layer": r.n_layer}), out)
     except Exception as e:  # noqa: BLE001 - its reason goes to the parent
         pickle.dump((False, (type(e).__name__, str(e))), out)
@@ -476,12 +478,12 @@ class LlamaCppCandidate(Candidate):
     block_modes = {k: f"{SEQ_MODE} (sequence) + {PROBE_MODE} (expert probes)" for k in ("router", "moe")}
 
     def __init__(self, gguf: Path, n_ctx: int, kv: str, info: dict, threads: int | None = None,
-                 flash_attn: str = "auto"):
+                 flash_attn: str = "auto", repack: str = "on"):
         self.info, self.gguf = info, Path(gguf)
         threads = threads or max(1, min(4, os.cpu_count() or 1))
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-m", "exporters.llamacpp", "serve", str(gguf), str(n_ctx), kv,
-                                      flash_attn, str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      flash_attn, str(threads), repack], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, cwd=Path(__file__).resolve().parent.parent)
         head = self._reply()
         self.n_vocab, self.n_layer = head["n_vocab"], head["n_layer"]
@@ -567,6 +569,7 @@ class LlamaCppBackend(Backend):
 
     name = "llamacpp"
     runs_torch = False
+    artifact_suffix = ".gguf"  # --gguf FILE: a GGUF as shipped (exporters/llamacpp_gguf.py)
     precisions = ("fp32", "bf16")
     option_schema = (
         Option("outtype", str, CONVERTER_TYPES + tuple(QUANTIZE_TYPES), None,
@@ -576,6 +579,9 @@ class LlamaCppBackend(Backend):
                "llama.cpp's default, what users run)"),
         Option("flash_attn", str, tuple(FLASH_ATTN), None, "llama.cpp's flash attention (default off at fp32: "
                "its CPU kernel reads K and V as f16 whatever the cache's type; auto otherwise, llama.cpp's default)"),
+        Option("repack", str, ("on", "off"), None, "llama.cpp's CPU extra buffer types for quantized weights "
+               "(AMX where the CPU has it, interleaved repacking): default off at fp32, on otherwise (llama.cpp's "
+               "default). On an AMX host llama.cpp 0.3.36 crashes on tiny Q8_0 models with them (docs/llamacpp.md)"),
     )
 
     def __init__(self, name: str = "llamacpp", transform=None, transform_id: str | None = None):
@@ -591,26 +597,31 @@ class LlamaCppBackend(Backend):
         problem = converter_problem()
         return (False, problem) if problem else (True, "")
 
-    def settings(self, spec) -> tuple[str, str, str]:
-        """(outtype, kv, flash_attn): at fp32 an f32 GGUF, an f32 KV cache and no flash attention;
-        else a bf16 GGUF with llama.cpp's defaults (f16 KV cache, flash attention auto)."""
+    def settings(self, spec) -> tuple[str, str, str, str]:
+        """(outtype, kv, flash_attn, repack): at fp32 an f32 GGUF, an f32 KV cache, no flash attention and
+        no repacked weight buffers; else a bf16 GGUF with llama.cpp's defaults (f16 KV cache, flash
+        attention auto, repacking on)."""
         fp32 = spec.precision == "fp32"
         o = spec.options
         return (o.get("outtype") or ("f32" if fp32 else "bf16"), o.get("kv") or ("f32" if fp32 else "f16"),
-                o.get("flash_attn") or ("off" if fp32 else "auto"))
+                o.get("flash_attn") or ("off" if fp32 else "auto"), o.get("repack") or ("off" if fp32 else "on"))
 
     def gguf(self, src, spec) -> Artifact:
         """The checkpoint as a GGUF of `outtype` (cached by checkpoint, type, version and code)."""
         outtype = self.settings(spec)[0]
         base = "f32" if outtype in QUANTIZE_TYPES else outtype
-        code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+        code = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes()
+                                       for f in ("llamacpp.py", "llamacpp_faults.py"))).hexdigest()[:16]
         parts = {"backend": "llamacpp", "checkpoint": src.checkpoint_sha256, "outtype": base,
                  "versions": versions(PACKAGE), "code": code, "transform_id": self.transform_id}
 
         def build(path: Path):
             convert(src.model_dir, path, base)
             if self.transform is not None:
-                self.transform(path)
+                try:
+                    self.transform(path, src.args)
+                except KeyError as e:  # a key or tensor this GGUF does not have (its architecture reads none)
+                    raise InputError(f"the fault has no form in this GGUF: {e.args[0]}") from None
 
         art = cached_artifact("llamacpp", parts, "model.gguf", build)
         if outtype not in QUANTIZE_TYPES:
@@ -628,24 +639,57 @@ class LlamaCppBackend(Backend):
 
         return cached_artifact("llamacpp", {**parts, "quantize": outtype}, "model.gguf", quantize)
 
+    def artifact_weights(self, original, path: Path, progress):
+        """--gguf: the GGUF's weights as an HF checkpoint (exporters/llamacpp_gguf.py), checked against the
+        original's f32 conversion by the same converter (architecture, hyper-parameters, tensors)."""
+        from dataclasses import replace
+
+        from exporters.llamacpp_gguf import dequantized_gguf
+        from oracle.backend import CheckSpec
+
+        progress("converting the original (llama.cpp's converter, f32) to compare the GGUF with")
+        ref = self.gguf(original, CheckSpec(family=original.family.name, backend=self.name))
+        return dequantized_gguf(original.family, original, path, Path(ref.path), f"{PACKAGE} {installed_version()}",
+                                progress)
+
     def load(self, src, spec):
-        outtype, kv, fa = self.settings(spec)
+        outtype, kv, fa, repack = self.settings(spec)
         t = time.perf_counter()
-        art = self.gguf(src, spec)
-        info = {"executor": f"llama.cpp ({PACKAGE} {installed_version()}), CPU, KV cache {kv}, flash attention {fa}",
-                "gguf": {"outtype": outtype, "kv": kv, "flash_attn": fa, "converter": f"convert_hf_to_gguf.py of {PACKAGE} "
+        if spec.artifact is not None:  # --gguf: the file as shipped
+            art = Artifact(Path(spec.artifact).name, str(spec.artifact), sha256_file(Path(spec.artifact)), True, 0.0)
+            outtype = "given"
+        else:
+            art = self.gguf(src, spec)
+        info = {"executor": f"llama.cpp ({PACKAGE} {installed_version()}), CPU, KV cache {kv}, flash attention {fa}, "
+                            f"repacked weights {repack}",
+                "gguf": {"outtype": outtype, "kv": kv, "flash_attn": fa, "repack": repack, "converter": f"convert_hf_to_gguf.py of {PACKAGE} "
                                                                      f"{installed_version()}"},
                 "artifacts": [art.as_dict()]}
         n_ctx = max(src.args.max_seq_len, 2 * (src.args.num_experts or 1), 32)
         try:
-            cand = LlamaCppCandidate(Path(art.path), n_ctx, kv, info, flash_attn=fa)
+            cand = LlamaCppCandidate(Path(art.path), n_ctx, kv, info, flash_attn=fa, repack=repack)
         except RuntimeError as e:  # llama.cpp cannot load or run what its own converter wrote: its reason
             raise InputError(f"{e} (the GGUF llama.cpp's converter wrote from this checkpoint)") from None
         cand.info["load_s"] = round(time.perf_counter() - t, 3)
         return cand
 
     def with_fault(self, fault):
-        return None
+        """This backend with a GGUF fault (exporters/llamacpp_faults.py) written into the converted GGUF."""
+        from exporters import llamacpp_faults
+
+        if fault not in llamacpp_faults.CATALOGUE:
+            return None
+        return type(self)(f"{self.name}+{fault.name}", lambda path, args: fault.apply(path, fault.layer(args), args),
+                          fault.name)
+
+    def fault_not_applicable(self, fault):
+        return ("a fault of the torch production model: llama.cpp runs the GGUF, whose faults are "
+                "exporters/llamacpp_faults.py's")
+
+    def fault_catalogue(self, args):
+        from exporters import llamacpp_faults
+
+        return llamacpp_faults.applicable(args)
 
     def export(self, src, spec, output_dir: Path) -> list[Path]:
         art = self.gguf(src, spec)
@@ -663,7 +707,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["convert"]:
         _convert_main(*sys.argv[2:5])
     elif sys.argv[1:2] == ["serve"]:
-        _serve(*sys.argv[2:7])
+        _serve(*sys.argv[2:8])
     else:
         print("usage: python -m exporters.llamacpp setup | convert MODEL_DIR OUT.gguf OUTTYPE", file=sys.stderr)
         sys.exit(2)

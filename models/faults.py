@@ -25,7 +25,8 @@ class Fault:
     kind: str  # the block kind the oracle must name
     # which layer: full (last softmax-attention layer: full, sliding or chunked), rope (last that rotates),
     # nope (last that does not), sliding (last sliding-window), linear (last Gated DeltaNet),
-    # dense (first dense), last, model
+    # dense (first dense), last, model; first, first_<target> and last_sparse (a fault of a hyper-parameter
+    # every layer reads shows first in the first layer it touches: exporters/llamacpp_faults.py)
     target: str
     what: str
     apply: Callable  # (module at the target, args) -> None
@@ -36,14 +37,18 @@ class Fault:
     def layer(self, a: ModelArgs) -> int | None:
         if self.target == "model":
             return None
-        if self.target == "last":
-            return a.num_hidden_layers - 1
+        if self.target in ("last", "first"):
+            return a.num_hidden_layers - 1 if self.target == "last" else 0
         if self.target == "dense":
             return min(i for i in range(a.num_hidden_layers) if mlp_type(a, i) == DENSE)
+        if self.target.startswith("first_"):  # a fault of every layer (a hyper-parameter) shows first here
+            return min(_targets(a, self.target[6:]))
+        if self.target == "last_sparse":
+            return max(_targets(a, "sparse"))
         return max(_targets(a, self.target))
 
     def is_applicable(self, a: ModelArgs) -> bool:
-        if self.target not in ("model", "last", "dense") and not _targets(a, self.target):
+        if self.target not in ("model", "last", "first", "dense") and not _targets(a, self.target.split("_")[-1]):
             return False
         if self.target == "dense" and DENSE not in a.mlp_types:
             return False
@@ -66,7 +71,8 @@ def _targets(a: ModelArgs, target: str) -> list[int]:
     """The layers a target names (its fault goes to the last)."""
     rotates = a.rope.rotates
     pick = {"full": lambda i, t: t != LINEAR, "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
-            "rope": lambda i, t: t != LINEAR and rotates(i), "nope": lambda i, t: t != LINEAR and not rotates(i)}[target]
+            "rope": lambda i, t: t != LINEAR and rotates(i), "nope": lambda i, t: t != LINEAR and not rotates(i),
+            "sparse": lambda i, t: mlp_type(a, i) == SPARSE}[target]
     return [i for i, t in enumerate(a.layer_types) if pick(i, t)]
 
 

@@ -275,8 +275,14 @@ class Backend:
     # quantized precisions (q8/q4) are checked on the directory it exports: the harness builds it
     # (cached) and judges the candidate against HF on its weights dequantized (CheckSpec.quant_reference)
     loads_directory: bool = False
-    # the suffix of a program built elsewhere that it runs (--pte .pte / --vmfb .vmfb); None: refused
+    # the suffix of a program built elsewhere that it runs (--pte .pte / --vmfb .vmfb / --gguf .gguf); None: refused
     artifact_suffix: str | None = None
+    # artifact_weights(original: ModelSource, path: Path, progress) -> (dir, summary): a given artifact
+    # that carries weights of its own (a GGUF, quantized or not): the HF checkpoint of those weights
+    # dequantized (cached) and what its quantization is (summary: bits, types). The check then has the
+    # two row sets of a shipped directory: the candidate against HF on those weights, and HF on them
+    # against HF on the original. None: a given program carries the checkpoint's own weights
+    artifact_weights = None
     # the memory guard: peak bytes per checkpoint parameter its load/build needs, per precision (no
     # entry: no guard), and what is held then (see memory_estimate)
     memory_per_param: dict = {}
@@ -287,6 +293,10 @@ class Backend:
     # with_fault(fault) -> Backend | None: this backend with a seeded fault (models/faults.py)
     # injected, None where the fault cannot be expressed on it; None here: `oracle selftest` refused
     with_fault = None
+    # fault_catalogue(args) -> list of models.faults.Fault: the backend's own faults for a model, in
+    # place of models/faults.py's (a backend that runs no production model, e.g. llama.cpp's GGUF
+    # faults); None: the catalogue's
+    fault_catalogue = None
 
     def availability(self) -> tuple[bool, str]:
         """(True, "") or (False, "the exact reason, e.g. 'torch is a CPU build'"): the check is then
@@ -330,8 +340,9 @@ class Backend:
 
 # the members with a default: what an adapter takes from a duck-typed plugin where it has them
 _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_directory", "artifact_suffix",
-                       "memory_per_param", "memory_note", "export", "with_fault", "check_options",
-                       "check_given", "memory_estimate", "fault_not_applicable", "fault_point"),
+                       "memory_per_param", "memory_note", "export", "with_fault", "check_options", "artifact_weights",
+                       "check_given", "memory_estimate", "fault_not_applicable", "fault_point",
+                       "fault_catalogue"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "block_input", "run_block_points", "no_points")}

@@ -167,6 +167,8 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             uw = np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in upstream]).astype(np.float64)
             ui = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in upstream])
             um = router_metrics(ref_w, ref_i, uw, ui, gaps, tie)
+            # a token routed as HF routes the candidate's own upstream agrees (its input differed before)
+            m.update(router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie, own=(uw, ui)))
             m["upstream_weight_max_abs"] = um["weight_max_abs"]
             lim = {**lim, "upstream_factor": rule["upstream_factor"], "table_weight_atol": lim["weight_atol"],
                    "weight_atol": lim["weight_atol"] + rule["upstream_factor"] * um["weight_max_abs"]}

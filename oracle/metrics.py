@@ -102,13 +102,15 @@ def weight_diffs(ref_w, ref_idx, cand_w, cand_idx) -> np.ndarray:
     return out
 
 
-def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap) -> dict:
+def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap, own=None) -> dict:
     """Top-k routing agreement per token (as sets of experts) and the weight difference
     on tokens that agree. `ref_gap` [N]: the margin of the reference's choice per token (its
     k-th minus (k+1)-th selection score, or of another decision of its routing, such as a group
     choice or sparsemixer's mask: oracle.compare.router_gaps); a token whose margin is below
     `tie_gap` (a number, or one per token) is a tie: a disagreement there, of the experts or of
-    their weights, is counted apart, not hidden."""
+    their weights, is counted apart, not hidden. `own` (weights, indices): the correct routing of
+    the candidate's own input (an in-situ row fed its own input, oracle/insitu.py): a token the
+    candidate routes as that does agrees (its input already differed), its weights judged there."""
     rw, cw, gap = as_f64(ref_w), as_f64(cand_w), as_f64(ref_gap).reshape(-1)
     ri, ci = np.asarray(ref_idx).astype(np.int64), np.asarray(cand_idx).astype(np.int64)
     if ri.shape != ci.shape or rw.shape != cw.shape:
@@ -119,6 +121,12 @@ def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap) -> dict:
         return {"shape_mismatch": f"{gap.shape[0]} reference margins for {n} tokens", "nonfinite": 0}
     dw = weight_diffs(rw, ri, cw, ci)
     agree = np.array([set(ri[t]) == set(ci[t]) for t in range(n)], dtype=bool)
+    rerouted = np.zeros(n, dtype=bool)
+    if own is not None:
+        ow, oi = as_f64(own[0]).reshape(n, k), np.asarray(own[1]).astype(np.int64).reshape(n, k)
+        rerouted = ~agree & np.array([set(oi[t]) == set(ci[t]) for t in range(n)], dtype=bool)
+        dw = np.where(rerouted, weight_diffs(ow, oi, cw, ci), dw)
+        agree = agree | rerouted
     tie = gap < tie_gap
     counted = ~tie | agree  # ties that disagree are not held against the candidate
     out = {
@@ -132,6 +140,8 @@ def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap) -> dict:
     }
     if (agree & tie).any():  # the weights of near-tie tokens (sparsemixer's mask decides them): apart
         out["tie_weight_max_abs"] = float(dw[agree & tie].max())
+    if rerouted.any():  # routed as its own input routes, not as the reference's
+        out["rerouted_by_input"] = [int(t) for t in np.flatnonzero(rerouted)]
     return out
 
 

@@ -205,7 +205,9 @@ def _worst(doc_worst: dict | None) -> dict | None:
     if not doc_worst:
         return None
     m, lim = doc_worst["metrics"], doc_worst["limits"]
-    if doc_worst["kind"] == "router":
+    if m.get("shape_mismatch"):  # a measured finding (e.g. k-1 experts per token), not a malformed row
+        metric, value, limit = "shape", m["shape_mismatch"], "the reference's shape"
+    elif doc_worst["kind"] == "router":
         metric, value, limit = "weight_max_abs", m.get("weight_max_abs"), lim.get("weight_atol")
         if m.get("topk_agreement", 1.0) < lim.get("min_agreement", 1.0):
             metric, value, limit = "topk_agreement", m.get("topk_agreement"), lim.get("min_agreement")
@@ -300,7 +302,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 clean[p] = run_check(replace(spec, precision=p), base)
             return clean[p]
 
-        for fault in faults.applicable(args):
+        for fault in base.fault_catalogue(args) if base.fault_catalogue is not None else faults.applicable(args):
             if fault_names and fault.name not in fault_names:
                 continue
             variant = base.with_fault(fault)
