@@ -14,19 +14,23 @@ from pathlib import Path
 import torch
 
 from oracle import points
+from oracle.arithmetic import arithmetic
 from oracle.backend import Backend, Candidate
 from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
 
-# fp64: HF's exact answer for fp32's own measured error (oracle/noise.py exact_for), not a user precision
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+# fp64: HF's exact answer for fp32's own measured error (oracle/noise.py exact_for), not a user precision;
+# a8: fp32 with 8-bit activations at every weight product (oracle/arithmetic.py: llama.cpp's arithmetic on
+# quantized weights), the noise reference of a quantized GGUF, not a user precision either
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64, "a8": torch.float32}
 
 
 class HFCandidate(Candidate):
     block_mode = "isolated"
 
-    def __init__(self, model, family, dtype):
+    def __init__(self, model, family, dtype, precision: str = ""):
         self.model, self.family, self.dtype = model, family, dtype
+        self.precision = precision  # an arithmetic beyond the dtype (oracle/arithmetic.py), e.g. a8
         self.modules = block_modules(model, family)
         self.args = model_args(model, family)
         self.read_router = router_reader(family, self.args)
@@ -42,18 +46,30 @@ class HFCandidate(Candidate):
 
     @torch.no_grad()
     def prefill(self, tokens):
+        with arithmetic(self.precision):
+            return self._prefill(tokens)
+
+    def _prefill(self, tokens):
         out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0]
 
     @torch.no_grad()
     def decode(self, token, pos):
+        with arithmetic(self.precision):
+            return self._decode(token, pos)
+
+    def _decode(self, token, pos):
         out = self.model(input_ids=torch.tensor([[token]]), past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0, -1]
 
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
+        with arithmetic(self.precision):
+            return self._run_block(layer, kind, calls)
+
+    def _run_block(self, layer, kind, calls):
         probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
         calls = [c for c in calls if not c.probe]
         outs = self._replay(layer, kind, calls)
@@ -126,11 +142,11 @@ class HFBackend(Backend):
         if reference_mode(model.model_dir) == "streamed":  # as the reference: layers offloaded to disk
             offload = tempfile.TemporaryDirectory(prefix="moe-oracle-hf-")
             cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, Path(offload.name)),
-                               model.family, dtype)
+                               model.family, dtype, spec.precision)
             cand.offload = offload  # removed with the candidate
             cand.info["executor"] += " (decoder layers streamed from disk by accelerate hooks)"
             return cand
-        return HFCandidate(load_hf_model(model.family, model.model_dir, dtype), model.family, dtype)
+        return HFCandidate(load_hf_model(model.family, model.model_dir, dtype), model.family, dtype, spec.precision)
 
 
 BACKEND = HFBackend()

@@ -601,7 +601,7 @@ class LlamaCppBackend(Backend):
         """(outtype, kv, flash_attn, repack): at fp32 an f32 GGUF, an f32 KV cache, no flash attention and
         no repacked weight buffers; else a bf16 GGUF with llama.cpp's defaults (f16 KV cache, flash
         attention auto, repacking on)."""
-        fp32 = spec.precision == "fp32"
+        fp32 = spec.precision in ("fp32", "a8")  # a8: a quantized GGUF at fp32 activations (llamacpp_gguf)
         o = spec.options
         return (o.get("outtype") or ("f32" if fp32 else "bf16"), o.get("kv") or ("f32" if fp32 else "f16"),
                 o.get("flash_attn") or ("off" if fp32 else "auto"), o.get("repack") or ("off" if fp32 else "on"))
@@ -668,8 +668,10 @@ class LlamaCppBackend(Backend):
         n_ctx = max(src.args.max_seq_len, 2 * (src.args.num_experts or 1), 32)
         try:
             cand = LlamaCppCandidate(Path(art.path), n_ctx, kv, info, flash_attn=fa, repack=repack)
-        except RuntimeError as e:  # llama.cpp cannot load or run what its own converter wrote: its reason
-            raise InputError(f"{e} (the GGUF llama.cpp's converter wrote from this checkpoint)") from None
+        except RuntimeError as e:  # llama.cpp cannot load or run what its own converter wrote (or the given
+            # GGUF, checked against that conversion): a defect of the candidate, the check's error with its reason
+            made = "the given GGUF" if spec.artifact is not None else "the GGUF llama.cpp's converter wrote"
+            raise LoadError(f"{e} ({made} from this checkpoint)") from None
         cand.info["load_s"] = round(time.perf_counter() - t, 3)
         return cand
 

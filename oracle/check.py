@@ -148,6 +148,10 @@ def read_sources(run: Run) -> None:
     elif srcs.shipped is not None and backend.loads_directory:
         spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
         result.spec = spec_record(spec)
+    act = (srcs.quantization or {}).get("activations")
+    if act and spec.precision == "fp32":  # a runtime that rounds activations for these weights (a8: llama.cpp's
+        spec = replace(spec, precision=act)  # quantized GGUFs): judged against HF with that arithmetic
+        result.spec = spec_record(spec)
     run.spec = spec
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
                                        "tiny": spec.model_dir is None and spec.config is None}
@@ -156,7 +160,7 @@ def read_sources(run: Run) -> None:
     if refusal:
         raise InputError(refusal)
     if spec.artifact is not None:
-        artifact_matches(spec, src)
+        artifact_matches(spec, srcs.original or src, sized=backend.artifact_weights is None)  # a GGUF: from the original
         backend.check_given(src, spec)  # the program itself (exporters/given.py; a no-op by default)
     if spec.reference is not None:
         saved = saved_reference(spec)["checkpoint_sha256"]

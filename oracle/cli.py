@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     prog.add_argument("--pte", help="an ExecuTorch program built elsewhere (e.g. by `oracle export`; its .ptd beside "
                       "it) for the executorch backends to run instead of building one")
     prog.add_argument("--vmfb", help="an IREE program built elsewhere (model.irpa beside it) for iree-llvm-cpu to run")
+    prog.add_argument("--gguf", help="a GGUF file as shipped (any llama.cpp type: F32, BF16, Q8_0, Q4_K_M...) for "
+                      "llamacpp to run, checked against the checkpoint it claims to be (--model-dir / --config / tiny): "
+                      "llama.cpp against HF on the GGUF's own weights dequantized, and the quantization's loss apart")
     c.add_argument("--reference", help="a reference directory written by `oracle reference save` (used where its "
                    "checkpoint sha256 is this check's; no HF run)")
     ptext = c.add_mutually_exclusive_group()
@@ -95,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--markdown", help="write the markdown summary here ('-': standard output)")
     c.add_argument("--require", action="store_true", help="a skipped (unavailable) backend is a failure: exit 3")
     c.add_argument("--validate-only", action="store_true", help="read and check every input (options, checkpoint "
-                   "and config, --pte/--vmfb, --reference, --prompts) and stop: exit 0 when all are valid, 2 naming "
+                   "and config, --pte/--vmfb/--gguf, --reference, --prompts) and stop: exit 0 when all are valid, 2 naming "
                    "the first that is not; no reference is captured, nothing is run or written")
     c.add_argument("--sampling", action="store_true", help="add the on-device sampler gate rows")
     c.add_argument("--drill", choices=["auto", "all", "off"], default="auto",
@@ -363,7 +366,7 @@ def cmd_check(a, argv: list[str]) -> int:
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
                      layers=a.layers, weights=a.weights, candidate_dir=a.candidate_dir,
                      quant_reference=a.quant_reference, reference=a.reference,
-                     prompts=read_prompts(a), artifact=a.pte or a.vmfb, options=options, drill=a.drill)
+                     prompts=read_prompts(a), artifact=a.pte or a.vmfb or a.gguf, options=options, drill=a.drill)
     prog, update = progress_reporter()
     try:
         backend = validate(spec)

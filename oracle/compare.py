@@ -217,7 +217,7 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         if rule and "shape_mismatch" not in m and "dtype_mismatch" not in m:
             u = np.concatenate([o.reshape(-1, o.shape[-1]) for o in upstream]).astype(np.float64)
             u = u[keep] if keep is not None and u.shape[0] == keep.shape[0] else u
-            lim = upstream_metrics(lim, rule, r, c, u, m)
+            lim = upstream_metrics(lim, rule, r, c, u, m, h if h is not None and h.shape == r.shape else None)
         if keep is not None:
             m["tie_tokens_excluded"] = int((~keep & ~rerouted).sum())  # near ties, not compared
             if rerouted.any():  # routed elsewhere by the candidate's router row, which judges that
@@ -233,11 +233,15 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
     return BlockRow(layer, kind, status, "isolated", m, lim, ratio, detail)
 
 
-def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.ndarray, m: dict) -> dict:
+def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.ndarray, m: dict,
+                     h: np.ndarray | None = None) -> dict:
     """The limits of an in-situ row whose reference is `r` and candidate `c`, from `u`, HF fp32 on
     the candidate's own upstream (oracle/insitu.py): element by element |c - r| <= atol + rtol |r| +
     upstream_factor |u - r| (an element's propagated error follows what was summed into it
-    upstream, not its own magnitude), rel_l2 <= the table's + upstream_factor x u's. Records u's
+    upstream, not its own magnitude) [+ noise_factor max |h - r| at a noise-relative precision: `h`,
+    HF at it on the reference's input, the block's own rounding, whose elements are another draw of
+    the same noise], rel_l2 <= the row's + upstream_factor
+    x u's. Records u's
     error (`upstream_max_abs`, `upstream_rel_l2`), the candidate's max_abs as a multiple of it
     (`vs_upstream`), the elementwise ratio and the first element beyond it in `m`."""
     if u.shape != r.shape:
@@ -250,6 +254,8 @@ def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.
     prop = np.nan_to_num(np.abs(u - r), nan=0.0, posinf=0.0)  # a non-finite upstream allows nothing more
     d = np.abs(c - r)
     tol = lim["atol"] + lim["rtol"] * np.abs(r) + lim["upstream_factor"] * prop
+    if h is not None and "noise_factor" in lim:  # rounding noise is not elementwise-alike: its max, scaled
+        tol = tol + lim["noise_factor"] * float(np.nan_to_num(np.abs(h - r), nan=0.0, posinf=0.0).max(initial=0.0))
     excess = np.where(np.isfinite(d), d / tol, np.inf)
     m["upstream_allclose_ratio"] = float(excess.max()) if excess.size else 0.0
     bad = np.flatnonzero(~(excess <= 1.0))

@@ -8,7 +8,8 @@ those inputs were not met; a test of its own (tests/test_mlx.py) says when upstr
 
 An entry: family, backend, the package whose versions have the defect and their range (a PEP 440
 specifier set), the precisions (all when absent), `fails` (the row kinds it fails: block kinds
-such as `router` or `layer`, `e2e`, `prompts`, `gate:<name>`), the cause, an upstream
+such as `router` or `layer`, `e2e`, `prompts`, `gate:<name>`, or `load`: the candidate cannot load
+or aborts when loaded, its runtime's reason in the check's error), the cause, an upstream
 reference, and `on_some_inputs` (default false). Entries are validated when read: a malformed file is refused with its path.
 """
 
@@ -91,6 +92,8 @@ def failing_parts(result) -> list[str]:
         parts.append("prompts")
     if (result.quantization or {}).get("rows", {}).get("status") in (Status.FAIL, Status.ERROR):
         parts.append("quantization")
+    if result.status == Status.ERROR and (result.error or "").startswith("load:"):
+        parts.append("load")  # the candidate could not be loaded or aborted there (its runtime's reason)
     return list(dict.fromkeys(parts))
 
 
@@ -105,11 +108,14 @@ def known_fails(result, entries: list[Divergence] | None = None) -> tuple[str, .
 def judge(result, entries: list[Divergence] | None = None) -> None:
     """Turn a check that fails as a known divergence says into `xfail`, and one whose known
     divergence did not show as said into `fail` with the reason. Sets result.expected."""
-    if result.status not in (Status.PASS, Status.FAIL):
-        return  # an error or a skip is not a verdict on the candidate's numbers
+    if result.status not in (Status.PASS, Status.FAIL, Status.ERROR):
+        return  # a skip is not a verdict on the candidate
     spec, versions = result.spec, result.provenance.get("versions", {})
     entries = load() if entries is None else entries
     entry = next((e for e in entries if e.applies(spec["family"], spec["backend"], spec["precision"], versions)), None)
+    if result.status == Status.ERROR and (entry is None or "load" not in entry.fails
+                                          or "load" not in failing_parts(result)):
+        return  # a crash is not a verdict on the candidate's numbers, unless its entry is that it cannot load
     if entry is None or (result.status == Status.PASS and entry.on_some_inputs):
         return  # (a defect that needs some inputs: these did not meet it)
     parts = failing_parts(result)

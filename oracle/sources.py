@@ -152,6 +152,8 @@ def quantized_directory(backend, src: ModelSource, spec: CheckSpec, progress) ->
 
 
 def sources(spec: CheckSpec, progress=None, backend=None) -> Sources:
+    if spec.artifact is not None and backend is not None and backend.artifact_weights is not None:
+        return artifact_sources(spec, backend, progress)
     shipped, original = shipped_dir(spec), None
     built = backend is not None and builds_quantized(spec, backend)
     if built:
@@ -181,6 +183,19 @@ def sources(spec: CheckSpec, progress=None, backend=None) -> Sources:
     except CheckpointError as e:
         raise InputError(f"{shipped}: {e}") from None
     return Sources(src, shipped, original, summary, built)
+
+
+def artifact_sources(spec: CheckSpec, backend, progress) -> Sources:
+    """A given artifact with weights of its own (a GGUF): HF's checkpoint of those weights (the
+    backend's `artifact_weights`: dequantized, checked against the original's architecture) is the
+    implementation's reference; the original checkpoint the quantization's."""
+    original = model_source(spec, progress)
+    try:
+        deq, summary = backend.artifact_weights(original, Path(spec.artifact), progress or (lambda msg: None))
+        src = source_of(original.family, deq, spec)
+    except CheckpointError as e:
+        raise InputError(f"{spec.artifact}: its weights do not fit the original: {e}") from None
+    return Sources(src, spec.artifact, original, summary)
 
 
 def first_difference(a, b, group: str = "") -> str | None:

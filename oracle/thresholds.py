@@ -106,8 +106,11 @@ def noise_limits(lim: dict, noise: dict, stored: dict) -> dict:
     `noise_floor` times the error of merely storing the reference at this precision (`stored`),
     the floor of any implementation's error. See thresholds.toml (bf16)."""
     f, g = lim["noise_factor"], lim["noise_floor"]
-    return {**lim, "max_abs": f * noise["max_abs"] + g * stored["max_abs"],
-            "rel_l2": f * noise["rel_l2"] + g * stored["rel_l2"]}
+    out = {**lim, "max_abs": f * noise["max_abs"] + g * stored["max_abs"],
+           "rel_l2": f * noise["rel_l2"] + g * stored["rel_l2"]}
+    if lim.get("table_floor"):  # an arithmetic without storage rounding (a8): the fixed table is the floor
+        out["max_abs"], out["rel_l2"] = max(out["max_abs"], lim["atol"]), max(out["rel_l2"], lim["rel_l2"])
+    return out
 
 
 def exact(precision: str, path: Path = DEFAULT_PATH) -> dict | None:

@@ -55,7 +55,7 @@ def validate(spec: CheckSpec, command: str = "check"):
     if spec.artifact is not None:
         suffix = backend.artifact_suffix
         if suffix is None:
-            raise InputError(f"backend {spec.backend} runs no prebuilt program (--pte / --vmfb)")
+            raise InputError(f"backend {spec.backend} runs no prebuilt program (--pte / --vmfb / --gguf)")
         if not spec.artifact.endswith(suffix):
             raise InputError(f"backend {spec.backend} runs a {suffix} program (--{suffix[1:]}), not {spec.artifact}")
         if not Path(spec.artifact).is_file():
@@ -85,10 +85,11 @@ def family_of(model_dir: str | None, config: str | None, layers: int | None = No
     return name
 
 
-def artifact_matches(spec: CheckSpec, src: ModelSource) -> None:
-    """A program brought with --pte / --vmfb and the manifest.json `oracle export` wrote beside
+def artifact_matches(spec: CheckSpec, src: ModelSource, sized: bool = True) -> None:
+    """A program brought with --pte / --vmfb / --gguf and the manifest.json `oracle export` wrote beside
     it: built from this checkpoint, for this check's sequence length (its state buffers and
-    static shapes are sized by it). Without a manifest nothing can be said before it runs."""
+    static shapes are sized by it; `sized` False: a file whose runtime sizes its own state, a GGUF).
+    Without a manifest nothing can be said before it runs."""
     path = Path(spec.artifact).with_name("manifest.json")
     try:
         man = json.loads(path.read_text())
@@ -110,6 +111,8 @@ def artifact_matches(spec: CheckSpec, src: ModelSource) -> None:
     lengths = [opts.get("prompt_len", 0), opts.get("decode_tokens", 0)]
     built = inner.get("max_seq_len") or (sum(lengths) if all(isinstance(n, int) for n in lengths) else 0)
     want = spec.prompt_len + spec.decode_tokens
+    if not sized:
+        return
     if not isinstance(built, int):
         raise InputError(f"{flag}: {path} has max_seq_len {built!r:.40}, not a number of tokens")
     if built and built != want:
