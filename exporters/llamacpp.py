@@ -4,7 +4,7 @@ llama.cpp (llama-cpp-python's build of it) with its own KV cache.
 - **Export**: `convert_hf_to_gguf.py` and its `conversion/` package and `gguf-py`, from the
   llama-cpp-python source distribution of the installed version (the wheel has none of them:
   `python -m exporters.llamacpp setup`, run by `make setup`, fetches that sdist from the package
-  registry and keeps those three in `<cache>/llama.cpp/<version>/`; never a copy in this
+  registry and keeps those three in `<env>/share/moe-oracle/llama.cpp/<version>/`; never a copy in this
   repository). The converter runs in a child process (it puts its own `gguf` first on sys.path).
   A tiny checkpoint has no tokenizer: the converter's `set_vocab` is given a synthetic SPM
   vocabulary of `vocab_size` tokens (the check feeds token ids; llama.cpp never tokenizes).
@@ -29,6 +29,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,10 +57,13 @@ def installed_version() -> str | None:
 
 
 def converter_dir() -> Path:
-    """Where `setup` keeps the installed version's converter (convert_hf_to_gguf.py, conversion/, gguf-py/)."""
-    from models.checkpoint import cache_root
-
-    return cache_root() / "llama.cpp" / str(installed_version()) / "llama.cpp"
+    """Where `setup` keeps the installed version's converter (convert_hf_to_gguf.py, conversion/, gguf-py/):
+    beside the installed package, in the environment's share/ (MOE_ORACLE_LLAMACPP_CONVERTER: elsewhere), so
+    that every cache directory of the same environment finds it."""
+    where = os.environ.get("MOE_ORACLE_LLAMACPP_CONVERTER")
+    if where:
+        return Path(where)
+    return Path(sys.prefix) / "share" / "moe-oracle" / "llama.cpp" / str(installed_version()) / "llama.cpp"
 
 
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
@@ -411,6 +415,18 @@ class Runner:
         return out
 
 
+    def names(self) -> dict:
+        """The structure of llama.cpp's graph: how many tensors of each name (the layer suffix dropped)
+        one decode of two tokens computes."""
+        g = self.record([0, 1], [0, 1])
+        counts: dict = {}
+        for p in g.order:
+            # "Qcur-0 (view) (permuted)" -> Qcur, "cache_k_l1 (view)" -> cache_k_l, "node_32" -> node
+            name = re.sub(r"^node_\d+$", "node", re.sub(r"(-\d+|_l\d+)$", "", g.nodes[p][0].split(" (")[0]))
+            name = name or "(unnamed)"
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
     def probe(self, layer: int, x) -> tuple:
         """(the layer's experts' output, its routing) on `x` [N, H]: `x` written over the experts'
         input (Graph.layer's `ffn_in`, found in a one-token run) in a sequence of its own."""
@@ -524,6 +540,13 @@ class LlamaCppCandidate(Candidate):
 
     def prefill(self, tokens):
         return self._call("decode", list(tokens), list(range(len(tokens))), True)
+
+    def structures(self) -> dict:
+        """The structural golden: the histogram of the named tensors of llama.cpp's graph."""
+        from oracle.goldens import histogram_text
+
+        return {"graph_tensors": histogram_text(self._call("names"), "tensor names of llama.cpp's graph "
+                                                "(a decode of two tokens; the layer suffix -N dropped)")}
 
     def decode(self, token, pos):
         return self._call("decode", [int(token)], [int(pos)], False)[0]

@@ -30,10 +30,11 @@ def gguf_module():
     return gguf
 
 
-def rewrite(path: Path, fields: dict | None = None, drop: tuple = (), tensors=None) -> None:
+def rewrite(path: Path, fields: dict | None = None, drop: tuple = (), tensors=None, add: dict | None = None) -> None:
     """The GGUF at `path` with `fields` (key -> new value, of the field's own type) set, the keys and
-    tensors named in `drop` left out, and `tensors(arrays) -> {name: new array}` applied to the
-    tensors (name -> array, numpy order), written over it."""
+    tensors named in `drop` left out, `add` (key -> (value, GGUFValueType)) keys written that it did not
+    have, and `tensors(arrays) -> {name: new array}` applied to the tensors (name -> array, numpy
+    order), written over it."""
     gguf = gguf_module()
     fields = dict(fields or {})
     reader = gguf.GGUFReader(path)
@@ -54,6 +55,11 @@ def rewrite(path: Path, fields: dict | None = None, drop: tuple = (), tensors=No
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         value = full.get(field.name, field.contents())
         writer.add_key_value(field.name, value, vtype, sub_type=sub)
+    for key, (value, vtype) in (add or {}).items():
+        key = key.replace("{arch}", arch)
+        if key in reader.fields:
+            raise KeyError(f"the GGUF already has {key}")
+        writer.add_key_value(key, value, vtype)
     for t in reader.tensors:
         if t.name in dropped:
             continue
@@ -95,7 +101,14 @@ def _rope_base(path, layer, a):
 
 
 def _norm_flag(path, layer, a):
-    rewrite(path, {"{arch}.expert_weights_norm": not bool(field(path, "{arch}.expert_weights_norm"))})
+    """The flag flipped; where the converter wrote none (the architecture's graph has its own default),
+    written as the opposite of the checkpoint's norm_topk_prob (an architecture that never reads it:
+    not injected, and the self-test says so)."""
+    have = field(path, "{arch}.expert_weights_norm")
+    if have is None:
+        rewrite(path, add={"{arch}.expert_weights_norm": (not a.router.norm_topk_prob, gguf_module().GGUFValueType.BOOL)})
+    else:
+        rewrite(path, {"{arch}.expert_weights_norm": not bool(have)})
 
 
 def _used_count(path, layer, a):
@@ -136,8 +149,11 @@ def _qk_permuted(path, layer, a):
     rewrite(path, tensors=edit)
 
 
-def _shared_gate_dropped(path, layer, a):
-    rewrite(path, drop=(f"blk.{layer}.ffn_gate_inp_shexp.weight",))
+def _shared_gate_zeroed(path, layer, a):
+    """Written as zeros (a converter that writes the wrong slice or none of it; dropping it makes llama.cpp
+    refuse the file, which then catches the bug itself): the shared expert is gated by sigmoid(0) = 0.5."""
+    name = f"blk.{layer}.ffn_gate_inp_shexp.weight"
+    rewrite(path, tensors=lambda t, r: {name: np.zeros_like(t[name])})
 
 
 def _bias_dropped(path, layer, a):
@@ -156,8 +172,8 @@ CATALOGUE: tuple[Fault, ...] = (
           _gate_up_swapped, _sparse),
     Fault("gguf_qk_permuted", "attention", "rope", "q/k rows permuted (the rope pairing) in one layer", _qk_permuted,
           lambda a: a.attention.kind == "gqa"),
-    Fault("gguf_shared_expert_gate_dropped", "moe", "last_sparse", "the shared expert's gate tensor dropped in one layer",
-          _shared_gate_dropped, lambda a: _sparse(a) and a.shared_expert_intermediate_size > 0 and a.shared_expert_gated),
+    Fault("gguf_shared_expert_gate_zeroed", "moe", "last_sparse", "the shared expert's gate tensor zeroed in one layer",
+          _shared_gate_zeroed, lambda a: _sparse(a) and a.shared_expert_intermediate_size > 0 and a.shared_expert_gated),
     Fault("gguf_residual_scale_dropped", "layer", "first", "residual_scale key dropped (a residual multiplier)",
           _drop("{arch}.residual_scale"), lambda a: a.multipliers.residual != 1.0),
     Fault("gguf_expert_weights_scale_dropped", "router", "first_sparse", "expert_weights_scale key dropped",

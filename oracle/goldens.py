@@ -114,7 +114,8 @@ def freeze(spec, result) -> tuple[bool, str, list[Path]]:
     written = []
     tokens = {"spec": _token_spec(spec), "prompt": result.e2e.prompt_tokens, "tokens": result.e2e.candidate_tokens,
               "frozen_with": {k: v for k, v in result.provenance["versions"].items()
-                              if k in ("torch", "transformers", "executorch", "iree-base-compiler", "mlx")}}
+                              if k in ("torch", "transformers", "executorch", "iree-base-compiler", "mlx",
+                                       "llama-cpp-python")}}
     write_atomic(d / "tokens.json", json.dumps(tokens, indent=1, sort_keys=True) + "\n")
     written.append(d / "tokens.json")
     for name, text in sorted((result.structures or {}).items()):

@@ -167,6 +167,9 @@ def markdown(doc: dict, top: int = 5) -> str:
     if ex:
         lines += [f"Known divergence ({ex['family']} on {ex['backend']}, {ex['package']} {ex['versions']}): "
                   f"**{ex['verdict']}**. Upstream: {ex['reference']}", ""]
+        if doc.get("error"):  # expected to fail where it loads: its runtime's own words, and nothing to compare
+            first = doc["error"].splitlines()[:1]
+            return "\n".join(lines + [f"Candidate error: `{first[0] if first else ''}`", ""])
     q = doc.get("quantization")
     if q:
         lines += _shipped(q)

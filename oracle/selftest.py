@@ -205,8 +205,9 @@ def _worst(doc_worst: dict | None) -> dict | None:
     if not doc_worst:
         return None
     m, lim = doc_worst["metrics"], doc_worst["limits"]
-    if m.get("shape_mismatch"):  # a measured finding (e.g. k-1 experts per token), not a malformed row
-        metric, value, limit = "shape", m["shape_mismatch"], "the reference's shape"
+    if m.get("shape_mismatch") or m.get("invalid_output"):  # a measured finding (e.g. k-1 experts per token
+        # where k were expected), not a malformed row
+        metric, value, limit = "shape", m.get("shape_mismatch") or m["invalid_output"], "the reference's shape"
     elif doc_worst["kind"] == "router":
         metric, value, limit = "weight_max_abs", m.get("weight_max_abs"), lim.get("weight_atol")
         if m.get("topk_agreement", 1.0) < lim.get("min_agreement", 1.0):
@@ -296,6 +297,11 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             continue
         res.false_alarms.append(AlarmRow(family, seeds[0], clean[precision].status, _worst(clean[precision].worst),
                                          time.perf_counter() - t))
+        if clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
+            # divergence says why, or it is the false alarm above): no fault can be judged on it
+            why = (clean[precision].expected or {}).get("verdict") or clean[precision].error.splitlines()[0]
+            res.refused.append({"family": family, "why": f"the unfaulted candidate does not run: {why}"})
+            continue
 
         def clean_at(p):  # the unfaulted check at precision p, once
             if p not in clean:
@@ -347,7 +353,11 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
         for seed in seeds[1:]:
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
-            r = run_check(replace(spec, seed=seed), base)
+            try:
+                r = run_check(replace(spec, seed=seed), base)
+            except InputError as e:  # refused at this seed only: reported, the others go on
+                res.refused.append({"family": family, "why": f"seed {seed}: {e}"})
+                continue
             res.false_alarms.append(AlarmRow(family, seed, r.status, _worst(r.worst), time.perf_counter() - t))
     return res
 

@@ -1,0 +1,211 @@
+"""The llamacpp backend (exporters/llamacpp.py): GGUFs written by llama.cpp's own converter and run
+by llama.cpp, checked block by block (in-situ, read by its eval callback) and end to end against HF
+fp32; its known divergences proven by their causes; a GGUF as shipped (--gguf, Q8_0 and Q4_K_M made
+by llama.cpp's own quantizer) with both row sets; bad GGUFs refused by name; GGUF-level seeded
+faults detected and localised; and the a8 arithmetic (oracle/arithmetic.py) it is judged by."""
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.checkpoint import tiny_checkpoint
+from models import get_family
+from oracle.arithmetic import RoundedActivations, round_blocks
+from oracle.backend import CheckSpec
+from oracle.check import run_check
+
+
+@pytest.fixture(scope="module")
+def llamacpp():
+    pytest.importorskip("llama_cpp")
+    from exporters import llamacpp
+
+    ok, why = llamacpp.BACKEND.availability()
+    if not ok:
+        pytest.skip(why)
+    return llamacpp
+
+
+def check(family, **kw):
+    return run_check(CheckSpec(family=family, backend="llamacpp", **kw))
+
+
+def rows(r):
+    return {(b.layer, b.kind): b for b in r.blocks}
+
+
+# families whose converted GGUF llama.cpp runs as HF does (the others: known divergences below, or
+# the converter's refusal); `oracle check --backend llamacpp` over all fifteen is docs/llamacpp.md's table
+@pytest.mark.parametrize("family", ["olmoe", "mixtral", "gpt_oss", "glm4_moe"])
+def test_converted_gguf_passes_at_fp32(llamacpp, family):
+    r = check(family)
+    assert r.status == "pass", (r.error, r.worst)
+    assert r.blocks and all(b.mode == "in-situ" or b.kind in ("router", "moe") for b in r.blocks)
+    kinds = {b.kind for b in r.blocks}
+    assert {"attention", "layer", "router", "moe", "logits"} <= kinds, kinds
+    assert r.e2e.candidate_tokens == r.e2e.reference_tokens
+    # an f32 GGUF, an f32 KV cache, no flash attention: the fp32 settings, within fp32 limits
+    assert r.provenance["backend"]["gguf"]["outtype"] == "f32" and r.provenance["backend"]["gguf"]["kv"] == "f32"
+    assert max(s["max_abs"] for s in r.e2e.steps) < 1e-4
+    assert "graph_tensors" in r.structures and "ffn_moe_topk" in r.structures["graph_tensors"]
+
+
+def test_converter_refusal_names_the_converters_reason(llamacpp, cli):
+    r = cli("check", "--family", "phimoe", "--backend", "llamacpp")
+    assert r.returncode == 2
+    assert "PhimoeForCausalLM is not supported by convert_hf_to_gguf.py" in r.stderr
+
+
+def test_a_gguf_llama_cpp_cannot_load_is_its_expected_failure(llamacpp):
+    """dots1's loader sizes K/V for n_head heads: the tiny GQA checkpoint is refused at load, the
+    check is an error there, and the known divergence (fails = ["load"]) makes it xfail."""
+    r = check("dots1")
+    assert r.status == "xfail", (r.status, r.error)
+    assert r.error.startswith("load: LoadError") and "blk.0.attn_k.weight" in r.error and "wrong shape" in r.error
+    assert r.expected["failed"] == ["load"]
+
+
+def _edited(family, tmp_path, **config):
+    """The family's tiny checkpoint with config.json keys set (weights shared)."""
+    src = tiny_checkpoint(get_family(family), 0)
+    out = tmp_path / family
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(config)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+@pytest.mark.parametrize("family,config,cause", [
+    # the converter reads the gating function from scoring_func, which transformers does not keep
+    ("deepseek_v3", {"scoring_func": "sigmoid"}, "scoring_func"),
+    # llama.cpp hard-codes Llama 4's chunk size and floor scale to the published 8192
+    ("llama4", {"attention_chunk_size": 8192, "floor_scale": 8192}, "attention_chunk_size"),
+])
+def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, cause):
+    """The tiny checkpoint fails where its entry says (xfail); with the cause removed from config.json
+    every row passes: the entry names the real cause, not a tolerance."""
+    r = check(family)
+    assert r.status == "xfail", (r.status, r.error, r.worst)
+    assert cause in r.expected["cause"]
+    fixed = check(family, model_dir=_edited(family, tmp_path, **config))
+    assert fixed.status == "pass", (fixed.error, fixed.worst)
+
+
+@pytest.fixture(scope="module")
+def shipped(llamacpp, tmp_path_factory):
+    """olmoe's GGUFs made by llama.cpp's own tools: the converter at f32, then llama_model_quantize."""
+    from oracle.cli import main
+
+    out = {}
+    for t in ("Q8_0", "Q4_K_M"):
+        d = tmp_path_factory.mktemp(t)
+        assert main(["export", "--family", "olmoe", "--backend", "llamacpp", "--option", f"outtype={t}",
+                     "--output-dir", str(d)]) == 0
+        out[t] = d / "model.gguf"
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_shipped_gguf_has_both_row_sets_and_the_implementation_passes(shipped, qtype):
+    r = check("olmoe", artifact=str(shipped[qtype]))
+    assert r.status == "pass", (r.error, r.worst)
+    q = r.quantization
+    assert q["format"] == "GGUF" and q["kind"] == qtype and q["modules"] and min(q["bits"]) <= 8
+    # the implementation: llama.cpp against HF on the GGUF's own weights, at llama.cpp's a8 arithmetic
+    assert r.spec["precision"] == "a8"
+    for b in r.blocks:
+        assert b.status == "pass", (b.layer, b.kind, b.metrics)
+        if b.kind in ("attention", "moe") and b.metrics.get("noise_max_abs"):
+            # emulated a8 rounding is llama.cpp's own: its error is about HF a8's on the same block
+            assert 0.3 < b.metrics["max_abs"] / b.metrics["noise_max_abs"] < 3, (b.layer, b.kind, b.metrics)
+    # the quantization: HF on the GGUF's weights against HF on the original, judged by the distribution
+    assert q["rows"]["status"] == "pass" and q["rows"]["blocks"]
+    worst = max(x["metrics"]["rel_l2"] for x in q["rows"]["blocks"] if x["kind"] == "moe")
+    assert 1e-4 < worst < 0.1  # the weights really are quantized, and not garbage
+
+
+def test_shipped_gguf_weights_are_the_ggufs_own(shipped, llamacpp):
+    """The dequantized checkpoint holds the GGUF's values, pulled back through the converter's map:
+    an expert weight differs from the original by Q8_0's rounding and no more."""
+    from models.checkpoint import read_tensors, tensor_index
+    from oracle.sources import model_source
+
+    spec = CheckSpec(family="olmoe", backend="llamacpp")
+    orig = model_source(spec)
+    ref = llamacpp.BACKEND.gguf(orig, spec)
+    from exporters.llamacpp_gguf import dequantized_gguf
+
+    from exporters.llamacpp_gguf import _reader, values
+
+    d, summary = dequantized_gguf(orig.family, orig, shipped["Q8_0"], Path(ref.path), "test")
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    a = read_tensors(tensor_index(orig.model_dir), [name])[name].float().numpy()
+    b = read_tensors(tensor_index(d), [name])[name].float().numpy()
+    gguf = values({t.name: t for t in _reader(shipped["Q8_0"]).tensors}["blk.0.ffn_down_exps.weight"])
+    assert np.array_equal(b, gguf[3])  # [E, H, I] in the GGUF: expert 3's values, moved back exactly
+    # and those are the original rounded to 8 bits per 32 values: half a step, the step's fp16 scale aside
+    step = np.abs(a).reshape(a.shape[0], -1, 32).max(-1, keepdims=True) / 127
+    err = np.abs(a - b).reshape(step.shape[0], -1, 32)
+    assert 0 < err.max() and (err <= step * 0.6).all()
+    assert summary["tensors_changed"] > 0 and summary["activations"] == "a8"
+
+
+def test_bad_ggufs_are_refused_by_name(shipped, llamacpp, tmp_path, cli):
+    from exporters.llamacpp_faults import rewrite
+
+    key = tmp_path / "key.gguf"
+    shutil.copy(shipped["Q8_0"], key)
+    rewrite(key, {"{arch}.expert_used_count": 3})
+    shape = tmp_path / "shape.gguf"
+    shutil.copy(shipped["Q8_0"], shape)
+    rewrite(shape, tensors=lambda t, r: {"blk.1.attn_norm.weight": np.ones(32, np.float32)})
+    text = tmp_path / "text.gguf"
+    text.write_text("not a gguf\n")
+    for path, message in ((key, "hyper-parameter olmoe.expert_used_count = 3, but the original checkpoint's config gives 2"),
+                          (shape, "tensor blk.1.attn_norm.weight has shape [32]; the original's is [64]"),
+                          (text, "not a readable GGUF file"), (tmp_path / "none.gguf", "no such file")):
+        r = cli("check", "--family", "olmoe", "--backend", "llamacpp", "--gguf", str(path))
+        assert r.returncode == 2 and message in r.stderr, (path.name, r.stderr[-500:])
+    r = cli("check", "--family", "qwen3_moe", "--backend", "llamacpp", "--gguf", str(shipped["Q8_0"]))
+    assert r.returncode == 2 and "architecture 'olmoe'" in r.stderr and "converts to 'qwen3moe'" in r.stderr
+
+
+@pytest.mark.parametrize("fault,where", [
+    ("gguf_rope_freq_base_wrong", (0, "attention")),
+    ("gguf_expert_gate_up_swapped", (1, "moe")),
+    ("gguf_expert_used_count_wrong", (0, "router")),
+    ("gguf_qk_permuted", (1, "attention")),
+])
+def test_gguf_faults_are_detected_and_localised(llamacpp, fault, where):
+    from exporters import llamacpp_faults
+
+    f = next(x for x in llamacpp_faults.CATALOGUE if x.name == fault)
+    r = run_check(CheckSpec(family="olmoe", backend="llamacpp", drill="off"), llamacpp.BACKEND.with_fault(f))
+    assert r.status == "fail"
+    assert (r.worst["layer"], r.worst["kind"]) == where, r.worst
+
+
+def test_round_blocks_is_8_bit_per_block_of_32():
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    y = round_blocks(x, 8, 32)
+    d = (x.reshape(3, 2, 32).abs().amax(-1, keepdim=True) / 127).half().float()  # Q8_0 keeps its scale in fp16
+    err = (y - x).reshape(3, 2, 32).abs()
+    assert (err <= d * 0.5 * 1.001 + 1e-7).all() and err.max() > 0
+    assert (y.reshape(3, 2, 32) / d).sub((y.reshape(3, 2, 32) / d).round()).abs().max() < 1e-3  # on the grid
+    assert torch.equal(round_blocks(x[:, :48], 8, 32), x[:, :48])  # not whole blocks: left alone
+
+
+def test_rounded_activations_touch_weight_products_only():
+    lin = torch.nn.Linear(64, 8, bias=False)
+    x = torch.randn(2, 64)
+    with RoundedActivations(8, 32):
+        a = lin(x)
+        b = x @ x.T  # two activations: not rounded
+    assert torch.allclose(a, lin(round_blocks(x, 8, 32)), atol=0) and not torch.equal(a, lin(x))
+    assert torch.equal(b, x @ x.T)
