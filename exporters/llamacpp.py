@@ -675,8 +675,18 @@ class LlamaCppBackend(Backend):
         return dequantized_gguf(original.family, original, path, Path(ref.path), f"{PACKAGE} {installed_version()}",
                                 progress)
 
+    def check_options(self, spec):
+        if spec.artifact is not None and spec.options.get("outtype"):
+            return "--gguf runs the file as given: outtype applies to the GGUF the backend converts, not to it"
+        return None
+
     def load(self, src, spec):
         outtype, kv, fa, repack = self.settings(spec)
+        if spec.artifact is None and (outtype in QUANTIZE_TYPES or outtype == "q8_0"):
+            # judged against HF on the original weights, a quantized GGUF fails by its quantization alone
+            raise InputError(f"outtype={outtype} is a quantized GGUF: check it as shipped, its implementation on its "
+                             f"own weights and its quantization apart: `oracle export --backend llamacpp --option "
+                             f"outtype={outtype} --output-dir D`, then `oracle check --backend llamacpp --gguf D/model.gguf`")
         t = time.perf_counter()
         if spec.artifact is not None:  # --gguf: the file as shipped
             art = Artifact(Path(spec.artifact).name, str(spec.artifact), sha256_file(Path(spec.artifact)), True, 0.0)

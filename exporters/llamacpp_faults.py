@@ -101,14 +101,9 @@ def _rope_base(path, layer, a):
 
 
 def _norm_flag(path, layer, a):
-    """The flag flipped; where the converter wrote none (the architecture's graph has its own default),
-    written as the opposite of the checkpoint's norm_topk_prob (an architecture that never reads it:
-    not injected, and the self-test says so)."""
-    have = field(path, "{arch}.expert_weights_norm")
-    if have is None:
-        rewrite(path, add={"{arch}.expert_weights_norm": (not a.router.norm_topk_prob, gguf_module().GGUFValueType.BOOL)})
-    else:
-        rewrite(path, {"{arch}.expert_weights_norm": not bool(have)})
+    """The flag flipped (KeyError where the converter writes none: the architecture's graph then has its
+    own rule and never reads the key, measured: olmoe, qwen3moe, qwen2moe, llama, gpt-oss, granitemoe)."""
+    rewrite(path, {"{arch}.expert_weights_norm": not bool(field(path, "{arch}.expert_weights_norm"))})
 
 
 def _used_count(path, layer, a):
@@ -149,11 +144,13 @@ def _qk_permuted(path, layer, a):
     rewrite(path, tensors=edit)
 
 
-def _shared_gate_zeroed(path, layer, a):
-    """Written as zeros (a converter that writes the wrong slice or none of it; dropping it makes llama.cpp
-    refuse the file, which then catches the bug itself): the shared expert is gated by sigmoid(0) = 0.5."""
+def _shared_gate_negated(path, layer, a):
+    """Written with its sign flipped (a converter that writes the wrong slice or sign; dropping it makes
+    llama.cpp refuse the file, which then catches the bug itself): the shared expert is gated by
+    sigmoid(-x) = 1 - sigmoid(x). (Zeroed, it is NaN: llama.cpp's qwen2moe computes that sigmoid as
+    silu(x) / x, 0 / 0 at x = 0: docs/llamacpp.md.)"""
     name = f"blk.{layer}.ffn_gate_inp_shexp.weight"
-    rewrite(path, tensors=lambda t, r: {name: np.zeros_like(t[name])})
+    rewrite(path, tensors=lambda t, r: {name: -t[name]})
 
 
 def _bias_dropped(path, layer, a):
@@ -167,13 +164,14 @@ CATALOGUE: tuple[Fault, ...] = (
           _norm_flag, lambda a: _sparse(a) and a.num_experts_per_tok > 1 and a.router.scoring != "sparsemixer"),
     Fault("gguf_expert_used_count_wrong", "router", "first_sparse", "expert_used_count one off", _used_count, _sparse),
     Fault("gguf_rms_eps_wrong", "layer", "first", "attention.layer_norm_rms_epsilon 1000x", _rms_eps,
-          lambda a: a.attention.qk_norm == "none"),  # with q/k norms the attention's own norms show it first
+          # with q/k norms (or MLA's low-rank norms) the attention's own norms show it first
+          lambda a: a.attention.qk_norm == "none" and a.attention.kind == "gqa"),
     Fault("gguf_expert_gate_up_swapped", "moe", "last_sparse", "every expert's gate and up tensors swapped in one layer",
           _gate_up_swapped, _sparse),
     Fault("gguf_qk_permuted", "attention", "rope", "q/k rows permuted (the rope pairing) in one layer", _qk_permuted,
           lambda a: a.attention.kind == "gqa"),
-    Fault("gguf_shared_expert_gate_zeroed", "moe", "last_sparse", "the shared expert's gate tensor zeroed in one layer",
-          _shared_gate_zeroed, lambda a: _sparse(a) and a.shared_expert_intermediate_size > 0 and a.shared_expert_gated),
+    Fault("gguf_shared_expert_gate_negated", "moe", "last_sparse", "the shared expert's gate tensor negated in one layer",
+          _shared_gate_negated, lambda a: _sparse(a) and a.shared_expert_intermediate_size > 0 and a.shared_expert_gated),
     Fault("gguf_residual_scale_dropped", "layer", "first", "residual_scale key dropped (a residual multiplier)",
           _drop("{arch}.residual_scale"), lambda a: a.multipliers.residual != 1.0),
     Fault("gguf_expert_weights_scale_dropped", "router", "first_sparse", "expert_weights_scale key dropped",

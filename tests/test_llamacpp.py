@@ -209,3 +209,22 @@ def test_rounded_activations_touch_weight_products_only():
         b = x @ x.T  # two activations: not rounded
     assert torch.allclose(a, lin(round_blocks(x, 8, 32)), atol=0) and not torch.equal(a, lin(x))
     assert torch.equal(b, x @ x.T)
+
+
+def test_qwen2moe_shared_gate_of_zero_is_nan_in_llama_cpp(llamacpp):
+    """An upstream defect the GGUF self-test found: llama.cpp's qwen2moe computes the shared expert's
+    sigmoid gate as silu(x) / x (src/models/qwen2moe.cpp), 0 / 0 where the gate's logit is exactly 0:
+    a zeroed gate tensor (HF: sigmoid(0) = 0.5) makes every later row NaN. A NaN never passes: the
+    layer's moe row fails with its count. When llama.cpp computes a real sigmoid this test fails:
+    then the gate is 0.5 and the row fails by its numbers instead (update the docs)."""
+    from exporters.llamacpp_faults import rewrite
+
+    def zero_gate(path, args):
+        rewrite(path, tensors=lambda t, r: {"blk.1.ffn_gate_inp_shexp.weight": np.zeros_like(t["blk.1.ffn_gate_inp_shexp.weight"])})
+
+    r = run_check(CheckSpec(family="qwen2_moe", backend="llamacpp", drill="off"),
+                  llamacpp.LlamaCppBackend("llamacpp+zero_gate", zero_gate, "zero_gate"))
+    assert r.status == "fail"
+    moe = rows(r)[(1, "moe")]
+    assert moe.status == "fail" and moe.metrics["nonfinite"] > 0
+    assert rows(r)[(0, "moe")].status == "pass"  # the layer before is untouched
