@@ -22,7 +22,8 @@ from oracle.reference import (normalize_output, block_modules, load_hf_model, ma
 # fp64: HF's exact answer for fp32's own measured error (oracle/noise.py exact_for), not a user precision;
 # a8: fp32 with 8-bit activations at every weight product (oracle/arithmetic.py: llama.cpp's arithmetic on
 # quantized weights), the noise reference of a quantized GGUF, not a user precision either
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64, "a8": torch.float32}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64, "a8": torch.float32,
+          "abf16": torch.float32, "af16": torch.float32}
 
 
 class HFCandidate(Candidate):

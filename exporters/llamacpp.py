@@ -624,7 +624,7 @@ class LlamaCppBackend(Backend):
         """(outtype, kv, flash_attn, repack): at fp32 an f32 GGUF, an f32 KV cache, no flash attention and
         no repacked weight buffers; else a bf16 GGUF with llama.cpp's defaults (f16 KV cache, flash
         attention auto, repacking on)."""
-        fp32 = spec.precision in ("fp32", "a8")  # a8: a quantized GGUF at fp32 activations (llamacpp_gguf)
+        fp32 = spec.precision in ("fp32", "a8", "abf16", "af16")  # a GGUF as shipped, at the fp32 settings
         o = spec.options
         return (o.get("outtype") or ("f32" if fp32 else "bf16"), o.get("kv") or ("f32" if fp32 else "f16"),
                 o.get("flash_attn") or ("off" if fp32 else "auto"), o.get("repack") or ("off" if fp32 else "on"))

@@ -262,8 +262,13 @@ def dequantized_gguf(family, original, path: Path, reference_gguf: Path, convert
                "file_type": None if ftype is None else int(ftype.contents()),
                "bits": sorted({bits_of(n) for n in types if bits_of(n) < 16}) or [16],
                "dequantizer": "gguf-py (llama.cpp's converter's copy) quants.dequantize"}
-    if any(bits_of(n) < 16 for n in types):  # llama.cpp rounds the activations of quantized weights' products
-        summary["activations"] = "a8"  # to 8 bits (oracle/arithmetic.py): the implementation is judged there
+    # llama.cpp rounds the activations of a weight product to the weight's dot-product type: 8 bits for the
+    # quantized types, bf16 / fp16 for BF16 / F16 weights (oracle/arithmetic.py): the implementation is
+    # judged against HF with that arithmetic (the coarsest the file has)
+    if any(bits_of(n) < 16 for n in types):
+        summary["activations"] = "a8"
+    elif "BF16" in types or "F16" in types:
+        summary["activations"] = "abf16" if "BF16" in types else "af16"
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):

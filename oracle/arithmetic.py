@@ -8,6 +8,9 @@ activations to Q8_0 / Q8_1 blocks (Q8_K, 256 values, for the k-quants) before ea
 (ggml-cpu `type_traits_cpu[...].vec_dot_type`). Weights and everything else stay fp32; products of
 two activations (attention's q.k and p.v) are not rounded, as llama.cpp's are not at an f32 KV cache.
 A product "with a weight" is one whose operand is a parameter of the model or a view of one.
+
+`abf16`, `af16`: the same products with their activations rounded to bf16 / fp16 (llama.cpp's BF16 and
+F16 weights: their dot products take the activations in the weight's type), everything else fp32.
 """
 
 from __future__ import annotations
@@ -17,8 +20,17 @@ from contextlib import contextmanager
 import torch
 from torch.overrides import TorchFunctionMode
 
-PRECISIONS = {"a8": (8, 32)}  # precision -> (bits, block)
+# precision -> how a weight product's activation is rounded: (bits, block) to integers with a scale per
+# block, or a float dtype (llama.cpp's BF16 / F16 weights: their vec_dot rounds the activations so)
+PRECISIONS = {"a8": (8, 32), "abf16": torch.bfloat16, "af16": torch.float16}
 F = torch.nn.functional
+
+
+def round_to(x: torch.Tensor, how, dim: int = -1) -> torch.Tensor:
+    """x rounded as `how` says (a PRECISIONS value)."""
+    if isinstance(how, torch.dtype):
+        return x.to(how).to(x.dtype) if x.is_floating_point() else x
+    return round_blocks(x, *how, dim=dim)
 
 
 def round_blocks(x: torch.Tensor, bits: int, block: int, dim: int = -1) -> torch.Tensor:
@@ -46,13 +58,13 @@ class RoundedActivations(TorchFunctionMode):
     """Inside it, the activation operand of F.linear, matmul, mm, bmm, addmm, baddbmm and grouped
     matmuls whose other operand is a weight is rounded (round_blocks)."""
 
-    def __init__(self, bits: int, block: int):
+    def __init__(self, how):
         super().__init__()
-        self.bits, self.block = bits, block
+        self.how = how  # (bits, block) or a dtype
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        r = lambda x, dim=-1: round_blocks(x, self.bits, self.block, dim)  # noqa: E731
+        r = lambda x, dim=-1: round_to(x, self.how, dim)  # noqa: E731
         if func is F.linear and len(args) >= 2 and _is_weight(args[1]):
             args = (r(args[0]), *args[1:])
         elif func in (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm,
@@ -75,5 +87,5 @@ def arithmetic(precision: str):
     if precision not in PRECISIONS:
         yield
         return
-    with RoundedActivations(*PRECISIONS[precision]):
+    with RoundedActivations(PRECISIONS[precision]):
         yield

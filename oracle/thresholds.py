@@ -16,8 +16,15 @@ DEFAULT_PATH = Path(__file__).with_name("thresholds.toml")
 
 @functools.cache
 def load(path: Path = DEFAULT_PATH) -> dict:
+    """The thresholds file; a precision table `[P] same_as = "Q"` is Q's tables (what it sets beside
+    `same_as` overrides them)."""
     with open(path, "rb") as f:
-        return tomllib.load(f)
+        data = tomllib.load(f)
+    for p, t in list(data.items()):
+        if isinstance(t, dict) and "same_as" in t:
+            base = data[t["same_as"]]
+            data[p] = {**base, **{k: v for k, v in t.items() if k != "same_as"}}
+    return data
 
 
 def precisions(path: Path = DEFAULT_PATH) -> list[str]:

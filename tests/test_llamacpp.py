@@ -103,7 +103,7 @@ def shipped(llamacpp, tmp_path_factory):
     from oracle.cli import main
 
     out = {}
-    for t in ("Q8_0", "Q4_K_M"):
+    for t in ("Q8_0", "Q4_K_M", "bf16"):
         d = tmp_path_factory.mktemp(t)
         assert main(["export", "--family", "olmoe", "--backend", "llamacpp", "--option", f"outtype={t}",
                      "--output-dir", str(d)]) == 0
@@ -111,14 +111,15 @@ def shipped(llamacpp, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
-def test_shipped_gguf_has_both_row_sets_and_the_implementation_passes(shipped, qtype):
+@pytest.mark.parametrize("qtype,arithmetic,bits", [("Q8_0", "a8", 8), ("Q4_K_M", "a8", 5), ("bf16", "abf16", 16)])
+def test_shipped_gguf_has_both_row_sets_and_the_implementation_passes(shipped, qtype, arithmetic, bits):
     r = check("olmoe", artifact=str(shipped[qtype]))
     assert r.status == "pass", (r.error, r.worst)
     q = r.quantization
-    assert q["format"] == "GGUF" and q["kind"] == qtype and q["modules"] and min(q["bits"]) <= 8
-    # the implementation: llama.cpp against HF on the GGUF's own weights, at llama.cpp's a8 arithmetic
-    assert r.spec["precision"] == "a8"
+    # (Q4_K_M at hidden 64: llama-quantize falls back from the k-quants, whose blocks are 256 wide, to Q5_0/Q5_1/Q8_0)
+    assert q["format"] == "GGUF" and q["kind"] == qtype.upper() and min(q["bits"]) == bits
+    # the implementation: llama.cpp against HF on the GGUF's own weights, at llama.cpp's arithmetic
+    assert r.spec["precision"] == arithmetic
     for b in r.blocks:
         assert b.status == "pass", (b.layer, b.kind, b.metrics)
         if b.kind in ("attention", "moe") and b.metrics.get("noise_max_abs"):
@@ -204,7 +205,7 @@ def test_round_blocks_is_8_bit_per_block_of_32():
 def test_rounded_activations_touch_weight_products_only():
     lin = torch.nn.Linear(64, 8, bias=False)
     x = torch.randn(2, 64)
-    with RoundedActivations(8, 32):
+    with RoundedActivations((8, 32)):
         a = lin(x)
         b = x @ x.T  # two activations: not rounded
     assert torch.allclose(a, lin(round_blocks(x, 8, 32)), atol=0) and not torch.equal(a, lin(x))
