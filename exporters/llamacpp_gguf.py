@@ -64,7 +64,21 @@ def _probe_main(model_dir: str, out: str) -> None:
     if getattr(cls, "supports_mtp_export", False):
         cls.no_mtp = True
 
-    def run(part: str) -> dict:
+    def runs(a: np.ndarray, step: int):
+        """(run starts, the value at each start) of a probe's flat values, runs where they go up by
+        `step`; None where they are not whole numbers in [LOW, 2 LOW) (not an index: transformed)."""
+        if a.dtype != np.float32:
+            return None
+        f = a.reshape(-1).astype(np.float64)
+        if not (np.all((f >= LOW) & (f < 2 * LOW)) and np.all(f == np.floor(f))):
+            return None
+        v = f.astype(np.int64) - LOW
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(v) != step) + 1]).astype(np.int64)
+        return starts, v[starts]
+
+    def run(part: str):
+        """The converter on index-valued tensors (`part`: the index's low or high bits): per GGUF tensor
+        its shape and runs (one tensor in memory at a time: each is run-length encoded as written)."""
         model = cls(Path(model_dir), gguf.LlamaFileType.ALL_F32, Path(out).with_suffix(".unused"), eager=True)
         names = sorted(model.model_tensors)
         shapes = {n: tuple(model.model_tensors[n]().shape) for n in names}
@@ -80,7 +94,11 @@ def _probe_main(model_dir: str, out: str) -> None:
 
         model.model_tensors = {n: (lambda n=n: ids(n)) for n in names}
         got = {}
-        model.gguf_writer.add_tensor = lambda name, data, raw_dtype=None, **kw: got.__setitem__(name, np.array(data))
+
+        def capture(name, data, raw_dtype=None, **kw):
+            got[name] = (tuple(np.shape(data)), runs(np.asarray(data), 1 if part == "lo" else 0))
+
+        model.gguf_writer.add_tensor = capture
         with torch.inference_mode():
             model.prepare_tensors()
         return got, names, shapes, offsets
@@ -90,22 +108,24 @@ def _probe_main(model_dir: str, out: str) -> None:
     total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes.values())
     arrays = {"hf_names": np.array(names), "hf_offsets": np.array([offsets[n] for n in names], np.int64),
               "hf_shapes": np.array(json.dumps({n: list(shapes[n]) for n in names}))}
-    for name, a in lo.items():
-        b = hi.get(name)
-        flat_lo, flat_hi = a.astype(np.float64).reshape(-1), None if b is None else b.astype(np.float64).reshape(-1)
-        ok = (b is not None and b.shape == a.shape and a.dtype == np.float32
-              and np.all((flat_lo >= LOW) & (flat_lo < 2 * LOW) & (flat_hi >= LOW) & (flat_hi < 2 * LOW))
-              and np.all(flat_lo == np.floor(flat_lo)) and np.all(flat_hi == np.floor(flat_hi)))
-        if not ok:
+    for name, (shape, lo_runs) in lo.items():
+        hi_shape, hi_runs = hi.get(name, (None, None))
+        if lo_runs is None or hi_runs is None or hi_shape != shape:
             continue  # not an index: the converter transforms these values
-        idx = (flat_hi.astype(np.int64) - LOW) * LOW + (flat_lo.astype(np.int64) - LOW)
-        if idx.max() >= total or np.unique(idx).size != idx.size:
+        n = int(np.prod(shape, dtype=np.int64))
+        # a run of the index: where neither the low bits' run (+1 a step) nor the high bits' (constant) breaks
+        starts = np.union1d(lo_runs[0], hi_runs[0]).astype(np.int64)
+        lo_at = lo_runs[1][np.searchsorted(lo_runs[0], starts, side="right") - 1] + (
+            starts - lo_runs[0][np.searchsorted(lo_runs[0], starts, side="right") - 1])
+        hi_at = hi_runs[1][np.searchsorted(hi_runs[0], starts, side="right") - 1]
+        first = hi_at * LOW + lo_at
+        lengths = np.diff(np.append(starts, n))
+        order = np.argsort(first, kind="stable")  # an index, each element at most once: runs do not overlap
+        if (first + lengths).max(initial=0) > total or np.any(first[order][1:] < (first + lengths)[order][:-1]):
             continue
-        starts = np.flatnonzero(np.diff(idx) != 1) + 1 if idx.size > 1 else np.zeros(0, np.int64)
-        starts = np.concatenate([[0], starts]).astype(np.int64)
         arrays[f"starts:{name}"] = starts
-        arrays[f"ids:{name}"] = idx[starts]
-        arrays[f"shape:{name}"] = np.array(a.shape, np.int64)
+        arrays[f"ids:{name}"] = first
+        arrays[f"shape:{name}"] = np.array(shape, np.int64)
     np.savez(out, **arrays)
 
 
