@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: pip takes the CPU build on disk; unpinned it pulls a CUDA build
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# every backend that runs on Linux: iree, mlx (CPU), executorch, llama.cpp (pinned in pyproject.toml;
-	# llama-cpp-python is built from source the first time: about 6 min on 2 cores, then pip's cache)
+	# llama-cpp-python is built from source the first time: 5 min on 2 cores, docs/llamacpp.md, then pip's cache)
 	$(PY) -m pip install -q -e ".[all]"
 	# llama.cpp's converter (convert_hf_to_gguf.py), from the same version's source distribution
 	$(PY) -m exporters.llamacpp setup
