@@ -41,67 +41,14 @@ import numpy as np
 
 from oracle.artifacts import Artifact, cached_artifact, sha256_file, versions
 from oracle.backend import Backend, Candidate, InputError, Option
+from exporters.llamacpp_setup import PACKAGE, converter_dir, converter_problem, installed_version, setup
 
-PACKAGE = "llama-cpp-python"
-VERSION = "0.3.36"  # the converter is fetched for the installed version; this one is tested
 # the converter's own output types, and llama-quantize's (from the f32 GGUF) that users ship
 CONVERTER_TYPES = ("f32", "bf16", "f16", "q8_0")
 QUANTIZE_TYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q4_K_M": 15}  # llama_ftype values
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 SEQ_MODE, PROBE_MODE = "in-situ", "isolated"
-
-
-def installed_version() -> str | None:
-    return versions(PACKAGE)[PACKAGE]
-
-
-def converter_dir() -> Path:
-    """Where `setup` keeps the installed version's converter (convert_hf_to_gguf.py, conversion/, gguf-py/):
-    beside the installed package, in the environment's share/ (MOE_ORACLE_LLAMACPP_CONVERTER: elsewhere), so
-    that every cache directory of the same environment finds it."""
-    where = os.environ.get("MOE_ORACLE_LLAMACPP_CONVERTER")
-    if where:
-        return Path(where)
-    return Path(sys.prefix) / "share" / "moe-oracle" / "llama.cpp" / str(installed_version()) / "llama.cpp"
-
-
-CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
-
-
-def converter_problem() -> str | None:
-    d = converter_dir()
-    if all((d / f).exists() for f in CONVERTER_FILES):
-        return None
-    return (f"llama.cpp's converter is not set up for {PACKAGE} {installed_version()} ({d} is missing): "
-            "run `make setup` or `python -m exporters.llamacpp setup` (fetches the package's source from PyPI)")
-
-
-def setup() -> Path:
-    """Fetch the installed version's sdist (pip download, cached by pip) and keep its converter."""
-    version = installed_version()
-    if version is None:
-        raise RuntimeError(f"{PACKAGE} is not installed (pip install 'moe-oracle[llamacpp]')")
-    target = converter_dir()
-    if converter_problem() is None:
-        return target
-    import tarfile
-
-    with tempfile.TemporaryDirectory(prefix="moe-oracle-llamacpp-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        f"{PACKAGE}=={version}", "-d", tmp], check=True)
-        sdist = next(Path(tmp).glob("*.tar.gz"))
-        out = Path(tmp) / "out"
-        with tarfile.open(sdist) as tar:
-            prefix = f"{tar.getnames()[0].split('/')[0]}/vendor/llama.cpp/"
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix)
-                       and m.name[len(prefix):].split("/")[0] in CONVERTER_FILES]
-            tar.extractall(out, members=members, filter="data")
-        staged = out / prefix
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.move(str(staged), str(target))
-    return target
 
 
 # ---------------------------------------------------------------- conversion (child process)
@@ -665,8 +612,6 @@ class LlamaCppBackend(Backend):
     def artifact_weights(self, original, path: Path, progress):
         """--gguf: the GGUF's weights as an HF checkpoint (exporters/llamacpp_gguf.py), checked against the
         original's f32 conversion by the same converter (architecture, hyper-parameters, tensors)."""
-        from dataclasses import replace
-
         from exporters.llamacpp_gguf import dequantized_gguf
         from oracle.backend import CheckSpec
 

@@ -10,24 +10,13 @@ kind and, through its target, the layer. Edits go through gguf-py (the converter
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from models.args import SPARSE, mlp_type
+from exporters.llamacpp_setup import gguf_module
 from models.faults import Fault
-
-
-def gguf_module():
-    from exporters.llamacpp import converter_dir
-
-    path = str(converter_dir() / "gguf-py")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import gguf
-
-    return gguf
 
 
 def rewrite(path: Path, fields: dict | None = None, drop: tuple = (), tensors=None, add: dict | None = None) -> None:

@@ -29,17 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from exporters.llamacpp_setup import converter_dir, gguf_module
 from oracle.backend import InputError
 
 FORMAT = 1  # bump when the map's or the dequantized checkpoint's recipe changes
 LOW = 1 << 22  # each probe's values lie in [LOW, 2 * LOW): exact in float32, and a transform shows
 BLOCK = re.compile(r"^blk\.(\d+)\.")
-
-
-def gguf_module():
-    from exporters.llamacpp_faults import gguf_module as g
-
-    return g()
 
 
 # ---------------------------------------------------------------- the element map (child process)
@@ -49,8 +44,6 @@ def _probe_main(model_dir: str, out: str) -> None:
     shapes; writes `out` (npz): per GGUF tensor its run starts and first indices, or nothing where
     its values are not indices (a value transform)."""
     import logging
-
-    from exporters.llamacpp import converter_dir
 
     d = converter_dir()
     sys.path[:0] = [str(d), str(d / "gguf-py")]
@@ -260,7 +253,7 @@ def dequantized_gguf(family, original, path: Path, reference_gguf: Path, convert
     """(the cached HF checkpoint of the GGUF's weights, dequantized to fp32, with the original's
     config.json; the quantization summary). `reference_gguf`: the original converted at f32 by the same
     converter (what the GGUF must match in architecture, keys and tensors)."""
-    from models.checkpoint import cached_dir, checkpoint_identity, read_tensors, tensor_index
+    from models.checkpoint import cached_dir, read_tensors, tensor_index
 
     path = Path(path)
     if not path.is_file():

@@ -12,9 +12,16 @@ The rule, in two halves:
    program rounds differently on another machine. A measured error is therefore compared with
    a tolerance of a tenth of the limit it is judged by (`LIMIT_SHARE`): enough for rounding
    at the level of the precision, far too little to hide a change of verdict or of what is
-   computed. Every other number (reference-side values such as norms and margins) is compared
-   to a relative 1e-4. Statuses, tokens, counts, names and shapes are compared exactly; a
-   field absent on one side and null on the other (added to the schema later) is the same.
+   computed. The same holds for what is measured on the host beside the candidate: HF's own
+   error at a reduced precision (`noise_*`) and HF fp32 on an in-situ candidate's upstream
+   (`upstream_*`), each against the limit of its row; a limit derived from them (a row's
+   `limits` at bf16 or in-situ) moves with them, so limits are compared to a relative tenth; a
+   ratio of two such errors (`vs_noise`, `vs_upstream`, present only where the divisor is not 0)
+   is a reading of them, not compared. A margin (a difference of two reference logits, e.g.
+   `reference_margin`) rounds as the logits do: within `MARGIN_ABS`. Every other number
+   (reference-side values such as norms) is compared to a relative 1e-4. Statuses, tokens,
+   counts, names and shapes are compared exactly; a field absent on one side and null on the
+   other (added to the schema later) is the same.
 """
 
 from __future__ import annotations
@@ -31,8 +38,14 @@ ARTIFACT_LISTS = frozenset({"artifacts"})
 # a measured error may move by this share of its limit between machines (see the docstring)
 LIMIT_SHARE = 0.1
 # measured error -> the limit key it is judged by (ratios are already in units of the limit)
-ERROR_LIMITS = {"max_abs": "atol", "rel_l2": "rel_l2", "weight_max_abs": "weight_atol"}
-RATIOS = frozenset({"ratio", "allclose_ratio"})
+ERROR_LIMITS = {"max_abs": "atol", "rel_l2": "rel_l2", "weight_max_abs": "weight_atol",
+                "noise_max_abs": "atol", "noise_rel_l2": "rel_l2", "noise_weight_max_abs": "weight_atol",
+                "upstream_max_abs": "atol", "upstream_rel_l2": "rel_l2", "upstream_weight_max_abs": "weight_atol"}
+RATIOS = frozenset({"ratio", "allclose_ratio", "upstream_allclose_ratio"})
+# readings of two host-measured errors' ratio (absent where the divisor is 0): not compared
+DERIVED = frozenset({"vs_noise", "vs_upstream"})
+# a difference of two reference logits rounds as they do on the host: a tenth of the fp32 e2e atol (1e-4)
+MARGIN_ABS = 1e-5
 REL_TOL = 1e-4  # any other number: reference-side values (norms, margins, cosine, KL of a reference)
 ABS_TOL = 1e-9
 
@@ -53,11 +66,15 @@ def comparable(doc):
     return doc
 
 
-def _close(key: str, a: float, b: float, limits: dict) -> bool:
+def _close(key: str, a: float, b: float, limits: dict, in_limits: bool = False) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     if math.isinf(a) or math.isinf(b):
         return a == b
+    if in_limits:  # a limit: the table's (equal) or one derived from a host measurement (half 2)
+        return math.isclose(a, b, rel_tol=LIMIT_SHARE, abs_tol=ABS_TOL)
+    if "margin" in key:
+        return abs(a - b) <= MARGIN_ABS
     if key in RATIOS:
         return abs(a - b) <= LIMIT_SHARE
     limit = limits.get(ERROR_LIMITS.get(key, ""))
@@ -77,6 +94,8 @@ def differences(saved, got, path: str = "", limits: dict | None = None) -> list[
         out = []
         for k in sorted(set(saved) | set(got)):
             where = f"{path}.{k}" if path else k
+            if k in DERIVED:
+                continue
             if saved.get(k) is None and got.get(k) is None:
                 continue  # a field added to the schema later, null where it does not apply
             if k not in saved or k not in got:
@@ -95,5 +114,6 @@ def differences(saved, got, path: str = "", limits: dict | None = None) -> list[
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (saved, got))
     if numbers and (isinstance(saved, float) or isinstance(got, float)):
         key = path.rsplit(".", 1)[-1].split("[", 1)[0]
-        return [] if _close(key, float(saved), float(got), limits) else [f"{path}: {saved!r}, now {got!r}"]
+        in_limits = ".limits." in f".{path}" or path.startswith("limits.")
+        return [] if _close(key, float(saved), float(got), limits, in_limits) else [f"{path}: {saved!r}, now {got!r}"]
     return [] if saved == got else [f"{path}: {saved!r:.120}, now {got!r:.120}"]

@@ -47,7 +47,9 @@ def test_rows_carrying_upstream_error_pass_within_what_a_correct_block_makes_of_
     beyond = [b for b in r.blocks if b.kind != "router" and table_ratio(b) > 1]
     # the later rows: beyond the isolated table (the final norm several times), as a correct fp32
     # block fed that input is (HF fp32's own error there within 0.8-1.3x the candidate's)
-    assert (3, "layer") in {(b.layer, b.kind) for b in beyond} and table_ratio(rows[None, "final_norm"]) > 3
+    # (the final norm: 3.4x the table on the machine this was written on, 2.8x on an AVX-512/AMX Xeon:
+    # how far beyond depends on the host's fp32 kernels; that it is beyond, and passes, does not)
+    assert (3, "layer") in {(b.layer, b.kind) for b in beyond} and table_ratio(rows[None, "final_norm"]) > 2
     assert all(0.8 < b.metrics["vs_upstream"] < 1.3 and b.ratio <= 0.6 for b in beyond)
     assert all(b.limits["upstream_factor"] == 2.0 for b in beyond)
 

@@ -41,7 +41,9 @@ def rows(r):
 
 # families whose converted GGUF llama.cpp runs as HF does (the others: known divergences below, or
 # the converter's refusal); `oracle check --backend llamacpp` over all fifteen is docs/llamacpp.md's table
-@pytest.mark.parametrize("family", ["olmoe", "mixtral", "gpt_oss", "glm4_moe"])
+# (the other passing families, qwen3_moe, qwen2_moe, mixtral, glm4_moe, granitemoe: their goldens in the nightly
+# matrix and `oracle goldens check`; here the simplest and the one with sinks, biases and a clamped SwiGLU)
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
 def test_converted_gguf_passes_at_fp32(llamacpp, family):
     r = check(family)
     assert r.status == "pass", (r.error, r.worst)
@@ -177,11 +179,12 @@ def test_bad_ggufs_are_refused_by_name(shipped, llamacpp, tmp_path, cli):
     assert r.returncode == 2 and "architecture 'olmoe'" in r.stderr and "converts to 'qwen3moe'" in r.stderr
 
 
+# a metadata fault (first layer), a tensor fault (its layer) and a shape finding; the whole catalogue is
+# `oracle selftest --backend llamacpp` (nightly; docs/llamacpp.md)
 @pytest.mark.parametrize("fault,where", [
     ("gguf_rope_freq_base_wrong", (0, "attention")),
     ("gguf_expert_gate_up_swapped", (1, "moe")),
     ("gguf_expert_used_count_wrong", (0, "router")),
-    ("gguf_qk_permuted", (1, "attention")),
 ])
 def test_gguf_faults_are_detected_and_localised(llamacpp, fault, where):
     from exporters import llamacpp_faults

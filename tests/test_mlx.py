@@ -173,9 +173,12 @@ def test_q8_on_trained_weights_passes_with_the_loss_reported(mlx, weights_family
     assert r.status == "pass", (r.error, r.worst)
     assert all(row.status == "pass" for row in r.blocks) and r.e2e.token_exact
     if weights_family == "qwen3_5_moe":
+        # step 3 is 1.05x the fixed table on the machine this was measured on and within it on others (the
+        # host's fp32 kernels round the massive activations' sums differently): wherever a step is beyond,
+        # it is judged, and passes, by fp32's own measured error (the rule itself: tests/test_metrics.py)
         beyond = [s for s in r.e2e.steps if s.get("beyond_table")]
-        assert beyond and all(s["vs_noise"] < thresholds.exact("fp32")["factor"] for s in beyond)
-        assert "beyond the fixed table" in r.e2e.measured_noise
+        assert all(s["vs_noise"] < thresholds.exact("fp32")["factor"] for s in beyond)
+        assert not beyond or "beyond the fixed table" in r.e2e.measured_noise
     rows = r.quantization["rows"]
     assert rows["status"] == "reported" and rows["e2e"]["distribution"]["kl_mean"] > 0
 
