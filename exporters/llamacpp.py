@@ -9,9 +9,12 @@ llama.cpp (llama-cpp-python's build of it) with its own KV cache.
   A tiny checkpoint has no tokenizer: the converter's `set_vocab` is given a synthetic SPM
   vocabulary of `vocab_size` tokens (the check feeds token ids; llama.cpp never tokenizes).
   `--option outtype=` f32 (the fp32 check's), bf16, q8_0 (the converter's own types), or a
-  llama-quantize type (Q8_0, Q6_K, Q5_K_M, Q4_K_M: `llama_model_quantize` on the f32 GGUF).
+  llama-quantize type (Q8_0, Q6_K, Q5_K_M, Q4_K_M: `llama_model_quantize` on the f32 GGUF), the
+  quantized ones for `oracle export` (then checked with `--gguf`).
+- **A GGUF as shipped** (`--gguf`, `artifact_weights`): exporters/llamacpp_gguf.py.
 - **Run**: prefill is one `llama_decode` of the tokens, decode one token at its position, the KV
-  cache llama.cpp's (`--option kv=f32|f16`: f32 at fp32, f16 what users run by default).
+  cache llama.cpp's (`--option kv=f32|f16`: f32 at fp32, f16 what users run by default; likewise
+  `flash_attn` and `repack`, the CPU's repacked weight buffers: off at fp32, llama.cpp's default else).
 - **Block rows, in-situ**: the eval callback (`cb_eval`) reads the graph's tensors while the
   sequence runs: a layer is `l_out-L`, its attention the branch added to the stream into
   `ffn_inp-L` (the operand of that ADD that is not the layer's input, a residual SCALE undone), its
