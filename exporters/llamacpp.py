@@ -22,7 +22,10 @@ llama.cpp (llama-cpp-python's build of it) with its own KV cache.
   `ffn_moe_weights*-L`, the final norm `result_norm`, the logits `result_output`; each block's own
   input is its norm's output (`attn_norm-L`, `ffn_norm-L`: Candidate.block_input). The expert
   probes (the reference's inputs to a MoE) are run by writing them over `ffn_norm-L` in the
-  callback, in a sequence of their own.
+  callback, in a sequence of their own; so is the drill of a router or a MoE (its points:
+  `ffn_moe_logits`, `ffn_moe_probs`, `ffn_moe_probs_biased`, `ffn_moe_topk`, `ffn_moe_weights*`,
+  `ffn_moe_out`, `ffn_shexp_gate_inp`, `ffn_shexp`). Attention's points are not mapped (the
+  converter permutes q/k rows for some architectures): its drill is n/a.
 """
 
 from __future__ import annotations
@@ -377,9 +380,8 @@ class Runner:
             counts[name] = counts.get(name, 0) + 1
         return counts
 
-    def probe(self, layer: int, x) -> tuple:
-        """(the layer's experts' output, its routing) on `x` [N, H]: `x` written over the experts'
-        input (Graph.layer's `ffn_in`, found in a one-token run) in a sequence of its own."""
+    def ffn_input(self, layer: int) -> str:
+        """The graph's name of layer L's experts' input (Graph.layer's `ffn_in`, found in a one-token run)."""
         if layer not in self.ffn_inputs:
             g = self.record([0], [0])
             p = g.layer(layer)["ffn_in"]
@@ -388,8 +390,44 @@ class Runner:
                 raise RuntimeError(f"layer {layer}'s experts' input is not one named node of llama.cpp's graph "
                                    f"({name!r}): the expert probes cannot be written")
             self.ffn_inputs[layer] = name
-        b = self.blocks([0] * x.shape[0], list(range(x.shape[0])), {self.ffn_inputs[layer]: x})
+        return self.ffn_inputs[layer]
+
+    def probe(self, layer: int, x) -> tuple:
+        """(the layer's experts' output, its routing) on `x` [N, H]: `x` written over the experts'
+        input in a sequence of its own."""
+        b = self.blocks([0] * x.shape[0], list(range(x.shape[0])), {self.ffn_input(layer): x})
         return b.get((layer, "ffn")), b.get((layer, "router"))
+
+    # the drill's points of a router and a MoE (oracle/points.py) as llama.cpp names them (build_moe_ffn)
+    # (point, llama.cpp's names, the first it has: a router's bias added, a group-limited choice's masking)
+    MOE_POINTS = (("logits", ("ffn_moe_logits_biased", "ffn_moe_logits")), ("scores", ("ffn_moe_probs",)),
+                  ("selection", ("ffn_moe_probs_masked", "ffn_moe_probs_biased")), ("topk", ("ffn_moe_topk",)),
+                  ("weights", ()), ("experts", ("ffn_moe_out",)), ("shared_expert_gate", ("ffn_shexp_gate_inp",)),
+                  ("shared_expert", ("ffn_shexp",)))
+
+    def points(self, layer: int, x) -> dict:
+        """The router's and the experts' points of layer L on `x` [N, H] written over the experts' input
+        (a sequence of its own: what follows the attention depends on no position): point -> value,
+        in the graph's order, where the graph has it; "output", the block's."""
+        g = self.record([0] * x.shape[0], list(range(x.shape[0])), {self.ffn_input(layer): x})
+        routing = router_of(g, layer)
+        # a gating that chooses on the logits themselves (softmax over the chosen weights only: gpt-oss) names
+        # its (biased) logits ffn_moe_probs: no activation made them, so they are the logits, and there are no scores
+        probs = g.named.get(f"ffn_moe_probs-{layer}")
+        logits_only = probs is not None and g.nodes[probs][1] in ("ADD", "MUL_MAT")
+        found = {}
+        for point, names in self.MOE_POINTS:
+            if logits_only and point in ("logits", "scores"):
+                names = ("ffn_moe_probs",) if point == "logits" else ()
+            v = routing[0] if point == "weights" and routing else next(
+                (g.value(f"{n}-{layer}") for n in names if g.value(f"{n}-{layer}") is not None), None)
+            if v is not None:
+                found[point] = v.reshape(x.shape[0], -1).astype(np.float32)
+        n = g.layer(layer)
+        out = g.branch(n["out"], n["mid"])
+        if out is not None:
+            found["output"] = out.reshape(x.shape[0], -1)
+        return found
 
 
 class LoadError(RuntimeError):
@@ -517,6 +555,24 @@ class LlamaCppCandidate(Candidate):
         if not rows or any(name not in r for r in rows):
             return None
         return [r[name] for r in rows]
+
+    def run_block_points(self, layer, kind, calls):
+        """The drill (oracle/points.py) of a router or a MoE: each call's input written over the experts'
+        input (Runner.points); None for the other kinds (their points are not mapped: the drill says so)."""
+        if kind not in ("router", "moe"):
+            return None
+        from oracle.points import Recorder
+
+        rec = Recorder(taps=("logits", "scores", "selection", "topk", "weights"))
+        for c in calls:
+            x = np.asarray(c.x_array, np.float32)
+            for name, v in self._call("points", layer, x.reshape(-1, x.shape[-1])).items():
+                if not (kind == "router" and name in ("experts", "shared_expert_gate", "shared_expert", "output")):
+                    rec.add(name, v)
+        have = set(rec.points)
+        rec.points.registered = [p for p in ("experts", "shared_expert_gate", "shared_expert") if p in have]
+        rec.points.taps = {t for t in rec.points.taps if t in have}  # exposed: a missing one is n/a, not skipped
+        return rec.points
 
     def probe(self, layer: int, xs: list) -> list[tuple]:
         """(block output, (weights, indices)) per input: Runner.probe."""

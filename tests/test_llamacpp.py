@@ -95,6 +95,9 @@ def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, 
     r = check(family)
     assert r.status == "xfail", (r.status, r.error, r.worst)
     assert cause in r.expected["cause"]
+    if family == "deepseek_v3":  # the drill names where: the scores (llama.cpp's softmax), the logits agree
+        drill = r.drill["blocks"][0]
+        assert drill["kind"] == "router" and drill["first_divergence"] == "scores", drill["verdict"]
     fixed = check(family, model_dir=_edited(family, tmp_path, **config))
     assert fixed.status == "pass", (fixed.error, fixed.worst)
 
@@ -181,18 +184,20 @@ def test_bad_ggufs_are_refused_by_name(shipped, llamacpp, tmp_path, cli):
 
 # a metadata fault (first layer), a tensor fault (its layer) and a shape finding; the whole catalogue is
 # `oracle selftest --backend llamacpp` (nightly; docs/llamacpp.md)
-@pytest.mark.parametrize("fault,where", [
-    ("gguf_rope_freq_base_wrong", (0, "attention")),
-    ("gguf_expert_gate_up_swapped", (1, "moe")),
-    ("gguf_expert_used_count_wrong", (0, "router")),
+@pytest.mark.parametrize("fault,where,point", [
+    ("gguf_rope_freq_base_wrong", (0, "attention"), None),  # attention's points are not mapped: n/a
+    ("gguf_expert_gate_up_swapped", (1, "moe"), "experts"),
+    ("gguf_expert_used_count_wrong", (0, "router"), "topk"),
 ])
-def test_gguf_faults_are_detected_and_localised(llamacpp, fault, where):
+def test_gguf_faults_are_detected_and_localised(llamacpp, fault, where, point):
     from exporters import llamacpp_faults
 
     f = next(x for x in llamacpp_faults.CATALOGUE if x.name == fault)
-    r = run_check(CheckSpec(family="olmoe", backend="llamacpp", drill="off"), llamacpp.BACKEND.with_fault(f))
+    r = run_check(CheckSpec(family="olmoe", backend="llamacpp"), llamacpp.BACKEND.with_fault(f))
     assert r.status == "fail"
     assert (r.worst["layer"], r.worst["kind"]) == where, r.worst
+    drill = (r.drill.get("blocks") or [{}])[0]
+    assert drill.get("first_divergence") == point, r.drill
 
 
 def test_round_blocks_is_8_bit_per_block_of_32():
