@@ -59,15 +59,3 @@ import torch  # noqa: E402,F401
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-
-# The test files that take longest with cold caches (docs/benchmarks.md, `--durations`), run first:
-# pytest-xdist (`--dist loadfile`) hands out files in collection order, so a long file collected last
-# (alphabetically: test_selftest.py) would leave one worker running it alone at the end.
-LONGEST_FIRST = ("test_executorch.py", "test_executorch_mlx.py", "test_selftest.py", "test_drill.py",
-                 "test_baselines.py", "test_installed.py", "test_iree.py", "test_matrix.py", "test_cuda.py",
-                 "test_llamacpp.py", "test_given_programs.py", "test_mlx.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
