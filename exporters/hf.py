@@ -8,22 +8,32 @@ every block of one kind and record what that block returns.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
 import torch
 
 from oracle import points
-from oracle.arithmetic import arithmetic
+from oracle.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
 from oracle.backend import Backend, Candidate
 from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
 
 # fp64: HF's exact answer for fp32's own measured error (oracle/noise.py exact_for), not a user precision;
-# a8: fp32 with 8-bit activations at every weight product (oracle/arithmetic.py: llama.cpp's arithmetic on
-# quantized weights), the noise reference of a quantized GGUF, not a user precision either
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64, "a8": torch.float32,
-          "abf16": torch.float32, "af16": torch.float32}
+# a8, abf16, af16: fp32 with the activations of every weight product rounded (oracle/arithmetic.py:
+# llama.cpp's arithmetic on a GGUF's weights), the noise reference of a GGUF, not user precisions either
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64,
+          **{p: torch.float32 for p in arithmetic_precisions}}
+
+
+def in_arithmetic(method):
+    """The candidate's method run in its precision's arithmetic (oracle/arithmetic.py; none for fp32/bf16)."""
+    @functools.wraps(method)
+    def run(self, *args):
+        with arithmetic(self.precision):
+            return method(self, *args)
+    return run
 
 
 class HFCandidate(Candidate):
@@ -46,31 +56,22 @@ class HFCandidate(Candidate):
         return 3 if self.keep_router_logits else 2
 
     @torch.no_grad()
+    @in_arithmetic
     def prefill(self, tokens):
-        with arithmetic(self.precision):
-            return self._prefill(tokens)
-
-    def _prefill(self, tokens):
         out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0]
 
     @torch.no_grad()
+    @in_arithmetic
     def decode(self, token, pos):
-        with arithmetic(self.precision):
-            return self._decode(token, pos)
-
-    def _decode(self, token, pos):
         out = self.model(input_ids=torch.tensor([[token]]), past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0, -1]
 
     @torch.no_grad()
+    @in_arithmetic
     def run_block(self, layer, kind, calls):
-        with arithmetic(self.precision):
-            return self._run_block(layer, kind, calls)
-
-    def _run_block(self, layer, kind, calls):
         probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
         calls = [c for c in calls if not c.probe]
         outs = self._replay(layer, kind, calls)

@@ -420,7 +420,7 @@ class Runner:
             if logits_only and point in ("logits", "scores"):
                 names = ("ffn_moe_probs",) if point == "logits" else ()
             v = routing[0] if point == "weights" and routing else next(
-                (g.value(f"{n}-{layer}") for n in names if g.value(f"{n}-{layer}") is not None), None)
+                (v for n in names if (v := g.value(f"{n}-{layer}")) is not None), None)
             if v is not None:
                 found[point] = v.reshape(x.shape[0], -1).astype(np.float32)
         n = g.layer(layer)

@@ -15,19 +15,19 @@ from pathlib import Path
 import numpy as np
 
 from models.args import SPARSE, mlp_type
+from exporters.llamacpp_gguf import arch_of
 from exporters.llamacpp_setup import gguf_module
 from models.faults import Fault
 
 
-def rewrite(path: Path, fields: dict | None = None, drop: tuple = (), tensors=None, add: dict | None = None) -> None:
+def rewrite(path: Path, fields: dict | None = None, drop: tuple = (), tensors=None) -> None:
     """The GGUF at `path` with `fields` (key -> new value, of the field's own type) set, the keys and
-    tensors named in `drop` left out, `add` (key -> (value, GGUFValueType)) keys written that it did not
-    have, and `tensors(arrays) -> {name: new array}` applied to the tensors (name -> array, numpy
-    order), written over it."""
+    tensors named in `drop` left out, and `tensors(arrays) -> {name: new array}` applied to the
+    tensors (name -> array, numpy order), written over it."""
     gguf = gguf_module()
     fields = dict(fields or {})
     reader = gguf.GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = arch_of(reader)
     full = {k.replace("{arch}", arch): v for k, v in fields.items()}
     dropped = {k.replace("{arch}", arch) for k in drop}
     missing = [k for k in [*full, *dropped] if k not in reader.fields and k not in {t.name for t in reader.tensors}]
@@ -44,11 +44,6 @@ def rewrite(path: Path, fields: dict | None = None, drop: tuple = (), tensors=No
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         value = full.get(field.name, field.contents())
         writer.add_key_value(field.name, value, vtype, sub_type=sub)
-    for key, (value, vtype) in (add or {}).items():
-        key = key.replace("{arch}", arch)
-        if key in reader.fields:
-            raise KeyError(f"the GGUF already has {key}")
-        writer.add_key_value(key, value, vtype)
     for t in reader.tensors:
         if t.name in dropped:
             continue
@@ -64,22 +59,12 @@ def rewrite(path: Path, fields: dict | None = None, drop: tuple = (), tensors=No
 def field(path: Path, key: str):
     gguf = gguf_module()
     reader = gguf.GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    f = reader.fields.get(key.replace("{arch}", arch))
+    f = reader.fields.get(key.replace("{arch}", arch_of(reader)))
     return None if f is None else f.contents()
-
-
-def tensor_names(path: Path) -> set[str]:
-    return {t.name for t in gguf_module().GGUFReader(path).tensors}
 
 
 def _sparse(a) -> bool:
     return any(mlp_type(a, i) == SPARSE for i in range(a.num_hidden_layers))
-
-
-def _edit(fn):
-    """A Fault's `apply` for a GGUF: fn(path, layer, args) (the layer of Fault.layer)."""
-    return fn
 
 
 # ---------------------------------------------------------------- metadata faults (every layer)

@@ -20,7 +20,6 @@ hyper-parameter (a `<arch>.*` key) that differs from or is missing against the o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from exporters.llamacpp_setup import converter_dir, gguf_module
+from oracle.artifacts import sha256_file
 from oracle.backend import InputError
 
 FORMAT = 1  # bump when the map's or the dequantized checkpoint's recipe changes
@@ -133,9 +133,9 @@ class ElementMap:
         self.runs = {k.split(":", 1)[1]: (z[k], z["ids:" + k.split(":", 1)[1]], tuple(z["shape:" + k.split(":", 1)[1]]))
                      for k in z.files if k.startswith("starts:")}
 
-    def sources(self, name: str) -> list[tuple[int, int, str, int, int]]:
-        """(gguf start, length, HF tensor, its flat start, length) pieces of GGUF tensor `name`: its runs
-        cut at the HF tensors' boundaries."""
+    def sources(self, name: str) -> list[tuple[int, int, str, int]]:
+        """(gguf start, length, HF tensor, its flat start) pieces of GGUF tensor `name`: its runs cut at
+        the HF tensors' boundaries."""
         starts, ids, shape = self.runs[name]
         n = int(np.prod(shape, dtype=np.int64))
         ends = np.append(starts[1:], n)
@@ -147,7 +147,7 @@ class ElementMap:
                 size = int(np.prod(self.hf_shapes[hf], dtype=np.int64))
                 local = i - int(self.hf_offsets[t])
                 take = min(e - s, size - local)
-                out.append((s, take, hf, local, take))
+                out.append((s, take, hf, local))
                 s, i = s + take, i + take
         return out
 
@@ -156,7 +156,7 @@ def element_map(original, converter_version: str) -> ElementMap:
     """The cached map of the original checkpoint (by its identity, the converter's version and this code)."""
     from oracle.artifacts import cached_artifact
 
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    code = sha256_file(Path(__file__))
     parts = {"checkpoint": original.checkpoint_sha256, "converter": converter_version, "code": code, "format": FORMAT}
 
     def build(path: Path):
@@ -165,9 +165,6 @@ def element_map(original, converter_version: str) -> ElementMap:
         if r.returncode != 0:
             tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"]
             raise InputError(f"llama.cpp's converter could not map this checkpoint's tensors: {tail[0]}")
-        made = path.with_suffix(".npz") if not path.exists() else path
-        if made != path:
-            made.replace(path)
 
     art = cached_artifact("llamacpp-map", parts, "map.npz", build)
     return ElementMap(Path(art.path))
@@ -183,7 +180,7 @@ def _reader(path: Path):
         raise InputError(f"--gguf {path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _arch(reader, where) -> str:
+def arch_of(reader, where: str = "the GGUF") -> str:
     f = reader.fields.get("general.architecture")
     if f is None:
         raise InputError(f"{where}: no general.architecture key (not a model GGUF)")
@@ -204,7 +201,7 @@ def check_matches(shipped, reference, path: Path) -> None:
     """InputError where the shipped GGUF is not the reference conversion's model: another
     architecture, a hyper-parameter that differs or is missing (named), a tensor missing, extra or of
     another shape."""
-    arch, want = _arch(shipped, f"--gguf {path}"), _arch(reference, "the original's conversion")
+    arch, want = arch_of(shipped, f"--gguf {path}"), arch_of(reference, "the original's conversion")
     if arch != want:
         raise InputError(f"--gguf {path} is a GGUF of architecture {arch!r}; the original checkpoint converts to "
                          f"{want!r} (llama.cpp's converter): another model")
@@ -282,12 +279,8 @@ def dequantized_gguf(family, original, path: Path, reference_gguf: Path, convert
         summary["activations"] = "a8"
     elif "BF16" in types or "F16" in types:
         summary["activations"] = "abf16" if "BF16" in types else "af16"
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            sha.update(chunk)
-    recipe = {"gguf_sha256": sha.hexdigest(), "original_sha256": original.checkpoint_sha256, "format": FORMAT,
-              "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(), "converter": converter_version,
+    recipe = {"gguf_sha256": sha256_file(path), "original_sha256": original.checkpoint_sha256, "format": FORMAT,
+              "code": sha256_file(Path(__file__)), "converter": converter_version,
               "family": family.name}
 
     def build(out: Path):
@@ -326,7 +319,7 @@ def dequantized_gguf(family, original, path: Path, reference_gguf: Path, convert
                     originals[name] = read_tensors(index, [name])[name].float().numpy().reshape(-1)
                     hf[name] = originals[name].copy()
                 flat_new, flat_old = new.reshape(-1), old.reshape(-1)
-                for s, n, name, local, _ in pieces:
+                for s, n, name, local in pieces:
                     # the map checked on the original: its f32 conversion pulled back is the original, bit for bit
                     if not np.array_equal(flat_old[s:s + n], originals[name][local:local + n]):
                         raise InputError(f"--gguf {path}: tensor {t.name}: the converter's element map does not "

@@ -37,8 +37,10 @@ class Fault:
     def layer(self, a: ModelArgs) -> int | None:
         if self.target == "model":
             return None
-        if self.target in ("last", "first"):
-            return a.num_hidden_layers - 1 if self.target == "last" else 0
+        if self.target == "last":
+            return a.num_hidden_layers - 1
+        if self.target == "first":
+            return 0
         if self.target == "dense":
             return min(i for i in range(a.num_hidden_layers) if mlp_type(a, i) == DENSE)
         if self.target.startswith("first_"):  # a fault of every layer (a hyper-parameter) shows first here

@@ -151,7 +151,13 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         cand_w = np.concatenate([w for w, _ in arrays])
         cand_i = np.concatenate([i for _, i in arrays])
         gaps, tie = router_gaps(ref, layer, dtype=np.float64), tie_gaps(ref, layer, spec, noise)
-        m = router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie)
+        rule = thresholds.in_situ(spec.precision) if upstream is not None else None
+        own = None  # in-situ: HF's routing of the candidate's own upstream (its input differed before)
+        if rule:
+            own = (np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in upstream]).astype(np.float64),
+                   np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in upstream]))
+        # a token routed as HF routes the candidate's own upstream agrees
+        m = router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie, own=own)
         h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None
         if h is not None and "shape_mismatch" not in m:  # the weights: against HF's own weight error
             nm = router_metrics(ref_w, ref_i, np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in h]),
@@ -162,13 +168,8 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
                          float(np.abs(ref_w).max()) * 2.0 ** -9) if ref_w.size else 0.0
             lim = {**lim, "weight_atol": lim["noise_factor"] * nm["weight_max_abs"] + lim["noise_floor"] * stored}
             m["noise_weight_max_abs"], m["noise_topk_agreement"] = nm["weight_max_abs"], nm["topk_agreement"]
-        rule = thresholds.in_situ(spec.precision) if upstream is not None else None
-        if rule and "shape_mismatch" not in m:  # in-situ: + factor x the weight error its own upstream carries
-            uw = np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in upstream]).astype(np.float64)
-            ui = np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in upstream])
-            um = router_metrics(ref_w, ref_i, uw, ui, gaps, tie)
-            # a token routed as HF routes the candidate's own upstream agrees (its input differed before)
-            m.update(router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie, own=(uw, ui)))
+        if own is not None and "shape_mismatch" not in m:  # in-situ: + factor x the weight error its upstream carries
+            um = router_metrics(ref_w, ref_i, *own, gaps, tie)
             m["upstream_weight_max_abs"] = um["weight_max_abs"]
             lim = {**lim, "upstream_factor": rule["upstream_factor"], "table_weight_atol": lim["weight_atol"],
                    "weight_atol": lim["weight_atol"] + rule["upstream_factor"] * um["weight_max_abs"]}
