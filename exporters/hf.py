@@ -126,11 +126,24 @@ class HFCandidate(Candidate):
 
 
 class HFBackend(Backend):
-    name = "hf"
     precisions = ("fp32", "bf16")
+
+    def __init__(self, name: str = "hf", fault=None):
+        self.name, self.fault = name, fault  # fault: a seeded fault's HF form (exporters/hf_faults.py)
 
     def availability(self):
         return True, ""
+
+    def with_fault(self, fault):
+        """This backend with a seeded fault on HF's own modules; None where it has no form there."""
+        from exporters import hf_faults
+
+        return None if hf_faults.not_applicable(fault) else type(self)(f"{self.name}+{fault.name}", fault)
+
+    def fault_not_applicable(self, fault) -> str | None:
+        from exporters import hf_faults
+
+        return hf_faults.not_applicable(fault)
 
     # whole: from_pretrained holds the mapped bf16 checkpoint and the model (measured ~10 bytes per
     # parameter at fp32); streamed (above 1 GiB of fp32 weights): the embedding, the head and one
@@ -140,6 +153,18 @@ class HFBackend(Backend):
     memory_note = "streamed: the decoder layers stay on disk, a module's weights are loaded for its forward"
 
     def load(self, model, spec):
+        cand = self._load(model, spec)
+        if self.fault is not None:
+            from exporters import hf_faults
+            from oracle.backend import InputError
+
+            if getattr(cand, "offload", None) is not None:
+                raise InputError(f"{self.fault.name}: a seeded fault needs HF's model in memory (this checkpoint "
+                                 "is streamed from disk)")
+            hf_faults.inject(self.fault, cand)
+        return cand
+
+    def _load(self, model, spec):
         dtype = DTYPES[spec.precision]
         if reference_mode(model.model_dir) == "streamed":  # as the reference: layers offloaded to disk
             offload = tempfile.TemporaryDirectory(prefix="moe-oracle-hf-")

@@ -47,8 +47,9 @@ class FaultRow:
     what: str
     precision: str
     expected: dict  # layer, kind
-    # the check's status: fail (detected: a failing block or e2e row), pass (missed), error (crashed:
-    # the faulted candidate raised, not a detection), xfail (a known divergence failing as it says)
+    # the check's status: fail (detected where a block or e2e row or a gate failed; crashed where every
+    # failing row raised), pass (missed), error (crashed: the faulted candidate raised, not a
+    # detection), xfail (a known divergence failing as it says)
     status: str
     detected: bool
     localized: bool
@@ -78,8 +79,8 @@ class FaultRow:
         return self.drill_point in (self.point if isinstance(self.point, (tuple, list)) else (self.point,))
 
     @property
-    def crashed(self) -> bool:
-        return self.status == Status.ERROR
+    def crashed(self) -> bool:  # the check raised, or every row it failed raised (nothing measured)
+        return self.status == Status.ERROR or (not self.detected and self.status == Status.FAIL)
 
     @property
     def required(self) -> bool:
@@ -188,6 +189,13 @@ def same_numbers(a, b) -> bool:
     rows = lambda r: {(x.layer, x.kind): (x.status, x.metrics) for x in r.blocks}  # noqa: E731
     e2e = lambda r: None if r.e2e is None else (r.e2e.candidate_tokens, [s.get("max_abs") for s in r.e2e.steps])  # noqa: E731
     return rows(a) == rows(b) and e2e(a) == e2e(b)
+
+
+def measured_failure(r) -> bool:
+    """Whether a check failed by a measurement (a block or e2e row, or a gate, that failed), not only
+    by rows whose candidate raised (status error: a crash, not a detection)."""
+    rows = [*r.blocks, *r.gates, *([r.e2e] if r.e2e is not None else [])]
+    return any(x.status == Status.FAIL for x in rows)
 
 
 def new_worst(faulted, clean) -> dict | None:
@@ -340,7 +348,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 above = noise_ratio(run_check(replace(spec, precision="fp32"), variant), r, expected)
             # detected: the check failed, or (a family failing as its known divergence says) a row
             # failed that passes without the fault
-            detected = r.status == Status.FAIL or (r.status == Status.XFAIL and w is not None)
+            # (every failing row an error: the faulted candidate crashed, counted apart)
+            detected = (r.status == Status.FAIL and measured_failure(r)) or (r.status == Status.XFAIL and w is not None)
             drilled = (r.drill or {}).get("blocks") or [{}]
             point = (base.fault_point(fault) or faults.POINTS.get(fault.name)) if drill else None
             exposed, why = point_exposed(point, drilled[0].get("points") or [])

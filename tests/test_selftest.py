@@ -130,6 +130,45 @@ def test_a_crash_is_not_a_detection_and_a_refused_family_does_not_abort(monkeypa
     assert not s["ok"] and "1 crashed" in res.summary_line() and "REFUSED mixtral" in selftest.render(res)
 
 
+def test_rows_that_all_raised_are_a_crash_not_a_detection(monkeypatch):
+    """A faulted check whose failing rows all raised (status error; the check itself `fail`) measured
+    nothing: crashed, not detected (HF's model with its MoE output upcast raised in every row)."""
+    from oracle import selftest
+
+    real = selftest.run_check
+
+    def run_check(spec, backend=None, **kw):
+        r = real(spec, backend, **kw)
+        if "+" in getattr(backend, "name", ""):
+            r.status, r.gates = "fail", []
+            for row in [*r.blocks, r.e2e]:
+                row.status = "error"
+        return r
+
+    monkeypatch.setattr(selftest, "run_check", run_check)
+    res = run_selftest("eager", families=["olmoe"], seeds=(0,), fault_names=["rope_theta_wrong"])
+    (row,) = res.faults
+    assert row.status == "fail" and not row.detected and row.crashed
+    assert (res.summary()["detected"], res.summary()["crashed"]) == (0, 1)
+
+
+def test_selftest_hf_faults_on_transformers_modules():
+    """The `hf` backend's faults are edits of HF's own modules (exporters/hf_faults.py): an attribute
+    (the attention's scaling), a weight (one expert's, in HF's fused layout), a submodule's output
+    (the shared expert dropped); a fault with no form there is listed with why."""
+    res = run_selftest("hf", families=["qwen2_moe"], seeds=(0,),
+                       fault_names=["attention_scale_wrong", "expert_weights_off_1e-3", "shared_expert_missing",
+                                    "rope_theta_wrong"])
+    s = res.summary()
+    assert (s["faults"], s["detected"], s["localized"], s["false_alarms"], s["crashed"]) == (3, 3, 3, 0, 0)
+    assert {r.fault: (r.worst["layer"], r.worst["kind"]) for r in res.faults} == {
+        "attention_scale_wrong": (1, "attention"), "expert_weights_off_1e-3": (1, "moe"),
+        "shared_expert_missing": (1, "moe")}
+    assert all(r.injected for r in res.faults)
+    (na,) = res.not_applicable
+    assert na["fault"] == "rope_theta_wrong" and "rotary" in na["why"]
+
+
 def test_fix_expert_probes():
     """Missed before: `expert_weights_off_1e-3` passed for mixtral seed 0, because the
     8+8-token sequence never routes layer 1 to the faulty expert (the prompt covers 5 of 8
