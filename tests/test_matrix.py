@@ -286,7 +286,7 @@ def test_nightly_workflow_is_valid():
     import yaml
 
     jobs = yaml.safe_load(text)["jobs"]["selftest"]["strategy"]["matrix"]["include"]
-    for backend in ("eager", "mlx", "iree-llvm-cpu", "executorch", "executorch-mlx"):
+    for backend in ("eager", "hf", "mlx", "iree-llvm-cpu", "executorch", "executorch-mlx", "llamacpp"):
         shards = sorted(j["shard"] for j in jobs if j["backend"] == backend and not j.get("tag"))
         n = int(shards[0].split("/")[1])
         assert shards == [f"{i}/{n}" for i in range(1, n + 1)], (backend, shards)
