@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from models import routing
 from models.args import DENSE, SLIDING, SPARSE, mlp_type
@@ -95,6 +96,9 @@ def _no_renorm(layer, a):
 
 def _wrong_num_experts(layer, a):
     r: Router = layer.mlp.gate
+    if hasattr(r, "e_score_correction_bias"):  # the router's own per-expert bias sees one fewer too (it
+        # crashed the model, [N, E-1] + [E], instead of routing wrongly)
+        r.e_score_correction_bias = nn.Parameter(r.e_score_correction_bias.detach()[:-1].clone(), requires_grad=False)
     patch(r, "route", lambda logits: Router.route(r, logits[:, :-1]))
 
 
