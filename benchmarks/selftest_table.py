@@ -30,36 +30,29 @@ def _minutes(s: float) -> str:
 
 
 def rows_of(doc: dict) -> dict:
-    """family -> counts of one report (a report may hold several families)."""
-    from oracle.selftest import CLEAN
+    """family -> counts of one report (a report may hold several families): the self-test's own summary
+    (oracle.selftest.SelftestResult.summary) of that family's rows, with the seconds its checks took."""
+    from oracle.selftest import AlarmRow, FaultRow, SelftestResult
 
     out = {}
     for fam in doc["families"]:
-        faults = [r for r in doc["faults"] if r["family"] == fam]
-        req = [r for r in faults if r.get("injected", True) and not r.get("masked")
-               and (r.get("noise_ratio") is None or r["noise_ratio"] > 1.0)]
-        alarms = [a for a in doc["false_alarms"] if a["family"] == fam]
-        drilled = [r for r in req if r.get("drilled") and r["localized"] and r.get("point") is not None
-                   and r.get("point_exposed", True)]
-        points = lambda r: r["point"] if isinstance(r["point"], list) else [r["point"]]  # noqa: E731
-        out[fam] = {
-            "faults": len(req), "detected": sum(r["detected"] for r in req),
-            "localized": sum(r["localized"] for r in req),
-            "false_alarms": sum(a["status"] not in CLEAN for a in alarms), "clean_runs": len(alarms),
-            "crashed": sum(r["status"] == "error" or (r["status"] == "fail" and not r["detected"]) for r in req),
-            "not_injected": sum(not r.get("injected", True) for r in faults),
-            "not_applicable": sum(x["family"] == fam for x in doc["not_applicable"]),
-            "drilled": len(drilled), "point": sum(r.get("drill_point") in points(r) for r in drilled),
-            "seconds": sum(r["seconds"] for r in faults) + sum(a["seconds"] for a in alarms),
-            "refused": next((x["why"] for x in doc["refused"] if x["family"] == fam), None),
-        }
+        of = lambda rows: [x for x in rows if x["family"] == fam]  # noqa: E731
+        res = SelftestResult(doc["backend"], [fam], doc["seeds"], faults=[FaultRow(**r) for r in of(doc["faults"])],
+                             false_alarms=[AlarmRow(**a) for a in of(doc["false_alarms"])],
+                             not_applicable=of(doc["not_applicable"]), refused=of(doc["refused"]))
+        s = res.summary()
+        out[fam] = {k: s.get(k, 0) for k in ("faults", "detected", "localized", "false_alarms", "clean_runs",
+                                              "crashed", "not_injected", "drilled", "point_localized")}
+        out[fam]["not_applicable"] = len(res.not_applicable)
+        out[fam]["seconds"] = sum(r.seconds for r in res.faults) + sum(a.seconds for a in res.false_alarms)
+        out[fam]["refused"] = res.refused[0]["why"] if res.refused else None
     return out
 
 
 def line(backend: str, family: str, c: dict) -> str:
     if c["refused"] and not c["clean_runs"]:
         return f"| {backend} | {family} | refused: {c['refused'][:120]} | | | | | | | |"
-    drill = f"{c['point']}/{c['drilled']}" if c["drilled"] else "-"
+    drill = f"{c['point_localized']}/{c['drilled']}" if c["drilled"] else "-"
     return (f"| {backend} | {family} | {c['detected']}/{c['faults']} | {c['localized']}/{c['faults']} | "
             f"{c['false_alarms']}/{c['clean_runs']} | {c['crashed']} | {c['not_injected']} | {c['not_applicable']} | "
             f"{drill} | {_minutes(c['seconds'])} |")

@@ -109,8 +109,6 @@ def _one_expert_off(blocks, a):
             raise InputError("HF's MoE block has neither fused [experts, ...] weights nor one module per expert")
 
 
-_cast = lambda dtype: (lambda out, x: out.to(dtype))  # noqa: E731
-
 FORMS = {
     # router
     "router_no_renorm": attribute(("norm_topk_prob",), lambda v, a: False),
@@ -134,7 +132,7 @@ FORMS = {
     "rmsnorm_eps_wrong": attribute(("variance_epsilon", "eps"), lambda v, a: v * 1e3, path="input_layernorm"),
     "residual_multiplier_missing": attribute(("residual_multiplier",), lambda v, a: 1.0),
     "final_norm_eps_wrong": attribute(("variance_epsilon", "eps"), lambda v, a: v * 1e3),
-    "logits_cast_to_float": output(_cast(torch.float32)),
+    "logits_cast_to_float": output(lambda out, x: out.float()),
 }
 
 _CODE = "HF computes it inside its module's forward (transformers' code) with no attribute, weight or output to change"
