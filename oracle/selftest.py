@@ -79,8 +79,10 @@ class FaultRow:
         return self.drill_point in (self.point if isinstance(self.point, (tuple, list)) else (self.point,))
 
     @property
-    def crashed(self) -> bool:  # the check raised, or every row it failed raised (nothing measured)
-        return self.status == Status.ERROR or (not self.detected and self.status == Status.FAIL)
+    def crashed(self) -> bool:  # the check raised, or every row it failed raised (nothing measured);
+        # xfail: a row failed that passes without the fault (its worst), and every such row raised
+        return self.status == Status.ERROR or (not self.detected and (
+            self.status == Status.FAIL or (self.status == Status.XFAIL and self.worst is not None)))
 
     @property
     def required(self) -> bool:
@@ -198,14 +200,19 @@ def measured_failure(r) -> bool:
     return any(x.status == Status.FAIL for x in [*r.blocks, *([r.e2e] if r.e2e is not None else [])])
 
 
-def new_worst(faulted, clean) -> dict | None:
-    """The row that localises a fault: the faulted check's worst row among the rows that did not
-    already fail without the fault (a family with a known divergence fails some rows clean: those
-    say nothing about the fault). asdict of the row, or None."""
+def new_rows(faulted, clean) -> list:
+    """The faulted check's block rows that did not already fail without the fault (a family with a
+    known divergence fails some rows clean: those say nothing about the fault)."""
     failed_clean = {(b.layer, b.kind) for b in clean.blocks if b.status in (Status.FAIL, Status.ERROR)}
-    if not failed_clean:
+    return [b for b in faulted.blocks if (b.layer, b.kind) not in failed_clean]
+
+
+def new_worst(faulted, clean) -> dict | None:
+    """The row that localises a fault: the faulted check's worst row among new_rows. asdict of
+    the row, or None."""
+    if not any(b.status in (Status.FAIL, Status.ERROR) for b in clean.blocks):
         return faulted.worst
-    w = worst_row([b for b in faulted.blocks if (b.layer, b.kind) not in failed_clean])
+    w = worst_row(new_rows(faulted, clean))
     return asdict(w) if w else None
 
 
@@ -347,9 +354,10 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             if relative and fault.precision == "fp32":  # how far the fault is above the precision's noise
                 above = noise_ratio(run_check(replace(spec, precision="fp32"), variant), r, expected)
             # detected: the check failed, or (a family failing as its known divergence says) a row
-            # failed that passes without the fault
+            # failed by a measurement that passes without the fault
             # (every failing row an error: the faulted candidate crashed, counted apart)
-            detected = (r.status == Status.FAIL and measured_failure(r)) or (r.status == Status.XFAIL and w is not None)
+            detected = (r.status == Status.FAIL and measured_failure(r)) or (
+                r.status == Status.XFAIL and any(b.status == Status.FAIL for b in new_rows(r, base_run)))
             drilled = (r.drill or {}).get("blocks") or [{}]
             point = (base.fault_point(fault) or faults.POINTS.get(fault.name)) if drill else None
             exposed, why = point_exposed(point, drilled[0].get("points") or [])

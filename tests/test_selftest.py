@@ -152,6 +152,32 @@ def test_rows_that_all_raised_are_a_crash_not_a_detection(monkeypatch):
     assert (res.summary()["detected"], res.summary()["crashed"]) == (0, 1)
 
 
+@pytest.mark.parametrize("raised", [False, True])
+def test_a_known_divergence_family_detects_by_a_measured_row_only(monkeypatch, raised):
+    """A family failing as its known divergence says (every check `xfail`): a fault is detected by a
+    row that fails by a measurement and passes without the fault. Where every such row raised, the
+    faulted candidate crashed: counted crashed, not detected."""
+    from oracle import selftest
+
+    real = selftest.run_check
+
+    def run_check(spec, backend=None, **kw):
+        r = real(spec, backend, **kw)
+        r.status = "xfail"
+        r.blocks[0].status = "fail"  # the known divergence: a row that fails with or without the fault
+        if raised and "+" in getattr(backend, "name", ""):
+            for row in r.blocks[1:]:
+                row.status = "error" if row.status == "fail" else row.status
+        return r
+
+    monkeypatch.setattr(selftest, "run_check", run_check)
+    res = run_selftest("eager", families=["olmoe"], seeds=(0,), fault_names=["rope_theta_wrong"])
+    (row,) = res.faults
+    assert row.status == "xfail" and row.worst["kind"] == "attention"  # the new failing row, either way
+    assert (row.detected, row.crashed) == ((False, True) if raised else (True, False))
+    assert (res.summary()["detected"], res.summary()["crashed"]) == ((0, 1) if raised else (1, 0))
+
+
 def test_selftest_hf_faults_on_transformers_modules():
     """The `hf` backend's faults are edits of HF's own modules (exporters/hf_faults.py): an attribute
     (the attention's scaling), a weight (one expert's, in HF's fused layout), a submodule's output
