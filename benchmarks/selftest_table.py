@@ -46,6 +46,7 @@ def rows_of(doc: dict) -> dict:
         out[fam]["not_applicable"] = len(res.not_applicable)
         out[fam]["seconds"] = sum(r.seconds for r in res.faults) + sum(a.seconds for a in res.false_alarms)
         out[fam]["refused"] = res.refused[0]["why"] if res.refused else None
+        out[fam]["cut"] = doc.get("complete") is False  # a report of a run cut short: the rows it finished
     return out
 
 
@@ -53,6 +54,7 @@ def line(backend: str, family: str, c: dict) -> str:
     if c["refused"] and not c["clean_runs"]:
         return f"| {backend} | {family} | refused: {c['refused'][:120]} | | | | | | | |"
     drill = f"{c['point_localized']}/{c['drilled']}" if c["drilled"] else "-"
+    family += " (cut short)" if c.get("cut") else ""
     return (f"| {backend} | {family} | {c['detected']}/{c['faults']} | {c['localized']}/{c['faults']} | "
             f"{c['false_alarms']}/{c['clean_runs']} | {c['crashed']} | {c['not_injected']} | {c['not_applicable']} | "
             f"{drill} | {_minutes(c['seconds'])} |")
@@ -71,7 +73,7 @@ def main(paths: list[str]) -> str:
         for fam in order:
             out.append(line(backend, fam, fams[fam]))
         if len(fams) > 1:
-            total = {k: sum(c[k] for c in fams.values()) for k in fams[order[0]] if k != "refused"}
+            total = {k: sum(c[k] for c in fams.values()) for k in fams[order[0]] if k not in ("refused", "cut")}
             total["refused"] = None
             out.append(line(f"**{backend}**", f"**{len(fams)} families**", total))
     return "\n".join(out)

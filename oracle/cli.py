@@ -429,7 +429,7 @@ def cmd_selftest(a) -> int:
 
     from oracle.backend import InputError
     from oracle.result import write_atomic
-    from oracle.selftest import render, run_selftest
+    from oracle.selftest import render, row_line, run_selftest
 
     check_outputs(files=[("--json", a.json)])
     try:
@@ -452,20 +452,29 @@ def cmd_selftest(a) -> int:
             print(f"oracle: error: --shard {a.shard}: no family in this shard", file=sys.stderr)
             return EXIT["bad_input"]
     prog, update = progress_reporter()
+    say = prog.console.print if prog else lambda line: print(line, file=sys.stderr, flush=True)
+    save = lambda res, complete=True: write_atomic(  # noqa: E731
+        a.json, json.dumps(res.to_dict(complete), indent=1, sort_keys=True, default=str) + "\n")
+
+    def on_row(res, row):  # a line a finished row (long runs: an hour a family on a compiled backend), and
+        say(f"selftest {a.backend}: {row_line(row)}")  # the report so far: a cut run keeps what finished
+        if a.json and a.json != "-":
+            save(res, complete=False)
+
+    run = lambda progress=None: run_selftest(  # noqa: E731
+        a.backend, families, seeds, a.fault, progress, options_of(a), a.weights, a.precision, a.drill, on_row)
     try:
         if prog:
             with prog:
-                res = run_selftest(a.backend, families, seeds, a.fault, lambda m: update(m), options_of(a),
-                                   a.weights, a.precision, a.drill)
+                res = run(lambda m: update(m))
         else:
-            res = run_selftest(a.backend, families, seeds, a.fault, options=options_of(a), weights=a.weights,
-                               precision=a.precision, drill=a.drill)
+            res = run()
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]
     print(render(res), end="", file=sys.stderr if a.json == "-" else sys.stdout)
     if a.json:
-        write_atomic(a.json, json.dumps(res.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
+        save(res)
     return 0 if res.summary()["ok"] else EXIT["fail"]
 
 

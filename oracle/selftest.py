@@ -164,8 +164,10 @@ class SelftestResult:
                      f"({s['below_noise_detected']} detected anyway)")
         return line
 
-    def to_dict(self) -> dict:
-        d = {**asdict(self), "summary": self.summary(), "summary_line": self.summary_line()}
+    def to_dict(self, complete: bool = True) -> dict:
+        """`complete` False: a report of the rows finished so far (written after each, so a run cut
+        short keeps them)."""
+        d = {**asdict(self), "summary": self.summary(), "summary_line": self.summary_line(), "complete": complete}
         if self.weights == "normal":  # a report of the normal profile stays as before the profiles
             del d["weights"]
         if self.precision == "fp32":  # likewise at fp32, before the precision option
@@ -277,9 +279,11 @@ def point_exposed(point, drilled_points: list[dict]) -> tuple[bool, str]:
 
 def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
                  progress=None, options: dict | None = None, weights: str = "normal",
-                 precision: str = "fp32", drill: bool = False) -> SelftestResult:
+                 precision: str = "fp32", drill: bool = False, on_row=None) -> SelftestResult:
     """`drill`: each detected fault's check drills its worst block (oracle/points.py) and the row
-    records the first point named against the point the fault breaks (models.faults.POINTS)."""
+    records the first point named against the point the fault breaks (models.faults.POINTS).
+    `on_row(res, row)`: after each row is added (a FaultRow, an AlarmRow, or a refusal's or a not
+    applicable fault's dict): `res` then holds every row finished so far (a partial report)."""
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
     options = dict(options or {})
@@ -296,6 +300,11 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     if not ok:
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
     res = SelftestResult(backend_name, families, list(seeds), weights=weights, precision=precision)
+
+    def add(rows: list, row) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(res, row)
     for family in families:
         # the drill-down inside each fault's check only with `drill` (it adds an HF run per detected
         # fault; the self-test localises by block rows)
@@ -308,14 +317,14 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             t = time.perf_counter()
             clean = {precision: run_check(spec, base)}
         except InputError as e:
-            res.refused.append({"family": family, "why": str(e)})
+            add(res.refused, {"family": family, "why": str(e)})
             continue
-        res.false_alarms.append(AlarmRow(family, seeds[0], clean[precision].status, _worst(clean[precision].worst),
-                                         time.perf_counter() - t))
+        add(res.false_alarms, AlarmRow(family, seeds[0], clean[precision].status, _worst(clean[precision].worst),
+                                       time.perf_counter() - t))
         if clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
             # divergence says why, or it is the false alarm above): no fault can be judged on it
             why = (clean[precision].expected or {}).get("verdict") or clean[precision].error.splitlines()[0]
-            res.refused.append({"family": family, "why": f"the unfaulted candidate does not run: {why}"})
+            add(res.refused, {"family": family, "why": f"the unfaulted candidate does not run: {why}"})
             continue
 
         def clean_at(p):  # the unfaulted check at precision p, once
@@ -329,7 +338,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             variant = base.with_fault(fault)
             if variant is None:  # the backend may say why (fault_not_applicable)
                 why = base.fault_not_applicable(fault) or "not expressible on backend"
-                res.not_applicable.append({"family": family, "fault": fault.name, "why": why})
+                add(res.not_applicable, {"family": family, "fault": fault.name, "why": why})
                 continue
             progress(f"{family} {fault.name}")
             t = time.perf_counter()
@@ -337,7 +346,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             try:
                 r = run_check(replace(spec, precision=at), variant)
             except InputError as e:  # the faulted candidate refused (e.g. a config mlx-lm cannot take)
-                res.not_applicable.append({"family": family, "fault": fault.name, "why": f"refused: {e}"})
+                add(res.not_applicable, {"family": family, "fault": fault.name, "why": f"refused: {e}"})
                 continue
             expected = {"layer": fault.layer(args), "kind": fault.kind}
             base_run = clean_at(at)
@@ -361,21 +370,21 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             drilled = (r.drill or {}).get("blocks") or [{}]
             point = (base.fault_point(fault) or faults.POINTS.get(fault.name)) if drill else None
             exposed, why = point_exposed(point, drilled[0].get("points") or [])
-            res.faults.append(FaultRow(family, fault.name, fault.what, at, expected, r.status,
-                                       detected, localized, w, time.perf_counter() - t, above,
-                                       injected=not same_numbers(r, base_run), masked=masked,
-                                       point=point, drill_point=drilled[0].get("first_divergence"),
-                                       drilled=bool(drilled[0].get("points")), point_exposed=exposed,
-                                       point_reason=why))
+            add(res.faults, FaultRow(family, fault.name, fault.what, at, expected, r.status,
+                                     detected, localized, w, time.perf_counter() - t, above,
+                                     injected=not same_numbers(r, base_run), masked=masked,
+                                     point=point, drill_point=drilled[0].get("first_divergence"),
+                                     drilled=bool(drilled[0].get("points")), point_exposed=exposed,
+                                     point_reason=why))
         for seed in seeds[1:]:
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
             try:
                 r = run_check(replace(spec, seed=seed), base)
             except InputError as e:  # refused at this seed only: reported, the others go on
-                res.refused.append({"family": family, "why": f"seed {seed}: {e}"})
+                add(res.refused, {"family": family, "why": f"seed {seed}: {e}"})
                 continue
-            res.false_alarms.append(AlarmRow(family, seed, r.status, _worst(r.worst), time.perf_counter() - t))
+            add(res.false_alarms, AlarmRow(family, seed, r.status, _worst(r.worst), time.perf_counter() - t))
     return res
 
 
@@ -411,6 +420,22 @@ def render(res: SelftestResult) -> str:
         lines.append("(m): the fault's block fails without it (the family's known divergence): not required")
     lines += ["", res.summary_line()]
     return "\n".join(lines) + "\n"
+
+
+def row_line(row) -> str:
+    """One line for a finished row (the progress of a long self-test)."""
+    if isinstance(row, AlarmRow):
+        verdict = row.status if row.status in CLEAN else f"{row.status}: FALSE ALARM"
+        return f"{row.family} clean seed {row.seed}: {verdict} ({row.seconds:.0f} s)"
+    if isinstance(row, dict):
+        return f"{row['family']} {row['fault']}: not applicable: {row['why']}" if "fault" in row else \
+            f"{row['family']}: refused: {row['why']}"
+    w = row.worst
+    where = "" if not w else f" at {'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}"
+    verdict = ("crashed" if row.crashed else "not injected" if not row.injected
+               else ("detected" + where + ("" if row.localized else ", NOT localised")) if row.detected
+               else "MISSED" if row.required else "not detected (not required)")
+    return f"{row.family} {row.fault}: {verdict} ({row.seconds:.0f} s)"
 
 
 def _g(x) -> str:

@@ -34,6 +34,37 @@ def test_selftest_cli_subset(cli, tmp_path):
     doc = json.loads(j.read_text())
     worst = {row["fault"]: row["worst"]["kind"] for row in doc["faults"]}
     assert doc["summary"]["ok"] and worst == {"rope_theta_wrong": "attention", "shared_expert_missing": "moe"}
+    assert doc["complete"] is True
+    # a line a finished row on stderr (not a terminal here): progress of runs that take hours
+    lines = [x for x in r.stderr.splitlines() if x.startswith("selftest eager: ")]
+    assert [x.split(": ", 1)[1].rsplit(" (", 1)[0] for x in lines] == [
+        "qwen2_moe clean seed 0: pass", "qwen2_moe shared_expert_missing: detected at layer 1 moe",
+        "qwen2_moe rope_theta_wrong: detected at layer 1 attention", "qwen2_moe clean seed 1: pass"]
+
+
+def test_a_cut_selftest_keeps_the_rows_it_finished(tmp_path, monkeypatch, capsys):
+    """The --json report is rewritten after each row (`complete: false` until the end): a run cut
+    short (a shard's time limit, Ctrl-C) keeps what it finished, never a half-written file."""
+    from oracle import selftest
+    from oracle.cli import main
+
+    real, calls = selftest.run_check, []
+
+    def run_check(spec, backend=None, **kw):
+        calls.append(backend.name)
+        if len(calls) == 3:  # the clean seed-0 run and one fault finished: cut at the second fault
+            raise KeyboardInterrupt
+        return real(spec, backend, **kw)
+
+    monkeypatch.setattr(selftest, "run_check", run_check)
+    j = tmp_path / "st.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["selftest", "--backend", "eager", "--family", "olmoe", "--seeds", "0", "--json", str(j)])
+    doc = json.loads(j.read_text())
+    assert doc["complete"] is False and doc["families"] == ["olmoe"]
+    assert len(doc["false_alarms"]) == 1 and len(doc["faults"]) == 1 and doc["faults"][0]["detected"]
+    assert doc["summary"]["faults"] == 1
+    assert not list(tmp_path.glob(".st.json.*"))  # no temp file left beside it
 
 
 def test_a_family_with_a_known_divergence_is_self_tested_too():
