@@ -287,7 +287,8 @@ def test_nightly_workflow_is_valid():
 
     jobs = yaml.safe_load(text)["jobs"]["selftest"]["strategy"]["matrix"]["include"]
     for backend in ("eager", "hf", "mlx", "iree-llvm-cpu", "executorch", "executorch-mlx", "llamacpp"):
-        shards = sorted(j["shard"] for j in jobs if j["backend"] == backend and not j.get("tag"))
+        shards = sorted((j["shard"] for j in jobs if j["backend"] == backend and not j.get("tag")),
+                        key=lambda x: int(x.split("/")[0]))
         n = int(shards[0].split("/")[1])
         assert shards == [f"{i}/{n}" for i in range(1, n + 1)], (backend, shards)
 
