@@ -73,16 +73,23 @@ class FaultRow:
     # by mlx-lm; the drill can then only name a later point: listed apart, with the reason)
     point_exposed: bool = True
     point_reason: str = ""
+    # the faulted candidate raised: the check, or a row that does not raise without the fault (None: a
+    # report written before this field)
+    raised: bool | None = None
+    failed_gates: list = field(default_factory=list)  # names of the gates that failed (no row failed: a miss)
 
     @property
     def point_localized(self) -> bool:
         return self.drill_point in (self.point if isinstance(self.point, (tuple, list)) else (self.point,))
 
     @property
-    def crashed(self) -> bool:  # the check raised, or every row it failed raised (nothing measured);
-        # xfail: a row failed that passes without the fault (its worst), and every such row raised
-        return self.status == Status.ERROR or (not self.detected and (
-            self.status == Status.FAIL or (self.status == Status.XFAIL and self.worst is not None)))
+    def crashed(self) -> bool:  # the check raised, or a row raised and none failed by a measurement (a
+        # check failing by a gate alone raised nothing: a miss, or not injected where the numbers are the same)
+        if self.status == Status.ERROR or self.detected:
+            return self.status == Status.ERROR
+        if self.raised is not None:
+            return self.raised
+        return self.status == Status.FAIL or (self.status == Status.XFAIL and self.worst is not None)  # as then
 
     @property
     def required(self) -> bool:
@@ -207,6 +214,13 @@ def new_rows(faulted, clean) -> list:
     known divergence fails some rows clean: those say nothing about the fault)."""
     failed_clean = {(b.layer, b.kind) for b in clean.blocks if b.status in (Status.FAIL, Status.ERROR)}
     return [b for b in faulted.blocks if (b.layer, b.kind) not in failed_clean]
+
+
+def raised(faulted, clean) -> bool:
+    """Whether the faulted candidate raised: the whole check, or a block or e2e row that does not
+    raise without the fault (a known divergence may raise clean)."""
+    e2e = [faulted.e2e] if faulted.e2e is not None and (clean.e2e is None or clean.e2e.status != Status.ERROR) else []
+    return faulted.status == Status.ERROR or any(x.status == Status.ERROR for x in [*new_rows(faulted, clean), *e2e])
 
 
 def new_worst(faulted, clean) -> dict | None:
@@ -375,7 +389,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                                      injected=not same_numbers(r, base_run), masked=masked,
                                      point=point, drill_point=drilled[0].get("first_divergence"),
                                      drilled=bool(drilled[0].get("points")), point_exposed=exposed,
-                                     point_reason=why))
+                                     point_reason=why, raised=raised(r, base_run),
+                                     failed_gates=[g.name for g in r.gates if g.status == Status.FAIL]))
         for seed in seeds[1:]:
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
@@ -434,8 +449,12 @@ def row_line(row) -> str:
     where = "" if not w else f" at {'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}"
     verdict = ("crashed" if row.crashed else "not injected" if not row.injected
                else ("detected" + where + ("" if row.localized else ", NOT localised")) if row.detected
-               else "MISSED" if row.required else "not detected (not required)")
+               else "MISSED" + _by_gates(row) if row.required else "not detected (not required)")
     return f"{row.family} {row.fault}: {verdict} ({row.seconds:.0f} s)"
+
+
+def _by_gates(row) -> str:
+    return f" by every row (failed gate {', '.join(row.failed_gates)} only)" if row.failed_gates else ""
 
 
 def _g(x) -> str:

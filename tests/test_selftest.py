@@ -183,6 +183,40 @@ def test_rows_that_all_raised_are_a_crash_not_a_detection(monkeypatch):
     assert (res.summary()["detected"], res.summary()["crashed"]) == (0, 1)
 
 
+def test_a_check_failing_by_a_gate_alone_is_not_a_crash(monkeypatch):
+    """Measured on executorch-mlx qwen3_5_moe: the delegate's FuseRMSNormPass turns the seeded
+    qk_norm_flat_for_per_head back into the per-head norm, so every row measures what the clean
+    candidate does and only the structural golden fails. Nothing raised: not injected (the same
+    numbers), not crashed; with other numbers and no failing row it is a miss that names the gate."""
+    from oracle import selftest
+    from oracle.result import GateRow
+    from oracle.selftest import FaultRow, row_line
+
+    real = selftest.run_check
+
+    def run_check(spec, backend=None, **kw):
+        if "+" not in getattr(backend, "name", ""):
+            return real(spec, backend, **kw)
+        r = real(spec, backend.base if hasattr(backend, "base") else EagerBackend(), **kw)  # the clean numbers
+        r.status = "fail"
+        r.gates.append(GateRow("structure:ops", "fail", "differs", "identical"))
+        return r
+
+    monkeypatch.setattr(selftest, "run_check", run_check)
+    res = run_selftest("eager", families=["olmoe"], seeds=(0,), fault_names=["rope_theta_wrong"])
+    (row,) = res.faults
+    assert (row.status, row.detected, row.injected, row.raised, row.crashed) == ("fail", False, False, False, False)
+    assert row.failed_gates == ["structure:ops"] and "not injected" in row_line(row)
+    assert res.summary()["crashed"] == 0 and res.summary()["not_injected"] == 1
+
+    miss = FaultRow("olmoe", "f", "", "fp32", {"layer": 1, "kind": "attention"}, "fail", False, False, None, 1.0,
+                    raised=False, failed_gates=["structure:ops"])
+    assert not miss.crashed and miss.required
+    assert "MISSED by every row (failed gate structure:ops only)" in row_line(miss)
+    # a report written before the field: as then (a fail with no failing row counted crashed)
+    assert FaultRow("olmoe", "f", "", "fp32", {}, "fail", False, False, None, 1.0).crashed
+
+
 @pytest.mark.parametrize("raised", [False, True])
 def test_a_known_divergence_family_detects_by_a_measured_row_only(monkeypatch, raised):
     """A family failing as its known divergence says (every check `xfail`): a fault is detected by a
