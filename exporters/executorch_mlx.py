@@ -47,7 +47,10 @@ KIND = "executorch-mlx"
 ROOT = Path(__file__).resolve().parents[1]
 # what determines a .pte (the production model's routing lives in models/routing.py: a cached program
 # built before a change there was reused, and a golden frozen from it: measured)
-SOURCES = ("models/layers.py", "models/routing.py", "models/sampling.py", "exporters/executorch_mlx_export.py")
+# the code that determines a program: the production model, this exporter (production_model) and the
+# export (source_digest adds models/faults.py for a faulted build)
+SOURCES = ("models/layers.py", "models/routing.py", "models/sampling.py", "exporters/executorch_mlx.py",
+           "exporters/executorch_mlx_export.py")
 EXECUTORS = ("auto", "interpreter", "runtime")
 
 
@@ -123,9 +126,11 @@ def metal_here() -> bool:
         return False
 
 
-def source_digest() -> str:
+def source_digest(faulted: bool = False) -> str:
+    """sha256 of SOURCES, and of models/faults.py for a faulted build (a fault's code changed: its
+    program is built again, not served from the cache)."""
     h = hashlib.sha256()
-    for f in SOURCES:
+    for f in (*SOURCES, *(["models/faults.py"] if faulted else [])):
         h.update((ROOT / f).read_bytes())
     return h.hexdigest()[:16]
 
@@ -328,7 +333,7 @@ class ExecutorchMlxBackend(Backend):
         sampling = check and bool(spec.options.get("sampling"))  # the check program's sampler methods
         parts = {"backend": KIND, "program": program, "family": spec.family, "precision": spec.precision,
                  "checkpoint": model.checkpoint_sha256, "args": repr(model.args), "kernel": kernel, "sampling": sampling,
-                 "transform_id": self.transform_id, "source": source_digest(),
+                 "transform_id": self.transform_id, "source": source_digest(bool(self.transform_id)),
                  "versions": versions("torch", "executorch", "mlx", "torchao")}
 
         def build(path: Path):
@@ -353,7 +358,7 @@ class ExecutorchMlxBackend(Backend):
 
         parts = {"backend": KIND, "program": "points", "block": [layer, kind], "family": spec.family,
                  "precision": spec.precision, "checkpoint": model.checkpoint_sha256, "args": repr(model.args),
-                 "kernel": kernel, "transform_id": self.transform_id, "source": source_digest(),
+                 "kernel": kernel, "transform_id": self.transform_id, "source": source_digest(bool(self.transform_id)),
                  "points_code": exporters_source_digest("exporters/eager.py", "oracle/points.py"),
                  "versions": versions("torch", "executorch", "mlx", "torchao")}
 

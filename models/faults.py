@@ -426,13 +426,19 @@ def _mla_rope_nope_swapped(attn: LatentAttention, a):
 
 
 def _mla_cache_not_carried(attn: LatentAttention, a):
-    """The compressed KV cache (latent + rotary key) starts empty at every call."""
-    def update_cache(latent, k_rot, pos):
-        attn.latent_cache.zero_()
-        attn.rope_key_cache.zero_()
-        return LatentAttention.update_cache(attn, latent, k_rot, pos)
+    """The compressed KV cache (latent + rotary key) starts empty at every call: attention reads
+    this call's entries and zeros elsewhere. (A mask where attention reads the cache, the cache write
+    left to the program: zeroing the buffers before the write, a second write of one buffer in a
+    method, made ExecuTorch 1.5.1's to_edge raise `SpecViolationError: Buffer output ... does not
+    point to a buffer that exists`, and a cache write of the fault's own is not the delegate's KV
+    cache op, so the MLX delegate refused it: a crash or a refusal where the port's bug computes
+    wrong numbers.)"""
+    def attend(q, latents, rope_keys, pos):  # latents [B, S, r], rope_keys [B, S, dr]
+        written = ((attn.cache_pos >= pos[0]) & (attn.cache_pos <= pos[-1]))[None, :, None]  # this call's run
+        return LatentAttention.attend(attn, q, latents * written.to(latents.dtype),
+                                      rope_keys * written.to(rope_keys.dtype), pos)
 
-    patch(attn, "update_cache", update_cache)
+    patch(attn, "attend", attend)
 
 
 def _yarn_mscale_missing(attn: LatentAttention, a):

@@ -77,6 +77,7 @@ class FaultRow:
     # report written before this field)
     raised: bool | None = None
     failed_gates: list = field(default_factory=list)  # names of the gates that failed (no row failed: a miss)
+    error: str | None = None  # what it raised (first line), where it raised
 
     @property
     def point_localized(self) -> bool:
@@ -184,6 +185,8 @@ class SelftestResult:
         for r in d["faults"]:  # only where a known divergence masks the fault's block
             if not r["masked"]:
                 del r["masked"]
+            if r["error"] is None:  # only where the faulted candidate raised
+                del r["error"]
             if r["point"] is None:  # not drilled: no point to expose
                 del r["point_exposed"], r["point_reason"]
         return d
@@ -221,6 +224,13 @@ def raised(faulted, clean) -> bool:
     raise without the fault (a known divergence may raise clean)."""
     e2e = [faulted.e2e] if faulted.e2e is not None and (clean.e2e is None or clean.e2e.status != Status.ERROR) else []
     return faulted.status == Status.ERROR or any(x.status == Status.ERROR for x in [*new_rows(faulted, clean), *e2e])
+
+
+def error_of(r) -> str | None:
+    """What a check's candidate raised, first line: the check's error, else a row's, else e2e's."""
+    msgs = [r.error, *(b.metrics.get("exception") for b in r.blocks), r.e2e.error if r.e2e is not None else None]
+    m = next((x for x in msgs if x), None)
+    return str(m).strip().splitlines()[0][:300] if m else None
 
 
 def new_worst(faulted, clean) -> dict | None:
@@ -381,6 +391,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             # (every failing row an error: the faulted candidate crashed, counted apart)
             detected = (r.status == Status.FAIL and measured_failure(r)) or (
                 r.status == Status.XFAIL and any(b.status == Status.FAIL for b in new_rows(r, base_run)))
+            crash = raised(r, base_run)
             drilled = (r.drill or {}).get("blocks") or [{}]
             point = (base.fault_point(fault) or faults.POINTS.get(fault.name)) if drill else None
             exposed, why = point_exposed(point, drilled[0].get("points") or [])
@@ -389,7 +400,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                                      injected=not same_numbers(r, base_run), masked=masked,
                                      point=point, drill_point=drilled[0].get("first_divergence"),
                                      drilled=bool(drilled[0].get("points")), point_exposed=exposed,
-                                     point_reason=why, raised=raised(r, base_run),
+                                     point_reason=why, raised=crash, error=error_of(r) if crash else None,
                                      failed_gates=[g.name for g in r.gates if g.status == Status.FAIL]))
         for seed in seeds[1:]:
             progress(f"{family} clean seed {seed}")
@@ -415,6 +426,7 @@ def render(res: SelftestResult) -> str:
         w = r.worst
         where = "-" if not w else (f"{'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}: "
                                    f"{w['metric']} {_g(w['value'])} vs {_g(w['limit'])}")
+        where = f"raised: {r.error}" if r.crashed and r.error else where
         exp = f" (expected {'model' if r.expected['layer'] is None else 'layer ' + str(r.expected['layer'])}" \
               f" {r.expected['kind']})" if not r.localized else ""
         flag = lambda ok: "yes" if ok else ("NO" if r.required else "no")  # below noise: not a miss
@@ -447,7 +459,7 @@ def row_line(row) -> str:
             f"{row['family']}: refused: {row['why']}"
     w = row.worst
     where = "" if not w else f" at {'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}"
-    verdict = ("crashed" if row.crashed else "not injected" if not row.injected
+    verdict = (f"crashed: {row.error or 'a row raised'}" if row.crashed else "not injected" if not row.injected
                else ("detected" + where + ("" if row.localized else ", NOT localised")) if row.detected
                else "MISSED" + _by_gates(row) if row.required else "not detected (not required)")
     return f"{row.family} {row.fault}: {verdict} ({row.seconds:.0f} s)"

@@ -624,3 +624,24 @@ def test_the_delegate_keeps_a_bf16_round_trip():
 def test_unknown_executor_is_bad_input():
     assert "executor 'gpu'" in BACKEND.check_options(CheckSpec(family="olmoe", backend=KIND,
                                                                options={"executor": "gpu"}))
+
+
+def test_a_faulted_programs_cache_key_covers_the_faults_code(monkeypatch):
+    """Measured: a faulted program built from an earlier form of the fault was served from the cache
+    (the key named the fault, not models/faults.py's code), so the self-test judged the old form.
+    The key of a faulted build changes with models/faults.py; the clean build's does not."""
+    import oracle.artifacts
+
+    keys = []
+    monkeypatch.setattr(oracle.artifacts, "cached_artifact", lambda ns, parts, *a, **k: keys.append(parts))
+    spec = CheckSpec(family="olmoe", backend=KIND)
+    src = model_source(spec)
+    faulted = BACKEND.with_fault(next(f for f in faults.applicable(src.args) if f.name == "rope_theta_wrong"))
+    real = Path.read_bytes
+    for edit in (b"", b"# another form of a fault\n"):
+        monkeypatch.setattr(Path, "read_bytes", lambda p, e=edit: real(p) + (e if p.name == "faults.py" else b""))
+        faulted.artifact(src, spec, True, False)
+        BACKEND.artifact(src, spec, True, False)
+    (f0, c0, f1, c1) = keys
+    assert f0["transform_id"] == "rope_theta_wrong" and f0["source"] != f1["source"]
+    assert c0 == c1 and c0["transform_id"] is None
