@@ -1,6 +1,6 @@
 """The self-test figures of docs/benchmarks.md from `oracle selftest --json` reports (not a test).
 
-    python benchmarks/selftest_table.py REPORT.json [REPORT.json ...]
+    python benchmarks/selftest_table.py REPORT.json [REPORT.json ...] [--rerun REPORT.json ...]
 
 The compiled backends' self-tests run one family a process (one program lowered per fault: an
 hour or more a family on 2 cores), e.g.
@@ -11,6 +11,10 @@ Prints one markdown row per (backend, family) of the reports, in the catalogue's
 then one total row per backend: faults detected / required, localised, false alarms / clean runs,
 crashed, not injected, not applicable, the drill's share (--drill), and the seconds the checks took
 (the sum of the report's rows: the run's wall time without start-up).
+
+--rerun: the reports after it hold faults run again alone (`--fault NAME`) after their form
+changed; each of their fault rows replaces the same (backend, family, fault) row of the reports
+before it, and the family is marked (its rerun faults named under the table).
 """
 
 from __future__ import annotations
@@ -54,28 +58,51 @@ def line(backend: str, family: str, c: dict) -> str:
     if c["refused"] and not c["clean_runs"]:
         return f"| {backend} | {family} | refused: {c['refused'][:120]} | | | | | | | |"
     drill = f"{c['point_localized']}/{c['drilled']}" if c["drilled"] else "-"
-    family += " (cut short)" if c.get("cut") else ""
+    family += (" (cut short)" if c.get("cut") else "") + (" (r)" if c.get("rerun") else "")
     return (f"| {backend} | {family} | {c['detected']}/{c['faults']} | {c['localized']}/{c['faults']} | "
             f"{c['false_alarms']}/{c['clean_runs']} | {c['crashed']} | {c['not_injected']} | {c['not_applicable']} | "
             f"{drill} | {_minutes(c['seconds'])} |")
 
 
+def merge_reruns(docs: list[dict], reruns: list[dict]) -> dict:
+    """Replace the rows of `docs` that `reruns` ran again; (backend, family) -> the faults rerun."""
+    rerun = {(d["backend"], r["family"], r["fault"]): r for d in reruns for r in d["faults"]}
+    marked: dict = {}
+    for d in docs:
+        for i, r in enumerate(d["faults"]):
+            key = (d["backend"], r["family"], r["fault"])
+            if key in rerun:
+                d["faults"][i] = rerun.pop(key)
+                marked.setdefault(key[:2], []).append(r["fault"])
+    if rerun:
+        sys.exit(f"--rerun: no row to replace for {sorted(rerun)}")
+    return marked
+
+
 def main(paths: list[str]) -> str:
     from models import FAMILY_NAMES
 
+    i = paths.index("--rerun") if "--rerun" in paths else len(paths)
+    docs = [json.loads(Path(p).read_text()) for p in paths[:i]]
+    marked = merge_reruns(docs, [json.loads(Path(p).read_text()) for p in paths[i + 1:]])
     per: dict[str, dict] = {}
-    for p in paths:
-        doc = json.loads(Path(p).read_text())
+    for doc in docs:
         per.setdefault(doc["backend"], {}).update(rows_of(doc))
+    for (backend, fam), names in marked.items():
+        per[backend][fam]["rerun"] = names
     out = [HEADER]
     for backend, fams in per.items():
         order = sorted(fams, key=lambda f: FAMILY_NAMES.index(f) if f in FAMILY_NAMES else len(FAMILY_NAMES))
         for fam in order:
             out.append(line(backend, fam, fams[fam]))
         if len(fams) > 1:
-            total = {k: sum(c[k] for c in fams.values()) for k in fams[order[0]] if k not in ("refused", "cut")}
+            total = {k: sum(c[k] for c in fams.values()) for k in fams[order[0]] if k not in ("refused", "cut", "rerun")}
             total["refused"] = None
             out.append(line(f"**{backend}**", f"**{len(fams)} families**", total))
+    if marked:
+        out.append("")
+        out += [f"(r) {b} {f}: {', '.join(names)} run again alone after its fault's form changed" for (b, f), names
+                in marked.items()]
     return "\n".join(out)
 
 
