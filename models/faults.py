@@ -434,7 +434,8 @@ def _mla_cache_not_carried(attn: LatentAttention, a):
     cache op, so the MLX delegate refused it: a crash or a refusal where the port's bug computes
     wrong numbers.)"""
     def attend(q, latents, rope_keys, pos):  # latents [B, S, r], rope_keys [B, S, dr]
-        written = ((attn.cache_pos >= pos[0]) & (attn.cache_pos <= pos[-1]))[None, :, None]  # this call's run
+        # this call's run (narrowed by torch.where: IREE 3.13 does not legalize aten.__and__ on i1)
+        written = torch.where(attn.cache_pos >= pos[0], attn.cache_pos <= pos[-1], False)[None, :, None]
         return LatentAttention.attend(attn, q, latents * written.to(latents.dtype),
                                       rope_keys * written.to(rope_keys.dtype), pos)
 
