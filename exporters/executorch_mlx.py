@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import importlib.metadata
 import platform
 import shutil
@@ -44,11 +43,9 @@ from oracle import goldens
 from oracle.backend import Backend, Candidate, Option
 
 KIND = "executorch-mlx"
-ROOT = Path(__file__).resolve().parents[1]
-# what determines a .pte (the production model's routing lives in models/routing.py: a cached program
-# built before a change there was reused, and a golden frozen from it: measured)
-# the code that determines a program: the production model, this exporter (production_model) and the
-# export (source_digest adds models/faults.py for a faulted build)
+# what determines a .pte: the production model (its routing lives in models/routing.py: a cached program
+# built before a change there was reused, and a golden frozen from it: measured), this exporter
+# (production_model) and the export; source_digest adds models/faults.py for a faulted build
 SOURCES = ("models/layers.py", "models/routing.py", "models/sampling.py", "exporters/executorch_mlx.py",
            "exporters/executorch_mlx_export.py")
 EXECUTORS = ("auto", "interpreter", "runtime")
@@ -129,10 +126,9 @@ def metal_here() -> bool:
 def source_digest(faulted: bool = False) -> str:
     """sha256 of SOURCES, and of models/faults.py for a faulted build (a fault's code changed: its
     program is built again, not served from the cache)."""
-    h = hashlib.sha256()
-    for f in (*SOURCES, *(["models/faults.py"] if faulted else [])):
-        h.update((ROOT / f).read_bytes())
-    return h.hexdigest()[:16]
+    from exporters.executorch import source_digest as digest
+
+    return digest(*SOURCES, *(["models/faults.py"] if faulted else []))
 
 
 # ---------------------------------------------------------------- gates and structure

@@ -86,8 +86,10 @@ class FaultRow:
     @property
     def crashed(self) -> bool:  # the check raised, or a row raised and none failed by a measurement (a
         # check failing by a gate alone raised nothing: a miss, or not injected where the numbers are the same)
-        if self.status == Status.ERROR or self.detected:
-            return self.status == Status.ERROR
+        if self.status == Status.ERROR:
+            return True
+        if self.detected:
+            return False
         if self.raised is not None:
             return self.raised
         return self.status == Status.FAIL or (self.status == Status.XFAIL and self.worst is not None)  # as then
@@ -424,10 +426,10 @@ def render(res: SelftestResult) -> str:
                  + (f"{'x noise':8s} " if noise else "") + "worst row")
     for r in res.faults:
         w = r.worst
-        where = "-" if not w else (f"{'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}: "
+        where = "-" if not w else (f"{_place(w['layer'])} {w['kind']}: "
                                    f"{w['metric']} {_g(w['value'])} vs {_g(w['limit'])}")
         where = f"raised: {r.error}" if r.crashed and r.error else where
-        exp = f" (expected {'model' if r.expected['layer'] is None else 'layer ' + str(r.expected['layer'])}" \
+        exp = f" (expected {_place(r.expected['layer'])}" \
               f" {r.expected['kind']})" if not r.localized else ""
         flag = lambda ok: "yes" if ok else ("NO" if r.required else "no")  # below noise: not a miss
         above = "" if not noise else f"{'-' if r.noise_ratio is None else _g(r.noise_ratio):8s} "
@@ -458,11 +460,15 @@ def row_line(row) -> str:
         return f"{row['family']} {row['fault']}: not applicable: {row['why']}" if "fault" in row else \
             f"{row['family']}: refused: {row['why']}"
     w = row.worst
-    where = "" if not w else f" at {'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}"
+    where = "" if not w else f" at {_place(w['layer'])} {w['kind']}"
     verdict = (f"crashed: {row.error or 'a row raised'}" if row.crashed else "not injected" if not row.injected
                else ("detected" + where + ("" if row.localized else ", NOT localised")) if row.detected
                else "MISSED" + _by_gates(row) if row.required else "not detected (not required)")
     return f"{row.family} {row.fault}: {verdict} ({row.seconds:.0f} s)"
+
+
+def _place(layer) -> str:
+    return "model" if layer is None else f"layer {layer}"
 
 
 def _by_gates(row) -> str:
