@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from oracle.result import Status
+from oracle.result import Status, place
 
 # computed values with no module of their own, per block kind, in program order
 TAPS = {
@@ -289,7 +289,7 @@ def compare_point(name: str, ref: list, cand: list, lim: dict, noise: list | Non
 
 
 def verdict(layer, kind: str, points: list[Point], seconds: float = 0.0) -> Drill:
-    where = f"{'model' if layer is None else f'layer {layer}'} {kind}"
+    where = f"{place(layer)} {kind}"
     first = next((p for p in points if p.status == Status.FAIL), None)
     before = [p for p in points[: points.index(first)] if p.status == Status.PASS] if first else []
     if first is None:

@@ -439,15 +439,14 @@ def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:
 def first_nonfinite(ref: Reference) -> str | None:
     """Where the reference itself first produces NaN/Inf (program order: layer by layer, then
     the final norm and the logits), or None."""
-    from oracle.result import PROGRAM_ORDER
+    from oracle.result import PROGRAM_ORDER, place
 
     order = {**PROGRAM_ORDER, "final_norm": 4, "logits": 5}
     for key in sorted(ref.outputs, key=lambda k: (k[0] is None, k[0] or 0, order.get(k[1], 9))):
         for i, out in enumerate(ref.outputs[key]):
             t = out[0] if isinstance(out, tuple) else out
             if not np.isfinite(t).all():
-                layer = "model" if key[0] is None else f"layer {key[0]}"
-                return f"{layer} {key[1]} (call {i}{', an expert probe' if ref.inputs[key][i].probe else ''})"
+                return f"{place(key[0])} {key[1]} (call {i}{', an expert probe' if ref.inputs[key][i].probe else ''})"
     for i, lg in enumerate(ref.logits):
         if not np.isfinite(lg).all():
             return f"the logits (call {i})"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oracle.result import Status
+from oracle.result import Status, place
 
 
 def _fmt(x) -> str:
@@ -12,9 +12,8 @@ def _fmt(x) -> str:
 
 
 def _where(row: dict) -> str:
-    layer = "model" if row["layer"] is None else f"layer {row['layer']}"
     detail = f" ({row['detail']})" if row.get("detail") else ""
-    return f"{layer} {row['kind']}{detail}"
+    return f"{place(row['layer'])} {row['kind']}{detail}"
 
 
 def _metric_line(row: dict) -> str:

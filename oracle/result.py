@@ -115,6 +115,11 @@ class CheckResult:
 
 
 # where each block runs inside a decoder layer (for in-situ rows: program order)
+def place(layer: int | None) -> str:
+    """Where a row is, in words: "layer N", or "model" for the rows outside the layers."""
+    return "model" if layer is None else f"layer {layer}"
+
+
 PROGRAM_ORDER = {"attention": 0, "router": 1, "moe": 2, "mlp": 2, "layer": 3}
 
 

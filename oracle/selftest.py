@@ -31,7 +31,7 @@ from oracle.backend import CheckSpec, InputError
 from oracle.check import run_check
 from oracle.sources import model_source
 from oracle.validation import validate
-from oracle.result import Status, worst_row
+from oracle.result import Status, place, worst_row
 
 SCHEMA = "oracle-selftest/v1"
 LOCALIZE_MIN = 0.9  # share of detected faults whose worst row must name the right block
@@ -426,10 +426,10 @@ def render(res: SelftestResult) -> str:
                  + (f"{'x noise':8s} " if noise else "") + "worst row")
     for r in res.faults:
         w = r.worst
-        where = "-" if not w else (f"{_place(w['layer'])} {w['kind']}: "
+        where = "-" if not w else (f"{place(w['layer'])} {w['kind']}: "
                                    f"{w['metric']} {_g(w['value'])} vs {_g(w['limit'])}")
         where = f"raised: {r.error}" if r.crashed and r.error else where
-        exp = f" (expected {_place(r.expected['layer'])}" \
+        exp = f" (expected {place(r.expected['layer'])}" \
               f" {r.expected['kind']})" if not r.localized else ""
         flag = lambda ok: "yes" if ok else ("NO" if r.required else "no")  # below noise: not a miss
         above = "" if not noise else f"{'-' if r.noise_ratio is None else _g(r.noise_ratio):8s} "
@@ -460,15 +460,11 @@ def row_line(row) -> str:
         return f"{row['family']} {row['fault']}: not applicable: {row['why']}" if "fault" in row else \
             f"{row['family']}: refused: {row['why']}"
     w = row.worst
-    where = "" if not w else f" at {_place(w['layer'])} {w['kind']}"
+    where = "" if not w else f" at {place(w['layer'])} {w['kind']}"
     verdict = (f"crashed: {row.error or 'a row raised'}" if row.crashed else "not injected" if not row.injected
                else ("detected" + where + ("" if row.localized else ", NOT localised")) if row.detected
                else "MISSED" + _by_gates(row) if row.required else "not detected (not required)")
     return f"{row.family} {row.fault}: {verdict} ({row.seconds:.0f} s)"
-
-
-def _place(layer) -> str:
-    return "model" if layer is None else f"layer {layer}"
 
 
 def _by_gates(row) -> str:

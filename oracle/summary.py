@@ -8,7 +8,7 @@ import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from oracle.result import Status
+from oracle.result import Status, place
 
 SCHEMA = "oracle-matrix/v1"
 # xfail: a known candidate defect failing as its entry says (oracle/expected.py): does not gate
@@ -127,8 +127,7 @@ def markdown(summary: dict) -> str:
     lines += ["| check | status | worst block | e2e |", "|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: (-RANK[r["status"]], r["id"])):
         w = r["worst"]
-        worst = "" if not w else f"{'model' if w['layer'] is None else 'layer ' + str(w['layer'])} {w['kind']}" \
-                                 f" ({_g(w['ratio'])}x limit)"
+        worst = "" if not w else f"{place(w['layer'])} {w['kind']} ({_g(w['ratio'])}x limit)"
         e = r["e2e"]
         e2e = "" if not e else f"{e['status']}{'' if e['token_exact'] else ', tokens differ'}"
         note = f" ({r['reason']})" if r["status"] in (Status.SKIPPED, Status.ERROR, Status.XFAIL) and r["reason"] else ""
@@ -153,7 +152,7 @@ def junit(summary: dict) -> str:
             ET.SubElement(tc, "error", message=r["reason"] or "error")
         elif r["status"] == Status.FAIL:
             w = r["worst"]
-            msg = "e2e failed" if not w else f"worst block: layer {w['layer']} {w['kind']}, {_g(w['ratio'])}x limit"
+            msg = "e2e failed" if not w else f"worst block: {place(w['layer'])} {w['kind']}, {_g(w['ratio'])}x limit"
             ET.SubElement(tc, "failure", message=msg)
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"

@@ -105,3 +105,13 @@ def test_the_matrix_counts_xfail_apart_and_it_does_not_gate():
     s = summary.summarize(rows)
     assert s["status"] == "pass" and s["counts"]["xfail"] == 1
     assert "1 expected failure(s)" in summary.markdown(s) and 'type="xfail"' in summary.junit(s)
+
+
+def test_a_failure_at_a_model_level_block_is_named_so_in_the_summaries():
+    """The worst block outside the layers (logits, final norm) reads "model", never "layer None"."""
+    row = {**summary.synthetic_row("olmoe", "mlx", "bf16", "fail", None),
+           "worst": {"layer": None, "kind": "logits", "ratio": 3.5}}
+    s = summary.summarize([row])
+    assert "worst block: model logits, 3.5x limit" in summary.junit(s)
+    assert "| model logits (3.5x limit) |" in summary.markdown(s)
+    assert "layer None" not in summary.junit(s) + summary.markdown(s)
