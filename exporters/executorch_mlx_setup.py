@@ -26,7 +26,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 PACKAGE = "executorch.backends.mlx"
@@ -89,7 +88,9 @@ def ensure_generated() -> Path:
     if not flatc.is_file():
         raise FileNotFoundError(f"the executorch wheel has no flatc at {flatc}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent)) / "mlx"
+    from models.checkpoint import temp_dir
+
+    tmp = temp_dir(target.parent) / "mlx"
     try:
         generate(site_mlx, flatc, tmp)
         if not target.exists():

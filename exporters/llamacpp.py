@@ -728,7 +728,7 @@ class LlamaCppBackend(Backend):
     def fault_catalogue(self, args):
         from exporters import llamacpp_faults
 
-        return llamacpp_faults.applicable(args)
+        return list(llamacpp_faults.CATALOGUE) if args is None else llamacpp_faults.applicable(args)
 
     def export(self, src, spec, output_dir: Path) -> list[Path]:
         art = self.gguf(src, spec)

@@ -32,6 +32,28 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOE_ORACLE_CACHE", Path.home() / ".cache" / "moe-oracle"))
 
 
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def temp_dir(parent: Path, prefix: str = ".tmp-") -> Path:
+    """A new directory in `parent` to build in and rename into place, with the permissions
+    mkdir gives (the umask's), not mkdtemp's 0700: a cache or output another user shares
+    stays readable."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(d, 0o777 & ~_umask())
+    return d
+
+
+def temp_file(parent: Path, prefix: str = ".tmp-", suffix: str = "") -> tuple[int, str]:
+    """mkstemp in `parent` (fd, path), with the permissions open() gives (the umask's), not 0600."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=parent)
+    os.fchmod(fd, 0o666 & ~_umask())
+    return fd, path
+
+
 def read_config(model_dir: Path) -> dict:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -318,7 +340,7 @@ def checkpoint_identity(model_dir: Path) -> str:
     digest = h.hexdigest()
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=entry.parent)
+        fd, tmp = temp_file(entry.parent)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps({"dir": str(model_dir), "files": stamp, "sha256": digest}) + "\n")
         os.replace(tmp, entry)
@@ -605,7 +627,7 @@ def cached_dir(recipe: dict, stem: str, recipe_file: str, build) -> Path:
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    tmp = temp_dir(final.parent)
     try:
         build(tmp)
         (tmp / recipe_file).write_text(json.dumps(recipe, indent=1, sort_keys=True))

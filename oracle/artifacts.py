@@ -13,13 +13,12 @@ import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from models.checkpoint import cache_root
+from models.checkpoint import cache_root, temp_dir
 
 
 @dataclass
@@ -134,7 +133,7 @@ def build_lock(d: Path):
 
 def _build(d: Path, parts: dict, filename: str, build: Callable[[Path], None], name: str | None) -> Artifact:
     target = d / filename
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
+    tmp = temp_dir(d.parent)
     try:
         t = time.perf_counter()
         build(tmp / filename)

@@ -295,7 +295,7 @@ class Backend:
     with_fault = None
     # fault_catalogue(args) -> list of models.faults.Fault: the backend's own faults for a model, in
     # place of models/faults.py's (a backend that runs no production model, e.g. llama.cpp's GGUF
-    # faults); None: the catalogue's
+    # faults); with args None, every fault it has (the names `--fault` may give); None: the catalogue's
     fault_catalogue = None
 
     def availability(self) -> tuple[bool, str]:

@@ -433,9 +433,11 @@ def cmd_selftest(a) -> int:
 
     check_outputs(files=[("--json", a.json)])
     try:
-        seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+        seeds = [int(x) for x in a.seeds.split(",")]
+        if len(set(seeds)) < len(seeds):
+            raise ValueError
     except ValueError:
-        print(f"oracle: error: --seeds expects comma-separated integers, got {a.seeds!r}", file=sys.stderr)
+        print(f"oracle: error: --seeds expects distinct comma-separated integers, got {a.seeds!r}", file=sys.stderr)
         return EXIT["bad_input"]
     families = a.family
     if a.shard:

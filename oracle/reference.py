@@ -490,14 +490,14 @@ def save(ref: Reference, path: Path) -> None:
 def save_arrays(tensors: dict, meta: dict, path: Path) -> None:
     """<path>.safetensors (the arrays) and <path>.json (`meta`), each written atomically."""
     import json
-    import tempfile
 
     from safetensors.numpy import save_file
 
+    from models.checkpoint import temp_file
     from oracle.result import write_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=path.parent)
+    fd, tmp = temp_file(path.parent, f".{path.name}.", ".tmp.safetensors")
     os.close(fd)  # a name of its own: two processes capturing one reference never share a temp file
     try:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp)
@@ -554,11 +554,12 @@ def save_portable(ref: Reference, out: Path, provenance: dict) -> list[Path]:
     Written into a temporary directory beside `out`, then renamed: never half there."""
     import json
     import shutil
-    import tempfile
+
+    from models.checkpoint import temp_dir
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_dir(out.parent, f".{out.name}.")
     try:
         from oracle.artifacts import sha256_file
 

@@ -195,9 +195,11 @@ def write_atomic(path: str | Path, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return
+    from models.checkpoint import temp_file
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = temp_file(path.parent, f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -131,6 +131,7 @@ class SelftestResult:
         out = {"detected": d, "localized": loc, "faults": n, "distinct_faults": len({r.fault for r in self.faults}),
                "crashed": sum(r.crashed for r in req), "false_alarms": f, "clean_runs": m,
                "not_injected": sum(not r.injected for r in self.faults), "refused": len(self.refused),
+               "not_applicable": len(self.not_applicable),
                "ok": n > 0 and d == n and loc >= LOCALIZE_MIN * n and f == 0 and m > 0}
         masked = [r for r in self.faults if r.injected and r.masked]
         if masked:  # at a block that fails without them (a known divergence): stated, not required
@@ -166,6 +167,8 @@ class SelftestResult:
             line += f"; {s['not_injected']} not injected (the candidate computed the same as without the fault)"
         if s["refused"]:
             line += f"; {s['refused']} famil{'y' if s['refused'] == 1 else 'ies'} refused by the backend"
+        if s["not_applicable"] and not s["faults"]:  # nothing judged: say why
+            line += f"; {s['not_applicable']} fault(s) not applicable, none judged"
         if "masked" in s:
             line += (f"; {s['masked']} fault(s) at a block that fails without them (a known divergence), "
                      f"not required ({s['masked_detected']} detected anyway)")
@@ -322,6 +325,12 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             validate(CheckSpec(family=family, backend=backend_name, options=options, weights=weights))
     if base.with_fault is None:
         raise InputError(f"backend {backend_name} cannot take seeded faults (it has no with_fault())")
+    catalogue = base.fault_catalogue or (lambda args: faults.CATALOGUE if args is None else faults.applicable(args))
+    known = [f.name for f in catalogue(None)]
+    unknown = [n for n in fault_names or () if n not in known]
+    if unknown:
+        raise InputError(f"unknown fault{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} on "
+                         f"{backend_name}; its catalogue: {', '.join(known)}")
     ok, reason = base.availability()
     if not ok:
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
@@ -358,7 +367,11 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 clean[p] = run_check(replace(spec, precision=p), base)
             return clean[p]
 
-        for fault in base.fault_catalogue(args) if base.fault_catalogue is not None else faults.applicable(args):
+        applicable = catalogue(args)
+        for name in sorted(set(fault_names or ()) - {f.name for f in applicable}):  # asked for by name: said
+            add(res.not_applicable, {"family": family, "fault": name,
+                                     "why": f"not applicable to {family} (the model lacks what the fault breaks)"})
+        for fault in applicable:
             if fault_names and fault.name not in fault_names:
                 continue
             variant = base.with_fault(fault)
@@ -445,6 +458,8 @@ def render(res: SelftestResult) -> str:
         lines.append(f"FALSE ALARM {a.family} seed {a.seed}: {a.status} {a.worst}")
     for x in res.refused:
         lines.append(f"REFUSED {x['family']}: {x['why']}")
+    for x in res.not_applicable if not res.faults else ():  # (in every report; here when nothing was judged)
+        lines.append(f"NOT APPLICABLE {x['family']} {x['fault']}: {x['why']}")
     if any(r.masked for r in res.faults):
         lines.append("(m): the fault's block fails without it (the family's known divergence): not required")
     lines += ["", res.summary_line()]

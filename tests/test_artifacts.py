@@ -76,3 +76,26 @@ def test_concurrent_builds_of_one_key_build_once(tmp_path):
     assert log.read_text() == "built\n"
     entries = list((tmp_path / "cache" / "artifacts" / "t").iterdir())  # the one entry, no temp dir left
     assert len(entries) == 1 and (entries[0] / "p.bin").read_bytes() == b"program"
+
+
+def test_cache_entries_and_reports_get_the_umasks_permissions_not_the_temp_files(tmp_path, monkeypatch):
+    """Built in a temp directory or file and renamed into place, an entry would keep mkdtemp's
+    0700 (mkstemp's 0600): another user sharing the cache, or a web server showing a report,
+    could not read it. Here they get what mkdir and open give under the umask."""
+    import os
+    from pathlib import Path
+
+    from oracle.result import write_atomic
+
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+    old = os.umask(0o022)
+    try:
+        a = cached_artifact("t", {"x": 1}, "p.bin", lambda p: p.write_bytes(b"program"))
+        write_atomic(tmp_path / "report.json", "{}\n")
+        os.umask(0o027)
+        write_atomic(tmp_path / "private.json", "{}\n")
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert (mode(Path(a.path).parent), mode(Path(a.path))) == (0o755, 0o644)
+    assert (mode(tmp_path / "report.json"), mode(tmp_path / "private.json")) == (0o644, 0o640)

@@ -105,6 +105,36 @@ def test_selftest_shards_split_the_families(cli, tmp_path):
     assert r.returncode == 2 and "no family in this shard" in r.stderr
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--fault", "rope_theta_wrng"], "unknown fault 'rope_theta_wrng' on eager; its catalogue: router_softmax_after_topk"),
+    (["--backend", "llamacpp", "--fault", "rope_theta_wrong"], "unknown fault 'rope_theta_wrong' on llamacpp; its "
+     "catalogue: gguf_rope_freq_base_wrong"),  # llama.cpp has its own (GGUF) faults
+    (["--seeds", "0,,1"], "--seeds expects distinct comma-separated integers, got '0,,1'"),
+    (["--seeds", "1,1"], "--seeds expects distinct comma-separated integers"),
+])
+def test_a_mistyped_fault_or_seed_list_is_refused_before_any_work(cli, args, needle):
+    """A typo is not a run that judges nothing and says "detected 0/0"."""
+    r = cli("selftest", "--family", "olmoe", *args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert "clean seed" not in r.stderr  # refused before the first check
+
+
+def test_a_fault_asked_for_where_it_does_not_apply_is_said_so(cli, tmp_path):
+    """MLA's cache fault on OLMoE (no MLA): nothing judged, each not applicable fault listed with
+    why, and the run fails (it proved nothing)."""
+    j = tmp_path / "st.json"
+    r = cli("selftest", "--family", "olmoe", "--fault", "mla_cache_not_carried", "--fault", "rope_theta_wrong",
+            "--seeds", "0", "--json", str(j))
+    assert r.returncode == 0, r.stdout + r.stderr  # one of the two applies: judged
+    assert json.loads(j.read_text())["not_applicable"] == [
+        {"family": "olmoe", "fault": "mla_cache_not_carried",
+         "why": "not applicable to olmoe (the model lacks what the fault breaks)"}]
+    r = cli("selftest", "--family", "olmoe", "--fault", "mla_cache_not_carried", "--seeds", "0")
+    assert r.returncode == 1
+    assert "NOT APPLICABLE olmoe mla_cache_not_carried: not applicable to olmoe" in r.stdout
+    assert "1 fault(s) not applicable, none judged" in r.stdout
+
+
 def test_selftest_at_bf16_states_which_faults_are_above_its_noise(cli, tmp_path):
     """At bf16 each fault's fp32 error on its block, over that block's bf16 limit (HF bf16's own
     error there), says whether bf16 can see it: a scale error of 1e-3 on expert weights is below
