@@ -355,14 +355,21 @@ def run_matrix(cs: list[Combo], report_dir: Path, timeout: float = 1800, seed: i
 
 
 def merge_dirs(dirs: list[Path], out: Path) -> dict:
-    """Join shard report dirs into `out`: check JSONs copied, summary rebuilt."""
+    """Join shard report dirs into `out`: check JSONs copied, summary rebuilt. Every shard is read
+    and merged before anything is written (a bad one: ValueError, `out` untouched)."""
     summaries = []
+    for d in dirs:
+        if not (d / "summary.json").is_file():
+            raise ValueError(f"{d}: not a matrix report directory (no summary.json in it)")
+        summaries.append(S.load(d / "summary.json"))
+    try:
+        merged = S.merge(summaries)
+    except (KeyError, TypeError, AttributeError) as e:  # the schema tag, but rows malformed
+        raise ValueError(f"malformed summary rows in {', '.join(map(str, dirs))} ({type(e).__name__}: {e})") from None
     (out / "checks").mkdir(parents=True, exist_ok=True)
     for d in dirs:
-        summaries.append(S.load(d / "summary.json"))
         for f in sorted((d / "checks").glob("*.json")) if (d / "checks").is_dir() else []:
             if d.resolve() != out.resolve():
                 write_atomic(out / "checks" / f.name, f.read_text())
-    merged = S.merge(summaries)
     write_outputs(out, merged)
     return merged

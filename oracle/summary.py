@@ -227,9 +227,13 @@ def diff_markdown(d: dict) -> str:
 
 
 def load(path: str | Path) -> dict:
-    doc = json.loads(Path(path).read_text())
-    if doc.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: not a matrix summary (schema {doc.get('schema')!r}, expected {SCHEMA!r})")
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    schema = doc.get("schema") if isinstance(doc, dict) else None
+    if schema != SCHEMA:
+        raise ValueError(f"{path}: not a matrix summary (schema {schema!r}, expected {SCHEMA!r})")
     return doc
 
 

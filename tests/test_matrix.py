@@ -63,6 +63,24 @@ def test_two_shards_merged_equal_one_run(cli, full_run, tmp_path):
         assert (tmp_path / "m" / name).is_file()
 
 
+@pytest.mark.parametrize("second, needle", [
+    (None, "not a matrix report directory (no summary.json in it)"),
+    ('{"schema": "oracle-matrix/v1", "rows": 5}', "malformed summary rows"),
+    ("{", "not JSON"),
+])
+def test_a_bad_shard_is_refused_and_nothing_is_merged(cli, full_run, tmp_path, second, needle):
+    """Every shard read and merged before anything is written: the output holds no copied check
+    of the good shard beside a missing summary."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    if second is not None:
+        (bad / "summary.json").write_text(second)
+    out = tmp_path / "m"
+    r = cli("report", "merge", str(full_run), str(bad), "--report-dir", str(out))
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists() or list(out.rglob("*")) == []
+
+
 def test_shards_cover_the_matrix_once():
     cs = combos(["a", "b", "c"], ["x", "y"], ["fp32", "bf16"])
     parts = [shard(cs, i, 5) for i in range(1, 6)]
