@@ -141,7 +141,7 @@ _MODEL = "HF computes it once for the whole model, outside the layer's modules"
 NOT_APPLICABLE = {
     **dict.fromkeys(("router_softmax_after_topk", "router_wrong_num_experts", "router_sigmoid",
                      "router_bias_in_weights", "router_softmax_for_sigmoid", "sparsemixer_first_unmasked",
-                     "expert_gate_up_swapped", "expert_index_off_by_one", "expert_weights_not_applied",
+                     "expert_index_off_by_one", "expert_weights_not_applied",
                      "shared_expert_gate_no_sigmoid", "dense_layer_routed", "moe_interleave_wrong",
                      "rope_interleaved", "qk_norm_per_head_for_flat", "qk_norm_flat_for_per_head",
                      "gqa_kv_heads_tiled", "attention_gate_no_sigmoid", "mla_rope_nope_swapped",
@@ -154,6 +154,10 @@ NOT_APPLICABLE = {
     **dict.fromkeys(("attention_not_causal", "sliding_window_off_by_one"),
                     f"{_MODEL}: the attention mask (built from the config by the model's forward)"),
     "logits_scaling_missing": f"{_MODEL}: the logits' scaling (the causal-LM head's forward)",
+    # a weight to edit, but in a layout only the family's code knows (transformers 5.23: [E, 2I, H] halves,
+    # Llama 4's [E, H, 2I] halves, GPT-OSS's [E, H, 2I] interleaved); a wrong guess would be another fault
+    "expert_gate_up_swapped": "HF's fused gate_up_proj splits gate from up inside its forward (halves, or "
+                              "interleaved columns in GPT-OSS) and the module does not say which",
     # measured: every row of the faulted check raised ("expected m1 and m2 to have the same dtype")
     "moe_output_upcast": "HF's next module multiplies the float output by its bf16 weights and raises: on HF's "
                          "model the fault is a crash, not a wrong number (its form on the production model runs)",
