@@ -139,6 +139,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--drill", action="store_true", help="drill each detected fault's block (docs/drill.md) and report "
                    "the share whose first diverging point is the one the fault breaks")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
+    s.add_argument("--list", action="store_true", help="run nothing: list each family's faults on the backend, "
+                   "the block each must be found at, and those not run with why")
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
     m.add_argument("--families", help="comma-separated (default: every supported family; with --model-dir / --config, the family its config names)")
     m.add_argument("--backends", default="eager", help="comma-separated (default: eager)")
@@ -453,6 +455,15 @@ def cmd_selftest(a) -> int:
         if not families:
             print(f"oracle: error: --shard {a.shard}: no family in this shard", file=sys.stderr)
             return EXIT["bad_input"]
+    if a.list:
+        from oracle.selftest import plan, plan_text
+
+        try:
+            print(plan_text(plan(a.backend, families, a.fault, options_of(a), a.weights, a.precision)), end="")
+        except InputError as e:
+            print(f"oracle: error: {e}", file=sys.stderr)
+            return EXIT["bad_input"]
+        return 0
     prog, update = progress_reporter()
     say = prog.console.print if prog else lambda line: print(line, file=sys.stderr, flush=True)
     save = lambda res, complete=True: write_atomic(  # noqa: E731

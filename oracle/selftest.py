@@ -306,18 +306,9 @@ def point_exposed(point, drilled_points: list[dict]) -> tuple[bool, str]:
     return False, (found[0]["reason"] if found else "not a point of this backend's block")
 
 
-def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
-                 progress=None, options: dict | None = None, weights: str = "normal",
-                 precision: str = "fp32", drill: bool = False, on_row=None) -> SelftestResult:
-    """`drill`: each detected fault's check drills its worst block (oracle/points.py) and the row
-    records the first point named against the point the fault breaks (models.faults.POINTS).
-    `on_row(res, row)`: after each row is added (a FaultRow, an AlarmRow, or a refusal's or a not
-    applicable fault's dict): `res` then holds every row finished so far (a partial report)."""
-    families = list(families or FAMILY_NAMES)
-    progress = progress or (lambda msg: None)
-    options = dict(options or {})
-    relative = thresholds.noise_relative(precision)
-    # the backend, its options and every family name refused up front, not half-way through
+def _faultable(backend_name: str, families: list, fault_names, options: dict, weights: str, precision: str):
+    """The backend and its catalogue (args -> faults; None: every fault it has), with the backend, its
+    options, every family name and every fault name refused up front, not half-way through."""
     base = validate(CheckSpec(family=families[0], backend=backend_name, options=options, weights=weights,
                               precision=precision))
     for family in families:
@@ -331,6 +322,75 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     if unknown:
         raise InputError(f"unknown fault{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} on "
                          f"{backend_name}; its catalogue: {', '.join(known)}")
+    return base, catalogue
+
+
+def plan(backend_name: str, families=None, fault_names=None, options: dict | None = None,
+         weights: str = "normal", precision: str = "fp32") -> list[dict]:
+    """What `run_selftest` would run, nothing run (`oracle selftest --list`): a row per family and
+    fault, {family, fault, layer, kind, what, why}, `why` None where the fault runs; a family the
+    backend refuses is one row with fault None. Needs no backend install (the availability is
+    not asked). A faulted candidate that refuses to load is known only when run (then listed as
+    not applicable by the run)."""
+    families = list(families or FAMILY_NAMES)
+    options = dict(options or {})
+    base, catalogue = _faultable(backend_name, families, fault_names, options, weights, precision)
+    rows = []
+    for family in families:
+        spec = CheckSpec(family=family, backend=backend_name, options=options, weights=weights, precision=precision)
+        try:
+            validate(spec)
+            args = model_source(spec).args
+        except InputError as e:
+            rows.append({"family": family, "fault": None, "layer": None, "kind": None, "what": "", "why": str(e)})
+            continue
+        applicable = catalogue(args)
+        for name in absent(fault_names, applicable):
+            rows.append({"family": family, "fault": name, "layer": None, "kind": None, "what": "",
+                         "why": not_in(family)})
+        for f in applicable:
+            if fault_names and f.name not in fault_names:
+                continue
+            why = None if base.with_fault(f) else base.fault_not_applicable(f) or "not expressible on backend"
+            rows.append({"family": family, "fault": f.name, "layer": f.layer(args) if why is None else None,
+                         "kind": f.kind, "what": f.what, "why": why})
+    return rows
+
+
+def absent(fault_names, applicable) -> list[str]:
+    """The faults asked for by name that do not apply to a family (said, not skipped silently)."""
+    return sorted(set(fault_names or ()) - {f.name for f in applicable})
+
+
+def not_in(family: str) -> str:
+    return f"not applicable to {family} (the model lacks what the fault breaks)"
+
+
+def plan_text(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        if r["fault"] is None:
+            lines.append(f"{r['family']:12s} REFUSED: {r['why']}")
+        elif r["why"] is None:
+            lines.append(f"{r['family']:12s} {r['fault']:30s} {place(r['layer'])} {r['kind']}: {r['what']}")
+        else:
+            lines.append(f"{r['family']:12s} {r['fault']:30s} not run: {r['why']}")
+    n = sum(r["fault"] is not None and r["why"] is None for r in rows)
+    return "\n".join(lines + ["", f"{n} fault check(s) would run"]) + "\n"
+
+
+def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
+                 progress=None, options: dict | None = None, weights: str = "normal",
+                 precision: str = "fp32", drill: bool = False, on_row=None) -> SelftestResult:
+    """`drill`: each detected fault's check drills its worst block (oracle/points.py) and the row
+    records the first point named against the point the fault breaks (models.faults.POINTS).
+    `on_row(res, row)`: after each row is added (a FaultRow, an AlarmRow, or a refusal's or a not
+    applicable fault's dict): `res` then holds every row finished so far (a partial report)."""
+    families = list(families or FAMILY_NAMES)
+    progress = progress or (lambda msg: None)
+    options = dict(options or {})
+    relative = thresholds.noise_relative(precision)
+    base, catalogue = _faultable(backend_name, families, fault_names, options, weights, precision)
     ok, reason = base.availability()
     if not ok:
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
@@ -368,9 +428,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             return clean[p]
 
         applicable = catalogue(args)
-        for name in sorted(set(fault_names or ()) - {f.name for f in applicable}):  # asked for by name: said
-            add(res.not_applicable, {"family": family, "fault": name,
-                                     "why": f"not applicable to {family} (the model lacks what the fault breaks)"})
+        for name in absent(fault_names, applicable):
+            add(res.not_applicable, {"family": family, "fault": name, "why": not_in(family)})
         for fault in applicable:
             if fault_names and fault.name not in fault_names:
                 continue

@@ -135,6 +135,24 @@ def test_a_fault_asked_for_where_it_does_not_apply_is_said_so(cli, tmp_path):
     assert "1 fault(s) not applicable, none judged" in r.stdout
 
 
+def test_list_says_what_would_run_and_what_not_and_runs_nothing(cli):
+    """--list: the faults a family's check would take on the backend, the block each must be found
+    at (the same the run expects), those not run with why; nothing is built or checked."""
+    r = cli("selftest", "--backend", "mlx", "--family", "qwen2_moe", "--family", "olmoe", "--list",
+            "--fault", "rope_theta_wrong", "--fault", "moe_output_upcast", "--fault", "shared_expert_missing")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [x.split()[:4] for x in lines if "layer" in x] == [
+        ["qwen2_moe", "shared_expert_missing", "layer", "1"], ["qwen2_moe", "rope_theta_wrong", "layer", "1"],
+        ["olmoe", "rope_theta_wrong", "layer", "1"]]  # in the catalogue's order, as the run goes
+    assert any(x.startswith("olmoe") and "shared_expert_missing" in x and "not run: not applicable to olmoe" in x
+               for x in lines)
+    assert sum("moe_output_upcast" in x and "not run: a bf16 dtype fault" in x for x in lines) == 2
+    assert lines[-1] == "3 fault check(s) would run" and "clean seed" not in r.stderr
+    r = cli("selftest", "--backend", "eager", "--family", "olmoe", "--list", "--fault", "nope")
+    assert r.returncode == 2 and "unknown fault 'nope'" in r.stderr
+
+
 def test_selftest_at_bf16_states_which_faults_are_above_its_noise(cli, tmp_path):
     """At bf16 each fault's fp32 error on its block, over that block's bf16 limit (HF bf16's own
     error there), says whether bf16 can see it: a scale error of 1e-3 on expert weights is below
