@@ -330,8 +330,8 @@ def plan(backend_name: str, families=None, fault_names=None, options: dict | Non
     """What `run_selftest` would run, nothing run (`oracle selftest --list`): a row per family and
     fault, {family, fault, layer, kind, what, why}, `why` None where the fault runs; a family the
     backend refuses is one row with fault None. Needs no backend install (the availability is
-    not asked). A faulted candidate that refuses to load is known only when run (then listed as
-    not applicable by the run)."""
+    not asked). What refuses only when built (a converter refusing a family, a faulted candidate
+    refusing to load) is known only when run, which then lists it as refused or not applicable."""
     families = list(families or FAMILY_NAMES)
     options = dict(options or {})
     base, catalogue = _faultable(backend_name, families, fault_names, options, weights, precision)
