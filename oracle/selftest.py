@@ -351,7 +351,8 @@ def plan(backend_name: str, families=None, fault_names=None, options: dict | Non
         for f in applicable:
             if fault_names and f.name not in fault_names:
                 continue
-            why = None if base.with_fault(f) else base.fault_not_applicable(f) or "not expressible on backend"
+            why = None if base.with_fault(f) is not None else (base.fault_not_applicable(f)
+                                                                or "not expressible on backend")
             rows.append({"family": family, "fault": f.name, "layer": f.layer(args) if why is None else None,
                          "kind": f.kind, "what": f.what, "why": why})
     return rows
