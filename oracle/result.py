@@ -114,12 +114,12 @@ class CheckResult:
         return _clean(asdict(self))
 
 
-# where each block runs inside a decoder layer (for in-situ rows: program order)
 def place(layer: int | None) -> str:
     """Where a row is, in words: "layer N", or "model" for the rows outside the layers."""
     return "model" if layer is None else f"layer {layer}"
 
 
+# where each block runs inside a decoder layer (for in-situ rows: program order)
 PROGRAM_ORDER = {"attention": 0, "router": 1, "moe": 2, "mlp": 2, "layer": 3}
 
 

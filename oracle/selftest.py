@@ -344,27 +344,25 @@ def plan(backend_name: str, families=None, fault_names=None, options: dict | Non
         except InputError as e:
             rows.append({"family": family, "fault": None, "layer": None, "kind": None, "what": "", "why": str(e)})
             continue
-        applicable = catalogue(args)
-        for name in absent(fault_names, applicable):
-            rows.append({"family": family, "fault": name, "layer": None, "kind": None, "what": "",
-                         "why": not_in(family)})
-        for f in applicable:
-            if fault_names and f.name not in fault_names:
-                continue
-            why = None if base.with_fault(f) is not None else (base.fault_not_applicable(f)
-                                                                or "not expressible on backend")
-            rows.append({"family": family, "fault": f.name, "layer": f.layer(args) if why is None else None,
-                         "kind": f.kind, "what": f.what, "why": why})
+        for name, f, variant, why in selection(base, catalogue, family, args, fault_names):
+            rows.append({"family": family, "fault": name, "layer": f.layer(args) if why is None else None,
+                         "kind": f.kind if f else None, "what": f.what if f else "", "why": why})
     return rows
 
 
-def absent(fault_names, applicable) -> list[str]:
-    """The faults asked for by name that do not apply to a family (said, not skipped silently)."""
-    return sorted(set(fault_names or ()) - {f.name for f in applicable})
-
-
-def not_in(family: str) -> str:
-    return f"not applicable to {family} (the model lacks what the fault breaks)"
+def selection(base, catalogue, family: str, args, fault_names):
+    """(name, fault, faulted backend, why not run) of each fault a family's self-test takes, in the
+    catalogue's order: first the faults asked for by name that do not apply to the family (said, not
+    skipped silently: fault None), then each applicable one (backend None where it has no form,
+    `why` the backend's reason)."""
+    applicable = catalogue(args)
+    for name in sorted(set(fault_names or ()) - {f.name for f in applicable}):
+        yield name, None, None, f"not applicable to {family} (the model lacks what the fault breaks)"
+    for f in applicable:
+        if not fault_names or f.name in fault_names:
+            variant = base.with_fault(f)
+            yield f.name, f, variant, None if variant is not None else (
+                base.fault_not_applicable(f) or "not expressible on backend")
 
 
 def plan_text(rows: list[dict]) -> str:
@@ -428,16 +426,9 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 clean[p] = run_check(replace(spec, precision=p), base)
             return clean[p]
 
-        applicable = catalogue(args)
-        for name in absent(fault_names, applicable):
-            add(res.not_applicable, {"family": family, "fault": name, "why": not_in(family)})
-        for fault in applicable:
-            if fault_names and fault.name not in fault_names:
-                continue
-            variant = base.with_fault(fault)
-            if variant is None:  # the backend may say why (fault_not_applicable)
-                why = base.fault_not_applicable(fault) or "not expressible on backend"
-                add(res.not_applicable, {"family": family, "fault": fault.name, "why": why})
+        for name, fault, variant, why in selection(base, catalogue, family, args, fault_names):
+            if variant is None:
+                add(res.not_applicable, {"family": family, "fault": name, "why": why})
                 continue
             progress(f"{family} {fault.name}")
             t = time.perf_counter()
