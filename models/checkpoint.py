@@ -70,7 +70,11 @@ def read_config_file(path: Path) -> dict:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    if "model_type" not in cfg:
         raise CheckpointError(f"{path}: no 'model_type' key")
     if not isinstance(cfg["model_type"], str):
         raise CheckpointError(f"{path}: model_type must be a string, got {cfg['model_type']!r:.60}")
@@ -373,6 +377,16 @@ def stack_experts(weights: dict, pattern: str, names: tuple[str, str, str]) -> d
             for p in names:
                 if (e, p) not in parts:
                     raise CheckpointError(f"missing tensor {prefix}.{e}.{p}.weight (experts 0..{n - 1} expected)")
+                # checked here: torch.stack would promote an integer tensor or fail without a name
+                t, first = parts[e, p], parts[0, p]
+                if not torch.is_floating_point(t):
+                    raise CheckpointError(f"tensor {prefix}.{e}.{p}.weight has dtype {t.dtype}, expected a floating-point tensor")
+                if t.shape != first.shape:
+                    raise CheckpointError(f"the experts' shapes differ: {prefix}.{e}.{p}.weight is {tuple(t.shape)}, "
+                                          f"{prefix}.0.{p}.weight is {tuple(first.shape)}")
+        if parts[0, gate].shape != parts[0, up].shape:
+            raise CheckpointError(f"the gate and up projections' shapes differ: {prefix}.0.{up}.weight is "
+                                  f"{tuple(parts[0, up].shape)}, {prefix}.0.{gate}.weight is {tuple(parts[0, gate].shape)}")
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, gate], parts[e, up]]) for e in range(n)])
         out[f"{prefix}.down_proj"] = torch.stack([parts[e, down] for e in range(n)])
     return out

@@ -54,6 +54,22 @@ def test_missing_expert_is_named():
         fam.validate(read_config(d), w)
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.to(torch.int32), r"experts\.3\.up_proj\.weight has dtype torch\.int32"),
+    (lambda t: t[:-1], r"experts' shapes differ: .*experts\.3\.up_proj\.weight is"),
+])
+def test_a_malformed_expert_is_named_not_promoted_or_stacked_blindly(change, message):
+    # torch.stack promotes an integer expert to float (the check then passed on truncated
+    # weights) and fails on a short one without naming it
+    fam = get_family("olmoe")
+    d = tiny_checkpoint(fam, 0)
+    w = read_weights(d)
+    key = "model.layers.0.mlp.experts.3.up_proj.weight"
+    w[key] = change(w[key])
+    with pytest.raises(CheckpointError, match=message):
+        fam.validate(read_config(d), w)
+
+
 def test_tiny_checkpoint_is_deterministic_and_cached(tmp_path, monkeypatch):
     fam = get_family("mixtral")
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "a"))
