@@ -131,8 +131,9 @@ def router_near_ties(ref, layer: int, spec, n: int | None = None, noise=None, in
 def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0,
                   noise=None, upstream: list | None = None) -> BlockRow:
     """One block row. `routes` (layer -> per token: did the candidate's router row route it as the
-    reference did (oracle.check: the same experts, near-tie weights within the limit), filled in by
-    the router row) decides which tokens the moe and layer rows compare: not a
+    reference did (oracle.check: the same experts, near-tie weights within the limit), and did it
+    route it as HF routes the candidate's own router input (an in-situ row), filled in by the router
+    row) decides which tokens the moe and layer rows compare: not a
     token the candidate's router row routed elsewhere (that row judges routing); a moe row then
     compares every token routed as the reference did, near ties included. `noise` (oracle/noise.py,
     reduced precisions): the row is judged against HF's own error at this precision. `upstream`
@@ -180,7 +181,9 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             # routed as the reference did: the same experts and, at a near tie of a decision that
             # sets the weights (sparsemixer's mask), weights within the limit
             dw = weight_diffs(ref_w, ref_i, cand_w, cand_i)
-            routes[layer] = (dw < np.inf) & ~((gaps < tie) & (dw > lim["weight_atol"]))
+            by_input = np.zeros(len(dw), dtype=bool)  # routed as HF routes the candidate's own router input
+            by_input[m.get("rerouted_by_input", [])] = True
+            routes[layer] = ((dw < np.inf) & ~((gaps < tie) & (dw > lim["weight_atol"])), by_input)
     else:
         r = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
         c = np.concatenate(arrays)
@@ -191,16 +194,23 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             # (router calls = the sequence's calls, then the expert probes: moe has both, layer none)
             keep = ~router_near_ties(ref, layer, spec, r.shape[0], noise)
             rerouted = np.zeros_like(keep)
-            if routes is not None and len(routes.get(layer, ())) >= len(keep):
+            if routes is not None and len(routes.get(layer, ((),))[0]) >= len(keep):
                 # the candidate's router row (the reference's router inputs): a token it routed
                 # to other experts is the router row's to judge (its agreement limit: 1.0 at
                 # fp32/bf16, 0.75 for a 4-bit router), not compared here; a moe row (the same
                 # inputs) compares every token routed as the reference did, near ties included
-                same = routes[layer][: len(keep)]
+                same, by_input = (x[: len(keep)] for x in routes[layer])
+                rule = thresholds.in_situ(spec.precision) if upstream is not None else None
+                if kind == "layer" and rule and rule.get("layer_judges_rerouted"):
+                    # routed elsewhere because its own router input moved (its router row agrees):
+                    # the layer row compares it (upstream allows what the layer's input explains), as
+                    # what moved it inside this layer, a norm, is no other row's to judge
+                    same = same | by_input
                 rerouted = ~same
                 keep = same if kind == "moe" else keep & same
             if not keep.any():  # nothing left to compare: not a pass
-                return BlockRow(layer, kind, Status.NA, "isolated", {"tie_tokens_excluded": int(keep.size), "nonfinite": 0},
+                counts = {"tie_tokens_excluded": int((~rerouted).sum()), "rerouted_tokens_excluded": int(rerouted.sum())}
+                return BlockRow(layer, kind, Status.NA, "isolated", {**counts, "nonfinite": 0},
                                 lim, 0.0, f"every token is a router near tie at {spec.precision} or routed elsewhere "
                                           "by the candidate's router: nothing compared")
             r, c = r[keep], c[keep]
@@ -275,7 +285,7 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     a precision with an in_situ rule are judged against HF fp32 run on the candidate's own upstream
     (oracle/insitu.py)."""
     keys = ref.block_keys()
-    routes = {}  # layer -> the candidate's routing, from its router row (for the moe row)
+    routes = {}  # layer -> the candidate's routing, from its router row (for the moe and layer rows)
     rows, errors, outputs = {}, [], {}
     mode_of = {key: cand.block_modes.get(key[1], cand.block_mode) for key in keys}
     for n, key in enumerate(keys):

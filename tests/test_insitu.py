@@ -113,3 +113,18 @@ def test_a_norm_fault_is_the_layers_when_the_blocks_own_inputs_are_given(backend
     rows = {(b.layer, b.kind): b for b in r.blocks}
     assert rows[layer, "attention"].status == ("pass" if named == "layer" else "fail")
     assert rows[layer, "layer"].status == "fail"
+
+
+def test_a_norm_fault_that_reroutes_every_token_is_the_layers():
+    """The post-attention (1 + w) norm's offset lost: the router's own input moves so far that every
+    token of the sequence routes elsewhere, as HF routes that input (the router row passes). Before,
+    the layer row left out every token so routed, was n/a, and only e2e failed (executorch
+    qwen3_5_moe: detected, not localised); the layer row now compares them and names the layer."""
+    fault = faults.get("norm_offset_missing")
+    spec = replace(SPEC, weights="normal")
+    r = run_check(spec, resolve(spec.backend).with_fault(fault))
+    layer = fault.layer(model_source(spec).args)
+    rows = {(b.layer, b.kind): b for b in r.blocks}
+    assert rows[layer, "router"].status == "pass" and rows[layer, "router"].metrics["rerouted_by_input"]
+    assert rows[layer, "layer"].status == "fail" and "rerouted_tokens_excluded" not in rows[layer, "layer"].metrics
+    assert r.status == "fail" and (r.worst["layer"], r.worst["kind"]) == (layer, "layer")
