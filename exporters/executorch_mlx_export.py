@@ -197,10 +197,9 @@ def transform_latent_attention(attn: LatentAttention) -> None:
 # seeded faults (models/faults.py) whose torch code the MLX delegate cannot lower, in this
 # program's own ops: fault name -> apply(module at the fault's target, args)
 MLX_FAULTS = {"kv_cache_write_off_by_one": lambda attn, a: swap(attn, "update_cache", update_cache_off_by_one)}
-# and those it cannot express at all, with the reason
-NOT_EXPRESSIBLE = {
-    "gdn_chunked_prefill_differs": "its torch code branches on the call's length (`if T < 2`), and one method "
-    "serves prefill and decode (T dynamic in [1, S - 1]): torch.export refuses the branch"}
+# and those it cannot express at all, with the reason (none now: gdn_chunked_prefill_differs's
+# branch on the call's length, which torch.export refused with T dynamic, is a decay reset since 2026-11-26)
+NOT_EXPRESSIBLE: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- Gated DeltaNet

@@ -294,18 +294,16 @@ def _gdn_conv_state_not_carried(gdn: GatedDeltaNet, a):
 
 
 def _gdn_chunked_prefill(gdn: GatedDeltaNet, a):
-    """Prefill in two chunks where the second starts from a zero state: chunked prefill
-    that differs from one-shot prefill."""
+    """Prefill in two chunks where the second, from token T // 2 on, starts from a zero state:
+    chunked prefill that differs from one-shot prefill (decode, one token, is untouched). The
+    reset is a decay of e^-60 (~1e-26) added at that token (S <- e^g S), not a branch on T nor
+    slices at T // 2: a program whose one prefill method takes any length (torch.export, T dynamic)
+    holds it too."""
 
     def delta_rule(q, k, v, g, beta):
-        T = q.shape[2]
-        if T < 2:
-            return GatedDeltaNet.delta_rule(gdn, q, k, v, g, beta)
-        h = T // 2
-        o1 = GatedDeltaNet.delta_rule(gdn, q[:, :, :h], k[:, :, :h], v[:, :, :h], g[..., :h], beta[..., :h])
-        gdn.recurrent_state.zero_()
-        o2 = GatedDeltaNet.delta_rule(gdn, q[:, :, h:], k[:, :, h:], v[:, :, h:], g[..., h:], beta[..., h:])
-        return torch.cat([o1, o2], dim=2)
+        idx = torch.arange(g.shape[-1], device=g.device)
+        reset = (idx == g.shape[-1] // 2) & (idx > 0)  # [T]: the second chunk's first token
+        return GatedDeltaNet.delta_rule(gdn, q, k, v, g - 60.0 * reset.to(g.dtype), beta)
 
     patch(gdn, "delta_rule", delta_rule)
 

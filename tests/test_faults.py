@@ -64,3 +64,41 @@ def test_catalogue(family, name):
 def test_catalogue_size_and_precisions():
     assert len(faults.CATALOGUE) >= 20
     assert {f.precision for f in faults.CATALOGUE} == {"fp32", "bf16"}
+
+
+def test_chunked_prefill_fault_is_two_chunks_and_exports_at_any_length():
+    """gdn_chunked_prefill_differs: its second chunk (from token T // 2) starts from a zero state,
+    the same numbers as running the delta rule on the two halves, and a decode step (one token) is
+    untouched. Its form (a decay reset, no branch on T) exports with the length dynamic: the
+    two-halves form failed there (`Constraints violated (T)`, executorch and executorch-mlx)."""
+    import torch
+    from torch.export import Dim, export
+
+    from models.layers import GatedDeltaNet, gated_delta_rule
+
+    args = model_source(CheckSpec(family="qwen3_5_moe", backend="eager")).args
+    gdn = GatedDeltaNet(args)
+    gen = torch.Generator().manual_seed(0)
+    for p in gdn.parameters():
+        p.data = torch.randn(p.shape, generator=gen) * 0.3
+    faults.get("gdn_chunked_prefill_differs").apply(gdn, args)
+    B, h, T = 1, gdn.nv, 9
+    q, k = (torch.nn.functional.normalize(torch.randn(B, h, T, gdn.dk, generator=gen), dim=-1) for _ in "qk")
+    v = torch.randn(B, h, T, gdn.dv, generator=gen)
+    g, beta = -torch.rand(B, h, T, generator=gen), torch.rand(B, h, T, generator=gen)
+    s0 = torch.randn(B, h, gdn.dk, gdn.dv, generator=gen)
+    gdn.recurrent_state.copy_(s0)
+    got, state = gdn.delta_rule(q, k, v, g, beta), gdn.recurrent_state.clone()
+    m = T // 2
+    o1, _ = gated_delta_rule(q[:, :, :m], k[:, :, :m], v[:, :, :m], g[..., :m], beta[..., :m], s0, gdn.max_len)
+    o2, s2 = gated_delta_rule(q[:, :, m:], k[:, :, m:], v[:, :, m:], g[..., m:], beta[..., m:], torch.zeros_like(s0),
+                              gdn.max_len)
+    torch.testing.assert_close(got, torch.cat([o1, o2], dim=2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, s2, atol=1e-5, rtol=1e-5)
+    gdn.recurrent_state.copy_(s0)  # one token: the unfaulted rule
+    one = gdn.delta_rule(q[:, :, :1], k[:, :, :1], v[:, :, :1], g[..., :1], beta[..., :1])
+    torch.testing.assert_close(one, gated_delta_rule(q[:, :, :1], k[:, :, :1], v[:, :, :1], g[..., :1],
+                                                     beta[..., :1], s0, gdn.max_len)[0])
+    x, L = torch.randn(1, 8, args.hidden_size), Dim("T", min=2, max=args.max_seq_len - 1)
+    with torch.no_grad():
+        export(gdn, (x, torch.arange(8)), dynamic_shapes=({1: L}, {0: L}), strict=True)
