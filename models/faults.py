@@ -302,8 +302,10 @@ def _gdn_chunked_prefill(gdn: GatedDeltaNet, a):
 
     def delta_rule(q, k, v, g, beta):
         idx = torch.arange(g.shape[-1], device=g.device)
-        reset = (idx == g.shape[-1] // 2) & (idx > 0)  # [T]: the second chunk's first token
-        return GatedDeltaNet.delta_rule(gdn, q, k, v, g - 60.0 * reset.to(g.dtype), beta)
+        # [T]: 1 at the second chunk's first token (a product, not `&`: IREE 3.13 does not legalize
+        # aten.__and__ on i1)
+        reset = (idx == g.shape[-1] // 2).to(g.dtype) * (idx > 0).to(g.dtype)
+        return GatedDeltaNet.delta_rule(gdn, q, k, v, g - 60.0 * reset, beta)
 
     patch(gdn, "delta_rule", delta_rule)
 
