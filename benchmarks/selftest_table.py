@@ -14,7 +14,8 @@ crashed, not injected, not applicable, the drill's share (--drill), and the seco
 
 --rerun: the reports after it hold faults run again alone (`--fault NAME`) after their form
 changed; each of their fault rows replaces the same (backend, family, fault) row of the reports
-before it, and the family is marked (its rerun faults named under the table).
+before it, or its not-applicable entry (a fault that had no form on the backend then), and the
+family is marked (its rerun faults named under the table).
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ def merge_reruns(docs: list[dict], reruns: list[dict]) -> dict:
             key = (d["backend"], r["family"], r["fault"])
             if key in rerun:
                 d["faults"][i] = rerun.pop(key)
+                marked.setdefault(key[:2], []).append(r["fault"])
+        for r in list(d.get("not_applicable", [])):  # a fault that had no form on the backend then
+            key = (d["backend"], r["family"], r.get("fault"))
+            if key in rerun:
+                d["not_applicable"].remove(r)
+                d["faults"].append(rerun.pop(key))
                 marked.setdefault(key[:2], []).append(r["fault"])
     if rerun:
         sys.exit(f"--rerun: no row to replace for {sorted(rerun)}")
