@@ -631,10 +631,19 @@ def cmd_goldens(a) -> int:
                 print(msg)
                 rc = rc or (0 if ok else EXIT["fail"])
         return rc
+    from models import FAMILY_NAMES
+
+    unknown = [f for f in a.family or [] if f not in FAMILY_NAMES]
+    if unknown:
+        print(f"oracle: error: unknown family {unknown[0]!r}; known: {', '.join(FAMILY_NAMES)}", file=sys.stderr)
+        return EXIT["bad_input"]
     pairs = [(f, b) for f, b in goldens.present()
              if (not a.family or f in a.family) and (not a.backend or b in a.backend)]
     if not pairs:
-        print("oracle: no goldens to check", file=sys.stderr)
+        have = sorted({b for f, b in goldens.present() if not a.family or f in a.family})
+        print(f"oracle: no goldens for {', '.join(a.family or ['any family'])} on {', '.join(a.backend or ['any backend'])}"
+              f" (backends with goldens for them: {', '.join(have) or 'none'}; `oracle goldens freeze` writes them)",
+              file=sys.stderr)
         return EXIT["bad_input"]
     rc = 0
     for f, b in pairs:

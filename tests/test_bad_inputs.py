@@ -132,6 +132,14 @@ def malformed_config(d: Path) -> None:
     (d / "config.json").write_text("{\"model_type\": \"olmoe\", ")
 
 
+def config_not_an_object(d: Path) -> None:
+    (d / "config.json").write_text("[1, 2]")
+
+
+def config_not_utf8(d: Path) -> None:
+    (d / "config.json").write_bytes(b"\xff\xfe{")
+
+
 def config_without_model_type(d: Path) -> None:
     cfg = json.loads((d / "config.json").read_text())
     del cfg["model_type"]
@@ -252,6 +260,9 @@ CASES = [
          "model_type 'olmoe', not a mixtral checkpoint (that is family 'olmoe')"),
     Case("config-malformed", model_dir(), 2, "config.json: not valid JSON", malformed_config),
     Case("config-without-model-type", model_dir(), 2, "no 'model_type' key", config_without_model_type),
+    Case("config-not-an-object", model_dir(), 2, "config.json: expected a JSON object, got list", config_not_an_object),
+    Case("config-not-utf8", model_dir(), 2, "config.json: not UTF-8 text", config_not_utf8),
+    Case("goldens-unknown-family", ["goldens", "check", "--family", "llama"], 2, "unknown family 'llama'"),
     # configs: types and consistency, per family, before any work (the file and the field named)
     Case("config-top-k-over-experts", model_dir(), 2,
          "{ckpt}/config.json: num_experts_per_tok (9) must be at most num_experts (8)", config_with(num_experts_per_tok=9)),
