@@ -167,8 +167,8 @@ def parser() -> argparse.ArgumentParser:
     mg.add_argument("dirs", nargs="+")
     mg.add_argument("--report-dir", required=True)
     df = rsub.add_parser("diff", help="markdown comment: what changed against a baseline (exit 1 on regression)")
-    df.add_argument("--baseline", required=True, help="baseline summary.json")
-    df.add_argument("--current", required=True, help="current summary.json")
+    df.add_argument("--baseline", required=True, help="baseline summary.json (or the matrix run's --report-dir)")
+    df.add_argument("--current", required=True, help="current summary.json (or its --report-dir)")
     df.add_argument("--format", choices=["md", "json"], default="md")
     df.add_argument("--factor", type=float, default=4.0, help="a block regressed when its error grew more (4)")
     g = sub.add_parser("goldens", help="check or freeze golden tokens and structural goldens")
@@ -589,8 +589,12 @@ def cmd_report(a) -> int:
             return 0 if merged["status"] == Status.PASS else EXIT["fail"]
         docs = {}
         for flag, path in (("--baseline", a.baseline), ("--current", a.current)):
+            if Path(path).is_dir():  # a matrix run's --report-dir: its summary
+                if not (Path(path) / "summary.json").is_file():
+                    fail_input(f"{flag} {path}: a directory without summary.json (not a matrix run's --report-dir)")
+                path = str(Path(path) / "summary.json")
             if not Path(path).is_file():
-                fail_input(f"{flag} {path}: no such file (a matrix run's summary.json)")
+                fail_input(f"{flag} {path}: no such file (a matrix run's summary.json or its --report-dir)")
             try:
                 docs[flag] = S.load(path)
             except (OSError, ValueError, KeyError, TypeError) as e:

@@ -207,7 +207,7 @@ def test_diff_names_the_broken_backend(cli, tmp_path):
     assert "regressions" in d.stdout and "qwen3_moe__tests.plugins:SWITCHABLE__fp32" in d.stdout
     assert "| pass | fail |" in d.stdout
     same = cli("report", "diff", "--baseline", str(tmp_path / "base" / "summary.json"),
-               "--current", str(tmp_path / "base" / "summary.json"))
+               "--current", str(tmp_path / "base"))  # a run's --report-dir stands for its summary
     assert same.returncode == 0 and "no change" in same.stdout
 
 
@@ -350,6 +350,8 @@ def test_report_diff_names_the_flag_of_a_missing_or_malformed_file(cli, tmp_path
     ok.write_text(json.dumps({"schema": "oracle-matrix/v1", "rows": []}))
     r = cli("report", "diff", "--baseline", str(ok), "--current", str(tmp_path / "nope.json"))
     assert r.returncode == 2 and "--current" in r.stderr and "nope.json" in r.stderr
+    r = cli("report", "diff", "--baseline", str(ok), "--current", str(tmp_path))
+    assert r.returncode == 2 and "--current" in r.stderr and "a directory without summary.json" in r.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "oracle-matrix/v1"}))
     r = cli("report", "diff", "--baseline", str(bad), "--current", str(ok))
