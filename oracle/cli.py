@@ -210,6 +210,15 @@ def fail_input(message: str):
     raise SystemExit(EXIT["bad_input"])
 
 
+def known_family(flag: str, family: str) -> None:
+    """Bad input unless `family` is one of models.FAMILY_NAMES (a deferred one says what it lacks)."""
+    from models import FAMILY_NAMES, UNSUPPORTED
+
+    if family not in FAMILY_NAMES:
+        why = f" (not supported yet: missing {UNSUPPORTED[family]})" if family in UNSUPPORTED else ""
+        fail_input(f"{flag}: unknown family {family!r}{why}; known: {', '.join(FAMILY_NAMES)}")
+
+
 def check_outputs(files=(), dirs=()) -> None:
     """Every output path writable (directories created) before any work."""
     from oracle.result import output_problem
@@ -547,7 +556,6 @@ def matrix_names_known(families, backends, precisions) -> None:
     """Refuse (exit 2, before any check runs) a family, backend or precision the oracle does not
     know. A known backend that is unavailable here, or that lacks one of the precisions, is a
     skipped row with its reason, as for `check`; a plugin (package.module:attr) must import."""
-    from models import FAMILY_NAMES, UNSUPPORTED
     from oracle import thresholds
     from oracle.backend import BackendError, builtin_names, resolve
 
@@ -555,9 +563,7 @@ def matrix_names_known(families, backends, precisions) -> None:
         if not given:
             fail_input(f"{flag}: empty list")
     for f in families:
-        if f not in FAMILY_NAMES:
-            why = f" (not supported yet: missing {UNSUPPORTED[f]})" if f in UNSUPPORTED else ""
-            fail_input(f"--families: unknown family {f!r}{why}; known: {', '.join(FAMILY_NAMES)}")
+        known_family("--families", f)
     for b in backends:
         if b not in builtin_names():
             if ":" not in b:
@@ -635,12 +641,8 @@ def cmd_goldens(a) -> int:
                 print(msg)
                 rc = rc or (0 if ok else EXIT["fail"])
         return rc
-    from models import FAMILY_NAMES
-
-    unknown = [f for f in a.family or [] if f not in FAMILY_NAMES]
-    if unknown:
-        print(f"oracle: error: unknown family {unknown[0]!r}; known: {', '.join(FAMILY_NAMES)}", file=sys.stderr)
-        return EXIT["bad_input"]
+    for f in a.family or []:
+        known_family("--family", f)
     pairs = [(f, b) for f, b in goldens.present()
              if (not a.family or f in a.family) and (not a.backend or b in a.backend)]
     if not pairs:

@@ -6,6 +6,7 @@ candidate for each block."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -128,6 +129,13 @@ def router_near_ties(ref, layer: int, spec, n: int | None = None, noise=None, in
     return ~(router_gaps(ref, layer, n, weights=not in_model) >= tie_gaps(ref, layer, spec, noise, n, in_model))
 
 
+class Routes(NamedTuple):
+    """Per token of a layer's router calls, from its router row: routed as the reference did
+    (`same`), routed elsewhere as HF routes the candidate's own router input (`by_input`, in situ)."""
+    same: np.ndarray
+    by_input: np.ndarray
+
+
 def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0,
                   noise=None, upstream: list | None = None) -> BlockRow:
     """One block row. `routes` (layer -> per token: did the candidate's router row route it as the
@@ -183,24 +191,25 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             dw = weight_diffs(ref_w, ref_i, cand_w, cand_i)
             by_input = np.zeros(len(dw), dtype=bool)  # routed as HF routes the candidate's own router input
             by_input[m.get("rerouted_by_input", [])] = True
-            routes[layer] = ((dw < np.inf) & ~((gaps < tie) & (dw > lim["weight_atol"])), by_input)
+            routes[layer] = Routes((dw < np.inf) & ~((gaps < tie) & (dw > lim["weight_atol"])), by_input)
     else:
         r = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
         c = np.concatenate(arrays)
         keep = None
+        rule = thresholds.in_situ(spec.precision) if upstream is not None else None
         if kind in ("moe", "layer") and layer in ref.router_probs and r.shape[0] == c.shape[0]:
             # tokens whose reference routing is a near tie at this precision: a flipped
             # expert there is the precision's doing, reported as a count, not compared
             # (router calls = the sequence's calls, then the expert probes: moe has both, layer none)
             keep = ~router_near_ties(ref, layer, spec, r.shape[0], noise)
             rerouted = np.zeros_like(keep)
-            if routes is not None and len(routes.get(layer, ((),))[0]) >= len(keep):
+            route = (routes or {}).get(layer)
+            if route is not None and len(route.same) >= len(keep):
                 # the candidate's router row (the reference's router inputs): a token it routed
                 # to other experts is the router row's to judge (its agreement limit: 1.0 at
                 # fp32/bf16, 0.75 for a 4-bit router), not compared here; a moe row (the same
                 # inputs) compares every token routed as the reference did, near ties included
-                same, by_input = (x[: len(keep)] for x in routes[layer])
-                rule = thresholds.in_situ(spec.precision) if upstream is not None else None
+                same, by_input = route.same[: len(keep)], route.by_input[: len(keep)]
                 if kind == "layer" and rule and rule.get("layer_judges_rerouted"):
                     # routed elsewhere because its own router input moved (its router row agrees):
                     # the layer row compares it (upstream allows what the layer's input explains), as
@@ -224,7 +233,6 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
             h = np.concatenate([o.reshape(-1, o.shape[-1]) for o in h]).astype(np.float64)
             h = h[keep] if keep is not None and h.shape[0] == keep.shape[0] else h
             lim = thresholds.noise_row_limits(lim, r, h, spec.precision, m)
-        rule = thresholds.in_situ(spec.precision) if upstream is not None else None
         if rule and "shape_mismatch" not in m and "dtype_mismatch" not in m:
             u = np.concatenate([o.reshape(-1, o.shape[-1]) for o in upstream]).astype(np.float64)
             u = u[keep] if keep is not None and u.shape[0] == keep.shape[0] else u
@@ -285,7 +293,7 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     a precision with an in_situ rule are judged against HF fp32 run on the candidate's own upstream
     (oracle/insitu.py)."""
     keys = ref.block_keys()
-    routes = {}  # layer -> the candidate's routing, from its router row (for the moe and layer rows)
+    routes = {}  # layer -> Routes, from its router row (for the moe and layer rows)
     rows, errors, outputs = {}, [], {}
     mode_of = {key: cand.block_modes.get(key[1], cand.block_mode) for key in keys}
     for n, key in enumerate(keys):
