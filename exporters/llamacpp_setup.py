@@ -71,9 +71,12 @@ def setup() -> Path:
 
 def gguf_module():
     """gguf-py as the converter ships it (its GGUFReader, GGUFWriter and dequantizer)."""
+    # first on sys.path only while it is imported: gguf-py also holds a `tests` package, which
+    # would otherwise shadow this project's for the rest of the process
     path = str(converter_dir() / "gguf-py")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import gguf
-
+    sys.path.insert(0, path)
+    try:
+        import gguf
+    finally:
+        sys.path.remove(path)
     return gguf

@@ -56,6 +56,14 @@ def test_larger_error_never_better(a, eps):
     assert thresholds.judge_tensor(big, FP32)[1] >= thresholds.judge_tensor(small, FP32)[1]
 
 
+def test_zero_tolerance_passes_exact_match_only():
+    # atol = rtol = 0 where the reference is 0: 0/0 was NaN, and NaN counted the exact 0 as out of tolerance
+    m = tensor_metrics(np.zeros(3), np.zeros(3), atol=0.0, rtol=0.0)
+    assert m["allclose_ratio"] == 0.0 and m["first_divergence"] is None
+    m = tensor_metrics(np.zeros(3), np.array([0.0, 1e-30, 0.0]), atol=0.0, rtol=0.0)
+    assert m["allclose_ratio"] == np.inf and m["first_divergence"]["index"] == [1]
+
+
 def test_shape_mismatch_fails():
     m = tensor_metrics(np.zeros((2, 3)), np.zeros((3, 2)), 1, 1)
     assert thresholds.judge_tensor(m, FP32)[0] == "fail"
