@@ -136,6 +136,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--fault", action="append", help="limit to this fault (repeatable; default the catalogue)")
     s.add_argument("--shard", help="I/N: the families of shard I of N (every N-th family; the N shards cover them once)")
     s.add_argument("--json", help="write the selftest report here")
+    s.add_argument("--resume", action="store_true", help="where the --json report exists (a run cut short): keep "
+                   "its finished rows and run the rest (the same settings required)")
     s.add_argument("--drill", action="store_true", help="drill each detected fault's block (docs/drill.md) and report "
                    "the share whose first diverging point is the one the fault breaks")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
@@ -440,9 +442,11 @@ def cmd_selftest(a) -> int:
 
     from oracle.backend import InputError
     from oracle.result import write_atomic
-    from oracle.selftest import render, row_line, run_selftest
+    from oracle.selftest import load_report, render, row_line, run_selftest
 
     check_outputs(files=[("--json", a.json)])
+    if a.resume and (not a.json or a.json == "-"):
+        fail_input("--resume needs --json PATH: the report it resumes and rewrites")
     try:
         seeds = [int(x) for x in a.seeds.split(",")]
         if len(set(seeds)) < len(seeds):
@@ -483,8 +487,17 @@ def cmd_selftest(a) -> int:
         if a.json and a.json != "-":
             save(res, complete=False)
 
+    try:
+        done = load_report(a.json) if a.resume and os.path.exists(a.json) else None
+    except InputError as e:
+        print(f"oracle: error: {e}", file=sys.stderr)
+        return EXIT["bad_input"]
+    if done is not None:
+        say(f"selftest {a.backend}: resuming {a.json}: {len(done.faults)} fault(s) and "
+            f"{len(done.false_alarms)} clean run(s) finished")
     run = lambda progress=None: run_selftest(  # noqa: E731
-        a.backend, families, seeds, a.fault, progress, options_of(a), a.weights, a.precision, a.drill, on_row)
+        a.backend, families, seeds, a.fault, progress, options_of(a), a.weights, a.precision, a.drill, on_row,
+        done, a.json)
     try:
         if prog:
             with prog:

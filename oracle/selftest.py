@@ -18,12 +18,18 @@ A backend takes part by providing `with_fault(fault) -> backend | None` (None: t
 cannot be expressed on this backend, e.g. it patches a torch module mlx-lm does not have; an optional
 `fault_not_applicable(fault) -> str` says why). A faulted candidate that refuses to load (InputError:
 the fault has no form on this family's model) is listed as not applicable with its reason.
+
+A run cut short (a shard's time limit, a stopped machine) resumes from its own --json report
+(`resume`): the rows it finished are kept, the rest run. The report records what decides its
+numbers (backend, seeds, precision, weights, options, drill); a report of another run is refused.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
 from models import FAMILY_NAMES, faults
 from oracle import thresholds
@@ -120,6 +126,8 @@ class SelftestResult:
     schema: str = SCHEMA
     weights: str = "normal"  # the weight profile of the tiny checkpoints (models/trained.py)
     precision: str = "fp32"  # the clean runs' and every fault's (dtype faults: bf16 always)
+    options: dict = field(default_factory=dict)  # --option, passed to every check
+    drill: bool = False
 
     def summary(self) -> dict:
         req = [r for r in self.faults if r.required]
@@ -183,6 +191,9 @@ class SelftestResult:
         d = {**asdict(self), "summary": self.summary(), "summary_line": self.summary_line(), "complete": complete}
         if self.weights == "normal":  # a report of the normal profile stays as before the profiles
             del d["weights"]
+        for k, default in (("options", {}), ("drill", False)):  # likewise where not asked for
+            if d[k] == default:
+                del d[k]
         if self.precision == "fp32":  # likewise at fp32, before the precision option
             del d["precision"]
             for r in d["faults"]:
@@ -195,6 +206,42 @@ class SelftestResult:
             if r["point"] is None:  # not drilled: no point to expose
                 del r["point_exposed"], r["point_reason"]
         return d
+
+
+def load_report(path) -> SelftestResult:
+    """The rows of a --json report (complete or cut short); InputError where it is not one."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{path}: not a readable selftest report ({e})") from None
+    if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+        raise InputError(f"{path}: not a selftest report (schema {SCHEMA!r} expected)")
+
+    def rows(cls, key):
+        names = {f.name for f in fields(cls)}
+        try:
+            return [cls(**{k: v for k, v in r.items() if k in names}) for r in d.get(key) or []]
+        except (TypeError, AttributeError) as e:
+            raise InputError(f"{path}: a malformed {key} row ({e})") from None
+    try:
+        return SelftestResult(d["backend"], list(d["families"]), list(d["seeds"]), rows(FaultRow, "faults"),
+                              rows(AlarmRow, "false_alarms"), list(d.get("not_applicable") or []),
+                              list(d.get("refused") or []), weights=d.get("weights", "normal"),
+                              precision=d.get("precision", "fp32"), options=dict(d.get("options") or {}),
+                              drill=bool(d.get("drill", False)))
+    except (KeyError, TypeError) as e:
+        raise InputError(f"{path}: a malformed selftest report ({e!r})") from None
+
+
+def _resumable(done: SelftestResult, res: SelftestResult, where: str) -> None:
+    """InputError naming what differs where `done` was not run as `res` is (its rows would not be
+    this run's numbers)."""
+    differ = [f"{k} {getattr(done, k)!r} (this run: {getattr(res, k)!r})"
+              for k in ("backend", "seeds", "precision", "weights", "options", "drill")
+              if getattr(done, k) != getattr(res, k)]
+    if differ:
+        raise InputError(f"cannot resume from {where}: it was run with " + ", ".join(differ)
+                         + "; run with the same settings, or write the report elsewhere")
 
 
 CLEAN = (Status.PASS, Status.XFAIL)  # a clean run that fails as its known divergence says is no false alarm
@@ -380,11 +427,15 @@ def plan_text(rows: list[dict]) -> str:
 
 def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
                  progress=None, options: dict | None = None, weights: str = "normal",
-                 precision: str = "fp32", drill: bool = False, on_row=None) -> SelftestResult:
+                 precision: str = "fp32", drill: bool = False, on_row=None,
+                 resume: SelftestResult | None = None, resume_from: str = "the report") -> SelftestResult:
     """`drill`: each detected fault's check drills its worst block (oracle/points.py) and the row
     records the first point named against the point the fault breaks (models.faults.POINTS).
     `on_row(res, row)`: after each row is added (a FaultRow, an AlarmRow, or a refusal's or a not
-    applicable fault's dict): `res` then holds every row finished so far (a partial report)."""
+    applicable fault's dict): `res` then holds every row finished so far (a partial report).
+    `resume`: a report of the same settings cut short (load_report): its finished rows are taken as
+    they are, in their place, and only the others run (the clean seed-0 check again where a fault is
+    left, as the faults are judged against it)."""
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
     options = dict(options or {})
@@ -393,7 +444,14 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     ok, reason = base.availability()
     if not ok:
         raise InputError(f"backend {backend_name} is unavailable here: {reason}")
-    res = SelftestResult(backend_name, families, list(seeds), weights=weights, precision=precision)
+    res = SelftestResult(backend_name, families, list(seeds), weights=weights, precision=precision,
+                         options=options, drill=drill)
+    if resume is not None:
+        _resumable(resume, res, resume_from)
+    done_faults = {(r.family, r.fault): r for r in (resume.faults if resume else [])}
+    done_na = {(r["family"], r["fault"]): r for r in (resume.not_applicable if resume else [])
+               if r.get("why", "").startswith("refused: ")}  # a faulted candidate's refusal
+    done_clean = {(r.family, r.seed): r for r in (resume.false_alarms if resume else [])}
 
     def add(rows: list, row) -> None:
         rows.append(row)
@@ -407,15 +465,23 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
         try:  # a family the backend cannot check is reported with its reason; the others go on
             validate(spec)
             args = model_source(spec).args
-            progress(f"{family} clean seed {seeds[0]}")
-            t = time.perf_counter()
-            clean = {precision: run_check(spec, base)}
+            chosen = list(selection(base, catalogue, family, args, fault_names))
+            left = [c for c in chosen if c[2] is not None and (family, c[0]) not in done_faults
+                    and (family, c[0]) not in done_na]
+            if left or (family, seeds[0]) not in done_clean:
+                progress(f"{family} clean seed {seeds[0]}")
+                t = time.perf_counter()
+                clean = {precision: run_check(spec, base)}
         except InputError as e:
             add(res.refused, {"family": family, "why": str(e)})
             continue
-        add(res.false_alarms, AlarmRow(family, seeds[0], clean[precision].status, _worst(clean[precision].worst),
-                                       time.perf_counter() - t))
-        if clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
+        if not left and (family, seeds[0]) in done_clean:  # every fault of the family finished before
+            add(res.false_alarms, done_clean[family, seeds[0]])
+            clean = None
+        else:
+            add(res.false_alarms, AlarmRow(family, seeds[0], clean[precision].status,
+                                           _worst(clean[precision].worst), time.perf_counter() - t))
+        if clean and clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
             # divergence says why, or it is the false alarm above): no fault can be judged on it
             why = (clean[precision].expected or {}).get("verdict") or clean[precision].error.splitlines()[0]
             add(res.refused, {"family": family, "why": f"the unfaulted candidate does not run: {why}"})
@@ -426,9 +492,13 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 clean[p] = run_check(replace(spec, precision=p), base)
             return clean[p]
 
-        for name, fault, variant, why in selection(base, catalogue, family, args, fault_names):
+        for name, fault, variant, why in chosen:
             if variant is None:
                 add(res.not_applicable, {"family": family, "fault": name, "why": why})
+                continue
+            if (family, name) in done_faults or (family, name) in done_na:  # finished before
+                row = done_faults.get((family, name)) or done_na[family, name]
+                add(res.faults if isinstance(row, FaultRow) else res.not_applicable, row)
                 continue
             progress(f"{family} {fault.name}")
             t = time.perf_counter()
@@ -469,6 +539,9 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                                      point_reason=why, raised=crash, error=error_of(r) if crash else None,
                                      failed_gates=[g.name for g in r.gates if g.status == Status.FAIL]))
         for seed in seeds[1:]:
+            if (family, seed) in done_clean:
+                add(res.false_alarms, done_clean[family, seed])
+                continue
             progress(f"{family} clean seed {seed}")
             t = time.perf_counter()
             try:

@@ -67,6 +67,61 @@ def test_a_cut_selftest_keeps_the_rows_it_finished(tmp_path, monkeypatch, capsys
     assert not list(tmp_path.glob(".st.json.*"))  # no temp file left beside it
 
 
+def test_a_cut_selftest_resumes_from_its_report(tmp_path, monkeypatch, capsys):
+    """--resume keeps the rows a cut run finished (not run again) and runs the rest; the result is
+    the uncut run's; a report of other settings is refused and left as it was."""
+    from oracle import selftest
+    from oracle.cli import main
+
+    real, calls = selftest.run_check, []
+
+    def run_check(spec, backend=None, **kw):
+        calls.append((backend.name, spec.seed))
+        if len(calls) == 3:  # the clean seed-0 run and one fault finished: cut at the second fault
+            raise KeyboardInterrupt
+        return real(spec, backend, **kw)
+
+    args = ["selftest", "--backend", "eager", "--family", "olmoe", "--seeds", "0,1", "--fault", "rope_theta_wrong",
+            "--fault", "qk_norm_missing", "--fault", "router_sigmoid"]
+    j = tmp_path / "st.json"
+    monkeypatch.setattr(selftest, "run_check", run_check)
+    with pytest.raises(KeyboardInterrupt):
+        main(args + ["--json", str(j)])
+    first = json.loads(j.read_text())
+    assert first["complete"] is False and len(first["faults"]) == 1
+    # other seeds: refused before any work, the report untouched
+    calls.clear()
+    assert main([*args[:6], "0,2", *args[7:], "--json", str(j), "--resume"]) == 2
+    assert "seeds [0, 1] (this run: [0, 2])" in capsys.readouterr().err and not calls
+    assert json.loads(j.read_text()) == first
+    monkeypatch.setattr(selftest, "run_check", lambda spec, backend=None, **kw: (
+        calls.append((backend.name, spec.seed)), real(spec, backend, **kw))[1])
+    assert main(args + ["--json", str(j), "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().err
+    # again: the clean seed 0 (the faults left are judged against it), the two faults left, seed 1
+    assert len(calls) == 4 and calls[-1] == ("eager", 1)
+    doc = json.loads(j.read_text())
+    assert doc["complete"] is True and doc["summary"]["ok"] and len(doc["faults"]) == 3
+    assert doc["faults"][0] == first["faults"][0]  # kept as it was, in its place
+    # everything finished: nothing runs again
+    calls.clear()
+    assert main(args + ["--json", str(j), "--resume"]) == 0 and not calls
+    assert json.loads(j.read_text()) == doc
+
+
+def test_resume_refuses_what_is_not_a_selftest_report(tmp_path, capsys):
+    from oracle.cli import main
+
+    j = tmp_path / "st.json"
+    j.write_text('{"schema": "oracle-check/v1"}')
+    assert main(["selftest", "--family", "olmoe", "--json", str(j), "--resume"]) == 2
+    assert "not a selftest report" in capsys.readouterr().err
+    assert j.read_text() == '{"schema": "oracle-check/v1"}'
+    with pytest.raises(SystemExit) as e:
+        main(["selftest", "--family", "olmoe", "--resume"])
+    assert e.value.code == 2 and "--resume needs --json PATH" in capsys.readouterr().err
+
+
 def test_a_family_with_a_known_divergence_is_self_tested_too():
     """mlx-lm's ERNIE drops the router's correction bias (goldens/known_divergences.toml): its clean
     run is an expected failure, not a false alarm, and a fault is localised among the rows that
