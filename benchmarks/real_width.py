@@ -3,7 +3,7 @@ published configs of the five families against Linux backends, and, per precisio
 block kind, the largest measured error as a fraction of its limit (the row's `ratio`: 1.0 is
 the limit). This is how the numbers in oracle/thresholds.toml were re-measured at real widths.
 
-    python benchmarks/real_width.py                       # every config x eager,hf,mlx,iree,executorch
+    python benchmarks/real_width.py                       # every config x eager,hf,mlx,iree,executorch,llamacpp
     python benchmarks/real_width.py --configs olmoe-1b-7b-0924 --checks mlx:q4,mlx:q8
 
 A check a backend refuses (exit 2: e.g. the memory guard's estimate above what is available)
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("olmoe-1b-7b-0924", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "qwen3.5-35b-a3b", "mixtral-8x7b-v0.1")
-CHECKS = "eager:fp32,eager:bf16,hf:fp32,hf:bf16,mlx:fp32,mlx:q8,mlx:q4,iree-llvm-cpu:fp32,executorch:fp32"
+CHECKS = "eager:fp32,eager:bf16,hf:fp32,hf:bf16,mlx:fp32,mlx:q8,mlx:q4,iree-llvm-cpu:fp32,executorch:fp32,llamacpp:fp32"
 
 
 def main(argv=None) -> int:
@@ -40,6 +41,10 @@ def main(argv=None) -> int:
             out = args.out / f"{config}-L{args.layers}-{backend}-{precision}.json"
             cmd = [sys.executable, "-m", "oracle", "check", "--config", config, "--layers", str(args.layers),
                    "--backend", backend, "--precision", precision, "--json", str(out)]
+            rss = out.with_suffix(".maxrss")  # the check's peak RSS in KiB, by GNU time where the host has it
+            rss.unlink(missing_ok=True)
+            if shutil.which("time") and Path(shutil.which("time")).resolve().name == "time":
+                cmd = [shutil.which("time"), "-f", "%M", "-o", str(rss), *cmd]
             t = time.perf_counter()
             try:
                 p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -48,6 +53,7 @@ def main(argv=None) -> int:
                 p = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {args.timeout:.0f} s")
             wall = time.perf_counter() - t
             res = json.loads(out.read_text()) if p.returncode in (0, 1) and out.is_file() else {}
+            peak = f", peak RSS {int(rss.read_text().split()[-1]) / 2**20:.1f} GiB" if rss.is_file() else ""
             why = (p.stderr.strip().splitlines() or [""])[-1] if not res else ""
             status = res.get("status", f"exit {p.returncode}")
             ratio = {}
@@ -59,7 +65,7 @@ def main(argv=None) -> int:
             e2e = res.get("e2e") or {}
             rows.append((config, item, status, wall, ratio, e2e.get("token_exact"), why))
             top = max(ratio.items(), key=lambda kv: kv[1]) if ratio else ("-", float("nan"))
-            print(f"{config} {item}: {status} in {wall:.0f} s, worst block {top[0]} at {top[1]:.3g} of its "
+            print(f"{config} {item}: {status} in {wall:.0f} s{peak}, worst block {top[0]} at {top[1]:.3g} of its "
                   f"limit, tokens exact {e2e.get('token_exact')}{f' ({why})' if why else ''}", flush=True)
     print("\n| precision | kind | worst ratio (measured / limit) | where |")
     print("|---|---|---|---|")
