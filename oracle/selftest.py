@@ -409,7 +409,16 @@ def selection(base, catalogue, family: str, args, fault_names):
         if not fault_names or f.name in fault_names:
             variant = base.with_fault(f)
             yield f.name, f, variant, None if variant is not None else (
-                base.fault_not_applicable(f) or "not expressible on backend")
+                base.fault_not_applicable(f) or _precision_missing(base, f) or "not expressible on backend")
+
+
+def _precision_missing(base, fault) -> str | None:
+    """Why a fault that shows at another precision (a dtype fault: bf16) is not run on a backend
+    without it."""
+    have = tuple(getattr(base, "precisions", ()) or ())
+    if have and fault.precision not in have:
+        return f"a fault of {fault.precision} programs; backend {base.name} runs {', '.join(have)} only"
+    return None
 
 
 def plan_text(rows: list[dict]) -> str:

@@ -204,6 +204,9 @@ def test_list_says_what_would_run_and_what_not_and_runs_nothing(cli):
                for x in lines)
     assert sum("moe_output_upcast" in x and "not run: a bf16 dtype fault" in x for x in lines) == 2
     assert lines[-1] == "3 fault check(s) would run" and "clean seed" not in r.stderr
+    # a backend without bf16 programs and no reason of its own: the precision it lacks is the reason
+    r = cli("selftest", "--backend", "iree-llvm-cpu", "--family", "olmoe", "--list", "--fault", "moe_output_upcast")
+    assert "not run: a fault of bf16 programs; backend iree-llvm-cpu runs fp32 only" in r.stdout, r.stdout + r.stderr
     r = cli("selftest", "--backend", "eager", "--family", "olmoe", "--list", "--fault", "nope")
     assert r.returncode == 2 and "unknown fault 'nope'" in r.stderr
 
