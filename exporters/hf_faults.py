@@ -11,7 +11,8 @@ where every family's HF modules can take it without rewriting their forward:
   `norm_topk_prob`, `routed_scaling_factor` or group count, Granite's `residual_multiplier`,
   the clamp `limit` of GPT-OSS's experts);
 - a weight or buffer (one expert's weights, the routers' correction bias or logit bias, the
-  attention sinks);
+  attention sinks; gate and up exchanged in the fused experts, in the layout the family states:
+  models.Family.hf_gate_up);
 - a module's output (a stray cast, a dropped shared expert, skipped q/k norms).
 
 The block modules are the family's HF paths (oracle.reference.block_modules); nothing here names
@@ -109,6 +110,26 @@ def _one_expert_off(blocks, a):
             raise InputError("HF's MoE block has neither fused [experts, ...] weights nor one module per expert")
 
 
+def _gate_up_swapped(blocks, a):
+    """Every routed expert's gate and up exchanged in HF's fused weights (and bias), in the layout
+    the family's HF code reads (models.Family.hf_gate_up)."""
+    from models import get_family
+
+    layout = get_family(a.family).hf_gate_up
+    fused = [(n, t) for n, t in blocks["moe"].named_parameters() if n in ("experts.gate_up_proj",
+                                                                         "experts.gate_up_proj_bias")]
+    if not fused:
+        raise InputError("HF's MoE block has no fused experts.gate_up_proj")
+    with torch.no_grad():
+        for name, t in fused:
+            if layout == "interleaved":  # [..., 2I]: even and odd columns
+                t.copy_(torch.stack([t[..., 1::2], t[..., ::2]], dim=-1).flatten(-2))
+            else:  # halves: of the rows ([E, 2I, H]) or of the last dimension ([E, H, 2I], a bias [E, 2I])
+                dim = 1 if layout == "rows" and t.dim() == 3 else -1
+                gate, up = t.chunk(2, dim=dim)
+                t.copy_(torch.cat([up, gate], dim=dim))
+
+
 FORMS = {
     # router
     "router_no_renorm": attribute(("norm_topk_prob",), lambda v, a: False),
@@ -120,6 +141,7 @@ FORMS = {
     "router_logit_bias_ignored": tensor(("bias",), lambda t: t.zero_()),
     # experts and the MoE block
     "expert_weights_off_1e-3": _one_expert_off,
+    "expert_gate_up_swapped": _gate_up_swapped,
     "swiglu_clamp_missing": attribute(("limit",), lambda v, a: float("inf")),
     "shared_expert_missing": output(lambda out, x: torch.zeros_like(out), ("shared_expert", "shared_experts")),
     "stray_bf16_downcast": output(lambda out, x: out.to(torch.bfloat16).to(out.dtype)),
@@ -154,10 +176,6 @@ NOT_APPLICABLE = {
     **dict.fromkeys(("attention_not_causal", "sliding_window_off_by_one"),
                     f"{_MODEL}: the attention mask (built from the config by the model's forward)"),
     "logits_scaling_missing": f"{_MODEL}: the logits' scaling (the causal-LM head's forward)",
-    # a weight to edit, but in a layout only the family's code knows (transformers 5.23: [E, 2I, H] halves,
-    # Llama 4's [E, H, 2I] halves, GPT-OSS's [E, H, 2I] interleaved); a wrong guess would be another fault
-    "expert_gate_up_swapped": "HF's fused gate_up_proj splits gate from up inside its forward (halves, or "
-                              "interleaved columns in GPT-OSS) and the module does not say which",
     # measured: every row of the faulted check raised ("expected m1 and m2 to have the same dtype")
     "moe_output_upcast": "HF's next module multiplies the float output by its bf16 weights and raises: on HF's "
                          "model the fault is a crash, not a wrong number (its form on the production model runs)",

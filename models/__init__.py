@@ -75,6 +75,10 @@ class Family:
     experts: str = "num_experts"
     top_k: str = "num_experts_per_tok"
     rules: tuple = ()
+    # how HF's fused experts.gate_up_proj holds gate and up (its forward splits them, the module does
+    # not say how): "rows" [E, 2I, H] gate rows then up (transformers 5's chunk(2)), "columns"
+    # [E, H, 2I] gate columns then up, "interleaved" [E, H, 2I] gate in the even columns, up in the odd
+    hf_gate_up: str = "rows"
 
     def __post_init__(self):
         if self.from_mlx is None:

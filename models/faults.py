@@ -114,14 +114,14 @@ def _sigmoid_router(layer, a):
 
 # ------------------------------------------------------------------ experts / moe
 def _gate_up_swapped(layer, a):
+    """Every routed expert's gate and up exchanged: their weight rows and biases, under the family's own
+    activation, on every path (static, so it exports). Until 2026-11-26 a patched expert_mlp with SiLU
+    and no bias: on gpt-oss that was also another activation, unlike the hf and mlx forms."""
     ex: Experts = layer.mlp.experts
-
-    def expert_mlp(x, idx, w=None):
-        xs = x[:, None, :] if w is None else x[:, None, :] * w[..., None].to(x.dtype)
-        up, gate = (ex.gate_up_proj[idx] @ xs[..., None]).squeeze(-1).chunk(2, dim=-1)
-        return (ex.down_proj[idx] @ (F.silu(gate) * up)[..., None]).squeeze(-1)
-
-    patch(ex, "expert_mlp", expert_mlp)
+    with torch.no_grad():
+        for t in (ex.gate_up_proj, getattr(ex, "gate_up_proj_bias", None)):  # [E, 2I, H], [E, 2I]
+            if t is not None:
+                t.copy_(torch.cat(t.chunk(2, dim=1)[::-1], dim=1))
 
 
 def _one_expert_off(layer, a):

@@ -133,4 +133,5 @@ FAMILY = Family(
     hf_config_name="GptOssConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, hf_router="mlp.router",
     from_mlx=from_mlx, mlx=MLX, tiny_std={"experts.gate_up_proj": 0.5},  # gate values beyond the clamp at 7 (std ~4)
     experts="num_local_experts", rules=(("positive", "intermediate_size", "sliding_window", "swiglu_limit"),),
+    hf_gate_up="interleaved",
 )

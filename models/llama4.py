@@ -142,7 +142,7 @@ FAMILY = Family(
     name="llama4", model_types=("llama4_text", "llama4"), hf_module="llama4", hf_class_name="Llama4ForCausalLM",
     hf_config_name="Llama4TextConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_moe="feed_forward", hf_router="feed_forward.router", hf_mlp="feed_forward", router_output=router_output,
-    from_mlx=from_mlx, mlx=MLX, experts="num_local_experts",
+    from_mlx=from_mlx, mlx=MLX, experts="num_local_experts", hf_gate_up="columns",
     rules=(("positive", "intermediate_size", "intermediate_size_mlp", "interleave_moe_layer_step", "attention_chunk_size"),
            ("layer_index", "moe_layers"), ("per_layer", "no_rope_layers")),
 )
