@@ -108,8 +108,12 @@ def main(paths: list[str]) -> str:
             out.append(line(f"**{backend}**", f"**{len(fams)} families**", total))
     if marked:
         out.append("")
-        out += [f"(r) {b} {f}: {', '.join(names)} run again alone after its fault's form changed" for (b, f), names
-                in marked.items()]
+        grouped: dict = {}  # one line per backend and set of faults, naming its families
+        for (b, f), names in marked.items():
+            grouped.setdefault((b, tuple(names)), []).append(f)
+        whose = lambda names: "its fault's" if len(names) == 1 else "their faults'"  # noqa: E731
+        out += [f"- (r) {b} {', '.join(fams)}: {', '.join(names)} run again alone after {whose(names)} form changed"
+                for (b, names), fams in grouped.items()]
     return "\n".join(out)
 
 
