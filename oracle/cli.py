@@ -497,7 +497,7 @@ def cmd_selftest(a) -> int:
             f"{len(done.false_alarms)} clean run(s) finished")
     run = lambda progress=None: run_selftest(  # noqa: E731
         a.backend, families, seeds, a.fault, progress, options_of(a), a.weights, a.precision, a.drill, on_row,
-        done, a.json)
+        **({"resume": done, "resume_from": a.json} if done is not None else {}))
     try:
         if prog:
             with prog:

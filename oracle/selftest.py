@@ -415,7 +415,7 @@ def selection(base, catalogue, family: str, args, fault_names):
 def _precision_missing(base, fault) -> str | None:
     """Why a fault that shows at another precision (a dtype fault: bf16) is not run on a backend
     without it."""
-    have = tuple(getattr(base, "precisions", ()) or ())
+    have = base.precisions or ()  # None: every precision
     if have and fault.precision not in have:
         return f"a fault of {fault.precision} programs; backend {base.name} runs {', '.join(have)} only"
     return None
