@@ -35,16 +35,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows, worst = [], {}
+    gnu_time = shutil.which("time")  # the check's peak RSS (%M, KiB), where the host has GNU time
+    gnu_time = gnu_time if gnu_time and Path(gnu_time).resolve().name == "time" else None
     for config in args.configs.split(","):
         for item in args.checks.split(","):
             backend, _, precision = item.partition(":")
             out = args.out / f"{config}-L{args.layers}-{backend}-{precision}.json"
             cmd = [sys.executable, "-m", "oracle", "check", "--config", config, "--layers", str(args.layers),
                    "--backend", backend, "--precision", precision, "--json", str(out)]
-            rss = out.with_suffix(".maxrss")  # the check's peak RSS in KiB, by GNU time where the host has it
+            rss = out.with_suffix(".maxrss")
             rss.unlink(missing_ok=True)
-            if shutil.which("time") and Path(shutil.which("time")).resolve().name == "time":
-                cmd = [shutil.which("time"), "-f", "%M", "-o", str(rss), *cmd]
+            if gnu_time:
+                cmd = [gnu_time, "-f", "%M", "-o", str(rss), *cmd]
             t = time.perf_counter()
             try:
                 p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -116,12 +116,12 @@ def _gate_up_swapped(blocks, a):
     from models import get_family
 
     layout = get_family(a.family).hf_gate_up
-    fused = [(n, t) for n, t in blocks["moe"].named_parameters() if n in ("experts.gate_up_proj",
-                                                                         "experts.gate_up_proj_bias")]
+    fused = [t for n, t in blocks["moe"].named_parameters() if n in ("experts.gate_up_proj",
+                                                                     "experts.gate_up_proj_bias")]
     if not fused:
         raise InputError("HF's MoE block has no fused experts.gate_up_proj")
     with torch.no_grad():
-        for name, t in fused:
+        for t in fused:
             if layout == "interleaved":  # [..., 2I]: even and odd columns
                 t.copy_(torch.stack([t[..., 1::2], t[..., ::2]], dim=-1).flatten(-2))
             else:  # halves: of the rows ([E, 2I, H]) or of the last dimension ([E, H, 2I], a bias [E, 2I])

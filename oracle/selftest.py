@@ -457,9 +457,10 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                          options=options, drill=drill)
     if resume is not None:
         _resumable(resume, res, resume_from)
-    done_faults = {(r.family, r.fault): r for r in (resume.faults if resume else [])}
-    done_na = {(r["family"], r["fault"]): r for r in (resume.not_applicable if resume else [])
-               if r.get("why", "").startswith("refused: ")}  # a faulted candidate's refusal
+    # (family, fault) -> its finished row: a FaultRow, or a faulted candidate's refusal (not applicable)
+    done = {(r.family, r.fault): r for r in (resume.faults if resume else [])}
+    done |= {(r["family"], r["fault"]): r for r in (resume.not_applicable if resume else [])
+             if r.get("why", "").startswith("refused: ")}
     done_clean = {(r.family, r.seed): r for r in (resume.false_alarms if resume else [])}
 
     def add(rows: list, row) -> None:
@@ -475,22 +476,22 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             validate(spec)
             args = model_source(spec).args
             chosen = list(selection(base, catalogue, family, args, fault_names))
-            left = [c for c in chosen if c[2] is not None and (family, c[0]) not in done_faults
-                    and (family, c[0]) not in done_na]
-            if left or (family, seeds[0]) not in done_clean:
+            # the clean seed-0 check again where a fault is left to judge against it, or it did not finish
+            run_clean = (family, seeds[0]) not in done_clean or any(
+                variant is not None and (family, name) not in done for name, _, variant, _ in chosen)
+            if run_clean:
                 progress(f"{family} clean seed {seeds[0]}")
                 t = time.perf_counter()
                 clean = {precision: run_check(spec, base)}
         except InputError as e:
             add(res.refused, {"family": family, "why": str(e)})
             continue
-        if not left and (family, seeds[0]) in done_clean:  # every fault of the family finished before
-            add(res.false_alarms, done_clean[family, seeds[0]])
-            clean = None
-        else:
+        if run_clean:
             add(res.false_alarms, AlarmRow(family, seeds[0], clean[precision].status,
                                            _worst(clean[precision].worst), time.perf_counter() - t))
-        if clean and clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
+        else:  # every fault of the family finished before
+            add(res.false_alarms, done_clean[family, seeds[0]])
+        if run_clean and clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
             # divergence says why, or it is the false alarm above): no fault can be judged on it
             why = (clean[precision].expected or {}).get("verdict") or clean[precision].error.splitlines()[0]
             add(res.refused, {"family": family, "why": f"the unfaulted candidate does not run: {why}"})
@@ -505,8 +506,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             if variant is None:
                 add(res.not_applicable, {"family": family, "fault": name, "why": why})
                 continue
-            if (family, name) in done_faults or (family, name) in done_na:  # finished before
-                row = done_faults.get((family, name)) or done_na[family, name]
+            if (family, name) in done:  # finished before
+                row = done[family, name]
                 add(res.faults if isinstance(row, FaultRow) else res.not_applicable, row)
                 continue
             progress(f"{family} {fault.name}")
