@@ -1,27 +1,31 @@
 """What a report says about the machine it ran on, and the one rule every comparison of reports
-uses to leave it out (tests/baselines via oracle.baseline, `report diff`, the host-independence
-test).
+uses to leave it out (tests/baselines via oracle.baseline, the host-independence tests).
 
 The rule, in two halves:
 1. Keys. Host facts live under a key named `host` (the report's provenance.host: node name,
    CPU count, torch's threads, IREE's target-CPU hash, a GPU's name); run state under `timings`
    and `cache`; the environment under `python`, `versions` and `thresholds_sha256`; where files
    happen to be under `dir` and `path`. Each is dropped wherever it occurs, at any depth.
-2. Numbers. Kernels pick their instructions by the CPU they run on (IREE compiles llvm-cpu for
-   the host's features, XNNPACK and oneDNN dispatch on AVX2 / AVX-512), so the same correct
-   program rounds differently on another machine. A measured error is therefore compared with
-   a tolerance of a tenth of the limit it is judged by (`LIMIT_SHARE`): enough for rounding
-   at the level of the precision, far too little to hide a change of verdict or of what is
-   computed. The same holds for what is measured on the host beside the candidate: HF's own
-   error at a reduced precision (`noise_*`) and HF fp32 on an in-situ candidate's upstream
-   (`upstream_*`), each against the limit of its row; a limit derived from them (a row's
-   `limits` at bf16 or in-situ) moves with them, so limits are compared to a relative tenth; a
-   ratio of two such errors (`vs_noise`, `vs_upstream`, present only where the divisor is not 0)
-   is a reading of them, not compared. A margin (a difference of two reference logits, e.g.
-   `reference_margin`) rounds as the logits do: within `MARGIN_ABS`. Every other number
-   (reference-side values such as norms) is compared to a relative 1e-4. Statuses, tokens,
-   counts, names and shapes are compared exactly; a field absent on one side and null on the
-   other (added to the schema later) is the same.
+2. Values, by what they are. Exact: what is declared exact, i.e. every value that is not a float
+   (statuses, tokens, ids, counts, names, shapes, booleans) and the check's declared inputs
+   (`spec`, a backend's `config`). **Every float is a measurement on some host** and is compared
+   within a tolerance: kernels pick their instructions by the CPU they run on (IREE compiles
+   llvm-cpu for the host's features, XNNPACK and oneDNN dispatch on AVX2 / AVX-512), so the same
+   correct program rounds differently on another machine. A float no rule names gets the
+   tolerant default of its report's precision (`DEFAULT`: relative 1e-3 at fp32, 2e-2 at bf16
+   and below, a few roundings of the precision, with an absolute floor for values near zero),
+   never a near-exact one; the named kinds widen it by what they are:
+   - a measured error (`max_abs`, `rel_l2`, `weight_max_abs`, and HF's own `noise_*` and the
+     in-situ `upstream_*`) may move by a tenth of the limit it is judged by (`LIMIT_SHARE`): enough
+     for rounding at the level of the precision, far too little to hide a change of verdict;
+   - a ratio to a limit (`ratio`, `allclose_ratio`) by LIMIT_SHARE; a limit (under `limits`) by a
+     relative LIMIT_SHARE (a limit at bf16 or in-situ is derived from a host measurement);
+   - a margin or gap (a difference of two reference logits) by `MARGIN_ABS`, as the logits round;
+   - a reading of two host-measured errors' ratio (`vs_noise`, `vs_upstream`) is not compared.
+   A field absent on one side and null on the other (added to the schema later) is the same.
+tests/test_portable.py perturbs every float of every saved baseline by host-like rounding and
+adds fields no rule names: the reports must still compare equal, and a changed status, token,
+localised block or an error past its limit must not.
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ HOST_KEYS = frozenset({"host", "python", "versions", "thresholds_sha256", "timin
 # bytes change with any edit of that code: artifacts are compared by name (what they compute is in
 # every row); a checkpoint's sha256 is kept (the tiny checkpoints are the same bytes everywhere)
 ARTIFACT_LISTS = frozenset({"artifacts"})
+# the check's declared inputs: given, not measured, so compared exactly (floats included)
+EXACT_KEYS = frozenset({"spec", "config"})
+
+# the default for a float no rule names: (relative, absolute floor) by the report's precision. fp32:
+# a kernel's other summation order moves a value by ~1e-6 relative (more for a difference of two
+# values, which the floor covers); bf16 rounds to 2^-8 relative, and a value computed through a
+# bf16 model moves by a few of those. Precisions not listed (bf16, fp16, q8, q4, unknown) take
+# REDUCED. Never tighter than these: a field added later is portable before anyone names it.
+DEFAULT = {"fp32": (1e-3, 1e-6), "fp64": (1e-3, 1e-6)}
+REDUCED = (2e-2, 1e-4)
 
 # a measured error may move by this share of its limit between machines (see the docstring)
 LIMIT_SHARE = 0.1
@@ -46,8 +60,6 @@ RATIOS = frozenset({"ratio", "allclose_ratio", "upstream_allclose_ratio"})
 DERIVED = frozenset({"vs_noise", "vs_upstream"})
 # a difference of two reference logits rounds as they do on the host: a tenth of the fp32 e2e atol (1e-4)
 MARGIN_ABS = 1e-5
-REL_TOL = 1e-4  # any other number: reference-side values (norms, margins, cosine, KL of a reference)
-ABS_TOL = 1e-9
 
 
 def comparable(doc):
@@ -66,27 +78,39 @@ def comparable(doc):
     return doc
 
 
-def _close(key: str, a: float, b: float, limits: dict, in_limits: bool = False) -> bool:
+def tolerance(key: str, precision: str | None, limits: dict, in_limits: bool = False) -> tuple[float, float]:
+    """(relative, absolute) within which two floats at `key` are the same measurement: the
+    precision's default, widened by what the key is (half 2 of the rule). Never narrower than the
+    default: a key no rule names is compared tolerantly."""
+    rel, floor = DEFAULT.get(precision or "", REDUCED)
+    if in_limits:  # a limit: the table's (equal) or one derived from a host measurement
+        return max(rel, LIMIT_SHARE), floor
+    if key in RATIOS:
+        return rel, max(floor, LIMIT_SHARE)
+    if "margin" in key or "gap" in key:
+        return rel, max(floor, MARGIN_ABS)
+    limit = limits.get(ERROR_LIMITS.get(key, ""))
+    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0:
+        return rel, max(floor, LIMIT_SHARE * limit)
+    return rel, floor
+
+
+def same_float(a: float, b: float, rel: float, floor: float) -> bool:
     if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
+        return math.isnan(a) and math.isnan(b)  # a NaN is only ever the same as a NaN
     if math.isinf(a) or math.isinf(b):
         return a == b
-    if in_limits:  # a limit: the table's (equal) or one derived from a host measurement (half 2)
-        return math.isclose(a, b, rel_tol=LIMIT_SHARE, abs_tol=ABS_TOL)
-    if "margin" in key:
-        return abs(a - b) <= MARGIN_ABS
-    if key in RATIOS:
-        return abs(a - b) <= LIMIT_SHARE
-    limit = limits.get(ERROR_LIMITS.get(key, ""))
-    if isinstance(limit, (int, float)) and limit > 0:
-        return abs(a - b) <= LIMIT_SHARE * limit
-    return math.isclose(a, b, rel_tol=REL_TOL, abs_tol=ABS_TOL)
+    return abs(a - b) <= max(floor, rel * max(abs(a), abs(b)))
 
 
-def differences(saved, got, path: str = "", limits: dict | None = None) -> list[str]:
-    """Where two reports differ once host facts are left out (half 2 of the rule for numbers).
+def differences(saved, got, path: str = "", limits: dict | None = None, precision: str | None = None,
+                exact: bool = False) -> list[str]:
+    """Where two reports differ once host facts are left out (half 2 of the rule for values).
     Empty: the same check result. Each entry names the JSON path and both values."""
-    saved, got = (comparable(saved), comparable(got)) if path == "" else (saved, got)
+    if path == "":
+        saved, got = comparable(saved), comparable(got)
+        spec = saved.get("spec") if isinstance(saved, dict) else None
+        precision = spec.get("precision") if isinstance(spec, dict) else None
     limits = limits or {}
     if isinstance(saved, dict) and isinstance(got, dict):
         if isinstance(saved.get("limits"), dict):
@@ -102,18 +126,21 @@ def differences(saved, got, path: str = "", limits: dict | None = None) -> list[
                 out.append(f"{where}: {'missing' if k not in got else 'new'}"
                            f" ({saved.get(k, got.get(k))!r:.80})")
                 continue
-            out += differences(saved[k], got[k], where, limits)
+            out += differences(saved[k], got[k], where, limits, precision, exact or k in EXACT_KEYS)
         return out
     if isinstance(saved, list) and isinstance(got, list):
         if len(saved) != len(got):
             return [f"{path}: {len(saved)} items, now {len(got)}"]
         out = []
         for i, (a, b) in enumerate(zip(saved, got)):
-            out += differences(a, b, f"{path}[{i}]", limits)
+            out += differences(a, b, f"{path}[{i}]", limits, precision, exact)
         return out
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (saved, got))
-    if numbers and (isinstance(saved, float) or isinstance(got, float)):
+    if numbers and not exact and (isinstance(saved, float) or isinstance(got, float)):
         key = path.rsplit(".", 1)[-1].split("[", 1)[0]
         in_limits = ".limits." in f".{path}" or path.startswith("limits.")
-        return [] if _close(key, float(saved), float(got), limits, in_limits) else [f"{path}: {saved!r}, now {got!r}"]
+        rel, floor = tolerance(key, precision, limits, in_limits)
+        return [] if same_float(float(saved), float(got), rel, floor) else [f"{path}: {saved!r}, now {got!r}"]
+    if numbers and exact and isinstance(saved, float) and isinstance(got, float):
+        return [] if same_float(saved, got, 0.0, 0.0) else [f"{path}: {saved!r}, now {got!r}"]
     return [] if saved == got else [f"{path}: {saved!r:.120}, now {got!r:.120}"]
