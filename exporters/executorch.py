@@ -794,6 +794,17 @@ class ExecutorchBackend(Backend):
 
     artifact_suffix = ".pte"  # --pte: a program built elsewhere
 
+    def shipped_tensors(self, original, path, progress):
+        """The weight check of a --pte's weights: its .ptd against the production model's parameters of the
+        original (exporters/production_weights.py); nothing where the program keeps its weights inside."""
+        from exporters.production_weights import production_tensor_sources, ptd_tensors
+
+        ptd = weights_file(path)
+        if ptd is None:
+            return iter(())
+        stored = ptd_tensors(ptd)
+        return production_tensor_sources(original, stored, stored.pop("__content__", {}))
+
     def check_given(self, model, spec) -> None:
         """--pte FILE, before any work: an ExecuTorch program (and weights file) whole, that its
         runtime loads (in a child process: exporters/given.py), with the production methods

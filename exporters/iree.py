@@ -240,6 +240,14 @@ class IreeBackend(Backend):
 
     artifact_suffix = ".vmfb"  # --vmfb: a program built elsewhere
 
+    def shipped_tensors(self, original, path, progress):
+        """The weight check of a --vmfb's weights: model.irpa beside it against the production model's
+        parameters of the original (exporters/production_weights.py)."""
+        from exporters.production_weights import irpa_tensors, production_tensor_sources
+
+        irpa = Path(path).with_name(PARAMS_FILE)
+        return production_tensor_sources(original, irpa_tensors(irpa)) if irpa.is_file() else iter(())
+
     def __init__(self, name: str = "iree-llvm-cpu", transform=None, transform_id: str | None = None):
         self.name, self.transform, self.transform_id = name, transform, transform_id
 

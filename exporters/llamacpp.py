@@ -679,6 +679,30 @@ class LlamaCppBackend(Backend):
         return dequantized_gguf(original.family, original, path, Path(ref.path), f"{PACKAGE} {installed_version()}",
                                 progress)
 
+    # `oracle selftest --conversion`: what users ship, an F32 file (whose weights must be the original's
+    # exactly) and two of llama-quantize's types
+    shipped_formats = (("F32", "fp32", {"outtype": "f32"}), ("Q8_0", "fp32", {"outtype": "Q8_0"}),
+                       ("Q4_K_M", "fp32", {"outtype": "Q4_K_M"}))
+    file_faults = {"scale_other_block": "each block's scale written for the next block, in one quantized tensor "
+                                        "(last MoE layer)"}
+
+    def apply_file_fault(self, name, path, original, args, progress):
+        from exporters.llamacpp_weights import scale_other_block
+        from models.conversion_faults import last_sparse
+
+        return scale_other_block(Path(path), last_sparse(args)) if name == "scale_other_block" else None
+
+    def shipped_tensors(self, original, path, progress):
+        """The weight check of a --gguf (exporters/llamacpp_weights.py): each tensor against the original's f32
+        conversion by the same converter, labelled with the HF tensors the converter's element map puts there."""
+        from exporters.llamacpp_gguf import element_map
+        from exporters.llamacpp_weights import gguf_tensor_sources, labels_from_map
+        from oracle.backend import CheckSpec
+
+        ref = self.gguf(original, CheckSpec(family=original.family.name, backend=self.name))
+        labels = labels_from_map(element_map(original, f"{PACKAGE} {installed_version()}"))
+        return gguf_tensor_sources(Path(path), Path(ref.path), labels)
+
     def check_options(self, spec):
         if spec.artifact is not None and spec.options.get("outtype"):
             return "--gguf runs the file as given: outtype applies to the GGUF the backend converts, not to it"

@@ -172,7 +172,7 @@ def element_map(original, converter_version: str) -> ElementMap:
 
 # ---------------------------------------------------------------- reading and checking a GGUF
 
-def _reader(path: Path):
+def reader(path: Path):
     gguf = gguf_module()
     try:
         return gguf.GGUFReader(str(path))
@@ -255,7 +255,7 @@ def dequantized_gguf(family, original, path: Path, reference_gguf: Path, convert
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--gguf {path}: no such file")
-    shipped, reference = _reader(path), _reader(reference_gguf)
+    shipped, reference = reader(path), reader(reference_gguf)
     check_matches(shipped, reference, path)
     gguf = gguf_module()
     types = {}

@@ -325,6 +325,23 @@ def write_directory(src, out, bits: int | None, group_size: int, recipe: str | N
     return sorted(p for p in out.iterdir() if p.suffix in (".json", ".safetensors"))
 
 
+def reference_directory(original, progress) -> Path:
+    """The original as mlx-lm writes it unquantized (write_directory: its sanitize() and writers, the
+    weights at the original's own dtype), cached by the checkpoint's identity, this code and the tool
+    versions: what a shipped directory's weight check compares it with (exporters/mlx_weights.py)."""
+    import inspect
+
+    from oracle.artifacts import cached_artifact, sha256_file, versions
+
+    parts = {"checkpoint": original.checkpoint_sha256, "code": sha256_file(Path(inspect.getsourcefile(load_model))),
+             **versions("mlx", "mlx-lm")}
+    progress("the original through mlx-lm's own conversion, unquantized (to compare the directory with)")
+    art = cached_artifact("mlx-reference", parts, "config.json",
+                          lambda path: write_directory(original, path.parent, None, DEFAULT_GROUP_SIZE),
+                          name=f"{original.family.name}.reference")
+    return Path(art.path).parent
+
+
 def load_directory(path, family: str, dtype, reference_config: dict):
     """(mlx-lm model, info) of a shipped directory, loaded as mlx-lm loads it (mlx_lm.utils.load_model:
     its config.json, quantization and weights), floating arrays (scales and biases included: an
@@ -721,6 +738,30 @@ class MLXBackend(Backend):
         windows = {i: a.attention.sliding_window for i, t in enumerate(a.layer_types) if t == SLIDING}
         chunks = {i: a.attention.chunk_size for i, t in enumerate(a.layer_types) if t == CHUNKED}
         return MLXCandidate(m, dtype, device, info, mapping(model.family.name).array_mask, windows, chunks)
+
+    # `oracle selftest --conversion`: mlx-lm directories at two widths and two group sizes
+    shipped_formats = tuple((f"{p} g{g}", p, {"group_size": g}) for p in ("q8", "q4") for g in GROUP_SIZES)
+    file_faults = {"scales_other_group": "one module's scales and biases computed for another group size, over "
+                                         "the q of its own (last MoE layer)"}
+
+    def shipped_tensors(self, original, shipped, progress):
+        """The weight check of a shipped mlx-lm directory (exporters/mlx_weights.py), each tensor labelled
+        with the checkpoint tensors the family's from_mlx puts there."""
+        from exporters.mlx_weights import directory_tensor_sources, hf_labels
+        from models.checkpoint import tensor_index
+
+        ref = reference_directory(original, progress)
+        shapes = {n: tuple(v[2]) for n, v in tensor_index(ref).items()}
+        labels = hf_labels(original.family, original.config, shapes)
+        return directory_tensor_sources(Path(shipped), ref, labels)
+
+    def apply_file_fault(self, name, path, original, args, progress):
+        from exporters.mlx_weights import scales_other_group
+        from models.conversion_faults import last_sparse
+
+        if name != "scales_other_group":
+            return None
+        return scales_other_group(Path(path), reference_directory(original, progress), last_sparse(args))
 
     def export(self, model, spec, output_dir) -> list:
         """An mlx-lm directory (what mlx_lm.convert writes: config.json, model*.safetensors):

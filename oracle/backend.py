@@ -283,6 +283,16 @@ class Backend:
     # two row sets of a shipped directory: the candidate against HF on those weights, and HF on them
     # against HF on the original. None: a given program carries the checkpoint's own weights
     artifact_weights = None
+    # shipped_tensors(original: ModelSource, shipped: Path, progress) -> iterator of oracle.conversion.TensorSource:
+    # the weight check of a shipped file (a --candidate-dir directory, a --gguf, a --pte's .ptd, a --vmfb's
+    # .irpa): each of its tensors with the original brought into its layout by the format's own rules, to
+    # be judged within the format's rounding (oracle/conversion.py). None: its files get no weight check
+    shipped_tensors = None
+    # `oracle selftest --conversion`: the shipped files it writes with `export` and checks, as
+    # (label, precision, options) each; the conversion defects only a written file can have (name ->
+    # what: a scale written for another group), injected by apply_file_fault
+    shipped_formats: tuple = ()
+    file_faults: dict = {}
     # the memory guard: peak bytes per checkpoint parameter its load/build needs, per precision (no
     # entry: no guard), and what is held then (see memory_estimate)
     memory_per_param: dict = {}
@@ -331,6 +341,12 @@ class Backend:
         """Why with_fault(fault) is None, for the selftest's list (None: 'not expressible on backend')."""
         return None
 
+    def apply_file_fault(self, name: str, path: Path, original: ModelSource, args, progress) -> str | None:
+        """Edit the shipped file at `path` (what `export` wrote for `original`) with the file fault `name`
+        (file_faults); returns the format's name of the tensor edited, None where the fault has no form
+        in this file (an F32 GGUF has no scales)."""
+        return None
+
     def fault_point(self, fault) -> str | tuple | None:
         """The point inside its block that this backend's form of `fault` breaks, where it is not the
         catalogue's (models.faults.POINTS): a fault whose form here edits a projection's weights breaks
@@ -341,7 +357,7 @@ class Backend:
 # the members with a default: what an adapter takes from a duck-typed plugin where it has them
 _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_directory", "artifact_suffix",
                        "memory_per_param", "memory_note", "export", "with_fault", "check_options", "artifact_weights",
-                       "check_given", "memory_estimate", "fault_not_applicable", "fault_point",
+                       "shipped_tensors", "shipped_formats", "file_faults", "apply_file_fault", "check_given", "memory_estimate", "fault_not_applicable", "fault_point",
                        "fault_catalogue"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",

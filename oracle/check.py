@@ -12,12 +12,14 @@ from dataclasses import asdict, dataclass, field, replace
 from oracle import expected
 from oracle import goldens as golden_files
 from oracle import points, thresholds
+from models.checkpoint import CheckpointError
 from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_refusal, resolve
 from oracle.noise import exact_for, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
 from oracle.result import CheckResult, GateRow, Status, worst_row
 from oracle.compare import block_rows, reduction_length
+from oracle.conversion import check_tensors
 from oracle.e2e import prompt_set, run_e2e
 from oracle.quantization import quantization_rows
 from oracle.references import reference_margins, reference_of, saved_reference
@@ -75,6 +77,7 @@ class Run:
     noise: object = None
     cand: object = None
     spent: dict = field(default_factory=dict)  # options spent on writing a q8/q4 directory
+    weights: dict | None = None  # a shipped file's weight check (oracle/conversion.py)
     stage: str = ""  # the candidate's stage running (a crash's error names it)
 
     def record(self, s: CheckSpec) -> dict:  # q8/q4 as asked, not the fp32 check of the directory built for it
@@ -104,7 +107,15 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     if validate_only:
         read_saved_reference(run)
         return run.result
-    capture_reference(run)  # HF fp32 on the prompt: every block's inputs and outputs, the e2e logits
+    weight_check(run)  # a shipped file's weights, tensor by tensor, within its format's rounding of the original
+    try:
+        capture_reference(run)  # HF fp32 on the prompt: every block's inputs and outputs, the e2e logits
+    except InputError as e:  # e.g. non-finite: where the weight check already named a defect, that is the verdict
+        if (run.weights or {}).get("status") != Status.FAIL:
+            raise
+        run.result.quantization = {"shipped_dir": run.srcs.shipped, **(run.srcs.quantization or {}), "weights": run.weights}
+        run.result.reference = {"not_run": f"HF on the shipped weights could not run: {e}"}
+        return verdict(run)
     measure_noise(run)  # reduced precisions: HF at the precision, same inputs
     quantization(run)  # a shipped or built directory: what it is, and its quantization's own loss
     try:
@@ -215,9 +226,13 @@ def measure_noise(run: Run) -> None:
 
 def quantization(run: Run) -> None:
     """A shipped (or built) directory: what it holds and what is judged, and its quantization's
-    own loss (HF on the original weights vs HF on the dequantized ones) where the original is known."""
+    own loss (HF on the original weights vs HF on the dequantized ones) where the original is known. A
+    given program with its weights beside it (.ptd, .irpa): their weight check alone."""
     spec, srcs = run.spec, run.srcs
     if srcs.shipped is None:
+        if run.weights is not None and run.weights.get("tensors"):
+            run.result.quantization = {"shipped_dir": spec.artifact, "format": "the program's own weights file",
+                                       "weights": run.weights}
         return
     q = run.result.quantization = {
         "shipped_dir": srcs.shipped, **(srcs.quantization or {}),
@@ -231,12 +246,47 @@ def quantization(run: Run) -> None:
         q["built"] = (f"--precision {run.asked.precision}: the directory `{spec.backend}` exports "
                       f"({', '.join(f'{k}={v}' for k, v in run.spent.items()) or 'default options'}), "
                       "loaded as the candidate")
+    if run.weights is not None:
+        q["weights"] = run.weights
     if srcs.original is None:
         q["note"] = ("no original checkpoint given: only the implementation rows exist "
                      "(the quantization error needs the weights it was made from)")
     else:
         run.progress("quantization")
         q["rows"] = run.timed("quantization", lambda: quantization_rows(spec, srcs, run.prompt, run.progress))
+        if isinstance(q["rows"], dict) and (run.weights or {}).get("status") == Status.PASS:
+            q["rows"]["explained"] = ("the weight check found every tensor a correct quantization of the original: "
+                                      "these block losses are the format's own rounding, not a defect")
+
+
+def weight_check(run: Run) -> None:
+    """A shipped file (a directory, a GGUF): is it a correct conversion of the original? Each tensor,
+    brought back by the format's layout rules (the backend's `shipped_tensors`), within the format's own
+    rounding (oracle/conversion.py). A tensor beyond it is a conversion defect: the check fails, naming it.
+    Run before the reference: a defect can make HF on the shipped weights fail to run (a zeroed router
+    row's expert probe is 0/0), and the defect is then the verdict. The quantization rows then say whether
+    their loss is explained by that rounding."""
+    srcs, backend = run.srcs, run.backend
+    # a shipped directory or GGUF; or a given program's own weights file (.ptd, .irpa): the checkpoint is its original
+    shipped = srcs.shipped or (run.spec.artifact if backend.artifact_weights is None else None)
+    original = srcs.original or (srcs.src if srcs.shipped is None else None)
+    if shipped is None:
+        return
+    if original is None:
+        run.weights = {"status": Status.NA, "note": "no original checkpoint given: the weights cannot be checked"}
+        return
+    if backend.shipped_tensors is None:
+        run.weights = {"status": Status.NA, "note": f"backend {run.spec.backend} has no weight check for its files"}
+        return
+    run.progress("weights")
+    progress = lambda msg: run.progress(msg)  # noqa: E731
+    try:
+        run.weights = run.timed("weights", lambda: check_tensors(
+            backend.shipped_tensors(original, shipped, progress), progress))
+    except CheckpointError as e:  # the file does not hold the original's tensors: a conversion defect named
+        run.weights = {"status": Status.FAIL, "tensors": None, "failed": None, "error": str(e)}
+    except Exception as e:  # the check of the weights crashed: not a pass
+        run.weights = {"status": Status.ERROR, "error": f"{type(e).__name__}: {e}"}
 
 
 def run_candidate(run: Run, goldens: bool) -> None:
@@ -327,6 +377,7 @@ def verdict(run: Run) -> CheckResult:
     failed = (w is not None or (result.e2e and result.e2e.status in (Status.FAIL, Status.ERROR))
               or any(g.status in (Status.FAIL, Status.ERROR) for g in result.gates)
               or (result.quantization or {}).get("rows", {}).get("status") in (Status.FAIL, Status.ERROR)
+              or ((result.quantization or {}).get("weights") or {}).get("status") in (Status.FAIL, Status.ERROR)
               or (result.prompts or {}).get("status") == Status.FAIL)
     result.status = Status.ERROR if result.error else Status.FAIL if failed else Status.PASS
     expected.judge(result)  # a known candidate defect: fails as its entry says -> xfail; passes -> stale

@@ -143,6 +143,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
     s.add_argument("--list", action="store_true", help="run nothing: list each family's faults on the backend, "
                    "the block each must be found at, and those not run with why")
+    s.add_argument("--conversion", action="store_true", help="the conversion defects instead (mlx, llamacpp): each "
+                   "format the backend ships written by its exporter, unmodified (must pass) and with each defect "
+                   "(experts exchanged, a projection transposed, ...: must fail the weight check naming its tensor)")
+    s.add_argument("--format", action="append", help="with --conversion: limit to this shipped format (repeatable; "
+                   "mlx: 'q8 g32', 'q8 g64', 'q4 g32', 'q4 g64'; llamacpp: F32, Q8_0, Q4_K_M)")
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
     m.add_argument("--families", help="comma-separated (default: every supported family; with --model-dir / --config, the family its config names)")
     m.add_argument("--backends", default="eager", help="comma-separated (default: eager)")
@@ -468,6 +473,10 @@ def cmd_selftest(a) -> int:
         if not families:
             print(f"oracle: error: --shard {a.shard}: no family in this shard", file=sys.stderr)
             return EXIT["bad_input"]
+    if a.conversion:
+        return cmd_conversion_selftest(a, families)
+    if a.format:
+        fail_input("--format goes with --conversion")
     if a.list:
         from oracle.selftest import plan, plan_text
 
@@ -510,6 +519,36 @@ def cmd_selftest(a) -> int:
     print(render(res), end="", file=sys.stderr if a.json == "-" else sys.stdout)
     if a.json:
         save(res)
+    return 0 if res.summary()["ok"] else EXIT["fail"]
+
+
+def cmd_conversion_selftest(a, families) -> int:
+    import json
+
+    from oracle.backend import InputError
+    from oracle.conversion_selftest import render, row_line, run_conversion_selftest
+    from oracle.result import write_atomic
+
+    for flag, given in (("--list", a.list), ("--resume", a.resume), ("--drill", a.drill), ("--option", a.option),
+                        ("--precision", a.precision != "fp32"), ("--weights", a.weights != "normal")):
+        if given:
+            fail_input(f"{flag} does not go with --conversion (the formats are the backend's shipped_formats)")
+    prog, update = progress_reporter()
+    say = prog.console.print if prog else lambda line: print(line, file=sys.stderr, flush=True)
+    on_row = lambda res, row: say(f"selftest --conversion {a.backend}: {row_line(row)}")  # noqa: E731
+    run = lambda progress=None: run_conversion_selftest(a.backend, families, a.format, a.fault, progress, on_row)  # noqa: E731
+    try:
+        if prog:
+            with prog:
+                res = run(lambda m: update(m))
+        else:
+            res = run()
+    except InputError as e:
+        print(f"oracle: error: {e}", file=sys.stderr)
+        return EXIT["bad_input"]
+    print(render(res), end="", file=sys.stderr if a.json == "-" else sys.stdout)
+    if a.json:
+        write_atomic(a.json, json.dumps(res.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
     return 0 if res.summary()["ok"] else EXIT["fail"]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from oracle.result import Status, place
 
 
@@ -139,9 +141,35 @@ def _e2e(e: dict | None) -> list[str]:
     return lines
 
 
+def _weights(w: dict | None) -> list[str]:
+    """The weight check of a shipped file (oracle/conversion.py), and its failing tensors."""
+    from oracle.conversion import summary_line
+
+    if not w:
+        return []
+    if w.get("error") or w.get("note"):
+        return ["", f"**Weights** (the shipped file against the original, tensor by tensor): **{w['status']}**: "
+                    f"{w.get('error') or w.get('note')}"]
+    lines = ["", f"**Weights** (the shipped file against the original, tensor by tensor, within its format's "
+                 f"rounding): **{w['status']}**: {summary_line(w)}"]
+    bad = [r for r in w["rows"] if r["status"] == Status.FAIL]
+    if bad:
+        lines += ["", "| tensor | holds | format | where | over the bound | largest excess | systematic scale |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in bad[:12]:
+            s = r.get("systematic") or {}
+            sys_text = (f"{s['scale_error']:+.3%} (limit ±{_fmt(100 * s['limit'])}%)" if "scale_error" in s else "")
+            lines.append(f"| {r['name']} | {r['label']} | {r['format']} | {r.get('where') or r.get('note') or ''} | "
+                         f"{r['over']} | {_fmt(r['max_excess'])} | {sys_text} |")
+        if len(bad) > 12:
+            lines.append(f"... and {len(bad) - 12} more (the JSON has every tensor)")
+    return lines
+
+
 def _shipped(q: dict) -> list[str]:
     mods = ", ".join(f"{k}: {n} modules" for k, n in (q.get("modules") or {}).items()) or "no quantized module"
-    lines = [f"Shipped directory `{q['shipped_dir']}`: {q.get('format', '')} {q.get('kind', '')} ({mods})."]
+    what = "Shipped directory" if Path(str(q["shipped_dir"])).is_dir() else "Shipped"
+    lines = [f"{what} `{q['shipped_dir']}`: {q.get('format', '')} {q.get('kind', '')} ({mods})."]
     if q.get("built"):
         lines.append(q["built"] + ".")
     if q.get("note"):
@@ -171,7 +199,8 @@ def markdown(doc: dict, top: int = 5) -> str:
             return "\n".join(lines + [f"Candidate error: `{first[0] if first else ''}`", ""])
     q = doc.get("quantization")
     if q:
-        lines += _shipped(q)
+        lines += _shipped(q) + _weights(q.get("weights"))
+    if q and q.get("implementation"):
         lines += ["", f"**Implementation error** (the candidate vs HF on the shipped weights dequantized, "
                       f"{q.get('limits', spec['precision'])} limits): does the runtime compute the model it was given?", ""]
     lines += _blocks(doc["blocks"], doc.get("worst"), top) + _drill(doc.get("drill")) + _e2e(doc.get("e2e"))
@@ -186,8 +215,12 @@ def markdown(doc: dict, top: int = 5) -> str:
         else:
             over = rows.get("over_table")
             lines += [""] + _blocks(rows["blocks"], None, top) + _e2e(rows.get("e2e"))
-            if over:  # the scheme's own loss per block: reported against the fixed table, not judged
-                lines.append(f"Largest block loss over the fixed {rows['precision']} table (reported, not judged): "
+            if over and rows.get("explained"):  # the weights were shown to be a correct quantization
+                lines.append(f"Largest block loss over the fixed {rows['precision']} table: {_where(over)}: "
+                             f"{_metric_line(over)}; explained: {rows['explained']}")
+            elif over:  # no weight check says what it is: reported against the fixed table, not judged
+                lines.append(f"Largest block loss over the fixed {rows['precision']} table (reported, not judged: "
+                             f"no weight check shows the weights to be a correct quantization): "
                              f"{_where(over)}: {_metric_line(over)}")
     ps = doc.get("prompts")
     if ps:

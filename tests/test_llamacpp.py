@@ -147,13 +147,13 @@ def test_shipped_gguf_weights_are_the_ggufs_own(shipped, llamacpp):
     ref = llamacpp.BACKEND.gguf(orig, spec)
     from exporters.llamacpp_gguf import dequantized_gguf
 
-    from exporters.llamacpp_gguf import _reader, values
+    from exporters.llamacpp_gguf import reader, values
 
     d, summary = dequantized_gguf(orig.family, orig, shipped["Q8_0"], Path(ref.path), "test")
     name = "model.layers.0.mlp.experts.3.down_proj.weight"
     a = read_tensors(tensor_index(orig.model_dir), [name])[name].float().numpy()
     b = read_tensors(tensor_index(d), [name])[name].float().numpy()
-    gguf = values({t.name: t for t in _reader(shipped["Q8_0"]).tensors}["blk.0.ffn_down_exps.weight"])
+    gguf = values({t.name: t for t in reader(shipped["Q8_0"]).tensors}["blk.0.ffn_down_exps.weight"])
     assert np.array_equal(b, gguf[3])  # [E, H, I] in the GGUF: expert 3's values, moved back exactly
     # and those are the original rounded to 8 bits per 32 values: half a step, the step's fp16 scale aside
     step = np.abs(a).reshape(a.shape[0], -1, 32).max(-1, keepdims=True) / 127
