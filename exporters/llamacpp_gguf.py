@@ -197,6 +197,16 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def ne(t) -> tuple:
+    """A GGUF tensor's dimensions (ggml's ne, fastest first) without trailing 1s: ggml pads every tensor to four
+    dimensions of which the trailing ones are 1, and writers differ in how many they keep (llama-quantize writes
+    a [64, 1] f32 vector as [64])."""
+    dims = [int(x) for x in t.shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims)
+
+
 def check_matches(shipped, reference, path: Path) -> None:
     """InputError where the shipped GGUF is not the reference conversion's model: another
     architecture, a hyper-parameter that differs or is missing (named), a tensor missing, extra or of
@@ -215,8 +225,8 @@ def check_matches(shipped, reference, path: Path) -> None:
         if not _same(mine[k], ref[k]):
             raise InputError(f"--gguf {path}: hyper-parameter {k} = {mine[k]!r}, but the original checkpoint's "
                              f"config gives {ref[k]!r}")
-    a = {t.name: tuple(int(x) for x in t.shape) for t in shipped.tensors}
-    b = {t.name: tuple(int(x) for x in t.shape) for t in reference.tensors}
+    a = {t.name: ne(t) for t in shipped.tensors}
+    b = {t.name: ne(t) for t in reference.tensors}
     for name in sorted(set(a) | set(b)):
         if name not in a:
             raise InputError(f"--gguf {path}: tensor {name} is missing (the original's conversion has it, shape {list(b[name])})")

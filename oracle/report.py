@@ -189,15 +189,17 @@ def markdown(doc: dict, top: int = 5) -> str:
         return "\n".join(lines + [f"Skipped: {doc['skipped_reason']}", ""])
     if doc["status"] == Status.ERROR:
         first = (doc.get("error") or "").splitlines()[:1]
-        return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""])
+        weights = _weights((doc.get("quantization") or {}).get("weights"))
+        return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""] + (weights + [""] if weights else []))
     ex = doc.get("expected")
+    q = doc.get("quantization")
     if ex:
         lines += [f"Known divergence ({ex['family']} on {ex['backend']}, {ex['package']} {ex['versions']}): "
                   f"**{ex['verdict']}**. Upstream: {ex['reference']}", ""]
-        if doc.get("error"):  # expected to fail where it loads: its runtime's own words, and nothing to compare
+        if doc.get("error"):  # expected to fail where it loads: its runtime's own words, and the file's weights
             first = doc["error"].splitlines()[:1]
-            return "\n".join(lines + [f"Candidate error: `{first[0] if first else ''}`", ""])
-    q = doc.get("quantization")
+            return "\n".join(lines + [f"Candidate error: `{first[0] if first else ''}`", ""]
+                             + (_weights(q.get("weights")) + [""] if q else []))
     if q:
         lines += _shipped(q) + _weights(q.get("weights"))
     if q and q.get("implementation"):

@@ -195,3 +195,39 @@ def test_vmfb_compiled_for_another_cpu_is_refused(vmfb, tmp_path):
     with unittest.mock.patch.object(given, "host_llvm_target", fewer):
         problem = given.cpu_problem(vmfb)
     assert problem.startswith(f"compiled for CPU {cpu}, with features this host's CPU (smallcpu) lacks: ")
+
+
+def _edit_in_file(path, original: "np.ndarray", edited: "np.ndarray") -> None:
+    """Overwrite the bytes of `original` where the file holds them with `edited` (a converter's defect)."""
+    data = bytearray(path.read_bytes())
+    at = data.find(original.tobytes())
+    assert at >= 0, "the original tensor's bytes are not in the file"
+    data[at:at + original.nbytes] = edited.tobytes()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("which", ["vmfb", "pte"])
+def test_a_given_programs_weights_file_is_checked_tensor_by_tensor(which, request, tmp_path):
+    """The weights a --vmfb's .irpa / a --pte's .ptd carry: every production parameter within half an ulp of
+    the original (an fp32 file: exactly); one expert's down projection 1 % off fails naming tensor and expert."""
+    import numpy as np
+
+    from oracle.sources import model_source
+
+    program = request.getfixturevalue(which)
+    backend = {"vmfb": "iree-llvm-cpu", "pte": "executorch"}[which]
+    spec = CheckSpec(family="olmoe", backend=backend, artifact=str(program))
+    w = run_check(spec).quantization["weights"]
+    assert w["status"] == "pass" and w["tensors"] >= 20 and w["failed"] == 0, w
+    bad = tmp_path / "bad"
+    shutil.copytree(program.parent, bad)
+    src = model_source(spec)
+    name = "layers.1.mlp.experts.down_proj"
+    x = next(g[name] for g in src.family.production_tensors(src.model_dir, src.args) if name in g).float().numpy()
+    y = x.copy()
+    y[2] *= np.float32(1.01)
+    _edit_in_file(bad / ("model.irpa" if which == "vmfb" else "model.ptd"), x, y)
+    r = run_check(CheckSpec(family="olmoe", backend=backend, artifact=str(bad / program.name)))
+    w = r.quantization["weights"]
+    assert r.status == "fail" and w["failed"] == 1 and w["worst"]["name"] == name, w
+    assert w["worst"]["where"].startswith("expert 2")
