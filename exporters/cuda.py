@@ -45,10 +45,12 @@ class CompiledCandidate(TorchCandidate):
     @torch.no_grad()
     def prefill(self, tokens):
         reset_state(self.model)
+        self.routes.reset()
         return self.forward(self._tokens([tokens]), torch.arange(len(tokens), device=self.device))[0].cpu()
 
     @torch.no_grad()
     def decode(self, token, pos):
+        self.routes.reset()
         return self.forward(self._tokens([[token]]), self._tokens([pos]))[0, -1].cpu()
 
     @torch.no_grad()
@@ -58,6 +60,7 @@ class CompiledCandidate(TorchCandidate):
             self.fns[layer, kind] = compiled(fn)
         fn = self.fns[layer, kind]
         reset_state(module)
+        self.routes.reset()
         outs = []
         for c in calls:
             o = fn(c.x.to(self.device, self.dtype), c.pos.to(self.device))

@@ -10,12 +10,20 @@ import contextlib
 
 import torch
 
-from models.layers import STATE_BUFFERS, Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
+from models.layers import STATE_BUFFERS, SparseMoE, Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
 from models.sampling import Sampler, check_args
 from oracle import points
 from oracle.backend import Backend, Candidate
+from oracle.replay import RouteLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def reset_routes(cand) -> None:
+    """Start a call's record of the experts chosen (a plugin borrowing these methods may have none)."""
+    log = cand.__dict__.get("routes")
+    if log is not None:
+        log.reset()
 
 
 class TorchCandidate(Candidate):
@@ -26,20 +34,32 @@ class TorchCandidate(Candidate):
     def __init__(self, model: Transformer, dtype: torch.dtype, info: dict | None = None):
         self.model, self.dtype = model, dtype
         self.info = info or {"executor": f"torch {torch.__version__} eager"}
+        # the experts each router selects (oracle/replay.py): hooks on the production routers
+        self.routes = RouteLog({i: layer.mlp.gate for i, layer in enumerate(model.layers)
+                                if isinstance(layer.mlp, SparseMoE)}, lambda out: out[1])
+
+    def last_routes(self):
+        return self.routes.call()
+
+    def block_routes(self):
+        return self.routes.calls()
 
     @torch.no_grad()
     def prefill(self, tokens):
         reset_state(self.model)
+        reset_routes(self)
         return self.model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
 
     @torch.no_grad()
     def decode(self, token, pos):
+        reset_routes(self)
         return self.model(torch.tensor([[token]]), torch.tensor([pos]))[0, -1]
 
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
         module, fn = block_fn(self.model, layer, kind)
         reset_state(module)
+        reset_routes(self)
         return [fn(c.x.to(self.dtype), c.pos) for c in calls]
 
     @torch.no_grad()

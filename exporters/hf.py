@@ -17,6 +17,7 @@ import torch
 from oracle import points
 from oracle.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
 from oracle.backend import Backend, Candidate
+from oracle.replay import RouteLog
 from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
 
@@ -50,6 +51,15 @@ class HFCandidate(Candidate):
         # routers: (weights, indices), and their logits too where asked (oracle/noise.py reads the
         # precision's own selection scores from them)
         self.keep_router_logits = False
+        # the experts each router selects (oracle/replay.py)
+        self.routes = RouteLog({layer: m for (layer, kind), m in self.modules.items() if kind == "router"},
+                               lambda out: normalize_output("router", out, router_output=self.read_router)[1])
+
+    def last_routes(self):
+        return self.routes.call()
+
+    def block_routes(self):
+        return self.routes.calls()
 
     @property
     def _router_items(self) -> int:
@@ -58,6 +68,7 @@ class HFCandidate(Candidate):
     @torch.no_grad()
     @in_arithmetic
     def prefill(self, tokens):
+        self.routes.reset()
         out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0]
@@ -65,6 +76,7 @@ class HFCandidate(Candidate):
     @torch.no_grad()
     @in_arithmetic
     def decode(self, token, pos):
+        self.routes.reset()
         out = self.model(input_ids=torch.tensor([[token]]), past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0, -1]
@@ -72,6 +84,7 @@ class HFCandidate(Candidate):
     @torch.no_grad()
     @in_arithmetic
     def run_block(self, layer, kind, calls):
+        self.routes.reset()
         probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
         calls = [c for c in calls if not c.probe]
         outs = self._replay(layer, kind, calls)

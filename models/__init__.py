@@ -70,6 +70,10 @@ class Family:
     # an HF router's output -> (logits [N, E], top-k weights [N, k], indices [N, k]) given the
     # ModelArgs (None: it returns that triple, as transformers 5's TopKRouters do)
     router_output: Callable = None
+    # the inverse: (the HF router's output, top-k weights [N, k], indices [N, k], ModelArgs) -> its output
+    # with that selection, what its MoE block then computes (oracle/replay.py forces a selection); None:
+    # the triple's weights and indices replaced
+    router_input: Callable = None
     # config consistency (check_config): the config.json names of the routed-expert count and of
     # top-k, and the family's own rules beside COMMON_RULES (see there)
     experts: str = "num_experts"

@@ -524,15 +524,7 @@ class Router(nn.Module):
         return tap("weights", self.weights(probs, idx)), idx.clone()
 
     def weights(self, probs, idx):  # the selected experts' scores [N, k], renormalised, scaled
-        r = self.args.router
-        if r.scoring == "sparsemixer":
-            return routing.sparsemixer_weights(probs, idx, r.jitter_eps)
-        w = routing.pick(probs, idx)
-        if self.norm_topk and r.norm_topk_min:
-            w = w / w.sum(dim=-1, keepdim=True).clamp(min=r.norm_topk_min)
-        elif self.norm_topk:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * r.routed_scaling_factor
+        return routing.topk_weights(probs, idx, self.args, self.norm_topk)
 
 
 class Experts(nn.Module):

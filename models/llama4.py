@@ -101,6 +101,12 @@ def router_output(out, args):
     return logits, scores.gather(1, idx), idx
 
 
+def router_input(out, weights, idx, args):
+    """router_output's inverse: the scores [N, E] zero outside the given top-k, the weights there."""
+    scores, logits = out
+    return scores.new_zeros(scores.shape).scatter(1, idx, weights.to(scores.dtype)), logits
+
+
 def _defaults(c) -> bool:
     """The layer pattern mlx-lm's llama4 hard-codes: rope + chunked unless (i + 1) % 4 == 0, MoE
     where i % step == step - 1."""
@@ -141,7 +147,7 @@ MLX = MlxLm(
 FAMILY = Family(
     name="llama4", model_types=("llama4_text", "llama4"), hf_module="llama4", hf_class_name="Llama4ForCausalLM",
     hf_config_name="Llama4TextConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
-    hf_moe="feed_forward", hf_router="feed_forward.router", hf_mlp="feed_forward", router_output=router_output,
+    hf_moe="feed_forward", hf_router="feed_forward.router", hf_mlp="feed_forward", router_output=router_output, router_input=router_input,
     from_mlx=from_mlx, mlx=MLX, experts="num_local_experts", hf_gate_up="columns",
     rules=(("positive", "intermediate_size", "intermediate_size_mlp", "interleave_moe_layer_step", "attention_chunk_size"),
            ("layer_index", "moe_layers"), ("per_layer", "no_rope_layers")),

@@ -113,3 +113,21 @@ def sparsemixer_weights(logits, idx, eps: float):
         out.append(torch.where(hit, p, 0.0).sum(-1))
         rest = rest.masked_fill(hit, float("-inf"))
     return torch.stack(out, dim=-1)
+
+
+def topk_weights(probs, idx, a: ModelArgs, norm: bool | None = None):
+    """The weights of the experts `idx` [N, k] from the routing scores [N, E] (`scores`): their scores,
+    renormalised over the k (norm_topk_prob, with norm_topk_min's floor), times routed_scaling_factor;
+    sparsemixer's from its logits. The production router's weights (models/layers.py) and a forced
+    selection's in the routing-aligned reference (oracle/replay.py). `norm`: renormalise or not, where a
+    router instance decides (a seeded fault drops it: models/faults.py); default the config's."""
+    r = a.router
+    norm = r.norm_topk_prob if norm is None else norm
+    if r.scoring == "sparsemixer":
+        return sparsemixer_weights(probs, idx, r.jitter_eps)
+    w = pick(probs, idx)
+    if norm and r.norm_topk_min:
+        w = w / w.sum(dim=-1, keepdim=True).clamp(min=r.norm_topk_min)
+    elif norm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * r.routed_scaling_factor

@@ -241,6 +241,19 @@ class Candidate:
     # why run_block_points gives None, for the drill's n/a
     no_points = "the backend exposes no points inside its blocks"
 
+    # routing replay (oracle/replay.py): which experts its routers selected, per MoE layer and token
+    no_routes = "the backend does not report which experts its routers selected"
+
+    def last_routes(self) -> dict | None:
+        """{layer: int indices [T, k]} its routers selected in its last prefill or decode call (T that
+        call's tokens), or None where it does not report them (`no_routes` says why)."""
+        return None
+
+    def block_routes(self) -> list | None:
+        """[{layer: indices [T, k]} per call] of its last run_block (a block with a router inside: the
+        layer), or None where it does not report them."""
+        return None
+
     def gates(self) -> list:
         """The backend's own gate rows (oracle.result.GateRow, e.g. cast counts); none by default."""
         return []
@@ -361,7 +374,8 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
                        "fault_catalogue"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
-                         "block_input", "run_block_points", "no_points")}
+                         "block_input", "run_block_points", "no_points", "no_routes", "last_routes",
+                         "block_routes")}
 
 
 class _Duck:

@@ -14,7 +14,7 @@ from oracle import goldens as golden_files
 from oracle import points, thresholds
 from models.checkpoint import CheckpointError
 from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_refusal, resolve
-from oracle.noise import exact_for, noise_for
+from oracle.noise import aligner, block_aligner, exact_for, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
 from oracle.result import CheckResult, GateRow, Status, worst_row
@@ -308,13 +308,15 @@ def run_candidate(run: Run, goldens: bool) -> None:
         result.cache["reference"] = spec.reference
 
     run.stage = "blocks"
-    result.blocks = run.timed("blocks", lambda: block_rows(ref, cand, spec, src.args, run.progress, run.noise, src))
+    result.blocks = run.timed("blocks", lambda: block_rows(ref, cand, spec, src.args, run.progress, run.noise, src,
+                                                          align=block_aligner(ref, src, spec)))
 
     run.stage = "e2e"
     run.progress("e2e")
     rows = []  # every e2e step's (step, reference rows, candidate rows), for the prompt set's distribution
     result.e2e, dtype_gate = run.timed("e2e", lambda: run_e2e(ref, cand, spec, reduction_length(src.args), rows,
-                                                              run.noise, exact=lambda: exact_for(ref, src, spec, run.prompt)))
+                                                              run.noise, exact=lambda: exact_for(ref, src, spec, run.prompt),
+                                                              align=aligner(ref, src, spec, run.prompt)))
     if dtype_gate:
         result.gates.append(dtype_gate)
     drill_down(run)

@@ -6,8 +6,6 @@ candidate for each block."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import numpy as np
 
 from oracle import insitu
@@ -16,6 +14,7 @@ from oracle.backend import CheckSpec, ModelSource
 from oracle.metrics import OutputError, as_array, router_metrics, tensor_metrics, weight_diffs
 from oracle.metrics import rounding
 from oracle.noise import score_error
+from oracle.replay import differences
 from oracle.result import BlockRow, Status
 
 
@@ -123,30 +122,18 @@ def tie_gaps(ref, layer: int, spec, noise=None, n: int | None = None, in_model: 
     return thresholds.tie_gap(router_lim, ref.router_probs[layer][0].shape[-1])
 
 
-def router_near_ties(ref, layer: int, spec, n: int | None = None, noise=None, in_model: bool = False) -> np.ndarray:
-    """Per token of `layer`'s first n router calls: is the reference's routing a near tie at this
-    precision (its gap below tie_gaps)?"""
-    return ~(router_gaps(ref, layer, n, weights=not in_model) >= tie_gaps(ref, layer, spec, noise, n, in_model))
-
-
-class Routes(NamedTuple):
-    """Per token of a layer's router calls, from its router row: routed as the reference did
-    (`same`), routed elsewhere as HF routes the candidate's own router input (`by_input`, in situ)."""
-    same: np.ndarray
-    by_input: np.ndarray
-
-
-def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None, reduction: int = 0,
-                  noise=None, upstream: list | None = None) -> BlockRow:
-    """One block row. `routes` (layer -> per token: did the candidate's router row route it as the
-    reference did (oracle.check: the same experts, near-tie weights within the limit), and did it
-    route it as HF routes the candidate's own router input (an in-situ row), filled in by the router
-    row) decides which tokens the moe and layer rows compare: not a
-    token the candidate's router row routed elsewhere (that row judges routing); a moe row then
-    compares every token routed as the reference did, near ties included. `noise` (oracle/noise.py,
-    reduced precisions): the row is judged against HF's own error at this precision. `upstream`
+def compare_block(ref, key, outs, spec, layer_types, reduction: int = 0, noise=None, upstream: list | None = None,
+                  aligned: tuple | None = None, selection: list | None = None) -> BlockRow:
+    """One block row. `noise` (oracle/noise.py, reduced precisions): the row is judged against HF's own
+    error at this precision (its moe and layer blocks forced to the reference's selection). `upstream`
     (oracle/insitu.py, an in-situ row at a precision with an in_situ rule): HF fp32's outputs on the
-    candidate's own upstream, what a correct block makes of the error the row's input carries."""
+    candidate's own upstream, what a correct block makes of the error the row's input carries.
+    Routing replay (oracle/replay.py): a router row lists every token its selection differs from the
+    reference's, each a tie within the bound measured there or a divergence (which fails); a moe or
+    layer row whose candidate chose other experts somewhere is judged against `aligned` (HF fp32's
+    outputs with the candidate's selection forced, and HF at the precision with it: (outputs, noise
+    outputs or None)); every token is compared. `selection`: the candidate's experts per call where its
+    row's block routed (the router row's, or what the candidate reported inside the block)."""
     layer, kind = key
     lim = thresholds.at_width(thresholds.limits(spec.precision, kind, spec.family, spec.backend), reduction)
     detail = layer_types[layer] if kind == "attention" else ""
@@ -165,8 +152,15 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
         if rule:
             own = (np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in upstream]).astype(np.float64),
                    np.concatenate([i.reshape(-1, i.shape[-1]) for _, i in upstream]))
+        # each token whose experts differ: a tie only where the reference's gap between the experts
+        # exchanged is within the bound measured there (oracle/replay.py)
+        bound = np.broadcast_to(np.asarray(tie, np.float64), gaps.shape)
+        diffs = differences([ref_i], [cand_i], [np.concatenate(ref.router_probs[layer])], [bound],
+                            [np.arange(len(ref_i))], layer) if ref_i.shape == cand_i.shape else []
+        exchange_tie = np.zeros(len(ref_i), dtype=bool)
+        exchange_tie[[d.position for d in diffs if d.verdict == "tie"]] = True
         # a token routed as HF routes the candidate's own upstream agrees
-        m = router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie, own=own)
+        m = router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie, own=own, selection_tie=exchange_tie)
         h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None
         if h is not None and "shape_mismatch" not in m:  # the weights: against HF's own weight error
             nm = router_metrics(ref_w, ref_i, np.concatenate([w.reshape(-1, w.shape[-1]) for w, _ in h]),
@@ -184,72 +178,51 @@ def compare_block(ref, key, outs, spec, layer_types, routes: dict | None = None,
                    "weight_atol": lim["weight_atol"] + rule["upstream_factor"] * um["weight_max_abs"]}
         if np.ndim(tie):
             m["tie_tokens"] = int((gaps < tie).sum())
+        if diffs:
+            m["routing_differences"] = [d.as_dict() for d in diffs]
         status, ratio = thresholds.judge_router(m, lim)
-        if routes is not None and "shape_mismatch" not in m:
-            # routed as the reference did: the same experts and, at a near tie of a decision that
-            # sets the weights (sparsemixer's mask), weights within the limit
-            dw = weight_diffs(ref_w, ref_i, cand_w, cand_i)
-            by_input = np.zeros(len(dw), dtype=bool)  # routed as HF routes the candidate's own router input
-            by_input[m.get("rerouted_by_input", [])] = True
-            routes[layer] = Routes((dw < np.inf) & ~((gaps < tie) & (dw > lim["weight_atol"])), by_input)
     else:
-        r = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
+        expected, h_aligned = aligned if aligned is not None else (ref.outputs[key], None)
+        r = np.concatenate([np.asarray(o, np.float64).reshape(-1, o.shape[-1]) for o in expected])
         c = np.concatenate(arrays)
-        keep = None
         rule = thresholds.in_situ(spec.precision) if upstream is not None else None
-        if kind in ("moe", "layer") and layer in ref.router_probs and r.shape[0] == c.shape[0]:
-            # tokens whose reference routing is a near tie at this precision: a flipped
-            # expert there is the precision's doing, reported as a count, not compared
-            # (router calls = the sequence's calls, then the expert probes: moe has both, layer none)
-            keep = ~router_near_ties(ref, layer, spec, r.shape[0], noise)
-            rerouted = np.zeros_like(keep)
-            route = (routes or {}).get(layer)
-            if route is not None and len(route.same) >= len(keep):
-                # the candidate's router row (the reference's router inputs): a token it routed
-                # to other experts is the router row's to judge (its agreement limit: 1.0 at
-                # fp32/bf16, 0.75 for a 4-bit router), not compared here; a moe row (the same
-                # inputs) compares every token routed as the reference did, near ties included
-                same, by_input = route.same[: len(keep)], route.by_input[: len(keep)]
-                if kind == "layer" and rule and rule.get("layer_judges_rerouted"):
-                    # routed elsewhere because its own router input moved (its router row agrees):
-                    # the layer row compares it (upstream allows what the layer's input explains), as
-                    # what moved it inside this layer, a norm, is no other row's to judge
-                    same = same | by_input
-                rerouted = ~same
-                keep = same if kind == "moe" else keep & same
-            if not keep.any():  # nothing left to compare: not a pass
-                counts = {"tie_tokens_excluded": int((~rerouted).sum()), "rerouted_tokens_excluded": int(rerouted.sum())}
-                return BlockRow(layer, kind, Status.NA, "isolated", {**counts, "nonfinite": 0},
-                                lim, 0.0, f"every token is a router near tie at {spec.precision} or routed elsewhere "
-                                          "by the candidate's router: nothing compared")
-            r, c = r[keep], c[keep]
         lim = thresholds.at_scale(lim, math.sqrt(float(np.mean(r * r))))
         m = tensor_metrics(r, c, lim["atol"], lim["rtol"])
         want, got = expected_dtype(spec), dtype_name(outs[0]) if outs else None
         if want and got and got != want:  # e.g. an unconditional cast that changes the output dtype
             m["dtype_mismatch"] = f"{got} (expected {want})"
-        h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None
-        if h is not None:  # HF at this precision, the same inputs and the same tokens kept
-            h = np.concatenate([o.reshape(-1, o.shape[-1]) for o in h]).astype(np.float64)
-            h = h[keep] if keep is not None and h.shape[0] == keep.shape[0] else h
+        h = h_aligned if aligned is not None else (noise.outputs.get(key) if noise is not None else None)
+        if h is not None and "noise_factor" in lim:  # HF at this precision, the same inputs and routing
+            h = np.concatenate([np.asarray(o, np.float64).reshape(-1, o.shape[-1]) for o in h])
             lim = thresholds.noise_row_limits(lim, r, h, spec.precision, m)
+        else:
+            h = None
         if rule and "shape_mismatch" not in m and "dtype_mismatch" not in m:
             u = np.concatenate([o.reshape(-1, o.shape[-1]) for o in upstream]).astype(np.float64)
-            u = u[keep] if keep is not None and u.shape[0] == keep.shape[0] else u
             lim = upstream_metrics(lim, rule, r, c, u, m, h if h is not None and h.shape == r.shape else None)
-        if keep is not None:
-            m["tie_tokens_excluded"] = int((~keep & ~rerouted).sum())  # near ties, not compared
-            if rerouted.any():  # routed elsewhere by the candidate's router row, which judges that
-                m["rerouted_tokens_excluded"] = int(rerouted.sum())
-            if m.get("first_divergence"):  # back to the token index of the whole sequence
-                fd = m["first_divergence"]
-                fd["index"][0] = int(np.flatnonzero(keep)[fd["index"][0]])
-            if keep.size and (~keep).sum() * 4 > keep.size:  # said in the status line: a verdict on few tokens
-                m["excluded_over_quarter"] = f"{int((~keep).sum())} of {keep.size} tokens not compared"
+        if aligned is not None:  # judged against the routing-aligned reference; the plain comparison beside
+            plain = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
+            if plain.shape == c.shape:
+                m["plain_max_abs"] = float(np.abs(plain - c).max()) if c.size else 0.0
+            m["aligned_tokens"] = _rerouted(ref, layer, selection)
         judge = (thresholds.judge_upstream if "upstream_allclose_ratio" in m
                  else thresholds.judge_noise if "noise_max_abs" in m else thresholds.judge_tensor)
         status, ratio = judge(m, lim)
     return BlockRow(layer, kind, status, "isolated", m, lim, ratio, detail)
+
+
+def _rerouted(ref, layer: int, selection: list | None) -> int:
+    """How many tokens the candidate routed to other experts than the reference's (a moe or layer row's)."""
+    if not selection:
+        return 0
+    n = 0
+    for (_, ri), ci in zip(ref.outputs[layer, "router"], selection):
+        ri = np.asarray(ri).reshape(-1, np.asarray(ri).shape[-1])
+        if ci is None:
+            continue
+        ci = np.asarray(ci).reshape(ri.shape[0], -1)
+        n += sum(set(ri[t].tolist()) != set(ci[t].tolist()) for t in range(len(ri)))
+    return int(n)
 
 
 def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.ndarray, m: dict,
@@ -287,14 +260,15 @@ def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.
 
 
 def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
-               src: ModelSource | None = None) -> list[BlockRow]:
+               src: ModelSource | None = None, align=None) -> list[BlockRow]:
     """Every block row of the candidate against the reference. A block that raises is that
     row's error; RuntimeError when every block raised. With `src` (the checkpoint), in-situ rows at
     a precision with an in_situ rule are judged against HF fp32 run on the candidate's own upstream
-    (oracle/insitu.py)."""
+    (oracle/insitu.py). `align(key, selection)` (oracle/replay.py, routing replay): a moe or layer row
+    whose candidate chose other experts than the reference's on some token is judged against HF with the
+    candidate's selection forced: (fp32 outputs, outputs at the precision or None)."""
     keys = ref.block_keys()
-    routes = {}  # layer -> Routes, from its router row (for the moe and layer rows)
-    rows, errors, outputs = {}, [], {}
+    rows, errors, outputs, selections = {}, [], {}, {}
     mode_of = {key: cand.block_modes.get(key[1], cand.block_mode) for key in keys}
     for n, key in enumerate(keys):
         progress("blocks", n, len(keys))
@@ -312,6 +286,8 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
             rows[key] = BlockRow(key[0], key[1], Status.NA, mode, {}, {}, 0.0, "not isolated by backend")
             continue
         outputs[key] = outs
+        if key[1] in ("moe", "layer") and not insitu.is_in_situ(mode):
+            selections[key] = block_selection(cand, key[0], len(ref.inputs[key]))
     in_situ = {k: o for k, o in outputs.items() if insitu.is_in_situ(mode_of[k])}
     if in_situ and src is not None and thresholds.in_situ(spec.precision):
         progress("blocks: HF fp32 on the candidate's own upstream (in-situ rows)")
@@ -325,9 +301,28 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
             if x is not None:
                 inputs[key] = [as_array(a, np.float32).reshape(-1, a.shape[-1]) for a in x]
     upstream, why = in_situ_upstream(ref, spec, src, in_situ, inputs)
+    router_sel = {}  # layer -> the candidate's router row selection per call
     for key, outs in outputs.items():
-        row = compare_block(ref, key, outs, spec, args.layer_types, routes, reduction_length(args), noise,
-                            upstream.get(key))
+        isolated = not insitu.is_in_situ(mode_of[key])
+        if key[1] == "router" and isolated:
+            try:
+                router_sel[key[0]] = [np.asarray(as_array(o[1], np.int64)) for o in outs]
+            except Exception:  # noqa: BLE001 - a malformed router output: its row says so
+                pass
+        sel, aligned, note = None, None, None
+        if key[1] in ("moe", "layer") and isolated:
+            sel = selections.get(key) or router_sel.get(key[0])
+            sel = sel[: len(ref.inputs[key])] if sel is not None else None
+            if align is not None and sel is not None and _rerouted(ref, key[0], sel):
+                progress(f"blocks: HF with the candidate's experts forced ({key[0]} {key[1]})")
+                try:
+                    aligned = align(key, sel)
+                except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said
+                    note = f"routing replay failed ({type(e).__name__}: {e}): judged against the plain reference"
+        row = compare_block(ref, key, outs, spec, args.layer_types, reduction_length(args), noise,
+                            upstream.get(key), aligned, sel)
+        if note:
+            row.metrics["routing"] = note
         if why and insitu.is_in_situ(mode_of[key]):
             row.metrics["upstream"] = why
         row.mode = mode_of[key]
@@ -335,6 +330,19 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     if errors and len(errors) == len(keys):
         raise RuntimeError(f"every block raised; the first: {errors[0]}")
     return [rows[key] for key in keys]
+
+
+def block_selection(cand, layer: int, calls: int) -> list | None:
+    """The experts the candidate's router of `layer` chose in each call of its last run_block, where it
+    reports them (Candidate.block_routes); None otherwise."""
+    try:
+        log = cand.block_routes()
+    except Exception:  # noqa: BLE001 - not reported
+        return None
+    if not log:
+        return None
+    sel = [entry[layer] for entry in log if layer in entry]
+    return sel if len(sel) >= calls else None
 
 
 def in_situ_upstream(ref, spec: CheckSpec, src: ModelSource | None, outputs: dict,

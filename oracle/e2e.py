@@ -4,14 +4,18 @@ the same over a set of prompts with the distribution metrics and perplexity."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from oracle import thresholds
 from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import OutputError, as_array, as_f64, tensor_metrics, top2_margin
-from oracle.noise import exact_for, noise_for
+from oracle.noise import aligner, exact_for, noise_for
 from oracle.result import E2E, GateRow, Status
-from oracle.compare import shape_text, dtype_name, expected_dtype, reduction_length, router_near_ties
+from oracle.compare import shape_text, dtype_name, expected_dtype, reduction_length
+from oracle.noise import score_error
+from oracle.replay import differences
 from oracle.references import reference_of
 
 
@@ -28,54 +32,125 @@ def _step_logits(raw, k: int, ref_rows: int, vocab: int) -> np.ndarray:
     return out
 
 
-def routing_tie_positions(ref, spec, noise=None) -> list[int]:
-    """Positions of the reference's sequence where some layer's router is a near tie at this
-    precision (k-th vs (k+1)-th selection score closer than tie_gaps)."""
-    n = len(ref.tokens) - 1  # the sequence's calls: the prompt, then each fed-back token
-    tie = np.zeros(n, dtype=bool)
-    for layer in ref.router_probs:
-        near = router_near_ties(ref, layer, spec, n, noise, in_model=True)
-        tie[: near.shape[0]] |= near
-    return [int(i) for i in np.flatnonzero(tie)]
-
-
-def candidate_steps(ref, cand) -> tuple[list, str | None]:
+def candidate_steps(ref, cand) -> tuple[list, list, str | None]:
     """The candidate's raw answers: its prefill of the reference's prompt, then each decode step
-    fed the reference's next token (teacher forcing). A raise ends the run: its state is unknown,
-    the later steps are not run (the error names the step)."""
-    P, answers = ref.prompt_len, []
+    fed the reference's next token (teacher forcing), and at each step the experts its routers
+    selected (Candidate.last_routes; None where it does not report them). A raise ends the run: its
+    state is unknown, the later steps are not run (the error names the step)."""
+    P, answers, routes = ref.prompt_len, [], []
     for k in range(len(ref.logits)):
         try:
             answers.append(cand.prefill(ref.tokens[:P]) if k == 0 else cand.decode(ref.tokens[P + k - 1], P + k - 1))
         except Exception as e:
-            return answers, f"step {k} ({'prefill' if k == 0 else 'decode'}): {type(e).__name__}: {e}"
-    return answers, None
+            return answers, routes, f"step {k} ({'prefill' if k == 0 else 'decode'}): {type(e).__name__}: {e}"
+        try:
+            routes.append(cand.last_routes())
+        except Exception:  # noqa: BLE001 - not reported this step: the routing is then not known
+            routes.append(None)
+    return answers, routes, None
 
 
-def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None, exact=None):
+@dataclass
+class Aligned:
+    """What the candidate's e2e steps are judged against: the reference's tokens, and the logits of HF
+    fp32 with the candidate's routing forced (the reference's own where nothing differs)."""
+
+    tokens: list
+    prompt_len: int
+    logits: list
+
+
+def tie_bounds(scores: list, measured: list | None, spec, num_experts: int) -> list:
+    """Per e2e call, per token: the tie bound of a layer's selection at the candidate's precision:
+    tie_factor x the precision's own selection-score error inside HF's run at it (`measured`: the
+    scores of HF at the precision (at fp32: at fp64), `scores` the reference's, per call); the router
+    table's fixed gap where not measured."""
+    router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
+    factor = router_lim.get("tie_factor") or (thresholds.exact(spec.precision) or {}).get("tie_factor")
+    if measured is not None and factor and len(measured) >= len(scores):
+        return [factor * score_error([s], [m]) for s, m in zip(scores, measured)]
+    return [thresholds.tie_gap(router_lim, num_experts)] * len(scores)
+
+
+def routing_differences(selected: dict, scores: dict, measured, routes: list, positions: list, spec) -> list:
+    """Every (step, layer, position) where the candidate's experts (`routes`: per step {layer: [T, k]}) are
+    not those the reference chose there (`selected`, `scores`: layer -> per call, the plain reference's or
+    the routing-aligned run's own, before forcing), judged (oracle/replay.py): a tie within the bound
+    measured there (`measured`: a Noise at the precision, or None), else a router divergence."""
+    n = len(routes)
+    out = []
+    for layer in sorted(selected):
+        cand_idx = [r.get(layer) if r else None for r in routes]
+        if all(c is None for c in cand_idx):
+            continue
+        at = None if measured is None else measured.e2e_scores.get(layer)
+        bounds = tie_bounds(scores[layer][:n], None if at is None else at[:n], spec, scores[layer][0].shape[-1])
+        out += differences(selected[layer][:n], cand_idx, scores[layer][:n], bounds, positions[:n], layer)
+    return sorted(out, key=lambda d: (d.call, d.position, d.layer))
+
+
+def plain_selection(ref) -> tuple[dict, dict]:
+    """(layer -> the reference's indices per call, layer -> its selection scores per call)."""
+    return ({layer: [i for _, i in ref.outputs[layer, "router"]] for layer in ref.router_probs},
+            dict(ref.router_probs))
+
+
+def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None, exact=None, align=None):
     """The candidate's prefill and decode steps, fed the reference's tokens, judged. `collect` (a
     list) receives (step, reference rows, candidate rows) for each step the candidate answered.
     `noise` (oracle/noise.py, reduced precisions): each step is judged against HF's own logits
-    error at this precision on that step, and a token flip is a tie within that error. `exact`
-    (fp32: a callable measuring HF fp32's own error against HF at fp64, oracle/noise.py exact_for):
-    called only when a step fails the fixed table or a token differs; such steps are then judged
-    against fp32's own measured error too (the table stays the floor), see thresholds.toml
-    [fp32.exact]. Returns (E2E, the logits dtype gate or None)."""
+    error at this precision on that step (its routing forced to the reference's), and a token flip is
+    a tie within that error. `exact` (fp32: a callable measuring HF fp32's own error against HF at
+    fp64, oracle/noise.py exact_for): called only when a step fails the fixed table, a token differs or
+    a routing does; such steps are then judged against fp32's own measured error too (the table stays the
+    floor), see thresholds.toml [fp32.exact].
+    Routing replay (oracle/replay.py): the candidate's selection at every step (Candidate.last_routes) is
+    compared with the reference's; each difference is a tie or a router divergence (which fails), and
+    where any differs, `align(plan)` (plan: layer -> [indices per step]) gives (HF fp32, HF at the
+    precision, fp64's callable) with the candidate's selection forced, against which the steps are
+    judged; the plain comparison is kept beside (`routing.plain`). No step is excused.
+    Returns (E2E, the logits dtype gate or None)."""
     lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend), reduction)
-    answers, error = candidate_steps(ref, cand)
-    e2e, rows, dtypes = judge_steps(ref, answers, error, spec, lim, noise)
+    answers, routes, error = candidate_steps(ref, cand)
+    reported = bool(routes) and all(r is not None for r in routes)
     rule = thresholds.exact(spec.precision)
-    if noise is None and exact is not None and rule and beyond_table(e2e, rule["measure_below"]):
+    exact_once = _once(exact) if exact is not None else None
+    selected, scores = plain_selection(ref)
+    diffs = routing_differences(selected, scores, None, routes, ref.positions, spec) if reported else []
+    target, target_noise, target_exact = Aligned(ref.tokens, ref.prompt_len, ref.logits), noise, exact_once
+    aligned = bool(diffs) and align is not None
+    if aligned:  # HF with the candidate's experts forced: what it then chooses, layer by layer, is what the
+        # candidate's choice is judged against (a choice downstream of an earlier flip follows from it)
+        plan = {layer: [r.get(layer) for r in routes] for layer in sorted(ref.router_probs)}
+        fp32, at, fp64 = align(plan)
+        target = Aligned(ref.tokens, ref.prompt_len, fp32.logits)
+        target_noise, target_exact = (at, None) if noise is not None else (None, _once(fp64))
+        measured = at if noise is not None else _try(target_exact) if rule else None
+        judged = routing_differences(fp32.e2e_selected, fp32.e2e_scores, measured, routes, ref.positions, spec)
+        seen = {(d.call, d.layer, d.position) for d in judged}
+        for d in diffs:  # a difference from the plain reference that HF makes too, given the earlier ones
+            if (d.call, d.layer, d.position) not in seen:
+                d.verdict = "follows"
+                judged.append(d)
+        diffs = sorted(judged, key=lambda d: (d.call, d.position, d.layer))
+    elif diffs:  # no replay: the differences judged on the plain reference's gaps
+        measured = noise if noise is not None else _try(exact_once) if rule else None
+        diffs = routing_differences(selected, scores, measured, routes, ref.positions, spec)
+    e2e, rows, dtypes = judge_steps(target, answers, error, spec, lim, target_noise)
+    if target_noise is None and target_exact is not None and rule and beyond_table(e2e, rule["measure_below"]):
         try:
-            measured = exact()
+            measured = target_exact()
         except Exception as e:  # not measurable (e.g. HF cannot run at fp64): the table's verdict stands
             e2e.measured_noise = f"not measured ({type(e).__name__}: {e}): the fixed table judged"
         else:
-            e2e, rows, dtypes = judge_steps(ref, answers, error, spec, thresholds.exact_limits(lim, rule), measured)
+            e2e, rows, dtypes = judge_steps(target, answers, error, spec, thresholds.exact_limits(lim, rule), measured)
             beyond = [s["step"] for s in e2e.steps if s.get("beyond_table")]
             e2e.measured_noise = (f"HF {spec.precision}'s own error measured against HF at {measured.precision}: "
                                   + (f"step(s) {beyond} beyond the fixed table judged at most "
                                      f"{rule['factor']:g}x it" if beyond else "every step within it or the table"))
+    e2e.routing = routing_record(ref, routes, reported, cand, diffs, aligned, answers)
+    if e2e.routing.get("divergences") and e2e.status == Status.PASS:
+        e2e.status = Status.FAIL
     if collect is not None:
         collect.extend(rows)
     want, got = expected_dtype(spec), sorted(d for d in dtypes if d)
@@ -86,11 +161,59 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     return e2e, gate
 
 
+def _once(fn):
+    """fn, called at most once (its result, or its exception, kept)."""
+    box = []
+
+    def call():
+        if not box:
+            try:
+                box.append((fn(), None))
+            except Exception as e:  # noqa: BLE001 - raised again to each caller
+                box.append((None, e))
+        value, err = box[0]
+        if err is not None:
+            raise err
+        return value
+    return call
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - not measurable: the fixed table or gap judges
+        return None
+
+
+def routing_record(ref, routes: list, reported: bool, cand, diffs: list, aligned: bool, answers: list) -> dict:
+    """The e2e row's routing section: whether the candidate's selection was recorded (and why not),
+    every difference with its gap, bound and verdict, and, where the steps were judged against the
+    routing-aligned reference, the plain comparison with the reference beside it."""
+    if not reported:
+        return {"recorded": False, "why": cand.no_routes, "differences": [], "ties": 0, "divergences": 0,
+                "aligned": False}
+    out = {"recorded": True, "layers": sorted({layer for r in routes for layer in r}),
+           "differences": [d.as_dict() for d in diffs], "ties": sum(d.verdict == "tie" for d in diffs),
+           "follows": sum(d.verdict == "follows" for d in diffs),
+           "divergences": sum(d.verdict == "divergence" for d in diffs), "aligned": aligned}
+    if aligned:  # the candidate against the plain reference too: what the replay explained
+        plain = []
+        for k, raw in enumerate(answers):
+            try:
+                out_k = _step_logits(raw, k, ref.logits[k].shape[0], ref.logits[k].shape[-1])
+            except OutputError:
+                continue
+            m = tensor_metrics(ref.logits[k][-out_k.shape[0]:], out_k, 1.0, 0.0)
+            plain.append({"step": k, "max_abs": m["max_abs"], "rel_l2": m["rel_l2"]})
+        out["plain"] = plain
+    return out
+
+
 def beyond_table(e2e: E2E, measure_below: float) -> bool:
     """Whether fp32's own error is worth measuring: some finite, readable step fails the table or
     takes another token, and none is `measure_below` times beyond the table or more (a NaN, a
     crash, an unreadable output or a step that far off fails whatever fp32's error is)."""
-    judged = [s for s in e2e.steps if s["logits_status"] in (Status.FAIL, Status.ROUTING_TIE) or s["token"] != "match"]
+    judged = [s for s in e2e.steps if s["logits_status"] == Status.FAIL or s["token"] != "match"]
     return bool(judged) and all(not s["nonfinite"] and "invalid_output" not in s and s["ratio"] < measure_below
                                 for s in judged)
 
@@ -100,16 +223,6 @@ def judge_steps(ref, answers: list, error: str | None, spec, lim: dict, noise=No
     candidate rows) of each readable step, and the logits' dtypes."""
     P = ref.prompt_len
     noisy = noise is not None and "noise_factor" in lim and len(noise.logits) == len(ref.logits)
-    # A step that attends to a position whose expert choice is a near tie (in any layer) may
-    # see that token routed to other experts by the candidate's own rounding: its logits and
-    # token are then judged `routing-tie` (reported, as token ties are), never for NaN/Inf.
-    # Measured noise (reduced precisions, fp32 beyond its table): only a step judged at such a
-    # position (a flipped choice shows at its own position), see excuse_routing_ties
-    routing_ties = routing_tie_positions(ref, spec, noise)
-    # fp32 (a precision with an exact rule) and measured noise: a step is excused only at its own
-    # position; the fixed q8/q4 tables keep "any earlier near tie" (judged by the distribution)
-    own_position = noisy or thresholds.exact(spec.precision) is not None
-    first_routing_tie = routing_ties[0] if routing_ties and not own_position else None
     step_noise, noise_median = last_row_noise(ref, noise) if noisy else (None, None)
     steps, cand_tokens, ties, first, dtypes = [], [], [], None, set()
     rows, ref_rows, cand_rows = [], [], []  # every position's logits, for the distribution metrics
@@ -150,31 +263,25 @@ def judge_steps(ref, answers: list, error: str | None, spec, lim: dict, noise=No
         else:
             status, ratio = thresholds.judge_tensor(m, lim)
         position = P + k - 1 if k else P - 1
-        routed_tie = first_routing_tie is not None and first_routing_tie <= position and not m["nonfinite"]
-        if status == Status.FAIL and routed_tie and "shape_mismatch" not in m:
-            status = Status.ROUTING_TIE
         cand_tok = int(np.nanargmax(out[-1])) if np.isfinite(out[-1]).any() else -1
         cand_tokens.append(cand_tok)
         token_status = "match"
         if cand_tok != ref_tok:
-            token_status = "tie" if margin < tie_margin else "routing-tie" if routed_tie else "mismatch"
+            token_status = "tie" if margin < tie_margin else "mismatch"
             if token_status == "tie":
                 ties.append(k)
             if first is None:
                 first = {"step": k, "position": position, "reference_token": ref_tok,
-                         "candidate_token": cand_tok, "reference_margin": margin, "tie": token_status == "tie",
-                         "routing_tie": token_status == "routing-tie"}
+                         "candidate_token": cand_tok, "reference_margin": margin, "tie": token_status == "tie"}
         steps.append({"step": k, "max_abs": m.get("max_abs"), "rel_l2": m.get("rel_l2"),
                       "nonfinite": m["nonfinite"], "ratio": ratio, "logits_status": status,
                       "reference_margin": margin, "reference_token": ref_tok,
                       "candidate_token": cand_tok, "token": token_status,
                       "first_divergence": m.get("first_divergence"),
                       **({k2: m[k2] for k2 in ("noise_max_abs", "vs_noise") if k2 in m}), **extra})
-    if own_position:
-        excuse_routing_ties(steps, routing_ties, P, first)
     complete = error is None and len(steps) == len(ref.logits)
     exact = complete and all(s["token"] == "match" for s in steps)
-    ok = complete and all(s["logits_status"] in (Status.PASS, Status.ROUTING_TIE) and s["token"] != "mismatch" for s in steps)
+    ok = complete and all(s["logits_status"] == Status.PASS and s["token"] != "mismatch" for s in steps)
     distribution = None
     if "kl_mean" in lim and cand_rows:  # quantized precisions: judged by the logits' distribution, tokens reported
         distribution = distribution_metrics(np.concatenate(ref_rows), np.concatenate(cand_rows),
@@ -183,7 +290,7 @@ def judge_steps(ref, answers: list, error: str | None, spec, lim: dict, noise=No
         ok = distribution["status"] == Status.PASS and complete and not any("invalid_output" in s for s in steps)
     status = Status.ERROR if error else Status.PASS if ok else Status.FAIL
     e2e = E2E(status, ref.tokens[:P], ref.tokens[P:], cand_tokens, exact, steps, lim,
-              first, ties, distribution, error=error, routing_ties=routing_ties)
+              first, ties, distribution, error=error)
     return e2e, rows, dtypes
 
 
@@ -205,32 +312,6 @@ def noise_step_floor(lim: dict, median: dict) -> dict:
             "rel_l2": max(lim["rel_l2"], f * median["rel_l2"])}
 
 
-def excuse_routing_ties(steps: list[dict], tie_positions: list[int], P: int, first: dict | None) -> None:
-    """Measured noise: a failing step is `routing-tie` (reported, not failed) only when the
-    position it is judged at is itself a near tie inside HF's own run at this precision (the
-    prefill: any prompt position), never for NaN/Inf or an unreadable output. A flipped expert
-    choice shows at its own position; no step is excused for an earlier one, so a decode-path
-    defect fails at every decode step whose own routing is not a near tie. (What a flip at an
-    earlier position does to later steps through attention would need the reference with that
-    choice flipped: not measured, so not excused; nor is a weight decided by a near tie, such as
-    sparsemixer's masks, which the block rows judge.)"""
-    ties = set(tie_positions)
-    for s in steps:
-        if s["logits_status"] != Status.FAIL and s["token"] != "mismatch":
-            continue
-        if s["nonfinite"] or "invalid_output" in s:
-            continue
-        held = range(P) if s["step"] == 0 else [P + s["step"] - 1]
-        if not ties.intersection(held):
-            continue
-        if s["logits_status"] == Status.FAIL:
-            s["logits_status"] = Status.ROUTING_TIE
-        if s["token"] == "mismatch":
-            s["token"] = "routing-tie"
-            if first is not None and first["step"] == s["step"]:
-                first["routing_tie"] = True
-
-
 def prompt_set(ref0, e2e0, rows0, spec, src, cand, prompts: list[list[int]], progress) -> dict:
     """Every prompt's e2e against its own reference (at a reduced precision, judged against HF's
     own error on that prompt), and the distribution metrics over all of
@@ -250,7 +331,7 @@ def prompt_set(ref0, e2e0, rows0, spec, src, cand, prompts: list[list[int]], pro
             except Exception:  # not measurable: the fixed table, as for the first prompt (run_check)
                 noise = None
             e2e = run_e2e(ref, cand, spec, reduction_length(src.args), rows, noise,
-                          exact=lambda: exact_for(ref, src, spec, tokens))[0]
+                          exact=lambda: exact_for(ref, src, spec, tokens), align=aligner(ref, src, spec, tokens))[0]
         per.append({"prompt_tokens": len(tokens), "status": e2e.status, "token_exact": e2e.token_exact,
                     "max_abs": max((s["max_abs"] for s in e2e.steps if s.get("max_abs") is not None), default=None)})
         if any("vs_noise" in s for s in e2e.steps):  # judged against HF's own error on this prompt

@@ -95,7 +95,7 @@ def drill_plot(block: dict) -> str:
 
 def tokens_table(e: dict) -> str:
     first = (e.get("first_mismatch") or {}).get("step")
-    ties = set(e.get("ties") or []) | {s["step"] for s in e.get("steps", []) if s.get("token") == "routing-tie"}
+    ties = set(e.get("ties") or [])
     head = "".join(f"<th>{k}</th>" for k in range(len(e["reference_tokens"])))
 
     def cells(tokens):

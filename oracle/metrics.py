@@ -103,7 +103,7 @@ def weight_diffs(ref_w, ref_idx, cand_w, cand_idx) -> np.ndarray:
     return out
 
 
-def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap, own=None) -> dict:
+def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap, own=None, selection_tie=None) -> dict:
     """Top-k routing agreement per token (as sets of experts) and the weight difference
     on tokens that agree. `ref_gap` [N]: the margin of the reference's choice per token (its
     k-th minus (k+1)-th selection score, or of another decision of its routing, such as a group
@@ -111,7 +111,10 @@ def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap, own=None)
     `tie_gap` (a number, or one per token) is a tie: a disagreement there, of the experts or of
     their weights, is counted apart, not hidden. `own` (weights, indices): the correct routing of
     the candidate's own input (an in-situ row fed its own input, oracle/insitu.py): a token the
-    candidate routes as that does agrees (its input already differed), its weights judged there."""
+    candidate routes as that does agrees (its input already differed), its weights judged there.
+    `selection_tie` [N] (oracle/replay.py): which tokens' other experts are a tie by the gap between the
+    experts exchanged; where given, it decides which disagreements are held against the candidate (the
+    margin `ref_gap` still decides which tokens' weights are near ties)."""
     rw, cw, gap = as_f64(ref_w), as_f64(cand_w), as_f64(ref_gap).reshape(-1)
     ri, ci = np.asarray(ref_idx).astype(np.int64), np.asarray(cand_idx).astype(np.int64)
     if ri.shape != ci.shape or rw.shape != cw.shape:
@@ -129,12 +132,13 @@ def router_metrics(ref_w, ref_idx, cand_w, cand_idx, ref_gap, tie_gap, own=None)
         dw = np.where(rerouted, weight_diffs(ow, oi, cw, ci), dw)
         agree = agree | rerouted
     tie = gap < tie_gap
-    counted = ~tie | agree  # ties that disagree are not held against the candidate
+    chosen_tie = tie if selection_tie is None else np.asarray(selection_tie, dtype=bool).reshape(-1)
+    counted = ~chosen_tie | agree  # ties that disagree are not held against the candidate
     out = {
         "tokens": int(n),
         "topk_agreement": float(agree[counted].mean()) if counted.any() else 1.0,
-        "disagree_tokens": [int(t) for t in np.flatnonzero(~agree & ~tie)],
-        "tie_disagreements": int((~agree & tie).sum()),
+        "disagree_tokens": [int(t) for t in np.flatnonzero(~agree & ~chosen_tie)],
+        "tie_disagreements": int((~agree & chosen_tie).sum()),
         "weight_max_abs": float(dw[agree & ~tie].max()) if (agree & ~tie).any() else 0.0,
         "min_ref_gap": float(gap.min()) if n else math.inf,
         "nonfinite": nonfinite,

@@ -35,6 +35,9 @@ class Noise:
     # this precision, whose router inputs carry the upstream layers' error (e2e near ties)
     e2e_scores: dict = field(default_factory=dict)
     logits: list = field(default_factory=list)  # per e2e step: [rows, V] (teacher-forced)
+    # layer -> [indices [T, k] per e2e call]: what HF's own routers chose inside this run, before a
+    # forced selection replaced it (oracle/replay.py: what the candidate is judged against there)
+    e2e_selected: dict = field(default_factory=dict)
 
 
 def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> np.ndarray:
@@ -49,33 +52,48 @@ def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> n
     return np.where(flipped, np.inf, err)
 
 
-def _key(spec, src, prompt) -> str:
+def _key(spec, src, prompt, routes: str = "reference") -> str:
     import exporters.hf
-    from oracle import reference
+    from oracle import reference, replay
     from oracle.artifacts import key_of, versions
 
-    # the code that measures: the reference's capture, the hf candidate and this file
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (reference, exporters.hf))
+    # the code that measures: the reference's capture, the hf candidate, the routing replay and this file
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (reference, exporters.hf, replay))
                           + Path(__file__).read_bytes()).hexdigest()
     return key_of({"family": spec.family, "sha": src.checkpoint_sha256, "prompt": list(prompt),
-                   "n": spec.decode_tokens, "precision": spec.precision, "code": code,
+                   "n": spec.decode_tokens, "precision": spec.precision, "code": code, "routes": routes,
                    **versions("torch", "transformers", "safetensors")})
 
 
-def measure(ref, src, spec, blocks: bool = True) -> Noise:
+def reference_plan(ref) -> dict:
+    """The reference's own selection at every e2e call (the sequence's router calls)."""
+    from oracle.replay import reference_routes
+
+    n = len(ref.logits)
+    return {layer: calls[:n] for layer, calls in reference_routes(ref).items()}
+
+
+def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None) -> Noise:
     """HF at spec.precision: every block on the reference's inputs (unless not `blocks`), then the
-    e2e steps fed the reference's tokens."""
+    e2e steps fed the reference's tokens. Its routers' selections are forced (oracle/replay.py): in the
+    moe and layer blocks to the reference's own on those inputs, in the e2e steps to `plan` (layer ->
+    [indices per e2e call]; default the reference's), so that the error measured is the precision's
+    rounding, not HF's own flips at near ties; the router blocks and the selection scores (read before
+    the selection) are HF's own."""
     import torch
 
     from oracle.backend import resolve
     from oracle.reference import normalize_output, model_args, selection_scores
+    from oracle.replay import forced, reference_routes
 
     hf = resolve("hf").load(src, replace(spec, options={}))
     hf.keep_router_logits = True
     args = model_args(hf.model, src.family)
     noise = Noise(spec.precision)
+    own = reference_routes(ref)
     for key in ref.block_keys() if blocks else ():
-        outs = hf.run_block(key[0], key[1], ref.inputs[key])
+        with forced(hf, {key[0]: own[key[0]]} if key[1] in ("moe", "layer") and key[0] in own else {}):
+            outs = hf.run_block(key[0], key[1], ref.inputs[key])
         if key[1] == "router":
             with torch.no_grad():
                 noise.scores[key[0]] = [selection_scores(hf.modules[key], lg.float().reshape(-1, lg.shape[-1]), args)[0]
@@ -88,16 +106,18 @@ def measure(ref, src, spec, blocks: bool = True) -> Noise:
 
     def record(layer):
         def hook(mod, a, kwargs, out):
-            logits = normalize_output("router", out, router_output=hf.read_router)[2]
+            _, idx, logits = normalize_output("router", out, router_output=hf.read_router)
             scores = selection_scores(mod, logits.reshape(-1, logits.shape[-1]), args)[0]
             noise.e2e_scores.setdefault(layer, []).append(scores.numpy().astype(np.float32))
+            noise.e2e_selected.setdefault(layer, []).append(idx.reshape(-1, idx.shape[-1]).numpy().astype(np.int64))
         return hook
 
     handles = [m.register_forward_hook(record(layer), with_kwargs=True) for layer, m in routers.items()]
     try:
-        noise.logits.append(hf.prefill(ref.tokens[:P]).float().numpy())
-        for k in range(1, len(ref.logits)):
-            noise.logits.append(hf.decode(ref.tokens[P + k - 1], P + k - 1).float().numpy()[None])
+        with forced(hf, reference_plan(ref) if plan is None else plan):
+            noise.logits.append(hf.prefill(ref.tokens[:P]).float().numpy())
+            for k in range(1, len(ref.logits)):
+                noise.logits.append(hf.decode(ref.tokens[P + k - 1], P + k - 1).float().numpy()[None])
     finally:
         for h in handles:
             h.remove()
@@ -115,7 +135,7 @@ def _save(noise: Noise, path: Path) -> None:
                 t[f"w.{layer}.{kind}.{i}"], t[f"i.{layer}.{kind}.{i}"] = o
             else:
                 t[f"o.{layer}.{kind}.{i}"] = o
-    for prefix, table in (("s", noise.scores), ("e", noise.e2e_scores)):
+    for prefix, table in (("s", noise.scores), ("e", noise.e2e_scores), ("c", noise.e2e_selected)):
         meta[prefix] = {str(layer): len(s) for layer, s in table.items()}
         for layer, s in table.items():
             for i, a in enumerate(s):
@@ -137,6 +157,7 @@ def _load(path: Path) -> Noise | None:
                                           else t[f"o.{layer}.{kind}.{i}"] for i in range(n)]
         noise.scores = {int(k): [t[f"s.{k}.{i}"] for i in range(n)] for k, n in meta["s"].items()}
         noise.e2e_scores = {int(k): [t[f"e.{k}.{i}"] for i in range(n)] for k, n in meta["e"].items()}
+        noise.e2e_selected = {int(k): [t[f"c.{k}.{i}"] for i in range(n)] for k, n in meta["c"].items()}
         noise.logits = [t[f"l.{k}"] for k in range(meta["steps"])]
         return noise
     except (OSError, ValueError, KeyError, TypeError):
@@ -146,12 +167,12 @@ def _load(path: Path) -> Noise | None:
 _MEMORY: dict[str, Noise] = {}  # this process's measurements (a matrix server runs many checks)
 
 
-def _cached(key: str, ref, src, spec, blocks: bool = True) -> Noise:
+def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = None) -> Noise:
     if key not in _MEMORY:
         path = cache_root() / "noise" / key
         noise = _load(path)
         if noise is None:
-            noise = measure(ref, src, spec, blocks)
+            noise = measure(ref, src, spec, blocks, plan)
             _save(noise, path)
         if len(_MEMORY) >= 4:
             _MEMORY.pop(next(iter(_MEMORY)))
@@ -177,3 +198,50 @@ def exact_for(ref, src, spec, prompt) -> Noise:
     cached like the others. The blocks are not run: fp32's block rows keep their tables."""
     spec = hf_spec(spec, "fp64")
     return _cached(_key(spec, src, prompt), ref, src, spec, blocks=False)
+
+
+def replayed(ref, src, spec, prompt, plan: dict, precision: str) -> Noise:
+    """HF at `precision` on the teacher-forced e2e steps with the selection `plan` forced at every
+    router call (layer -> [indices per e2e call]: the candidate's), cached: the routing-aligned
+    reference (fp32), its noise (the candidate's precision) and fp32's own error there (fp64)."""
+    from oracle.replay import digest
+
+    spec = hf_spec(spec, precision)
+    return _cached(_key(spec, src, prompt, digest(plan)), ref, src, spec, blocks=False, plan=plan)
+
+
+def aligner(ref, src, spec, prompt):
+    """The e2e routing replay of a check (oracle/e2e.py run_e2e's `align`): plan -> (HF fp32, HF at the
+    check's precision where it is judged against its own error (else None), a callable giving HF at fp64)
+    with that selection forced."""
+    from oracle import thresholds
+
+    def align(plan):
+        at = replayed(ref, src, spec, prompt, plan, spec.precision) if thresholds.noise_relative(spec.precision) else None
+        return (replayed(ref, src, spec, prompt, plan, "fp32"), at,
+                lambda: replayed(ref, src, spec, prompt, plan, "fp64"))
+    return align
+
+
+def block_aligner(ref, src, spec):
+    """The block rows' routing replay (oracle/compare.py block_rows' `align`): (key, the candidate's
+    selection per call) -> (HF fp32's outputs of that block with the selection forced, HF's at the
+    check's precision with it where the precision is judged against its own error, else None). HF is
+    loaded once per precision, when a row first needs it."""
+    from oracle import thresholds
+    from oracle.backend import resolve
+    from oracle.replay import forced
+
+    loaded = {}
+
+    def run(precision, key, sel):
+        if precision not in loaded:
+            loaded[precision] = resolve("hf").load(src, hf_spec(spec, precision))
+        hf = loaded[precision]
+        with forced(hf, {key[0]: sel}):
+            return [o.float().numpy() for o in hf.run_block(key[0], key[1], ref.inputs[key])]
+
+    def align(key, sel):
+        at = run(spec.precision, key, sel) if thresholds.noise_relative(spec.precision) else None
+        return run("fp32", key, sel), at
+    return align

@@ -117,15 +117,7 @@ def _e2e(e: dict | None) -> list[str]:
                       + (f", ties at steps {e['ties']}" if e["ties"] else "")]
         if e.get("measured_noise"):
             lines.append(f"Beyond the fixed e2e table: {e['measured_noise']}.")
-        routed = [s["step"] for s in e["steps"] if Status.ROUTING_TIE in (s.get("logits_status"), s.get("token"))]
-        if routed and any("vs_noise" in s for s in e["steps"]):  # measured noise: excused at their own positions
-            lines.append(f"Routing near ties: steps {routed} differ where their own position's expert choice is a"
-                         f" router near tie within the measured noise (reported, not failed; the block rows judge"
-                         f" the blocks)")
-        elif routed:
-            lines.append(f"Routing near ties: steps {routed} differ after position {e['routing_ties'][0]}, whose expert"
-                         f" choice is a router near tie in the reference (reported, not failed; the block rows"
-                         f" judge the blocks)")
+        lines += _routing(e.get("routing"))
         d = e.get("distribution")
         if d:
             lines.append(f"Logits distribution: **{d['status']}**, KL mean {_fmt(d['kl_mean'])} (p99 {_fmt(d['kl_p99'])},"
@@ -137,7 +129,36 @@ def _e2e(e: dict | None) -> list[str]:
         if fm:
             lines.append(f"First divergence: step {fm['step']} (position {fm['position']}): reference token"
                          f" {fm['reference_token']}, candidate {fm['candidate_token']}, reference top-2 margin"
-                         f" {_fmt(fm['reference_margin'])}{' (near tie)' if fm['tie'] else ' (routing near tie)' if fm.get('routing_tie') else ''}")
+                         f" {_fmt(fm['reference_margin'])}{' (near tie)' if fm['tie'] else ''}")
+    return lines
+
+
+def _routing(r: dict | None) -> list[str]:
+    """The e2e routing replay (oracle/replay.py): what the candidate's routers chose, judged."""
+    if not r:
+        return []
+    if not r["recorded"]:
+        return [f"Routing: not recorded ({r['why']}): the steps are judged against the reference's own routing"]
+    diffs = r["differences"]
+    if not diffs:
+        return [f"Routing: the candidate's routers chose the reference's experts at every position of every step "
+                f"({len(r['layers'])} MoE layer(s))"]
+    follows = f", {r['follows']} following from an earlier one" if r.get("follows") else ""
+    lines = [f"Routing: {len(diffs)} difference(s) from the reference's experts: {r['ties']} tie(s) within the "
+             f"bound measured there{follows}, {r['divergences']} router divergence(s)"
+             + ("; the steps judged against HF fp32 with the candidate's experts forced (routing-aligned), the "
+                "plain comparison beside" if r["aligned"] else ""), "",
+             "| step | layer | position | reference experts | candidate experts | gap | tie bound | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in diffs[:12]:
+        verdict = "**divergence**" if d["verdict"] == "divergence" else d["verdict"]
+        lines.append(f"| {d['call']} | {d['layer']} | {d['position']} | {d['reference']} | {d['candidate']} | "
+                     f"{_fmt(d['gap'])} | {_fmt(d['bound'])} | {verdict} |")
+    if len(diffs) > 12:
+        lines.append(f"... and {len(diffs) - 12} more (the JSON lists every one)")
+    if r.get("plain"):
+        worst = max(p["max_abs"] for p in r["plain"])
+        lines.append(f"Against the plain reference (no routing aligned) the logits differ by up to {_fmt(worst)}.")
     return lines
 
 

@@ -25,7 +25,6 @@ class Status(enum.StrEnum):
     XFAIL = "xfail"  # a failure its known divergence explains (oracle/expected.py)
     NA = "n/a"  # a block row the backend cannot isolate
     REPORTED = "reported"  # measured and shown, not judged (a quantization's own error)
-    ROUTING_TIE = "routing-tie"  # an e2e step that differs after a router near tie: reported, not failed
 
 
 # the statuses of a whole check
@@ -64,9 +63,11 @@ class E2E:
         "teacher forcing: the candidate is fed the reference's tokens, so per-step logits stay "
         "comparable after a divergence; up to the first mismatch this is the candidate's own greedy run"
     )
-    # positions whose expert choice is a near tie in some layer of the reference: a step that
-    # attends to one and fails is `routing-tie` (reported apart, not failed)
-    routing_ties: list[int] = field(default_factory=list)
+    # routing replay (oracle/replay.py): the candidate's selection recorded or not (why), every
+    # difference from the reference's with its gap, tie bound and verdict (tie / divergence: fails),
+    # whether the steps were judged against the routing-aligned reference, and then the plain
+    # comparison with the reference beside it
+    routing: dict | None = None
     # fp32 beyond its table: how the steps were judged against fp32's own measured error (oracle/e2e.py)
     measured_noise: str | None = None
 

@@ -413,3 +413,74 @@ def qwen35_four_faults(model):
 
 
 QWEN35_FOUR_FAULTS = "gdn_state_not_carried+rope_theta_wrong+expert_0.3+shared_expert_1"
+
+
+class FlipRouter(EagerBackend):
+    """The eager candidate whose router of `layer` takes expert `expert` in place of its last choice at
+    sequence position `position`: in the e2e steps, and with `blocks` in the block rows' sequence calls
+    too, as a bug would (a rounding flip inside the model only needs the first: an isolated router is
+    fed the reference's exact input)."""
+
+    def __init__(self, layer: int, position: int, expert: int, blocks: bool = True, **kw):
+        super().__init__(name="flip-router", **kw)
+        self.layer, self.position, self.expert, self.blocks = layer, position, expert, blocks
+
+    def load(self, model, spec):
+        cand = super().load(model, spec)
+        router = cand.model.layers[self.layer].mlp.gate
+        current = {"pos": None}
+        route = router.route
+
+        def flipped(logits):
+            w, idx = route(logits)
+            pos = current["pos"]
+            if pos is None or pos.numel() != idx.shape[0]:
+                return w, idx
+            rows = torch.nonzero(pos == self.position).flatten()
+            if len(rows) and self.expert not in idx[rows[0]].tolist():
+                idx = idx.clone()
+                idx[rows, -1] = self.expert
+                from models import routing
+
+                w = routing.topk_weights(routing.scores(logits, router.args), idx, router.args).to(w.dtype)
+            return w, idx
+
+        router.route = flipped
+        prefill, decode = cand.prefill, cand.decode
+
+        def at(fn, pos):
+            current["pos"] = pos
+            try:
+                return fn()
+            finally:
+                current["pos"] = None
+
+        cand.prefill = lambda tokens: at(lambda: prefill(tokens), torch.arange(len(tokens)))
+        cand.decode = lambda token, p: at(lambda: decode(token, p), torch.tensor([p]))
+        run_block = cand.run_block
+
+        class At:
+            """A block call that says its positions when the block reads its input (a probe: none)."""
+
+            def __init__(self, c):
+                self.c, self.probe, self.tokens = c, c.probe, c.tokens
+
+            @property
+            def x(self):
+                current["pos"] = None if self.c.probe else self.c.pos
+                return self.c.x
+
+            @property
+            def pos(self):
+                return self.c.pos
+
+        def blocks(layer, kind, calls):
+            if not self.blocks or layer != self.layer or kind not in ("router", "moe", "layer"):
+                return run_block(layer, kind, calls)
+            try:
+                return run_block(layer, kind, [At(c) for c in calls])
+            finally:
+                current["pos"] = None
+
+        cand.run_block = blocks
+        return cand

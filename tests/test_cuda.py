@@ -33,6 +33,21 @@ def test_compiled_functions_pass_on_the_cpu():
     assert r.e2e.token_exact and "Inductor" in r.provenance["backend"]["executor"]
 
 
+def test_inductor_at_bf16_on_qwen3_moe_chose_another_expert_at_a_tie():
+    """The H100's open question (2026-11-27: tokens exact, blocks within noise, e2e steps 3.3-5.4x HF
+    bf16's error; 2.4-5.8x with Inductor's C++ kernels here). Its routers' choices, recorded: at layer 0,
+    position 4 Inductor takes expert 5 for the reference's 2, a gap of 1.7e-4 against a tie bound of
+    5.8e-3 there: a tie. Judged against HF with that choice forced, every step is within bf16's noise:
+    a false alarm that propagated through the KV cache, not an Inductor defect (docs/noise.md)."""
+    r = run_check(CheckSpec(family="qwen3_moe", backend="cuda", precision="bf16"), CudaBackend(device="cpu"))
+    routing = r.e2e.routing
+    assert r.status == "pass", (r.worst, r.e2e.status, routing)
+    assert routing["recorded"] and routing["aligned"] and routing["divergences"] == 0
+    assert any(d["verdict"] == "tie" and d["gap"] <= d["bound"] for d in routing["differences"])
+    # the plain comparison (no routing aligned) is what failed before: far beyond the aligned one
+    assert max(p["max_abs"] for p in routing["plain"]) > 5 * max(s["max_abs"] for s in r.e2e.steps)
+
+
 def test_a_fault_in_the_compiled_model_is_localised():
     from models import faults
 

@@ -1,7 +1,7 @@
 """Reduced-precision verdicts from measured noise (oracle/noise.py, issue 37): HF transformers'
 own bf16 run passes by construction, a candidate with three times its error on one block fails
-that row, a decode-path defect fails e2e, and a step is excused as a routing tie only at its own
-near-tie position. The sweep over fifteen families, seeds 0-4 and both weight profiles is in
+that row, a decode-path defect fails e2e (no step is excused: a routing difference is judged on its
+own, tests/test_replay.py). The sweep over fifteen families, seeds 0-4 and both weight profiles is in
 docs/noise.md; here a few families keep the suite's time."""
 
 import numpy as np
@@ -10,7 +10,6 @@ import torch
 
 from oracle.backend import CheckSpec
 from oracle.check import run_check
-from oracle.e2e import excuse_routing_ties
 from oracle.noise import rounding, score_error
 
 PLUGINS = "tests.plugins"
@@ -31,22 +30,6 @@ def test_score_error_per_token_ignores_groups_left_out_by_both():
     assert np.allclose(score_error(r, h), [0.02, 0.0], atol=1e-6)
     flipped = [np.array([[0.5, -np.inf, 0.3], [0.9, 0.1, 0.0]], np.float32)]
     assert np.isinf(score_error(r, flipped)[0])  # another group chosen: no gap is safe
-
-
-def _step(k, status="fail", token="match", nonfinite=0):
-    return {"step": k, "logits_status": status, "token": token, "nonfinite": nonfinite}
-
-
-def test_a_step_is_excused_only_at_its_own_near_tie_position():
-    P = 8
-    steps = [_step(0, "pass"), _step(1), _step(2, token="mismatch"), _step(3, nonfinite=2)]
-    first = {"step": 2, "routing_tie": False}
-    excuse_routing_ties(steps, [3, 9, 10], P, first)  # positions: step 1 is 8, step 2 is 9, step 3 is 10
-    assert [s["logits_status"] for s in steps] == ["pass", "fail", "routing-tie", "fail"]
-    assert steps[2]["token"] == "routing-tie" and first["routing_tie"]
-    steps = [_step(0), _step(1)]
-    excuse_routing_ties(steps, [3], P, None)  # a near tie inside the prompt excuses the prefill only
-    assert [s["logits_status"] for s in steps] == ["routing-tie", "fail"]
 
 
 @pytest.mark.parametrize("family,weights", [("olmoe", "normal"), ("mixtral", "trained"), ("gpt_oss", "trained")])
@@ -75,13 +58,16 @@ def test_three_times_hf_bf16_error_on_one_block_fails_that_row(family, monkeypat
     assert r.worst["kind"] == "moe" and r.status == "fail"
 
 
-@pytest.mark.parametrize("family", ["olmoe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["olmoe", "mixtral", "gpt_oss", "qwen3_5_moe"])
 def test_a_decode_path_defect_fails_e2e_at_bf16(family):
     """Positions shifted by 3 in decode only: the prefill and every block are correct; before,
-    a routing near tie anywhere in the prompt excused every later step at bf16."""
+    a routing near tie anywhere in the prompt excused every later step at bf16, and qwen3_5_moe's
+    noise, inflated by HF bf16's own routing flips, let it pass at 0.99-1.53x (issue 51): its noise is
+    now measured with HF's routing forced to the reference's (all 15 families: docs/noise.md)."""
     r = run_check(CheckSpec(family=family, backend=f"{PLUGINS}:SHIFTED_DECODE", precision="bf16"))
     assert r.e2e.status == "fail" and r.status == "fail"
     assert r.e2e.steps[0]["logits_status"] == "pass"
     failed = [s for s in r.e2e.steps if s["logits_status"] == "fail"]
-    assert len(failed) >= 3 and all(s["vs_noise"] > 3 for s in failed)
+    # several steps, each past e2e's noise_factor (3) x HF bf16's error there by max_abs or rel_l2
+    assert len(failed) >= 3 and all(s["ratio"] > 1 for s in failed) and max(s["vs_noise"] for s in failed) > 3
     assert all(b.status == "pass" for b in r.blocks if b.status != "n/a")

@@ -1,0 +1,188 @@
+"""Routing replay: the evidence of what a candidate's routers chose, instead of excuses.
+
+A MoE's routing is a discrete decision inside a continuous computation: at a near tie a correct
+implementation at another precision may pick other experts, and every number after that legitimately
+differs. So the candidate's selections are recorded (per MoE layer and position: `Candidate.last_routes`)
+and judged on their own:
+
+1. each difference from the reference's selection is a **tie** only where the reference's gap between
+   the experts exchanged is within the tie bound measured there (tie_factor x HF's own selection-score
+   error at the candidate's precision at that layer and position; at fp32 against HF at fp64); beyond
+   it, a **router divergence**, which fails, named by layer and position;
+2. HF runs again with the candidate's selection forced at every layer and position (`forced`: hooks on
+   HF's own routers, the weights of a forced selection computed from HF's own router logits by the
+   family's routing), at fp32 for the reference and at the candidate's precision for the noise, and
+   the candidate is judged against that routing-aligned reference by the usual rules, no step excused
+   and no token left out. Where nothing differs, the noise is HF at the precision forced to the
+   reference's selection, so that it is rounding and not HF's own flips.
+
+This is Rollout Routing Replay (R3, arXiv 2510.11370) as MoE reinforcement-learning stacks use it
+between their inference and training engines: here the candidate is the inference engine, HF replays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def forced(hf, plan: dict):
+    """HF (an exporters.hf HFCandidate) with its routers' selections forced: `plan` maps a layer to one
+    entry per call of its router, in order: an int array [T, k] of experts, or None (HF's own choice).
+    A token whose forced experts are HF's own keeps HF's weights bit for bit; another gets the weights
+    the family's routing gives those experts from HF's own router logits (models.routing.topk_weights),
+    in HF's weights dtype. Yields the per-layer call counts."""
+    import torch
+
+    from models import routing
+
+    args, reader, writer = hf.args, hf.read_router, hf.family.router_input
+    counts: dict = {}
+
+    def hook(layer):
+        def fn(mod, a, kwargs, out):
+            n = counts.get(layer, 0)
+            counts[layer] = n + 1
+            calls = plan.get(layer)
+            if calls is None or n >= len(calls) or calls[n] is None:
+                return None
+            logits, weights, idx = reader(out) if reader else out[:3]
+            k = idx.shape[-1]
+            want = torch.as_tensor(np.asarray(calls[n]), dtype=torch.long).reshape(-1, k)
+            have = idx.reshape(-1, k)
+            if want.shape != have.shape:
+                raise ValueError(f"layer {layer} call {n}: forcing {list(want.shape)} experts on a router call of "
+                                 f"{list(have.shape)}")
+            same = (torch.sort(want, dim=-1).values == torch.sort(have.long(), dim=-1).values).all(dim=-1)
+            if bool(same.all()):
+                return None
+            lg = logits.reshape(-1, logits.shape[-1]).float()
+            w_new = routing.topk_weights(routing.scores(lg, args), want, args).to(weights.dtype)
+            w = torch.where(same[:, None], weights.reshape(-1, k), w_new).reshape(weights.shape)
+            i = torch.where(same[:, None], have, want.to(idx.dtype)).reshape(idx.shape)
+            return writer(out, w, i, args) if writer else (out[0], w, i, *out[3:])
+        return fn
+
+    handles = [hf.modules[layer, "router"].register_forward_hook(hook(layer), with_kwargs=True)
+               for layer in plan if (layer, "router") in hf.modules]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def reference_routes(ref) -> dict:
+    """layer -> [indices [T, k] per call of its router]: the reference's own selection (the sequence's
+    calls, then the expert probes), what the noise is forced to where the candidate chose the same."""
+    return {layer: [np.asarray(i).reshape(-1, i.shape[-1]) for _, i in outs]
+            for (layer, kind), outs in ref.outputs.items() if kind == "router"}
+
+
+def e2e_plan(routes_per_call: list[dict]) -> dict:
+    """[{layer: [T, k]} per e2e call] -> layer -> [per call] (None where a call has no entry)."""
+    layers = sorted({layer for r in routes_per_call for layer in r})
+    return {layer: [r.get(layer) for r in routes_per_call] for layer in layers}
+
+
+def digest(plan: dict) -> str:
+    """A short identity of a routing plan (its arrays' bytes), for the cache keys of forced runs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for layer in sorted(plan):
+        for a in plan[layer]:
+            h.update(b"-" if a is None else np.ascontiguousarray(a, np.int64).tobytes() + b"|")
+        h.update(str(layer).encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Difference:
+    """One place where the candidate's routers chose other experts than the reference's."""
+
+    call: int  # e2e step (0: the prefill) or block call
+    layer: int
+    position: int  # the sequence position (block rows: the token's index in its call)
+    reference: list  # the reference's experts there
+    candidate: list  # the candidate's
+    gap: float  # the reference's selection-score gap between the experts exchanged
+    bound: float  # the tie bound there at the candidate's precision
+    # "tie" (gap within the bound), "divergence" (beyond it: fails), or "follows" (HF with the candidate's
+    # earlier choices forced chooses so too: a consequence of those, not a choice of its own)
+    verdict: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        return (f"layer {self.layer} position {self.position}: experts {self.candidate} for the reference's "
+                f"{self.reference}, gap {self.gap:.3g} vs tie bound {self.bound:.3g}: {self.verdict}")
+
+
+def exchange_gap(scores: np.ndarray, ref_experts, cand_experts) -> float:
+    """The reference's selection-score gap between the experts the candidate exchanged: the best of the
+    dropped minus the worst of the added (a single swap: exactly their gap). A non-finite gap (an expert
+    of a group the reference left out) is infinite: no rounding reaches it."""
+    dropped = sorted(set(int(e) for e in ref_experts) - set(int(e) for e in cand_experts))
+    added = sorted(set(int(e) for e in cand_experts) - set(int(e) for e in ref_experts))
+    if not dropped or not added:
+        return float("inf")  # another count of experts: not a choice at a tie
+    with np.errstate(invalid="ignore"):
+        gap = float(np.max(scores[dropped]) - np.min(scores[added]))
+    return gap if np.isfinite(gap) else float("inf")
+
+
+def differences(ref_idx: list, cand_idx: list, scores: list, bounds: list, positions: list, layer: int) -> list:
+    """Every token of every call where the candidate's experts (as sets) are not the reference's, with
+    its gap and tie bound and the verdict. Lists per call: reference and candidate indices [T, k], the
+    reference's selection scores [T, E], the tie bound [T] (or a number), the positions [T]."""
+    out = []
+    for call, (ri, ci, sc, bd, pos) in enumerate(zip(ref_idx, cand_idx, scores, bounds, positions)):
+        if ci is None:
+            continue
+        ri = np.asarray(ri).reshape(-1, np.asarray(ri).shape[-1])
+        ci = np.asarray(ci).reshape(ri.shape[0], -1)
+        bd = np.broadcast_to(np.asarray(bd, np.float64).reshape(-1) if np.ndim(bd) else np.float64(bd), (ri.shape[0],))
+        for t in range(ri.shape[0]):
+            if set(ri[t].tolist()) == set(ci[t].tolist()):
+                continue
+            gap = exchange_gap(np.asarray(sc[t], np.float64), ri[t], ci[t])
+            bound = float(bd[t])
+            out.append(Difference(call, layer, int(pos[t]) if pos is not None else t, sorted(ri[t].tolist()),
+                                  sorted(ci[t].tolist()), gap, bound, "tie" if gap <= bound else "divergence"))
+    return out
+
+
+class RouteLog:
+    """What a torch candidate's routers selected: forward hooks on its router modules ({layer: module})
+    append (layer, indices) on every call (`read`: the module's output -> its indices; traced as a side
+    effect by torch.compile too). `reset` at the start of each prefill, decode or run_block."""
+
+    def __init__(self, routers: dict, read):
+        self.entries: list = []
+        self.handles = [m.register_forward_hook(self._hook(layer, read)) for layer, m in routers.items()]
+
+    def _hook(self, layer, read):
+        def fn(mod, args, out):
+            self.entries.append((layer, read(out)))
+        return fn
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    @staticmethod
+    def _array(idx) -> np.ndarray:
+        a = idx.detach().cpu().numpy() if hasattr(idx, "detach") else np.asarray(idx)
+        return a.reshape(-1, a.shape[-1]).astype(np.int64)
+
+    def call(self) -> dict:
+        """{layer: [T, k]} of one model call (each router once)."""
+        return {layer: self._array(idx) for layer, idx in self.entries}
+
+    def calls(self) -> list:
+        """[{layer: [T, k]}] per router call, in order (a block's calls, one each)."""
+        return [{layer: self._array(idx)} for layer, idx in self.entries]
