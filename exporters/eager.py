@@ -36,7 +36,7 @@ class TorchCandidate(Candidate):
         self.info = info or {"executor": f"torch {torch.__version__} eager"}
         # the experts each router selects (oracle/replay.py): hooks on the production routers
         self.routes = RouteLog({i: layer.mlp.gate for i, layer in enumerate(model.layers)
-                                if isinstance(layer.mlp, SparseMoE)}, lambda out: out[1])
+                                if isinstance(layer.mlp, SparseMoE)}, lambda out: (out[1], out[0]))
 
     def last_routes(self):
         return self.routes.call()

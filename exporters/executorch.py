@@ -49,6 +49,7 @@ import tempfile
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -537,10 +538,39 @@ class ExecutorchCandidate(Candidate):
         return name, [o.clone() for o in outs]  # outputs may alias the method's memory: the next call overwrites them
 
     def prefill(self, tokens):
-        return self.run(tokens, torch.arange(len(tokens)))[1][0][0]
+        name, outs = self.run(tokens, torch.arange(len(tokens)))
+        self.routes = self._routes(name, outs)
+        return outs[0][0]
 
     def decode(self, token, pos):
-        return self.run([token], [pos])[1][0][0, -1]
+        name, outs = self.run([token], [pos])
+        self.routes = self._routes(name, outs)
+        return outs[0][0, -1]
+
+    routes = None
+    no_routes = "a program without the routers' taps (a production .pte) does not report its routers' choices"
+
+    def _routes(self, name: str, outs: list) -> dict | None:
+        """{layer: indices [T, k] (or (indices, weights))} from the routers' runtime taps of this call: the
+        experts the program chose (routing replay); None for a program without them."""
+        found = {}
+        for layer, kind, i in (self.taps or {}).get(name, []):
+            if kind == "router":
+                found.setdefault(layer, []).append(outs[i])
+        if not found:
+            return None
+        routes = {}
+        for layer, ts in found.items():
+            idx = next((t for t in ts if not t.is_floating_point()), None)
+            if idx is None:
+                return None
+            w = next((t for t in ts if t.is_floating_point()), None)
+            idx = idx.reshape(-1, idx.shape[-1]).numpy().astype(np.int64)
+            routes[layer] = (idx, w.float().reshape(idx.shape).numpy()) if w is not None and w.numel() == idx.size else idx
+        return routes
+
+    def last_routes(self):
+        return self.routes
 
     def sequence_taps(self, calls) -> list[dict]:
         """Per call of the sequence: (layer, kind) -> tapped outputs, from one run of the program."""

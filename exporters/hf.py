@@ -53,7 +53,7 @@ class HFCandidate(Candidate):
         self.keep_router_logits = False
         # the experts each router selects (oracle/replay.py)
         self.routes = RouteLog({layer: m for (layer, kind), m in self.modules.items() if kind == "router"},
-                               lambda out: normalize_output("router", out, router_output=self.read_router)[1])
+                               lambda out: normalize_output("router", out, router_output=self.read_router)[1::-1])
 
     def last_routes(self):
         return self.routes.call()

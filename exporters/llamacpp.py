@@ -179,12 +179,14 @@ class Graph:
     and each node's op and operands (`nodes`: pointer -> (name, op, srcs)). `patch`: name -> array
     written over that node's value once it is computed (what its consumers then read)."""
 
-    def __init__(self, record: bool, patch: dict | None = None):
-        self.record, self.patch = record, patch or {}
+    def __init__(self, record: bool, patch: dict | None = None, only: tuple = ()):
+        self.record, self.patch, self.only = record, patch or {}, only  # only: record just these name prefixes
         self.values, self.named, self.nodes, self.order, self.patched = {}, {}, {}, [], set()
 
     def __call__(self, t, ask, user_data) -> bool:
         if ask:
+            if self.only:
+                return ggml().ggml_get_name(t).decode(errors="replace").startswith(self.only)
             return self.record or bool(self.patch)
         lib = ggml()
         s = ctypes.cast(t, ctypes.POINTER(_Tensor)).contents
@@ -334,6 +336,21 @@ class Runner:
             return out.reshape(rows, self.n_vocab).copy()
         finally:
             L.llama_batch_free(batch)
+
+    def routed(self, tokens, pos, logits_all: bool) -> tuple:
+        """(logits, {layer: (indices [T, k], weights [T, k])}): a decode with only the routers' choices read
+        off the graph (`ffn_moe_topk-L` and the last `ffn_moe_weights*-L`: router_of), for routing replay."""
+        self.graph = Graph(record=True, only=("ffn_moe_topk", "ffn_moe_weights"))
+        try:
+            logits = self.decode(tokens, pos, logits_all)
+            routes = {}
+            for L in range(self.n_layer):
+                r = router_of(self.graph, L)
+                if r is not None:
+                    routes[L] = (r[1], r[0])
+            return logits, routes
+        finally:
+            self.graph = Graph(record=False)
 
     def record(self, tokens, pos, patch=None) -> Graph:
         self.graph = Graph(record=True, patch=patch)
@@ -527,7 +544,13 @@ class LlamaCppCandidate(Candidate):
     __del__ = close
 
     def prefill(self, tokens):
-        return self._call("decode", list(tokens), list(range(len(tokens))), True)
+        logits, self.routes = self._call("routed", list(tokens), list(range(len(tokens))), True)
+        return logits
+
+    routes: dict = {}
+
+    def last_routes(self):
+        return self.routes
 
     def structures(self) -> dict:
         """The structural golden: the histogram of the named tensors of llama.cpp's graph."""
@@ -537,7 +560,8 @@ class LlamaCppCandidate(Candidate):
                                                 "(a decode of two tokens; the layer suffix -N dropped)")}
 
     def decode(self, token, pos):
-        return self._call("decode", [int(token)], [int(pos)], False)[0]
+        logits, self.routes = self._call("routed", [int(token)], [int(pos)], False)
+        return logits[0]
 
     def sequence(self, calls) -> list[dict]:
         """Per call of the sequence: (layer, kind) -> output, from one recorded run."""

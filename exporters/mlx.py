@@ -441,6 +441,33 @@ class MLXCandidate(Candidate):
         self.array_mask = array_mask  # the family's mlx-lm model builds an array mask (MlxLm.array_mask)
         self.windows = windows or {}  # layer -> its sliding window (the model's own masks; a block needs it)
         self.chunks = chunks or {}  # layer -> its attention chunk (Llama 4's chunked layers)
+        self.routes: list = []  # (layer, indices, weights) of each MoE block's call (routing replay)
+        self._record_routes()
+
+    def _record_routes(self) -> None:
+        """Each sparse layer's mlx-lm MoE block, its class swapped for one that records the experts it
+        selects on every call (the routing mirror, exporters/mlx_model.py route, on the block's input:
+        what the block itself computes, tests/test_mlx.py) before running as it is."""
+        mx, routes = self.mx, self.routes
+        for i, layer in enumerate(text_model(self.model).layers):
+            moe = moe_block(layer)
+            if not ("switch_mlp" in moe or "experts" in moe):
+                continue
+            cls = type(moe)
+
+            def call(self_, x, *a, _cls=cls, _i=i, **kw):
+                w, idx = route(self_, x)
+                mx.eval(w, idx)
+                routes.append((_i, np.array(idx).reshape(-1, idx.shape[-1]).astype(np.int64),
+                               np.array(w.astype(mx.float32)).reshape(-1, idx.shape[-1])))
+                return _cls.__call__(self_, x, *a, **kw)
+            moe.__class__ = type(cls.__name__, (cls,), {"__call__": call})
+
+    def last_routes(self):
+        return {layer: (idx, w) for layer, idx, w in self.routes}
+
+    def block_routes(self):
+        return [{layer: (idx, w)} for layer, idx, w in self.routes]
 
     def _in(self, x):  # the reference's fp32 numpy input -> mx at the model's activation dtype
         return self.mx.array(np.asarray(x, np.float32)).astype(self.dtype)
@@ -471,9 +498,11 @@ class MLXCandidate(Candidate):
             return self.model(self.mx.array([[token]]), cache=self.cache)[0, -1]
 
     def prefill(self, tokens):
+        self.routes.clear()
         return self._out(self._prefill(tokens))
 
     def decode(self, token, pos):
+        self.routes.clear()
         return self._out(self._decode(token, pos))
 
     # The on-device sampler is mlx-lm's own (mlx_lm.sample_utils.make_sampler: top-p, then
@@ -521,6 +550,7 @@ class MLXCandidate(Candidate):
                         else "mlx-lm reads the candidate's config.json as the reference's model")]
 
     def run_block(self, layer, kind, calls):
+        self.routes.clear()
         with self.mx.stream(self.device):
             fn = self._block(layer, kind)
             return [fn(self._in(c.x_array), c) for c in calls]

@@ -14,7 +14,7 @@ from oracle.backend import CheckSpec, ModelSource
 from oracle.metrics import OutputError, as_array, router_metrics, tensor_metrics, weight_diffs
 from oracle.metrics import rounding
 from oracle.noise import score_error
-from oracle.replay import differences
+from oracle.replay import differences, plan_of
 from oracle.result import BlockRow, Status
 
 
@@ -96,7 +96,7 @@ def router_gaps(ref, layer: int, n: int | None = None, dtype=np.float32, weights
     (the first n: the sequence's calls come first, then the expert probes); for a group-limited
     router the smaller of that and the margin of its group choice; with `weights`, also of the
     decisions that set its weights (sparsemixer's masks: the block rows judge the weights; e2e
-    does not excuse a step for them, oracle/e2e.py excuse_routing_ties)."""
+    does not excuse a step for them: routing replay, oracle/replay.py)."""
     p = -np.sort(-np.concatenate(ref.router_probs[layer])[:n].astype(dtype), axis=-1)  # descending
     k = ref.outputs[layer, "router"][0][1].shape[-1]
     with np.errstate(invalid="ignore"):  # -inf (a group left out) below the k-th: an infinite gap
@@ -155,10 +155,12 @@ def compare_block(ref, key, outs, spec, layer_types, reduction: int = 0, noise=N
         # each token whose experts differ: a tie only where the reference's gap between the experts
         # exchanged is within the bound measured there (oracle/replay.py)
         bound = np.broadcast_to(np.asarray(tie, np.float64), gaps.shape)
-        diffs = differences([ref_i], [cand_i], [np.concatenate(ref.router_probs[layer])], [bound],
-                            [np.arange(len(ref_i))], layer) if ref_i.shape == cand_i.shape else []
+        wg = ref.weight_gaps.get(layer)
+        diffs = differences([ref_i], [(cand_i, cand_w)], [np.concatenate(ref.router_probs[layer])], [bound],
+                            [np.arange(len(ref_i))], layer, [ref_w] if wg else None,
+                            [np.concatenate(wg)] if wg else None, spec.precision) if ref_i.shape == cand_i.shape else []
         exchange_tie = np.zeros(len(ref_i), dtype=bool)
-        exchange_tie[[d.position for d in diffs if d.verdict == "tie"]] = True
+        exchange_tie[[d.position for d in diffs if d.verdict == "tie" and d.what == "experts"]] = True
         # a token routed as HF routes the candidate's own upstream agrees
         m = router_metrics(ref_w, ref_i, cand_w, cand_i, gaps, tie, own=own, selection_tie=exchange_tie)
         h = noise.outputs.get(key) if noise is not None and "noise_factor" in lim else None
@@ -204,25 +206,25 @@ def compare_block(ref, key, outs, spec, layer_types, reduction: int = 0, noise=N
             plain = np.concatenate([o.reshape(-1, o.shape[-1]) for o in ref.outputs[key]]).astype(np.float64)
             if plain.shape == c.shape:
                 m["plain_max_abs"] = float(np.abs(plain - c).max()) if c.size else 0.0
-            m["aligned_tokens"] = _rerouted(ref, layer, selection)
+            m["aligned_tokens"] = len(block_differences(ref, layer, selection, spec, len(outs)))
         judge = (thresholds.judge_upstream if "upstream_allclose_ratio" in m
                  else thresholds.judge_noise if "noise_max_abs" in m else thresholds.judge_tensor)
         status, ratio = judge(m, lim)
     return BlockRow(layer, kind, status, "isolated", m, lim, ratio, detail)
 
 
-def _rerouted(ref, layer: int, selection: list | None) -> int:
-    """How many tokens the candidate routed to other experts than the reference's (a moe or layer row's)."""
+def block_differences(ref, layer: int, selection: list | None, spec, calls: int | None = None) -> list:
+    """The tokens of a block's calls where the candidate's choice (`selection`: per call, indices or
+    (indices, weights)) is not the reference's: oracle.replay.Difference each (position: the token's
+    index in its call; the verdicts are the router row's to give)."""
     if not selection:
-        return 0
-    n = 0
-    for (_, ri), ci in zip(ref.outputs[layer, "router"], selection):
-        ri = np.asarray(ri).reshape(-1, np.asarray(ri).shape[-1])
-        if ci is None:
-            continue
-        ci = np.asarray(ci).reshape(ri.shape[0], -1)
-        n += sum(set(ri[t].tolist()) != set(ci[t].tolist()) for t in range(len(ri)))
-    return int(n)
+        return []
+    outs = ref.outputs[layer, "router"][: calls or len(selection)]
+    n = len(outs)
+    gaps = ref.weight_gaps.get(layer)
+    return differences([i for _, i in outs], selection[:n], ref.router_probs[layer][:n], [np.inf] * n,
+                       [np.arange(np.asarray(i).reshape(-1, np.asarray(i).shape[-1]).shape[0]) for _, i in outs],
+                       layer, [w for w, _ in outs] if gaps else None, gaps[:n] if gaps else None, spec.precision)
 
 
 def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.ndarray, m: dict,
@@ -306,17 +308,21 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
         isolated = not insitu.is_in_situ(mode_of[key])
         if key[1] == "router" and isolated:
             try:
-                router_sel[key[0]] = [np.asarray(as_array(o[1], np.int64)) for o in outs]
+                router_sel[key[0]] = [(np.asarray(as_array(o[1], np.int64)), np.asarray(as_array(o[0])))
+                                      for o in outs]
             except Exception:  # noqa: BLE001 - a malformed router output: its row says so
                 pass
         sel, aligned, note = None, None, None
         if key[1] in ("moe", "layer") and isolated:
             sel = selections.get(key) or router_sel.get(key[0])
             sel = sel[: len(ref.inputs[key])] if sel is not None else None
-            if align is not None and sel is not None and _rerouted(ref, key[0], sel):
+            diffs = block_differences(ref, key[0], sel, spec, len(ref.inputs[key]))
+            if align is not None and diffs:
                 progress(f"blocks: HF with the candidate's experts forced ({key[0]} {key[1]})")
+                positions = [np.arange(np.asarray(i).reshape(-1, np.asarray(i).shape[-1]).shape[0])
+                             for _, i in ref.outputs[key[0], "router"][: len(sel)]]
                 try:
-                    aligned = align(key, sel)
+                    aligned = align(key, plan_of(sel, diffs, key[0], positions))
                 except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said
                     note = f"routing replay failed ({type(e).__name__}: {e}): judged against the plain reference"
         row = compare_block(ref, key, outs, spec, args.layer_types, reduction_length(args), noise,

@@ -161,8 +161,9 @@ def run_conversion_selftest(backend_name: str, families=None, formats=None, faul
                     out = Path(tmp) / label.replace(" ", "_") / "clean"
                     out.mkdir(parents=True)
                     clean_file = _shipped(base, base.export(src, fspec, out), out)
-                except (InputError, ValueError) as e:  # the exporter refuses the family at this format
-                    add(res.refused, {"family": family, "format": label, "why": f"{type(e).__name__}: {e}"})
+                except Exception as e:  # noqa: BLE001 - the exporter refuses the family at this format
+                    add(res.refused, {"family": family, "format": label,
+                                      "why": f"the exporter: {type(e).__name__}: {str(e).splitlines()[0][:200]}"})
                     continue
                 progress(f"{family} {label} unmodified")
                 t = time.perf_counter()
@@ -182,8 +183,14 @@ def run_conversion_selftest(backend_name: str, families=None, formats=None, faul
                     t = time.perf_counter()
                     out = Path(tmp) / label.replace(" ", "_") / fault.name
                     out.mkdir(parents=True)
-                    fsrc = model_source(replace(spec, model_dir=str(fdir)))
-                    shipped = _shipped(base, base.export(fsrc, fspec, out), out)
+                    try:
+                        fsrc = model_source(replace(spec, model_dir=str(fdir)))
+                        shipped = _shipped(base, base.export(fsrc, fspec, out), out)
+                    except Exception as e:  # noqa: BLE001 - the exporter refuses the faulted checkpoint
+                        add(res.not_applicable, {"family": family, "format": label, "fault": fault.name,
+                                                 "why": f"the exporter refused it: {type(e).__name__}: "
+                                                        f"{str(e).splitlines()[0][:200]}"})
+                        continue
                     r = _check(spec, base, shipped)
                     add(res.rows, _judge(ConversionRow(family, label, fault.name, fault.what, "", None, False, False,
                                                        sorted({folded(n) for n in edited})), r, t))

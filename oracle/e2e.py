@@ -15,7 +15,7 @@ from oracle.noise import aligner, exact_for, noise_for
 from oracle.result import E2E, GateRow, Status
 from oracle.compare import shape_text, dtype_name, expected_dtype, reduction_length
 from oracle.noise import score_error
-from oracle.replay import differences
+from oracle.replay import differences, plan_of
 from oracle.references import reference_of
 
 
@@ -68,31 +68,48 @@ def tie_bounds(scores: list, measured: list | None, spec, num_experts: int) -> l
     router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
     factor = router_lim.get("tie_factor") or (thresholds.exact(spec.precision) or {}).get("tie_factor")
     if measured is not None and factor and len(measured) >= len(scores):
-        return [factor * score_error([s], [m]) for s, m in zip(scores, measured)]
+        errs = [score_error([s], [m]) for s, m in zip(scores, measured)]
+        # one token's error is one sample of the precision's rounding: at least the layer's median token's
+        # (as an e2e step's noise is at least the median step's), so a token where HF happened to round
+        # well does not hold another correct implementation to a tighter bound
+        flat = np.concatenate(errs)
+        median = float(np.median(flat[np.isfinite(flat)])) if np.isfinite(flat).any() else 0.0
+        return [factor * np.maximum(e, median) for e in errs]
     return [thresholds.tie_gap(router_lim, num_experts)] * len(scores)
 
 
-def routing_differences(selected: dict, scores: dict, measured, routes: list, positions: list, spec) -> list:
-    """Every (step, layer, position) where the candidate's experts (`routes`: per step {layer: [T, k]}) are
-    not those the reference chose there (`selected`, `scores`: layer -> per call, the plain reference's or
-    the routing-aligned run's own, before forcing), judged (oracle/replay.py): a tie within the bound
-    measured there (`measured`: a Noise at the precision, or None), else a router divergence."""
+def routing_differences(run: dict, measured, routes: list, positions: list, spec) -> list:
+    """Every (step, layer, position) where the candidate's choice (`routes`: per step {layer: indices or
+    (indices, weights)}) is not what the reference chose there (`run`: what_chose(...) of the plain
+    reference or of the routing-aligned run, HF's own choice before forcing), judged (oracle/replay.py):
+    a tie within the bound measured there (`measured`: a Noise at the precision, or None), else a router
+    divergence. Where a discrete decision sets the weights, a difference of the weights counts too."""
     n = len(routes)
     out = []
-    for layer in sorted(selected):
-        cand_idx = [r.get(layer) if r else None for r in routes]
-        if all(c is None for c in cand_idx):
+    for layer in sorted(run["selected"]):
+        cand = [r.get(layer) if r else None for r in routes]
+        if all(c is None for c in cand):
             continue
+        scores = run["scores"][layer][:n]
         at = None if measured is None else measured.e2e_scores.get(layer)
-        bounds = tie_bounds(scores[layer][:n], None if at is None else at[:n], spec, scores[layer][0].shape[-1])
-        out += differences(selected[layer][:n], cand_idx, scores[layer][:n], bounds, positions[:n], layer)
+        bounds = tie_bounds(scores, None if at is None else at[:n], spec, scores[0].shape[-1])
+        gaps = run["weight_gaps"].get(layer)
+        out += differences(run["selected"][layer][:n], cand, scores, bounds, positions[:n], layer,
+                           run["weights"][layer][:n] if gaps else None, gaps[:n] if gaps else None, spec.precision)
     return sorted(out, key=lambda d: (d.call, d.position, d.layer))
 
 
-def plain_selection(ref) -> tuple[dict, dict]:
-    """(layer -> the reference's indices per call, layer -> its selection scores per call)."""
-    return ({layer: [i for _, i in ref.outputs[layer, "router"]] for layer in ref.router_probs},
-            dict(ref.router_probs))
+def what_chose(ref=None, noise=None) -> dict:
+    """What HF chose at every e2e call, per layer: its experts, selection scores, weights and (where a
+    discrete decision sets the weights) that decision's margins; of the plain reference or of a forced
+    run (a Noise), HF's own choice there before forcing."""
+    if noise is not None:
+        return {"selected": noise.e2e_selected, "scores": noise.e2e_scores, "weights": noise.e2e_weights,
+                "weight_gaps": noise.e2e_weight_gaps}
+    return {"selected": {layer: [i for _, i in ref.outputs[layer, "router"]] for layer in ref.router_probs},
+            "scores": dict(ref.router_probs),
+            "weights": {layer: [w for w, _ in ref.outputs[layer, "router"]] for layer in ref.router_probs},
+            "weight_gaps": dict(ref.weight_gaps)}
 
 
 def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None, exact=None, align=None):
@@ -115,18 +132,19 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     reported = bool(routes) and all(r is not None for r in routes)
     rule = thresholds.exact(spec.precision)
     exact_once = _once(exact) if exact is not None else None
-    selected, scores = plain_selection(ref)
-    diffs = routing_differences(selected, scores, None, routes, ref.positions, spec) if reported else []
+    plain = what_chose(ref) if reported else None
+    diffs = routing_differences(plain, None, routes, ref.positions, spec) if reported else []
     target, target_noise, target_exact = Aligned(ref.tokens, ref.prompt_len, ref.logits), noise, exact_once
     aligned = bool(diffs) and align is not None
-    if aligned:  # HF with the candidate's experts forced: what it then chooses, layer by layer, is what the
+    if aligned:  # HF with the candidate's choice forced: what it then chooses, layer by layer, is what the
         # candidate's choice is judged against (a choice downstream of an earlier flip follows from it)
-        plan = {layer: [r.get(layer) for r in routes] for layer in sorted(ref.router_probs)}
+        plan = {layer: plan_of([r.get(layer) for r in routes], diffs, layer, ref.positions)
+                for layer in sorted(ref.router_probs)}
         fp32, at, fp64 = align(plan)
         target = Aligned(ref.tokens, ref.prompt_len, fp32.logits)
         target_noise, target_exact = (at, None) if noise is not None else (None, _once(fp64))
         measured = at if noise is not None else _try(target_exact) if rule else None
-        judged = routing_differences(fp32.e2e_selected, fp32.e2e_scores, measured, routes, ref.positions, spec)
+        judged = routing_differences(what_chose(noise=fp32), measured, routes, ref.positions, spec)
         seen = {(d.call, d.layer, d.position) for d in judged}
         for d in diffs:  # a difference from the plain reference that HF makes too, given the earlier ones
             if (d.call, d.layer, d.position) not in seen:
@@ -135,7 +153,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
         diffs = sorted(judged, key=lambda d: (d.call, d.position, d.layer))
     elif diffs:  # no replay: the differences judged on the plain reference's gaps
         measured = noise if noise is not None else _try(exact_once) if rule else None
-        diffs = routing_differences(selected, scores, measured, routes, ref.positions, spec)
+        diffs = routing_differences(plain, measured, routes, ref.positions, spec)
     e2e, rows, dtypes = judge_steps(target, answers, error, spec, lim, target_noise)
     if target_noise is None and target_exact is not None and rule and beyond_table(e2e, rule["measure_below"]):
         try:

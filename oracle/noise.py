@@ -38,6 +38,10 @@ class Noise:
     # layer -> [indices [T, k] per e2e call]: what HF's own routers chose inside this run, before a
     # forced selection replaced it (oracle/replay.py: what the candidate is judged against there)
     e2e_selected: dict = field(default_factory=dict)
+    # layer -> [weights [T, k] per e2e call], and where a discrete decision sets them (sparsemixer) that
+    # decision's margin [T] per call: HF's own, before a forced selection replaced them
+    e2e_weights: dict = field(default_factory=dict)
+    e2e_weight_gaps: dict = field(default_factory=dict)
 
 
 def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> np.ndarray:
@@ -83,7 +87,7 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None) -> No
     import torch
 
     from oracle.backend import resolve
-    from oracle.reference import normalize_output, model_args, selection_scores
+    from oracle.reference import normalize_output, model_args, selection_scores, weight_gap
     from oracle.replay import forced, reference_routes
 
     hf = resolve("hf").load(src, replace(spec, options={}))
@@ -106,10 +110,15 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None) -> No
 
     def record(layer):
         def hook(mod, a, kwargs, out):
-            _, idx, logits = normalize_output("router", out, router_output=hf.read_router)
-            scores = selection_scores(mod, logits.reshape(-1, logits.shape[-1]), args)[0]
+            w, idx, logits = normalize_output("router", out, router_output=hf.read_router)
+            flat = logits.reshape(-1, logits.shape[-1])
+            scores = selection_scores(mod, flat, args)[0]
             noise.e2e_scores.setdefault(layer, []).append(scores.numpy().astype(np.float32))
             noise.e2e_selected.setdefault(layer, []).append(idx.reshape(-1, idx.shape[-1]).numpy().astype(np.int64))
+            noise.e2e_weights.setdefault(layer, []).append(w.reshape(-1, w.shape[-1]).numpy().astype(np.float32))
+            wgap = weight_gap(flat, args)
+            if wgap is not None:
+                noise.e2e_weight_gaps.setdefault(layer, []).append(wgap.numpy().astype(np.float32))
         return hook
 
     handles = [m.register_forward_hook(record(layer), with_kwargs=True) for layer, m in routers.items()]
@@ -135,7 +144,8 @@ def _save(noise: Noise, path: Path) -> None:
                 t[f"w.{layer}.{kind}.{i}"], t[f"i.{layer}.{kind}.{i}"] = o
             else:
                 t[f"o.{layer}.{kind}.{i}"] = o
-    for prefix, table in (("s", noise.scores), ("e", noise.e2e_scores), ("c", noise.e2e_selected)):
+    for prefix, table in (("s", noise.scores), ("e", noise.e2e_scores), ("c", noise.e2e_selected),
+                          ("ew", noise.e2e_weights), ("eg", noise.e2e_weight_gaps)):
         meta[prefix] = {str(layer): len(s) for layer, s in table.items()}
         for layer, s in table.items():
             for i, a in enumerate(s):
@@ -158,6 +168,8 @@ def _load(path: Path) -> Noise | None:
         noise.scores = {int(k): [t[f"s.{k}.{i}"] for i in range(n)] for k, n in meta["s"].items()}
         noise.e2e_scores = {int(k): [t[f"e.{k}.{i}"] for i in range(n)] for k, n in meta["e"].items()}
         noise.e2e_selected = {int(k): [t[f"c.{k}.{i}"] for i in range(n)] for k, n in meta["c"].items()}
+        noise.e2e_weights = {int(k): [t[f"ew.{k}.{i}"] for i in range(n)] for k, n in meta["ew"].items()}
+        noise.e2e_weight_gaps = {int(k): [t[f"eg.{k}.{i}"] for i in range(n)] for k, n in meta["eg"].items()}
         noise.logits = [t[f"l.{k}"] for k in range(meta["steps"])]
         return noise
     except (OSError, ValueError, KeyError, TypeError):
@@ -224,8 +236,8 @@ def aligner(ref, src, spec, prompt):
 
 
 def block_aligner(ref, src, spec):
-    """The block rows' routing replay (oracle/compare.py block_rows' `align`): (key, the candidate's
-    selection per call) -> (HF fp32's outputs of that block with the selection forced, HF's at the
+    """The block rows' routing replay (oracle/compare.py block_rows' `align`): (key, the forcing plan of
+    its layer per call: oracle.replay.plan_of) -> (HF fp32's outputs of that block with it forced, HF's at the
     check's precision with it where the precision is judged against its own error, else None). HF is
     loaded once per precision, when a row first needs it."""
     from oracle import thresholds
@@ -234,11 +246,11 @@ def block_aligner(ref, src, spec):
 
     loaded = {}
 
-    def run(precision, key, sel):
+    def run(precision, key, plan):
         if precision not in loaded:
             loaded[precision] = resolve("hf").load(src, hf_spec(spec, precision))
         hf = loaded[precision]
-        with forced(hf, {key[0]: sel}):
+        with forced(hf, {key[0]: plan}):
             return [o.float().numpy() for o in hf.run_block(key[0], key[1], ref.inputs[key])]
 
     def align(key, sel):

@@ -31,10 +31,11 @@ import numpy as np
 @contextlib.contextmanager
 def forced(hf, plan: dict):
     """HF (an exporters.hf HFCandidate) with its routers' selections forced: `plan` maps a layer to one
-    entry per call of its router, in order: an int array [T, k] of experts, or None (HF's own choice).
-    A token whose forced experts are HF's own keeps HF's weights bit for bit; another gets the weights
-    the family's routing gives those experts from HF's own router logits (models.routing.topk_weights),
-    in HF's weights dtype. Yields the per-layer call counts."""
+    entry per call of its router, in order: an int array [T, k] of experts, a Choice (experts, and the
+    weights to take where a discrete decision sets them), or None (HF's own choice).
+    A token whose forced experts are HF's own keeps HF's weights bit for bit (unless the Choice gives its
+    weights); another gets the weights the family's routing gives those experts from HF's own router
+    logits (models.routing.topk_weights), in HF's weights dtype. Yields the per-layer call counts."""
     import torch
 
     from models import routing
@@ -49,20 +50,28 @@ def forced(hf, plan: dict):
             calls = plan.get(layer)
             if calls is None or n >= len(calls) or calls[n] is None:
                 return None
+            choice = calls[n] if isinstance(calls[n], Choice) else Choice(np.asarray(calls[n]))
             logits, weights, idx = reader(out) if reader else out[:3]
             k = idx.shape[-1]
-            want = torch.as_tensor(np.asarray(calls[n]), dtype=torch.long).reshape(-1, k)
+            want = torch.as_tensor(np.asarray(choice.experts), dtype=torch.long).reshape(-1, k)
             have = idx.reshape(-1, k)
             if want.shape != have.shape:
                 raise ValueError(f"layer {layer} call {n}: forcing {list(want.shape)} experts on a router call of "
                                  f"{list(have.shape)}")
             same = (torch.sort(want, dim=-1).values == torch.sort(have.long(), dim=-1).values).all(dim=-1)
-            if bool(same.all()):
+            given = torch.zeros_like(same) if choice.weights_at is None else torch.as_tensor(choice.weights_at).reshape(-1)
+            if bool(same.all()) and not bool(given.any()):
                 return None
             lg = logits.reshape(-1, logits.shape[-1]).float()
             w_new = routing.topk_weights(routing.scores(lg, args), want, args).to(weights.dtype)
-            w = torch.where(same[:, None], weights.reshape(-1, k), w_new).reshape(weights.shape)
+            if bool(given.any()):  # a discrete decision of the weights taken as the candidate took it
+                w_given = torch.as_tensor(np.asarray(choice.weights), dtype=weights.dtype).reshape(-1, k)
+                w_new = torch.where(given[:, None], w_given, w_new)
+            keep = same & ~given
+            w = torch.where(keep[:, None], weights.reshape(-1, k), w_new).reshape(weights.shape)
             i = torch.where(same[:, None], have, want.to(idx.dtype)).reshape(idx.shape)
+            if bool(given.any()):  # the given weights are in the candidate's expert order
+                i = torch.where(given[:, None], want.to(idx.dtype), i.reshape(-1, k)).reshape(idx.shape)
             return writer(out, w, i, args) if writer else (out[0], w, i, *out[3:])
         return fn
 
@@ -73,6 +82,33 @@ def forced(hf, plan: dict):
     finally:
         for h in handles:
             h.remove()
+
+
+@dataclass
+class Choice:
+    """A router call's forced choice: its experts [T, k], and where a discrete decision sets the weights
+    (sparsemixer's masks), the candidate's weights [T, k] and the tokens [T] to take them at."""
+
+    experts: np.ndarray
+    weights: np.ndarray | None = None
+    weights_at: np.ndarray | None = None
+
+
+# the weights of the same experts differ discretely (a sparsemixer mask decided otherwise) beyond this share
+# of the largest weight: several roundings of bf16 (2^-8), far below what a mask flip moves (10 % and more)
+WEIGHT_STEP = {"fp32": 1e-4}
+WEIGHT_STEP_REDUCED = 2.0 ** -6
+
+
+def indices(v):
+    """A route entry's experts: a candidate reports indices [T, k] or (indices, weights) (a plan: a Choice)."""
+    if v is None:
+        return None
+    return np.asarray(v.experts if isinstance(v, Choice) else v[0] if isinstance(v, tuple) else v)
+
+
+def weights(v):
+    return np.asarray(v[1]) if isinstance(v, tuple) else None
 
 
 def reference_routes(ref) -> dict:
@@ -95,7 +131,11 @@ def digest(plan: dict) -> str:
     h = hashlib.sha256()
     for layer in sorted(plan):
         for a in plan[layer]:
-            h.update(b"-" if a is None else np.ascontiguousarray(a, np.int64).tobytes() + b"|")
+            if isinstance(a, Choice):
+                h.update(np.ascontiguousarray(a.experts, np.int64).tobytes() + b"w"
+                         + np.ascontiguousarray(a.weights, np.float32).tobytes()
+                         + np.ascontiguousarray(a.weights_at, bool).tobytes())
+            h.update(b"-" if a is None else np.ascontiguousarray(indices(a), np.int64).tobytes() + b"|")
         h.update(str(layer).encode())
     return h.hexdigest()[:16]
 
@@ -114,13 +154,17 @@ class Difference:
     # "tie" (gap within the bound), "divergence" (beyond it: fails), or "follows" (HF with the candidate's
     # earlier choices forced chooses so too: a consequence of those, not a choice of its own)
     verdict: str
+    # what differs: "experts", or "weights" (the same experts, weighted by another discrete decision:
+    # sparsemixer's masks; `gap` is then that decision's margin)
+    what: str = "experts"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def text(self) -> str:
-        return (f"layer {self.layer} position {self.position}: experts {self.candidate} for the reference's "
-                f"{self.reference}, gap {self.gap:.3g} vs tie bound {self.bound:.3g}: {self.verdict}")
+        what = (f"experts {self.candidate} for the reference's {self.reference}" if self.what == "experts"
+                else f"the weights of experts {self.reference} decided otherwise")
+        return f"layer {self.layer} position {self.position}: {what}, gap {self.gap:.3g} vs tie bound {self.bound:.3g}: {self.verdict}"
 
 
 def exchange_gap(scores: np.ndarray, ref_experts, cand_experts) -> float:
@@ -136,31 +180,47 @@ def exchange_gap(scores: np.ndarray, ref_experts, cand_experts) -> float:
     return gap if np.isfinite(gap) else float("inf")
 
 
-def differences(ref_idx: list, cand_idx: list, scores: list, bounds: list, positions: list, layer: int) -> list:
+def differences(ref_idx: list, cand_idx: list, scores: list, bounds: list, positions: list, layer: int,
+                ref_w: list | None = None, weight_gaps: list | None = None, precision: str = "fp32") -> list:
     """Every token of every call where the candidate's experts (as sets) are not the reference's, with
-    its gap and tie bound and the verdict. Lists per call: reference and candidate indices [T, k], the
-    reference's selection scores [T, E], the tie bound [T] (or a number), the positions [T]."""
+    its gap and tie bound and the verdict. Lists per call: reference and candidate indices [T, k] (a
+    candidate entry may be (indices, weights)), the reference's selection scores [T, E], the tie bound [T]
+    (or a number), the positions [T]. Where a discrete decision sets the weights (`weight_gaps`, the
+    reference's margin of that decision per call, and `ref_w` its weights): a token whose experts agree
+    but whose weights differ by more than a few roundings is a difference of the weights, judged on that
+    margin the same way."""
     out = []
-    for call, (ri, ci, sc, bd, pos) in enumerate(zip(ref_idx, cand_idx, scores, bounds, positions)):
+    for call, (ri, cv, sc, bd, pos) in enumerate(zip(ref_idx, cand_idx, scores, bounds, positions)):
+        ci = indices(cv)
         if ci is None:
             continue
         ri = np.asarray(ri).reshape(-1, np.asarray(ri).shape[-1])
-        ci = np.asarray(ci).reshape(ri.shape[0], -1)
+        ci = ci.reshape(ri.shape[0], -1)
+        cw = weights(cv)
         bd = np.broadcast_to(np.asarray(bd, np.float64).reshape(-1) if np.ndim(bd) else np.float64(bd), (ri.shape[0],))
         for t in range(ri.shape[0]):
-            if set(ri[t].tolist()) == set(ci[t].tolist()):
-                continue
-            gap = exchange_gap(np.asarray(sc[t], np.float64), ri[t], ci[t])
-            bound = float(bd[t])
-            out.append(Difference(call, layer, int(pos[t]) if pos is not None else t, sorted(ri[t].tolist()),
-                                  sorted(ci[t].tolist()), gap, bound, "tie" if gap <= bound else "divergence"))
+            where = int(pos[t]) if pos is not None else t
+            if set(ri[t].tolist()) != set(ci[t].tolist()):
+                gap = exchange_gap(np.asarray(sc[t], np.float64), ri[t], ci[t])
+                out.append(Difference(call, layer, where, sorted(ri[t].tolist()), sorted(ci[t].tolist()), gap,
+                                      float(bd[t]), "tie" if gap <= bd[t] else "divergence"))
+            elif weight_gaps is not None and cw is not None and ref_w is not None:
+                rw = np.asarray(ref_w[call], np.float64).reshape(ri.shape)
+                mine = dict(zip(ci[t].tolist(), np.asarray(cw, np.float64).reshape(ri.shape)[t].tolist()))
+                theirs = dict(zip(ri[t].tolist(), rw[t].tolist()))
+                step = WEIGHT_STEP.get(precision, WEIGHT_STEP_REDUCED) * max(max(map(abs, theirs.values())), 1e-30)
+                if max(abs(mine[e] - theirs[e]) for e in theirs) > step:
+                    gap = float(np.asarray(weight_gaps[call]).reshape(-1)[t])
+                    out.append(Difference(call, layer, where, sorted(ri[t].tolist()), sorted(ci[t].tolist()), gap,
+                                          float(bd[t]), "tie" if gap <= bd[t] else "divergence", "weights"))
     return out
 
 
 class RouteLog:
     """What a torch candidate's routers selected: forward hooks on its router modules ({layer: module})
-    append (layer, indices) on every call (`read`: the module's output -> its indices; traced as a side
-    effect by torch.compile too). `reset` at the start of each prefill, decode or run_block."""
+    append (layer, (indices, weights)) on every call (`read`: the module's output -> (its indices, its
+    weights); traced as a side effect by torch.compile too). `reset` at the start of each prefill, decode
+    or run_block."""
 
     def __init__(self, routers: dict, read):
         self.entries: list = []
@@ -179,10 +239,32 @@ class RouteLog:
         a = idx.detach().cpu().numpy() if hasattr(idx, "detach") else np.asarray(idx)
         return a.reshape(-1, a.shape[-1]).astype(np.int64)
 
+    def _entry(self, value):
+        idx, w = value
+        w = w.detach().float().cpu().numpy() if hasattr(w, "detach") else np.asarray(w, np.float32)
+        i = self._array(idx)
+        return i, w.reshape(i.shape)
+
     def call(self) -> dict:
-        """{layer: [T, k]} of one model call (each router once)."""
-        return {layer: self._array(idx) for layer, idx in self.entries}
+        """{layer: (indices [T, k], weights [T, k])} of one model call (each router once)."""
+        return {layer: self._entry(v) for layer, v in self.entries}
 
     def calls(self) -> list:
-        """[{layer: [T, k]}] per router call, in order (a block's calls, one each)."""
-        return [{layer: self._array(idx)} for layer, idx in self.entries]
+        """[{layer: (indices, weights)}] per router call, in order (a block's calls, one each)."""
+        return [{layer: self._entry(v)} for layer, v in self.entries]
+
+
+def plan_of(selection: list, diffs: list, layer: int, positions: list) -> list:
+    """A layer's forcing plan from a candidate's selection per call ((indices, weights) or indices): its
+    experts, and its weights at the tokens `diffs` name as weight differences (what="weights";
+    `positions`: per call, each token's position as the differences name it)."""
+    at = {(d.call, d.position) for d in diffs if d.layer == layer and d.what == "weights"}
+    plan = []
+    for call, v in enumerate(selection):
+        if v is None:
+            plan.append(None)
+            continue
+        idx, w = indices(v), weights(v)
+        mask = np.array([(call, int(p)) in at for p in np.asarray(positions[call]).reshape(-1)])
+        plan.append(Choice(idx, w, mask) if w is not None and mask.any() else idx)
+    return plan

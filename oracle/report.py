@@ -148,12 +148,12 @@ def _routing(r: dict | None) -> list[str]:
              f"bound measured there{follows}, {r['divergences']} router divergence(s)"
              + ("; the steps judged against HF fp32 with the candidate's experts forced (routing-aligned), the "
                 "plain comparison beside" if r["aligned"] else ""), "",
-             "| step | layer | position | reference experts | candidate experts | gap | tie bound | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| step | layer | position | differs in | reference experts | candidate experts | gap | tie bound | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for d in diffs[:12]:
         verdict = "**divergence**" if d["verdict"] == "divergence" else d["verdict"]
-        lines.append(f"| {d['call']} | {d['layer']} | {d['position']} | {d['reference']} | {d['candidate']} | "
-                     f"{_fmt(d['gap'])} | {_fmt(d['bound'])} | {verdict} |")
+        lines.append(f"| {d['call']} | {d['layer']} | {d['position']} | {d.get('what', 'experts')} | {d['reference']} | "
+                     f"{d['candidate']} | {_fmt(d['gap'])} | {_fmt(d['bound'])} | {verdict} |")
     if len(diffs) > 12:
         lines.append(f"... and {len(diffs) - 12} more (the JSON lists every one)")
     if r.get("plain"):
