@@ -447,7 +447,7 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.nv // self.nk, dim=2)
         q = tap("q_l2norm", l2norm(q)).transpose(1, 2) * self.dk**-0.5  # [B, nv, T, dk]
         k = tap("k_l2norm", l2norm(k)).transpose(1, 2)
-        beta = tap("beta", torch.sigmoid(b.float())).transpose(1, 2)  # [B, nv, T]
+        beta = tap("beta", torch.sigmoid(b).float()).transpose(1, 2)  # [B, nv, T] (HF: the sigmoid at the model dtype)
         g = tap("g", -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
         o = tap("recurrence", self.delta_rule(q, k, v.transpose(1, 2), g, beta).transpose(1, 2)).to(x.dtype)
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(B, T, self.value_dim)
