@@ -175,10 +175,12 @@ class MlxCandidate(Candidate):
 
     block_mode = "isolated"
 
-    def __init__(self, program, info: dict, dtype, production_hist: dict, family: str, tiny: bool):
+    def __init__(self, program, info: dict, dtype, production_hist: dict, family: str, tiny: bool,
+                 sparse_layers: tuple = ()):
         self.program, self.info, self.dtype = program, info, dtype
         self.hist, self.family, self.tiny = production_hist, family, tiny
         self.loaded = {}
+        self.sparse_layers = sparse_layers  # the layers whose choices `routes` returns, in order
 
     def fresh(self, name: str):
         """The method with its state fresh (zeroed buffers), as at load."""
@@ -196,11 +198,32 @@ class MlxCandidate(Candidate):
     @torch.no_grad()
     def prefill(self, tokens):
         self.fresh("forward")
-        return self.call("forward", torch.tensor([tokens]), torch.arange(len(tokens)))[0][0]
+        args = (torch.tensor([tokens]), torch.arange(len(tokens)))
+        self.routes = self._routes(args, fresh=True)
+        return self.call("forward", *args)[0][0]
 
     @torch.no_grad()
     def decode(self, token, pos):
-        return self.call("forward", torch.tensor([[token]]), torch.tensor([pos]))[0][0, -1]
+        args = (torch.tensor([[token]]), torch.tensor([pos]))
+        self.routes = self._routes(args, fresh=False)
+        return self.call("forward", *args)[0][0, -1]
+
+    routes = None
+    no_routes = "the program has no `routes` method (a production program, or one built before routing replay)"
+
+    def _routes(self, args, fresh: bool) -> dict | None:
+        """{layer: indices [T, k]} the program's routers choose on these tokens: its `routes` method (the
+        forward with each sparse layer's choice as more outputs, its own state, run beside `forward`)."""
+        if "routes" not in self.program.method_names:
+            return None
+        if fresh:
+            self.fresh("routes")
+        outs = self.call("routes", *args)[1:]
+        return {layer: np.asarray(o).reshape(-1, np.asarray(o).shape[-1]).astype(np.int64)
+                for layer, o in zip(self.sparse_layers, outs)}
+
+    def last_routes(self):
+        return self.routes
 
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
@@ -414,7 +437,10 @@ class ExecutorchMlxBackend(Backend):
             info["gated_delta_rule"] = {"executed": "Metal kernel" if run_kernel else "scan fallback",
                                         "production": "Metal kernel" if kernel else "scan fallback"}
         cls = MlxSamplingCandidate if "sample_forward" in program.method_names else MlxCandidate
-        cand = cls(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None)
+        from models.args import SPARSE, mlp_type
+
+        sparse = tuple(i for i in range(model.args.num_hidden_layers) if mlp_type(model.args, i) == SPARSE)
+        cand = cls(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None, sparse)
         cand.points_program = functools.partial(self.points_program, model, spec, executor, run_kernel)
         return cand
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.args import SPARSE, mlp_type
-from models.layers import Attention, Experts, GatedDeltaNet, LatentAttention, RMSNorm, Router, Transformer, tap
+from models.layers import Attention, Experts, GatedDeltaNet, LatentAttention, RMSNorm, Router, SparseMoE, Transformer, tap
 
 
 def swap(obj, name: str, fn) -> bool:
@@ -307,6 +307,25 @@ class Block(nn.Module):
         return block(x)
 
 
+class RoutesForward(nn.Module):
+    """The model's forward with the experts each sparse layer's router selects as more outputs (routing
+    replay, oracle/replay.py): (tokens, pos) -> (logits, indices [T, k] per sparse layer, in layer order).
+    A method of the check's program with its own state, run beside `forward` on the same tokens."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+        self.chosen: list = []
+        for layer in model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.gate.register_forward_hook(lambda m, a, out: self.chosen.append(out[1]))
+
+    def forward(self, tokens, pos):
+        self.chosen.clear()
+        logits = self.model(tokens, pos)
+        return (logits, *self.chosen)
+
+
 def export_methods(model: Transformer, check: bool, sampling: bool = False) -> dict:
     """torch.export (strict) of `forward`, and for the check's program of every block; with
     `sampling` also `sample_forward` (the model with the sampler fused, models/sampling.py:
@@ -332,6 +351,9 @@ def export_methods(model: Transformer, check: bool, sampling: bool = False) -> d
                 stateful = b.kind in ("attention", "layer")
                 out[b.name] = export(b, (x, pos) if stateful else (x,),
                                    dynamic_shapes=({1: T}, {0: T}) if stateful else ({1: T},), strict=True)
+            if any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
+                out["routes"] = export(RoutesForward(model), (torch.zeros(1, 2, dtype=torch.long), pos),
+                                       dynamic_shapes=({1: T}, {0: T}), strict=True)
         if sampling:
             tokens = torch.zeros(1, 2, dtype=torch.long)
             out["sample_forward"] = export(SampledModel(model), (tokens, pos, *example_args()),

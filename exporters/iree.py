@@ -157,12 +157,29 @@ class IreeCandidate(Candidate):
         self.seq = self._blocks = None  # released before the next is made (the peak: one context);
         gc.collect()  # a SystemContext and its BoundModules refer to each other: freed by the collector
         self.seq = self.context()  # a new sequence: fresh state
-        return _host(self.seq.prefill(np.array([tokens], np.int64), np.arange(len(tokens), dtype=np.int64)))[0][0]
+        out = _host(self.seq.prefill(np.array([tokens], np.int64), np.arange(len(tokens), dtype=np.int64)))
+        self.routes = self._routes(out[1:])
+        return out[0][0]
 
     def decode(self, token, pos):
         if self.seq is None:
             raise RuntimeError("decode() before prefill(): no sequence")
-        return _host(self.seq.decode(np.array([[token]], np.int64), np.array([pos], np.int64)))[0][0, -1]
+        out = _host(self.seq.decode(np.array([[token]], np.int64), np.array([pos], np.int64)))
+        self.routes = self._routes(out[1:])
+        return out[0][0, -1]
+
+    routes = None
+    sparse_layers: tuple = ()  # the layers whose choices prefill/decode return after the logits, in order
+    no_routes = "a program whose prefill/decode return only the logits (built before routing replay) does not report its routers' choices"
+
+    def _routes(self, outs: list) -> dict | None:
+        """{layer: indices [T, k]}: what the program's routers chose, the outputs after the logits."""
+        if not self.sparse_layers or len(outs) != len(self.sparse_layers):
+            return None
+        return {layer: o.reshape(-1, o.shape[-1]).astype(np.int64) for layer, o in zip(self.sparse_layers, outs)}
+
+    def last_routes(self):
+        return self.routes
 
     def structures(self) -> dict:
         """The structural golden: the op histogram of the MLIR that went into iree-compile."""
@@ -439,6 +456,9 @@ class IreeBackend(Backend):
                 raise
             raise InputError(f"--vmfb {b.vmfb}: the IREE runtime cannot run it ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:300]})") from None
+        from models.args import SPARSE, mlp_type
+
+        cand.sparse_layers = tuple(i for i in range(src.args.num_hidden_layers) if mlp_type(src.args, i) == SPARSE)
         if spec.artifact:
             cand.no_points = ("a program given with --vmfb: a points program would be this exporter's block, "
                               "not the given program's")

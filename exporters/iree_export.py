@@ -19,7 +19,7 @@ from torch import nn
 from models.args import block_keys
 from models.layers import block_fn
 from exporters.iree_program import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, mlir_ops
-from models.layers import STATE_BUFFERS, Transformer
+from models.layers import STATE_BUFFERS, SparseMoE, Transformer
 from oracle.artifacts import sha256_file
 from oracle.goldens import histogram_text
 
@@ -312,9 +312,22 @@ def _export(model: Transformer, programs: dict[str, BlockProgram], prompt_len: i
     from iree.turbine import aot
 
     fxb = aot.FxProgramsBuilder(model)
-    for name, T in (("prefill", prompt_len), ("decode", 1)):
-        fxb.export_program(lambda m, tokens, pos: m(tokens, pos), name=name, strict=False,
-                           args=(torch.zeros(1, T, dtype=torch.long), torch.arange(T)))
+    chosen = []  # routing replay (oracle/replay.py): each sparse layer's choice, returned after the logits
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: chosen.append(out[1]))
+             for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def forward(m, tokens, pos):
+        chosen.clear()
+        logits = m(tokens, pos)
+        return (logits, *chosen)
+
+    try:
+        for name, T in (("prefill", prompt_len), ("decode", 1)):
+            fxb.export_program(forward, name=name, strict=False,
+                               args=(torch.zeros(1, T, dtype=torch.long), torch.arange(T)))
+    finally:
+        for h in hooks:
+            h.remove()
     blocks = aot.FxProgramsBuilder(nn.Module())  # weights are inputs: nothing to lift
     dtype, hidden = model.embed_tokens.weight.dtype, model.args.hidden_size
     for p in programs.values():
