@@ -449,7 +449,7 @@ class MLXCandidate(Candidate):
         selects on every call (the routing mirror, exporters/mlx_model.py route, on the block's input:
         what the block itself computes, tests/test_mlx.py) before running as it is."""
         mx, routes = self.mx, self.routes
-        for i, layer in enumerate(text_model(self.model).layers):
+        for i, layer in enumerate(self.model.layers):
             moe = moe_block(layer)
             if not ("switch_mlp" in moe or "experts" in moe):
                 continue

@@ -243,10 +243,13 @@ def _rows(arrays: list) -> np.ndarray:
 
 
 def compare_point(name: str, ref: list, cand: list, lim: dict, noise: list | None = None,
-                  precision: str = "fp32") -> Point:
+                  precision: str = "fp32", scores: tuple | None = None) -> Point:
     """`noise`: HF's own outputs of the point at a noise-relative precision (bf16), on the same
     inputs: the point is then judged as the block rows are, against that precision's own error
-    there (thresholds.noise_limits), the table as the floor."""
+    there (thresholds.noise_limits), the table as the floor. `scores` (the topk point): (the
+    reference's selection scores, HF's at the precision or None), for routing replay's rule: a token
+    whose experts differ is a tie only where the reference's gap between the experts exchanged is
+    within tie_factor x the precision's own selection error there (at least the median token's)."""
     from oracle import thresholds
     from oracle.metrics import tensor_metrics
 
@@ -272,11 +275,17 @@ def compare_point(name: str, ref: list, cand: list, lim: dict, noise: list | Non
     if name == "topk":  # the chosen experts, as sets per token
         differ = {i for i, (a, b) in enumerate(zip(r.astype(int).tolist(), c.astype(int).tolist())) if set(a) != set(b)}
         m = {"agreement": 1.0 - len(differ) / max(len(r), 1)}
-        if differ and noise and _rows(noise).shape == r.shape:  # tokens HF at this precision routes elsewhere too
-            h = _rows(noise).astype(int).tolist()
-            if differ <= {i for i, (a, b) in enumerate(zip(r.astype(int).tolist(), h)) if set(a) != set(b)}:
-                return Point(name, Status.PASS, m, 0.0, f"{len(differ)} token(s) routed elsewhere, as HF at "
-                             f"{precision} routes them (a near tie at that precision)")
+        bound = tie_bounds(scores, lim, precision, len(r)) if differ and scores is not None else None
+        if bound is not None:  # routing replay's rule (oracle/replay.py): each difference a tie or a divergence
+            from oracle.replay import exchange_gap
+
+            ref_s = _rows(scores[0])
+            gaps = {i: exchange_gap(ref_s[i], r[i].astype(int), c[i].astype(int)) for i in differ}
+            beyond = sorted(i for i in differ if gaps[i] > bound[i])
+            m["ties"], m["divergences"] = len(differ) - len(beyond), len(beyond)
+            if not beyond:
+                return Point(name, Status.PASS, m, 0.0, f"{len(differ)} token(s) routed elsewhere, each a tie within "
+                             f"the bound measured at {precision} (routing replay)")
         return Point(name, Status.FAIL if differ else Status.PASS, m, float("inf") if differ else 0.0)
     m = tensor_metrics(r, c, lim["atol"], lim["rtol"])
     status, ratio = thresholds.judge_tensor(m, lim)
@@ -286,6 +295,26 @@ def compare_point(name: str, ref: list, cand: list, lim: dict, noise: list | Non
             status, ratio = thresholds.judge_noise(m, thresholds.noise_row_limits(lim, r, h, precision, m))
     keep = ("max_abs", "rel_l2", "nonfinite", "noise_max_abs", "noise_rel_l2")
     return Point(name, status, {k: m[k] for k in keep if k in m}, ratio)
+
+
+def tie_bounds(scores: tuple, lim: dict, precision: str, n: int):
+    """Per token: the tie bound of the drilled router's choice, tie_factor x HF's own selection error at
+    the precision (at least the median token's); None where it was not measured (the point is then
+    judged exactly)."""
+    from oracle import thresholds
+
+    ref_s, noise_s = scores
+    factor = thresholds.limits(precision, "router").get("tie_factor") if precision != "fp32" else None
+    if noise_s is None or factor is None:
+        return None
+    r, h = _rows(ref_s), _rows(noise_s)
+    if r.shape != h.shape or r.shape[0] != n:
+        return None
+    both = np.isfinite(r) & np.isfinite(h)
+    err = np.where(both, np.abs(np.where(both, h, 0.0) - np.where(both, r, 0.0)), 0.0).max(axis=-1)
+    err = np.where((np.isfinite(r) != np.isfinite(h)).any(axis=-1), np.inf, err)
+    finite = err[np.isfinite(err)]
+    return factor * np.maximum(err, float(np.median(finite)) if finite.size else 0.0)
 
 
 def verdict(layer, kind: str, points: list[Point], seconds: float = 0.0) -> Drill:
@@ -340,7 +369,9 @@ def drill(ref, key, cand, hf, lim: dict, noise=None, precision: str = "fp32") ->
         names.insert(names.index(after) if after else len(names), n)
     ref_points, cand_points = aligned(ref_points), aligned(cand_points)
     noise_points = aligned(noise.run_block_points(key[0], key[1], calls)) if noise is not None else {}
-    points = [compare_point(n, ref_points.get(n), cand_points.get(n), lim, noise_points.get(n), precision)
+    scores = (ref_points.get("selection"), noise_points.get("selection")) if ref_points.get("selection") else None
+    points = [compare_point(n, ref_points.get(n), cand_points.get(n), lim, noise_points.get(n), precision,
+                            scores if n == "topk" else None)
               if n in cand_points or n in recorded
               or n not in taps else Point(n, Status.NA, reason="not exposed by the backend (computed inline)")
               for n in names]
