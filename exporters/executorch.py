@@ -700,6 +700,10 @@ class ExecutorchBackend(Backend):
 
     kind = "executorch"  # cache namespace and name of the backend without a fault suffix
     source = "exporters/executorch.py"
+
+    @property
+    def cache_namespaces(self) -> tuple:
+        return (self.kind, f"{self.kind}-points")
     precisions = ("fp32",)
     # The weights are in model.ptd, shared by the methods and mapped by the runtime, and prefill
     # runs the experts densely (no per-token copy of their weights: that planned 4.8 GB at
@@ -773,6 +777,7 @@ class ExecutorchBackend(Backend):
     def artifact(self, model, spec, check: bool):
         """The check's program or the production program, from the cache or built."""
         from oracle.artifacts import cached_artifact
+        from oracle.cache import estimate
 
         program = "check" if check else "production"
         # the check program never fuses the sampler into prefill/decode (it needs the logits);
@@ -791,7 +796,8 @@ class ExecutorchBackend(Backend):
                 gc.collect()
 
         parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
-        return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte")
+        return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte",
+                               needed=lambda: estimate(model.parameter_count(), spec.precision))
 
     def points_program(self, model, spec, layer, kind: str, lengths: list[int]) -> tuple[Path, dict]:
         """The drill's program of block (layer, kind): the block of the production model (the fault

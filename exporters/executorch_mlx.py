@@ -347,6 +347,7 @@ class ExecutorchMlxBackend(Backend):
     def artifact(self, model, spec, check: bool, kernel: bool):
         """The check's program (forward + blocks) or the production program (forward), cached."""
         from oracle.artifacts import cached_artifact, versions
+        from oracle.cache import estimate
 
         program = "check" if check else "production"
         sampling = check and bool(spec.options.get("sampling"))  # the check program's sampler methods
@@ -365,7 +366,8 @@ class ExecutorchMlxBackend(Backend):
                 prog.write_tensor_data_to_file(str(path.parent))
 
         name = f"{spec.family}.{spec.precision}.{program}{'.sampling' if sampling else ''}.pte"
-        return cached_artifact(KIND, parts, "model.pte", build, name=name)
+        return cached_artifact(KIND, parts, "model.pte", build, name=name,
+                               needed=lambda: estimate(model.parameter_count(), spec.precision))
 
     def points_program(self, model, spec, executor: str, kernel: bool, layer, kind: str):
         """The drill's program of block (layer, kind) (executorch_mlx_export.export_points), lowered

@@ -46,6 +46,7 @@ import numpy as np
 from exporters.iree_program import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, host_cpu, \
     mlir_ops  # noqa: F401 (mlir_ops: the structural census, read by tests as this backend's)
 from oracle.artifacts import Artifact, cached_artifact, cached_json, sha256_file, versions
+from oracle.cache import estimate
 from oracle.backend import Backend, Candidate, InputError
 
 TOOLS = ("iree-base-compiler", "iree-base-runtime", "iree-turbine", "torch")
@@ -234,6 +235,7 @@ class IreeBackend(Backend):
 
     runs_torch = False  # the candidate runs no torch (provenance records no torch thread count)
     precisions = ("fp32",)
+    cache_namespaces = ("iree", "iree-points")
 
     def memory_estimate(self, src, spec) -> tuple[int, str]:
         """No torch model with weights is held, building or running (an untransformed build writes
@@ -358,11 +360,12 @@ class IreeBackend(Backend):
             art = Artifact("model.vmfb", "", sha256_file(path), False, time.perf_counter() - t)
             return Built(programs, which, art, path, checked_parameters(path), tmp)
         key = self.key(src, spec, programs)
-        art = cached_artifact("iree", key, "model.vmfb", build)
+        needed = lambda: estimate(src.parameter_count(), "fp32")  # the archive's weights  # noqa: E731
+        art = cached_artifact("iree", key, "model.vmfb", build, needed=needed)
         params = checked_parameters(Path(art.path))
         if params is None and art.cached:  # its archive is missing or changed: build both again
             shutil.rmtree(Path(art.path).parent, ignore_errors=True)
-            art = cached_artifact("iree", key, "model.vmfb", build)
+            art = cached_artifact("iree", key, "model.vmfb", build, needed=needed)
             params = checked_parameters(Path(art.path))
         if params is None:
             raise RuntimeError(f"{PARAMS_FILE} is missing beside {art.path}")

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.artifacts import Artifact, cached_artifact, sha256_file, versions
+from oracle.cache import estimate
 from oracle.backend import Backend, Candidate, InputError, Option
 from exporters.llamacpp_setup import PACKAGE, converter_dir, converter_problem, installed_version, setup
 
@@ -622,6 +623,7 @@ class LlamaCppBackend(Backend):
 
     name = "llamacpp"
     runs_torch = False
+    cache_namespaces = ("llamacpp", "llamacpp-map")
     artifact_suffix = ".gguf"  # --gguf FILE: a GGUF as shipped (exporters/llamacpp_gguf.py)
     precisions = ("fp32", "bf16")
     option_schema = (
@@ -676,7 +678,8 @@ class LlamaCppBackend(Backend):
                 except KeyError as e:  # a key or tensor this GGUF does not have (its architecture reads none)
                     raise InputError(f"the fault has no form in this GGUF: {e.args[0]}") from None
 
-        art = cached_artifact("llamacpp", parts, "model.gguf", build)
+        art = cached_artifact("llamacpp", parts, "model.gguf", build,
+                              needed=lambda: estimate(src.parameter_count(), base))
         if outtype not in QUANTIZE_TYPES:
             return art
 
@@ -690,7 +693,8 @@ class LlamaCppBackend(Backend):
             if rc != 0:
                 raise RuntimeError(f"llama_model_quantize to {outtype} returned {rc}")
 
-        return cached_artifact("llamacpp", {**parts, "quantize": outtype}, "model.gguf", quantize)
+        return cached_artifact("llamacpp", {**parts, "quantize": outtype}, "model.gguf", quantize,
+                               needed=lambda: estimate(src.parameter_count(), outtype))
 
     def artifact_weights(self, original, path: Path, progress):
         """--gguf: the GGUF's weights as an HF checkpoint (exporters/llamacpp_gguf.py), checked against the

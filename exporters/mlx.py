@@ -639,6 +639,7 @@ class MLXBackend(Backend):
     ModelArgs fields (naive_mlx_config shows what mlx-lm's own loader would do)."""
 
     precisions = PRECISIONS
+    cache_namespaces = ("mlx-reference", "quantized")  # the reference directories, the q8/q4 ones it writes
     # the model at its precision (q8/q4: packed weights + a scale and a bias per group of 32),
     # plus one layer's arrays while it is evaluated
     # measured peaks: OLMoE --layers 2 (1.05 B parameters) fp32 4.9, q8 3.4, q4 3.2 GiB; full-size

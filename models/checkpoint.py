@@ -630,17 +630,35 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
     profile = "" if weights == "normal" else f"-{weights}"
     return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}{profile}", "oracle_seeded.json",
                       lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype(stored),
-                                                          progress=progress, rewrite=rewrite))
+                                                          progress=progress, rewrite=rewrite),
+                      needed=lambda: config_parameters(family, cfg) * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype])
 
 
-def cached_dir(recipe: dict, stem: str, recipe_file: str, build) -> Path:
+def config_parameters(family, cfg: dict) -> int:
+    """Parameters of a config's HF model (built on the meta device: no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        model = family.hf_class()(family.hf_config(cfg))
+    return sum(p.numel() for p in model.parameters())
+
+
+def cached_dir(recipe: dict, stem: str, recipe_file: str, build, needed=None) -> Path:
     """cache_root()/checkpoints/<stem>-<hash of recipe>: built once by `build(dir)` into a temp
-    dir and renamed into place (a crash leaves nothing; a concurrent identical build wins)."""
+    dir and renamed into place (a crash leaves nothing; a concurrent identical build wins).
+    `needed` (bytes, or a function giving them): its size, refused before it is built where it
+    cannot fit in the cache (oracle/cache.py)."""
+    from oracle import cache
+
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:20]
     final = cache_root() / "checkpoints" / f"{stem}-{key}"
+    cache.hold(final)  # never evicted while this process runs
     if (final / "config.json").is_file():
+        cache.mark_used(final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    if needed is not None:
+        cache.make_room(needed() if callable(needed) else needed, f"the checkpoint {stem}")
     tmp = temp_dir(final.parent)
     try:
         build(tmp)
@@ -652,4 +670,6 @@ def cached_dir(recipe: dict, stem: str, recipe_file: str, build) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    cache.mark_used(final)
+    cache.enforce_quietly()
     return final

@@ -86,17 +86,33 @@ def sha256_file(path: Path) -> str:
 
 
 def cached_artifact(namespace: str, parts: dict, filename: str, build: Callable[[Path], None],
-                    name: str | None = None) -> Artifact:
+                    name: str | None = None, needed: int | Callable[[], int] | None = None) -> Artifact:
     """The artifact for `parts`, built by `build(path)` into a temp dir on a miss and then
-    moved into place atomically (a crashed build leaves nothing behind)."""
+    moved into place atomically (a crashed build leaves nothing behind). The entry is held by this
+    process from here on (oracle/cache.py: never evicted under it) and marked used; a miss whose
+    `needed` bytes (the artifact's estimated size, or a function giving it) cannot fit in the cache's limit or on its disk is
+    refused before it builds (cache.CacheFull), and after a build the cache is kept within its limit."""
+    from oracle import cache
+
     d = cache_root() / "artifacts" / namespace / key_of(parts)
     target = d / filename
+    cache.hold(d)
     hit = _cached(d, target, name or filename)
     if hit:
+        cache.mark_used(d)
         return hit
     d.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(d):
-        return _cached(d, target, name or filename) or _build(d, parts, filename, build, name)
+        hit = _cached(d, target, name or filename)
+        if hit:
+            cache.mark_used(d)
+            return hit
+        if needed is not None:
+            cache.make_room(needed() if callable(needed) else needed, f"the {namespace} artifact {name or filename}")
+        art = _build(d, parts, filename, build, name)
+    cache.mark_used(d)
+    cache.enforce_quietly()
+    return art
 
 
 def _cached(d: Path, target: Path, name: str) -> Artifact | None:

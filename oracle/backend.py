@@ -310,6 +310,9 @@ class Backend:
     # entry: no guard), and what is held then (see memory_estimate)
     memory_per_param: dict = {}
     memory_note: str = ""
+    # the artifact cache's namespaces it builds into (artifacts/<ns>/: `oracle cache prune --backend`);
+    # empty: its name
+    cache_namespaces: tuple = ()
     # export(model: ModelSource, spec, output_dir: Path) -> list[Path]: write the artifacts for
     # `oracle export` (and the directory a q8/q4 check loads, with loads_directory); None: it cannot
     export = None

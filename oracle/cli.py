@@ -108,6 +108,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; >= 0)")
     c.add_argument("--top-p", type=float, default=0.9, help="sampling top-p (default 0.9; in (0, 1])")
     backend_options(c)
+    cache_limit_option(c)
     e = sub.add_parser("export", help="write a backend's compiled artifacts and a manifest")
     e.add_argument("--family", help="default: the family the --model-dir / --config config.json names")
     e.add_argument("--backend", required=True)
@@ -126,6 +127,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--qlinear-group-size", type=positive_int, help="quantization group size")
     e.add_argument("--sample", action="store_true", help="fuse the on-device sampler (where supported)")
     backend_options(e)
+    cache_limit_option(e)
     s = sub.add_parser("selftest", help="run the seeded-fault catalogue: does the oracle catch and localise?")
     s.add_argument("--family", action="append", help="limit to this family (repeatable; default every supported family)")
     s.add_argument("--backend", default="eager")
@@ -148,6 +150,7 @@ def parser() -> argparse.ArgumentParser:
                    "(experts exchanged, a projection transposed, ...: must fail the weight check naming its tensor)")
     s.add_argument("--format", action="append", help="with --conversion: limit to this shipped format (repeatable; "
                    "mlx: 'q8 g32', 'q8 g64', 'q4 g32', 'q4 g64'; llamacpp: F32, Q8_0, Q4_K_M)")
+    cache_limit_option(s)
     m = sub.add_parser("matrix", help="run every family x backend x precision, each check isolated")
     m.add_argument("--families", help="comma-separated (default: every supported family; with --model-dir / --config, the family its config names)")
     m.add_argument("--backends", default="eager", help="comma-separated (default: eager)")
@@ -168,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
     msrc.add_argument("--config", help="a seeded checkpoint of a published config (see `oracle check --config`)")
     m.add_argument("--layers", type=positive_int, help="with --config: cut the depth to N layers")
     m.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
+    cache_limit_option(m)
     rep = sub.add_parser("report", help="join sharded matrix runs, or diff two runs for a pull request")
     rsub = rep.add_subparsers(dest="report_cmd", required=True)
     mg = rsub.add_parser("merge", help="join shard report dirs into one")
@@ -201,7 +205,33 @@ def parser() -> argparse.ArgumentParser:
     rs.add_argument("--out", required=True, help="the directory to write (replaced if it is a saved reference)")
     sub.add_parser("families", help="list model families")
     sub.add_parser("backends", help="list backends and whether they are available here")
+    ca = sub.add_parser("cache", help="list or prune the artifact cache ($MOE_ORACLE_CACHE, default "
+                        "~/.cache/moe-oracle): programs, GGUFs, checkpoints, references, noise",
+                        description="The artifact cache: entries built once and found again by content. It is kept "
+                        "within a size limit (MOE_ORACLE_CACHE_LIMIT or --cache-limit on the commands that build; "
+                        "default 32G): after each new entry the least recently used ones no running process holds "
+                        "are removed, and an artifact that cannot fit is refused before it is built (exit 2). An "
+                        "entry a running check holds is never removed.")
+    csub = ca.add_subparsers(dest="cache_cmd", required=True)
+    cl = csub.add_parser("list", help="every entry with its size, age (since last used) and whether a running "
+                         "process holds it, least recently used first; the total against the limit")
+    cl.add_argument("--json", action="store_true", help="the entries as JSON on standard output")
+    cp = csub.add_parser("prune", help="remove entries (never one a running process holds). With no selector: "
+                         "the least recently used until the cache is within its limit")
+    cp.add_argument("--all", action="store_true", help="every entry")
+    cp.add_argument("--backend", action="append", help="the artifacts this backend built (repeatable)")
+    cp.add_argument("--older-than", type=float, metavar="DAYS", help="entries not used for more than DAYS days")
+    cp.add_argument("--max-size", metavar="SIZE", help="the least recently used until the cache is at most SIZE "
+                    "(e.g. 20G, 500M)")
+    cp.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    cache_limit_option(ca)
     return p
+
+
+def cache_limit_option(p) -> None:
+    p.add_argument("--cache-limit", metavar="SIZE", help="the artifact cache's size limit (e.g. 20G, 500M; default "
+                   "MOE_ORACLE_CACHE_LIMIT, else 32G): least recently used entries are removed past it, and an "
+                   "artifact that cannot fit is refused before it is built")
 
 
 def backend_options(p) -> None:
@@ -756,9 +786,91 @@ def cmd_reference(a) -> int:
     return 0
 
 
+def cmd_cache(a) -> int:
+    import json
+    import time
+
+    from oracle import cache
+    from oracle.backend import BackendError, resolve
+    from models.checkpoint import cache_root
+
+    try:
+        cap = cache.limit()
+    except ValueError as e:
+        fail_input(str(e))
+    es = cache.entries()
+    if a.cache_cmd == "list":
+        if a.json:
+            print(json.dumps({"root": str(cache_root()), "limit": cap, "bytes": sum(e.bytes for e in es),
+                              "entries": [e.as_dict() for e in es]}, indent=1))
+            return 0
+        for e in es:
+            print(f"{cache.human(e.bytes):>10s}  {cache.age_text(e.last_used):>8s} ago  "
+                  f"{'held ' if e.held else '     '} {e.name}")
+        print(f"{len(es)} entries, {cache.human(sum(e.bytes for e in es))} of a {cache.human(cap)} limit "
+              f"in {cache_root()}")
+        return 0
+    chosen = list(es)
+    if a.backend:
+        spaces = set()
+        for name in a.backend:
+            try:
+                b = resolve(name)
+            except BackendError as e:
+                fail_input(f"--backend: {e}")
+            spaces.update(f"artifacts/{ns}" for ns in (b.cache_namespaces or (b.name,)))
+        chosen = [e for e in chosen if e.kind in spaces]
+    if a.older_than is not None:
+        if a.older_than < 0:
+            fail_input(f"--older-than: must be at least 0 days, got {a.older_than}")
+        chosen = [e for e in chosen if time.time() - e.last_used > a.older_than * 86400]
+    if a.max_size is not None or not (a.all or a.backend or a.older_than is not None):
+        try:
+            target = cap if a.max_size is None else cache.parse_size(a.max_size)
+        except ValueError as e:
+            fail_input(f"--max-size: {e}")
+        total, over = sum(e.bytes for e in es), []
+        for e in chosen:  # least recently used first
+            if total <= target:
+                break
+            if not e.held:
+                over.append(e)
+                total -= e.bytes
+        chosen = over
+    held = [e for e in chosen if e.held]
+    chosen = [e for e in chosen if not e.held]
+    removed = chosen if a.dry_run else cache.prune(chosen)
+    kept = held + [e for e in chosen if e not in removed]
+    verb = "would remove" if a.dry_run else "removed"
+    for e in removed:
+        print(f"{verb} {e.name} ({cache.human(e.bytes)})")
+    for e in kept:
+        print(f"kept {e.name} ({cache.human(e.bytes)}): a running process holds it")
+    print(f"{verb} {len(removed)} entries, {cache.human(sum(e.bytes for e in removed))}; the cache holds "
+          f"{cache.human(cache.total_bytes())} of a {cache.human(cap)} limit")
+    return 0
+
+
+def apply_cache_limit(a) -> None:
+    """--cache-limit SIZE: this process's and its children's limit (the environment variable they read)."""
+    value = getattr(a, "cache_limit", None)
+    if value is None:
+        return
+    from oracle.cache import ENV, parse_size
+
+    try:
+        parse_size(value)
+    except ValueError as e:
+        fail_input(f"--cache-limit: {e}")
+    os.environ[ENV] = value
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)  # before any heavy import: --help and usage errors need none
     quiet()
+    apply_cache_limit(a)
+    if a.cmd == "cache":
+        return cmd_cache(a)
     if a.cmd == "families":
         return cmd_families()
     if a.cmd == "backends":

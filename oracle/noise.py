@@ -181,11 +181,16 @@ _MEMORY: dict[str, Noise] = {}  # this process's measurements (a matrix server r
 
 def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = None) -> Noise:
     if key not in _MEMORY:
+        from oracle import cache
+
         path = cache_root() / "noise" / key
+        cache.hold(path)
         noise = _load(path)
         if noise is None:
             noise = measure(ref, src, spec, blocks, plan)
             _save(noise, path)
+            cache.enforce_quietly()
+        cache.mark_used(path)
         if len(_MEMORY) >= 4:
             _MEMORY.pop(next(iter(_MEMORY)))
         _MEMORY[key] = noise

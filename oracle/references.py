@@ -26,13 +26,14 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     """The HF reference for this checkpoint and prompt: in memory, else from the disk cache
     (keyed by the checkpoint's sha256, prompt, steps, and the code and versions that capture
     it), else captured and saved."""
-    from oracle import reference
+    from oracle import cache, reference
     from oracle.artifacts import key_of, versions
 
     code = hashlib.sha256(Path(reference.__file__).read_bytes()).hexdigest()
     key = key_of({"family": family_name, "sha": sha, "prompt": list(prompt), "n": n, "code": code,
                   **versions("torch", "transformers", "safetensors")})
     path = cache_root() / "references" / key
+    cache.hold(path)
     ref = reference.load(path)
     if ref is None:
         family = get_family(family_name)
@@ -48,6 +49,8 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
             raise InputError(f"the HF fp32 reference itself produces NaN/Inf, first at {bad}: the checkpoint "
                              f"{model_dir} (weights or config) is bad; no backend can be judged against it")
         reference.save(ref, path)
+        cache.enforce_quietly()
+    cache.mark_used(path)
     return ref
 
 

@@ -1,0 +1,143 @@
+"""The bounded artifact cache (oracle/cache.py): least recently used entries go past the limit, an
+entry another running process holds stays, an artifact that cannot fit is refused before it is built,
+and `oracle cache list|prune`."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from oracle import cache
+from oracle.artifacts import cached_artifact
+
+ROOT = Path(__file__).resolve().parents[1]
+KIB = 1024
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(cache.ENV, raising=False)
+    monkeypatch.setattr(cache, "_HELD", {})  # this test's holds only
+    return tmp_path / "cache"
+
+
+def entry(root: Path, ns: str, key: str, size: int, used: float) -> Path:
+    """An artifact entry of `size` bytes last used at `used` (seconds since the epoch)."""
+    d = root / "artifacts" / ns / key
+    d.mkdir(parents=True)
+    (d / "model.bin").write_bytes(b"\0" * size)
+    (d / cache.USED).touch()
+    os.utime(d / cache.USED, (used, used))
+    return d
+
+
+HOLDER = """
+import sys
+from oracle import cache
+cache.hold(sys.argv[1])
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_full_cache_loses_its_oldest_unheld_entries_and_keeps_a_held_one(root):
+    now = time.time()
+    paths = [entry(root, "iree", f"k{i}", 100 * KIB, now - 1000 + i * 100) for i in range(6)]  # k0 oldest
+    assert cache.total_bytes() == 600 * KIB
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(paths[0])], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        held = {e.name: e.held for e in cache.entries()}
+        assert held["artifacts/iree/k0"] and not held["artifacts/iree/k1"]
+        removed = cache.enforce(350 * KIB)
+        # k0 is the oldest but held by the running process: k1, k2, k3 go (the total then 300 KiB)
+        assert sorted(e.name for e in removed) == ["artifacts/iree/k1", "artifacts/iree/k2", "artifacts/iree/k3"]
+        assert [p.exists() for p in paths] == [True, False, False, False, True, True]
+        assert cache.total_bytes() == 300 * KIB
+    finally:
+        holder.communicate("\n", timeout=60)
+    # the holder gone, its entry is the oldest and goes first
+    assert [e.name for e in cache.enforce(250 * KIB)] == ["artifacts/iree/k0"]
+
+
+def test_an_entry_used_again_is_kept_over_an_older_one(root):
+    now = time.time()
+    a = entry(root, "llamacpp", "a", 100 * KIB, now - 500)
+    b = entry(root, "llamacpp", "b", 100 * KIB, now - 400)
+    cache.mark_used(a)  # used now: b is the least recently used
+    assert [e.name for e in cache.enforce(150 * KIB)] == ["artifacts/llamacpp/b"]
+    assert a.exists() and not b.exists()
+
+
+def test_an_artifact_that_cannot_fit_is_refused_before_it_is_built(root, monkeypatch):
+    monkeypatch.setenv(cache.ENV, "64K")
+    built = []
+    with pytest.raises(cache.CacheFull) as e:
+        cached_artifact("iree", {"k": 1}, "model.vmfb", lambda p: built.append(p), needed=200 * KIB)
+    assert not built
+    assert "200.0 KiB" in str(e.value) and "64.0 KiB" in str(e.value)
+    assert not (root / "artifacts" / "iree").exists() or not any((root / "artifacts" / "iree").iterdir())
+
+
+def test_a_new_artifact_evicts_old_ones_to_fit_and_is_held(root, monkeypatch):
+    now = time.time()
+    old = [entry(root, "iree", f"old{i}", 100 * KIB, now - 1000 + i) for i in range(3)]
+    monkeypatch.setenv(cache.ENV, "250K")
+    art = cached_artifact("iree", {"k": 2}, "model.vmfb", lambda p: p.write_bytes(b"\1" * (100 * KIB)),
+                          needed=100 * KIB)
+    assert not art.cached and Path(art.path).is_file()
+    assert [p.exists() for p in old] == [False, False, True]  # room made for 100 KiB within 250 KiB
+    assert cache.total_bytes() <= 250 * KIB
+    assert any(e.held for e in cache.entries() if e.name.endswith(Path(art.path).parent.name))
+
+
+def oracle(*args, env):
+    return subprocess.run([sys.executable, "-m", "oracle.cli", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=300)
+
+
+def test_cache_cli_lists_and_prunes_by_backend_age_and_size(root):
+    now = time.time()
+    entry(root, "iree", "a", 10 * KIB, now - 10 * 86400)
+    entry(root, "iree-points", "b", 10 * KIB, now - 5)
+    entry(root, "llamacpp", "c", 30 * KIB, now - 3 * 86400)
+    entry(root, "executorch", "d", 20 * KIB, now - 60)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    got = oracle("cache", "list", "--json", env=env)
+    assert got.returncode == 0, got.stderr
+    doc = json.loads(got.stdout)
+    assert [e["name"] for e in doc["entries"]] == ["artifacts/iree/a", "artifacts/llamacpp/c",
+                                                   "artifacts/executorch/d", "artifacts/iree-points/b"]
+    assert doc["bytes"] == 70 * KIB
+    got = oracle("cache", "prune", "--older-than", "2", "--dry-run", env=env)
+    assert got.returncode == 0 and "would remove 2 entries" in got.stdout
+    assert (root / "artifacts/iree/a").exists()
+    got = oracle("cache", "prune", "--backend", "iree-llvm-cpu", "--older-than", "2", env=env)
+    assert got.returncode == 0, got.stderr
+    assert not (root / "artifacts/iree/a").exists() and (root / "artifacts/iree-points/b").exists()
+    assert (root / "artifacts/llamacpp/c").exists()
+    got = oracle("cache", "prune", "--max-size", "35K", env=env)  # c (oldest) goes: 30 KiB left
+    assert got.returncode == 0 and not (root / "artifacts/llamacpp/c").exists()
+    assert (root / "artifacts/executorch/d").exists()
+    got = oracle("cache", "prune", "--all", env=env)
+    assert got.returncode == 0 and "removed 2 entries" in got.stdout
+    assert cache.entries() == []
+    for bad in (["prune", "--max-size", "lots"], ["prune", "--backend", "nosuch"], ["--cache-limit", "x", "list"]):
+        got = oracle("cache", *bad, env=env)
+        assert got.returncode == 2 and "error" in got.stderr, (bad, got.stderr)
+
+
+def test_a_check_whose_artifact_cannot_fit_is_refused_with_the_sizes_before_it_builds(root):
+    pytest.importorskip("llama_cpp")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    got = oracle("check", "--family", "olmoe", "--backend", "llamacpp", "--cache-limit", "64K", env=env)
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert "64.0 KiB" in got.stderr and "needs about" in got.stderr
+    assert not (root / "artifacts" / "llamacpp").exists() or not any((root / "artifacts" / "llamacpp").iterdir())
