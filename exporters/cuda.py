@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from exporters.eager import DTYPES, TorchCandidate, block_fn
-from models.layers import reset_state
+from exporters.eager import DTYPES, TorchCandidate, block_fn, cuda_unavailable
 from oracle.backend import Backend
 
 RECOMPILE_LIMIT = 4096  # per function: each (layer, block kind, length) is its own compiled graph
@@ -34,38 +33,15 @@ class CompiledCandidate(TorchCandidate):
     """The production model on `device`, every call a torch.compile'd (Inductor) function."""
 
     def __init__(self, model, dtype, device: str, info: dict):
-        super().__init__(model, dtype, info)
-        self.device = device
+        super().__init__(model, dtype, info, device)
         self.forward = compiled(model)
         self.fns = {}  # (layer, kind) -> compiled block function
 
-    def _tokens(self, ids):
-        return torch.tensor(ids, device=self.device)
-
-    @torch.no_grad()
-    def prefill(self, tokens):
-        reset_state(self.model)
-        self.routes.reset()
-        return self.forward(self._tokens([tokens]), torch.arange(len(tokens), device=self.device))[0].cpu()
-
-    @torch.no_grad()
-    def decode(self, token, pos):
-        self.routes.reset()
-        return self.forward(self._tokens([[token]]), self._tokens([pos]))[0, -1].cpu()
-
-    @torch.no_grad()
-    def run_block(self, layer, kind, calls):
+    def block(self, layer, kind):
         module, fn = block_fn(self.model, layer, kind)
         if (layer, kind) not in self.fns:
             self.fns[layer, kind] = compiled(fn)
-        fn = self.fns[layer, kind]
-        reset_state(module)
-        self.routes.reset()
-        outs = []
-        for c in calls:
-            o = fn(c.x.to(self.device, self.dtype), c.pos.to(self.device))
-            outs.append(tuple(t.cpu() for t in o) if isinstance(o, tuple) else o.cpu())
-        return outs
+        return module, self.fns[layer, kind]
 
 
 class CudaBackend(Backend):
@@ -80,12 +56,8 @@ class CudaBackend(Backend):
         self.name, self.transform, self.transform_id, self.device = name, transform, transform_id, device
 
     def availability(self):
-        if self.device == "cuda":
-            if torch.version.cuda is None:
-                return False, f"torch is a CPU build ({torch.__version__})"
-            if not torch.cuda.is_available():
-                return False, "no CUDA device"
-        return True, ""
+        why = cuda_unavailable() if self.device == "cuda" else None
+        return (False, why) if why else (True, "")
 
     def with_fault(self, fault):
         return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name, self.device)

@@ -13,10 +13,58 @@ import torch
 from models.layers import STATE_BUFFERS, SparseMoE, Transformer, block_fn, reset_state  # noqa: F401  (block_fn: re-exported)
 from models.sampling import Sampler, check_args
 from oracle import points
-from oracle.backend import Backend, Candidate
+from oracle.backend import Backend, Candidate, Option
 from oracle.replay import RouteLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEVICES = ("cpu", "cuda")
+
+
+def device_option(what: str) -> Option:
+    """`--option device=cpu|cuda` of a torch candidate: cuda runs it on the GPU, the control that tells a
+    compiler's error from the GPU's (docs/cuda.md)."""
+    return Option("device", str, DEVICES, "cpu",
+                  f"where {what} runs: cuda moves it to the GPU (inputs moved per call, outputs back to the "
+                  "host; the reference stays HF fp32 on the host): the GPU control for `cuda` (docs/cuda.md)",
+                  None, ("check",))
+
+
+def cuda_unavailable() -> str | None:
+    """Why torch cannot run on a CUDA GPU here, or None."""
+    if torch.version.cuda is None:
+        return f"torch is a CPU build ({torch.__version__})"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def device_of(spec) -> str:
+    return (spec.options or {}).get("device") or "cpu"
+
+
+def device_availability(backend, spec) -> tuple[bool, str]:
+    """The backend's availability for a check with --option device=...: cuda without a GPU here is
+    skipped with the reason (exit 3 with --require), not bad input: the same command runs on a GPU host."""
+    why = cuda_unavailable() if device_of(spec) == "cuda" else None
+    return (False, f"--option device=cuda: {why}") if why else backend.availability()
+
+
+def device_info(info: dict, device: str) -> dict:
+    """The report's executor facts with the device (the GPU's name among the host facts, which no
+    comparison reads)."""
+    if device == "cpu":
+        return info
+    return {**info, "executor": f"{info['executor']} on {device}", "device": device,
+            "host": {"device_name": torch.cuda.get_device_name()}}
+
+
+def host(out):
+    """A block's output(s) back on the host (a tensor, or a tuple / list of them)."""
+    if torch.is_tensor(out):
+        return out.cpu()
+    if isinstance(out, (tuple, list)):
+        return type(out)(host(o) for o in out)
+    return out
 
 
 def reset_routes(cand) -> None:
@@ -26,14 +74,23 @@ def reset_routes(cand) -> None:
         log.reset()
 
 
+def _device(cand) -> torch.device:
+    return cand.__dict__.get("device", torch.device("cpu"))
+
+
+def _forward(cand):
+    return cand.__dict__.get("forward", cand.model)
+
+
 class TorchCandidate(Candidate):
     """A production torch model as a candidate (eager execution)."""
 
     block_mode = "isolated"
 
-    def __init__(self, model: Transformer, dtype: torch.dtype, info: dict | None = None):
-        self.model, self.dtype = model, dtype
+    def __init__(self, model: Transformer, dtype: torch.dtype, info: dict | None = None, device: str = "cpu"):
+        self.model, self.dtype, self.device = model, dtype, torch.device(device)  # the model is on `device`
         self.info = info or {"executor": f"torch {torch.__version__} eager"}
+        self.forward = model  # what prefill / decode call (a compiled candidate: the compiled model)
         # the experts each router selects (oracle/replay.py): hooks on the production routers
         self.routes = RouteLog({i: layer.mlp.gate for i, layer in enumerate(model.layers)
                                 if isinstance(layer.mlp, SparseMoE)}, lambda out: (out[1], out[0]))
@@ -44,23 +101,32 @@ class TorchCandidate(Candidate):
     def block_routes(self):
         return self.routes.calls()
 
+    def block(self, layer, kind):
+        """(the block's module, the function run_block calls)."""
+        return block_fn(self.model, layer, kind)
+
+    # prefill, decode and run_block may be borrowed by a plugin's candidate with only `model` and
+    # `dtype` (tests/test_contract.py): on the CPU, the model called as it is, its blocks as block_fn's
     @torch.no_grad()
     def prefill(self, tokens):
         reset_state(self.model)
         reset_routes(self)
-        return self.model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
+        dev = _device(self)
+        return _forward(self)(torch.tensor([tokens], device=dev), torch.arange(len(tokens), device=dev))[0].cpu()
 
     @torch.no_grad()
     def decode(self, token, pos):
         reset_routes(self)
-        return self.model(torch.tensor([[token]]), torch.tensor([pos]))[0, -1]
+        dev = _device(self)
+        return _forward(self)(torch.tensor([[token]], device=dev), torch.tensor([pos], device=dev))[0, -1].cpu()
 
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
-        module, fn = block_fn(self.model, layer, kind)
+        module, fn = self.block(layer, kind) if isinstance(self, TorchCandidate) else block_fn(self.model, layer, kind)
         reset_state(module)
         reset_routes(self)
-        return [fn(c.x.to(self.dtype), c.pos) for c in calls]
+        dev = _device(self)
+        return [host(fn(c.x.to(dev, self.dtype), c.pos.to(dev))) for c in calls]
 
     @torch.no_grad()
     def run_block_points(self, layer, kind, calls):
@@ -166,8 +232,10 @@ class EagerBackend(Backend):
     """`transform(model)` may modify the built model in place: how faults are injected."""
 
     precisions = tuple(DTYPES)
+    option_schema = (device_option("the production model"),)
     # the production model in its precision, plus one layer's tensors as read (fresh, 10% slack);
     # measured peaks: full-size OLMoE (6.92 B) bf16 15.2 GiB, OLMoE --layers 2 (1.05 B) bf16 3.8 GiB
+    # (device=cuda: built on the host, then moved)
     memory_per_param = {"fp32": 4.4, "bf16": 2.4}
     memory_note = "the production model in memory"
 
@@ -177,15 +245,20 @@ class EagerBackend(Backend):
     def availability(self):
         return True, ""
 
+    def availability_for(self, spec):
+        return device_availability(self, spec)
+
     def with_fault(self, fault):
         """This backend with a seeded fault (models/faults.py) injected into the production model."""
         return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
 
     def load(self, model, spec):
+        device = device_of(spec)
         m = model.build_production(DTYPES[spec.precision])
         if self.transform is not None:
             self.transform(m)
-        return TorchCandidate(m, DTYPES[spec.precision])
+        info = device_info({"executor": f"torch {torch.__version__} eager"}, device)
+        return TorchCandidate(m.to(device), DTYPES[spec.precision], info, device)
 
 
 BACKEND = EagerBackend()

@@ -16,7 +16,8 @@ import torch
 
 from oracle import points
 from oracle.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
-from oracle.backend import Backend, Candidate
+from exporters.eager import device_availability, device_info, device_of, device_option, host
+from oracle.backend import Backend, Candidate, InputError
 from oracle.replay import RouteLog
 from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
@@ -40,8 +41,9 @@ def in_arithmetic(method):
 class HFCandidate(Candidate):
     block_mode = "isolated"
 
-    def __init__(self, model, family, dtype, precision: str = ""):
+    def __init__(self, model, family, dtype, precision: str = "", device: str = "cpu"):
         self.model, self.family, self.dtype = model, family, dtype
+        self.device = torch.device(device)  # where the model is: inputs moved there per call, outputs back
         self.precision = precision  # an arithmetic beyond the dtype (oracle/arithmetic.py), e.g. a8
         self.modules = block_modules(model, family)
         self.args = model_args(model, family)
@@ -69,17 +71,20 @@ class HFCandidate(Candidate):
     @in_arithmetic
     def prefill(self, tokens):
         self.routes.reset()
-        out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
+        out = self.model(input_ids=self._ids([tokens]), use_cache=True)
         self.cache = out.past_key_values
-        return out.logits[0]
+        return out.logits[0].cpu()
+
+    def _ids(self, ids):
+        return torch.tensor(ids, device=self.device)
 
     @torch.no_grad()
     @in_arithmetic
     def decode(self, token, pos):
         self.routes.reset()
-        out = self.model(input_ids=torch.tensor([[token]]), past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=self._ids([[token]]), past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
-        return out.logits[0, -1]
+        return out.logits[0, -1].cpu()
 
     @torch.no_grad()
     @in_arithmetic
@@ -90,9 +95,9 @@ class HFCandidate(Candidate):
         outs = self._replay(layer, kind, calls)
         with materialized(self.modules[layer, kind]):  # a streamed model: loaded once for every probe
             for c in probes:
-                x = c.x.to(self.dtype)
+                x = c.x.to(self.device, self.dtype)
                 o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
-                o = normalize_output(kind, o, keep_dtype=True, router_output=self.read_router)
+                o = host(normalize_output(kind, o, keep_dtype=True, router_output=self.read_router))
                 outs.append(o[: self._router_items] if kind == "router" else o)
         return outs
 
@@ -113,13 +118,13 @@ class HFCandidate(Candidate):
         outputs, n = [], [0]
 
         def pre(mod, args, kwargs):
-            x = calls[n[0]].x.to(self.dtype)
+            x = calls[n[0]].x.to(self.device, self.dtype)
             if args and torch.is_tensor(args[0]):
                 return (x.reshape(args[0].shape), *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": x.reshape(kwargs["hidden_states"].shape)}
 
         def post(mod, args, kwargs, out):
-            o = normalize_output(kind, out, keep_dtype=True, router_output=self.read_router)
+            o = host(normalize_output(kind, out, keep_dtype=True, router_output=self.read_router))
             outputs.append(o[: self._router_items] if kind == "router" else o)
             n[0] += 1
 
@@ -128,10 +133,10 @@ class HFCandidate(Candidate):
         try:
             cache = None
             for c in calls:
-                out = self.model(input_ids=torch.tensor([c.tokens]), past_key_values=cache, use_cache=True)
+                out = self.model(input_ids=self._ids([c.tokens]), past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
                 if kind == "logits":  # the model's logits (the reference's logits block), not the head's
-                    outputs[-1] = out.logits.detach()
+                    outputs[-1] = out.logits.detach().cpu()
         finally:
             h1.remove()
             h2.remove()
@@ -140,12 +145,16 @@ class HFCandidate(Candidate):
 
 class HFBackend(Backend):
     precisions = ("fp32", "bf16")
+    option_schema = (device_option("HF transformers' model"),)
 
     def __init__(self, name: str = "hf", fault=None):
         self.name, self.fault = name, fault  # fault: a seeded fault's HF form (exporters/hf_faults.py)
 
     def availability(self):
         return True, ""
+
+    def availability_for(self, spec):
+        return device_availability(self, spec)
 
     def with_fault(self, fault):
         """This backend with a seeded fault on HF's own modules; None where it has no form there."""
@@ -178,15 +187,21 @@ class HFBackend(Backend):
         return cand
 
     def _load(self, model, spec):
-        dtype = DTYPES[spec.precision]
+        dtype, device = DTYPES[spec.precision], device_of(spec)
         if reference_mode(model.model_dir) == "streamed":  # as the reference: layers offloaded to disk
+            if device != "cpu":
+                raise InputError(f"--option device={device}: this checkpoint is streamed from disk (its decoder layers "
+                                 "offloaded, over the in-memory size); HF on the GPU needs the whole model in memory")
             offload = tempfile.TemporaryDirectory(prefix="moe-oracle-hf-")
             cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, Path(offload.name)),
                                model.family, dtype, spec.precision)
             cand.offload = offload  # removed with the candidate
             cand.info["executor"] += " (decoder layers streamed from disk by accelerate hooks)"
             return cand
-        return HFCandidate(load_hf_model(model.family, model.model_dir, dtype), model.family, dtype, spec.precision)
+        m = load_hf_model(model.family, model.model_dir, dtype).to(device)  # cpu: where it already is
+        cand = HFCandidate(m, model.family, dtype, spec.precision, device)
+        cand.info = device_info(cand.info, device)
+        return cand
 
 
 BACKEND = HFBackend()

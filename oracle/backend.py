@@ -329,6 +329,11 @@ class Backend:
         skipped with that reason."""
         raise NotImplementedError
 
+    def availability_for(self, spec: CheckSpec) -> tuple[bool, str]:
+        """availability() for this check's options (e.g. `--option device=cuda` on a host without a GPU:
+        skipped with the reason, as a backend this host lacks is). By default availability()."""
+        return self.availability()
+
     def load(self, model: ModelSource, spec: CheckSpec) -> Candidate:
         """The candidate for this checkpoint and spec (export/lower/compile cached by content hash)."""
         raise NotImplementedError
@@ -374,7 +379,7 @@ class Backend:
 _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_directory", "artifact_suffix",
                        "memory_per_param", "memory_note", "export", "with_fault", "check_options", "artifact_weights",
                        "shipped_tensors", "shipped_formats", "file_faults", "apply_file_fault", "check_given", "memory_estimate", "fault_not_applicable", "fault_point",
-                       "fault_catalogue"),
+                       "fault_catalogue", "availability_for", "cache_namespaces"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "block_input", "run_block_points", "no_points", "no_routes", "last_routes",

@@ -137,7 +137,7 @@ def start(spec: CheckSpec, backend, progress, goldens: bool) -> Run:
                          "reinstall moe-oracle, or set MOE_ORACLE_GOLDENS")
     result = CheckResult(spec=spec_record(spec), status=Status.PASS, provenance=provenance(spec, backend))
     run = Run(spec, spec, backend, result, progress or (lambda stage, done=0, total=0: None), t0)
-    ok, reason = backend.availability()
+    ok, reason = backend.availability_for(spec)
     if not ok:
         result.status, result.skipped_reason = Status.SKIPPED, reason
     return run
