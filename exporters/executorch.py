@@ -777,7 +777,7 @@ class ExecutorchBackend(Backend):
     def artifact(self, model, spec, check: bool):
         """The check's program or the production program, from the cache or built."""
         from oracle.artifacts import cached_artifact
-        from oracle.cache import estimate
+        from models.cache import estimate
 
         program = "check" if check else "production"
         # the check program never fuses the sampler into prefill/decode (it needs the logits);

@@ -347,7 +347,7 @@ class ExecutorchMlxBackend(Backend):
     def artifact(self, model, spec, check: bool, kernel: bool):
         """The check's program (forward + blocks) or the production program (forward), cached."""
         from oracle.artifacts import cached_artifact, versions
-        from oracle.cache import estimate
+        from models.cache import estimate
 
         program = "check" if check else "production"
         sampling = check and bool(spec.options.get("sampling"))  # the check program's sampler methods

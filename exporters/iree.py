@@ -46,7 +46,7 @@ import numpy as np
 from exporters.iree_program import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, host_cpu, \
     mlir_ops  # noqa: F401 (mlir_ops: the structural census, read by tests as this backend's)
 from oracle.artifacts import Artifact, cached_artifact, cached_json, sha256_file, versions
-from oracle.cache import estimate
+from models.cache import estimate
 from oracle.backend import Backend, Candidate, InputError
 
 TOOLS = ("iree-base-compiler", "iree-base-runtime", "iree-turbine", "torch")

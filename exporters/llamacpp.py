@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.artifacts import Artifact, cached_artifact, sha256_file, versions
-from oracle.cache import estimate
+from models.cache import estimate
 from oracle.backend import Backend, Candidate, InputError, Option
 from exporters.llamacpp_setup import PACKAGE, converter_dir, converter_problem, installed_version, setup
 

@@ -133,6 +133,23 @@ class ElementMap:
         self.runs = {k.split(":", 1)[1]: (z[k], z["ids:" + k.split(":", 1)[1]], tuple(z["shape:" + k.split(":", 1)[1]]))
                      for k in z.files if k.startswith("starts:")}
 
+    def named_as(self, checkpoint_names) -> "ElementMap":
+        """The map with the HF tensors under the checkpoint's own names: the converter reads some under
+        another spelling (ERNIE's `moe_statics.e_score_correction_bias` as `...e_score_correction.bias`),
+        matched where they differ only in '.' against '_' (a name with no such unique match stays)."""
+        names = set(checkpoint_names)
+        spelled = {}
+        for n in names:
+            spelled.setdefault(n.replace("_", "."), []).append(n)
+
+        def own(n):
+            match = spelled.get(n.replace("_", "."), [])
+            return n if n in names or len(match) != 1 else match[0]
+
+        self.hf_names = [own(n) for n in self.hf_names]
+        self.hf_shapes = {own(k): v for k, v in self.hf_shapes.items()}
+        return self
+
     def sources(self, name: str) -> list[tuple[int, int, str, int]]:
         """(gguf start, length, HF tensor, its flat start) pieces of GGUF tensor `name`: its runs cut at
         the HF tensors' boundaries."""
@@ -154,6 +171,7 @@ class ElementMap:
 
 def element_map(original, converter_version: str) -> ElementMap:
     """The cached map of the original checkpoint (by its identity, the converter's version and this code)."""
+    from models.checkpoint import tensor_index
     from oracle.artifacts import cached_artifact
 
     code = sha256_file(Path(__file__))
@@ -167,7 +185,7 @@ def element_map(original, converter_version: str) -> ElementMap:
             raise InputError(f"llama.cpp's converter could not map this checkpoint's tensors: {tail[0]}")
 
     art = cached_artifact("llamacpp-map", parts, "map.npz", build)
-    return ElementMap(Path(art.path))
+    return ElementMap(Path(art.path)).named_as(tensor_index(Path(original.model_dir)))
 
 
 # ---------------------------------------------------------------- reading and checking a GGUF

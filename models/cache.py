@@ -1,4 +1,5 @@
-"""The artifact cache, bounded: what it holds, least-recently-used eviction, and `oracle cache`.
+"""The artifact cache, bounded: what it holds, least-recently-used eviction, and `oracle cache`
+(here, below the harness: models, oracle and exporters all write it).
 
 Entries are the cache's units of reuse: a built artifact (`artifacts/<namespace>/<key>/`: a program,
 a GGUF, an mlx directory), a checkpoint it wrote (`checkpoints/<name>/`: tiny and `--config`
@@ -23,13 +24,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from models.checkpoint import cache_root
-from oracle.backend import InputError
+
+def cache_root() -> Path:
+    """$MOE_ORACLE_CACHE, default ~/.cache/moe-oracle."""
+    return Path(os.environ.get("MOE_ORACLE_CACHE", Path.home() / ".cache" / "moe-oracle"))
+
 
 DEFAULT_LIMIT = 32 << 30  # 32 GiB: a laptop's share; real-width llama.cpp checks once left 38 GB of GGUFs
 ENV = "MOE_ORACLE_CACHE_LIMIT"
 USED = ".used"
-_HELD: dict[str, int] = {}  # lock file -> fd this process holds shared (released when it exits)
+_HELD: dict[str, int] = {}  # lock file -> fd this process holds shared (released when it exits), oldest first
+MAX_HELD = 256  # a long self-test holds its latest entries only (each lock is an open file descriptor)
 
 
 def parse_size(text: str) -> int:
@@ -176,6 +181,7 @@ def hold(path: Path) -> None:
         return
     lf = lock_file(name)
     if str(lf) in _HELD:
+        _HELD[str(lf)] = _HELD.pop(str(lf))  # the most recent now
         return
     try:
         lf.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +189,9 @@ def hold(path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH)
         _HELD[str(lf)] = fd
     except OSError:
-        pass  # a read-only cache: nothing is evicted from it by us either
+        return  # a read-only cache: nothing is evicted from it by us either
+    while len(_HELD) > MAX_HELD:  # the oldest hold goes (closing the descriptor releases its lock)
+        os.close(_HELD.pop(next(iter(_HELD))))
 
 
 def mark_used(path: Path) -> None:
@@ -254,9 +262,9 @@ def enforce(size_limit: int | None = None) -> list[Entry]:
     return prune(chosen)
 
 
-class CacheFull(InputError):
+class CacheFull(ValueError):
     """An artifact that cannot fit in the cache's limit or on its disk: refused before it is built
-    (exit 2, with the sizes)."""
+    (the harness's bad input: exit 2, with the sizes)."""
 
 
 def enforce_quietly() -> None:

@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from models import cache
+from models.cache import cache_root  # noqa: F401  (where the harness has always imported it from)
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TINY_STD = 0.1  # large enough that router top-k and final argmax are not near ties
 TINY_FORMAT = 2  # bump when the tiny-weight recipe changes (invalidates the cache)
@@ -26,10 +29,6 @@ TINY_FORMAT = 2  # bump when the tiny-weight recipe changes (invalidates the cac
 
 class CheckpointError(ValueError):
     """The checkpoint cannot be used; the message says which file or tensor and why."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOE_ORACLE_CACHE", Path.home() / ".cache" / "moe-oracle"))
 
 
 def _umask() -> int:
@@ -647,9 +646,7 @@ def cached_dir(recipe: dict, stem: str, recipe_file: str, build, needed=None) ->
     """cache_root()/checkpoints/<stem>-<hash of recipe>: built once by `build(dir)` into a temp
     dir and renamed into place (a crash leaves nothing; a concurrent identical build wins).
     `needed` (bytes, or a function giving them): its size, refused before it is built where it
-    cannot fit in the cache (oracle/cache.py)."""
-    from oracle import cache
-
+    cannot fit in the cache (models/cache.py)."""
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:20]
     final = cache_root() / "checkpoints" / f"{stem}-{key}"
     cache.hold(final)  # never evicted while this process runs

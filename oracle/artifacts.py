@@ -89,10 +89,10 @@ def cached_artifact(namespace: str, parts: dict, filename: str, build: Callable[
                     name: str | None = None, needed: int | Callable[[], int] | None = None) -> Artifact:
     """The artifact for `parts`, built by `build(path)` into a temp dir on a miss and then
     moved into place atomically (a crashed build leaves nothing behind). The entry is held by this
-    process from here on (oracle/cache.py: never evicted under it) and marked used; a miss whose
+    process from here on (models/cache.py: never evicted under it) and marked used; a miss whose
     `needed` bytes (the artifact's estimated size, or a function giving it) cannot fit in the cache's limit or on its disk is
     refused before it builds (cache.CacheFull), and after a build the cache is kept within its limit."""
-    from oracle import cache
+    from models import cache
 
     d = cache_root() / "artifacts" / namespace / key_of(parts)
     target = d / filename

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from oracle import expected
 from oracle import goldens as golden_files
 from oracle import points, thresholds
+from models.cache import CacheFull
 from models.checkpoint import CheckpointError
 from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_refusal, resolve
 from oracle.noise import aligner, block_aligner, exact_for, noise_for
@@ -93,6 +94,15 @@ class Run:
 
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,
               validate_only: bool = False) -> CheckResult:
+    """_run_check; an artifact the cache cannot hold is bad input (refused with the sizes, exit 2)."""
+    try:
+        return _run_check(spec, backend, progress, goldens, validate_only)
+    except CacheFull as e:
+        raise InputError(str(e)) from None
+
+
+def _run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,
+               validate_only: bool = False) -> CheckResult:
     """Run one check. Raises InputError for bad input. A crash in the backend's load() (or in
     every block) is status 'error'; a crash or malformed output in one block, one e2e step or
     one optional stage is that row's error/fail and the check goes on.
@@ -120,8 +130,8 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     quantization(run)  # a shipped or built directory: what it is, and its quantization's own loss
     try:
         run_candidate(run, goldens)  # load, block rows, e2e, prompts, gates, sampling, structures, goldens
-    except InputError:  # the backend refused what it was given (e.g. a program without the exporter's methods)
-        raise
+    except (InputError, CacheFull):  # the backend refused what it was given (e.g. a program without the
+        raise  # exporter's methods), or the cache cannot hold its artifact
     except Exception as e:  # load() crashed (or every block did): this check is an error, not the run
         run.result.error = f"{run.stage}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-8))
     return verdict(run)

@@ -790,7 +790,7 @@ def cmd_cache(a) -> int:
     import json
     import time
 
-    from oracle import cache
+    from models import cache
     from oracle.backend import BackendError, resolve
     from models.checkpoint import cache_root
 
@@ -856,7 +856,7 @@ def apply_cache_limit(a) -> None:
     value = getattr(a, "cache_limit", None)
     if value is None:
         return
-    from oracle.cache import ENV, parse_size
+    from models.cache import ENV, parse_size
 
     try:
         parse_size(value)

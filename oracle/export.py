@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from models.cache import CacheFull
 from oracle.artifacts import write_manifest
 from oracle.backend import CheckSpec
 from oracle.backend import InputError, memory_refusal
@@ -13,6 +14,13 @@ from oracle.validation import validate
 
 
 def run_export(spec: CheckSpec, output_dir: str) -> Path:
+    try:
+        return _run_export(spec, output_dir)
+    except CacheFull as e:  # a checkpoint or artifact the cache cannot hold: refused with the sizes
+        raise InputError(str(e)) from None
+
+
+def _run_export(spec: CheckSpec, output_dir: str) -> Path:
     backend = validate(spec, "export")
     if backend.export is None:
         raise InputError(f"backend {spec.backend} has no exporter (nothing to write)")

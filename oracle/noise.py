@@ -181,7 +181,7 @@ _MEMORY: dict[str, Noise] = {}  # this process's measurements (a matrix server r
 
 def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = None) -> Noise:
     if key not in _MEMORY:
-        from oracle import cache
+        from models import cache
 
         path = cache_root() / "noise" / key
         cache.hold(path)

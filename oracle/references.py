@@ -26,7 +26,8 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     """The HF reference for this checkpoint and prompt: in memory, else from the disk cache
     (keyed by the checkpoint's sha256, prompt, steps, and the code and versions that capture
     it), else captured and saved."""
-    from oracle import cache, reference
+    from models import cache
+    from oracle import reference
     from oracle.artifacts import key_of, versions
 
     code = hashlib.sha256(Path(reference.__file__).read_bytes()).hexdigest()

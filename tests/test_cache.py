@@ -1,4 +1,4 @@
-"""The bounded artifact cache (oracle/cache.py): least recently used entries go past the limit, an
+"""The bounded artifact cache (models/cache.py): least recently used entries go past the limit, an
 entry another running process holds stays, an artifact that cannot fit is refused before it is built,
 and `oracle cache list|prune`."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from oracle import cache
+from models import cache
 from oracle.artifacts import cached_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def entry(root: Path, ns: str, key: str, size: int, used: float) -> Path:
 
 HOLDER = """
 import sys
-from oracle import cache
+from models import cache
 cache.hold(sys.argv[1])
 print("held", flush=True)
 sys.stdin.readline()
@@ -141,3 +141,16 @@ def test_a_check_whose_artifact_cannot_fit_is_refused_with_the_sizes_before_it_b
     assert got.returncode == 2, got.stdout + got.stderr
     assert "64.0 KiB" in got.stderr and "needs about" in got.stderr
     assert not (root / "artifacts" / "llamacpp").exists() or not any((root / "artifacts" / "llamacpp").iterdir())
+
+
+def test_a_long_run_holds_its_latest_entries_only(root, monkeypatch):
+    """Each hold is an open descriptor: a self-test building hundreds of programs keeps the latest
+    MAX_HELD held (its running check's), the older ones evictable again."""
+    monkeypatch.setattr(cache, "MAX_HELD", 3)
+    now = time.time()
+    paths = [entry(root, "iree", f"k{i}", KIB, now - 100 + i) for i in range(5)]
+    for p in paths:
+        cache.hold(p)
+    cache.hold(paths[1])  # used again: among the latest
+    assert len(cache._HELD) == 3
+    assert {e.name for e in cache.entries() if e.held} == {"artifacts/iree/k1", "artifacts/iree/k3", "artifacts/iree/k4"}
