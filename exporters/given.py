@@ -91,6 +91,7 @@ def vmfb_problem(vmfb: Path) -> str | None:
 # how iree-compile records an llvm-cpu target in the module (in the text of the message it gives
 # when no device matches), the same text for the host's own target
 LLVM_TARGET = re.compile(rb'"llvm-cpu", "([\w-]+)", \{cpu = "([^"]*)", cpu_features = "([^"]*)"')
+FEATURE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # an LLVM CPU or feature name (avx512vnni, x86-64-v3)
 
 
 def llvm_cpu_targets(data) -> list[tuple[str, str, frozenset]]:
@@ -142,6 +143,10 @@ def cpu_problem(vmfb: Path) -> str | None:
     if host is None:
         return None
     for fmt, cpu, features in targets:
+        unreadable = sorted(f for f in features | ({cpu} if cpu else set()) if not FEATURE_NAME.fullmatch(f))
+        if unreadable:  # bytes of a damaged file inside the record, not another CPU
+            return (f"damaged: its llvm-cpu target record names no CPU feature that exists ({unreadable[0]!r}): "
+                    "the file is corrupt")
         if fmt != host[0]:
             return f"compiled for {fmt} ({cpu}), this host runs {host[0]}: compile it here"
         missing = sorted(features - host[2])

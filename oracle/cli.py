@@ -189,6 +189,9 @@ def parser() -> argparse.ArgumentParser:
         gp = gsub.add_parser(name, help=hlp)
         gp.add_argument("--family", action="append", help="limit to this family (repeatable)")
         gp.add_argument("--backend", action="append", help="limit to this backend (repeatable)")
+        if name == "freeze":
+            gp.add_argument("--precision", help="freeze at this precision (default: the goldens' own, fp32): "
+                            "another precision writes only its structural goldens, <name>.<precision>.txt")
     rf = sub.add_parser("reference", help="save a captured HF reference as a portable directory")
     rfsub = rf.add_subparsers(dest="reference_cmd", required=True)
     rs = rfsub.add_parser("save", help="capture the HF fp32 reference of a checkpoint and write it to --out")
@@ -699,6 +702,8 @@ def cmd_report(a) -> int:
 
 
 def cmd_goldens(a) -> int:
+    from dataclasses import replace
+
     from oracle import goldens
     from oracle.backend import BackendError, InputError, resolve
     from oracle.check import run_check
@@ -713,6 +718,8 @@ def cmd_goldens(a) -> int:
             for f in families:
                 try:
                     spec = goldens.default_spec(f, b)
+                    if a.precision:
+                        spec = replace(spec, precision=a.precision)
                 except InputError as e:
                     print(f"oracle: error: {e}", file=sys.stderr)
                     return EXIT["bad_input"]

@@ -156,9 +156,11 @@ def compare_block(ref, key, outs, spec, layer_types, reduction: int = 0, noise=N
         # exchanged is within the bound measured there (oracle/replay.py)
         bound = np.broadcast_to(np.asarray(tie, np.float64), gaps.shape)
         wg = ref.weight_gaps.get(layer)
+        gg = ref.group_gaps.get(layer)
         diffs = differences([ref_i], [(cand_i, cand_w)], [np.concatenate(ref.router_probs[layer])], [bound],
                             [np.arange(len(ref_i))], layer, [ref_w] if wg else None,
-                            [np.concatenate(wg)] if wg else None, spec.precision) if ref_i.shape == cand_i.shape else []
+                            [np.concatenate(wg)] if wg else None, spec.precision,
+                            [np.concatenate(gg)] if gg else None) if ref_i.shape == cand_i.shape else []
         exchange_tie = np.zeros(len(ref_i), dtype=bool)
         exchange_tie[[d.position for d in diffs if d.verdict == "tie" and d.what == "experts"]] = True
         # a token routed as HF routes the candidate's own upstream agrees
@@ -221,10 +223,11 @@ def block_differences(ref, layer: int, selection: list | None, spec, calls: int 
         return []
     outs = ref.outputs[layer, "router"][: calls or len(selection)]
     n = len(outs)
-    gaps = ref.weight_gaps.get(layer)
+    gaps, groups = ref.weight_gaps.get(layer), ref.group_gaps.get(layer)
     return differences([i for _, i in outs], selection[:n], ref.router_probs[layer][:n], [np.inf] * n,
                        [np.arange(np.asarray(i).reshape(-1, np.asarray(i).shape[-1]).shape[0]) for _, i in outs],
-                       layer, [w for w, _ in outs] if gaps else None, gaps[:n] if gaps else None, spec.precision)
+                       layer, [w for w, _ in outs] if gaps else None, gaps[:n] if gaps else None, spec.precision,
+                       groups[:n] if groups else None)
 
 
 def upstream_metrics(lim: dict, rule: dict, r: np.ndarray, c: np.ndarray, u: np.ndarray, m: dict,
@@ -314,7 +317,10 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
                 pass
         sel, aligned, note = None, None, None
         if key[1] in ("moe", "layer") and isolated:
-            sel = selections.get(key) or router_sel.get(key[0])
+            # the block's own choice where the candidate reports it; else its router row's (the moe block's
+            # router reads the router row's very input; a layer's router reads the layer's own attention)
+            own = selections.get(key)
+            sel = own or router_sel.get(key[0])
             sel = sel[: len(ref.inputs[key])] if sel is not None else None
             diffs = block_differences(ref, key[0], sel, spec, len(ref.inputs[key]))
             if align is not None and diffs:
@@ -325,6 +331,8 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
                     aligned = align(key, plan_of(sel, diffs, key[0], positions))
                 except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said
                     note = f"routing replay failed ({type(e).__name__}: {e}): judged against the plain reference"
+                if aligned is not None and key[1] == "layer" and not own:
+                    aligned, note = routing_followed(ref, key, outs, aligned, noise, diffs)
         row = compare_block(ref, key, outs, spec, args.layer_types, reduction_length(args), noise,
                             upstream.get(key), aligned, sel)
         if note:
@@ -336,6 +344,34 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     if errors and len(errors) == len(keys):
         raise RuntimeError(f"every block raised; the first: {errors[0]}")
     return [rows[key] for key in keys]
+
+
+def routing_followed(ref, key, outs: list, aligned: tuple, noise, diffs: list) -> tuple:
+    """A layer row whose block's own choice the candidate does not report (a compiled block program):
+    its router reads the layer's own attention output, so at a token where its router row chose other
+    experts the layer may have chosen either. At each such token (both choices within the tie bound, or
+    the router row fails) the row is judged against the reference with the routing its output is nearer
+    to: HF's plain or HF's with the router row's choice forced, both legitimate answers; every other
+    token against the plain reference. Returns (the mixed (fp32, precision) outputs, what was done)."""
+    fp32, at = aligned
+    plain_at = noise.outputs.get(key) if noise is not None else None
+    rows = lambda o: np.asarray(o, np.float64).reshape(-1, np.asarray(o).shape[-1])  # noqa: E731
+    mixed = [rows(o).copy() for o in ref.outputs[key]]
+    mixed_at = [rows(o).copy() for o in plain_at] if at is not None and plain_at is not None else None
+    followed = 0
+    for call, t in sorted({(d.call, d.position) for d in diffs}):
+        c = rows(as_array(outs[call], np.float32))[t]
+        forced_row = rows(fp32[call])[t]
+        if np.abs(c - forced_row).max() < np.abs(c - mixed[call][t]).max():
+            followed += 1
+            mixed[call][t] = forced_row
+            if mixed_at is not None:
+                mixed_at[call][t] = rows(at[call])[t]
+    shaped = lambda new, like: [n.reshape(np.asarray(o).shape) for n, o in zip(new, like)]  # noqa: E731
+    note = (f"the layer block's own choice is not reported: at {len({(d.call, d.position) for d in diffs})} "
+            f"token(s) where its router row chose other experts, {followed} judged against HF with that choice "
+            "forced and the rest against HF's own (the nearer; both legitimate at a tie)")
+    return (shaped(mixed, ref.outputs[key]), shaped(mixed_at, plain_at) if mixed_at is not None else at), note
 
 
 def block_selection(cand, layer: int, calls: int) -> list | None:

@@ -94,8 +94,10 @@ def routing_differences(run: dict, measured, routes: list, positions: list, spec
         at = None if measured is None else measured.e2e_scores.get(layer)
         bounds = tie_bounds(scores, None if at is None else at[:n], spec, scores[0].shape[-1])
         gaps = run["weight_gaps"].get(layer)
+        groups = run["group_gaps"].get(layer)
         out += differences(run["selected"][layer][:n], cand, scores, bounds, positions[:n], layer,
-                           run["weights"][layer][:n] if gaps else None, gaps[:n] if gaps else None, spec.precision)
+                           run["weights"][layer][:n] if gaps else None, gaps[:n] if gaps else None, spec.precision,
+                           groups[:n] if groups else None)
     return sorted(out, key=lambda d: (d.call, d.position, d.layer))
 
 
@@ -105,11 +107,11 @@ def what_chose(ref=None, noise=None) -> dict:
     run (a Noise), HF's own choice there before forcing."""
     if noise is not None:
         return {"selected": noise.e2e_selected, "scores": noise.e2e_scores, "weights": noise.e2e_weights,
-                "weight_gaps": noise.e2e_weight_gaps}
+                "weight_gaps": noise.e2e_weight_gaps, "group_gaps": noise.e2e_group_gaps}
     return {"selected": {layer: [i for _, i in ref.outputs[layer, "router"]] for layer in ref.router_probs},
             "scores": dict(ref.router_probs),
             "weights": {layer: [w for w, _ in ref.outputs[layer, "router"]] for layer in ref.router_probs},
-            "weight_gaps": dict(ref.weight_gaps)}
+            "weight_gaps": dict(ref.weight_gaps), "group_gaps": dict(ref.group_gaps)}
 
 
 def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None, exact=None, align=None):
@@ -135,12 +137,18 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     plain = what_chose(ref) if reported else None
     diffs = routing_differences(plain, None, routes, ref.positions, spec) if reported else []
     target, target_noise, target_exact = Aligned(ref.tokens, ref.prompt_len, ref.logits), noise, exact_once
-    aligned = bool(diffs) and align is not None
+    aligned, why_not = bool(diffs) and align is not None, None
+    if aligned and any(len(d.candidate) != len(d.reference) for d in diffs):
+        aligned, why_not = False, "the candidate chose another number of experts: HF cannot be forced to it"
     if aligned:  # HF with the candidate's choice forced: what it then chooses, layer by layer, is what the
         # candidate's choice is judged against (a choice downstream of an earlier flip follows from it)
         plan = {layer: plan_of([r.get(layer) for r in routes], diffs, layer, ref.positions)
                 for layer in sorted(ref.router_probs)}
-        fp32, at, fp64 = align(plan)
+        try:
+            fp32, at, fp64 = align(plan)
+        except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said
+            aligned, why_not = False, f"routing replay failed ({type(e).__name__}: {e})"
+    if aligned:
         target = Aligned(ref.tokens, ref.prompt_len, fp32.logits)
         target_noise, target_exact = (at, None) if noise is not None else (None, _once(fp64))
         measured = at if noise is not None else _try(target_exact) if rule else None
@@ -154,6 +162,10 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     elif diffs:  # no replay: the differences judged on the plain reference's gaps
         measured = noise if noise is not None else _try(exact_once) if rule else None
         diffs = routing_differences(plain, measured, routes, ref.positions, spec)
+    if thresholds.quantized(spec.precision):  # quantized weights move the routing: their loss, judged by
+        for d in diffs:  # the logits' distribution (KL), not a router's defect
+            if d.verdict == "divergence":
+                d.verdict = "quantization"
     e2e, rows, dtypes = judge_steps(target, answers, error, spec, lim, target_noise)
     if target_noise is None and target_exact is not None and rule and beyond_table(e2e, rule["measure_below"]):
         try:
@@ -167,6 +179,8 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
                                   + (f"step(s) {beyond} beyond the fixed table judged at most "
                                      f"{rule['factor']:g}x it" if beyond else "every step within it or the table"))
     e2e.routing = routing_record(ref, routes, reported, cand, diffs, aligned, answers)
+    if why_not:
+        e2e.routing["not_aligned"] = f"{why_not}: the steps judged against the plain reference"
     if e2e.routing.get("divergences") and e2e.status == Status.PASS:
         e2e.status = Status.FAIL
     if collect is not None:
@@ -213,7 +227,8 @@ def routing_record(ref, routes: list, reported: bool, cand, diffs: list, aligned
     out = {"recorded": True, "layers": sorted({layer for r in routes for layer in r}),
            "differences": [d.as_dict() for d in diffs], "ties": sum(d.verdict == "tie" for d in diffs),
            "follows": sum(d.verdict == "follows" for d in diffs),
-           "divergences": sum(d.verdict == "divergence" for d in diffs), "aligned": aligned}
+           "divergences": sum(d.verdict == "divergence" for d in diffs), "aligned": aligned,
+           **({"quantization": n} if (n := sum(d.verdict == "quantization" for d in diffs)) else {})}
     if aligned:  # the candidate against the plain reference too: what the replay explained
         plain = []
         for k, raw in enumerate(answers):

@@ -2,6 +2,8 @@
 
 goldens/<family>/<backend>/tokens.json      greedy token ids of the tiny model (fixed prompt, seed)
 goldens/<family>/<backend>/<name>.txt       structural goldens: a backend's op / node histogram
+goldens/<family>/<backend>/<name>.<P>.txt   the same at precision P, where its graph differs (bf16: the
+                                            casts around what the model keeps in fp32 at bf16, as HF does)
 goldens/<family>/<backend>/gates.toml       hand-written gate limits (e.g. a cast-count maximum)
 
 A check compares what exists for its family and backend: tokens exactly (only when the
@@ -80,16 +82,25 @@ def token_gate(spec, candidate_tokens: list[int]) -> GateRow | None:
     return GateRow("golden_tokens", Status.FAIL, got, exp, msg)
 
 
+def structure_path(spec, name: str) -> Path:
+    """The structural golden of `name` at the check's precision: `<name>.<precision>.txt` where one was
+    frozen at it, else `<name>.txt` (frozen at the goldens' own spec; a graph whose histogram does not
+    depend on the precision: executorch-mlx's in most families)."""
+    d = golden_dir(spec.family, spec.backend)
+    own = d / f"{name}.{spec.precision}.txt"
+    return own if own.is_file() else d / f"{name}.txt"
+
+
 def structure_gates(spec, structures: dict[str, str]) -> list[GateRow]:
     """Byte-exact structural goldens, with a readable line diff on mismatch. Compared when the
     check builds with the options they were frozen with (a partitioner or a sampler is another
-    graph), at any precision and length: a graph's node histogram does not depend on them
-    (executorch-mlx: identical in fp32 and bf16; prefill lengths are dynamic dimensions)."""
+    graph), at any length (prefill lengths are dynamic dimensions), at the precision's own golden
+    where one exists (structure_path)."""
     rows = []
     if not applies(spec, ("options",)):
         return rows
     for name, text in sorted(structures.items()):
-        path = golden_dir(spec.family, spec.backend) / f"{name}.txt"
+        path = structure_path(spec, name)
         if not path.is_file():
             continue
         want = path.read_text()
@@ -112,6 +123,12 @@ def freeze(spec, result) -> tuple[bool, str, list[Path]]:
         return False, f"{spec.family}/{spec.backend}: check {result.status}, not freezing: {why}", []
     d = golden_dir(spec.family, spec.backend)
     written = []
+    frozen = frozen_spec(spec.family, spec.backend)
+    if frozen is not None and frozen.get("precision", "fp32") != spec.precision:  # another precision's graph:
+        for name, text in sorted((result.structures or {}).items()):  # its structures, the tokens untouched
+            write_atomic(d / f"{name}.{spec.precision}.txt", text)
+            written.append(d / f"{name}.{spec.precision}.txt")
+        return True, f"{spec.family}/{spec.backend}: froze {', '.join(p.name for p in written) or 'nothing'}", written
     tokens = {"spec": _token_spec(spec), "prompt": result.e2e.prompt_tokens, "tokens": result.e2e.candidate_tokens,
               "frozen_with": {k: v for k, v in result.provenance["versions"].items()
                               if k in ("torch", "transformers", "executorch", "iree-base-compiler", "mlx",

@@ -42,6 +42,9 @@ class Noise:
     # decision's margin [T] per call: HF's own, before a forced selection replaced them
     e2e_weights: dict = field(default_factory=dict)
     e2e_weight_gaps: dict = field(default_factory=dict)
+    # layer -> [the margin of the group choice [T] per e2e call] (group-limited routers): a candidate's
+    # experts of a group HF left out are judged on it
+    e2e_group_gaps: dict = field(default_factory=dict)
 
 
 def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> np.ndarray:
@@ -112,8 +115,10 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None) -> No
         def hook(mod, a, kwargs, out):
             w, idx, logits = normalize_output("router", out, router_output=hf.read_router)
             flat = logits.reshape(-1, logits.shape[-1])
-            scores = selection_scores(mod, flat, args)[0]
+            scores, ggap = selection_scores(mod, flat, args)
             noise.e2e_scores.setdefault(layer, []).append(scores.numpy().astype(np.float32))
+            if ggap is not None:
+                noise.e2e_group_gaps.setdefault(layer, []).append(ggap.numpy().astype(np.float32))
             noise.e2e_selected.setdefault(layer, []).append(idx.reshape(-1, idx.shape[-1]).numpy().astype(np.int64))
             noise.e2e_weights.setdefault(layer, []).append(w.reshape(-1, w.shape[-1]).numpy().astype(np.float32))
             wgap = weight_gap(flat, args)
@@ -145,7 +150,7 @@ def _save(noise: Noise, path: Path) -> None:
             else:
                 t[f"o.{layer}.{kind}.{i}"] = o
     for prefix, table in (("s", noise.scores), ("e", noise.e2e_scores), ("c", noise.e2e_selected),
-                          ("ew", noise.e2e_weights), ("eg", noise.e2e_weight_gaps)):
+                          ("ew", noise.e2e_weights), ("eg", noise.e2e_weight_gaps), ("gg", noise.e2e_group_gaps)):
         meta[prefix] = {str(layer): len(s) for layer, s in table.items()}
         for layer, s in table.items():
             for i, a in enumerate(s):
@@ -170,6 +175,7 @@ def _load(path: Path) -> Noise | None:
         noise.e2e_selected = {int(k): [t[f"c.{k}.{i}"] for i in range(n)] for k, n in meta["c"].items()}
         noise.e2e_weights = {int(k): [t[f"ew.{k}.{i}"] for i in range(n)] for k, n in meta["ew"].items()}
         noise.e2e_weight_gaps = {int(k): [t[f"eg.{k}.{i}"] for i in range(n)] for k, n in meta["eg"].items()}
+        noise.e2e_group_gaps = {int(k): [t[f"gg.{k}.{i}"] for i in range(n)] for k, n in meta["gg"].items()}
         noise.logits = [t[f"l.{k}"] for k in range(meta["steps"])]
         return noise
     except (OSError, ValueError, KeyError, TypeError):

@@ -181,14 +181,16 @@ def exchange_gap(scores: np.ndarray, ref_experts, cand_experts) -> float:
 
 
 def differences(ref_idx: list, cand_idx: list, scores: list, bounds: list, positions: list, layer: int,
-                ref_w: list | None = None, weight_gaps: list | None = None, precision: str = "fp32") -> list:
+                ref_w: list | None = None, weight_gaps: list | None = None, precision: str = "fp32",
+                group_gaps: list | None = None) -> list:
     """Every token of every call where the candidate's experts (as sets) are not the reference's, with
     its gap and tie bound and the verdict. Lists per call: reference and candidate indices [T, k] (a
     candidate entry may be (indices, weights)), the reference's selection scores [T, E], the tie bound [T]
     (or a number), the positions [T]. Where a discrete decision sets the weights (`weight_gaps`, the
     reference's margin of that decision per call, and `ref_w` its weights): a token whose experts agree
     but whose weights differ by more than a few roundings is a difference of the weights, judged on that
-    margin the same way."""
+    margin the same way. A group-limited router's candidate taking experts of a group the reference left
+    out (`group_gaps`: the reference's margin of its group choice [T] per call) is judged on that margin."""
     out = []
     for call, (ri, cv, sc, bd, pos) in enumerate(zip(ref_idx, cand_idx, scores, bounds, positions)):
         ci = indices(cv)
@@ -202,6 +204,8 @@ def differences(ref_idx: list, cand_idx: list, scores: list, bounds: list, posit
             where = int(pos[t]) if pos is not None else t
             if set(ri[t].tolist()) != set(ci[t].tolist()):
                 gap = exchange_gap(np.asarray(sc[t], np.float64), ri[t], ci[t])
+                if not np.isfinite(gap) and group_gaps is not None and len(ri[t]) == len(ci[t]):
+                    gap = float(np.asarray(group_gaps[call], np.float64).reshape(-1)[t])  # another group chosen
                 out.append(Difference(call, layer, where, sorted(ri[t].tolist()), sorted(ci[t].tolist()), gap,
                                       float(bd[t]), "tie" if gap <= bd[t] else "divergence"))
             elif weight_gaps is not None and cw is not None and ref_w is not None:

@@ -144,8 +144,10 @@ def _routing(r: dict | None) -> list[str]:
         return [f"Routing: the candidate's routers chose the reference's experts at every position of every step "
                 f"({len(r['layers'])} MoE layer(s))"]
     follows = f", {r['follows']} following from an earlier one" if r.get("follows") else ""
+    quant = (f", {r['quantization']} beyond the bound from the quantized weights (their loss, judged by the "
+             "logits' distribution)" if r.get("quantization") else "")
     lines = [f"Routing: {len(diffs)} difference(s) from the reference's experts: {r['ties']} tie(s) within the "
-             f"bound measured there{follows}, {r['divergences']} router divergence(s)"
+             f"bound measured there{follows}{quant}, {r['divergences']} router divergence(s)"
              + ("; the steps judged against HF fp32 with the candidate's experts forced (routing-aligned), the "
                 "plain comparison beside" if r["aligned"] else ""), "",
              "| step | layer | position | differs in | reference experts | candidate experts | gap | tie bound | verdict |",
@@ -156,6 +158,8 @@ def _routing(r: dict | None) -> list[str]:
                      f"{d['candidate']} | {_fmt(d['gap'])} | {_fmt(d['bound'])} | {verdict} |")
     if len(diffs) > 12:
         lines.append(f"... and {len(diffs) - 12} more (the JSON lists every one)")
+    if r.get("not_aligned"):
+        lines.append(f"Not replayed: {r['not_aligned']}.")
     if r.get("plain"):
         worst = max(p["max_abs"] for p in r["plain"])
         lines.append(f"Against the plain reference (no routing aligned) the logits differ by up to {_fmt(worst)}.")

@@ -60,10 +60,15 @@ class _Calls:
 
     def prefill(self, tokens):
         T = len(tokens)
-        return self.module.prefill(np.array([tokens], np.int64), np.arange(T, dtype=np.int64)).to_host()[0].copy()
+        return _logits(self.module.prefill(np.array([tokens], np.int64), np.arange(T, dtype=np.int64)))[0].copy()
 
     def decode(self, token, pos):
-        return self.module.decode(np.array([[token]], np.int64), np.array([pos], np.int64)).to_host()[0, -1].copy()
+        return _logits(self.module.decode(np.array([[token]], np.int64), np.array([pos], np.int64)))[0, -1].copy()
+
+
+def _logits(results):
+    """The logits of a prefill/decode call: its first result (each sparse layer's chosen experts follow)."""
+    return (results[0] if isinstance(results, (list, tuple)) else results).to_host()
 
 
 def _greedy(model, prompt, steps):
