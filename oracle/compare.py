@@ -12,7 +12,7 @@ from oracle import insitu
 from oracle import thresholds
 from oracle.backend import CheckSpec, ModelSource
 from oracle.metrics import OutputError, as_array, router_metrics, tensor_metrics, weight_diffs
-from oracle.metrics import rounding
+from oracle.metrics import rounding, score_resolution
 from oracle.noise import score_error
 from oracle.replay import differences, plan_of
 from oracle.result import BlockRow, Status
@@ -118,7 +118,9 @@ def tie_gaps(ref, layer: int, spec, noise=None, n: int | None = None, in_model: 
     router_lim = thresholds.limits(spec.precision, "router", spec.family, spec.backend)
     scores = None if noise is None else (noise.e2e_scores if in_model else noise.scores).get(layer)
     if scores is not None and "tie_factor" in router_lim:
-        return router_lim["tie_factor"] * score_error(ref.router_probs[layer], scores, n)
+        ref_scores = np.concatenate(ref.router_probs[layer])[:n]
+        return (router_lim["tie_factor"] * score_error(ref.router_probs[layer], scores, n)
+                + score_resolution(ref_scores, spec.precision))
     return thresholds.tie_gap(router_lim, ref.router_probs[layer][0].shape[-1])
 
 
@@ -332,9 +334,21 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
                 except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said
                     note = f"routing replay failed ({type(e).__name__}: {e}): judged against the plain reference"
                 if aligned is not None and key[1] == "layer" and not own:
-                    aligned, note = routing_followed(ref, key, outs, aligned, noise, diffs)
+                    aligned, note = routing_followed(ref, key, outs, aligned, noise, diffs,
+                                                     "where its router row chose other experts")
         row = compare_block(ref, key, outs, spec, args.layer_types, reduction_length(args), noise,
                             upstream.get(key), aligned, sel)
+        if (row.status == Status.FAIL and key[1] == "layer" and isolated and align is not None
+                and not selections.get(key) and (key[0], "router") in ref.outputs):
+            try:  # its router may have flipped at a near tie inside the layer, unreported: judged again
+                alt = near_tie_alternative(ref, key, outs, spec, noise, align, sel)
+            except Exception as e:  # noqa: BLE001 - the plain verdict stands, and said
+                alt, note = None, f"routing replay at the layer's near ties failed ({type(e).__name__}: {e})"
+            if alt is not None:
+                progress(f"blocks: HF with the layer's near ties swapped ({key[0]} {key[1]})")
+                aligned, note = alt
+                row = compare_block(ref, key, outs, spec, args.layer_types, reduction_length(args), noise,
+                                    upstream.get(key), aligned, sel)
         if note:
             row.metrics["routing"] = note
         if why and insitu.is_in_situ(mode_of[key]):
@@ -346,7 +360,45 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     return [rows[key] for key in keys]
 
 
-def routing_followed(ref, key, outs: list, aligned: tuple, noise, diffs: list) -> tuple:
+def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | None) -> tuple | None:
+    """A failing layer row whose block's own choice is not reported: at each token where the reference's
+    router choice is a near tie (its gap within the tie bound, as the router row judges), the layer's
+    router, reading the layer's own attention output, may have taken the next expert instead. HF runs
+    once with every such token's k-th expert swapped for the next (the router row's own choice where it
+    differed), and each of those tokens is judged against the nearer of HF's plain and swapped outputs
+    (routing_followed). None where no token is a near tie."""
+    layer = key[0]
+    calls = ref.outputs[layer, "router"][: len(ref.inputs[key])]
+    idx = [np.asarray(i).reshape(-1, np.asarray(i).shape[-1]) for _, i in calls]
+    total = sum(i.shape[0] for i in idx)
+    gaps = router_gaps(ref, layer, total, dtype=np.float64, weights=False)
+    near = gaps <= np.broadcast_to(np.asarray(tie_gaps(ref, layer, spec, noise, total), np.float64), gaps.shape)
+    if not near.any():
+        return None
+    alt, t0 = [], 0
+    for c, chosen in enumerate(idx):
+        chosen = chosen.copy()
+        s = np.asarray(ref.router_probs[layer][c], np.float64).reshape(chosen.shape[0], -1)
+        mine = None if sel is None or c >= len(sel) else np.asarray(sel[c][0] if isinstance(sel[c], tuple) else sel[c])
+        for t in np.flatnonzero(near[t0:t0 + chosen.shape[0]]):
+            if mine is not None and set(mine.reshape(chosen.shape)[t].tolist()) != set(chosen[t].tolist()):
+                chosen[t] = mine.reshape(chosen.shape)[t]  # the router row's own flip
+                continue
+            rest = [e for e in np.argsort(-s[t]) if e not in set(chosen[t].tolist()) and np.isfinite(s[t, e])]
+            if rest:
+                chosen[t][np.argmin(s[t, chosen[t]])] = rest[0]
+        alt.append(chosen)
+        t0 += chosen.shape[0]
+    spec_diffs = block_differences(ref, layer, alt, spec, len(calls))
+    if not spec_diffs:
+        return None
+    positions = [np.arange(i.shape[0]) for i in idx]
+    aligned = align(key, plan_of(alt, spec_diffs, layer, positions))
+    return routing_followed(ref, key, outs, aligned, noise, spec_diffs,
+                            "where the reference's choice is a near tie (the next expert swapped in)")
+
+
+def routing_followed(ref, key, outs: list, aligned: tuple, noise, diffs: list, where: str) -> tuple:
     """A layer row whose block's own choice the candidate does not report (a compiled block program):
     its router reads the layer's own attention output, so at a token where its router row chose other
     experts the layer may have chosen either. At each such token (both choices within the tie bound, or
@@ -369,8 +421,8 @@ def routing_followed(ref, key, outs: list, aligned: tuple, noise, diffs: list) -
                 mixed_at[call][t] = rows(at[call])[t]
     shaped = lambda new, like: [n.reshape(np.asarray(o).shape) for n, o in zip(new, like)]  # noqa: E731
     note = (f"the layer block's own choice is not reported: at {len({(d.call, d.position) for d in diffs})} "
-            f"token(s) where its router row chose other experts, {followed} judged against HF with that choice "
-            "forced and the rest against HF's own (the nearer; both legitimate at a tie)")
+            f"token(s) {where}, {followed} judged against HF with that choice forced and the rest against HF's "
+            "own (the nearer; both legitimate at a tie)")
     return (shaped(mixed, ref.outputs[key]), shaped(mixed_at, plain_at) if mixed_at is not None else at), note
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from oracle import thresholds
 from oracle.distribution import distribution_metrics, judge_distribution
-from oracle.metrics import OutputError, as_array, as_f64, tensor_metrics, top2_margin
+from oracle.metrics import OutputError, as_array, as_f64, score_resolution, tensor_metrics, top2_margin
 from oracle.noise import aligner, exact_for, noise_for
 from oracle.result import E2E, GateRow, Status
 from oracle.compare import shape_text, dtype_name, expected_dtype, reduction_length
@@ -74,7 +74,9 @@ def tie_bounds(scores: list, measured: list | None, spec, num_experts: int) -> l
         # well does not hold another correct implementation to a tighter bound
         flat = np.concatenate(errs)
         median = float(np.median(flat[np.isfinite(flat)])) if np.isfinite(flat).any() else 0.0
-        return [factor * np.maximum(e, median) for e in errs]
+        # plus the scores' own storage resolution at the precision (noise.score_resolution)
+        return [factor * np.maximum(e, median) + score_resolution(np.asarray(s).reshape(-1, s.shape[-1]), spec.precision)
+                for e, s in zip(errs, scores)]
     return [thresholds.tie_gap(router_lim, num_experts)] * len(scores)
 
 

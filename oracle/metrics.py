@@ -167,3 +167,20 @@ def rounding(r: np.ndarray, precision: str) -> np.ndarray:
     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
     out = u.astype(np.uint32).view(np.float32).astype(np.float64)
     return np.where(np.isfinite(r32), out, r32)
+
+
+SIGNIFICAND_BITS = {"fp32": 24, "bf16": 8, "fp16": 11}
+
+
+def score_resolution(ref_scores, precision: str) -> np.ndarray:
+    """Per token: one unit in the last place, at the precision's storage, of its largest finite selection
+    score: two selection scores each stored at the precision (a router computing its softmax at bf16, as
+    the MLX delegate's does) can swap places within it, whatever HF's own (fp32-softmax) error is. The
+    floor of a tie bound, as the stored weights' rounding is the router weights' floor."""
+    r = np.atleast_2d(np.asarray(ref_scores, np.float64))
+    bits = SIGNIFICAND_BITS.get(precision)
+    if bits is None:
+        return np.zeros(r.shape[0])
+    top = np.where(np.isfinite(r), np.abs(r), 0.0).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        return np.where(top > 0, 2.0 ** (np.floor(np.log2(np.where(top > 0, top, 1.0))) - (bits - 1)), 0.0)

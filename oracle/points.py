@@ -302,6 +302,7 @@ def tie_bounds(scores: tuple, lim: dict, precision: str, n: int):
     the precision (at least the median token's); None where it was not measured (the point is then
     judged exactly)."""
     from oracle import thresholds
+    from oracle.metrics import score_resolution
 
     ref_s, noise_s = scores
     factor = thresholds.limits(precision, "router").get("tie_factor") if precision != "fp32" else None
@@ -314,7 +315,7 @@ def tie_bounds(scores: tuple, lim: dict, precision: str, n: int):
     err = np.where(both, np.abs(np.where(both, h, 0.0) - np.where(both, r, 0.0)), 0.0).max(axis=-1)
     err = np.where((np.isfinite(r) != np.isfinite(h)).any(axis=-1), np.inf, err)
     finite = err[np.isfinite(err)]
-    return factor * np.maximum(err, float(np.median(finite)) if finite.size else 0.0)
+    return factor * np.maximum(err, float(np.median(finite)) if finite.size else 0.0) + score_resolution(r, precision)
 
 
 def verdict(layer, kind: str, points: list[Point], seconds: float = 0.0) -> Drill:

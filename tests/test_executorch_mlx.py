@@ -500,9 +500,19 @@ def olmoe_fp32():
     return spec, run_check(spec)
 
 
-def test_qwen35_bf16_passes_with_the_astype_gate_and_the_structural_golden(qwen35_bf16):
+def test_qwen35_bf16_is_its_known_divergence(qwen35_bf16):
+    """Seed 0: a decode step 3.6x HF bf16's own error, from the MLX transformations' bf16 Gated DeltaNet
+    state (goldens/known_divergences.toml): the e2e row alone fails, the verdict is that expected failure."""
     _, r = qwen35_bf16
-    assert r.status == "pass", r.worst or r.error or [g for g in r.gates if g.status != "pass"]
+    assert r.status == "xfail", (r.status, r.worst, r.error)
+    assert "Gated DeltaNet recurrent state" in r.expected["cause"] and r.e2e.status == "fail"
+    failed = [s for s in r.e2e.steps if s["logits_status"] != "pass"]
+    assert failed and all(s["vs_noise"] > 3 and s["token"] != "differ" for s in failed)
+
+
+def test_qwen35_bf16_astype_gate_and_structural_golden(qwen35_bf16):
+    _, r = qwen35_bf16
+    assert r.worst is None and not r.error and r.e2e.routing["divergences"] == 0  # every block row passes
     gates = {g.name: g for g in r.gates}
     astype = gates["mlx_nodes:AsTypeNode <= 23"]
     assert astype.status == "pass" and astype.limit == 23 and astype.value == 21
@@ -516,7 +526,7 @@ def test_the_cli_reports_the_gate_rows(qwen35_bf16, cli, tmp_path):
     """The issue's command, on the program the fixture lowered (from the cache)."""
     out = tmp_path / "r.json"
     p = cli("check", "--family", "qwen3_5_moe", "--backend", KIND, "--precision", "bf16", "--json", str(out))
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.returncode == 0, p.stdout + p.stderr  # its known divergence (xfail) does not gate
     doc = json.loads(out.read_text())
     rows = {g["name"]: g for g in doc["gates"]}
     assert rows["mlx_nodes:AsTypeNode <= 23"]["value"] == 21 and rows["structure:mlx_nodes"]["status"] == "pass"
