@@ -38,6 +38,7 @@ def main(argv=None) -> int:
 
     from oracle.backend import CheckSpec
     from oracle.check import run_check
+    from oracle.result import Status
 
     ap = argparse.ArgumentParser(prog="python -m oracle.baseline")
     ap.add_argument("names", nargs="*", help="family__backend__precision (default: every baseline)")
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
         print(f"{'same' if not diffs else 'DIFFERS'}  {path.stem}" + "".join(f"\n    {d}" for d in diffs),
               flush=True)
         if a.update and diffs:
-            if doc["status"] not in ("pass", "xfail"):
+            if doc["status"] not in (Status.PASS, Status.XFAIL):
                 print(f"    not written: the check is {doc['status']}")
                 continue
             path.write_text(dumps(doc))
