@@ -540,6 +540,15 @@ def cmd_selftest(a) -> int:
     run = lambda progress=None: run_selftest(  # noqa: E731
         a.backend, families, seeds, a.fault, progress, options_of(a), a.weights, a.precision, a.drill, on_row,
         **({"resume": done, "resume_from": a.json} if done is not None else {}))
+    return run_and_report(run, prog, update, render, a.json, save)
+
+
+def run_and_report(run, prog, update, render, json_path, save) -> int:
+    """A self-test's run (under the progress line where there is one), its table printed (on stderr when
+    the report goes to standard output) and saved: exit 0 when every fault was caught and nothing else
+    failed, 1 otherwise, 2 on bad input."""
+    from oracle.backend import InputError
+
     try:
         if prog:
             with prog:
@@ -549,8 +558,8 @@ def cmd_selftest(a) -> int:
     except InputError as e:
         print(f"oracle: error: {e}", file=sys.stderr)
         return EXIT["bad_input"]
-    print(render(res), end="", file=sys.stderr if a.json == "-" else sys.stdout)
-    if a.json:
+    print(render(res), end="", file=sys.stderr if json_path == "-" else sys.stdout)
+    if json_path:
         save(res)
     return 0 if res.summary()["ok"] else EXIT["fail"]
 
@@ -558,7 +567,6 @@ def cmd_selftest(a) -> int:
 def cmd_conversion_selftest(a, families) -> int:
     import json
 
-    from oracle.backend import InputError
     from oracle.conversion_selftest import render, row_line, run_conversion_selftest
     from oracle.result import write_atomic
 
@@ -570,19 +578,10 @@ def cmd_conversion_selftest(a, families) -> int:
     say = prog.console.print if prog else lambda line: print(line, file=sys.stderr, flush=True)
     on_row = lambda res, row: say(f"selftest --conversion {a.backend}: {row_line(row)}")  # noqa: E731
     run = lambda progress=None: run_conversion_selftest(a.backend, families, a.format, a.fault, progress, on_row)  # noqa: E731
-    try:
-        if prog:
-            with prog:
-                res = run(lambda m: update(m))
-        else:
-            res = run()
-    except InputError as e:
-        print(f"oracle: error: {e}", file=sys.stderr)
-        return EXIT["bad_input"]
-    print(render(res), end="", file=sys.stderr if a.json == "-" else sys.stdout)
-    if a.json:
+
+    def save(res):
         write_atomic(a.json, json.dumps(res.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
-    return 0 if res.summary()["ok"] else EXIT["fail"]
+    return run_and_report(run, prog, update, render, a.json, save)
 
 
 def cmd_matrix(a) -> int:
