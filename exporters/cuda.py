@@ -60,7 +60,7 @@ class CudaBackend(Backend):
         return (False, why) if why else (True, "")
 
     def with_fault(self, fault):
-        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name, self.device)
+        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.id, self.device)
 
     def load(self, model, spec):
         import torch._dynamo

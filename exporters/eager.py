@@ -250,7 +250,7 @@ class EagerBackend(Backend):
 
     def with_fault(self, fault):
         """This backend with a seeded fault (models/faults.py) injected into the production model."""
-        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
+        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.id)
 
     def load(self, model, spec):
         device = device_of(spec)

@@ -248,9 +248,10 @@ def cache_parts(backend: str, model, spec, program: str, transform_id, options: 
     return {"backend": backend, "program": program, "family": spec.family, "precision": spec.precision,
             "checkpoint": model.checkpoint_sha256, "args": repr(model.args), "max_seq_len": model.args.max_seq_len,
             "options": options, "transform_id": transform_id,
-            # the production model's code (its routing too: models/routing.py), and faults.py for a faulted build
+            # the production model's code (its routing too: models/routing.py); a fault's own code is in its
+            # transform_id (models/faults.Fault.id: a change to one fault rebuilds that fault's programs only)
             "source": source_digest("models/layers.py", "models/routing.py", "models/sampling.py", "exporters/executorch.py",
-                                    exporter, *(["models/faults.py"] if transform_id else [])),
+                                    exporter),
             "versions": versions("torch", "executorch", "torchao")}
 
 
@@ -739,7 +740,7 @@ class ExecutorchBackend(Backend):
         """This backend with a seeded fault (models/faults.py) injected before export."""
         if fault.precision not in self.precisions:
             return None
-        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
+        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.id)
 
     def unavailable(self) -> str | None:
         return missing_executorch()

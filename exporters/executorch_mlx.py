@@ -45,7 +45,7 @@ from oracle.backend import Backend, Candidate, Option
 KIND = "executorch-mlx"
 # what determines a .pte: the production model (its routing lives in models/routing.py: a cached program
 # built before a change there was reused, and a golden frozen from it: measured), this exporter
-# (production_model) and the export; source_digest adds models/faults.py for a faulted build
+# (production_model) and the export; a fault's own code is in the key's transform_id (Fault.id)
 SOURCES = ("models/layers.py", "models/routing.py", "models/sampling.py", "exporters/executorch_mlx.py",
            "exporters/executorch_mlx_export.py")
 EXECUTORS = ("auto", "interpreter", "runtime")
@@ -123,12 +123,12 @@ def metal_here() -> bool:
         return False
 
 
-def source_digest(faulted: bool = False) -> str:
-    """sha256 of SOURCES, and of models/faults.py for a faulted build (a fault's code changed: its
-    program is built again, not served from the cache)."""
+def source_digest() -> str:
+    """sha256 of SOURCES. A fault's own code is in the key's transform_id (models/faults.Fault.id:
+    a change to one fault builds that fault's programs again, not every faulted program)."""
     from exporters.executorch import source_digest as digest
 
-    return digest(*SOURCES, *(["models/faults.py"] if faulted else []))
+    return digest(*SOURCES)
 
 
 # ---------------------------------------------------------------- gates and structure
@@ -325,7 +325,7 @@ class ExecutorchMlxBackend(Backend):
             return None
         if fault.name in MLX_FAULTS:  # the same bug in the program's own op (the torch form does not lower)
             fault = dataclasses.replace(fault, apply=MLX_FAULTS[fault.name])
-        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
+        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.id)
 
     def availability(self):
         reason = missing()
@@ -353,7 +353,7 @@ class ExecutorchMlxBackend(Backend):
         sampling = check and bool(spec.options.get("sampling"))  # the check program's sampler methods
         parts = {"backend": KIND, "program": program, "family": spec.family, "precision": spec.precision,
                  "checkpoint": model.checkpoint_sha256, "args": repr(model.args), "kernel": kernel, "sampling": sampling,
-                 "transform_id": self.transform_id, "source": source_digest(bool(self.transform_id)),
+                 "transform_id": self.transform_id, "source": source_digest(),
                  "versions": versions("torch", "executorch", "mlx", "torchao")}
 
         def build(path: Path):
@@ -379,7 +379,7 @@ class ExecutorchMlxBackend(Backend):
 
         parts = {"backend": KIND, "program": "points", "block": [layer, kind], "family": spec.family,
                  "precision": spec.precision, "checkpoint": model.checkpoint_sha256, "args": repr(model.args),
-                 "kernel": kernel, "transform_id": self.transform_id, "source": source_digest(bool(self.transform_id)),
+                 "kernel": kernel, "transform_id": self.transform_id, "source": source_digest(),
                  "points_code": exporters_source_digest("exporters/eager.py", "oracle/points.py"),
                  "versions": versions("torch", "executorch", "mlx", "torchao")}
 

@@ -1,17 +1,20 @@
 """`iree-llvm-cpu`: the production torch model (models/layers.py) exported with iree-turbine,
 compiled by iree-compile for the host CPU (llvm-cpu) and run by iree.runtime on local-task.
 
-One program per check, `model.vmfb`, and its weights, `model.irpa`, built and cached
-together by content hash (oracle.artifacts), with:
+One program per check, `model.vmfb`, and its weights, `model.irpa`, each built and cached by
+content hash (oracle.artifacts; the program's key names no checkpoint: its parameters are
+external, so every seed of one family's args, and a seeded fault that changes weight values alone,
+runs one compiled program), with:
 - `prefill` (T = prompt length) and `decode` (T = 1): the whole model, exported from one
   `aot.FxProgramsBuilder`, so its state buffers (KV cache, conv and recurrent state) become
   module globals shared by both. Every prefill runs in a fresh runtime context (fresh
   globals), which is how a new sequence starts.
   The model's parameters are not in the program, as in a real IREE deployment: they are
   external (`#flow.parameter.named<"model"::name>`, the production model's parameter names)
-  and live in an IREE parameter archive, `model.irpa`, beside model.vmfb. The runtime maps it
-  (`iree.runtime.ParameterIndex`) and serves it through an `io_parameters` module; a cached
-  vmfb whose archive is missing or changed is built again, never run without its weights.
+  and live in an IREE parameter archive, `model.irpa` (its own cache entry; beside model.vmfb where
+  `oracle export` writes them). The runtime maps it (`iree.runtime.ParameterIndex`) and serves it
+  through an `io_parameters` module; a cached archive that is missing or changed is written again,
+  a program never run without its weights.
 - `block_<program>_t<T>` (T = prompt length and 1): one program per block kind (and per
   structurally different layer: full vs linear attention, or a layer a fault patched) with
   the block's weights and state as inputs and (output, *new state) as results, so one
@@ -53,15 +56,14 @@ TOOLS = ("iree-base-compiler", "iree-base-runtime", "iree-turbine", "torch")
 
 
 @functools.cache
-def code_digest(faulted: bool) -> str:
+def code_digest() -> str:
     """The code a program is traced from (read, not imported: a warm check imports no torch):
     the production layers, their routing and args, the block functions (exporters/eager.py), this file
-    and the export's, and faults.py for a faulted build (its transform_id names the fault, not
-    its code)."""
+    and the export's. A fault's own code is in the key's transform_id (models/faults.Fault.id)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for f in ("models/layers.py", "models/routing.py", "models/args.py", "exporters/eager.py", "exporters/iree.py",
-              "exporters/iree_program.py", "exporters/iree_export.py", *(["models/faults.py"] if faulted else [])):
+              "exporters/iree_program.py", "exporters/iree_export.py"):
         h.update(f.encode() + b"\0" + (root / f).read_bytes())
     return h.hexdigest()[:16]
 
@@ -79,10 +81,10 @@ def args_digest(src) -> str:
 
 
 # ------------------------------------------------------------------ the archive
-def checked_parameters(vmfb: Path) -> dict | None:
-    """PARAMS_INFO of the archive beside `vmfb` if the archive is there and is the one that was
-    written with it (same size, and same sha256 unless its mtime is unchanged), else None."""
-    irpa, meta = vmfb.with_name(PARAMS_FILE), vmfb.with_name(PARAMS_INFO)
+def checked_parameters(irpa: Path) -> dict | None:
+    """PARAMS_INFO of the archive `irpa` (the record beside it) if the archive is there and is the one
+    that was written with it (same size, and same sha256 unless its mtime is unchanged), else None."""
+    meta = irpa.with_name(PARAMS_INFO)
     try:
         info = json.loads(meta.read_text())
         st = irpa.stat()
@@ -235,7 +237,7 @@ class IreeBackend(Backend):
 
     runs_torch = False  # the candidate runs no torch (provenance records no torch thread count)
     precisions = ("fp32",)
-    cache_namespaces = ("iree", "iree-points")
+    cache_namespaces = ("iree", "iree-params", "iree-points")
 
     def memory_estimate(self, src, spec) -> tuple[int, str]:
         """No torch model with weights is held, building or running (an untransformed build writes
@@ -286,16 +288,26 @@ class IreeBackend(Backend):
         needs a precision this backend does not run."""
         if fault.precision not in self.precisions:
             return None
-        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.name)
+        return type(self)(f"{self.name}+{fault.name}", fault.inject, fault.id)
 
     def key(self, src, spec, programs: dict) -> dict:  # programs: parse_plan's
-        return {"backend": "iree-llvm-cpu", "family": spec.family, "checkpoint": src.checkpoint_sha256,
+        """model.vmfb's key: no checkpoint (the parameters are external, model.irpa: params_key)."""
+        return {"backend": "iree-llvm-cpu", "family": spec.family,
                 "precision": spec.precision, "prompt_len": spec.prompt_len, "max_seq_len": src.args.max_seq_len,
                 "options": {k: v for k, v in spec.options.items() if k != "max_seq_len"},  # max_seq_len: above
                 "transform_id": self.transform_id, "versions": versions(*TOOLS), "flags": FLAGS,
-                "host_cpu": host_cpu(), "code": code_digest(self.transform is not None),
+                "host_cpu": host_cpu(), "code": code_digest(),
                 "args": args_digest(src), "parameters": f"{PARAMS_FILE} scope={PARAM_SCOPE}",
                 "blocks": [(p.name, p.fingerprint) for p in programs.values()]}
+
+    def params_key(self, src) -> dict:
+        """model.irpa's key: the checkpoint, the args, the transform, the code that names and converts
+        the tensors (the models package: a family's production_tensors; the export's) and the writer."""
+        from models import code_digest as models_digest
+
+        return {"backend": "iree-llvm-cpu", "checkpoint": src.checkpoint_sha256, "args": args_digest(src),
+                "transform_id": self.transform_id, "code": code_digest(), "models": models_digest()[:16],
+                "scope": PARAM_SCOPE, "versions": versions("iree-turbine", "iree-base-runtime", "torch")}
 
     def model(self, src):
         """The transformed production model the block programs are read from (torch): its
@@ -324,7 +336,7 @@ class IreeBackend(Backend):
         iree_export.plan_of). Untransformed, the plan comes from a cache keyed by the resolved
         args and the code (no torch on a warm check); a transformed model is read every time."""
         if self.transform is None:
-            parts = {"args": args_digest(src), "code": code_digest(False), **versions("torch")}
+            parts = {"args": args_digest(src), "code": code_digest(), **versions("torch")}
 
             def compute():
                 from exporters import iree_export
@@ -337,45 +349,79 @@ class IreeBackend(Backend):
         model = self.model(src)
         return model, iree_export.plan_of(model)
 
+    def runs_as(self, src, model):
+        """The backend whose programs (model.vmfb, the drill's points programs) this one runs: itself,
+        or the untransformed backend where the transform changed weight values alone (its transformed
+        model's identity, iree_export.program_identity: every module's attributes, every tensor's name,
+        shape and dtype, every buffer's values, is the clean structure's: expert_gate_up_swapped,
+        expert_weights_off_1e-3). Its program is then the
+        clean check's, cached under the same key (no compile), and its own archive carries the fault."""
+        if self.transform is None or self.transform_id is None or model is None:
+            return self
+        from exporters import iree_export
+
+        clean = type(self)(self.name)
+        if iree_export.program_identity(model) == iree_export.program_identity(clean.model(src)):
+            return clean
+        return self
+
     def program(self, src, spec) -> Built:
-        """The block programs, model.vmfb and model.irpa: built (export + archive + compile) on a
-        cache miss, else read from the cache (a cached vmfb without its archive: built again).
-        Only a miss reads the checkpoint's weights: a layer at a time into the archive (a
-        transform's build: the whole transformed model, dropped when built)."""
+        """The block programs, model.vmfb, and its weights, model.irpa: each its own cache entry, built
+        (export + compile; the archive) on a miss, else read from the cache. The program's key names no
+        checkpoint (its parameters are external: one compile serves every seed of a family's args, and
+        a transform that changes weight values alone runs the clean program: runs_as); the archive's
+        names the checkpoint and the transform. Only a miss reads the checkpoint's weights: a layer at
+        a time into the archive (a transform's: the whole transformed model, dropped when written)."""
         if spec.precision not in self.precisions:
             raise ValueError(f"{self.name} runs {', '.join(self.precisions)} only, not {spec.precision}")
         model, plan = self.plan(src)
+        prog = self.runs_as(src, model)
+        if prog is not self:
+            model, plan = prog.plan(src)
         programs, which = parse_plan(plan)
 
         def build(path: Path):
             from exporters import iree_export
 
-            iree_export.build(src, self.transform, model if model is not None else self.model(src),
-                              spec.prompt_len, path)
+            iree_export.build_program(model if model is not None else prog.model(src), spec.prompt_len, path)
+
+        def build_params(path: Path):
+            from exporters import iree_export
+
+            iree_export.build_parameters(src, self.transform, path)
 
         if self.transform is not None and self.transform_id is None:  # an unnamed transform: never cached
             tmp = tempfile.TemporaryDirectory(prefix="moe-oracle-iree-")  # removed with the candidate
-            t, path = time.perf_counter(), Path(tmp.name) / "model.vmfb"
+            path = Path(tmp.name) / "model.vmfb"
+            build_params(path.with_name(PARAMS_FILE))
+            t = time.perf_counter()
             build(path)
             art = Artifact("model.vmfb", "", sha256_file(path), False, time.perf_counter() - t)
-            return Built(programs, which, art, path, checked_parameters(path), tmp)
-        key = self.key(src, spec, programs)
+            irpa = path.with_name(PARAMS_FILE)
+            return Built(programs, which, art, path, checked_parameters(irpa), irpa, tmp)
+        art = cached_artifact("iree", prog.key(src, spec, programs), "model.vmfb", build)
         needed = lambda: estimate(src.parameter_count(), "fp32")  # the archive's weights  # noqa: E731
-        art = cached_artifact("iree", key, "model.vmfb", build, needed=needed)
-        params = checked_parameters(Path(art.path))
-        if params is None and art.cached:  # its archive is missing or changed: build both again
-            shutil.rmtree(Path(art.path).parent, ignore_errors=True)
-            art = cached_artifact("iree", key, "model.vmfb", build, needed=needed)
-            params = checked_parameters(Path(art.path))
-        if params is None:
-            raise RuntimeError(f"{PARAMS_FILE} is missing beside {art.path}")
-        return Built(programs, which, art, Path(art.path), params)
+        params = cached_artifact("iree-params", self.params_key(src), PARAMS_FILE, build_params, needed=needed)
+        irpa = Path(params.path)
+        info = checked_parameters(irpa)
+        if info is None:  # the archive changed or its record is missing: written again
+            shutil.rmtree(irpa.parent, ignore_errors=True)
+            params = cached_artifact("iree-params", self.params_key(src), PARAMS_FILE, build_params, needed=needed)
+            irpa = Path(params.path)
+            info = checked_parameters(irpa)
+        if info is None:
+            raise RuntimeError(f"{PARAMS_FILE} at {irpa} does not match the record written with it")
+        info = {**info, "cached": params.cached}
+        return Built(programs, which, art, Path(art.path), info, irpa)
 
     def points_program(self, src, spec, program: str, lengths: list[int]) -> tuple[bytes, dict]:
         """(points.vmfb, points.json) of block program `program` at `lengths` (iree_export.build_points),
         built from the transformed production structure on a miss and cached beside the check's
         program key (an unnamed transform: built every time, in a temporary directory)."""
         model, plan = self.plan(src)
+        prog = self.runs_as(src, model)
+        if prog is not self:  # the clean program's points programs (runs_as)
+            return prog.points_program(src, spec, program, lengths)
 
         def build(path: Path):
             from exporters import iree_export
@@ -389,7 +435,7 @@ class IreeBackend(Backend):
                 meta = json.loads(path.with_name("points.json").read_text())
                 return path.read_bytes(), {**meta, "build_s": time.perf_counter() - t}
         parts = {"program": self.key(src, spec, parse_plan(plan)[0]), "points": program, "lengths": lengths,
-                 "code": code_digest(self.transform is not None), "points_code": points_digest()}
+                 "code": code_digest(), "points_code": points_digest()}
         art = cached_artifact("iree-points", parts, "points.vmfb", build)
         path = Path(art.path)
         return path.read_bytes(), {**json.loads(path.with_name("points.json").read_text()), "build_s": art.build_s}
@@ -428,13 +474,12 @@ class IreeBackend(Backend):
         params = {"name": irpa.name, "sha256": "not hashed (brought with --vmfb)", "bytes": st.st_size,
                   "scope": PARAM_SCOPE, "tensors": plan["parameters"], "build_s": 0.0}
         art = Artifact(vmfb.name, str(vmfb), sha256_file(vmfb), True, 0.0)
-        return Built(programs, which, art, vmfb, params)
+        return Built(programs, which, art, vmfb, params, irpa)
 
     def load(self, src, spec):
         b = self.given(src, spec) if spec.artifact else self.program(src, spec)
-        art = b.art
-        if not art.cached:  # model.vmfb's build seconds: export and compile, the archive's apart
-            art = replace(art, build_s=max(art.build_s - b.params["build_s"], 0.0))
+        art = b.art  # model.vmfb's build seconds: export and compile (the archive's its own)
+        params_cached = b.params.get("cached", art.cached)
         info = {"executor": f"iree.runtime {versions('iree-base-runtime')['iree-base-runtime']} local-task, "
                             "llvm-cpu (compiled for this host's CPU: provenance.host.iree_target_cpu)",
                 "host": {"iree_target_cpu": host_cpu()},  # host facts: left out of every comparison
@@ -447,13 +492,13 @@ class IreeBackend(Backend):
                                    for p in b.programs.values()},
                 # whether each came from the cache and its build seconds: run state (the report's
                 # `cache`), not provenance (the same check reports the same bytes cold and warm)
-                "artifacts": [art.as_dict(), Artifact(PARAMS_FILE, str(b.vmfb.with_name(PARAMS_FILE)), b.params["sha256"],
-                                                      art.cached, 0.0 if art.cached else b.params["build_s"]).as_dict()]}
+                "artifacts": [art.as_dict(), Artifact(PARAMS_FILE, str(b.irpa), b.params["sha256"], params_cached,
+                                                      0.0 if params_cached else b.params["build_s"]).as_dict()]}
         ops = b.vmfb.with_name(OPS_FILE)
         try:
             cand = IreeCandidate(b.vmfb.read_bytes(), b.which, spec.prompt_len, info,
                                  ops.read_text() if ops.is_file() and not spec.artifact else None,
-                                 b.vmfb.with_name(PARAMS_FILE), b.keep)
+                                 b.irpa, b.keep)
         except Exception as e:  # noqa: BLE001 (a given program is input: refused; a program built here: its error)
             if not spec.artifact:
                 raise
@@ -479,9 +524,9 @@ class IreeBackend(Backend):
         a check with these shapes runs."""
         b = self.program(src, spec)
         out = []
-        for name in ("model.vmfb", PARAMS_FILE):
+        for name, path in (("model.vmfb", b.vmfb), (PARAMS_FILE, b.irpa)):
             out.append(Path(output_dir) / name)
-            shutil.copyfile(b.vmfb.with_name(name), out[-1])
+            shutil.copyfile(path, out[-1])
         return out
 
 
@@ -521,14 +566,15 @@ def required_functions(programs: dict, prompt_len: int) -> set[str]:
 class Built:
     """What IreeBackend.program gives: the block programs, (layer, kind) -> (program, its weight
     inputs, its state shapes) (parse_plan: parameters by their name in model.irpa), model.vmfb's
-    Artifact and path, its archive's PARAMS_INFO (model.irpa beside it), and what
-    holds an uncached build's files on disk (None: they are in the cache)."""
+    Artifact and path, its archive's PARAMS_INFO and path (its own cache entry; beside a --vmfb), and
+    what holds an uncached build's files on disk (None: they are in the cache)."""
 
     programs: dict
     which: dict
     art: Artifact
     vmfb: Path
     params: dict
+    irpa: Path
     keep: object = None
 
 

@@ -128,6 +128,16 @@ def fingerprint(module: nn.Module, where: str) -> str:
     return h.hexdigest()[:16]
 
 
+def program_identity(model: nn.Module) -> str:
+    """What model.vmfb is a function of: the fingerprint of the whole model and the values of its
+    buffers (derived constants such as RoPE's inv_freq are in the program; the parameters are not:
+    external). Two models with one identity compile to one program whatever their weight values."""
+    h = hashlib.sha256(fingerprint(model, "model").encode())
+    for name, t in model.named_buffers():
+        h.update(name.encode() + b"\0" + t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def block_programs(model: Transformer) -> tuple[dict[str, BlockProgram], dict]:
     """The distinct block programs of `model`, and (layer, kind) -> (program, its _Call)."""
     keys = block_keys(model.args)
@@ -396,24 +406,28 @@ def compile_to(exported, path: Path) -> None:
 
 
 
-def build(src, transform, model: Transformer, prompt_len: int, path: Path) -> None:
-    """model.vmfb at `path` and model.irpa beside it. Untransformed (`transform` None): the
-    archive a layer at a time from the checkpoint and the program traced from `model`, the
-    structure (no weights are read into a model). A transform: its model (`model` itself when it
-    has weights, else the checkpoint's transformed, which must have the structure's block
-    programs) archived and traced whole."""
-    m = model
-    if transform is not None and not has_weights(model):  # the transformed model's weights
-        m = src.build_production(torch.float32)
-        transform(m)
-    programs = block_programs(m)[0]
-    if m is not model:
-        same_programs(m, programs, model, block_programs(model)[0])
-    if transform is None:
-        save_parameters_streamed(src, path.with_name(PARAMS_FILE))
+def build_program(model: Transformer, prompt_len: int, path: Path) -> None:
+    """model.vmfb at `path`, traced from `model`: the (transformed) structure, its parameters given
+    memory that is never touched, or a transformed model with weights (a fault that reads weight
+    values to pick what it changes). The parameters are external: the program is the same for any
+    weight values (the archive, build_parameters, is its own cache entry)."""
+    if not has_weights(model):
         untouched_weights(model)
-    else:
-        save_parameters(m, path.with_name(PARAMS_FILE))
-    compile_to(export_program(m, programs, prompt_len), path)
+    compile_to(export_program(model, block_programs(model)[0], prompt_len), path)
     drop_weights(model)  # the blocks' weights are read from model.irpa
     gc.collect()  # what the export left in reference cycles
+
+
+def build_parameters(src, transform, path: Path) -> dict:
+    """model.irpa at `path` (and PARAMS_INFO beside it). Untransformed (`transform` None): a
+    decoder layer at a time from the checkpoint (save_parameters_streamed). A transform (a seeded
+    fault, which may change weights): the checkpoint's fp32 production model, transformed, archived
+    whole and dropped."""
+    if transform is None:
+        return save_parameters_streamed(src, path)
+    m = src.build_production(torch.float32)
+    transform(m)
+    info = save_parameters(m, path)
+    del m
+    gc.collect()
+    return info

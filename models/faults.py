@@ -8,7 +8,11 @@ localise it: (layer, block kind).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+import hashlib
+import inspect
+import types
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -34,6 +38,19 @@ class Fault:
     applies: Callable = lambda a: True
     precision: str = "fp32"  # the precision the fault shows at (dtype faults need bf16)
     attention: tuple = ("gqa",)  # an attention fault: the attention kinds (AttentionArgs.kind) its code is for
+
+    @functools.cached_property
+    def id(self) -> str:
+        """`name@digest`: what a compiled backend's cache key names this fault by. The digest covers the
+        code the fault runs (its apply and applies, and the functions of their own modules they call,
+        transitively: oracle-side code only) and its fields: a change to one fault rebuilds that
+        fault's programs, not every faulted program (issue 52). The production code it patches is in
+        every program's key already."""
+        h = hashlib.sha256("\n".join(code_of(Fault.inject) + code_of(Fault.layer)).encode())
+        for f in fields(self):
+            v = getattr(self, f.name)
+            h.update(f.name.encode() + b"=" + ("\n".join(code_of(v)) if callable(v) else repr(v)).encode() + b"\0")
+        return f"{self.name}@{h.hexdigest()[:12]}"
 
     def layer(self, a: ModelArgs) -> int | None:
         if self.target == "model":
@@ -77,6 +94,30 @@ def _targets(a: ModelArgs, target: str) -> list[int]:
             "rope": lambda i, t: t != LINEAR and rotates(i), "nope": lambda i, t: t != LINEAR and not rotates(i),
             "sparse": lambda i, t: mlp_type(a, i) == SPARSE}[target]
     return [i for i, t in enumerate(a.layer_types) if pick(i, t)]
+
+
+def code_of(fn: Callable, seen: set | None = None) -> list[str]:
+    """The source of `fn` and of every function of its own module it names (transitively, nested
+    functions and lambdas included): the code a fault runs, for its cache digest (Fault.id)."""
+    seen = set() if seen is None else seen
+    fn = getattr(fn, "__func__", fn)
+    if fn in seen or not inspect.isfunction(fn):
+        return [] if fn in seen else [repr(fn)]
+    seen.add(fn)
+    try:
+        out = [inspect.getsource(fn)]
+    except (OSError, TypeError):  # defined at a prompt: its bytecode stands for it
+        out = [fn.__code__.co_code.hex()]
+    names, stack = set(), [fn.__code__]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    for n in sorted(names):
+        v = fn.__globals__.get(n)
+        if inspect.isfunction(v) and v.__module__ == fn.__module__:
+            out += code_of(v, seen)
+    return out
 
 
 def patch(obj, name: str, fn) -> None:

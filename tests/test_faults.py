@@ -102,3 +102,35 @@ def test_chunked_prefill_fault_is_two_chunks_and_exports_at_any_length():
     x, L = torch.randn(1, 8, args.hidden_size), Dim("T", min=2, max=args.max_seq_len - 1)
     with torch.no_grad():
         export(gdn, (x, torch.arange(8)), dynamic_shapes=({1: L}, {0: L}), strict=True)
+
+
+def _scale(layer, by):  # a helper two test faults below share
+    layer.scale = by
+
+
+def _apply_a(layer, a):
+    _scale(layer, 2.0)
+
+
+def _apply_b(layer, a):
+    layer.window = 3
+
+
+def test_a_faults_id_covers_its_own_code_and_no_other_faults(monkeypatch):
+    """Fault.id names a fault in a compiled backend's cache key (issue 52: a change to one fault
+    rebuilds that fault's programs, not every faulted program). It changes with the fault's code,
+    the helpers of its module it calls (transitively) and its fields; not with another fault's."""
+    import dataclasses
+    import sys
+
+    a = faults.Fault("a", "layer", "last", "test fault a", _apply_a)
+    b = faults.Fault("b", "layer", "last", "test fault b", _apply_b)
+    ids = (a.id, b.id)
+    assert ids[0].startswith("a@") and ids[0] == faults.Fault("a", "layer", "last", "test fault a", _apply_a).id
+    # the helper _apply_a calls takes another form: a's id changes, b's does not
+    monkeypatch.setattr(sys.modules[__name__], "_scale", lambda layer, by: setattr(layer, "scale", by * 2))
+    a2, b2 = (faults.Fault(f.name, f.kind, f.target, f.what, f.apply) for f in (a, b))
+    assert a2.id != ids[0] and b2.id == ids[1]
+    assert dataclasses.replace(b, target="first").id != ids[1]  # a field: another layer
+    catalogue = [f.id for f in faults.CATALOGUE]
+    assert len(set(catalogue)) == len(catalogue)

@@ -227,7 +227,7 @@ def test_runtime_error_is_an_error(qwen2_runs, tmp_path, monkeypatch):
     _, _, second, _ = qwen2_runs
     cache = tmp_path / "cache"
     for a in second.cache["artifacts"]:
-        if a["name"] != "model.vmfb":  # the program (its archive, model.irpa, is in the same entry)
+        if a["name"] != "model.vmfb":  # the program (its archive, model.irpa, its own entry, is written again here)
             continue
         src_dir = Path(a["path"]).parent
         dst = cache / "artifacts" / "iree" / src_dir.name

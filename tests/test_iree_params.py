@@ -87,7 +87,7 @@ def test_vmfb_holds_no_weight_data(built):
     params = dict(model.named_parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
     assert len(vmfb) < weight_bytes  # 235 KiB of code for 724 KiB of fp32 weights
-    assert b.vmfb.with_name(PARAMS_FILE).stat().st_size >= weight_bytes
+    assert b.irpa.stat().st_size >= weight_bytes
     # the first 16 values (64 bytes) of each parameter are nowhere in the program: random values,
     # so unique; a constant-filled one (an all-ones norm) would prove nothing and is skipped
     probes = 0
@@ -108,7 +108,7 @@ def test_archive_holds_every_parameter(built):
     from iree.turbine.aot import ParameterArchive
 
     _, b, model = built
-    irpa = b.vmfb.with_name(PARAMS_FILE)
+    irpa = b.irpa
     entries = ParameterArchive(irpa).items()
     names = [k for k, _ in entries]
     params = dict(model.named_parameters())
@@ -118,7 +118,7 @@ def test_archive_holds_every_parameter(built):
         got, want = entry.as_tensor(), params[name].detach()
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert _bytes(got) == _bytes(want), name
-    info = json.loads(b.vmfb.with_name(PARAMS_INFO).read_text())
+    info = json.loads(b.irpa.with_name(PARAMS_INFO).read_text())
     assert info["sha256"] == sha256_file(irpa) and info["tensors"] == len(params) and info["scope"] == PARAM_SCOPE
 
 
@@ -166,10 +166,11 @@ def test_numbers_equal_the_inlined_program(built):
     m = src.build_production(torch.float32)
     key = {k: v for k, v in BACKEND.key(src, SPEC, {}).items() if k != "parameters"}
     key["weights"] = "inlined, prefill/decode only (tests/test_iree_params.py)"
+    key["checkpoint"] = src.checkpoint_sha256  # the program's own key names none: these weights are in it
     inlined = cached_artifact("iree", key, "model.vmfb", lambda path: iree_export.compile_to(
         iree_export.export_program(m, {}, SPEC.prompt_len, external=False), path))
     inlined_vmfb = Path(inlined.path).read_bytes()
-    assert len(inlined_vmfb) > b.vmfb.with_name(PARAMS_FILE).stat().st_size  # the weights are in there
+    assert len(inlined_vmfb) > b.irpa.stat().st_size  # the weights are in there
 
     golden = json.loads((goldens.golden_dir(SPEC.family, NAME) / "tokens.json").read_text())
     prompt, steps = golden["prompt"], SPEC.decode_tokens
@@ -180,14 +181,17 @@ def test_numbers_equal_the_inlined_program(built):
     assert before_tokens == after_tokens == golden["tokens"]
 
 
-def test_cached_program_without_its_archive_is_rebuilt(built, tmp_path, monkeypatch):
-    """A cached model.vmfb whose model.irpa is missing or changed is built again (export and compile
-    stubbed here: only the decision is tested); an intact one is used as it is."""
+def test_cached_archive_missing_or_changed_is_written_again(built, tmp_path, monkeypatch):
+    """The program and its archive are two cache entries (the program's key names no checkpoint). A
+    cached model.irpa that is missing or changed is written again, and the program is not compiled
+    again for it (export and compile stubbed here: only the decisions are tested); intact entries are
+    used as they are."""
     src, b, _ = built
-    d = b.vmfb.parent
     cache = tmp_path / "cache"
-    copy = cache / "artifacts" / "iree" / d.name
-    shutil.copytree(d, copy)
+    program = cache / "artifacts" / "iree" / b.vmfb.parent.name
+    archive = cache / "artifacts" / "iree-params" / b.irpa.parent.name
+    shutil.copytree(b.vmfb.parent, program)
+    shutil.copytree(b.irpa.parent, archive)
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(cache))
     builds = []
 
@@ -199,20 +203,24 @@ def test_cached_program_without_its_archive_is_rebuilt(built, tmp_path, monkeypa
     monkeypatch.setattr(iree_export, "compile_to", compile_to)
 
     again = BACKEND.program(src, SPEC)  # intact: cached, nothing built
-    assert again.art.cached and again.vmfb == copy / "model.vmfb" and not builds
+    assert again.art.cached and again.vmfb == program / "model.vmfb" and again.irpa == archive / PARAMS_FILE
+    assert again.params["cached"] and not builds
 
-    (copy / PARAMS_FILE).unlink()  # the vmfb alone
-    rebuilt = BACKEND.program(src, SPEC)
-    assert not rebuilt.art.cached and len(builds) == 1
-    assert (copy / "model.vmfb").read_bytes() == b"stub"
-    assert rebuilt.params == iree_backend.checked_parameters(copy / "model.vmfb")
-    assert (copy / PARAMS_FILE).read_bytes() == b.vmfb.with_name(PARAMS_FILE).read_bytes()
+    (archive / PARAMS_FILE).unlink()  # the program alone: its archive written again, no compile
+    rewritten = BACKEND.program(src, SPEC)
+    assert rewritten.art.cached and not rewritten.params["cached"] and not builds
+    assert rewritten.params == {**iree_backend.checked_parameters(archive / PARAMS_FILE), "cached": False}
+    assert (archive / PARAMS_FILE).read_bytes() == b.irpa.read_bytes()
 
-    irpa = copy / PARAMS_FILE  # the same size, other bytes (a newer mtime): rehashed, rebuilt
+    irpa = archive / PARAMS_FILE  # the same size, other bytes (a newer mtime): rehashed, written again
     data = bytearray(irpa.read_bytes())
     data[-1] ^= 0xFF
     irpa.write_bytes(bytes(data))
-    assert not BACKEND.program(src, SPEC).art.cached and len(builds) == 2
+    assert not BACKEND.program(src, SPEC).params["cached"] and irpa.read_bytes() == b.irpa.read_bytes()
+
+    shutil.rmtree(program)  # the archive alone: the program compiled, the archive kept
+    recompiled = BACKEND.program(src, SPEC)
+    assert not recompiled.art.cached and recompiled.params["cached"] and len(builds) == 1
 
 
 def test_export_writes_vmfb_and_irpa_that_run_as_deployed(cli, tmp_path, built):
@@ -224,7 +232,7 @@ def test_export_writes_vmfb_and_irpa_that_run_as_deployed(cli, tmp_path, built):
     assert set(manifest["files"]) == {"model.vmfb", PARAMS_FILE}
     for name in manifest["files"]:
         data = (tmp_path / name).read_bytes()
-        assert data == b.vmfb.with_name(name).read_bytes()  # the very files the check runs
+        assert data == (b.vmfb if name == "model.vmfb" else b.irpa).read_bytes()  # the very files the check runs
         assert manifest["files"][name]["sha256"] == hashlib.sha256(data).hexdigest()
     # only the two exported files: the program with its weights mapped from the archive
     prompt = list(range(3, 3 + SPEC.prompt_len))
@@ -250,14 +258,14 @@ def test_build_never_holds_the_model(tmp_path, monkeypatch):
     b = BACKEND.program(src, spec)
     assert not b.art.cached
     index = rt.ParameterIndex()
-    index.load(str(b.vmfb.with_name(PARAMS_FILE)))
+    index.load(str(b.irpa))
     entries = dict(index.items())
     params = dict(model.named_parameters())
     assert sorted(entries) == sorted(params)
     for name, p in params.items():
         got = rt.parameter_index_entry_as_numpy_ndarray(entries[name])
         assert got.tobytes() == _bytes(p), name
-    assert not list(tmp_path.glob("cache/artifacts/iree/*/.*part*"))  # the per-layer archives are gone
+    assert not list(tmp_path.glob("cache/artifacts/iree-params/*/.*part*"))  # the per-layer archives are gone
     cand = BACKEND.load(src, spec)
     logits = cand.prefill(list(range(3, 3 + spec.prompt_len)))
     with torch.no_grad():
@@ -279,3 +287,62 @@ def test_memory_estimate_follows_the_largest_layer(built):
 
     faulted, _ = BACKEND.with_fault(faults.applicable(src.args)[0]).memory_estimate(src, SPEC)
     assert faulted == need + 4 * src.parameter_count()  # a fault builds the whole fp32 model
+
+
+def test_one_program_for_every_seed_and_for_a_fault_in_the_weights_alone(built):
+    """Issue 52: the program's key names no checkpoint (its parameters are external), so another
+    seed of the family runs the very model.vmfb with its own model.irpa; a seeded fault that changes
+    weight values alone (expert_gate_up_swapped: rows exchanged) runs the clean program too, its
+    archive carrying the fault; a fault that changes the computation has a program of its own."""
+    from dataclasses import replace
+
+    from models import faults
+
+    src, b, _ = built
+    spec1 = replace(SPEC, seed=1)
+    src1 = model_source(spec1)
+    b1 = BACKEND.program(src1, spec1)
+    assert src1.checkpoint_sha256 != src.checkpoint_sha256
+    assert b1.art.cached and b1.vmfb == b.vmfb and b1.irpa != b.irpa  # no compile for another seed
+
+    swapped = BACKEND.with_fault(faults.get("expert_gate_up_swapped"))
+    bf = swapped.program(src, SPEC)
+    assert bf.art.cached and bf.vmfb == b.vmfb and bf.irpa not in (b.irpa, b1.irpa)
+    layer = faults.get("expert_gate_up_swapped").layer(src.args)
+    name = f"layers.{layer}.mlp.experts.gate_up_proj"
+    clean, faulty = (_tensor(p, name) for p in (b.irpa, bf.irpa))
+    gate, up = clean.chunk(2, dim=1)
+    assert torch.equal(faulty, torch.cat([up, gate], dim=1)) and not torch.equal(faulty, clean)
+
+    theta = BACKEND.with_fault(faults.get("rope_theta_wrong"))
+    model, plan = theta.plan(src)
+    assert theta.runs_as(src, model) is theta
+    assert theta.key(src, SPEC, iree_backend.parse_plan(plan)[0])["transform_id"] == faults.get("rope_theta_wrong").id
+
+
+def _tensor(irpa: Path, name: str) -> torch.Tensor:
+    index = rt.ParameterIndex()
+    index.load(str(irpa))
+    return torch.from_numpy(rt.parameter_index_entry_as_numpy_ndarray(dict(index.items())[name]).copy())
+
+
+def test_the_faults_that_run_the_clean_program_are_those_in_the_weights_alone():
+    """runs_as over the catalogue and the fifteen families: a built model and the structure have one
+    program identity (so a fault that needs weight values, expert_weights_off_1e-3, is judged like one
+    that does not), and exactly the two faults that edit weight values alone run the clean program;
+    every other fault (an attribute, a patched method, a buffer such as rope_theta_wrong's inv_freq)
+    compiles its own."""
+    from models import FAMILY_NAMES, faults
+
+    weights_alone = {"expert_gate_up_swapped", "expert_weights_off_1e-3"}
+    for family in FAMILY_NAMES:
+        spec = CheckSpec(family=family, backend=NAME)
+        src = model_source(spec)
+        structure = iree_export.production_structure(src)
+        assert iree_export.program_identity(structure) == iree_export.program_identity(
+            src.build_production(torch.float32)), family
+        for fault in faults.applicable(src.args):
+            be = BACKEND.with_fault(fault)
+            if be is not None:
+                clean = be.runs_as(src, be.model(src)) is not be
+                assert clean == (fault.name in weights_alone), (family, fault.name)
