@@ -2,7 +2,8 @@
 
 Runs only the weight check (oracle/conversion.py through the backend's shipped_tensors) of FILE against
 the checkpoint of --family/--config/--layers, in this process, and prints its wall time, the peak resident
-memory of the process (VmHWM), the largest tensor of the file and its verdict. The original's conversion
+memory of the process (VmHWM, the mapped files' pages included) and its peak anonymous memory (RssAnon,
+sampled), the largest tensor of the file and its verdict. The original's conversion
 to the file's layout (mlx-lm's unquantized directory, llama.cpp's f32 GGUF) is built first if not cached
 and timed apart.
 
@@ -20,9 +21,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def peak_rss_gib() -> float:
+def status_gib(field: str) -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2 ** 20
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 2 ** 20
+
+
+def peak_rss_gib() -> float:
+    """VmHWM: the peak resident set, the file pages of the memory-mapped files read included."""
+    return status_gib("VmHWM")
+
+
+class AnonPeak:
+    """The peak of RssAnon (memory the process itself holds, not the mapped files' pages the kernel
+    can drop), sampled every 10 ms in a thread while the check runs."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak, self.stop = status_gib("RssAnon"), threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+        return self
+
+    def run(self):
+        while not self.stop.wait(0.01):
+            self.peak = max(self.peak, status_gib("RssAnon"))
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 def main(argv=None) -> int:
@@ -47,14 +74,16 @@ def main(argv=None) -> int:
     sources = list(backend.shipped_tensors(original, Path(a.file), lambda msg: None))
     prepared = time.perf_counter() - t0
     largest = max(sources, key=lambda s: int(__import__("numpy").prod(s.shape)))
-    rss0 = peak_rss_gib()
+    rss0, anon0 = peak_rss_gib(), status_gib("RssAnon")
     t1 = time.perf_counter()
-    w = check_tensors(iter(sources))
+    with AnonPeak() as anon:
+        w = check_tensors(iter(sources))
     took = time.perf_counter() - t1
     n = int(__import__("numpy").prod(largest.shape))
     print(f"{a.file}: weights {w['status']} ({w['tensors']} tensors, {w['failed']} failed); the original's "
           f"conversion ready in {prepared:.1f} s; the check {took:.1f} s; peak RSS {peak_rss_gib():.2f} GiB "
-          f"({rss0:.2f} before the check); largest tensor {largest.name} {list(largest.shape)} = "
+          f"({rss0:.2f} before the check), of it anonymous (not the mapped files' pages) {anon.peak:.2f} GiB "
+          f"({anon0:.2f} before); largest tensor {largest.name} {list(largest.shape)} = "
           f"{n * 4 / 2 ** 30:.2f} GiB at fp32")
     return 0 if w["status"] == "pass" else 1
 

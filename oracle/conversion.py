@@ -36,6 +36,8 @@ scales, K-quants).
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -109,10 +111,14 @@ class TensorSource:
 
 
 def ulp(v: np.ndarray, dtype: str) -> np.ndarray:
-    """The spacing of `dtype` at |v| (its subnormal spacing below the smallest normal)."""
+    """The spacing of `dtype` at |v| (its subnormal spacing below the smallest normal): 2^(floor(log2 |v|)
+    - mantissa bits), the exponent read with frexp (|v| = m 2^e, m in [0.5, 1): floor(log2 |v|) = e - 1):
+    exact, and several times faster than log2 and exp2 (whose log2 rounded up to the next power of two
+    for values just below one: twice the spacing there)."""
     bits, emin = FLOATS[dtype]
-    e = np.floor(np.log2(np.maximum(np.abs(v), np.finfo(np.float64).tiny)))
-    return np.exp2(np.maximum(e, emin) - bits)
+    a = np.abs(v)
+    e = np.frexp(a)[1] - 1
+    return np.ldexp(1.0, np.maximum(np.where(a > 0, e, emin), emin) - bits)
 
 
 @dataclass
@@ -126,10 +132,50 @@ class _Unit:
     rows: list = field(default_factory=lambda: [None, None])  # first and last row with a value over the bound
 
 
-def _chunk_stats(fmt: Format, c: Chunk):
-    """Per row: (excess [r, n] in steps or ulps, (deq - ideal) x summed, near-boundary |step x| per block)."""
-    x = c.x.astype(np.float64)
-    d = c.deq.astype(np.float64)
+STATS_ROWS_ELEMENTS = 1 << 16  # _chunk_stats' rows at a time: float64 temporaries of 512 KiB, cache-sized
+
+
+@functools.cache
+def _pool():
+    """Threads for _chunk_stats' row groups (numpy's array operations release the GIL): one per core,
+    at most 4 (a few MiB of temporaries each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=max(1, min(4, len(os.sched_getaffinity(0)))), thread_name_prefix="weights")
+
+
+def _chunk_stats(fmt: Format, c: Chunk) -> dict:
+    """Per row of the chunk: `over` (values beyond the bound), `worst` (the largest excess, in steps or
+    ulps), `sxx` (sum x^2), `sdx` (sum deq x), `sdi` (sum (deq - ideal) x) and `sig2` (near-boundary
+    |step x| summed per block, squared, summed). A few rows at a time, in threads (their float64
+    temporaries stay in the CPU's cache; measured 3x faster than a whole chunk at once, and 2x more on
+    2 cores): every statistic is per row, so the numbers do not depend on the grouping."""
+    r = len(c.x)
+    step = max(1, STATS_ROWS_ELEMENTS // max(1, c.x.shape[1]))
+    if r <= step:
+        return _rows_stats(fmt, c)
+    rows = [Chunk(c.row0 + i, c.x[i:i + step], c.deq[i:i + step],
+                  *(None if a is None else a[i:i + step] for a in (c.step, c.offset, c.range_slack)))
+            for i in range(0, r, step)]
+    parts = list(_pool().map(functools.partial(_rows_stats, fmt), rows))
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _rows_stats(fmt: Format, c: Chunk) -> dict:
+    x = np.asarray(c.x, np.float64)
+    d = np.asarray(c.deq, np.float64)
+    out = {"sxx": (x * x).sum(axis=1), "sdx": (d * x).sum(axis=1)}
+    excess, sdi, sig2 = _excess(fmt, c, x, d)
+    out["over"] = (excess > 0).sum(axis=1) if fmt.bounded else np.zeros(len(x), np.int64)
+    out["worst"] = excess.max(axis=1)
+    out["sdi"] = sdi if sdi is not None else np.zeros(len(x))
+    out["sig2"] = sig2 if sig2 is not None else np.zeros(len(x))
+    return out
+
+
+def _excess(fmt: Format, c: Chunk, x: np.ndarray, d: np.ndarray):
+    """(excess [r, n] in steps or ulps, (deq - ideal) x summed per row, near-boundary |step x| per block
+    summed, squared and summed per row) of rows x (the original) and d (the shipped values) in float64."""
     arith = 4 * ulp(np.maximum(np.abs(x), np.abs(d)), "F32")
     if not fmt.block:  # a float format: rounding to nearest of the stored type
         u = ulp(x, fmt.dtype)
@@ -137,8 +183,10 @@ def _chunk_stats(fmt: Format, c: Chunk):
         return excess, None, None
     r, n = x.shape
     nb = n // fmt.block
-    S = np.repeat(c.step.astype(np.float64), fmt.block, axis=1)
-    B = np.repeat(c.offset.astype(np.float64), fmt.block, axis=1)
+    # per block [r, nb, 1], broadcast over the block's values [r, nb, block] (no repeated copies)
+    x, d, arith = (a.reshape(r, nb, fmt.block) for a in (x, d, arith))
+    S = c.step.astype(np.float64).reshape(r, nb, 1)
+    B = c.offset.astype(np.float64).reshape(r, nb, 1)
     Sa = np.abs(S)
     safe = np.where(Sa > 0, S, 1.0)
     q = np.where(Sa > 0, np.round((d - B) / safe), 0.0)
@@ -149,18 +197,18 @@ def _chunk_stats(fmt: Format, c: Chunk):
         slack = slack + fmt.search_rel * ((fmt.qmax - fmt.qmin) * Sa + np.abs(B))
     ends = (B + S * fmt.qmin, B + S * fmt.qmax)
     lo, hi = np.minimum(*ends), np.maximum(*ends)
-    xc = np.clip(x, lo, hi)
+    xc = np.minimum(np.maximum(x, lo), hi)
     err = np.abs(d - xc) - (0.5 * Sa + slack)
-    short = 0.0 if c.range_slack is None else np.repeat(c.range_slack.astype(np.float64), fmt.block, axis=1)
+    short = 0.0 if c.range_slack is None else c.range_slack.astype(np.float64).reshape(r, nb, 1)
     clipped = np.abs(x - xc) - ((fmt.clip_steps + fmt.clip_range * (fmt.qmax - fmt.qmin)) * Sa + short + slack)
     unit = np.where(Sa > 0, Sa, np.maximum(slack, np.finfo(np.float64).tiny))
     excess = np.maximum(err, clipped) / unit
     t = np.where(Sa > 0, (x - B) / safe, 0.0)
-    ideal = np.clip(np.round(t), fmt.qmin, fmt.qmax) * S + B
+    ideal = np.minimum(np.maximum(np.round(t), fmt.qmin), fmt.qmax) * S + B
     near = (np.abs(t - np.floor(t) - 0.5) * Sa <= slack) & (x == xc)
-    sdi = ((d - ideal) * x).sum(axis=1)
-    blocks = (near * np.abs(S * x)).reshape(r, nb, fmt.block).sum(-1)
-    return excess, sdi, (blocks ** 2).sum(axis=1)
+    sdi = ((d - ideal) * x).reshape(r, n).sum(axis=1)
+    blocks = (near * np.abs(S * x)).sum(-1)
+    return excess.reshape(r, n), sdi, (blocks ** 2).sum(axis=1)
 
 
 def judge(src: TensorSource) -> dict:
@@ -172,18 +220,16 @@ def judge(src: TensorSource) -> dict:
     units: dict[int, _Unit] = {}
     elements = 0
     for c in src.chunks():
-        x = np.asarray(c.x, np.float64).reshape(len(c.x), -1)
-        d = np.asarray(c.deq, np.float64).reshape(x.shape)
+        x = np.asarray(c.x).reshape(len(c.x), -1)  # float64 row group by row group (_chunk_stats)
+        d = np.asarray(c.deq).reshape(x.shape)
         if not np.all(np.isfinite(d)):
             bad = np.flatnonzero(~np.isfinite(d).all(axis=1))[0]
             return _row(src, Status.FAIL, elements + x.size, None, {}, note=f"non-finite value at row {c.row0 + bad}")
-        excess, sdi, sig2 = _chunk_stats(fmt, Chunk(c.row0, x, d, c.step, c.offset, c.range_slack))
+        per_row = _chunk_stats(fmt, Chunk(c.row0, x, d, c.step, c.offset, c.range_slack))
         elements += x.size
         rows = c.row0 + np.arange(len(x))
-        over_rows = (excess > 0).sum(axis=1) if fmt.bounded else np.zeros(len(x), np.int64)
-        worst_rows = excess.max(axis=1)
-        stats = {"sxx": (x * x).sum(axis=1), "sdx": (d * x).sum(axis=1),
-                 "sdi": sdi if sdi is not None else np.zeros(len(x)), "sig2": sig2 if sig2 is not None else np.zeros(len(x))}
+        over_rows, worst_rows = per_row["over"], per_row["worst"]
+        stats = {k: per_row[k] for k in ("sxx", "sdx", "sdi", "sig2")}
         for k in np.unique(rows // per):
             sel = rows // per == k
             u = units.setdefault(int(k), _Unit())

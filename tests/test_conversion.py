@@ -226,3 +226,35 @@ def test_conversion_selftest_on_one_family(backend, fmt, cli, tmp_path):
     s = json.loads(j.read_text())["summary"]
     assert s["faults"] >= 5 and s["detected"] == s["faults"] and s["localized"] == s["faults"]
     assert s["false_alarms"] == 0 and s["clean"] == 1
+
+
+def test_ulp_is_the_exact_spacing_at_every_binade():
+    """ulp reads the exponent with frexp: 2^(floor(log2 |v|) - mantissa bits), exact where log2 and exp2
+    were not (log2 of the largest double below 2^k rounds to k: twice the spacing there)."""
+    from oracle.conversion import FLOATS, ulp
+
+    k = np.arange(-120, 120)
+    below, at = np.nextafter(2.0 ** k, 0), 2.0 ** k
+    for dtype, (bits, emin) in FLOATS.items():
+        np.testing.assert_array_equal(ulp(at, dtype), 2.0 ** (np.maximum(k, emin) - bits))
+        np.testing.assert_array_equal(ulp(-below, dtype), 2.0 ** (np.maximum(k - 1, emin) - bits))
+        assert ulp(np.array([0.0]), dtype)[0] == 2.0 ** (emin - bits)  # the subnormal spacing
+    assert ulp(np.array([3.0]), "F32")[0] == np.spacing(np.float32(3.0))
+
+
+def test_a_tensors_verdict_does_not_depend_on_how_its_rows_are_grouped(monkeypatch):
+    """The statistics are per row, computed a few rows at a time in threads (cache-sized temporaries):
+    one row per group, the default groups and one group for the whole chunk give the same row, number
+    for number, on a correct quantization and on a defect."""
+    import oracle.conversion as conversion
+
+    mx = _mlx()
+    rng = np.random.default_rng(9)
+    x = draw(rng, "normal", (48, 256))
+    rows = []
+    for elements in (1, conversion.STATS_ROWS_ELEMENTS, 1 << 30):
+        monkeypatch.setattr(conversion, "STATS_ROWS_ELEMENTS", elements)
+        rows.append([mlx_row(mx, x, 4, 32, mx.float32),
+                     mlx_row(mx, x, 4, 32, mx.float32, edit=lambda a: np.concatenate([a[:5], a[5:6] * 1.01, a[6:]]))])
+    assert rows[0] == rows[1] == rows[2]
+    assert rows[0][0]["status"] == "pass" and rows[0][1]["status"] == "fail"
