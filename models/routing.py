@@ -64,6 +64,20 @@ def group_gap(probs, bias, a: ModelArgs):
     return g[:, a.router.topk_group - 1] - g[:, a.router.topk_group]
 
 
+def group_alternative(probs, bias, a: ModelArgs, k: int):
+    """[N, k]: the experts the top-k takes had the group choice gone the other way at its margin (the
+    weakest kept group exchanged for the best left out): what a router whose group choice is a near
+    tie (group_gap within the tie bound) may legitimately take instead."""
+    choice = probs + bias if bias is not None else probs
+    g = group_scores(choice, a)  # [N, G]
+    order = torch.sort(g, dim=-1, descending=True).indices
+    keep = order[:, : a.router.topk_group].clone()
+    keep[:, -1] = order[:, a.router.topk_group]
+    kept = torch.zeros_like(g, dtype=torch.bool).scatter_(1, keep, True)
+    kept = kept[:, :, None].expand(-1, -1, a.num_experts // a.router.n_group).reshape(choice.shape)
+    return torch.topk(choice.masked_fill(~kept, float("-inf")), k, dim=-1).indices
+
+
 def mask_margin(logits, k: int, eps: float):
     """[N]: how far sparsemixer's masks are from deciding otherwise, in logit units: for each of
     the k choices (the best, then the best of the others), the smallest |(m - s) - 2 eps max(|s|, m)|

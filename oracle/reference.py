@@ -53,6 +53,8 @@ class Reference:
     router_probs: dict = field(default_factory=dict)
     # layer -> [[T] per call]: the margin of the group choice (group-limited routers only)
     group_gaps: dict = field(default_factory=dict)
+    # layer -> [N, k] per router call: the experts had the group choice gone the other way at its margin
+    group_alternatives: dict = field(default_factory=dict)
     # layer -> [[T] per call]: the margin of the decisions that set the top-k weights (sparsemixer's
     # masks, routing.weight_gap): a near tie there changes the weights, not the experts
     weight_gaps: dict = field(default_factory=dict)
@@ -255,18 +257,32 @@ def normalize_output(kind: str, out, keep_dtype: bool = False, router_output=Non
     return cast(out)
 
 
+def correction_bias(router):
+    """The router's correction bias wherever under it the family keeps it (ERNIE 4.5: moe_statics), or None."""
+    with materialized(router):  # a streamed model's router holds its weights only in its forward
+        bias = next((t for n, t in [*router.named_parameters(), *router.named_buffers()]
+                     if n.rsplit(".", 1)[-1] == "e_score_correction_bias"), None)
+        return bias.detach().float().reshape(-1).clone() if bias is not None else None
+
+
 def selection_scores(router, logits, args):
     """(selection scores [N, E], group gaps [N] or None) of an HF router's logits: the family's
     routing (models.routing) with the router's own correction bias."""
     from models import routing
 
-    # the router's correction bias wherever under it the family keeps it (ERNIE 4.5: moe_statics)
-    with materialized(router):  # a streamed model's router holds its weights only in its forward
-        bias = next((t for n, t in [*router.named_parameters(), *router.named_buffers()]
-                     if n.rsplit(".", 1)[-1] == "e_score_correction_bias"), None)
-        bias = bias.detach().float().reshape(-1).clone() if bias is not None else None
+    bias = correction_bias(router)
     probs = routing.scores(logits, args)
     return routing.selection(probs, bias, args), (routing.group_gap(probs, bias, args) if routing.grouped(args) else None)
+
+
+def group_alternative(router, logits, args):
+    """routing.group_alternative of an HF router's logits ([N, k] experts), or None without a group limit."""
+    from models import routing
+
+    if not routing.grouped(args):
+        return None
+    return routing.group_alternative(routing.scores(logits, args), correction_bias(router), args,
+                                     args.num_experts_per_tok)
 
 
 def weight_gap(logits, args):
@@ -326,7 +342,8 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             recs[key][0].append(x.reshape(1, -1, x.shape[-1]).clone())
             out = normalize_output(key[1], out, router_output=reader)
             if key[1] == "router":
-                out = (*out[:2], *selection_scores(mod, out[2], args), weight_gap(out[2], args))
+                out = (*out[:2], *selection_scores(mod, out[2], args), weight_gap(out[2], args),
+                       group_alternative(mod, out[2], args))
             recs[key][1].append(out)
 
         return fn
@@ -351,6 +368,8 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
                 ref.group_gaps[key[0]] = [o[3].numpy() for o in outs]
             if outs[0][4] is not None:
                 ref.weight_gaps[key[0]] = [o[4].numpy() for o in outs]
+            if outs[0][5] is not None:
+                ref.group_alternatives[key[0]] = [o[5].numpy() for o in outs]
             for (_, i), p in zip(ref.outputs[key], ref.router_probs[key[0]]):
                 check_selection(key[0], p, i, args.num_experts_per_tok)
         elif key == (None, "logits"):
@@ -428,6 +447,8 @@ def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:
                     ref.router_probs[layer].append(choice.numpy())
                     if gap is not None:
                         ref.group_gaps[layer].append(gap.numpy())
+                        if layer in ref.group_alternatives:
+                            ref.group_alternatives[layer].append(group_alternative(router, logits, args).numpy())
                     if wgap is not None:
                         ref.weight_gaps[layer].append(wgap.numpy())
                     ref.inputs[layer, "moe"].append(call)
@@ -479,10 +500,14 @@ def save(ref: Reference, path: Path) -> None:
     for layer, gaps in ref.weight_gaps.items():
         for i, g in enumerate(gaps):
             tensors[f"wgap.{layer}.{i}"] = g
+    for layer, alts in ref.group_alternatives.items():
+        for i, g in enumerate(alts):
+            tensors[f"galt.{layer}.{i}"] = g
     meta = {"tokens": ref.tokens, "prompt_len": ref.prompt_len, "calls": len(ref.positions), "blocks": blocks,
             "router_layers": {str(k): len(v) for k, v in ref.router_probs.items()},
             "group_gap_layers": {str(k): len(v) for k, v in ref.group_gaps.items()},
             "weight_gap_layers": {str(k): len(v) for k, v in ref.weight_gaps.items()},
+            "group_alternative_layers": {str(k): len(v) for k, v in ref.group_alternatives.items()},
             "coverage": {str(k): v for k, v in ref.coverage.items()}}
     save_arrays(tensors, meta, path)
 
@@ -537,6 +562,8 @@ def _reference_of(meta: dict, t: dict) -> Reference:
                       for k, m in meta.get("group_gap_layers", {}).items()}
     ref.weight_gaps = {int(k): [t[f"wgap.{k}.{i}"] for i in range(m)]
                        for k, m in meta.get("weight_gap_layers", {}).items()}
+    ref.group_alternatives = {int(k): [t[f"galt.{k}.{i}"] for i in range(m)]
+                              for k, m in meta.get("group_alternative_layers", {}).items()}
     ref.coverage = {int(k): v for k, v in meta["coverage"].items()}
     return ref
 

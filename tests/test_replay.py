@@ -156,3 +156,33 @@ def run_check_with(spec, backend):
     from oracle.check import run_check
 
     return run_check(spec, backend)
+
+
+def test_a_group_choice_at_its_margin_has_the_other_groups_experts():
+    """routing.group_alternative: the top-k had the weakest kept group been exchanged for the best left
+    out (what a group-limited router at a near tie of its group choice may take; a failing layer row of
+    a compiled block program is judged against it there: oracle/compare.near_tie_alternative). Measured
+    case: dots1 on executorch-mlx at bf16, trained weights, seed 0, took the other group at decode
+    step 2 inside layer 1 (a group gap 1.1x the router row's bound, within the bound measured in HF's
+    whole bf16 run): 26.9 from HF plain, 0.66 from HF with that alternative forced."""
+    from models import routing
+    from models.args import ModelArgs
+
+    a = model_source(CheckSpec(family="dots1", backend="eager")).args
+    assert a.router.n_group == 2 and a.router.topk_group == 1 and a.num_experts == 8
+    assert a.router.group_score != "max"  # a group's score: the sum of its best two
+    probs = torch.tensor([[0.10, 0.20, 0.30, 0.40, 0.50, 0.60, 0.70, 0.80],  # group 1 kept (1.5 > 0.7)
+                          [0.90, 0.10, 0.20, 0.30, 0.15, 0.85, 0.86, 0.10]])  # group 1 kept (1.71 > 1.2)
+    assert routing.group_alternative(probs, None, a, 2).tolist() == [[3, 2], [0, 3]]
+    bias = torch.tensor([1.5, 0, 0, 0, 0, 0, 0, 0])  # the choice's bias decides the groups too: group 0 kept
+    assert routing.group_alternative(probs, bias, a, 2)[0].tolist() == [7, 6]
+    # and the reference records it for a group-limited router only, per token of every call
+    for family, grouped in (("dots1", True), ("qwen3_moe", False)):
+        spec = CheckSpec(family=family, backend="eager")
+        src = model_source(spec)
+        ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
+        layers = set(ref.router_probs)
+        assert set(ref.group_alternatives) == (layers if grouped else set()), family
+        for layer, alts in ref.group_alternatives.items():
+            k = ref.outputs[layer, "router"][0][1].shape[-1]
+            assert [a_.shape for a_ in alts] == [(p.shape[0], k) for p in ref.router_probs[layer]]
