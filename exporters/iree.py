@@ -400,13 +400,15 @@ class IreeBackend(Backend):
             irpa = path.with_name(PARAMS_FILE)
             return Built(programs, which, art, path, checked_parameters(irpa), irpa, tmp)
         art = cached_artifact("iree", prog.key(src, spec, programs), "model.vmfb", build)
-        needed = lambda: estimate(src.parameter_count(), "fp32")  # the archive's weights  # noqa: E731
-        params = cached_artifact("iree-params", self.params_key(src), PARAMS_FILE, build_params, needed=needed)
+        key = self.params_key(src)
+        archive = lambda: cached_artifact("iree-params", key, PARAMS_FILE, build_params,  # noqa: E731
+                                          needed=lambda: estimate(src.parameter_count(), "fp32"))  # its weights
+        params = archive()
         irpa = Path(params.path)
         info = checked_parameters(irpa)
         if info is None:  # the archive changed or its record is missing: written again
             shutil.rmtree(irpa.parent, ignore_errors=True)
-            params = cached_artifact("iree-params", self.params_key(src), PARAMS_FILE, build_params, needed=needed)
+            params = archive()
             irpa = Path(params.path)
             info = checked_parameters(irpa)
         if info is None:

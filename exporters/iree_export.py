@@ -53,24 +53,6 @@ def drop_weights(model: nn.Module) -> None:
                 module._parameters[k] = metas[id(p)][1]
 
 
-def same_programs(built: Transformer, bp: dict, structure: Transformer, sp: dict) -> None:
-    """Raise unless the model a cache miss built and exported has the block programs (names,
-    fingerprints, inputs) and non-parameter buffers of the structure the cache key and the
-    candidate were made from: a transform that behaved differently without weights."""
-    def desc(programs):
-        return [(p.name, p.fingerprint, p.weights, p.state) for p in programs.values()]
-
-    if desc(bp) != desc(sp):
-        raise RuntimeError("block programs of the built model differ from those of its structure "
-                           f"(a transform that depends on weight values?): {desc(bp)} vs {desc(sp)}")
-    buffers = dict(structure.named_buffers())
-    for name, t in built.named_buffers():
-        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
-            continue
-        if name not in buffers or not torch.equal(t, buffers[name]):
-            raise RuntimeError(f"buffer {name} of the built model differs from its structure's")
-
-
 # ------------------------------------------------------------------ block programs
 class _Call(nn.Module):
     """A block as a module: `m` holds the block's weights and state, `fn(x, pos)` runs it."""

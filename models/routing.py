@@ -45,9 +45,14 @@ def selection(probs, bias, a: ModelArgs):
         # the kept groups: those at or above the topk_group-th group score (a comparison, not a
         # scatter of the top groups' indices: the MLX delegate takes no scatter)
         kth = torch.topk(g, r.topk_group, dim=-1).values[:, -1:]
-        keep = (g >= kth)[:, :, None].expand(-1, -1, a.num_experts // r.n_group).reshape(choice.shape)
-        choice = choice.masked_fill(~keep, float("-inf"))
+        choice = outside_groups_masked(choice, g >= kth, a)
     return choice
+
+
+def outside_groups_masked(choice, keep, a: ModelArgs):
+    """[N, E] scores, -inf in the groups `keep` [N, G] (bool) leaves out."""
+    keep = keep[:, :, None].expand(-1, -1, a.num_experts // a.router.n_group).reshape(choice.shape)
+    return choice.masked_fill(~keep, float("-inf"))
 
 
 def grouped(a: ModelArgs) -> bool:
@@ -74,8 +79,7 @@ def group_alternative(probs, bias, a: ModelArgs, k: int):
     keep = order[:, : a.router.topk_group].clone()
     keep[:, -1] = order[:, a.router.topk_group]
     kept = torch.zeros_like(g, dtype=torch.bool).scatter_(1, keep, True)
-    kept = kept[:, :, None].expand(-1, -1, a.num_experts // a.router.n_group).reshape(choice.shape)
-    return torch.topk(choice.masked_fill(~kept, float("-inf")), k, dim=-1).indices
+    return torch.topk(outside_groups_masked(choice, kept, a), k, dim=-1).indices
 
 
 def mask_margin(logits, k: int, eps: float):

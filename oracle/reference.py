@@ -275,14 +275,17 @@ def selection_scores(router, logits, args):
     return routing.selection(probs, bias, args), (routing.group_gap(probs, bias, args) if routing.grouped(args) else None)
 
 
-def group_alternative(router, logits, args):
-    """routing.group_alternative of an HF router's logits ([N, k] experts), or None without a group limit."""
+def router_record(router, logits, args):
+    """What the reference records of one HF router call: (selection scores [N, E], the group choice's
+    margin [N], the weights' decisions' margin [N], the experts had the group choice gone the other way
+    [N, k]; each None where the routing has no such decision), its scores and bias read once."""
     from models import routing
 
-    if not routing.grouped(args):
-        return None
-    return routing.group_alternative(routing.scores(logits, args), correction_bias(router), args,
-                                     args.num_experts_per_tok)
+    bias, probs = correction_bias(router), routing.scores(logits, args)
+    grouped = routing.grouped(args)
+    return (routing.selection(probs, bias, args), routing.group_gap(probs, bias, args) if grouped else None,
+            weight_gap(logits, args),
+            routing.group_alternative(probs, bias, args, args.num_experts_per_tok) if grouped else None)
 
 
 def weight_gap(logits, args):
@@ -342,8 +345,7 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             recs[key][0].append(x.reshape(1, -1, x.shape[-1]).clone())
             out = normalize_output(key[1], out, router_output=reader)
             if key[1] == "router":
-                out = (*out[:2], *selection_scores(mod, out[2], args), weight_gap(out[2], args),
-                       group_alternative(mod, out[2], args))
+                out = (*out[:2], *router_record(mod, out[2], args))
             recs[key][1].append(out)
 
         return fn
@@ -439,16 +441,15 @@ def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:
                             unprobed.append(e)
                             continue
                     weights, idx, logits = normalize_output("router", out, router_output=reader)
-                    choice, gap = selection_scores(router, logits, args)
-                    wgap = weight_gap(logits, args)
+                    choice, gap, wgap, alt = router_record(router, logits, args)
                     call = BlockCall(x.numpy(), np.array([0]), [], probe=True)
                     ref.inputs[layer, "router"].append(call)
                     ref.outputs[layer, "router"].append((weights.numpy(), idx.numpy()))
                     ref.router_probs[layer].append(choice.numpy())
                     if gap is not None:
                         ref.group_gaps[layer].append(gap.numpy())
-                        if layer in ref.group_alternatives:
-                            ref.group_alternatives[layer].append(group_alternative(router, logits, args).numpy())
+                    if alt is not None:
+                        ref.group_alternatives[layer].append(alt.numpy())
                     if wgap is not None:
                         ref.weight_gaps[layer].append(wgap.numpy())
                     ref.inputs[layer, "moe"].append(call)
