@@ -252,14 +252,20 @@ def enforce(size_limit: int | None = None) -> list[Entry]:
     total = sum(e.bytes for e in es)
     if total <= cap:
         return []
-    chosen, freed = [], 0
-    for e in es:  # least recently used first
-        if total - freed <= cap:
+    return prune(least_recently_used(es, total, cap))
+
+
+def least_recently_used(candidates: list[Entry], total: int, cap: int) -> list[Entry]:
+    """Of `candidates` (least recently used first), those no process holds, in order, until `total`
+    less their bytes is at most `cap`."""
+    chosen = []
+    for e in candidates:
+        if total <= cap:
             break
         if not e.held:
             chosen.append(e)
-            freed += e.bytes
-    return prune(chosen)
+            total -= e.bytes
+    return chosen
 
 
 class CacheFull(ValueError):

@@ -835,14 +835,7 @@ def cmd_cache(a) -> int:
             target = cap if a.max_size is None else cache.parse_size(a.max_size)
         except ValueError as e:
             fail_input(f"--max-size: {e}")
-        total, over = sum(e.bytes for e in es), []
-        for e in chosen:  # least recently used first
-            if total <= target:
-                break
-            if not e.held:
-                over.append(e)
-                total -= e.bytes
-        chosen = over
+        chosen = cache.least_recently_used(chosen, sum(e.bytes for e in es), target)
     held = [e for e in chosen if e.held]
     chosen = [e for e in chosen if not e.held]
     removed = chosen if a.dry_run else cache.prune(chosen)
