@@ -212,15 +212,22 @@ class MlxCandidate(Candidate):
     no_routes = "the program has no `routes` method (a production program, or one built before routing replay)"
 
     def _routes(self, args, fresh: bool) -> dict | None:
-        """{layer: indices [T, k]} the program's routers choose on these tokens: its `routes` method (the
-        forward with each sparse layer's choice as more outputs, its own state, run beside `forward`)."""
+        """{layer: (indices [T, k], weights [T, k])} the program's routers choose on these tokens: its `routes`
+        method (the forward with each sparse layer's choice as more outputs, its own state, run beside
+        `forward`)."""
         if "routes" not in self.program.method_names:
             return None
         if fresh:
             self.fresh("routes")
         outs = self.call("routes", *args)[1:]
-        return {layer: np.asarray(o).reshape(-1, np.asarray(o).shape[-1]).astype(np.int64)
-                for layer, o in zip(self.sparse_layers, outs)}
+        if len(outs) != 2 * len(self.sparse_layers):  # a program built before the weights were returned
+            return {layer: np.asarray(o).reshape(-1, np.asarray(o).shape[-1]).astype(np.int64)
+                    for layer, o in zip(self.sparse_layers, outs)}
+        out = {}
+        for layer, idx, w in zip(self.sparse_layers, outs[::2], outs[1::2]):
+            i = np.asarray(idx).reshape(-1, np.asarray(idx).shape[-1]).astype(np.int64)
+            out[layer] = (i, w.float().numpy().reshape(i.shape) if torch.is_tensor(w) else np.asarray(w, np.float32))
+        return out
 
     def last_routes(self):
         return self.routes

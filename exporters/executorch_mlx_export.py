@@ -308,8 +308,9 @@ class Block(nn.Module):
 
 
 class RoutesForward(nn.Module):
-    """The model's forward with the experts each sparse layer's router selects as more outputs (routing
-    replay, oracle/replay.py): (tokens, pos) -> (logits, indices [T, k] per sparse layer, in layer order).
+    """The model's forward with the experts each sparse layer's router selects and their weights as more
+    outputs (routing replay, oracle/replay.py): (tokens, pos) -> (logits, then indices [T, k] and weights
+    [T, k] per sparse layer, in layer order; the weights show a decision that sets them, sparsemixer's masks).
     A method of the check's program with its own state, run beside `forward` on the same tokens."""
 
     def __init__(self, model: Transformer):
@@ -318,7 +319,7 @@ class RoutesForward(nn.Module):
         self.chosen: list = []
         for layer in model.layers:
             if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.gate.register_forward_hook(lambda m, a, out: self.chosen.append(out[1]))
+                layer.mlp.gate.register_forward_hook(lambda m, a, out: self.chosen.extend((out[1], out[0])))
 
     def forward(self, tokens, pos):
         self.chosen.clear()

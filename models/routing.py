@@ -97,6 +97,36 @@ def mask_margin(logits, k: int, eps: float):
     return torch.stack(margins, dim=-1).min(dim=-1).values
 
 
+def mask_flipped(logits, idx, eps: float):
+    """[N, k]: sparsemixer's weights of the experts `idx` with each token's nearest mask decision taken
+    the other way (the expert nearest a choice's threshold, mask_margin's, moved in or out of that
+    choice's softmax): what a router whose mask is a near tie may legitimately weigh instead."""
+    logits = logits.float()
+    E, k = logits.shape[-1], idx.shape[-1]
+    every = torch.arange(E, device=idx.device)
+    rest, alts, margins = logits, [], []
+    for j in range(k):
+        hit = idx[:, j : j + 1] == every  # [N, E]
+        m = torch.where(hit, logits, 0.0).sum(-1, keepdim=True)
+        factor = logits.abs().clamp(min=m)
+        out = (m - logits) / factor > 2 * eps  # left out of choice j's softmax
+        d = ((m - logits) - 2 * eps * factor).abs().masked_fill((rest == float("-inf")) | hit, float("inf"))
+        toggled = every == d.argmin(dim=-1, keepdim=True)
+        p = torch.softmax(rest.masked_fill(out ^ toggled, float("-inf")), dim=-1)
+        alts.append(torch.where(hit, p, 0.0).sum(-1))
+        margins.append(d.min(dim=-1).values)
+        rest = rest.masked_fill(hit, float("-inf"))
+    alts, margins = torch.stack(alts, dim=-1), torch.stack(margins, dim=-1)  # [N, k]
+    nearest = (torch.arange(k, device=idx.device) == margins.argmin(dim=-1, keepdim=True)) & torch.isfinite(margins)
+    return torch.where(nearest, alts, sparsemixer_weights(logits, idx, eps))
+
+
+def weight_alternative(scores, idx, a: ModelArgs):
+    """[N, k]: the weights of the experts `idx` had the nearest decision that sets them (weight_gap's)
+    gone the other way; None where no discrete decision sets the weights."""
+    return mask_flipped(scores, idx, a.router.jitter_eps) if weighs_discretely(a) else None
+
+
 def weighs_discretely(a: ModelArgs) -> bool:
     """Does a discrete decision set the top-k weights (sparsemixer's masks)?"""
     return a.router.scoring == "sparsemixer"

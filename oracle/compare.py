@@ -341,7 +341,7 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
         if (row.status == Status.FAIL and key[1] == "layer" and isolated and align is not None
                 and not selections.get(key) and (key[0], "router") in ref.outputs):
             try:  # its router may have flipped at a near tie inside the layer, unreported: judged again
-                alt = near_tie_alternative(ref, key, outs, spec, noise, align, sel)
+                alt = near_tie_alternative(ref, key, outs, spec, noise, align, sel, args)
             except Exception as e:  # noqa: BLE001 - the plain verdict stands, and said
                 alt, note = None, f"routing replay at the layer's near ties failed ({type(e).__name__}: {e})"
             if alt is not None:
@@ -360,15 +360,23 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
     return [rows[key] for key in keys]
 
 
-def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | None) -> tuple | None:
+def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | None, args) -> tuple | None:
     """A failing layer row whose block's own choice is not reported: at each token where the reference's
     router choice is a near tie (its gap within the tie bound, as the router row judges), the layer's
-    router, reading the layer's own attention output, may have taken the next expert instead. HF runs
-    once with every such token's k-th expert swapped for the next (the router row's own choice where it
-    differed; a group-limited router's experts of the other group where the group choice is the nearer
-    tie: dots1 on executorch-mlx at bf16, trained, seed 0, had failed at 15x), and each of those tokens is
-    judged against the nearer of HF's plain and swapped outputs (routing_followed). None where no token
-    is a near tie."""
+    router, reading the layer's own attention output, may have decided it the other way. HF runs once
+    with every such token's nearest decision taken the other way, and each of those tokens is judged
+    against the nearer of HF's plain and swapped outputs (routing_followed):
+    - the router row's own choice where it differed;
+    - a group-limited router's experts of the other group where the group choice is the nearer tie (dots1
+      on executorch-mlx at bf16, trained, seed 0, had failed at 15x);
+    - the weights with the nearer mask decision flipped where that decision is the nearer tie (sparsemixer:
+      phimoe on executorch-mlx at bf16, normal, seed 1, had failed at 14x with its experts agreeing);
+    - else the k-th expert swapped for the next.
+    None where no token is a near tie."""
+    import torch
+
+    from models import routing
+
     layer = key[0]
     calls = ref.outputs[layer, "router"][: len(ref.inputs[key])]
     idx = [np.asarray(i).reshape(-1, np.asarray(i).shape[-1]) for _, i in calls]
@@ -382,7 +390,10 @@ def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | N
         # row's bound flipped inside the layer, failing it at 15x)
         bound = np.maximum(bound, np.broadcast_to(np.asarray(tie_gaps(ref, layer, spec, noise, total, in_model=True),
                                                              np.float64), gaps.shape))
-    near = gaps <= bound
+    # the weights' decisions (sparsemixer's masks): their margin, and the weights had the nearer gone otherwise
+    weight_gap = (np.concatenate(ref.weight_gaps[layer])[:total].astype(np.float64)
+                  if layer in ref.weight_gaps else None)
+    near = np.minimum(gaps, weight_gap) <= bound if weight_gap is not None else gaps <= bound
     if not near.any():
         return None
     # a group-limited router whose group choice is the nearer tie: the other group's experts (computed
@@ -393,6 +404,9 @@ def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | N
     for c, chosen in enumerate(idx):
         chosen = chosen.copy()
         s = np.asarray(ref.router_probs[layer][c], np.float64).reshape(chosen.shape[0], -1)
+        w = np.asarray(calls[c][0], np.float32).reshape(chosen.shape).copy()
+        flipped = None if weight_gap is None else routing.weight_alternative(
+            torch.as_tensor(s, dtype=torch.float32), torch.as_tensor(chosen), args)
         mine = None if sel is None or c >= len(sel) else np.asarray(sel[c][0] if isinstance(sel[c], tuple) else sel[c])
         for t in np.flatnonzero(near[t0:t0 + chosen.shape[0]]):
             if mine is not None and set(mine.reshape(chosen.shape)[t].tolist()) != set(chosen[t].tolist()):
@@ -401,10 +415,13 @@ def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | N
             if group_gap is not None and group_gap[t0 + t] <= gaps[t0 + t]:  # the group choice is the tie
                 chosen[t] = np.asarray(ref.group_alternatives[layer][c]).reshape(chosen.shape)[t]
                 continue
+            if flipped is not None and weight_gap[t0 + t] <= gaps[t0 + t]:  # a mask decision is the tie
+                w[t] = flipped[t].numpy()
+                continue
             rest = [e for e in np.argsort(-s[t]) if e not in set(chosen[t].tolist()) and np.isfinite(s[t, e])]
             if rest:
                 chosen[t][np.argmin(s[t, chosen[t]])] = rest[0]
-        alt.append(chosen)
+        alt.append((chosen, w) if weight_gap is not None else chosen)
         t0 += chosen.shape[0]
     spec_diffs = block_differences(ref, layer, alt, spec, len(calls))
     if not spec_diffs:
@@ -412,7 +429,7 @@ def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | N
     positions = [np.arange(i.shape[0]) for i in idx]
     aligned = align(key, plan_of(alt, spec_diffs, layer, positions))
     return routing_followed(ref, key, outs, aligned, noise, spec_diffs,
-                            "where the reference's choice is a near tie (the next expert swapped in)")
+                            "where the reference's choice is a near tie (its nearest decision taken the other way)")
 
 
 def routing_followed(ref, key, outs: list, aligned: tuple, noise, diffs: list, where: str) -> tuple:

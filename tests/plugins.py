@@ -484,3 +484,45 @@ class FlipRouter(EagerBackend):
 
         cand.run_block = blocks
         return cand
+
+
+class FlipMaskInLayer(EagerBackend):
+    """The eager candidate as a compiled block program is to the oracle (its layer block's own choice is
+    not reported), whose router of `layer`, run inside that layer's block on the sequence's first call,
+    weighs the token at row `row` with the nearest sparsemixer mask decision taken the other way
+    (routing.mask_flipped): what the MLX delegate did at a near tie (phimoe, bf16, seed 1). `scale`: those
+    weights times it (other than 1: weights no decision gives, a bug)."""
+
+    def __init__(self, layer: int, row: int, scale: float = 1.0, **kw):
+        super().__init__(name="flip-mask-in-layer", **kw)
+        self.layer, self.row, self.scale = layer, row, scale
+
+    def load(self, model, spec):
+        from models import routing
+
+        cand = super().load(model, spec)
+        cand.block_routes = lambda: None  # not reported, as a compiled block program's
+        router = cand.model.layers[self.layer].mlp.gate
+        route, state = router.route, {"on": False}
+
+        def flipped(logits):
+            w, idx = route(logits)
+            if state["on"] and idx.shape[0] > self.row:
+                state["on"] = False  # the first call only
+                alt = routing.mask_flipped(logits.float(), idx, router.args.router.jitter_eps).to(w.dtype)
+                w = w.clone()
+                w[self.row] = alt[self.row] * self.scale
+            return w, idx
+
+        router.route = flipped
+        run_block = cand.run_block
+
+        def blocks(layer, kind, calls):
+            state["on"] = layer == self.layer and kind == "layer"
+            try:
+                return run_block(layer, kind, calls)
+            finally:
+                state["on"] = False
+
+        cand.run_block = blocks
+        return cand
