@@ -9,7 +9,6 @@ every block of one kind and record what that block returns.
 from __future__ import annotations
 
 import functools
-import tempfile
 from pathlib import Path
 
 import torch
@@ -50,6 +49,7 @@ class HFCandidate(Candidate):
         self.read_router = router_reader(family, self.args)
         self.cache = None
         self.info = {"executor": "transformers eager"}
+        self.streamed = False  # decoder layers read from the checkpoint for each forward (oracle/reference.py)
         # routers: (weights, indices), and their logits too where asked (oracle/noise.py reads the
         # precision's own selection scores from them)
         self.keep_router_logits = False
@@ -172,7 +172,7 @@ class HFBackend(Backend):
     # module's weights at a time (0.63 GiB for a 0.55 B-parameter checkpoint, tests/test_reference.py)
     # measured streamed, OLMoE --layers 2 (1.05 B parameters): fp32 3.1 GiB, bf16 2.4 GiB peak
     memory_per_param = {"fp32": 1.2, "bf16": 1.0}
-    memory_note = "streamed: the decoder layers stay on disk, a module's weights are loaded for its forward"
+    memory_note = "streamed: the decoder layers stay on disk, a layer's weights are read for its forward"
 
     def load(self, model, spec):
         cand = self._load(model, spec)
@@ -180,7 +180,7 @@ class HFBackend(Backend):
             from exporters import hf_faults
             from oracle.backend import InputError
 
-            if getattr(cand, "offload", None) is not None:
+            if cand.streamed:
                 raise InputError(f"{self.fault.name}: a seeded fault needs HF's model in memory (this checkpoint "
                                  "is streamed from disk)")
             hf_faults.inject(self.fault, cand)
@@ -188,15 +188,14 @@ class HFBackend(Backend):
 
     def _load(self, model, spec):
         dtype, device = DTYPES[spec.precision], device_of(spec)
-        if reference_mode(model.model_dir) == "streamed":  # as the reference: layers offloaded to disk
+        if reference_mode(model.model_dir) == "streamed":  # as the reference: layers read from the checkpoint
             if device != "cpu":
                 raise InputError(f"--option device={device}: this checkpoint is streamed from disk (its decoder layers "
-                                 "offloaded, over the in-memory size); HF on the GPU needs the whole model in memory")
-            offload = tempfile.TemporaryDirectory(prefix="moe-oracle-hf-")
-            cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, Path(offload.name)),
+                                 "read for each forward, over the in-memory size); HF on the GPU needs the whole model in memory")
+            cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, streamed=True),
                                model.family, dtype, spec.precision)
-            cand.offload = offload  # removed with the candidate
-            cand.info["executor"] += " (decoder layers streamed from disk by accelerate hooks)"
+            cand.streamed = True
+            cand.info["executor"] += " (decoder layers read from the checkpoint's shards for each forward)"
             return cand
         m = load_hf_model(model.family, model.model_dir, dtype).to(device)  # cpu: where it already is
         cand = HFCandidate(m, model.family, dtype, spec.precision, device)

@@ -69,8 +69,8 @@ STREAM_ABOVE = 1 << 30  # fp32 bytes of the model above which the reference is s
 
 def reference_mode(model_dir: Path) -> str:
     """How the HF reference holds the model: "whole" (from_pretrained into memory, fastest for
-    small models) or "streamed" (decoder layers offloaded to disk, loaded one module at a time:
-    memory about one layer plus the embedding and the head, whatever the depth). Auto by the
+    small models) or "streamed" (each decoder layer read from the checkpoint for its forward:
+    memory about one layer plus the embedding and the head, whatever the depth; load_streamed). Auto by the
     model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes."""
     mode = os.environ.get("MOE_ORACLE_REFERENCE", "auto")
     if mode in ("whole", "streamed"):
@@ -80,9 +80,10 @@ def reference_mode(model_dir: Path) -> str:
     return "streamed" if 4 * parameter_count(model_dir) > STREAM_ABOVE else "whole"
 
 
-def load_hf_model(family, model_dir: Path, dtype=None, offload_dir: Path | None = None):
+def load_hf_model(family, model_dir: Path, dtype=None, streamed: bool = False):
     """HF's own model class (in `dtype`, default fp32), eager attention and eager (per-expert
-    loop) experts; streamed (`load_streamed`) when offload_dir is given."""
+    loop) experts; streamed (`load_streamed`: each decoder layer's weights read from the
+    checkpoint for its forward) with `streamed`."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -92,8 +93,8 @@ def load_hf_model(family, model_dir: Path, dtype=None, offload_dir: Path | None 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        if offload_dir is not None:
-            return load_streamed(family, Path(model_dir), Path(offload_dir), dtype)
+        if streamed:
+            return load_streamed(family, Path(model_dir), dtype)
         model, info = family.hf_class().from_pretrained(
             model_dir,
             dtype=dtype,
@@ -114,25 +115,114 @@ def load_hf_model(family, model_dir: Path, dtype=None, offload_dir: Path | None 
     return model.eval()
 
 
-def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=None):
-    """The same HF model (in `dtype`, same modules, same numbers) with every decoder layer offloaded
-    to disk: accelerate's hooks load a module's weights just before its forward and drop them
-    after. Resident: the embedding, the final norm, the head.
+class LayerStream:
+    """One decoder layer's weights, read from the checkpoint's own shards (memory-mapped) through HF's
+    own loading step (`convert_and_load_state_dict_in_model`: renames, per-expert -> fused) whenever the
+    layer is in use, and dropped (back to the meta device) when it is not: no copy of the checkpoint is
+    written anywhere. In use: during the layer's forward, and inside `materialized` (code that reads a
+    module's weights outside a forward, or calls it many times). Counted, so a `materialized` inside the
+    forward (a router hook reading its bias) neither reloads nor drops them."""
 
-    HF's own from_pretrained(device_map=...) does this too, but it maps every shard for the
-    whole load, so every page it reads stays resident (the checkpoint's size in RSS). Here the
-    same HF loading step (`convert_and_load_state_dict_in_model`: renames, per-expert -> fused
-    conversion, offload writes) runs one decoder layer at a time with only that layer's shards
-    mapped. Offloaded tensors are written in the checkpoint's own dtype (fp32 if it mixes
-    dtypes) and cast to `dtype` when a hook loads them: exact for fp32."""
+    def __init__(self, model, layer, prefix: str, names: list, index: dict, load, targets: dict):
+        self.model, self.layer, self.prefix, self.names, self.index = model, layer, prefix, names, index
+        self.load_config, self.targets = load, targets  # targets: the layer's parameter -> HF's dtype for it
+        self.users, self.reads = 0, 0
+        self.nbytes = sum(tensor_bytes(index[n]) for n in names)  # what one read reads from the checkpoint
+        self.keys = None  # what the checkpoint gives (set by the first read): what is dropped
+        for m in layer.modules():
+            m._oracle_stream = self
+        layer.register_forward_pre_hook(lambda m, a: self.acquire())
+        layer.register_forward_hook(lambda m, a, out: self.release())
+
+    def read(self):
+        """This layer's tensors from the checkpoint into the model (HF's loading step), each in the dtype
+        HF's model holds it in."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+        from models.checkpoint import open_shard
+
+        with contextlib.ExitStack() as stack:  # only this layer's shards mapped, unmapped after
+            files = {s: stack.enter_context(open_shard(s)) for s in sorted({self.index[n][0] for n in self.names})}
+            part, _ = convert_and_load_state_dict_in_model(
+                self.model, {n: files[self.index[n][0]].get_slice(n) for n in self.names}, self.load_config, None)
+        self.reads += 1
+        if self.keys is None:
+            self.keys = [k for k in self.layer.state_dict() if self.prefix + k not in part.missing_keys]
+        cast_to(self.layer, self.targets)
+        trim_heap()
+        return part
+
+    def drop(self):
+        from accelerate.utils import set_module_tensor_to_device
+
+        for name in self.keys:
+            set_module_tensor_to_device(self.layer, name, "meta")
+        trim_heap()
+
+    def acquire(self):
+        if self.users == 0:
+            self.read()
+        self.users += 1
+
+    def release(self):
+        self.users -= 1
+        if self.users == 0:
+            self.drop()
+
+
+def tensor_bytes(entry) -> int:
+    """Bytes of a checkpoint tensor (a tensor_index entry: shard, safetensors dtype, shape)."""
+    import math
+
+    from models.checkpoint import torch_dtype
+
+    return math.prod(entry[2]) * torch_dtype(entry[1]).itemsize
+
+
+def streamed_bytes(model) -> int | None:
+    """Bytes a streamed model (load_streamed) has read from its checkpoint's decoder layers so far; None
+    for a model in memory."""
+    streams = getattr(model, "_oracle_streams", None)
+    return None if streams is None else sum(s.reads * s.nbytes for s in streams)
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc's malloc_trim; a no-op elsewhere): HF's loading
+    step reads a layer's tensors in worker threads, whose malloc arenas otherwise keep a dropped
+    layer's pages resident (measured: a peak of 1.37 GiB without it, 1.04 GiB with it, tests/test_reference.py's checkpoint)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def cast_to(module, targets: dict) -> None:
+    """Each loaded floating parameter of `module` cast to its dtype in `targets` (name -> dtype), one
+    at a time (the stored copy freed as it goes)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, t in list(module.named_parameters()):
+        want = targets.get(name)
+        if want is not None and t.is_floating_point() and not t.is_meta and t.dtype != want:
+            set_module_tensor_to_device(module, name, "cpu", value=t.to(want), dtype=want)
+
+
+def load_streamed(family, model_dir: Path, dtype=None):
+    """The same HF model (in `dtype`, same modules, same numbers) whose decoder layers hold their
+    weights only while in use (LayerStream): each is read from the checkpoint's own memory-mapped
+    shards and converted by HF's own loading step for its forward, then dropped. Resident: the
+    embedding, the final norm, the head. No copy of the checkpoint is written (the offload HF's
+    from_pretrained(device_map=...) would write doubles the disk a large model needs, and maps every
+    shard for the whole load). Tensors are read in the checkpoint's own dtype (fp32 if it mixes dtypes)
+    and cast to `dtype`: exact for fp32."""
     import torch
     from accelerate.utils import set_module_tensor_to_device
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
-    from transformers.integrations.accelerate import accelerate_disk_offload, accelerate_dispatch
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from models.checkpoint import CheckpointError, open_shard, layer_groups, read_config, tensor_index, torch_dtype
+    from models.checkpoint import CheckpointError, LAYER, layer_groups, read_config, tensor_index, torch_dtype
 
     index = tensor_index(model_dir)
     floats = {torch_dtype(d) for _, d, _ in index.values() if torch_dtype(d).is_floating_point}
@@ -146,24 +236,35 @@ def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=None):
         for ctx in cls.get_init_context(dtype, False, False, None):
             stack.enter_context(ctx)
         model = cls(config)
-    for name, p in list(model.named_parameters()):  # loaded in the stored dtype, upcast below
+    targets = {name: p.dtype for name, p in model.named_parameters()}  # `dtype`, or fp32 where HF keeps it
+    for name, p in list(model.named_parameters()):  # loaded in the stored dtype, cast after
         if p.is_floating_point():
             set_module_tensor_to_device(model, name, "meta", dtype=store)
-    device_map = streamed_device_map(model)
+    names_of = {id(m): n for n, m in model.named_modules()}
     mapping = get_model_conversion_mapping(model)
-    load = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), device_map=device_map,
-                               disk_offload_folder=str(offload_dir), dtype=store, weight_mapping=mapping,
-                               use_safetensors=True)
-    shards = sorted({s for s, _, _ in index.values()})
-    sharded = {"weight_map": {n: s.name for n, (s, _, _) in index.items()}}
-    offload = accelerate_disk_offload(model, str(offload_dir), [str(s) for s in shards], device_map, sharded, mapping)
-    expected = set(model.state_dict())
-    loaded, info = set(), None
-    for names in layer_groups(index):
-        with contextlib.ExitStack() as stack:  # only this group's shards mapped, unmapped after
-            files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in names})}
-            part, offload = convert_and_load_state_dict_in_model(
-                model, {n: files[index[n][0]].get_slice(n) for n in names}, load, offload)
+    load = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), device_map={"": "cpu"}, dtype=store,
+                               weight_mapping=mapping, use_safetensors=True)
+    layers = decoder_of(model).layers
+    expected, loaded, info, streams = set(model.state_dict()), set(), None, []
+    for names in layer_groups(index):  # each group read once here: the keys checked, the rest kept
+        m = LAYER.search(names[0])
+        if m is not None and int(m.group(1)) < len(layers):
+            layer = layers[int(m.group(1))]
+            prefix = names_of[id(layer)] + "."
+            stream = LayerStream(model, layer, prefix, names, index, load,
+                                 {n[len(prefix):]: d for n, d in targets.items() if n.startswith(prefix)})
+            part = stream.read()
+            stream.drop()
+            streams.append(stream)
+        else:
+            from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+            from models.checkpoint import open_shard
+
+            with contextlib.ExitStack() as stack:
+                files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in names})}
+                part, _ = convert_and_load_state_dict_in_model(
+                    model, {n: files[index[n][0]].get_slice(n) for n in names}, load, None)
         loaded |= expected - part.missing_keys
         if info is None:
             info = part
@@ -174,15 +275,12 @@ def load_streamed(family, model_dir: Path, offload_dir: Path, dtype=None):
             info.error_msgs += part.error_msgs
     info.missing_keys = expected - loaded
     model._weight_conversions = [m for m in mapping if m.was_used()]
-    cls._finalize_model_loading(model, load, info)
+    cls._finalize_model_loading(model, load, info)  # non-persistent buffers, ties (the layers stay on meta)
     bad = sorted(info.missing_keys) + sorted(str(k) for k in info.mismatched_keys)
     if bad:
         raise CheckpointError(f"transformers could not load {len(bad)} tensor(s), e.g. {bad[0]}")
-    for name, p in list(model.named_parameters()):  # a hook casts what it loads to its meta parameter's dtype
-        if p.is_floating_point():
-            set_module_tensor_to_device(model, name, p.device, value=p.to(dtype) if not p.is_meta else None,
-                                        dtype=dtype)
-    accelerate_dispatch(model, None, device_map, str(offload_dir), offload, False)
+    cast_to(model, targets)  # the resident tensors
+    model._oracle_streams = streams
     return model.eval()
 
 
@@ -392,18 +490,16 @@ def router_reader(family, args):
 @contextlib.contextmanager
 def materialized(module):
     """A module's weights (and its submodules') loaded for the duration: for code that reads
-    them outside a forward, or calls the module many times (a streamed model's modules hold
-    their weights only during their own forward: accelerate's hooks)."""
-    pinned = [(m, m._hf_hook) for m in module.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
-    for m, hook in pinned:
-        hook.pre_forward(m)
-        hook.offload = False  # its forward neither reloads nor drops the weights now
+    them outside a forward, or calls the module many times (a streamed model's decoder layers hold
+    their weights only while in use: LayerStream)."""
+    streams = list({id(s): s for m in module.modules() if (s := getattr(m, "_oracle_stream", None)) is not None}.values())
+    for s in streams:
+        s.acquire()
     try:
         yield module
     finally:
-        for m, hook in pinned:
-            hook.offload = True
-            hook.post_forward(m, None)
+        for s in streams:
+            s.release()
 
 
 def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:

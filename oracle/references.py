@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import tempfile
 import platform
 from dataclasses import replace
 from pathlib import Path
@@ -38,13 +37,8 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     ref = reference.load(path)
     if ref is None:
         family = get_family(family_name)
-        if reference_mode(Path(model_dir)) == "streamed":
-            (cache_root() / "offload").mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache_root() / "offload") as offload:
-                ref = capture(load_hf_model(family, Path(model_dir), offload_dir=Path(offload)), family,
-                              list(prompt), n)
-        else:
-            ref = capture(load_hf_model(family, Path(model_dir)), family, list(prompt), n)
+        streamed = reference_mode(Path(model_dir)) == "streamed"
+        ref = capture(load_hf_model(family, Path(model_dir), streamed=streamed), family, list(prompt), n)
         bad = reference.first_nonfinite(ref)
         if bad:
             raise InputError(f"the HF fp32 reference itself produces NaN/Inf, first at {bad}: the checkpoint "

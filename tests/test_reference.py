@@ -1,6 +1,5 @@
 """The HF reference, whole or streamed: the same modules and weights give the same bytes."""
 
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +22,17 @@ def _tensors(ref):
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_streamed_reference_is_bitwise_the_whole_one(family):
-    """Decoder layers offloaded to disk (HF's own big-model loading: accelerate hooks load each
-    module's weights for its forward, the expert probes read the router inside one) capture
-    exactly what the in-memory model captures: tokens, logits, every block's inputs and outputs."""
+    """Decoder layers read from the checkpoint's shards for each forward by HF's own loading step
+    (load_streamed; the expert probes read the router inside one) capture exactly what the in-memory
+    model captures: tokens, logits, every block's inputs and outputs."""
     fam = get_family(family)
     d = tiny_checkpoint(fam, 0)
     prompt = [3, 17, 99, 5, 200, 42, 7, 1]
     whole = capture(load_hf_model(fam, d), fam, prompt, 4)
-    with tempfile.TemporaryDirectory() as off:
-        streamed = capture(load_hf_model(fam, d, offload_dir=Path(off)), fam, prompt, 4)
-        assert streamed.tokens == whole.tokens and streamed.coverage == whole.coverage
-        a, b = _tensors(whole), _tensors(streamed)
-        assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b))
+    streamed = capture(load_hf_model(fam, d, streamed=True), fam, prompt, 4)
+    assert streamed.tokens == whole.tokens and streamed.coverage == whole.coverage
+    a, b = _tensors(whole), _tensors(streamed)
+    assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b))
 
 
 # A sharded bf16 checkpoint whose layers dominate it: 10 decoder layers of ~218 MB each in fp32
@@ -46,15 +44,16 @@ WIDE = dict(vocab_size=1024, hidden_size=1024, intermediate_size=512, num_hidden
             model_type="olmoe")
 
 CHILD = """
-import json, sys, tempfile
+import json, sys
 from pathlib import Path
 from models import get_family
-from oracle.reference import capture, first_nonfinite, load_hf_model
+from oracle.reference import capture, first_nonfinite, load_hf_model, streamed_bytes
 fam = get_family("olmoe")
-with tempfile.TemporaryDirectory(dir=sys.argv[2]) as off:
-    ref = capture(load_hf_model(fam, Path(sys.argv[1]), offload_dir=Path(off)), fam, [3, 17, 99, 5, 200, 42, 7, 1], 3)
+model = load_hf_model(fam, Path(sys.argv[1]), streamed=True)
+ref = capture(model, fam, [3, 17, 99, 5, 200, 42, 7, 1], 3)
 peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) * 1024
-print(json.dumps({"peak": peak, "tokens": ref.tokens, "bad": first_nonfinite(ref), "blocks": len(ref.inputs)}))
+print(json.dumps({"peak": peak, "tokens": ref.tokens, "bad": first_nonfinite(ref), "blocks": len(ref.inputs),
+                  "read": streamed_bytes(model)}))
 """
 
 
@@ -62,9 +61,12 @@ def test_streamed_reference_memory_stays_under_the_bound(tmp_path):
     """The streamed reference's peak resident memory (VmHWM of a fresh process: imports, load,
     capture of prefill + 3 decode steps and every expert probe) stays under the issue's bound,
     two fp32 decoder layers + the fp32 embedding and head + 1 GiB, on a checkpoint whose
-    whole-model fp32 weights alone are larger than that bound."""
+    whole-model fp32 weights alone are larger than that bound; no file is written beside the
+    checkpoint (no offload copy), and the decoder layers are read from it exactly 6 times (at load,
+    for the prefill and each of the 3 decode steps, for the expert probes)."""
     import json
     import math
+    import os
     import subprocess
     import sys
 
@@ -82,11 +84,15 @@ def test_streamed_reference_memory_stays_under_the_bound(tmp_path):
     outside = sum(v for n, v in fp32.items() if ".layers." not in n)
     bound = 2 * layer + outside + (1 << 30)
     assert sum(fp32.values()) > bound  # the whole model in fp32 would not fit under it
+    before = sorted(p for p in tmp_path.rglob("*"))
     out = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(tmp_path)], capture_output=True, text=True,
-                         cwd=Path(__file__).parents[1], timeout=600)
+                         cwd=Path(__file__).parents[1], timeout=600, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["bad"] is None and len(got["tokens"]) == 8 + 3 + 1 and got["blocks"] == 4 * 10 + 2
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written: no offload
+    stored = {n: math.prod(shape) * 2 for n, (_, _, shape) in index.items()}  # bf16
+    assert got["read"] == 6 * sum(v for n, v in stored.items() if ".layers." in n)
     assert got["peak"] < bound, f"peak {got['peak'] / 2**30:.2f} GiB over the bound {bound / 2**30:.2f} GiB"
     print(f"streamed reference peak {got['peak'] / 2**30:.2f} GiB, bound {bound / 2**30:.2f} GiB, "
           f"whole fp32 weights {sum(fp32.values()) / 2**30:.2f} GiB")
