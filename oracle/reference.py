@@ -115,37 +115,72 @@ def load_hf_model(family, model_dir: Path, dtype=None, streamed: bool = False):
     return model.eval()
 
 
+EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a per-expert checkpoint tensor: ...experts.E....
+
+
 class LayerStream:
     """One decoder layer's weights, read from the checkpoint's own shards (memory-mapped) through HF's
     own loading step (`convert_and_load_state_dict_in_model`: renames, per-expert -> fused) whenever the
     layer is in use, and dropped (back to the meta device) when it is not: no copy of the checkpoint is
     written anywhere. In use: during the layer's forward, and inside `materialized` (code that reads a
     module's weights outside a forward, or calls it many times). Counted, so a `materialized` inside the
-    forward (a router hook reading its bias) neither reloads nor drops them."""
+    forward (a router hook reading its bias) neither reloads nor drops them.
 
-    def __init__(self, model, layer, prefix: str, names: list, index: dict, load, targets: dict):
+    A forward of fewer tokens than the experts (a decode step) reads only the experts it routes to, where
+    the checkpoint stores them per expert and HF's experts module is given the routing (top_k_index): the
+    rest of the layer for the forward, then, as the experts module starts, the experts its tokens chose;
+    the others are zeros HF's per-expert loop never reads (it visits the experts hit). The same numbers,
+    a fraction of the bytes (a MoE decode step of 8 of 128 experts reads about a tenth of the layer)."""
+
+    def __init__(self, model, layer, prefix: str, names: list, index: dict, load, targets: dict, top_k: int = 0):
         self.model, self.layer, self.prefix, self.names, self.index = model, layer, prefix, names, index
         self.load_config, self.targets = load, targets  # targets: the layer's parameter -> HF's dtype for it
-        self.users, self.reads = 0, 0
-        self.nbytes = sum(tensor_bytes(index[n]) for n in names)  # what one read reads from the checkpoint
+        self.users, self.reads, self.bytes = 0, 0, 0  # bytes: read from the checkpoint so far
+        self.nbytes = sum(tensor_bytes(index[n]) for n in names)  # what a whole read reads
         self.keys = None  # what the checkpoint gives (set by the first read): what is dropped
+        self.experts: dict = {}  # expert -> its tensor names, where stored per expert
+        for n in names:
+            if (m := EXPERT.search(n)) is not None:
+                self.experts.setdefault(int(m.group(1)), []).append(n)
+        self.top_k, self.sparse = top_k, False
+        routed = routed_experts(layer) if self.experts and top_k else None
         for m in layer.modules():
             m._oracle_stream = self
-        layer.register_forward_pre_hook(lambda m, a: self.acquire())
+        layer.register_forward_pre_hook(self._start, with_kwargs=True)
         layer.register_forward_hook(lambda m, a, out: self.release())
+        if routed is not None:
+            routed.register_forward_pre_hook(self._experts, with_kwargs=True)
 
-    def read(self):
-        """This layer's tensors from the checkpoint into the model (HF's loading step), each in the dtype
-        HF's model holds it in."""
+    def _start(self, module, args, kwargs):
+        x = _first_tensor(args, kwargs)
+        tokens = x.numel() // x.shape[-1]
+        self.acquire(sparse=self.users == 0 and bool(self.experts) and tokens * self.top_k < len(self.experts))
+
+    def _experts(self, module, args, kwargs):
+        if self.sparse:  # the experts its tokens chose, now that the router has chosen
+            idx = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
+            chosen = {int(e) for e in idx.reshape(-1).tolist() if 0 <= int(e) < len(self.experts)}
+            self.read([n for e, ns in self.experts.items() for n in ns],
+                      absent={n for e, ns in self.experts.items() if e not in chosen for n in ns})
+            self.sparse = False
+
+    def read(self, names: list | None = None, absent: set = frozenset()):
+        """These of the layer's tensors (default all) from the checkpoint into the model (HF's loading
+        step), each in the dtype HF's model holds it in; `absent` ones given as zeros, not read."""
+        import torch
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-        from models.checkpoint import open_shard
+        from models.checkpoint import open_shard, torch_dtype
 
-        with contextlib.ExitStack() as stack:  # only this layer's shards mapped, unmapped after
-            files = {s: stack.enter_context(open_shard(s)) for s in sorted({self.index[n][0] for n in self.names})}
-            part, _ = convert_and_load_state_dict_in_model(
-                self.model, {n: files[self.index[n][0]].get_slice(n) for n in self.names}, self.load_config, None)
+        names = self.names if names is None else names
+        present = [n for n in names if n not in absent]
+        with contextlib.ExitStack() as stack:  # only these tensors' shards mapped, unmapped after
+            files = {s: stack.enter_context(open_shard(s)) for s in sorted({self.index[n][0] for n in present})}
+            tensors = {n: files[self.index[n][0]].get_slice(n) for n in present}
+            tensors.update({n: torch.zeros(self.index[n][2], dtype=torch_dtype(self.index[n][1])) for n in absent})
+            part, _ = convert_and_load_state_dict_in_model(self.model, tensors, self.load_config, None)
         self.reads += 1
+        self.bytes += sum(tensor_bytes(self.index[n]) for n in present)
         if self.keys is None:
             self.keys = [k for k in self.layer.state_dict() if self.prefix + k not in part.missing_keys]
         cast_to(self.layer, self.targets)
@@ -159,15 +194,30 @@ class LayerStream:
             set_module_tensor_to_device(self.layer, name, "meta")
         trim_heap()
 
-    def acquire(self):
+    def acquire(self, sparse: bool = False):
         if self.users == 0:
-            self.read()
+            self.sparse = sparse
+            self.read([n for n in self.names if not EXPERT.search(n)] if sparse else None)
         self.users += 1
 
     def release(self):
         self.users -= 1
         if self.users == 0:
+            self.sparse = False
             self.drop()
+
+
+def routed_experts(layer):
+    """The layer's HF experts module that is given the routing (forward(hidden_states, top_k_index, ...)),
+    or None (an experts module that routes by itself, or none)."""
+    import inspect
+
+    for name, m in layer.named_modules():
+        if name.endswith("experts") and any(p.ndim == 3 for p in m.parameters(recurse=False)):
+            params = list(inspect.signature(m.forward).parameters)
+            if len(params) >= 2 and "ind" in params[1]:
+                return m
+    return None
 
 
 def tensor_bytes(entry) -> int:
@@ -183,7 +233,7 @@ def streamed_bytes(model) -> int | None:
     """Bytes a streamed model (load_streamed) has read from its checkpoint's decoder layers so far; None
     for a model in memory."""
     streams = getattr(model, "_oracle_streams", None)
-    return None if streams is None else sum(s.reads * s.nbytes for s in streams)
+    return None if streams is None else sum(s.bytes for s in streams)
 
 
 def trim_heap() -> None:
@@ -252,7 +302,8 @@ def load_streamed(family, model_dir: Path, dtype=None):
             layer = layers[int(m.group(1))]
             prefix = names_of[id(layer)] + "."
             stream = LayerStream(model, layer, prefix, names, index, load,
-                                 {n[len(prefix):]: d for n, d in targets.items() if n.startswith(prefix)})
+                                 {n[len(prefix):]: d for n, d in targets.items() if n.startswith(prefix)},
+                                 getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0)
             part = stream.read()
             stream.drop()
             streams.append(stream)
