@@ -172,7 +172,22 @@ class HFBackend(Backend):
     # module's weights at a time (0.63 GiB for a 0.55 B-parameter checkpoint, tests/test_reference.py)
     # measured streamed, OLMoE --layers 2 (1.05 B parameters): fp32 3.1 GiB, bf16 2.4 GiB peak
     memory_per_param = {"fp32": 1.2, "bf16": 1.0}
-    memory_note = "streamed: the decoder layers stay on disk, a layer's weights are read for its forward"
+
+    def memory_estimate(self, src, spec):
+        """In memory (whole): memory_per_param. Streamed (over 1 GiB of fp32 weights): what stays is the
+        embedding and head, and at most two decoder layers at a time (one in use, one being read), in fp32
+        (the reference's, captured in the same process; the candidate's at bf16 are smaller): the bound
+        tests/test_reference.py measures (1.04 GiB for 2.04 GiB of fp32 weights)."""
+        from oracle.reference import mode_for
+
+        if spec.precision not in self.memory_per_param:
+            return None, ""
+        if mode_for(src.parameter_count()) != "streamed":
+            return super().memory_estimate(src, spec)
+        layer, outside = src.layer_parameter_counts()
+        return (4 * (2 * layer + outside) + (1 << 30),
+                f"streamed: 2 x {layer / 1e9:.2f} B parameters of its largest decoder layer + {outside / 1e9:.2f} B "
+                "outside the layers, in fp32, + 1 GiB; the layers are read from the checkpoint for each forward")
 
     def load(self, model, spec):
         cand = self._load(model, spec)
@@ -191,7 +206,8 @@ class HFBackend(Backend):
         if reference_mode(model.model_dir) == "streamed":  # as the reference: layers read from the checkpoint
             if device != "cpu":
                 raise InputError(f"--option device={device}: this checkpoint is streamed from disk (its decoder layers "
-                                 "read for each forward, over the in-memory size); HF on the GPU needs the whole model in memory")
+                                 "read for each forward, over the in-memory size); HF on the GPU needs the whole "
+                                 "model in memory")
             cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, streamed=True),
                                model.family, dtype, spec.precision)
             cand.streamed = True

@@ -248,9 +248,7 @@ class IreeBackend(Backend):
         again inside the program), and each context's constants that iree-compile hoisted
         (lm_head, the attention projections: at most the weights outside the layers). A seeded
         fault (a transform) builds the whole fp32 model as before: 4 bytes per parameter more."""
-        from models.checkpoint import layer_parameter_counts
-
-        layer, outside = layer_parameter_counts(src.model_dir)
+        layer, outside = src.layer_parameter_counts()
         need = 8 * layer + 4 * outside
         how = f"2 x {layer / 1e9:.2f} B parameters of its largest layer + {outside / 1e9:.2f} B outside the layers, in fp32"
         if self.transform is not None:

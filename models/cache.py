@@ -244,9 +244,56 @@ def prune(entries_to_remove: list[Entry]) -> list[Entry]:
     return removed
 
 
+TEMP = re.compile(r"^\.tmp-([A-Za-z0-9_.]+)-(\d+)-")  # models.checkpoint.temp_prefix: host, pid
+LEGACY_TEMP_AGE = 86400.0  # a build directory that does not name its writer: stale after a day untouched
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def stale_temps(root: Path | None = None) -> list[Path]:
+    """Build directories (`.tmp-*` beside the checkpoints and artifacts) whose writer is gone: a process
+    killed while building (SIGKILL, a timeout) leaves its partial copy there, outside every entry (a
+    seeded 30B checkpoint killed after 5 minutes left 41 GB). Stale: its writer, on this host, is not
+    running; one that does not name its writer, untouched for a day."""
+    from models.checkpoint import temp_prefix
+
+    root = Path(root or cache_root())
+    host = temp_prefix().split("-")[1]
+    dirs = [root / "checkpoints", *(d for d in (root / "artifacts").glob("*") if d.is_dir())]
+    out = []
+    for parent in dirs:
+        for d in parent.glob(".tmp-*") if parent.is_dir() else ():
+            m = TEMP.match(d.name)
+            if m:
+                if m.group(1) == host and not _alive(int(m.group(2))):
+                    out.append(d)
+            elif time.time() - _used([d]) > LEGACY_TEMP_AGE:
+                out.append(d)
+    return out
+
+
+def remove_stale_temps(root: Path | None = None) -> int:
+    """Remove stale_temps; returns the bytes freed."""
+    freed = 0
+    for d in stale_temps(root):
+        freed += _size(d)
+        shutil.rmtree(d, ignore_errors=True)
+    return freed
+
+
 def enforce(size_limit: int | None = None) -> list[Entry]:
     """Keep the cache within its limit: remove least recently used entries no process holds until the
-    total is at most the limit (what is held stays, even above it). Returns the entries removed."""
+    total is at most the limit (what is held stays, even above it). Returns the entries removed. Stale
+    build directories go first (remove_stale_temps)."""
+    remove_stale_temps()
     cap = limit() if size_limit is None else size_limit
     es = entries()
     total = sum(e.bytes for e in es)
@@ -285,6 +332,10 @@ def enforce_quietly() -> None:
 def make_room(needed: int, what: str) -> None:
     """Before building an artifact of about `needed` bytes: refuse it (CacheFull) where it cannot fit,
     else evict least recently used entries no process holds until it fits within the limit."""
+    try:
+        remove_stale_temps()  # before the disk's free space is read
+    except OSError:
+        pass
     why = refusal(needed, what)
     if why:
         raise CacheFull(why)

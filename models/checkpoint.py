@@ -37,11 +37,20 @@ def _umask() -> int:
     return mask
 
 
-def temp_dir(parent: Path, prefix: str = ".tmp-") -> Path:
+def temp_prefix() -> str:
+    """`.tmp-<host>-<pid>-`: a build directory names its writer, so one left by a killed process is
+    known stale (models/cache.remove_stale_temps)."""
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+    return f".tmp-{host}-{os.getpid()}-"
+
+
+def temp_dir(parent: Path, prefix: str | None = None) -> Path:
     """A new directory in `parent` to build in and rename into place, with the permissions
     mkdir gives (the umask's), not mkdtemp's 0700: a cache or output another user shares
-    stays readable."""
-    d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    stays readable. The default prefix names the writer (temp_prefix)."""
+    d = Path(tempfile.mkdtemp(prefix=temp_prefix() if prefix is None else prefix, dir=parent))
     os.chmod(d, 0o777 & ~_umask())
     return d
 
@@ -613,9 +622,10 @@ def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=None,
 
 
 def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: str = "bf16",
-                      progress=None, weights: str = "normal") -> Path:
+                      progress=None, weights: str = "normal", build: bool = True) -> Path | None:
     """The seeded checkpoint of a published config (--config NAME [--layers N]) and weight profile
-    (models.trained.PROFILES), built once into the content-addressed cache."""
+    (models.trained.PROFILES), built once into the content-addressed cache (`build` False: None where
+    it is not built yet, nothing written: --validate-only)."""
     from importlib.metadata import version
 
     from models.trained import profile_recipe, profile_rewrite
@@ -630,7 +640,8 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
     return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}{profile}", "oracle_seeded.json",
                       lambda out: write_seeded_checkpoint(family, cfg, seed, out, torch_dtype(stored),
                                                           progress=progress, rewrite=rewrite),
-                      needed=lambda: config_parameters(family, cfg) * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype])
+                      needed=lambda: config_parameters(family, cfg) * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype],
+                      build_it=build)
 
 
 def config_parameters(family, cfg: dict) -> int:
@@ -642,17 +653,37 @@ def config_parameters(family, cfg: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def cached_dir(recipe: dict, stem: str, recipe_file: str, build, needed=None) -> Path:
+def config_layer_parameter_counts(family, cfg: dict) -> tuple[int, int]:
+    """layer_parameter_counts of a config's HF model, before any checkpoint is written (meta device)."""
+    import torch
+
+    with torch.device("meta"):
+        model = family.hf_class()(family.hf_config(cfg))
+    layers, outside = {}, 0
+    for name, p in model.named_parameters():
+        m = LAYER.search(f".{name}")
+        if m:
+            layers[m.group(1)] = layers.get(m.group(1), 0) + p.numel()
+        else:
+            outside += p.numel()
+    return max(layers.values(), default=0), outside
+
+
+def cached_dir(recipe: dict, stem: str, recipe_file: str, build, needed=None, build_it: bool = True) -> Path | None:
     """cache_root()/checkpoints/<stem>-<hash of recipe>: built once by `build(dir)` into a temp
-    dir and renamed into place (a crash leaves nothing; a concurrent identical build wins).
-    `needed` (bytes, or a function giving them): its size, refused before it is built where it
-    cannot fit in the cache (models/cache.py)."""
+    dir and renamed into place (a crash leaves nothing; a concurrent identical build wins; a killed
+    one leaves a directory models/cache.remove_stale_temps removes). `needed` (bytes, or a function
+    giving them): its size, refused before it is built where it cannot fit in the cache
+    (models/cache.py). `build_it` False: None where it is not built."""
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:20]
     final = cache_root() / "checkpoints" / f"{stem}-{key}"
-    cache.hold(final)  # never evicted while this process runs
     if (final / "config.json").is_file():
+        cache.hold(final)  # never evicted while this process runs
         cache.mark_used(final)
         return final
+    if not build_it:
+        return None
+    cache.hold(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     if needed is not None:
         cache.make_room(needed() if callable(needed) else needed, f"the checkpoint {stem}")

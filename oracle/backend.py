@@ -166,6 +166,7 @@ class ModelSource:
     config: dict
     args: Any  # models.layers.ModelArgs (max_seq_len set for this check)
     checkpoint_sha256: str
+    parameters: int | None = None  # known without the checkpoint (a --config not built yet: --validate-only)
 
     def weights(self) -> dict:
         from models.checkpoint import read_weights
@@ -176,7 +177,16 @@ class ModelSource:
         """Parameters in the checkpoint (from the safetensors headers)."""
         from models.checkpoint import parameter_count
 
-        return parameter_count(self.model_dir)
+        return self.parameters if self.parameters is not None else parameter_count(self.model_dir)
+
+    def layer_parameter_counts(self) -> tuple[int, int]:
+        """(parameters of the largest decoder layer, parameters outside the layers), from the headers (or
+        the config, for a checkpoint not built yet)."""
+        from models.checkpoint import config_layer_parameter_counts, layer_parameter_counts
+
+        if self.model_dir is None:
+            return config_layer_parameter_counts(self.family, self.config)
+        return layer_parameter_counts(self.model_dir)
 
     def build_production(self, dtype, mapped: Path | None = None):
         """The family's production torch model with the checkpoint's weights (`mapped`: a

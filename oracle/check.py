@@ -112,6 +112,8 @@ def _run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = Tru
     run = start(spec, backend, progress, goldens)
     if run.result.status == Status.SKIPPED:  # the backend is not available here
         return run.result
+    if validate_only and planned_checkpoint(run):  # a --config checkpoint not built: its plan, nothing written
+        return run.result
     read_sources(run)  # checkpoint, the directory a q8/q4 check builds, memory, given program, saved reference
     read_prompts(run)
     if validate_only:
@@ -189,6 +191,45 @@ def read_sources(run: Run) -> None:
         if saved not in here:
             raise InputError(f"--reference {spec.reference} was captured from checkpoint sha256 {saved[:16]}..., "
                              f"not this check's ({', '.join(h[:16] + '...' for h in here)})")
+
+
+def planned_checkpoint(run: Run) -> bool:
+    """--validate-only of a --config check whose seeded checkpoint is not built yet: the config checked,
+    and what the check will need, without writing it (a 30B checkpoint is 57 GiB): its disk in the
+    cache and the backend's memory, each refused here as the check would refuse it. The plan goes into
+    the result's provenance ("checkpoint": "not_built", bytes, parameters, memory). False where there is
+    no such plan to make (another source, or the checkpoint already built: validated as usual)."""
+    from models import cache, get_family
+    from models.checkpoint import config_checkpoint, config_parameters, published_config
+    from oracle.backend import BASE_MEMORY, ModelSource
+    from oracle.sources import require_family
+
+    spec = run.spec
+    if not spec.config or spec.model_dir or spec.candidate_dir or spec.artifact:
+        return False
+    family = get_family(spec.family)
+    try:
+        cfg = published_config(spec.config, spec.layers)
+        require_family(family, cfg, f"--config {spec.config}")
+        args = family.args(cfg, spec.prompt_len + spec.decode_tokens)
+        if config_checkpoint(family, spec.config, spec.layers, spec.seed, weights=spec.weights, build=False):
+            return False
+        params = config_parameters(family, cfg)
+    except CheckpointError as e:
+        raise InputError(f"--config {spec.config}: {e}") from None
+    nbytes = params * 2  # written in bf16
+    why = cache.refusal(nbytes, f"the seeded checkpoint of --config {spec.config}")
+    if why:
+        raise InputError(why)
+    src = ModelSource(family, None, cfg, args, "", parameters=params)
+    refusal = memory_refusal(run.backend, src, spec)
+    if refusal:
+        raise InputError(refusal)
+    need, how = run.backend.memory_estimate(src, spec)
+    run.result.provenance["checkpoint"] = {"not_built": True, "config": spec.config, "parameters": params,
+                                           "bytes": nbytes, "memory_bytes": None if need is None else need + BASE_MEMORY,
+                                           "memory": f"{how}, + {BASE_MEMORY / (1 << 30):g} GiB" if how else ""}
+    return True
 
 
 def read_prompts(run: Run) -> None:

@@ -7,6 +7,7 @@ Exit codes: 0 pass (or skipped without --require), 1 fail, 2 bad input,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -434,6 +435,16 @@ def cmd_check(a, argv: list[str]) -> int:
             print(f"oracle: backend {spec.backend} is unavailable here ({result.skipped_reason}): inputs not checked",
                   file=sys.stderr)
             return EXIT["skipped_required"] if a.require else EXIT["pass"]
+        plan = result.provenance.get("checkpoint") or {}
+        if plan.get("not_built"):
+            from models.cache import human
+
+            print(f"oracle: inputs valid ({spec.family} on {spec.backend}): the config; its seeded checkpoint is not "
+                  f"built yet: {plan['parameters'] / 1e9:.2f} B parameters, {human(plan['bytes'])} of disk in the cache "
+                  + (f"(it fits), the check's memory about {human(plan['memory_bytes'])} ({plan['memory']}; it fits). "
+                     if plan["memory_bytes"] else "(it fits). ") +
+                  "Prompts and a saved reference are checked once it is built.")
+            return EXIT["pass"]
         print(f"oracle: inputs valid ({spec.family} on {spec.backend})")
         return EXIT["pass"]
     doc_json = dumps(result)
@@ -804,6 +815,9 @@ def cmd_cache(a) -> int:
         cap = cache.limit()
     except ValueError as e:
         fail_input(str(e))
+    freed = cache.remove_stale_temps()  # left by a killed build: no entry owns them
+    if freed:
+        print(f"removed stale build directories (their writer is gone): {cache.human(freed)}", file=sys.stderr)
     es = cache.entries()
     if a.cache_cmd == "list":
         if a.json:
@@ -864,8 +878,35 @@ def apply_cache_limit(a) -> None:
     os.environ[ENV] = value
 
 
+@contextlib.contextmanager
+def terminate_cleanly():
+    """SIGTERM (a CI timeout, `timeout`, a scheduler) exits through Python's own exit while a command
+    runs, as Ctrl-C does, so a build in progress removes its partial directory
+    (models.checkpoint.cached_dir, oracle/artifacts.py) instead of leaving it in the cache. Exit 143
+    (128 + SIGTERM), as the signal would. The previous handler is put back after."""
+    import signal
+    import threading
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)  # before any heavy import: --help and usage errors need none
+    with terminate_cleanly():
+        return run_command(a, argv)
+
+
+def run_command(a, argv) -> int:
     quiet()
     apply_cache_limit(a)
     if a.cmd == "cache":

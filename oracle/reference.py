@@ -72,12 +72,17 @@ def reference_mode(model_dir: Path) -> str:
     small models) or "streamed" (each decoder layer read from the checkpoint for its forward:
     memory about one layer plus the embedding and the head, whatever the depth; load_streamed). Auto by the
     model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes."""
+    from models.checkpoint import parameter_count
+
+    return mode_for(parameter_count(model_dir))
+
+
+def mode_for(parameters: int) -> str:
+    """reference_mode of a checkpoint of this many parameters."""
     mode = os.environ.get("MOE_ORACLE_REFERENCE", "auto")
     if mode in ("whole", "streamed"):
         return mode
-    from models.checkpoint import parameter_count
-
-    return "streamed" if 4 * parameter_count(model_dir) > STREAM_ABOVE else "whole"
+    return "streamed" if 4 * parameters > STREAM_ABOVE else "whole"
 
 
 def load_hf_model(family, model_dir: Path, dtype=None, streamed: bool = False):

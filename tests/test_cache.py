@@ -154,3 +154,76 @@ def test_a_long_run_holds_its_latest_entries_only(root, monkeypatch):
     cache.hold(paths[1])  # used again: among the latest
     assert len(cache._HELD) == 3
     assert {e.name for e in cache.entries() if e.held} == {"artifacts/iree/k1", "artifacts/iree/k3", "artifacts/iree/k4"}
+
+
+def test_a_build_directory_whose_writer_is_gone_is_removed(root):
+    """A process killed while building (SIGKILL, a timeout) leaves its partial directory beside the
+    entries, outside every one (a seeded 30B checkpoint killed after 5 minutes left 41 GB): the next
+    eviction (or `oracle cache`) removes it where its writer, named in it, is not running; one whose
+    writer runs stays, and one that does not name its writer stays until a day untouched."""
+    from models.checkpoint import temp_dir, temp_prefix
+
+    ck = root / "checkpoints"
+    ck.mkdir(parents=True)
+    host = temp_prefix().split("-")[1]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = ck / f".tmp-{host}-{int(gone.stdout)}-abc"
+    mine = temp_dir(ck)  # this process's: running
+    other_host = ck / f".tmp-elsewhere-{int(gone.stdout)}-abc"  # another machine's (a shared cache): not ours to judge
+    old, fresh = ck / ".tmp-legacy1", ck / ".tmp-legacy2"
+    for d in (dead, other_host, old, fresh):
+        d.mkdir()
+    for d in (dead, mine, other_host, old, fresh):
+        (d / "part.safetensors").write_bytes(b"\0" * 1000)
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    assert mine.name.startswith(f".tmp-{host}-{os.getpid()}-")
+    assert sorted(cache.stale_temps()) == sorted([dead, old])
+    assert cache.remove_stale_temps() == 2000
+    assert not dead.exists() and not old.exists() and mine.exists() and other_host.exists() and fresh.exists()
+    assert cache.stale_temps() == []
+
+
+SLOW_BUILD = """
+import sys, time
+from oracle.cli import terminate_cleanly
+from models.checkpoint import cached_dir
+
+def build(out):
+    (out / "model.safetensors").write_bytes(b"0" * 100000)
+    print("building", flush=True)
+    time.sleep(120)
+
+with terminate_cleanly():  # as `oracle` runs every command
+    cached_dir({"slow": 1}, "slow", "recipe.json", build)
+"""
+
+
+def test_a_build_stopped_by_sigterm_leaves_nothing(root):
+    """SIGTERM (a CI timeout, `timeout`) while `oracle` builds a cache entry exits through Python's exit,
+    as Ctrl-C does: the partial directory goes, exit 143 (128 + SIGTERM)."""
+    import signal
+
+    env = {**os.environ, "MOE_ORACLE_CACHE": str(root), "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", SLOW_BUILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "building", p.stderr.read()[-2000:]
+    assert len(list((root / "checkpoints").glob(".tmp-*"))) == 1
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 143, p.stderr.read()[-2000:]
+    assert not list((root / "checkpoints").glob(".tmp-*")) and not list((root / "checkpoints").glob("slow-*"))
+
+
+def test_validate_only_of_a_config_not_built_writes_nothing_and_says_what_it_will_need(root):
+    """--validate-only of a --config check whose seeded checkpoint is not built: the config checked and
+    the plan (parameters, disk, memory), without writing the checkpoint; a plan that cannot fit is
+    refused as the check would be (exit 2)."""
+    env = {**os.environ, "MOE_ORACLE_CACHE": str(root)}
+    cmd = [sys.executable, "-m", "oracle", "check", "--config", "olmoe-1b-7b-0924", "--layers", "2",
+           "--backend", "hf", "--precision", "bf16", "--validate-only"]
+    out = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "not built yet" in out.stdout and "1.05 B parameters" in out.stdout  # as the built checkpoint's headers count (exporters/hf.py) and "GiB of disk" in out.stdout
+    assert not (root / "checkpoints").exists() or not any((root / "checkpoints").iterdir())
+    out = subprocess.run(cmd + ["--cache-limit", "1G"], env=env, cwd=Path(__file__).parents[1], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "more than its limit" in out.stderr, out.stderr[-2000:]
