@@ -330,11 +330,11 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
                 positions = [np.arange(np.asarray(i).reshape(-1, np.asarray(i).shape[-1]).shape[0])
                              for _, i in ref.outputs[key[0], "router"][: len(sel)]]
                 try:
-                    aligned = align(key, plan_of(sel, diffs, key[0], positions))
+                    aligned = align(key, plan_of(sel, diffs, key[0], positions, key[0] in ref.weight_gaps))
                 except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said
                     note = f"routing replay failed ({type(e).__name__}: {e}): judged against the plain reference"
                 if aligned is not None and key[1] == "layer" and not own:
-                    aligned, note = routing_followed(ref, key, outs, aligned, noise, diffs,
+                    aligned, note = routing_followed(ref, key, outs, [(aligned, diffs)], noise,
                                                      "where its router row chose other experts")
         row = compare_block(ref, key, outs, spec, args.layer_types, reduction_length(args), noise,
                             upstream.get(key), aligned, sel)
@@ -363,15 +363,16 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
 def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | None, args) -> tuple | None:
     """A failing layer row whose block's own choice is not reported: at each token where the reference's
     router choice is a near tie (its gap within the tie bound, as the router row judges), the layer's
-    router, reading the layer's own attention output, may have decided it the other way. HF runs once
-    with every such token's nearest decision taken the other way, and each of those tokens is judged
-    against the nearer of HF's plain and swapped outputs (routing_followed):
-    - the router row's own choice where it differed;
-    - a group-limited router's experts of the other group where the group choice is the nearer tie (dots1
-      on executorch-mlx at bf16, trained, seed 0, had failed at 15x);
-    - the weights with the nearer mask decision flipped where that decision is the nearer tie (sparsemixer:
-      phimoe on executorch-mlx at bf16, normal, seed 1, had failed at 14x with its experts agreeing);
-    - else the k-th expert swapped for the next.
+    router, reading the layer's own attention output, may have decided it the other way. HF runs with
+    the near decisions taken the other way, and each of those tokens is judged against the nearest of
+    HF's plain and swapped outputs (routing_followed). A run for each kind of decision:
+    - its experts: the router row's own choice where it differed; a group-limited router's experts of the
+      other group where the group choice is the nearer tie (dots1 on executorch-mlx at bf16, trained,
+      seed 0, had failed at 15x); else the k-th expert swapped for the next;
+    - its weights, where a discrete decision sets them (sparsemixer's masks): the nearest mask decision
+      flipped (phimoe on executorch-mlx at bf16, normal, seed 1, had failed at 14x with its experts
+      agreeing), and the other experts with their own nearest mask decision flipped (seed 3: the two
+      experts that tied also decide the second choice's mask).
     None where no token is a near tie."""
     import torch
 
@@ -390,74 +391,85 @@ def near_tie_alternative(ref, key, outs: list, spec, noise, align, sel: list | N
         # row's bound flipped inside the layer, failing it at 15x)
         bound = np.maximum(bound, np.broadcast_to(np.asarray(tie_gaps(ref, layer, spec, noise, total, in_model=True),
                                                              np.float64), gaps.shape))
-    # the weights' decisions (sparsemixer's masks): their margin, and the weights had the nearer gone otherwise
+    # the weights' decisions (sparsemixer's masks): their margin, and the weights had the nearest gone otherwise
     weight_gap = (np.concatenate(ref.weight_gaps[layer])[:total].astype(np.float64)
                   if layer in ref.weight_gaps else None)
-    near = np.minimum(gaps, weight_gap) <= bound if weight_gap is not None else gaps <= bound
-    if not near.any():
-        return None
     # a group-limited router whose group choice is the nearer tie: the other group's experts (computed
     # from the unmasked scores at the capture: reference.group_alternative)
     group_gap = (np.concatenate(ref.group_gaps[layer])[:total].astype(np.float64)
                  if layer in ref.group_gaps and layer in ref.group_alternatives else None)
-    alt, t0 = [], 0
+    experts_alt, weights_alt, both_alt, t0 = [], [], [], 0
     for c, chosen in enumerate(idx):
-        chosen = chosen.copy()
-        s = np.asarray(ref.router_probs[layer][c], np.float64).reshape(chosen.shape[0], -1)
-        w = np.asarray(calls[c][0], np.float32).reshape(chosen.shape).copy()
-        flipped = None if weight_gap is None else routing.weight_alternative(
-            torch.as_tensor(s, dtype=torch.float32), torch.as_tensor(chosen), args)
+        chosen, n = chosen.copy(), chosen.shape[0]
+        s = np.asarray(ref.router_probs[layer][c], np.float64).reshape(n, -1)
+        w = np.asarray(calls[c][0], np.float32).reshape(chosen.shape)
         mine = None if sel is None or c >= len(sel) else np.asarray(sel[c][0] if isinstance(sel[c], tuple) else sel[c])
-        for t in np.flatnonzero(near[t0:t0 + chosen.shape[0]]):
+        for t in np.flatnonzero(gaps[t0:t0 + n] <= bound[t0:t0 + n]):
             if mine is not None and set(mine.reshape(chosen.shape)[t].tolist()) != set(chosen[t].tolist()):
                 chosen[t] = mine.reshape(chosen.shape)[t]  # the router row's own flip
-                continue
-            if group_gap is not None and group_gap[t0 + t] <= gaps[t0 + t]:  # the group choice is the tie
+            elif group_gap is not None and group_gap[t0 + t] <= gaps[t0 + t]:  # the group choice is the tie
                 chosen[t] = np.asarray(ref.group_alternatives[layer][c]).reshape(chosen.shape)[t]
-                continue
-            if flipped is not None and weight_gap[t0 + t] <= gaps[t0 + t]:  # a mask decision is the tie
-                w[t] = flipped[t].numpy()
-                continue
-            rest = [e for e in np.argsort(-s[t]) if e not in set(chosen[t].tolist()) and np.isfinite(s[t, e])]
-            if rest:
-                chosen[t][np.argmin(s[t, chosen[t]])] = rest[0]
-        alt.append((chosen, w) if weight_gap is not None else chosen)
-        t0 += chosen.shape[0]
-    spec_diffs = block_differences(ref, layer, alt, spec, len(calls))
-    if not spec_diffs:
-        return None
+            else:
+                rest = [e for e in np.argsort(-s[t]) if e not in set(chosen[t].tolist()) and np.isfinite(s[t, e])]
+                if rest:
+                    chosen[t][np.argmin(s[t, chosen[t]])] = rest[0]
+        experts_alt.append(chosen)
+        if weight_gap is not None:  # the same experts, the nearest mask decision flipped where it is near;
+            # and the other experts with the nearest mask decision of their own flipped too (the pair that tied
+            # decides the mask as well: phimoe on executorch-mlx at bf16, normal, seed 3)
+            near = weight_gap[t0:t0 + n] <= bound[t0:t0 + n]
+            scores = torch.as_tensor(s, dtype=torch.float32)
+            flipped = routing.weight_alternative(scores, torch.as_tensor(idx[c]), args).numpy()
+            weights_alt.append((idx[c], np.where(near[:, None], flipped, w)))
+            both_alt.append((chosen, routing.weight_alternative(scores, torch.as_tensor(chosen), args).numpy()))
+        t0 += n
     positions = [np.arange(i.shape[0]) for i in idx]
-    aligned = align(key, plan_of(alt, spec_diffs, layer, positions))
-    return routing_followed(ref, key, outs, aligned, noise, spec_diffs,
-                            "where the reference's choice is a near tie (its nearest decision taken the other way)")
+    options = []
+    for alt, discrete in ((experts_alt, False), (weights_alt, False), (both_alt, True)):
+        diffs = block_differences(ref, layer, alt, spec, len(calls)) if alt else []
+        if discrete:  # only where the experts were swapped
+            diffs = [d for d in diffs if d.what == "experts"]
+        if diffs:
+            options.append((align(key, plan_of(alt, diffs, layer, positions, discrete)), diffs))
+    if not options:
+        return None
+    return routing_followed(ref, key, outs, options, noise,
+                            "where the reference's choice is a near tie (its near decisions taken the other way)")
 
 
-def routing_followed(ref, key, outs: list, aligned: tuple, noise, diffs: list, where: str) -> tuple:
+def routing_followed(ref, key, outs: list, options: list, noise, where: str) -> tuple:
     """A layer row whose block's own choice the candidate does not report (a compiled block program):
-    its router reads the layer's own attention output, so at a token where its router row chose other
-    experts the layer may have chosen either. At each such token (both choices within the tie bound, or
-    the router row fails) the row is judged against the reference with the routing its output is nearer
-    to: HF's plain or HF's with the router row's choice forced, both legitimate answers; every other
-    token against the plain reference. Returns (the mixed (fp32, precision) outputs, what was done)."""
-    fp32, at = aligned
+    its router reads the layer's own attention output, so at a token where another choice is
+    legitimate the layer may have made either. `options`: [(HF's outputs with a choice forced: (fp32,
+    precision), the tokens where that choice differs: Differences)]. At each such token the row is
+    judged against the reference with the routing its output is nearest to: HF's plain or one of the
+    forced, all legitimate answers; every other token against the plain reference. Returns (the mixed
+    (fp32, precision) outputs, what was done)."""
     plain_at = noise.outputs.get(key) if noise is not None else None
     rows = lambda o: np.asarray(o, np.float64).reshape(-1, np.asarray(o).shape[-1])  # noqa: E731
     mixed = [rows(o).copy() for o in ref.outputs[key]]
-    mixed_at = [rows(o).copy() for o in plain_at] if at is not None and plain_at is not None else None
+    with_at = plain_at is not None and all(at is not None for (_, at), _ in options)
+    mixed_at = [rows(o).copy() for o in plain_at] if with_at else None
+    tokens = sorted({(d.call, d.position) for _, diffs in options for d in diffs})
     followed = 0
-    for call, t in sorted({(d.call, d.position) for d in diffs}):
+    for call, t in tokens:
         c = rows(as_array(outs[call], np.float32))[t]
-        forced_row = rows(fp32[call])[t]
-        if np.abs(c - forced_row).max() < np.abs(c - mixed[call][t]).max():
+        best, pick = np.abs(c - mixed[call][t]).max(), None
+        for (fp32, at), diffs in options:
+            if (call, t) in {(d.call, d.position) for d in diffs}:
+                forced_row = rows(fp32[call])[t]
+                if np.abs(c - forced_row).max() < best:
+                    best, pick = np.abs(c - forced_row).max(), (forced_row, at)
+        if pick is not None:
             followed += 1
-            mixed[call][t] = forced_row
+            mixed[call][t] = pick[0]
             if mixed_at is not None:
-                mixed_at[call][t] = rows(as_array(at[call], np.float32))[t]  # a bf16 tensor: np.asarray refuses it
+                mixed_at[call][t] = rows(as_array(pick[1][call], np.float32))[t]  # a bf16 tensor: np.asarray refuses it
     shaped = lambda new, like: [n.reshape(np.asarray(o).shape) for n, o in zip(new, like)]  # noqa: E731
-    note = (f"the layer block's own choice is not reported: at {len({(d.call, d.position) for d in diffs})} "
-            f"token(s) {where}, {followed} judged against HF with that choice forced and the rest against HF's "
-            "own (the nearer; both legitimate at a tie)")
-    return (shaped(mixed, ref.outputs[key]), shaped(mixed_at, plain_at) if mixed_at is not None else at), note
+    note = (f"the layer block's own choice is not reported: at {len(tokens)} token(s) {where}, {followed} judged "
+            "against HF with that choice forced and the rest against HF's own (the nearest; all legitimate at a tie)")
+    only_at = options[0][0][1] if len(options) == 1 else None  # no plain noise: the one forced run's, as before
+    return (shaped(mixed, ref.outputs[key]), shaped(mixed_at, plain_at) if mixed_at is not None else only_at), note
 
 
 def block_selection(cand, layer: int, calls: int) -> list | None:

@@ -144,7 +144,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
         aligned, why_not = False, "the candidate chose another number of experts: HF cannot be forced to it"
     if aligned:  # HF with the candidate's choice forced: what it then chooses, layer by layer, is what the
         # candidate's choice is judged against (a choice downstream of an earlier flip follows from it)
-        plan = {layer: plan_of([r.get(layer) for r in routes], diffs, layer, ref.positions)
+        plan = {layer: plan_of([r.get(layer) for r in routes], diffs, layer, ref.positions, layer in ref.weight_gaps)
                 for layer in sorted(ref.router_probs)}
         try:
             fp32, at, fp64 = align(plan)

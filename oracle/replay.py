@@ -258,11 +258,15 @@ class RouteLog:
         return [{layer: self._entry(v)} for layer, v in self.entries]
 
 
-def plan_of(selection: list, diffs: list, layer: int, positions: list) -> list:
+def plan_of(selection: list, diffs: list, layer: int, positions: list, discrete: bool = False) -> list:
     """A layer's forcing plan from a candidate's selection per call ((indices, weights) or indices): its
     experts, and its weights at the tokens `diffs` name as weight differences (what="weights";
-    `positions`: per call, each token's position as the differences name it)."""
-    at = {(d.call, d.position) for d in diffs if d.layer == layer and d.what == "weights"}
+    `positions`: per call, each token's position as the differences name it). `discrete` (a routing whose
+    weights a discrete decision sets: sparsemixer's masks): at every token `diffs` name, experts too,
+    the candidate's weights, its own decisions there (phimoe on executorch-mlx at bf16, seed 3: experts
+    [0, 7] for [0, 4] weighted [1, 1], expert 4 left out of the second choice's mask, where HF's logits
+    give 7 half)."""
+    at = {(d.call, d.position) for d in diffs if d.layer == layer and (discrete or d.what == "weights")}
     plan = []
     for call, v in enumerate(selection):
         if v is None:
