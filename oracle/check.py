@@ -23,6 +23,7 @@ from oracle.compare import block_rows, reduction_length
 from oracle.conversion import check_tensors
 from oracle.e2e import prompt_set, run_e2e
 from oracle.quantization import quantization_rows
+from oracle.reference import READ
 from oracle.references import reference_margins, reference_of, saved_reference
 from oracle.sources import check_length, prompt_tokens, quantizing_options, sources, tokenized_prompts
 from oracle.validation import artifact_matches, validate
@@ -80,6 +81,7 @@ class Run:
     spent: dict = field(default_factory=dict)  # options spent on writing a q8/q4 directory
     weights: dict | None = None  # a shipped file's weight check (oracle/conversion.py)
     stage: str = ""  # the candidate's stage running (a crash's error names it)
+    read_before: int = field(default_factory=lambda: READ["bytes"])  # streamed checkpoint bytes read before it
 
     def record(self, s: CheckSpec) -> dict:  # q8/q4 as asked, not the fp32 check of the directory built for it
         return spec_record(replace(s, precision=self.asked.precision, candidate_dir=None, options=self.asked.options)
@@ -436,6 +438,8 @@ def verdict(run: Run) -> CheckResult:
     expected.judge(result)  # a known candidate defect: fails as its entry says -> xfail; passes -> stale
     run.timings["total_s"] = time.perf_counter() - run.t0
     run.timings["peak_rss_gib"] = peak_rss_gib()
+    if READ["bytes"] > run.read_before:  # streamed HF models (reference, noise, hf): what their layers read
+        run.timings["streamed_gib_read"] = (READ["bytes"] - run.read_before) / 2**30
     result.timings = run.timings
     return result
 

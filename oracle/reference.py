@@ -120,6 +120,7 @@ def load_hf_model(family, model_dir: Path, dtype=None, streamed: bool = False):
     return model.eval()
 
 
+READ = {"bytes": 0}  # bytes every streamed model of this process read from its checkpoint's decoder layers
 EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a per-expert checkpoint tensor: ...experts.E....
 
 
@@ -185,7 +186,8 @@ class LayerStream:
             tensors.update({n: torch.zeros(self.index[n][2], dtype=torch_dtype(self.index[n][1])) for n in absent})
             part, _ = convert_and_load_state_dict_in_model(self.model, tensors, self.load_config, None)
         self.reads += 1
-        self.bytes += sum(tensor_bytes(self.index[n]) for n in present)
+        self.bytes += (got := sum(tensor_bytes(self.index[n]) for n in present))
+        READ["bytes"] += got
         if self.keys is None:
             self.keys = [k for k in self.layer.state_dict() if self.prefix + k not in part.missing_keys]
         cast_to(self.layer, self.targets)
