@@ -244,6 +244,15 @@ def prune(entries_to_remove: list[Entry]) -> list[Entry]:
     return removed
 
 
+def temp_prefix() -> str:
+    """`.tmp-<host>-<pid>-`: a build directory (models.checkpoint.temp_dir) names its writer, so one left
+    by a killed process is known stale (remove_stale_temps)."""
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+    return f".tmp-{host}-{os.getpid()}-"
+
+
 TEMP = re.compile(r"^\.tmp-([A-Za-z0-9_.]+)-(\d+)-")  # models.checkpoint.temp_prefix: host, pid
 LEGACY_TEMP_AGE = 86400.0  # a build directory that does not name its writer: stale after a day untouched
 
@@ -263,8 +272,6 @@ def stale_temps(root: Path | None = None) -> list[Path]:
     killed while building (SIGKILL, a timeout) leaves its partial copy there, outside every entry (a
     seeded 30B checkpoint killed after 5 minutes left 41 GB). Stale: its writer, on this host, is not
     running; one that does not name its writer, untouched for a day."""
-    from models.checkpoint import temp_prefix
-
     root = Path(root or cache_root())
     host = temp_prefix().split("-")[1]
     dirs = [root / "checkpoints", *(d for d in (root / "artifacts").glob("*") if d.is_dir())]

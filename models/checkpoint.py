@@ -37,20 +37,11 @@ def _umask() -> int:
     return mask
 
 
-def temp_prefix() -> str:
-    """`.tmp-<host>-<pid>-`: a build directory names its writer, so one left by a killed process is
-    known stale (models/cache.remove_stale_temps)."""
-    import socket
-
-    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
-    return f".tmp-{host}-{os.getpid()}-"
-
-
 def temp_dir(parent: Path, prefix: str | None = None) -> Path:
     """A new directory in `parent` to build in and rename into place, with the permissions
     mkdir gives (the umask's), not mkdtemp's 0700: a cache or output another user shares
-    stays readable. The default prefix names the writer (temp_prefix)."""
-    d = Path(tempfile.mkdtemp(prefix=temp_prefix() if prefix is None else prefix, dir=parent))
+    stays readable. The default prefix names the writer (models/cache.temp_prefix)."""
+    d = Path(tempfile.mkdtemp(prefix=cache.temp_prefix() if prefix is None else prefix, dir=parent))
     os.chmod(d, 0o777 & ~_umask())
     return d
 

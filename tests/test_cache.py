@@ -161,7 +161,8 @@ def test_a_build_directory_whose_writer_is_gone_is_removed(root):
     entries, outside every one (a seeded 30B checkpoint killed after 5 minutes left 41 GB): the next
     eviction (or `oracle cache`) removes it where its writer, named in it, is not running; one whose
     writer runs stays, and one that does not name its writer stays until a day untouched."""
-    from models.checkpoint import temp_dir, temp_prefix
+    from models.cache import temp_prefix
+    from models.checkpoint import temp_dir
 
     ck = root / "checkpoints"
     ck.mkdir(parents=True)
