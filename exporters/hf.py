@@ -9,7 +9,6 @@ every block of one kind and record what that block returns.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
@@ -49,13 +48,17 @@ class HFCandidate(Candidate):
         self.read_router = router_reader(family, self.args)
         self.cache = None
         self.info = {"executor": "transformers eager"}
-        self.streamed = False  # decoder layers read from the checkpoint for each forward (oracle/reference.py)
         # routers: (weights, indices), and their logits too where asked (oracle/noise.py reads the
         # precision's own selection scores from them)
         self.keep_router_logits = False
         # the experts each router selects (oracle/replay.py)
         self.routes = RouteLog({layer: m for (layer, kind), m in self.modules.items() if kind == "router"},
                                lambda out: normalize_output("router", out, router_output=self.read_router)[1::-1])
+
+    @property
+    def streamed(self) -> bool:
+        """Its decoder layers are read from the checkpoint for each forward (oracle/reference.load_streamed)."""
+        return hasattr(self.model, "_oracle_streams")
 
     def last_routes(self):
         return self.routes.call()
@@ -167,10 +170,8 @@ class HFBackend(Backend):
 
         return hf_faults.not_applicable(fault)
 
-    # whole: from_pretrained holds the mapped bf16 checkpoint and the model (measured ~10 bytes per
-    # parameter at fp32); streamed (above 1 GiB of fp32 weights): the embedding, the head and one
-    # module's weights at a time (0.63 GiB for a 0.55 B-parameter checkpoint, tests/test_reference.py)
-    # measured streamed, OLMoE --layers 2 (1.05 B parameters): fp32 3.1 GiB, bf16 2.4 GiB peak
+    # whole (up to 1 GiB of fp32 weights): from_pretrained holds the mapped bf16 checkpoint and the model
+    # (measured ~10 bytes per parameter at fp32); streamed: memory_estimate below
     memory_per_param = {"fp32": 1.2, "bf16": 1.0}
 
     def memory_estimate(self, src, spec):
@@ -210,7 +211,6 @@ class HFBackend(Backend):
                                  "model in memory")
             cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, streamed=True),
                                model.family, dtype, spec.precision)
-            cand.streamed = True
             cand.info["executor"] += " (decoder layers read from the checkpoint's shards for each forward)"
             return cand
         m = load_hf_model(model.family, model.model_dir, dtype).to(device)  # cpu: where it already is

@@ -301,7 +301,10 @@ def enforce(size_limit: int | None = None) -> list[Entry]:
     total is at most the limit (what is held stays, even above it). Returns the entries removed. Stale
     build directories go first (remove_stale_temps)."""
     remove_stale_temps()
-    cap = limit() if size_limit is None else size_limit
+    return _evict(limit() if size_limit is None else size_limit)
+
+
+def _evict(cap: int) -> list[Entry]:
     es = entries()
     total = sum(e.bytes for e in es)
     if total <= cap:
@@ -347,7 +350,7 @@ def make_room(needed: int, what: str) -> None:
     if why:
         raise CacheFull(why)
     try:
-        enforce(max(0, limit() - needed))
+        _evict(max(0, limit() - needed))  # (stale build directories went above)
     except OSError:
         pass
 

@@ -191,13 +191,18 @@ LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's tensor names: ...l
 def layer_parameter_counts(model_dir: Path) -> tuple[int, int]:
     """(elements of the largest decoder layer, elements outside the decoder layers: embedding,
     final norm, head), from the safetensors headers only."""
+    return split_by_layer((name, math.prod(shape)) for name, (_, _, shape) in tensor_index(model_dir).items())
+
+
+def split_by_layer(sizes) -> tuple[int, int]:
+    """(the largest decoder layer's total, the total outside the layers) of (name, size) pairs."""
     layers, outside = {}, 0
-    for name, (_, _, shape) in tensor_index(model_dir).items():
+    for name, size in sizes:
         m = LAYER.search(name)
         if m:
-            layers[m.group(1)] = layers.get(m.group(1), 0) + math.prod(shape)
+            layers[m.group(1)] = layers.get(m.group(1), 0) + size
         else:
-            outside += math.prod(shape)
+            outside += size
     return max(layers.values(), default=0), outside
 
 
@@ -635,29 +640,22 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
                       build_it=build)
 
 
-def config_parameters(family, cfg: dict) -> int:
-    """Parameters of a config's HF model (built on the meta device: no memory)."""
+def meta_model(family, cfg: dict):
+    """A config's HF model on the meta device (no memory): its parameters' names and shapes."""
     import torch
 
     with torch.device("meta"):
-        model = family.hf_class()(family.hf_config(cfg))
-    return sum(p.numel() for p in model.parameters())
+        return family.hf_class()(family.hf_config(cfg))
+
+
+def config_parameters(family, cfg: dict) -> int:
+    """Parameters of a config's HF model."""
+    return sum(p.numel() for p in meta_model(family, cfg).parameters())
 
 
 def config_layer_parameter_counts(family, cfg: dict) -> tuple[int, int]:
-    """layer_parameter_counts of a config's HF model, before any checkpoint is written (meta device)."""
-    import torch
-
-    with torch.device("meta"):
-        model = family.hf_class()(family.hf_config(cfg))
-    layers, outside = {}, 0
-    for name, p in model.named_parameters():
-        m = LAYER.search(f".{name}")
-        if m:
-            layers[m.group(1)] = layers.get(m.group(1), 0) + p.numel()
-        else:
-            outside += p.numel()
-    return max(layers.values(), default=0), outside
+    """layer_parameter_counts of a config's HF model, before any checkpoint is written."""
+    return split_by_layer((f".{name}", p.numel()) for name, p in meta_model(family, cfg).named_parameters())
 
 
 def cached_dir(recipe: dict, stem: str, recipe_file: str, build, needed=None, build_it: bool = True) -> Path | None:

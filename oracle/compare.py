@@ -450,13 +450,14 @@ def routing_followed(ref, key, outs: list, options: list, noise, where: str) -> 
     mixed = [rows(o).copy() for o in ref.outputs[key]]
     with_at = plain_at is not None and all(at is not None for (_, at), _ in options)
     mixed_at = [rows(o).copy() for o in plain_at] if with_at else None
-    tokens = sorted({(d.call, d.position) for _, diffs in options for d in diffs})
+    where_each = [{(d.call, d.position) for d in diffs} for _, diffs in options]  # the tokens each option forces
+    tokens = sorted(set().union(*where_each))
     followed = 0
     for call, t in tokens:
         c = rows(as_array(outs[call], np.float32))[t]
         best, pick = np.abs(c - mixed[call][t]).max(), None
-        for (fp32, at), diffs in options:
-            if (call, t) in {(d.call, d.position) for d in diffs}:
+        for ((fp32, at), _), forced_at in zip(options, where_each):
+            if (call, t) in forced_at:
                 forced_row = rows(fp32[call])[t]
                 if np.abs(c - forced_row).max() < best:
                     best, pick = np.abs(c - forced_row).max(), (forced_row, at)

@@ -141,8 +141,7 @@ class LayerStream:
     def __init__(self, model, layer, prefix: str, names: list, index: dict, load, targets: dict, top_k: int = 0):
         self.model, self.layer, self.prefix, self.names, self.index = model, layer, prefix, names, index
         self.load_config, self.targets = load, targets  # targets: the layer's parameter -> HF's dtype for it
-        self.users, self.reads, self.bytes = 0, 0, 0  # bytes: read from the checkpoint so far
-        self.nbytes = sum(tensor_bytes(index[n]) for n in names)  # what a whole read reads
+        self.users, self.bytes = 0, 0  # bytes: read from the checkpoint so far
         self.keys = None  # what the checkpoint gives (set by the first read): what is dropped
         self.experts: dict = {}  # expert -> its tensor names, where stored per expert
         for n in names:
@@ -160,7 +159,7 @@ class LayerStream:
     def _start(self, module, args, kwargs):
         x = _first_tensor(args, kwargs)
         tokens = x.numel() // x.shape[-1]
-        self.acquire(sparse=self.users == 0 and bool(self.experts) and tokens * self.top_k < len(self.experts))
+        self.acquire(sparse=bool(self.experts) and tokens * self.top_k < len(self.experts))
 
     def _experts(self, module, args, kwargs):
         if self.sparse:  # the experts its tokens chose, now that the router has chosen
@@ -173,19 +172,9 @@ class LayerStream:
     def read(self, names: list | None = None, absent: set = frozenset()):
         """These of the layer's tensors (default all) from the checkpoint into the model (HF's loading
         step), each in the dtype HF's model holds it in; `absent` ones given as zeros, not read."""
-        import torch
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-
-        from models.checkpoint import open_shard, torch_dtype
-
         names = self.names if names is None else names
         present = [n for n in names if n not in absent]
-        with contextlib.ExitStack() as stack:  # only these tensors' shards mapped, unmapped after
-            files = {s: stack.enter_context(open_shard(s)) for s in sorted({self.index[n][0] for n in present})}
-            tensors = {n: files[self.index[n][0]].get_slice(n) for n in present}
-            tensors.update({n: torch.zeros(self.index[n][2], dtype=torch_dtype(self.index[n][1])) for n in absent})
-            part, _ = convert_and_load_state_dict_in_model(self.model, tensors, self.load_config, None)
-        self.reads += 1
+        part = load_into(self.model, self.index, present, self.load_config, absent)
         self.bytes += (got := sum(tensor_bytes(self.index[n]) for n in present))
         READ["bytes"] += got
         if self.keys is None:
@@ -225,6 +214,23 @@ def routed_experts(layer):
             if len(params) >= 2 and "ind" in params[1]:
                 return m
     return None
+
+
+def load_into(model, index: dict, names: list, load, absent=()):
+    """These checkpoint tensors into `model` by HF's own loading step (`convert_and_load_state_dict_in_model`:
+    renames, per-expert -> fused), only their shards mapped and unmapped after; `absent` ones given as
+    zeros, not read. Returns HF's loading info."""
+    import torch
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+    from models.checkpoint import open_shard, torch_dtype
+
+    with contextlib.ExitStack() as stack:
+        files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in names})}
+        tensors = {n: files[index[n][0]].get_slice(n) for n in names}
+        tensors.update({n: torch.zeros(index[n][2], dtype=torch_dtype(index[n][1])) for n in absent})
+        part, _ = convert_and_load_state_dict_in_model(model, tensors, load, None)
+    return part
 
 
 def tensor_bytes(entry) -> int:
@@ -314,15 +320,8 @@ def load_streamed(family, model_dir: Path, dtype=None):
             part = stream.read()
             stream.drop()
             streams.append(stream)
-        else:
-            from transformers.core_model_loading import convert_and_load_state_dict_in_model
-
-            from models.checkpoint import open_shard
-
-            with contextlib.ExitStack() as stack:
-                files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in names})}
-                part, _ = convert_and_load_state_dict_in_model(
-                    model, {n: files[index[n][0]].get_slice(n) for n in names}, load, None)
+        else:  # the embedding, final norm, head: resident
+            part = load_into(model, index, names, load)
         loaded |= expected - part.missing_keys
         if info is None:
             info = part
@@ -347,16 +346,6 @@ def decoder_of(model):
     the CausalLM itself (transformers 5.23's Llama4ForCausalLM)."""
     decoder = model.get_decoder()
     return decoder if hasattr(decoder, "layers") else model.model
-
-
-def streamed_device_map(model) -> dict:
-    """Every decoder layer on "disk", everything else on the CPU (HF's device_map form)."""
-    decoder = decoder_of(model)
-    prefix = next(n for n, m in model.named_modules() if m is decoder)
-    layers = {f"{prefix}.layers.{i}": "disk" for i in range(len(decoder.layers))}
-    rest = {n: "cpu" for n, _ in model.named_children() if n != prefix.split(".")[0]}
-    rest.update({f"{prefix}.{n}": "cpu" for n, _ in decoder.named_children() if n != "layers"})
-    return {**rest, **layers}
 
 
 def _first_tensor(args, kwargs):
