@@ -9,7 +9,15 @@ the precision's own error on that token's scores (a gap of scores is p·Δlogit,
 p·δlogit: the comparison is the logit gap against the logit error, whatever the router's
 sharpness).
 
-One run per checkpoint, prompt and precision, cached on disk like the reference.
+HF at the precision is measured with each attention implementation it offers for the family (eager,
+and PyTorch's fused scaled_dot_product_attention where the model supports it): both are HF computing
+the same model at that precision, and a candidate whose attention is fused (the MLX delegate's sdpa,
+Inductor's flash kernel) rounds as the second does. Row by row, the noise is whichever of the two is
+farther from fp32 (`worse`): one sample of rounding may happen to land close, and a correct fused
+kernel was measured at 3.9x HF eager's error on such a step (docs/noise.md, phimoe).
+
+One run per checkpoint, prompt, precision and attention implementation, cached on disk like the
+reference.
 """
 
 from __future__ import annotations
@@ -59,7 +67,56 @@ def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> n
     return np.where(flipped, np.inf, err)
 
 
-def _key(spec, src, prompt, routes: str = "reference") -> str:
+ATTENTIONS = ("eager", "sdpa")  # HF's attention implementations the noise is measured with (where supported)
+ATTENDING = ("attention", "layer")  # the block kinds whose output the attention implementation changes
+
+
+def attentions(family) -> tuple[str, ...]:
+    """The attention implementations HF offers for the family (eager always; sdpa where its model class
+    supports it: gpt_oss's sinks do not)."""
+    return tuple(a for a in ATTENTIONS if a == "eager" or getattr(family.hf_class(), f"_supports_{a}", False))
+
+
+def row_error(ref, got) -> np.ndarray:
+    """Per row (the last axis is the row's values): the largest absolute difference, over the values
+    finite in both (a group left out is -inf in both); inf where the finite entries differ."""
+    r = np.asarray(ref, np.float64).reshape(-1, np.shape(ref)[-1])
+    h = np.asarray(got, np.float64).reshape(r.shape)
+    both = np.isfinite(r) & np.isfinite(h)
+    with np.errstate(invalid="ignore"):
+        err = np.where(both, np.abs(h - r), 0.0).max(axis=-1, initial=0.0)
+    return np.where((np.isfinite(r) != np.isfinite(h)).any(axis=-1), np.inf, err)
+
+
+def worse(ref, a, b) -> np.ndarray:
+    """Row by row, whichever of two measurements `a`, `b` (same shape) is farther from `ref`."""
+    a2, b2 = np.reshape(a, (-1, np.shape(a)[-1])), np.reshape(b, (-1, np.shape(b)[-1]))
+    return np.where((row_error(ref, b) > row_error(ref, a))[:, None], b2, a2).reshape(np.shape(a)).astype(np.asarray(a).dtype)
+
+
+def merged(noises: list, logits: list, scores: dict, outputs: dict | None = None) -> Noise:
+    """The first measurement (HF eager: its own selections, weights and margins), with its e2e logits,
+    its e2e selection scores and its attending block outputs replaced, row by row, by whichever
+    measurement is farther from the fp32 counterpart (`logits` per step, `scores` layer -> per call,
+    `outputs` key -> per call)."""
+    base, *others = noises
+    out = replace(base, outputs=dict(base.outputs), e2e_scores=dict(base.e2e_scores), logits=list(base.logits))
+    for other in others:
+        if len(other.logits) == len(out.logits) == len(logits):
+            out.logits = [worse(r, a, b) if np.shape(a) == np.shape(b) and np.size(r) == np.size(a) else a
+                          for r, a, b in zip(logits, out.logits, other.logits)]
+        for layer, calls in other.e2e_scores.items():
+            if layer in out.e2e_scores and layer in scores:
+                out.e2e_scores[layer] = [worse(r, a, b) if np.shape(a) == np.shape(b) == np.shape(r) else a
+                                         for r, a, b in zip(scores[layer], out.e2e_scores[layer], calls)]
+        for key, calls in other.outputs.items():
+            if key in out.outputs and outputs is not None and key in outputs:
+                out.outputs[key] = [worse(r, a, b) if np.shape(a) == np.shape(b) == np.shape(r) else a
+                                    for r, a, b in zip(outputs[key], out.outputs[key], calls)]
+    return out
+
+
+def _key(spec, src, prompt, routes: str = "reference", attention: str = "eager") -> str:
     import exporters.hf
     from oracle import reference, replay
     from oracle.artifacts import key_of, versions
@@ -69,6 +126,7 @@ def _key(spec, src, prompt, routes: str = "reference") -> str:
                           + Path(__file__).read_bytes()).hexdigest()
     return key_of({"family": spec.family, "sha": src.checkpoint_sha256, "prompt": list(prompt),
                    "n": spec.decode_tokens, "precision": spec.precision, "code": code, "routes": routes,
+                   "attention": attention,
                    **versions("torch", "transformers", "safetensors")})
 
 
@@ -80,13 +138,14 @@ def reference_plan(ref) -> dict:
     return {layer: calls[:n] for layer, calls in reference_routes(ref).items()}
 
 
-def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None) -> Noise:
+def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, attention: str = "eager") -> Noise:
     """HF at spec.precision: every block on the reference's inputs (unless not `blocks`), then the
     e2e steps fed the reference's tokens. Its routers' selections are forced (oracle/replay.py): in the
     moe and layer blocks to the reference's own on those inputs, in the e2e steps to `plan` (layer ->
     [indices per e2e call]; default the reference's), so that the error measured is the precision's
     rounding, not HF's own flips at near ties; the router blocks and the selection scores (read before
-    the selection) are HF's own."""
+    the selection) are HF's own. With `attention` other than eager, HF's model runs that attention
+    implementation, and only the blocks it changes (ATTENDING) are measured."""
     import torch
 
     from oracle.backend import resolve
@@ -95,10 +154,14 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None) -> No
 
     hf = resolve("hf").load(src, replace(spec, options={}))
     hf.keep_router_logits = True
+    if attention != "eager":
+        hf.model.set_attn_implementation(attention)
     args = model_args(hf.model, src.family)
     noise = Noise(spec.precision)
     own = reference_routes(ref)
     for key in ref.block_keys() if blocks else ():
+        if attention != "eager" and key[1] not in ATTENDING:
+            continue
         with forced(hf, {key[0]: own[key[0]]} if key[1] in ("moe", "layer") and key[0] in own else {}):
             outs = hf.run_block(key[0], key[1], ref.inputs[key])
         if key[1] == "router":
@@ -185,7 +248,8 @@ def _load(path: Path) -> Noise | None:
 _MEMORY: dict[str, Noise] = {}  # this process's measurements (a matrix server runs many checks)
 
 
-def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = None) -> Noise:
+def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = None,
+            attention: str = "eager") -> Noise:
     if key not in _MEMORY:
         from models import cache
 
@@ -193,11 +257,11 @@ def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = N
         cache.hold(path)
         noise = _load(path)
         if noise is None:
-            noise = measure(ref, src, spec, blocks, plan)
+            noise = measure(ref, src, spec, blocks, plan, attention)
             _save(noise, path)
             cache.enforce_quietly()
         cache.mark_used(path)
-        if len(_MEMORY) >= 4:
+        if len(_MEMORY) >= 8:
             _MEMORY.pop(next(iter(_MEMORY)))
         _MEMORY[key] = noise
     return _MEMORY[key]
@@ -205,13 +269,15 @@ def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = N
 
 def noise_for(ref, src, spec, prompt) -> Noise | None:
     """The precision's own error for this check (None where its limits are not noise-relative:
-    fp32, whose reference is HF itself, and the quantized precisions)."""
+    fp32, whose reference is HF itself, and the quantized precisions): HF at the precision with each
+    of its attention implementations, the worse row by row."""
     from oracle import thresholds
 
     if not thresholds.noise_relative(spec.precision):
         return None
     spec = hf_spec(spec)
-    return _cached(_key(spec, src, prompt), ref, src, spec)
+    return merged([_cached(_key(spec, src, prompt, attention=a), ref, src, spec, attention=a)
+                   for a in attentions(src.family)], ref.logits, ref.router_probs, ref.outputs)
 
 
 def exact_for(ref, src, spec, prompt) -> Noise:
@@ -223,48 +289,62 @@ def exact_for(ref, src, spec, prompt) -> Noise:
     return _cached(_key(spec, src, prompt), ref, src, spec, blocks=False)
 
 
-def replayed(ref, src, spec, prompt, plan: dict, precision: str) -> Noise:
+def replayed(ref, src, spec, prompt, plan: dict, precision: str, attention: str = "eager") -> Noise:
     """HF at `precision` on the teacher-forced e2e steps with the selection `plan` forced at every
     router call (layer -> [indices per e2e call]: the candidate's), cached: the routing-aligned
-    reference (fp32), its noise (the candidate's precision) and fp32's own error there (fp64)."""
+    reference (fp32), its noise (the candidate's precision, per attention implementation) and fp32's
+    own error there (fp64)."""
     from oracle.replay import digest
 
     spec = hf_spec(spec, precision)
-    return _cached(_key(spec, src, prompt, digest(plan)), ref, src, spec, blocks=False, plan=plan)
+    return _cached(_key(spec, src, prompt, digest(plan), attention), ref, src, spec, blocks=False, plan=plan,
+                   attention=attention)
 
 
 def aligner(ref, src, spec, prompt):
     """The e2e routing replay of a check (oracle/e2e.py run_e2e's `align`): plan -> (HF fp32, HF at the
-    check's precision where it is judged against its own error (else None), a callable giving HF at fp64)
-    with that selection forced."""
+    check's precision where it is judged against its own error (else None; with each attention
+    implementation, the worse row by row), a callable giving HF at fp64) with that selection forced."""
     from oracle import thresholds
 
     def align(plan):
-        at = replayed(ref, src, spec, prompt, plan, spec.precision) if thresholds.noise_relative(spec.precision) else None
-        return (replayed(ref, src, spec, prompt, plan, "fp32"), at,
-                lambda: replayed(ref, src, spec, prompt, plan, "fp64"))
+        fp32 = replayed(ref, src, spec, prompt, plan, "fp32")
+        at = None
+        if thresholds.noise_relative(spec.precision):
+            at = merged([replayed(ref, src, spec, prompt, plan, spec.precision, a) for a in attentions(src.family)],
+                        fp32.logits, fp32.e2e_scores)
+        return fp32, at, lambda: replayed(ref, src, spec, prompt, plan, "fp64")
     return align
 
 
 def block_aligner(ref, src, spec):
     """The block rows' routing replay (oracle/compare.py block_rows' `align`): (key, the forcing plan of
     its layer per call: oracle.replay.plan_of) -> (HF fp32's outputs of that block with it forced, HF's at the
-    check's precision with it where the precision is judged against its own error, else None). HF is
-    loaded once per precision, when a row first needs it."""
+    check's precision with it where the precision is judged against its own error (with each attention
+    implementation for the blocks it changes, the worse row by row), else None). HF is loaded once per
+    precision and attention implementation, when a row first needs it."""
     from oracle import thresholds
     from oracle.backend import resolve
     from oracle.replay import forced
 
     loaded = {}
 
-    def run(precision, key, plan):
-        if precision not in loaded:
-            loaded[precision] = resolve("hf").load(src, hf_spec(spec, precision))
-        hf = loaded[precision]
+    def run(precision, key, plan, attention="eager"):
+        if (precision, attention) not in loaded:
+            hf = resolve("hf").load(src, hf_spec(spec, precision))
+            if attention != "eager":
+                hf.model.set_attn_implementation(attention)
+            loaded[precision, attention] = hf
+        hf = loaded[precision, attention]
         with forced(hf, {key[0]: plan}):
             return [o.float().numpy() for o in hf.run_block(key[0], key[1], ref.inputs[key])]
 
     def align(key, sel):
-        at = run(spec.precision, key, sel) if thresholds.noise_relative(spec.precision) else None
-        return run("fp32", key, sel), at
+        fp32 = run("fp32", key, sel)
+        if not thresholds.noise_relative(spec.precision):
+            return fp32, None
+        at = run(spec.precision, key, sel)
+        for a in attentions(src.family)[1:] if key[1] in ATTENDING else ():
+            at = [worse(r, x, y) for r, x, y in zip(fp32, at, run(spec.precision, key, sel, a))]
+        return fp32, at
     return align

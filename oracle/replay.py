@@ -35,7 +35,12 @@ def forced(hf, plan: dict):
     weights to take where a discrete decision sets them), or None (HF's own choice).
     A token whose forced experts are HF's own keeps HF's weights bit for bit (unless the Choice gives its
     weights); another gets the weights the family's routing gives those experts from HF's own router
-    logits (models.routing.topk_weights), in HF's weights dtype. Yields the per-layer call counts."""
+    logits (models.routing.topk_weights), in HF's weights dtype. A `decided` Choice (the reference's own
+    selection, forced on HF at a reduced precision for its noise) takes, where a discrete decision sets the
+    weights (sparsemixer's masks), that decision as the Choice's weights took it: HF's weights, or those
+    with its nearest decision gone the other way (models.routing.weight_alternative), whichever is nearer
+    the Choice's, so that the noise is HF's rounding and not its own flip of a mask at a near tie.
+    Yields the per-layer call counts."""
     import torch
 
     from models import routing
@@ -60,7 +65,8 @@ def forced(hf, plan: dict):
                                  f"{list(have.shape)}")
             same = (torch.sort(want, dim=-1).values == torch.sort(have.long(), dim=-1).values).all(dim=-1)
             given = torch.zeros_like(same) if choice.weights_at is None else torch.as_tensor(choice.weights_at).reshape(-1)
-            if bool(same.all()) and not bool(given.any()):
+            decide = choice.decided and choice.weights is not None and routing.weighs_discretely(args)
+            if bool(same.all()) and not bool(given.any()) and not decide:
                 return None
             lg = logits.reshape(-1, logits.shape[-1]).float()
             w_new = routing.topk_weights(routing.scores(lg, args), want, args).to(weights.dtype)
@@ -72,6 +78,14 @@ def forced(hf, plan: dict):
             i = torch.where(same[:, None], have, want.to(idx.dtype)).reshape(idx.shape)
             if bool(given.any()):  # the given weights are in the candidate's expert order
                 i = torch.where(given[:, None], want.to(idx.dtype), i.reshape(-1, k)).reshape(idx.shape)
+            if decide:  # each token's discrete decision as the Choice's weights took it
+                i2 = i.reshape(-1, k).long()
+                target = torch.as_tensor(np.asarray(choice.weights), dtype=torch.float32).reshape(-1, k)
+                target = ((i2[:, :, None] == want[:, None, :]) * target[:, None, :]).sum(-1)  # in i's order
+                w2 = w.reshape(-1, k)
+                alt = routing.weight_alternative(routing.scores(lg, args), i2, args)
+                nearer = ((alt - target).abs().amax(-1) < (w2.float() - target).abs().amax(-1)) & ~given
+                w = torch.where(nearer[:, None], alt.to(weights.dtype), w2).reshape(weights.shape)
             return writer(out, w, i, args) if writer else (out[0], w, i, *out[3:])
         return fn
 
@@ -92,6 +106,9 @@ class Choice:
     experts: np.ndarray
     weights: np.ndarray | None = None
     weights_at: np.ndarray | None = None
+    # the weights are not taken but the discrete decisions they show are (forced: the reference's own
+    # selection on HF at a reduced precision)
+    decided: bool = False
 
 
 # the weights of the same experts differ discretely (a sparsemixer mask decided otherwise) beyond this share
@@ -112,9 +129,11 @@ def weights(v):
 
 
 def reference_routes(ref) -> dict:
-    """layer -> [indices [T, k] per call of its router]: the reference's own selection (the sequence's
-    calls, then the expert probes), what the noise is forced to where the candidate chose the same."""
-    return {layer: [np.asarray(i).reshape(-1, i.shape[-1]) for _, i in outs]
+    """layer -> [a decided Choice per call of its router]: the reference's own selection (the sequence's
+    calls, then the expert probes), its experts and the discrete decisions its weights show, what the noise
+    is forced to where the candidate chose the same."""
+    return {layer: [Choice(np.asarray(i).reshape(-1, i.shape[-1]), np.asarray(w, np.float32).reshape(-1, i.shape[-1]),
+                           decided=True) for w, i in outs]
             for (layer, kind), outs in ref.outputs.items() if kind == "router"}
 
 
@@ -133,8 +152,9 @@ def digest(plan: dict) -> str:
         for a in plan[layer]:
             if isinstance(a, Choice):
                 h.update(np.ascontiguousarray(a.experts, np.int64).tobytes() + b"w"
-                         + np.ascontiguousarray(a.weights, np.float32).tobytes()
-                         + np.ascontiguousarray(a.weights_at, bool).tobytes())
+                         + (b"" if a.weights is None else np.ascontiguousarray(a.weights, np.float32).tobytes())
+                         + (b"" if a.weights_at is None else np.ascontiguousarray(a.weights_at, bool).tobytes())
+                         + (b"d" if a.decided else b""))
             h.update(b"-" if a is None else np.ascontiguousarray(indices(a), np.int64).tobytes() + b"|")
         h.update(str(layer).encode())
     return h.hexdigest()[:16]
@@ -274,5 +294,7 @@ def plan_of(selection: list, diffs: list, layer: int, positions: list, discrete:
             continue
         idx, w = indices(v), weights(v)
         mask = np.array([(call, int(p)) in at for p in np.asarray(positions[call]).reshape(-1)])
-        plan.append(Choice(idx, w, mask) if w is not None and mask.any() else idx)
+        # elsewhere the discrete decisions its weights show (the reference's, as no difference is listed
+        # there): HF at a reduced precision does not flip a mask of its own at a near tie
+        plan.append(Choice(idx, w, mask, decided=True) if w is not None else idx)
     return plan
