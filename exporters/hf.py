@@ -3,11 +3,14 @@ always pass (fp32: identical computation; bf16: HF in bf16 against HF in fp32).
 
 Blocks are isolated without knowing HF's call signatures: the whole model is re-run on
 the reference token sequence while hooks substitute the reference's captured input for
-every block of one kind and record what that block returns.
+every block of one kind and record what that block returns. A streamed model (read from the
+checkpoint layer by layer) runs only the block's own decoder layer, loaded once for every call,
+the others skipped (`Skipped`): the same bytes, one layer read instead of the model per call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -17,7 +20,7 @@ from oracle.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
 from exporters.eager import device_availability, device_info, device_of, device_option, host
 from oracle.backend import Backend, Candidate, InputError
 from oracle.replay import RouteLog
-from oracle.reference import (normalize_output, block_modules, load_hf_model, materialized, model_args,
+from oracle.reference import (normalize_output, block_modules, decoder_of, load_hf_model, materialized, model_args,
                               reference_mode, router_reader)
 
 # fp64: HF's exact answer for fp32's own measured error (oracle/noise.py exact_for), not a user precision;
@@ -134,16 +137,70 @@ class HFCandidate(Candidate):
         h1 = target.register_forward_pre_hook(pre, with_kwargs=True)
         h2 = target.register_forward_hook(post, with_kwargs=True)
         try:
-            cache = None
-            for c in calls:
-                out = self.model(input_ids=self._ids([c.tokens]), past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                if kind == "logits":  # the model's logits (the reference's logits block), not the head's
-                    outputs[-1] = out.logits.detach().cpu()
+            with self._only_layer(layer):
+                cache = None
+                for c in calls:
+                    out = self.model(input_ids=self._ids([c.tokens]), past_key_values=cache, use_cache=True)
+                    cache = out.past_key_values
+                    if kind == "logits":  # the model's logits (the reference's logits block), not the head's
+                        outputs[-1] = out.logits.detach().cpu()
         finally:
             h1.remove()
             h2.remove()
         return outputs
+
+    @contextlib.contextmanager
+    def _only_layer(self, layer):
+        """A streamed model's block replay reads one decoder layer, once: the block's input is the
+        reference's, so no other layer's output reaches it, and every other layer is skipped
+        (`Skipped`: its input passed through, its KV cache grown by as many positions as the layer's
+        own would be, which is all HF reads of another layer's cache: the positions, the mask sizes);
+        `layer` itself is loaded once for every call (None: the final blocks, no layer). A model in
+        memory runs whole."""
+        if not self.streamed:
+            yield
+            return
+        layers = decoder_of(self.model).layers
+        kept = list(layers)
+        try:
+            for j, m in enumerate(kept):
+                if j != layer:
+                    layers[j] = Skipped(m, j)
+            with materialized(kept[layer]) if layer is not None else contextlib.nullcontext():
+                yield
+        finally:
+            for j, m in enumerate(kept):
+                layers[j] = m
+
+
+class Skipped(torch.nn.Module):
+    """A decoder layer left out of a streamed block replay (HFCandidate._only_layer): returns its input
+    hidden states, and grows its KV cache (where it has one: not a linear-attention layer's) by the
+    call's positions, with placeholders no other layer reads. Its attributes (attention_type,
+    layer_type: what HF's decoder reads to pick the layer's mask) are the layer's."""
+
+    def __init__(self, layer, index: int):
+        super().__init__()
+        object.__setattr__(self, "layer", layer)  # not a submodule: its weights stay where they are
+        self.index = index
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "layer"), name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        from transformers.cache_utils import DynamicLayer
+
+        cache = kwargs.get("past_key_values")
+        if cache is not None and hasattr(cache, "layers"):
+            own = cache.layers[self.index] if self.index < len(cache.layers) else None
+            if own is None or isinstance(own, DynamicLayer):
+                B, T = hidden_states.shape[0], hidden_states.shape[-2]
+                d = hidden_states.new_zeros(B, 1, T, 1)
+                cache.update(d, d, self.index)
+        return hidden_states
 
 
 class HFBackend(Backend):

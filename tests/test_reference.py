@@ -138,3 +138,43 @@ def test_saved_reference_reads_back_as_the_same_numpy_arrays(tmp_path):
     call = back.inputs[0, "attention"][0]
     assert call.x.dtype == torch.float32 and np.array_equal(call.x.numpy(), call.x_array)
     assert call.pos.tolist() == list(range(4))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(family, monkeypatch):
+    """The `hf` candidate's block rows on a streamed model (exporters/hf.py `_only_layer`): the block's
+    own decoder layer loaded once for all its calls, every other layer skipped (its cache grown by
+    placeholders), exactly the outputs and routes of the whole model's replay; the bytes read for a
+    layer's block are that layer's once (the decode calls inside the same load), not the model's per call."""
+    from oracle.backend import CheckSpec, resolve
+    from oracle.reference import streamed_bytes
+    from oracle.references import reference_of
+    from oracle.sources import model_source, prompt_tokens
+
+    spec = CheckSpec(family=family, backend="hf")
+    src = model_source(spec)
+    ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
+    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "whole")
+    whole = resolve("hf").load(src, spec)
+    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "streamed")
+    streamed = resolve("hf").load(src, spec)
+    assert streamed.streamed and not whole.streamed
+    layer_bytes = {s.layer: None for s in streamed.model._oracle_streams}
+    for key in ref.block_keys():
+        before = streamed_bytes(streamed.model)
+        a, b = whole.run_block(*key, ref.inputs[key]), streamed.run_block(*key, ref.inputs[key])
+        read = streamed_bytes(streamed.model) - before
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            for u, v in zip(x if isinstance(x, tuple) else (x,), y if isinstance(y, tuple) else (y,)):
+                assert torch.equal(u, v), key
+        if key[1] in ("moe", "layer"):  # the block's own choice (what its row reads: compare.block_selection)
+            own = [[np.asarray(t).tolist() for t in r[key[0]]] for r in whole.block_routes() if key[0] in r]
+            assert own == [[np.asarray(t).tolist() for t in r[key[0]]] for r in streamed.block_routes() if key[0] in r]
+        if key[0] is None:
+            assert read == 0, key  # the final norm and the head: resident, no layer read
+        else:
+            stream = streamed.model._oracle_streams[key[0]]
+            if layer_bytes[stream.layer] is None:
+                layer_bytes[stream.layer] = read
+            assert 0 < read == layer_bytes[stream.layer], key  # the layer, once, whatever the block
