@@ -98,8 +98,8 @@ class HFCandidate(Candidate):
         self.routes.reset()
         probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
         calls = [c for c in calls if not c.probe]
-        outs = self._replay(layer, kind, calls)
-        with materialized(self.modules[layer, kind]):  # a streamed model: loaded once for every probe
+        with self._only_layer(layer), materialized(self.modules[layer, kind]):  # a streamed model: one load
+            outs = self._replay(layer, kind, calls)
             for c in probes:
                 x = c.x.to(self.device, self.dtype)
                 o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
@@ -137,13 +137,12 @@ class HFCandidate(Candidate):
         h1 = target.register_forward_pre_hook(pre, with_kwargs=True)
         h2 = target.register_forward_hook(post, with_kwargs=True)
         try:
-            with self._only_layer(layer):
-                cache = None
-                for c in calls:
-                    out = self.model(input_ids=self._ids([c.tokens]), past_key_values=cache, use_cache=True)
-                    cache = out.past_key_values
-                    if kind == "logits":  # the model's logits (the reference's logits block), not the head's
-                        outputs[-1] = out.logits.detach().cpu()
+            cache = None
+            for c in calls:
+                out = self.model(input_ids=self._ids([c.tokens]), past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                if kind == "logits":  # the model's logits (the reference's logits block), not the head's
+                    outputs[-1] = out.logits.detach().cpu()
         finally:
             h1.remove()
             h2.remove()

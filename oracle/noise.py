@@ -149,7 +149,7 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
     import torch
 
     from oracle.backend import resolve
-    from oracle.reference import normalize_output, model_args, selection_scores, weight_gap
+    from oracle.reference import materialized, normalize_output, model_args, selection_scores, weight_gap
     from oracle.replay import forced, reference_routes
 
     hf = resolve("hf").load(src, replace(spec, options={}))
@@ -162,15 +162,16 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
     for key in ref.block_keys() if blocks else ():
         if attention != "eager" and key[1] not in ATTENDING:
             continue
-        with forced(hf, {key[0]: own[key[0]]} if key[1] in ("moe", "layer") and key[0] in own else {}):
-            outs = hf.run_block(key[0], key[1], ref.inputs[key])
-        if key[1] == "router":
-            with torch.no_grad():
-                noise.scores[key[0]] = [selection_scores(hf.modules[key], lg.float().reshape(-1, lg.shape[-1]), args)[0]
-                                        .numpy().astype(np.float32) for _, _, lg in outs]
-            noise.outputs[key] = [(w.float().numpy(), i.numpy()) for w, i, _ in outs]
-        else:
-            noise.outputs[key] = [o.float().numpy() for o in outs]
+        with materialized(hf.modules[key]):  # a streamed layer: read once for the block and its scores
+            with forced(hf, {key[0]: own[key[0]]} if key[1] in ("moe", "layer") and key[0] in own else {}):
+                outs = hf.run_block(key[0], key[1], ref.inputs[key])
+            if key[1] == "router":
+                with torch.no_grad():
+                    noise.scores[key[0]] = [selection_scores(hf.modules[key], lg.float().reshape(-1, lg.shape[-1]),
+                                                             args)[0].numpy().astype(np.float32) for _, _, lg in outs]
+                noise.outputs[key] = [(w.float().numpy(), i.numpy()) for w, i, _ in outs]
+            else:
+                noise.outputs[key] = [o.float().numpy() for o in outs]
     P = ref.prompt_len
     routers = {layer: m for (layer, kind), m in hf.modules.items() if kind == "router"}
 
