@@ -4,6 +4,7 @@ with hooks recording every block's input and output on every call."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from collections import defaultdict
@@ -183,6 +184,13 @@ class LayerStream:
         trim_heap()
         return part
 
+    def check(self):
+        """HF's loading step over the layer's tensors as the checkpoint's header describes them (meta
+        tensors: shapes and dtypes, nothing read): its key and shape checks, and the keys the layer takes."""
+        part = load_into(self.model, self.index, self.names, self.load_config, meta=True)
+        self.keys = [k for k in self.layer.state_dict() if self.prefix + k not in part.missing_keys]
+        return part
+
     def drop(self):
         from accelerate.utils import set_module_tensor_to_device
 
@@ -216,7 +224,7 @@ def routed_experts(layer):
     return None
 
 
-def load_into(model, index: dict, names: list, load, absent=()):
+def load_into(model, index: dict, names: list, load, absent=(), meta: bool = False):
     """These checkpoint tensors into `model` by HF's own loading step (`convert_and_load_state_dict_in_model`:
     renames, per-expert -> fused), only their shards mapped and unmapped after; `absent` ones given as
     zeros, not read. Returns HF's loading info."""
@@ -226,8 +234,12 @@ def load_into(model, index: dict, names: list, load, absent=()):
     from models.checkpoint import open_shard, torch_dtype
 
     with contextlib.ExitStack() as stack:
-        files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in names})}
-        tensors = {n: files[index[n][0]].get_slice(n) for n in names}
+        if meta:  # shapes and dtypes from the header alone: HF's key and shape checks, nothing read
+            tensors = {n: torch.empty(index[n][2], dtype=torch_dtype(index[n][1]), device="meta") for n in names}
+            load = dataclasses.replace(load, device_map={"": "meta"})
+        else:
+            files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in names})}
+            tensors = {n: files[index[n][0]].get_slice(n) for n in names}
         tensors.update({n: torch.zeros(index[n][2], dtype=torch_dtype(index[n][1])) for n in absent})
         part, _ = convert_and_load_state_dict_in_model(model, tensors, load, None)
     return part
@@ -309,7 +321,7 @@ def load_streamed(family, model_dir: Path, dtype=None):
                                weight_mapping=mapping, use_safetensors=True)
     layers = decoder_of(model).layers
     expected, loaded, info, streams = set(model.state_dict()), set(), None, []
-    for names in layer_groups(index):  # each group read once here: the keys checked, the rest kept
+    for names in layer_groups(index):  # a layer's keys checked from the header, the rest read and kept
         m = LAYER.search(names[0])
         if m is not None and int(m.group(1)) < len(layers):
             layer = layers[int(m.group(1))]
@@ -317,8 +329,7 @@ def load_streamed(family, model_dir: Path, dtype=None):
             stream = LayerStream(model, layer, prefix, names, index, load,
                                  {n[len(prefix):]: d for n, d in targets.items() if n.startswith(prefix)},
                                  getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0)
-            part = stream.read()
-            stream.drop()
+            part = stream.check()
             streams.append(stream)
         else:  # the embedding, final norm, head: resident
             part = load_into(model, index, names, load)
