@@ -58,13 +58,7 @@ class Noise:
 def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> np.ndarray:
     """Per token of a router's first n calls: the largest error of the precision's selection
     scores over the experts both rank (a group left out is -inf in both: not an error)."""
-    r = np.concatenate(ref_scores)[:n].astype(np.float64)
-    h = np.concatenate(noise_scores)[:n].astype(np.float64)
-    both = np.isfinite(r) & np.isfinite(h)
-    with np.errstate(invalid="ignore"):  # -inf - -inf where a group is left out: masked by `both`
-        err = np.where(both, np.abs(h - r), 0.0).max(axis=-1)
-    flipped = (np.isfinite(r) != np.isfinite(h)).any(axis=-1)  # another group chosen: no gap is safe
-    return np.where(flipped, np.inf, err)
+    return row_error(np.concatenate(ref_scores)[:n], np.concatenate(noise_scores)[:n])
 
 
 ATTENTIONS = ("eager", "sdpa")  # HF's attention implementations the noise is measured with (where supported)
@@ -79,11 +73,12 @@ def attentions(family) -> tuple[str, ...]:
 
 def row_error(ref, got) -> np.ndarray:
     """Per row (the last axis is the row's values): the largest absolute difference, over the values
-    finite in both (a group left out is -inf in both); inf where the finite entries differ."""
+    finite in both (a group left out is -inf in both); inf where the finite entries differ (another group
+    chosen: no gap is safe)."""
     r = np.asarray(ref, np.float64).reshape(-1, np.shape(ref)[-1])
     h = np.asarray(got, np.float64).reshape(r.shape)
     both = np.isfinite(r) & np.isfinite(h)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"):  # -inf - -inf where a group is left out: masked by `both`
         err = np.where(both, np.abs(h - r), 0.0).max(axis=-1, initial=0.0)
     return np.where((np.isfinite(r) != np.isfinite(h)).any(axis=-1), np.inf, err)
 
@@ -103,17 +98,28 @@ def merged(noises: list, logits: list, scores: dict, outputs: dict | None = None
     out = replace(base, outputs=dict(base.outputs), e2e_scores=dict(base.e2e_scores), logits=list(base.logits))
     for other in others:
         if len(other.logits) == len(out.logits) == len(logits):
-            out.logits = [worse(r, a, b) if np.shape(a) == np.shape(b) and np.size(r) == np.size(a) else a
-                          for r, a, b in zip(logits, out.logits, other.logits)]
-        for layer, calls in other.e2e_scores.items():
-            if layer in out.e2e_scores and layer in scores:
-                out.e2e_scores[layer] = [worse(r, a, b) if np.shape(a) == np.shape(b) == np.shape(r) else a
-                                         for r, a, b in zip(scores[layer], out.e2e_scores[layer], calls)]
-        for key, calls in other.outputs.items():
-            if key in out.outputs and outputs is not None and key in outputs:
-                out.outputs[key] = [worse(r, a, b) if np.shape(a) == np.shape(b) == np.shape(r) else a
-                                    for r, a, b in zip(outputs[key], out.outputs[key], calls)]
+            out.logits = _worse_calls(logits, out.logits, other.logits)
+        for theirs, mine, refs in ((other.e2e_scores, out.e2e_scores, scores), (other.outputs, out.outputs, outputs or {})):
+            for key, calls in theirs.items():
+                if key in mine and key in refs:
+                    mine[key] = _worse_calls(refs[key], mine[key], calls)
     return out
+
+
+def _worse_calls(refs: list, mine: list, theirs: list) -> list:
+    """Per call, `worse` of the two measurements where they and the reference agree in shape; else mine."""
+    return [worse(r, a, b) if np.shape(a) == np.shape(b) == np.shape(r) else a for r, a, b in zip(refs, mine, theirs)]
+
+
+def hf_at(src, spec, attention: str = "eager"):
+    """HF transformers loaded as the `hf` candidate on `spec` (an hf_spec), running that attention
+    implementation."""
+    from oracle.backend import resolve
+
+    hf = resolve("hf").load(src, spec)
+    if attention != "eager":
+        hf.model.set_attn_implementation(attention)
+    return hf
 
 
 def _key(spec, src, prompt, routes: str = "reference", attention: str = "eager") -> str:
@@ -148,14 +154,11 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
     implementation, and only the blocks it changes (ATTENDING) are measured."""
     import torch
 
-    from oracle.backend import resolve
     from oracle.reference import materialized, normalize_output, model_args, selection_scores, weight_gap
     from oracle.replay import forced, reference_routes
 
-    hf = resolve("hf").load(src, replace(spec, options={}))
+    hf = hf_at(src, replace(spec, options={}), attention)
     hf.keep_router_logits = True
-    if attention != "eager":
-        hf.model.set_attn_implementation(attention)
     args = model_args(hf.model, src.family)
     noise = Noise(spec.precision)
     own = reference_routes(ref)
@@ -325,17 +328,13 @@ def block_aligner(ref, src, spec):
     implementation for the blocks it changes, the worse row by row), else None). HF is loaded once per
     precision and attention implementation, when a row first needs it."""
     from oracle import thresholds
-    from oracle.backend import resolve
     from oracle.replay import forced
 
     loaded = {}
 
     def run(precision, key, plan, attention="eager"):
         if (precision, attention) not in loaded:
-            hf = resolve("hf").load(src, hf_spec(spec, precision))
-            if attention != "eager":
-                hf.model.set_attn_implementation(attention)
-            loaded[precision, attention] = hf
+            loaded[precision, attention] = hf_at(src, hf_spec(spec, precision), attention)
         hf = loaded[precision, attention]
         with forced(hf, {key[0]: plan}):
             return [o.float().numpy() for o in hf.run_block(key[0], key[1], ref.inputs[key])]

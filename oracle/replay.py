@@ -68,8 +68,8 @@ def forced(hf, plan: dict):
             decide = choice.decided and choice.weights is not None and routing.weighs_discretely(args)
             if bool(same.all()) and not bool(given.any()) and not decide:
                 return None
-            lg = logits.reshape(-1, logits.shape[-1]).float()
-            w_new = routing.topk_weights(routing.scores(lg, args), want, args).to(weights.dtype)
+            scores = routing.scores(logits.reshape(-1, logits.shape[-1]).float(), args)
+            w_new = routing.topk_weights(scores, want, args).to(weights.dtype)
             if bool(given.any()):  # a discrete decision of the weights taken as the candidate took it
                 w_given = torch.as_tensor(np.asarray(choice.weights), dtype=weights.dtype).reshape(-1, k)
                 w_new = torch.where(given[:, None], w_given, w_new)
@@ -83,7 +83,7 @@ def forced(hf, plan: dict):
                 target = torch.as_tensor(np.asarray(choice.weights), dtype=torch.float32).reshape(-1, k)
                 target = ((i2[:, :, None] == want[:, None, :]) * target[:, None, :]).sum(-1)  # in i's order
                 w2 = w.reshape(-1, k)
-                alt = routing.weight_alternative(routing.scores(lg, args), i2, args)
+                alt = routing.weight_alternative(scores, i2, args)
                 nearer = ((alt - target).abs().amax(-1) < (w2.float() - target).abs().amax(-1)) & ~given
                 w = torch.where(nearer[:, None], alt.to(weights.dtype), w2).reshape(weights.shape)
             return writer(out, w, i, args) if writer else (out[0], w, i, *out[3:])
