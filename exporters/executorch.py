@@ -44,6 +44,7 @@ import gc
 import hashlib
 import itertools
 import json
+import os
 import shutil
 import tempfile
 import types
@@ -53,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from exporters.eager import DTYPES
+from exporters.eager import DTYPES, shallow_provenance
 from exporters.executorch_runtime import runtime  # noqa: F401 (the runtime the backends here load programs with)
 from models.args import SPARSE, block_input_path, block_keys, block_path, mlp_type
 from models.layers import STATE_BUFFERS, Transformer, traced_experts
@@ -318,6 +319,11 @@ def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict
     """The production program (prefill, decode; the sampler fused with opts["sample"]) at
     `path`, by `lower(methods, model)`; the check's program also has the taps and the probe
     methods, its tap table beside it, and with opts["sampling"] the sampler's methods."""
+    with shallow_provenance():
+        _build_program(model, lower, path, check, opts, dense_prefill)
+
+
+def _build_program(model: Transformer, lower, path: Path, check: bool, opts: dict, dense_prefill: bool) -> None:
     methods = export_methods(model, bool(opts.get("sample")), dense_prefill)
     if check:
         taps = {name: add_taps(ep, model.args) for name, ep in methods.items()}
@@ -375,7 +381,7 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: b
 
     for ep in methods.values():
         tag_weights_external(ep)
-    with spilled_named_data(_spill_dir.get()):  # the delegates' serialized weights: to files
+    with spilled_named_data(_spill_dir.get()), remembered_partitions():  # the delegates' serialized weights: to files
         edge = to_edge_transform_and_lower(
             methods, partitioner=[XnnpackPartitioner()] if xnnpack else [], constant_methods=metadata(model, sample),
             # ExecuTorch 1.5.1's IR arg validator specialises the dynamic length to the example's
@@ -389,6 +395,90 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: b
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=True),
         emit_mutable_buffer_names=True, external_constants=lambda node: WEIGHTS_TAG))
     return prog
+
+
+# --- XNNPACK's partitions, remembered -------------------------------------------------------
+
+PARTITIONS = "executorch-xnnpack"  # the artifact cache's namespace of preprocessed XNNPACK partitions
+PARTITION_BYTES = 16 << 20  # a partition whose constants are larger is not remembered (tiny models are)
+
+
+def partition_key(ep, compile_specs) -> str | None:
+    """What XNNPACK's preprocess of one partition reads, hashed: every node (op, name, target, arguments and
+    its metadata: shapes, dtypes, debug handle, delegate tags; not its provenance or stack trace), the
+    signature, the shape constraints, the constants' names, shapes and bytes, the compile specs and the
+    versions of torch and executorch. None where the constants exceed PARTITION_BYTES."""
+    from oracle.artifacts import versions
+
+    h = hashlib.sha256(repr((versions("torch", "executorch"), [(c.key, bytes(c.value)) for c in compile_specs],
+                             str(ep.graph_signature), str(ep.range_constraints))).encode())
+    total = 0
+    for table in (ep.state_dict, ep.constants):
+        for name in sorted(table):
+            t = table[name]
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+                if total > PARTITION_BYTES:
+                    return None
+                h.update(f"{name} {tuple(t.shape)} {tuple(t.stride())} {t.dtype}".encode())
+                h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr((name, t)).encode())
+    for n in ep.graph.nodes:
+        meta = sorted((k, repr(v)) for k, v in n.meta.items() if k not in UNREAD_META)
+        h.update(repr((n.op, n.name, str(n.target), n.args, n.kwargs, meta)).encode())
+    return h.hexdigest()[:24]
+
+
+# node metadata no backend reads to build its blob (provenance names graphs by id(): never the same twice)
+UNREAD_META = ("from_node", "stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "seq_nr")
+
+
+@contextlib.contextmanager
+def remembered_partitions():
+    """XNNPACK's preprocess of a partition (the delegate's blob and its named weights) kept in the artifact
+    cache by partition_key, and taken from there when the same partition comes again: a seeded fault
+    changes one block, and its program's other partitions are those of the clean program and of every
+    other fault's (a third of a tiny program's lowering time is this preprocess: docs/benchmarks.md).
+    What is kept holds only bytes (a partition whose weights went to spill files is not kept)."""
+    import pickle
+
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+    from models import cache
+
+    preprocess = XnnpackBackend.__dict__["preprocess"]
+    root = cache.cache_root() / "artifacts" / PARTITIONS
+
+    def remembered(edge_program, compile_specs):
+        key = partition_key(edge_program, compile_specs)
+        d = root / key if key else None
+        if d is not None:
+            try:
+                result = pickle.loads((d / "result.pkl").read_bytes())
+                cache.mark_used(d)
+                return result
+            except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
+                pass
+        result = preprocess.__func__(edge_program, compile_specs)
+        out = result.data_store_output
+        if d is not None and (out is None or all(isinstance(b, bytes) for b in out.buffers)):
+            tmp = None
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                tmp = Path(tempfile.mkdtemp(prefix=cache.temp_prefix(), dir=root))
+                (tmp / "result.pkl").write_bytes(pickle.dumps(result))
+                (tmp / cache.USED).touch()
+                os.rename(tmp, d)
+            except OSError:  # a read-only cache, or another build wrote it first
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        return result
+
+    XnnpackBackend.preprocess = staticmethod(remembered)
+    try:
+        yield
+    finally:
+        XnnpackBackend.preprocess = preprocess
 
 
 # --- memory of the build: who holds the weights, and for how long ---------------------------

@@ -144,6 +144,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--drill", action="store_true", help="drill each detected fault's block (docs/drill.md) and report "
                    "the share whose first diverging point is the one the fault breaks")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="passed to every check")
+    s.add_argument("-j", "--jobs", type=positive_int, default=1, metavar="N",
+                   help="run up to N checks at once, each in a worker process (default 1): the same rows in the same "
+                   "order; a compiled backend's self-test is mostly its lowerings, one core each (2 on a 2-core "
+                   "machine halves it); each worker needs the memory of one check")
     s.add_argument("--list", action="store_true", help="run nothing: list each family's faults on the backend, "
                    "the block each must be found at, and those not run with why")
     s.add_argument("--conversion", action="store_true", help="the conversion defects instead (mlx, llamacpp): each "
@@ -550,7 +554,7 @@ def cmd_selftest(a) -> int:
             f"{len(done.false_alarms)} clean run(s) finished")
     run = lambda progress=None: run_selftest(  # noqa: E731
         a.backend, families, seeds, a.fault, progress, options_of(a), a.weights, a.precision, a.drill, on_row,
-        **({"resume": done, "resume_from": a.json} if done is not None else {}))
+        **({"resume": done, "resume_from": a.json} if done is not None else {}), jobs=a.jobs)
     return run_and_report(run, prog, update, render, a.json, save)
 
 

@@ -27,6 +27,7 @@ numbers (backend, seeds, precision, weights, options, drill); a report of anothe
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -353,6 +354,145 @@ def point_exposed(point, drilled_points: list[dict]) -> tuple[bool, str]:
     return False, (found[0]["reason"] if found else "not a point of this backend's block")
 
 
+class Checks:
+    """The self-test's checks, run where they are asked for (`jobs` 1), or by `jobs` worker processes
+    ahead of the loop that judges them: `plan` submits a family's checks in the order the loop asks
+    for them, `run` waits for one (submitting it if it was not planned). A worker runs each check as
+    the loop would (oracle.check.run_check, the faulted backend rebuilt from the fault's name) and
+    sends back its CheckResult; the workers come from a fork server that imported the oracle and the
+    backend once (oracle.worker), each runs many checks (its imports and the backend's lowering modules
+    are loaded once). A check that refuses (InputError) raises in `run` as it would in place. A worker
+    that dies (a crash in a native library) takes the pool with it: the checks not finished are
+    submitted again to a new pool, once."""
+
+    def __init__(self, backend: str, options: dict, weights: str, precision: str, jobs: int = 1):
+        self.setting = (backend, dict(options), weights, precision)
+        self.jobs, self.pool, self.futures, self.tasks = jobs, None, {}, {}
+        self.spent = 0.0  # seconds the checks asked for took, each its own (a row's time: its checks')
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if self.pool is not None:
+            if kind is not None:  # interrupted: the running checks are stopped, not waited for
+                for proc in list(getattr(self.pool, "_processes", {}).values()):
+                    proc.kill()
+            self.pool.shutdown(wait=kind is None, cancel_futures=True)
+            self.pool = None
+            from oracle.matrix import _stop_fork_server
+
+            _stop_fork_server()
+        return False
+
+    @staticmethod
+    def key(spec: CheckSpec, fault: str | None) -> tuple:
+        return spec.family, spec.seed, spec.precision, fault
+
+    def _pool(self):
+        if self.pool is None:
+            from concurrent.futures import ProcessPoolExecutor
+
+            from oracle.matrix import _start_fork_server
+
+            ctx = _start_fork_server([self.setting[0]], dict(os.environ))
+            self.pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx)
+        return self.pool
+
+    def submit(self, spec: CheckSpec, fault: str | None):
+        k = self.key(spec, fault)
+        if k not in self.futures:
+            self.tasks[k] = (spec, fault)
+            self.futures[k] = self._pool().submit(pooled_check, self.setting, spec, fault)
+        return self.futures[k]
+
+    def plan(self, family, seeds, fault_names, base, catalogue, done, done_clean, drill, relative) -> None:
+        """Submit the checks the loop of run_selftest will ask for on `family`, in its order."""
+        backend, options, weights, precision = self.setting
+        spec = CheckSpec(family=family, backend=backend, seed=seeds[0], options=dict(options), weights=weights,
+                         precision=precision, drill="auto" if drill else "off")
+        try:
+            validate(spec)
+            args = model_source(spec).args
+            todo = [(n, f) for n, f, v, _ in selection(base, catalogue, family, args, fault_names)
+                    if v is not None and (family, n) not in done]
+        except InputError:
+            return  # refused: the loop says why
+        if (family, seeds[0]) not in done_clean or todo:
+            self.submit(spec, None)
+        for name, fault in todo:
+            at = precision if fault.precision == "fp32" else fault.precision
+            self.submit(replace(spec, precision=at), name)
+            if at != precision:
+                self.submit(replace(spec, precision=at), None)
+            if relative and fault.precision == "fp32":
+                self.submit(replace(spec, precision="fp32"), name)
+        for seed in seeds[1:]:
+            if (family, seed) not in done_clean:
+                self.submit(replace(spec, seed=seed), None)
+
+    def run(self, spec: CheckSpec, backend, fault: str | None = None):
+        """The check of `spec` on `backend` (the base backend, or the one with `fault` injected)."""
+        if self.jobs <= 1:
+            t = time.perf_counter()
+            try:
+                return run_check(spec, backend)
+            finally:
+                self.spent += time.perf_counter() - t
+        from concurrent.futures.process import BrokenProcessPool
+
+        k = self.key(spec, fault)
+        for attempt in (0, 1):
+            future = self.submit(spec, fault)
+            try:
+                result, seconds = future.result()
+            except BrokenProcessPool:
+                if attempt:
+                    raise RuntimeError(f"a worker process died twice (a crash in a native library?) while the check of "
+                                       f"{spec.family} seed {spec.seed} {spec.precision} {fault or 'without a fault'} "
+                                       "was pending; run again with --jobs 1 to see which check crashes") from None
+                self._restart()
+                continue
+            except BaseException:
+                self.futures.pop(k, None)
+                raise
+            self.futures.pop(k, None)
+            self.spent += seconds
+            return result
+
+    def _restart(self) -> None:
+        """A new pool, every check not finished submitted to it again in its order."""
+        pending = [k for k, f in self.futures.items() if not f.done() or f.cancelled() or f.exception() is not None]
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool = None
+        for k in pending:
+            del self.futures[k]
+            self.submit(*self.tasks[k])
+
+
+_WORKER: dict = {}  # in a worker: (backend, options, weights, precision) -> (base backend, catalogue)
+
+
+def pooled_check(setting: tuple, spec: CheckSpec, fault: str | None):
+    """In a worker process (Checks): the check of `spec` on the backend of `setting`, with `fault` injected
+    as selection gives it for the family, and the seconds it took."""
+    t = time.perf_counter()
+    return _pooled_check(setting, spec, fault), time.perf_counter() - t
+
+
+def _pooled_check(setting: tuple, spec: CheckSpec, fault: str | None):
+    backend, options, weights, precision = setting
+    k = (backend, repr(sorted(options.items())), weights, precision)
+    if k not in _WORKER:
+        _WORKER[k] = _faultable(backend, [spec.family], None, options, weights, precision)
+    base, catalogue = _WORKER[k]
+    if fault is None:
+        return run_check(spec, base)
+    args = model_source(spec).args
+    variant = next(v for n, _, v, _ in selection(base, catalogue, spec.family, args, [fault]) if n == fault)
+    return run_check(spec, variant)
+
+
 def _faultable(backend_name: str, families: list, fault_names, options: dict, weights: str, precision: str):
     """The backend and its catalogue (args -> faults; None: every fault it has), with the backend, its
     options, every family name and every fault name refused up front, not half-way through."""
@@ -437,14 +577,17 @@ def plan_text(rows: list[dict]) -> str:
 def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=None,
                  progress=None, options: dict | None = None, weights: str = "normal",
                  precision: str = "fp32", drill: bool = False, on_row=None,
-                 resume: SelftestResult | None = None, resume_from: str = "the report") -> SelftestResult:
+                 resume: SelftestResult | None = None, resume_from: str = "the report",
+                 jobs: int = 1) -> SelftestResult:
     """`drill`: each detected fault's check drills its worst block (oracle/points.py) and the row
     records the first point named against the point the fault breaks (models.faults.POINTS).
     `on_row(res, row)`: after each row is added (a FaultRow, an AlarmRow, or a refusal's or a not
     applicable fault's dict): `res` then holds every row finished so far (a partial report).
     `resume`: a report of the same settings cut short (load_report): its finished rows are taken as
     they are, in their place, and only the others run (the clean seed-0 check again where a fault is
-    left, as the faults are judged against it)."""
+    left, as the faults are judged against it).
+    `jobs` > 1: up to that many checks at once, each in a worker process (Checks): the rows, their
+    order and the partial reports are the same as one at a time."""
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
     options = dict(options or {})
@@ -462,7 +605,17 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     done |= {(r["family"], r["fault"]): r for r in (resume.not_applicable if resume else [])
              if r.get("why", "").startswith("refused: ")}
     done_clean = {(r.family, r.seed): r for r in (resume.false_alarms if resume else [])}
+    checks = Checks(backend_name, options, weights, precision, jobs)
+    if jobs > 1:  # every check this run will need, in the order it will need them: the workers run ahead
+        for family in families:
+            checks.plan(family, seeds, fault_names, base, catalogue, done, done_clean, drill, relative)
+    with checks:
+        return _run(res, families, seeds, fault_names, base, catalogue, done, done_clean, options, weights,
+                    precision, drill, relative, progress, on_row, checks)
 
+
+def _run(res, families, seeds, fault_names, base, catalogue, done, done_clean, options, weights, precision, drill,
+         relative, progress, on_row, checks) -> SelftestResult:
     def add(rows: list, row) -> None:
         rows.append(row)
         if on_row is not None:
@@ -470,7 +623,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     for family in families:
         # the drill-down inside each fault's check only with `drill` (it adds an HF run per detected
         # fault; the self-test localises by block rows)
-        spec = CheckSpec(family=family, backend=backend_name, seed=seeds[0], options=dict(options), weights=weights,
+        spec = CheckSpec(family=family, backend=res.backend, seed=seeds[0], options=dict(options), weights=weights,
                          precision=precision, drill="auto" if drill else "off")
         try:  # a family the backend cannot check is reported with its reason; the others go on
             validate(spec)
@@ -481,14 +634,14 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 variant is not None and (family, name) not in done for name, _, variant, _ in chosen)
             if run_clean:
                 progress(f"{family} clean seed {seeds[0]}")
-                t = time.perf_counter()
-                clean = {precision: run_check(spec, base)}
+                t = checks.spent
+                clean = {precision: checks.run(spec, base)}
         except InputError as e:
             add(res.refused, {"family": family, "why": str(e)})
             continue
         if run_clean:
             add(res.false_alarms, AlarmRow(family, seeds[0], clean[precision].status,
-                                           _worst(clean[precision].worst), time.perf_counter() - t))
+                                           _worst(clean[precision].worst), checks.spent - t))
         else:  # every fault of the family finished before
             add(res.false_alarms, done_clean[family, seeds[0]])
         if run_clean and clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
@@ -499,7 +652,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
 
         def clean_at(p):  # the unfaulted check at precision p, once
             if p not in clean:
-                clean[p] = run_check(replace(spec, precision=p), base)
+                clean[p] = checks.run(replace(spec, precision=p), base)
             return clean[p]
 
         for name, fault, variant, why in chosen:
@@ -511,10 +664,10 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 add(res.faults if isinstance(row, FaultRow) else res.not_applicable, row)
                 continue
             progress(f"{family} {fault.name}")
-            t = time.perf_counter()
+            t = checks.spent
             at = precision if fault.precision == "fp32" else fault.precision  # dtype faults show at bf16
             try:
-                r = run_check(replace(spec, precision=at), variant)
+                r = checks.run(replace(spec, precision=at), variant, name)
             except InputError as e:  # the faulted candidate refused (e.g. a config mlx-lm cannot take)
                 add(res.not_applicable, {"family": family, "fault": fault.name, "why": f"refused: {e}"})
                 continue
@@ -531,7 +684,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 and w["value"] is not None
             above = None
             if relative and fault.precision == "fp32":  # how far the fault is above the precision's noise
-                above = noise_ratio(run_check(replace(spec, precision="fp32"), variant), r, expected)
+                above = noise_ratio(checks.run(replace(spec, precision="fp32"), variant, name), r, expected)
             # detected: the check failed, or (a family failing as its known divergence says) a row
             # failed by a measurement that passes without the fault
             # (every failing row an error: the faulted candidate crashed, counted apart)
@@ -542,7 +695,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
             point = (base.fault_point(fault) or faults.POINTS.get(fault.name)) if drill else None
             exposed, why = point_exposed(point, drilled[0].get("points") or [])
             add(res.faults, FaultRow(family, fault.name, fault.what, at, expected, r.status,
-                                     detected, localized, w, time.perf_counter() - t, above,
+                                     detected, localized, w, checks.spent - t, above,
                                      injected=not same_numbers(r, base_run), masked=masked,
                                      point=point, drill_point=drilled[0].get("first_divergence"),
                                      drilled=bool(drilled[0].get("points")), point_exposed=exposed,
@@ -553,13 +706,13 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 add(res.false_alarms, done_clean[family, seed])
                 continue
             progress(f"{family} clean seed {seed}")
-            t = time.perf_counter()
+            t = checks.spent
             try:
-                r = run_check(replace(spec, seed=seed), base)
+                r = checks.run(replace(spec, seed=seed), base)
             except InputError as e:  # refused at this seed only: reported, the others go on
                 add(res.refused, {"family": family, "why": f"seed {seed}: {e}"})
                 continue
-            add(res.false_alarms, AlarmRow(family, seed, r.status, _worst(r.worst), time.perf_counter() - t))
+            add(res.false_alarms, AlarmRow(family, seed, r.status, _worst(r.worst), checks.spent - t))
     return res
 
 

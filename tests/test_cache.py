@@ -67,6 +67,19 @@ def test_full_cache_loses_its_oldest_unheld_entries_and_keeps_a_held_one(root):
     assert [e.name for e in cache.enforce(250 * KIB)] == ["artifacts/iree/k0"]
 
 
+def test_the_quick_total_is_what_the_entries_hold_and_decides_nothing_under_the_limit(root, monkeypatch):
+    now = time.time()
+    for i in range(3):
+        entry(root, "iree", f"k{i}", 100 * KIB, now - i)
+    (root / "noise").mkdir(parents=True)
+    (root / "noise" / "abc.npz").write_bytes(b"\0" * 7 * KIB)
+    (root / "noise" / "abc.json").write_bytes(b"\0" * KIB)
+    assert cache.quick_total() == cache.total_bytes() == 308 * KIB
+    # within the limit by the walk: the entries (lock files, ages) are not read at all
+    monkeypatch.setattr(cache, "entries", lambda root=None: pytest.fail("entries read under the limit"))
+    assert cache.enforce(400 * KIB) == []
+
+
 def test_an_entry_used_again_is_kept_over_an_older_one(root):
     now = time.time()
     a = entry(root, "llamacpp", "a", 100 * KIB, now - 500)

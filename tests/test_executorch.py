@@ -327,3 +327,51 @@ def test_metal_exported_program_before_lowering():
     h = op_histogram(programs["decode"])
     assert h["aten.index_put_.default"] == 2 * src.args.num_hidden_layers
     assert h["aten.linear.default"] == 4 * src.args.num_hidden_layers + 1 + src.args.num_hidden_layers
+
+
+@needs_executorch
+def test_a_partition_lowered_before_is_taken_from_the_cache_with_the_same_bytes(tmp_path, monkeypatch):
+    """XNNPACK's preprocess of a partition is remembered by everything it reads (exporters/executorch.py:
+    remembered_partitions): the same module lowered again calls it for no partition and gives the same
+    program; a changed weight or a changed op is a new partition, preprocessed (a fault's program takes
+    the partitions it does not change from the clean program's)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+    from executorch.exir import to_edge_transform_and_lower
+
+    from exporters.executorch import PARTITIONS, remembered_partitions
+
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+    calls = []
+    inner = XnnpackBackend.__dict__["preprocess"]
+
+    def counted(ep, specs):
+        calls.append(1)
+        return inner.__func__(ep, specs)
+
+    monkeypatch.setattr(XnnpackBackend, "preprocess", staticmethod(counted))
+
+    class Two(torch.nn.Module):
+        def __init__(self, scale=1.0, act=torch.relu):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.act = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), act
+            with torch.no_grad():
+                self.b.weight.mul_(scale)
+
+        def forward(self, x):
+            return self.b(self.act(self.a(x)))
+
+    def lower(m):
+        n = len(calls)
+        ep = torch.export.export(m, (torch.ones(2, 8),))
+        with remembered_partitions():
+            prog = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
+        return prog.buffer, len(calls) - n
+
+    first, n = lower(Two())
+    assert n >= 1 and len(list((tmp_path / "artifacts" / PARTITIONS).iterdir())) == n
+    again, n_again = lower(Two())
+    assert n_again == 0 and again == first  # every partition from the cache, the program byte for byte
+    assert lower(Two(scale=2.0))[1] >= 1  # another weight: preprocessed
+    assert lower(Two(act=torch.sigmoid))[1] >= 1  # another op: preprocessed

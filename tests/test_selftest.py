@@ -25,10 +25,12 @@ def test_selftest_eager_catches_and_localises_everything():
     assert res.summary_line().startswith(f"detected {s['faults']}/{s['faults']}, localized")
 
 
-def test_selftest_cli_subset(cli, tmp_path):
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_selftest_cli_subset(cli, tmp_path, jobs):
+    """`-j 2`: the checks run in two worker processes, the rows, their order and the progress lines the same."""
     j = tmp_path / "st.json"
     r = cli("selftest", "--backend", "eager", "--family", "qwen2_moe", "--fault", "rope_theta_wrong",
-            "--fault", "shared_expert_missing", "--seeds", "0,1", "--json", str(j))
+            "--fault", "shared_expert_missing", "--seeds", "0,1", "--json", str(j), "-j", jobs)
     assert r.returncode == 0, r.stderr
     assert "detected 2/2, localized 2/2, false alarms 0/2" in r.stdout
     doc = json.loads(j.read_text())
