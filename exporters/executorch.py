@@ -794,7 +794,8 @@ class ExecutorchBackend(Backend):
 
     @property
     def cache_namespaces(self) -> tuple:
-        return (self.kind, f"{self.kind}-points")
+        # XNNPACK's remembered partitions (remembered_partitions) with the CPU lowering's programs
+        return (self.kind, f"{self.kind}-points") + ((PARTITIONS,) if self.kind == "executorch" else ())
     precisions = ("fp32",)
     # The weights are in model.ptd, shared by the methods and mapped by the runtime, and prefill
     # runs the experts densely (no per-token copy of their weights: that planned 4.8 GB at

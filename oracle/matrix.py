@@ -155,7 +155,7 @@ class _Warm:
         self.proc.close()
 
 
-def _start_fork_server(backends: list[str], env: dict):
+def start_fork_server(backends: list[str], env: dict):
     """The forkserver context, its server started now, in `env`, with oracle.worker preloaded
     and warmed up for `backends` (imports only: no torch op runs, no thread starts there
     before a fork)."""
@@ -181,7 +181,7 @@ def _start_fork_server(backends: list[str], env: dict):
     return ctx
 
 
-def _stop_fork_server() -> None:
+def stop_fork_server() -> None:
     """Kill the fork server (after its children: no check is left running) and reap it."""
     from multiprocessing import forkserver
 
@@ -275,7 +275,7 @@ def run_checks(cs: list[Combo], out_dir: Path, timeout: float, seed: int, extra:
         if warm:
             try:
                 if ctx is None:
-                    ctx = _start_fork_server(sorted({cs[j].backend for j in [i, *pending]}), env)
+                    ctx = start_fork_server(sorted({cs[j].backend for j in [i, *pending]}), env)
                 handle = _Warm(ctx, argv, out, err, env)
             except Exception:  # noqa: BLE001 (no fork server here: a fresh interpreter per check)
                 warm = False
@@ -326,7 +326,7 @@ def run_checks(cs: list[Combo], out_dir: Path, timeout: float, seed: int, extra:
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)
         if ctx is not None:
-            _stop_fork_server()
+            stop_fork_server()
         shutil.rmtree(tmp, ignore_errors=True)
     return results
 

@@ -380,9 +380,9 @@ class Checks:
                     proc.kill()
             self.pool.shutdown(wait=kind is None, cancel_futures=True)
             self.pool = None
-            from oracle.matrix import _stop_fork_server
+            from oracle.matrix import stop_fork_server
 
-            _stop_fork_server()
+            stop_fork_server()
         return False
 
     @staticmethod
@@ -393,9 +393,9 @@ class Checks:
         if self.pool is None:
             from concurrent.futures import ProcessPoolExecutor
 
-            from oracle.matrix import _start_fork_server
+            from oracle.matrix import start_fork_server
 
-            ctx = _start_fork_server([self.setting[0]], dict(os.environ))
+            ctx = start_fork_server([self.setting[0]], dict(os.environ))
             self.pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx)
         return self.pool
 
