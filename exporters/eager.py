@@ -7,7 +7,6 @@ production model on the reference's calls.
 from __future__ import annotations
 
 import contextlib
-import types
 
 import torch
 
@@ -154,25 +153,6 @@ class TorchCandidate(Candidate):
     def sample_decode(self, token, pos, temperature, top_p, seed):
         check_args(temperature, top_p)
         return self.sample_logits(self.decode(token, pos), temperature, top_p, seed)
-
-
-@contextlib.contextmanager
-def shallow_provenance():
-    """torch.fx's provenance (node.meta["from_node"], torch.fx.traceback.NodeSource) while exporting and
-    lowering, kept by reference instead of deep-copied: every pass that recreates a node deep-copies
-    the node's whole history, which grows with each pass (a tiny model's ExecuTorch lowering spent 12 s
-    of 80 there, docs/benchmarks.md). The histories are never changed after they are made (a pass
-    builds a new list), and nothing a program is built from reads them: the same bytes, sooner."""
-    import copy
-
-    from torch.fx import traceback
-
-    saved = traceback.copy
-    traceback.copy = types.SimpleNamespace(deepcopy=list, copy=copy.copy)
-    try:
-        yield
-    finally:
-        traceback.copy = saved
 
 
 class PointsCall(torch.nn.Module):

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from exporters.eager import DTYPES, shallow_provenance
+from exporters.eager import DTYPES
 from exporters.executorch_runtime import runtime  # noqa: F401 (the runtime the backends here load programs with)
 from models.args import SPARSE, block_input_path, block_keys, block_path, mlp_type
 from models.layers import STATE_BUFFERS, Transformer, traced_experts
@@ -319,11 +319,6 @@ def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict
     """The production program (prefill, decode; the sampler fused with opts["sample"]) at
     `path`, by `lower(methods, model)`; the check's program also has the taps and the probe
     methods, its tap table beside it, and with opts["sampling"] the sampler's methods."""
-    with shallow_provenance():
-        _build_program(model, lower, path, check, opts, dense_prefill)
-
-
-def _build_program(model: Transformer, lower, path: Path, check: bool, opts: dict, dense_prefill: bool) -> None:
     methods = export_methods(model, bool(opts.get("sample")), dense_prefill)
     if check:
         taps = {name: add_taps(ep, model.args) for name, ep in methods.items()}
@@ -445,6 +440,7 @@ def remembered_partitions():
 
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
     from models import cache
+    from models.checkpoint import temp_dir
 
     preprocess = XnnpackBackend.__dict__["preprocess"]
     root = cache.cache_root() / "artifacts" / PARTITIONS
@@ -465,7 +461,7 @@ def remembered_partitions():
             tmp = None
             try:
                 root.mkdir(parents=True, exist_ok=True)
-                tmp = Path(tempfile.mkdtemp(prefix=cache.temp_prefix(), dir=root))
+                tmp = temp_dir(root)
                 (tmp / "result.pkl").write_bytes(pickle.dumps(result))
                 (tmp / cache.USED).touch()
                 os.rename(tmp, d)

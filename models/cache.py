@@ -310,21 +310,7 @@ def quick_total(root: Path | None = None) -> int:
     this count needs nothing more (the common case, after each new entry: `entries` of a cache of
     10,000 entries takes a second or two)."""
     root = Path(root or cache_root())
-
-    def walk(path: str) -> int:
-        n = 0
-        try:
-            with os.scandir(path) as it:
-                for e in it:
-                    try:
-                        n += walk(e.path) if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_size
-                    except OSError:
-                        continue
-        except OSError:
-            pass
-        return n
-
-    return sum(walk(str(root / k)) for k in ("artifacts", "checkpoints", "references", "noise"))
+    return sum(_size(root / k) for k in ("artifacts", "checkpoints", "references", "noise"))
 
 
 def _evict(cap: int) -> list[Entry]:

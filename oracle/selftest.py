@@ -354,6 +354,19 @@ def point_exposed(point, drilled_points: list[dict]) -> tuple[bool, str]:
     return False, (found[0]["reason"] if found else "not a point of this backend's block")
 
 
+def family_spec(backend: str, family: str, seed: int, options: dict, weights: str, precision: str,
+                drill: bool) -> CheckSpec:
+    """A self-test check's spec: the drill-down inside each fault's check only with `drill` (it adds an HF
+    run per detected fault; the self-test localises by block rows)."""
+    return CheckSpec(family=family, backend=backend, seed=seed, options=dict(options), weights=weights,
+                     precision=precision, drill="auto" if drill else "off")
+
+
+def fault_precision(fault, precision: str) -> str:
+    """The precision a fault's check runs at: the self-test's, a dtype fault's own (bf16) for those."""
+    return precision if fault.precision == "fp32" else fault.precision
+
+
 class Checks:
     """The self-test's checks, run where they are asked for (`jobs` 1), or by `jobs` worker processes
     ahead of the loop that judges them: `plan` submits a family's checks in the order the loop asks
@@ -409,8 +422,7 @@ class Checks:
     def plan(self, family, seeds, fault_names, base, catalogue, done, done_clean, drill, relative) -> None:
         """Submit the checks the loop of run_selftest will ask for on `family`, in its order."""
         backend, options, weights, precision = self.setting
-        spec = CheckSpec(family=family, backend=backend, seed=seeds[0], options=dict(options), weights=weights,
-                         precision=precision, drill="auto" if drill else "off")
+        spec = family_spec(backend, family, seeds[0], options, weights, precision, drill)
         try:
             validate(spec)
             args = model_source(spec).args
@@ -421,7 +433,7 @@ class Checks:
         if (family, seeds[0]) not in done_clean or todo:
             self.submit(spec, None)
         for name, fault in todo:
-            at = precision if fault.precision == "fp32" else fault.precision
+            at = fault_precision(fault, precision)
             self.submit(replace(spec, precision=at), name)
             if at != precision:
                 self.submit(replace(spec, precision=at), None)
@@ -609,110 +621,102 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     if jobs > 1:  # every check this run will need, in the order it will need them: the workers run ahead
         for family in families:
             checks.plan(family, seeds, fault_names, base, catalogue, done, done_clean, drill, relative)
-    with checks:
-        return _run(res, families, seeds, fault_names, base, catalogue, done, done_clean, options, weights,
-                    precision, drill, relative, progress, on_row, checks)
 
-
-def _run(res, families, seeds, fault_names, base, catalogue, done, done_clean, options, weights, precision, drill,
-         relative, progress, on_row, checks) -> SelftestResult:
     def add(rows: list, row) -> None:
         rows.append(row)
         if on_row is not None:
             on_row(res, row)
-    for family in families:
-        # the drill-down inside each fault's check only with `drill` (it adds an HF run per detected
-        # fault; the self-test localises by block rows)
-        spec = CheckSpec(family=family, backend=res.backend, seed=seeds[0], options=dict(options), weights=weights,
-                         precision=precision, drill="auto" if drill else "off")
-        try:  # a family the backend cannot check is reported with its reason; the others go on
-            validate(spec)
-            args = model_source(spec).args
-            chosen = list(selection(base, catalogue, family, args, fault_names))
-            # the clean seed-0 check again where a fault is left to judge against it, or it did not finish
-            run_clean = (family, seeds[0]) not in done_clean or any(
-                variant is not None and (family, name) not in done for name, _, variant, _ in chosen)
+    with checks:
+        for family in families:
+            spec = family_spec(backend_name, family, seeds[0], options, weights, precision, drill)
+            try:  # a family the backend cannot check is reported with its reason; the others go on
+                validate(spec)
+                args = model_source(spec).args
+                chosen = list(selection(base, catalogue, family, args, fault_names))
+                # the clean seed-0 check again where a fault is left to judge against it, or it did not finish
+                run_clean = (family, seeds[0]) not in done_clean or any(
+                    variant is not None and (family, name) not in done for name, _, variant, _ in chosen)
+                if run_clean:
+                    progress(f"{family} clean seed {seeds[0]}")
+                    t = checks.spent
+                    clean = {precision: checks.run(spec, base)}
+            except InputError as e:
+                add(res.refused, {"family": family, "why": str(e)})
+                continue
             if run_clean:
-                progress(f"{family} clean seed {seeds[0]}")
+                add(res.false_alarms, AlarmRow(family, seeds[0], clean[precision].status,
+                                               _worst(clean[precision].worst), checks.spent - t))
+            else:  # every fault of the family finished before
+                add(res.false_alarms, done_clean[family, seeds[0]])
+            if run_clean and clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
+                # divergence says why, or it is the false alarm above): no fault can be judged on it
+                why = (clean[precision].expected or {}).get("verdict") or clean[precision].error.splitlines()[0]
+                add(res.refused, {"family": family, "why": f"the unfaulted candidate does not run: {why}"})
+                continue
+
+            def clean_at(p):  # the unfaulted check at precision p, once
+                if p not in clean:
+                    clean[p] = checks.run(replace(spec, precision=p), base)
+                return clean[p]
+
+            for name, fault, variant, why in chosen:
+                if variant is None:
+                    add(res.not_applicable, {"family": family, "fault": name, "why": why})
+                    continue
+                if (family, name) in done:  # finished before
+                    row = done[family, name]
+                    add(res.faults if isinstance(row, FaultRow) else res.not_applicable, row)
+                    continue
+                progress(f"{family} {fault.name}")
                 t = checks.spent
-                clean = {precision: checks.run(spec, base)}
-        except InputError as e:
-            add(res.refused, {"family": family, "why": str(e)})
-            continue
-        if run_clean:
-            add(res.false_alarms, AlarmRow(family, seeds[0], clean[precision].status,
-                                           _worst(clean[precision].worst), checks.spent - t))
-        else:  # every fault of the family finished before
-            add(res.false_alarms, done_clean[family, seeds[0]])
-        if run_clean and clean[precision].error and not clean[precision].blocks:  # the candidate does not load (a known
-            # divergence says why, or it is the false alarm above): no fault can be judged on it
-            why = (clean[precision].expected or {}).get("verdict") or clean[precision].error.splitlines()[0]
-            add(res.refused, {"family": family, "why": f"the unfaulted candidate does not run: {why}"})
-            continue
-
-        def clean_at(p):  # the unfaulted check at precision p, once
-            if p not in clean:
-                clean[p] = checks.run(replace(spec, precision=p), base)
-            return clean[p]
-
-        for name, fault, variant, why in chosen:
-            if variant is None:
-                add(res.not_applicable, {"family": family, "fault": name, "why": why})
-                continue
-            if (family, name) in done:  # finished before
-                row = done[family, name]
-                add(res.faults if isinstance(row, FaultRow) else res.not_applicable, row)
-                continue
-            progress(f"{family} {fault.name}")
-            t = checks.spent
-            at = precision if fault.precision == "fp32" else fault.precision  # dtype faults show at bf16
-            try:
-                r = checks.run(replace(spec, precision=at), variant, name)
-            except InputError as e:  # the faulted candidate refused (e.g. a config mlx-lm cannot take)
-                add(res.not_applicable, {"family": family, "fault": fault.name, "why": f"refused: {e}"})
-                continue
-            expected = {"layer": fault.layer(args), "kind": fault.kind}
-            base_run = clean_at(at)
-            # the targeted block fails without the fault: the family's known divergence is there
-            masked = base_run.status == Status.XFAIL and any(
-                (b.layer, b.kind) == (expected["layer"], expected["kind"]) and b.status in (Status.FAIL, Status.ERROR)
-                for b in base_run.blocks)
-            w = _worst(new_worst(r, base_run))
-            # localised: the worst row is the fault's block and holds a measured value (a null is a
-            # malformed output the containment reports, not a place)
-            localized = bool(w) and (w["layer"], w["kind"]) == (expected["layer"], expected["kind"]) \
-                and w["value"] is not None
-            above = None
-            if relative and fault.precision == "fp32":  # how far the fault is above the precision's noise
-                above = noise_ratio(checks.run(replace(spec, precision="fp32"), variant, name), r, expected)
-            # detected: the check failed, or (a family failing as its known divergence says) a row
-            # failed by a measurement that passes without the fault
-            # (every failing row an error: the faulted candidate crashed, counted apart)
-            detected = (r.status == Status.FAIL and measured_failure(r)) or (
-                r.status == Status.XFAIL and any(b.status == Status.FAIL for b in new_rows(r, base_run)))
-            crash = raised(r, base_run)
-            drilled = (r.drill or {}).get("blocks") or [{}]
-            point = (base.fault_point(fault) or faults.POINTS.get(fault.name)) if drill else None
-            exposed, why = point_exposed(point, drilled[0].get("points") or [])
-            add(res.faults, FaultRow(family, fault.name, fault.what, at, expected, r.status,
-                                     detected, localized, w, checks.spent - t, above,
-                                     injected=not same_numbers(r, base_run), masked=masked,
-                                     point=point, drill_point=drilled[0].get("first_divergence"),
-                                     drilled=bool(drilled[0].get("points")), point_exposed=exposed,
-                                     point_reason=why, raised=crash, error=error_of(r) if crash else None,
-                                     failed_gates=[g.name for g in r.gates if g.status == Status.FAIL]))
-        for seed in seeds[1:]:
-            if (family, seed) in done_clean:
-                add(res.false_alarms, done_clean[family, seed])
-                continue
-            progress(f"{family} clean seed {seed}")
-            t = checks.spent
-            try:
-                r = checks.run(replace(spec, seed=seed), base)
-            except InputError as e:  # refused at this seed only: reported, the others go on
-                add(res.refused, {"family": family, "why": f"seed {seed}: {e}"})
-                continue
-            add(res.false_alarms, AlarmRow(family, seed, r.status, _worst(r.worst), checks.spent - t))
+                at = fault_precision(fault, precision)
+                try:
+                    r = checks.run(replace(spec, precision=at), variant, name)
+                except InputError as e:  # the faulted candidate refused (e.g. a config mlx-lm cannot take)
+                    add(res.not_applicable, {"family": family, "fault": fault.name, "why": f"refused: {e}"})
+                    continue
+                expected = {"layer": fault.layer(args), "kind": fault.kind}
+                base_run = clean_at(at)
+                # the targeted block fails without the fault: the family's known divergence is there
+                masked = base_run.status == Status.XFAIL and any(
+                    (b.layer, b.kind) == (expected["layer"], expected["kind"]) and b.status in (Status.FAIL, Status.ERROR)
+                    for b in base_run.blocks)
+                w = _worst(new_worst(r, base_run))
+                # localised: the worst row is the fault's block and holds a measured value (a null is a
+                # malformed output the containment reports, not a place)
+                localized = bool(w) and (w["layer"], w["kind"]) == (expected["layer"], expected["kind"]) \
+                    and w["value"] is not None
+                above = None
+                if relative and fault.precision == "fp32":  # how far the fault is above the precision's noise
+                    above = noise_ratio(checks.run(replace(spec, precision="fp32"), variant, name), r, expected)
+                # detected: the check failed, or (a family failing as its known divergence says) a row
+                # failed by a measurement that passes without the fault
+                # (every failing row an error: the faulted candidate crashed, counted apart)
+                detected = (r.status == Status.FAIL and measured_failure(r)) or (
+                    r.status == Status.XFAIL and any(b.status == Status.FAIL for b in new_rows(r, base_run)))
+                crash = raised(r, base_run)
+                drilled = (r.drill or {}).get("blocks") or [{}]
+                point = (base.fault_point(fault) or faults.POINTS.get(fault.name)) if drill else None
+                exposed, why = point_exposed(point, drilled[0].get("points") or [])
+                add(res.faults, FaultRow(family, fault.name, fault.what, at, expected, r.status,
+                                         detected, localized, w, checks.spent - t, above,
+                                         injected=not same_numbers(r, base_run), masked=masked,
+                                         point=point, drill_point=drilled[0].get("first_divergence"),
+                                         drilled=bool(drilled[0].get("points")), point_exposed=exposed,
+                                         point_reason=why, raised=crash, error=error_of(r) if crash else None,
+                                         failed_gates=[g.name for g in r.gates if g.status == Status.FAIL]))
+            for seed in seeds[1:]:
+                if (family, seed) in done_clean:
+                    add(res.false_alarms, done_clean[family, seed])
+                    continue
+                progress(f"{family} clean seed {seed}")
+                t = checks.spent
+                try:
+                    r = checks.run(replace(spec, seed=seed), base)
+                except InputError as e:  # refused at this seed only: reported, the others go on
+                    add(res.refused, {"family": family, "why": f"seed {seed}: {e}"})
+                    continue
+                add(res.false_alarms, AlarmRow(family, seed, r.status, _worst(r.worst), checks.spent - t))
     return res
 
 
