@@ -20,8 +20,8 @@ from oracle.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
 from exporters.eager import device_availability, device_info, device_of, device_option, host
 from oracle.backend import Backend, Candidate, InputError
 from oracle.replay import RouteLog
-from oracle.reference import (normalize_output, block_modules, decoder_of, load_hf_model, materialized, model_args,
-                              reference_mode, router_reader)
+from oracle.reference import (normalize_output, block_modules, decoder_of, hold, load_hf_model, materialized,
+                              model_args, reference_mode, release_held, router_reader)
 
 # fp64: HF's exact answer for fp32's own measured error (oracle/noise.py exact_for), not a user precision;
 # a8, abf16, af16: fp32 with the activations of every weight product rounded (oracle/arithmetic.py:
@@ -76,6 +76,7 @@ class HFCandidate(Candidate):
     @torch.no_grad()
     @in_arithmetic
     def prefill(self, tokens):
+        release_held()  # a layer its block rows kept: this run loads each layer itself
         self.routes.reset()
         out = self.model(input_ids=self._ids([tokens]), use_cache=True)
         self.cache = out.past_key_values
@@ -83,6 +84,64 @@ class HFCandidate(Candidate):
 
     def _ids(self, ids):
         return torch.tensor(ids, device=self.device)
+
+    @torch.no_grad()
+    @in_arithmetic
+    def teacher_forced(self, tokens, prompt_len, calls):
+        """A streamed model's e2e steps layer by layer (None for a model in memory: call by call). The
+        tokens are known, and a decoder layer's output at a step depends only on the layer before's
+        outputs up to that step: so each layer is loaded once and run over every call in order (the
+        prefill, then each decode step, with its own cache), its outputs kept ([1, T, H] per call) as the
+        next layer's inputs, the other layers skipped (`_only_layer`); then the final norm and the head.
+        The same numbers as the calls one by one, each layer read once instead of once per step."""
+        if not self.streamed:
+            return None
+        ids = [tokens[:prompt_len]] + [[tokens[prompt_len + k - 1]] for k in range(1, calls)]
+        decoder = decoder_of(self.model)
+        hidden, routes = [None] * calls, [{} for _ in ids]
+        try:
+            for layer, module in enumerate(list(decoder.layers)):
+                hidden = self._through(layer, module, ids, hidden, routes)
+            logits = self._through(None, decoder.norm, ids, hidden, None)
+        finally:
+            release_held()
+        return [lg[0].cpu() if k == 0 else lg[0, -1].cpu() for k, lg in enumerate(logits)], routes
+
+    def _through(self, layer, module, ids, hidden, routes):
+        """One layer-by-layer stage (teacher_forced): `module` (decoder layer `layer`, or the final norm with
+        `layer` None) run on every call with its input `hidden[c]` (None: the model's own, the embedding);
+        returns its outputs per call (the logits for the final norm), `routes[c]` given its routers' choice."""
+        outs, n = [], [0]
+
+        def pre(mod, args, kwargs):
+            x = hidden[n[0]]
+            if x is None:
+                return None
+            if args and torch.is_tensor(args[0]):
+                return (x, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x}
+
+        def post(mod, args, kwargs, out):
+            outs.append((out[0] if isinstance(out, tuple) else out).detach())
+
+        h1 = module.register_forward_pre_hook(pre, with_kwargs=True)
+        h2 = module.register_forward_hook(post, with_kwargs=True)
+        try:
+            with self._only_layer(layer):
+                cache = None
+                for c, t in enumerate(ids):
+                    self.routes.reset()
+                    out = self.model(input_ids=self._ids([t]), past_key_values=cache, use_cache=True)
+                    cache = out.past_key_values
+                    if routes is not None:
+                        routes[c].update(self.routes.call())
+                    else:
+                        outs[-1] = out.logits.detach()
+                    n[0] += 1
+        finally:
+            h1.remove()
+            h2.remove()
+        return outs
 
     @torch.no_grad()
     @in_arithmetic
@@ -154,8 +213,8 @@ class HFCandidate(Candidate):
         reference's, so no other layer's output reaches it, and every other layer is skipped
         (`Skipped`: its input passed through, its KV cache grown by as many positions as the layer's
         own would be, which is all HF reads of another layer's cache: the positions, the mask sizes);
-        `layer` itself is loaded once for every call (None: the final blocks, no layer). A model in
-        memory runs whole."""
+        `layer` itself is loaded once for every call, and kept loaded (oracle.reference.hold) for the
+        layer's other blocks (None: the final blocks, no layer). A model in memory runs whole."""
         if not self.streamed:
             yield
             return
@@ -165,8 +224,9 @@ class HFCandidate(Candidate):
             for j, m in enumerate(kept):
                 if j != layer:
                     layers[j] = Skipped(m, j)
-            with materialized(kept[layer]) if layer is not None else contextlib.nullcontext():
-                yield
+            if layer is not None:  # loaded once for this block and the next ones of the layer
+                hold(kept[layer]._oracle_stream)
+            yield
         finally:
             for j, m in enumerate(kept):
                 layers[j] = m

@@ -224,6 +224,14 @@ class Candidate:
         """Logits [V] (or [1, V]) of one step, carrying the state of the previous calls."""
         raise NotImplementedError
 
+    def teacher_forced(self, tokens: list[int], prompt_len: int, calls: int) -> tuple[list, list] | None:
+        """Every e2e call at once where the tokens are known (the prefill of tokens[:prompt_len], then
+        decode steps fed tokens[prompt_len:], `calls` in all): (each call's logits as prefill / decode
+        return them, each call's routes as last_routes), for a candidate that runs another schedule than
+        call by call (a streamed model layer by layer: each weight read once); None (the default): the
+        harness calls prefill and decode."""
+        return None
+
     def run_block(self, layer: int | None, kind: str, calls: list) -> list | None:
         """The block `kind` of `layer` on the reference's calls (oracle.reference.BlockCall: the
         input as numpy `x_array`, `pos_array`, and torch copies `x`, `pos`), one output per call,

@@ -36,8 +36,15 @@ def candidate_steps(ref, cand) -> tuple[list, list, str | None]:
     """The candidate's raw answers: its prefill of the reference's prompt, then each decode step
     fed the reference's next token (teacher forcing), and at each step the experts its routers
     selected (Candidate.last_routes; None where it does not report them). A raise ends the run: its
-    state is unknown, the later steps are not run (the error names the step)."""
+    state is unknown, the later steps are not run (the error names the step). A candidate that runs
+    every step at once (Candidate.teacher_forced: a streamed model, layer by layer) answers them so."""
     P, answers, routes = ref.prompt_len, [], []
+    try:
+        at_once = cand.teacher_forced(ref.tokens, P, len(ref.logits))
+    except Exception as e:
+        return [], [], f"the steps run layer by layer: {type(e).__name__}: {e}"
+    if at_once is not None:
+        return list(at_once[0]), list(at_once[1]), None
     for k in range(len(ref.logits)):
         try:
             answers.append(cand.prefill(ref.tokens[:P]) if k == 0 else cand.decode(ref.tokens[P + k - 1], P + k - 1))

@@ -196,9 +196,13 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
     handles = [m.register_forward_hook(record(layer), with_kwargs=True) for layer, m in routers.items()]
     try:
         with forced(hf, reference_plan(ref) if plan is None else plan):
-            noise.logits.append(hf.prefill(ref.tokens[:P]).float().numpy())
-            for k in range(1, len(ref.logits)):
-                noise.logits.append(hf.decode(ref.tokens[P + k - 1], P + k - 1).float().numpy()[None])
+            at_once = hf.teacher_forced(ref.tokens, P, len(ref.logits))  # a streamed model: layer by layer
+            if at_once is not None:
+                noise.logits = [a.float().numpy().reshape(-1, a.shape[-1]) for a in at_once[0]]
+            else:
+                noise.logits.append(hf.prefill(ref.tokens[:P]).float().numpy())
+                for k in range(1, len(ref.logits)):
+                    noise.logits.append(hf.decode(ref.tokens[P + k - 1], P + k - 1).float().numpy()[None])
     finally:
         for h in handles:
             h.remove()

@@ -211,6 +211,27 @@ class LayerStream:
             self.drop()
 
 
+HELD: list = []  # the one decoder layer a streamed model keeps loaded between its uses (hold), process-wide
+
+
+def hold(stream: LayerStream) -> None:
+    """Keep this layer loaded after its use, until another layer is held or `release_held`: the block
+    rows of one layer (attention, router, moe, layer) and a layer-by-layer run read it once between
+    them, not once each. One layer in the whole process (the memory bound counts two layers: one held,
+    one in use)."""
+    if HELD and HELD[0] is stream:
+        return
+    release_held()
+    stream.acquire()
+    HELD.append(stream)
+
+
+def release_held() -> None:
+    """Drop the layer `hold` kept, if any."""
+    while HELD:
+        HELD.pop().release()
+
+
 def routed_experts(layer):
     """The layer's HF experts module that is given the routing (forward(hidden_states, top_k_index, ...)),
     or None (an experts module that routes by itself, or none)."""
@@ -348,6 +369,7 @@ def load_streamed(family, model_dir: Path, dtype=None):
     if bad:
         raise CheckpointError(f"transformers could not load {len(bad)} tensor(s), e.g. {bad[0]}")
     cast_to(model, targets)  # the resident tensors
+    model.tie_weights()  # a tied head shares the embedding it was cast with (cast_to replaced the embedding's)
     model._oracle_streams = streams
     return model.eval()
 

@@ -145,9 +145,10 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
     """The `hf` candidate's block rows on a streamed model (exporters/hf.py `_only_layer`): the block's
     own decoder layer loaded once for all its calls, every other layer skipped (its cache grown by
     placeholders), exactly the outputs and routes of the whole model's replay; the bytes read for a
-    layer's block are that layer's once (the decode calls inside the same load), not the model's per call."""
+    layer's blocks are that layer's once (the decode calls inside the same load, the layer's other blocks
+    while it is held), not the model's per call."""
     from oracle.backend import CheckSpec, resolve
-    from oracle.reference import streamed_bytes
+    from oracle.reference import release_held, streamed_bytes, tensor_bytes
     from oracle.references import reference_of
     from oracle.sources import model_source, prompt_tokens
 
@@ -159,7 +160,7 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
     monkeypatch.setenv("MOE_ORACLE_REFERENCE", "streamed")
     streamed = resolve("hf").load(src, spec)
     assert streamed.streamed and not whole.streamed
-    layer_bytes = {s.layer: None for s in streamed.model._oracle_streams}
+    layer_bytes, seen = {s.layer: None for s in streamed.model._oracle_streams}, set()
     for key in ref.block_keys():
         before = streamed_bytes(streamed.model)
         a, b = whole.run_block(*key, ref.inputs[key]), streamed.run_block(*key, ref.inputs[key])
@@ -175,6 +176,44 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
             assert read == 0, key  # the final norm and the head: resident, no layer read
         else:
             stream = streamed.model._oracle_streams[key[0]]
-            if layer_bytes[stream.layer] is None:
-                layer_bytes[stream.layer] = read
-            assert 0 < read == layer_bytes[stream.layer], key  # the layer, once, whatever the block
+            if key[0] in seen:  # kept loaded since the layer's first block (oracle.reference.hold)
+                assert read == 0, key
+            else:
+                seen.add(key[0])
+                assert read == sum(tensor_bytes(stream.index[n]) for n in stream.names), key  # the layer, once
+    release_held()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, monkeypatch):
+    """A streamed `hf` candidate's e2e steps run layer by layer (HFCandidate.teacher_forced: each layer
+    loaded once and run over the prefill and every decode step with its own cache, its outputs the next
+    layer's inputs) give exactly the logits and the routes of the whole model's prefill and decode calls
+    one by one, at bf16 (HF keeps some tensors in fp32 there, and a tied head must follow its embedding's
+    cast), and read each decoder layer's bytes once in all."""
+    from oracle.backend import CheckSpec, resolve
+    from oracle.reference import streamed_bytes, tensor_bytes
+    from oracle.references import reference_of
+    from oracle.sources import model_source, prompt_tokens
+
+    spec = CheckSpec(family=family, backend="hf", precision="bf16", decode_tokens=4)
+    src = model_source(spec)
+    ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
+    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "whole")
+    whole = resolve("hf").load(src, spec)
+    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "streamed")
+    streamed = resolve("hf").load(src, spec)
+    P, n = ref.prompt_len, len(ref.logits)
+    assert whole.teacher_forced(ref.tokens, P, n) is None  # in memory: call by call
+    steps = [whole.prefill(ref.tokens[:P])]
+    routes = [whole.last_routes()]
+    for k in range(1, n):
+        steps.append(whole.decode(ref.tokens[P + k - 1], P + k - 1))
+        routes.append(whole.last_routes())
+    before = streamed_bytes(streamed.model)
+    got, got_routes = streamed.teacher_forced(ref.tokens, P, n)
+    assert len(got) == n and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(steps, got))
+    assert [sorted(r) for r in routes] == [sorted(r) for r in got_routes]
+    assert all(np.array_equal(a[layer][i], b[layer][i]) for a, b in zip(routes, got_routes) for layer in a for i in (0, 1))
+    layers = sum(tensor_bytes(s.index[n]) for s in streamed.model._oracle_streams for n in s.names)
+    assert streamed_bytes(streamed.model) - before == layers  # each decoder layer's tensors, once
