@@ -517,8 +517,12 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
     recs = defaultdict(lambda: ([], []))
     reader = router_reader(family, args)
 
+    quiet = [False]  # an expert probe running inside the prefill (probing_in_prefill): not a sequence call
+
     def hook(key):
         def fn(mod, a, kwargs, out):
+            if quiet[0]:
+                return
             x = _first_tensor(a, kwargs).detach().float()
             recs[key][0].append(x.reshape(1, -1, x.shape[-1]).clone())
             out = normalize_output(key[1], out, router_output=reader)
@@ -530,7 +534,8 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
 
     handles = [m.register_forward_hook(hook(k), with_kwargs=True) for k, m in modules.items()]
     try:
-        tokens, positions, logits = greedy_run(model, prompt, n_decode, on_call)
+        with probing_in_prefill(model, modules, args, reader, quiet) as probes:
+            tokens, positions, logits = greedy_run(model, prompt, n_decode, on_call)
     finally:
         for h in handles:
             h.remove()
@@ -558,7 +563,9 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             ref.outputs[key] = [lg[None] for lg in ref.logits]
         else:
             ref.outputs[key] = [o.numpy() for o in outs]
-    add_expert_probes(ref, modules, args, reader)
+    for (layer, kind), router in modules.items():
+        if kind == "router":
+            add_probes(ref, layer, int(router.weight.shape[0]), *probes[layer])
     return ref
 
 
@@ -582,56 +589,96 @@ def materialized(module):
             s.release()
 
 
-def add_expert_probes(ref: Reference, modules: dict, args, reader=None) -> None:
+def expert_probes(router, moe, args, reader=None) -> tuple[list, list]:
     """A prompt rarely routes to every expert, and a bug in an expert nobody routes to is
     invisible. So the stateless router and moe blocks also get one single-token probe per
     expert e: a token the family's own selection routes to e, checked by running the reference
     router on it. First x = router row e scaled to RMS 1 (a softmax router then ranks e first);
     where the selection is decided otherwise too (a correction bias, a group limit) the probe is
     solved for: the least-norm x whose router logits are +8 for e and -8 for every other expert.
-    An expert neither reaches is listed in the coverage as unprobed. The reference computes the
-    probe outputs with its own modules."""
+    The reference computes the probe outputs with its own modules. Returns (per probe: (BlockCall, router
+    weights, indices, selection scores, group gap, weight gap, group alternative (each None where the
+    routing has none), moe output), the experts neither reaches: unprobed)."""
     import torch
 
-    with torch.no_grad():
-        for (layer, kind), router in list(modules.items()):
-            if kind != "router":
-                continue
-            used = np.unique(np.concatenate([i.reshape(-1) for _, i in ref.outputs[layer, "router"]]))
-            ref.coverage[layer] = {"experts": int(router.weight.shape[0]), "routed_by_sequence": int(used.size)}
-            unprobed = []
-            with materialized(modules[layer, "moe"]), materialized(router):
-                w = router.weight.detach().float().clone()
-                pinv = None
-                for e in range(w.shape[0]):
-                    x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
-                    out = router(x.reshape(1, -1).to(router.weight.dtype))
-                    if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
-                        if pinv is None:
-                            pinv = torch.linalg.pinv(w.double())  # [H, E]
-                        z = torch.full((w.shape[0],), -8.0, dtype=torch.float64)
-                        z[e] = 8.0
-                        x = (pinv @ z).float().reshape(1, 1, -1)
-                        out = router(x.reshape(1, -1).to(router.weight.dtype))
-                        if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
-                            unprobed.append(e)
-                            continue
-                    weights, idx, logits = normalize_output("router", out, router_output=reader)
-                    choice, gap, wgap, alt = router_record(router, logits, args)
-                    call = BlockCall(x.numpy(), np.array([0]), [], probe=True)
-                    ref.inputs[layer, "router"].append(call)
-                    ref.outputs[layer, "router"].append((weights.numpy(), idx.numpy()))
-                    ref.router_probs[layer].append(choice.numpy())
-                    if gap is not None:
-                        ref.group_gaps[layer].append(gap.numpy())
-                    if alt is not None:
-                        ref.group_alternatives[layer].append(alt.numpy())
-                    if wgap is not None:
-                        ref.weight_gaps[layer].append(wgap.numpy())
-                    ref.inputs[layer, "moe"].append(call)
-                    ref.outputs[layer, "moe"].append(normalize_output("moe", modules[layer, "moe"](x)).numpy())
-            if unprobed:
-                ref.coverage[layer]["unprobed"] = unprobed
+    probes, unprobed = [], []
+    with torch.no_grad(), materialized(moe), materialized(router):
+        w = router.weight.detach().float().clone()
+        pinv = None
+        for e in range(w.shape[0]):
+            x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
+            out = router(x.reshape(1, -1).to(router.weight.dtype))
+            if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
+                if pinv is None:
+                    pinv = torch.linalg.pinv(w.double())  # [H, E]
+                z = torch.full((w.shape[0],), -8.0, dtype=torch.float64)
+                z[e] = 8.0
+                x = (pinv @ z).float().reshape(1, 1, -1)
+                out = router(x.reshape(1, -1).to(router.weight.dtype))
+                if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
+                    unprobed.append(e)
+                    continue
+            weights, idx, logits = normalize_output("router", out, router_output=reader)
+            choice, gap, wgap, alt = router_record(router, logits, args)
+            probes.append((BlockCall(x.numpy(), np.array([0]), [], probe=True), weights.numpy(), idx.numpy(),
+                           choice.numpy(), *(None if t is None else t.numpy() for t in (gap, wgap, alt)),
+                           normalize_output("moe", moe(x)).numpy()))
+    return probes, unprobed
+
+
+def add_probes(ref: Reference, layer: int, experts: int, probes: list, unprobed: list) -> None:
+    """A MoE layer's expert probes (expert_probes) after its sequence's calls in the reference, and its
+    coverage: the experts the sequence routed to, those no probe reaches."""
+    used = np.unique(np.concatenate([i.reshape(-1) for _, i in ref.outputs[layer, "router"]]))
+    ref.coverage[layer] = {"experts": experts, "routed_by_sequence": int(used.size)}
+    for call, weights, idx, choice, gap, wgap, alt, out in probes:
+        ref.inputs[layer, "router"].append(call)
+        ref.outputs[layer, "router"].append((weights, idx))
+        ref.router_probs[layer].append(choice)
+        for table, value in ((ref.group_gaps, gap), (ref.group_alternatives, alt), (ref.weight_gaps, wgap)):
+            if value is not None:
+                table[layer].append(value)
+        ref.inputs[layer, "moe"].append(call)
+        ref.outputs[layer, "moe"].append(out)
+    if unprobed:
+        ref.coverage[layer]["unprobed"] = unprobed
+
+
+@contextlib.contextmanager
+def probing_in_prefill(model, modules: dict, args, reader, quiet: list):
+    """Each MoE layer's expert probes (expert_probes) run inside the prefill's forward of its decoder
+    layer, the layer loaded whole for both: a streamed layer is read once for the prefill and the probes
+    (after the model's prefill they would read every expert again). `quiet[0]` is True while a probe runs
+    (the capture's hooks record the sequence's calls, not the probes). Yields {layer: (probes, unprobed)}."""
+    found, handles = {}, []
+    layers = decoder_of(model).layers
+    for (layer, kind), router in modules.items():
+        if kind != "router":
+            continue
+        stream = getattr(layers[layer], "_oracle_stream", None)
+
+        def before(mod, a, kw, layer=layer, stream=stream):
+            if layer not in found and stream is not None:
+                stream.acquire()  # whole (not only the experts its tokens route to), until the probes ran
+
+        def after(mod, a, kw, out, layer=layer, stream=stream, router=router):
+            if layer in found:
+                return
+            quiet[0] = True
+            try:
+                found[layer] = expert_probes(router, modules[layer, "moe"], args, reader)
+            finally:
+                quiet[0] = False
+                if stream is not None:
+                    stream.release()
+
+        handles += [layers[layer].register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+                    layers[layer].register_forward_hook(after, with_kwargs=True)]
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def first_nonfinite(ref: Reference) -> str | None:
