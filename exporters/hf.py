@@ -85,28 +85,18 @@ class HFCandidate(Candidate):
     def _ids(self, ids):
         return torch.tensor(ids, device=self.device)
 
-    @torch.no_grad()
-    @in_arithmetic
     def teacher_forced(self, tokens, prompt_len, calls):
-        """A streamed model's e2e steps layer by layer (None for a model in memory: call by call). The
-        tokens are known, and a decoder layer's output at a step depends only on the layer before's
-        outputs up to that step: so each layer is loaded once and run over every call in order (the
-        prefill, then each decode step, with its own cache), its outputs kept ([1, T, H] per call) as the
-        next layer's inputs, the other layers skipped (`_only_layer`); then the final norm and the head.
-        The same numbers as the calls one by one, each layer read once instead of once per step."""
+        """A streamed model's e2e steps layer by layer (LayerByLayer, every layer then the head); None for a
+        model in memory (call by call)."""
         if not self.streamed:
             return None
-        ids = [tokens[:prompt_len]] + [[tokens[prompt_len + k - 1]] for k in range(1, calls)]
-        decoder = decoder_of(self.model)
-        hidden, routes = [None] * calls, [{} for _ in ids]
-        try:
-            for layer, module in enumerate(list(decoder.layers)):
-                hidden = self._through(layer, module, ids, hidden, routes)
-            logits = self._through(None, decoder.norm, ids, hidden, None)
-        finally:
-            release_held()
-        return [lg[0].cpu() if k == 0 else lg[0, -1].cpu() for k, lg in enumerate(logits)], routes
+        steps = LayerByLayer(self, tokens, prompt_len, calls)
+        for layer in range(steps.layers):
+            steps.through(layer)
+        return steps.finish()
 
+    @torch.no_grad()
+    @in_arithmetic
     def _through(self, layer, module, ids, hidden, routes):
         """One layer-by-layer stage (teacher_forced): `module` (decoder layer `layer`, or the final norm with
         `layer` None) run on every call with its input `hidden[c]` (None: the model's own, the embedding);
@@ -230,6 +220,39 @@ class HFCandidate(Candidate):
         finally:
             for j, m in enumerate(kept):
                 layers[j] = m
+
+
+class LayerByLayer:
+    """A streamed HF model's e2e steps (the prefill of tokens[:prompt_len], then `calls` - 1 decode steps fed
+    the next tokens) run layer by layer: the tokens are known, and a decoder layer's output at a step depends
+    only on the layer before's outputs up to that step; so each layer is loaded once and run over every call
+    in order with its own cache (`through(layer)`, layers in order), its outputs ([1, T, H] per call) kept as
+    the next layer's inputs, the other layers skipped (HFCandidate._only_layer); then the final norm and the
+    head (`finish`). The same numbers as the calls one by one, each layer read once instead of once per
+    step; a caller may run other work on a layer between its `through`s (the noise's block rows)."""
+
+    def __init__(self, cand, tokens, prompt_len: int, calls: int):
+        self.cand, self.done = cand, 0
+        self.ids = [list(tokens[:prompt_len])] + [[tokens[prompt_len + k - 1]] for k in range(1, calls)]
+        self.decoder = decoder_of(cand.model)
+        self.layers = len(self.decoder.layers)
+        self.hidden, self.routes = [None] * calls, [{} for _ in self.ids]
+
+    def through(self, layer: int) -> None:
+        if layer != self.done:
+            raise ValueError(f"layer {layer} run before layer {self.done}")
+        self.hidden = self.cand._through(layer, self.decoder.layers[layer], self.ids, self.hidden, self.routes)
+        self.done += 1
+
+    def finish(self) -> tuple[list, list]:
+        """(each call's logits as prefill / decode return them, each call's routes as last_routes)."""
+        if self.done != self.layers:
+            raise ValueError(f"{self.done} of {self.layers} layers run")
+        try:
+            logits = self.cand._through(None, self.decoder.norm, self.ids, self.hidden, None)
+        finally:
+            release_held()
+        return [lg[0].cpu() if k == 0 else lg[0, -1].cpu() for k, lg in enumerate(logits)], self.routes
 
 
 class Skipped(torch.nn.Module):

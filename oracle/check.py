@@ -23,7 +23,7 @@ from oracle.compare import block_rows, reduction_length
 from oracle.conversion import check_tensors
 from oracle.e2e import prompt_set, run_e2e
 from oracle.quantization import quantization_rows
-from oracle.reference import READ, release_held
+from oracle.reference import READ, forget_reads, release_held
 from oracle.references import reference_margins, reference_of, saved_reference
 from oracle.sources import check_length, prompt_tokens, quantizing_options, sources, tokenized_prompts
 from oracle.validation import artifact_matches, validate
@@ -103,6 +103,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
         raise InputError(str(e)) from None
     finally:
         release_held()  # a streamed model's layer kept loaded between its block rows
+        forget_reads()  # and the checkpoint tensors of the layer read last
 
 
 def _run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,

@@ -152,9 +152,34 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
     rounding, not HF's own flips at near ties; the router blocks and the selection scores (read before
     the selection) are HF's own. With `attention` other than eager, HF's model runs that attention
     implementation, and only the blocks it changes (ATTENDING) are measured."""
+    return lockstep([measuring(ref, src, spec, blocks, plan, attention)])[0]
+
+
+def lockstep(passes: list) -> list:
+    """Run generators that each yield once per decoder layer (`measuring`) one layer at a time in turn,
+    so that a streamed checkpoint's layer is read from disk once for all of them (oracle.reference.RECENT
+    keeps the layer read last); their return values, in order."""
+    results, live = [None] * len(passes), list(enumerate(passes))
+    while live:
+        for i, g in list(live):
+            try:
+                next(g)
+            except StopIteration as stop:
+                results[i] = stop.value
+                live.remove((i, g))
+    return results
+
+
+def measuring(ref, src, spec, blocks: bool = True, plan: dict | None = None, attention: str = "eager"):
+    """`measure` one decoder layer at a time (a generator: yields after each layer, returns the Noise): the
+    layer's blocks, then, for a streamed model, its stage of the e2e steps (exporters.hf.LayerByLayer)
+    while it is loaded; a model in memory runs the e2e steps call by call at the end."""
+    import contextlib
+
     import torch
 
-    from oracle.reference import materialized, normalize_output, model_args, selection_scores, weight_gap
+    from exporters.hf import LayerByLayer
+    from oracle.reference import decoder_of, materialized, normalize_output, model_args, selection_scores, weight_gap
     from oracle.replay import forced, reference_routes
 
     hf = hf_at(src, replace(spec, options={}), attention)
@@ -162,9 +187,13 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
     args = model_args(hf.model, src.family)
     noise = Noise(spec.precision)
     own = reference_routes(ref)
-    for key in ref.block_keys() if blocks else ():
+    P, n = ref.prompt_len, len(ref.logits)
+    plan = reference_plan(ref) if plan is None else plan
+    routers = {layer: m for (layer, kind), m in hf.modules.items() if kind == "router"}
+
+    def block(key):
         if attention != "eager" and key[1] not in ATTENDING:
-            continue
+            return
         with materialized(hf.modules[key]):  # a streamed layer: read once for the block and its scores
             with forced(hf, {key[0]: own[key[0]]} if key[1] in ("moe", "layer") and key[0] in own else {}):
                 outs = hf.run_block(key[0], key[1], ref.inputs[key])
@@ -175,8 +204,6 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
                 noise.outputs[key] = [(w.float().numpy(), i.numpy()) for w, i, _ in outs]
             else:
                 noise.outputs[key] = [o.float().numpy() for o in outs]
-    P = ref.prompt_len
-    routers = {layer: m for (layer, kind), m in hf.modules.items() if kind == "router"}
 
     def record(layer):
         def hook(mod, a, kwargs, out):
@@ -193,19 +220,38 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
                 noise.e2e_weight_gaps.setdefault(layer, []).append(wgap.numpy().astype(np.float32))
         return hook
 
-    handles = [m.register_forward_hook(record(layer), with_kwargs=True) for layer, m in routers.items()]
-    try:
-        with forced(hf, reference_plan(ref) if plan is None else plan):
-            at_once = hf.teacher_forced(ref.tokens, P, len(ref.logits))  # a streamed model: layer by layer
-            if at_once is not None:
-                noise.logits = [a.float().numpy().reshape(-1, a.shape[-1]) for a in at_once[0]]
-            else:
-                noise.logits.append(hf.prefill(ref.tokens[:P]).float().numpy())
-                for k in range(1, len(ref.logits)):
-                    noise.logits.append(hf.decode(ref.tokens[P + k - 1], P + k - 1).float().numpy()[None])
-    finally:
-        for h in handles:
-            h.remove()
+    @contextlib.contextmanager
+    def e2e(layers):  # the e2e steps' routers recorded, their selections forced to `plan`
+        handles = [routers[layer].register_forward_hook(record(layer), with_kwargs=True) for layer in layers
+                   if layer in routers]
+        try:
+            with forced(hf, {layer: plan[layer] for layer in layers if layer in plan}):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    keys = ref.block_keys() if blocks else []
+    steps = LayerByLayer(hf, ref.tokens, P, n) if hf.streamed else None
+    for layer in range(len(decoder_of(hf.model).layers)):
+        for key in keys:
+            if key[0] == layer:
+                block(key)
+        if steps is not None:
+            with e2e([layer]):
+                steps.through(layer)
+        yield
+    for key in keys:
+        if key[0] is None:
+            block(key)
+    if steps is not None:
+        with e2e([]):
+            noise.logits = [a.float().numpy().reshape(-1, a.shape[-1]) for a in steps.finish()[0]]
+    else:
+        with e2e(list(routers)):
+            noise.logits.append(hf.prefill(ref.tokens[:P]).float().numpy())
+            for k in range(1, n):
+                noise.logits.append(hf.decode(ref.tokens[P + k - 1], P + k - 1).float().numpy()[None])
     return noise
 
 
@@ -258,21 +304,32 @@ _MEMORY: dict[str, Noise] = {}  # this process's measurements (a matrix server r
 
 def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = None,
             attention: str = "eager") -> Noise:
-    if key not in _MEMORY:
-        from models import cache
+    return _cached_all([(key, dict(blocks=blocks, plan=plan, attention=attention))], ref, src, spec)[0]
 
-        path = cache_root() / "noise" / key
-        cache.hold(path)
-        noise = _load(path)
-        if noise is None:
-            noise = measure(ref, src, spec, blocks, plan, attention)
-            _save(noise, path)
-            cache.enforce_quietly()
-        cache.mark_used(path)
-        if len(_MEMORY) >= 8:
-            _MEMORY.pop(next(iter(_MEMORY)))
-        _MEMORY[key] = noise
-    return _MEMORY[key]
+
+def _cached_all(jobs: list, ref, src, spec) -> list:
+    """Each job's Noise ((key, measure's keyword arguments)): from memory, from the disk cache, or measured,
+    those not cached together one layer at a time (lockstep), then saved."""
+    from models import cache
+
+    paths = {key: cache_root() / "noise" / key for key, _ in jobs}
+    for key, _ in jobs:
+        if key not in _MEMORY:
+            cache.hold(paths[key])
+    got = {key: _MEMORY.get(key) or _load(paths[key]) for key, _ in jobs}
+    todo = [(key, kw) for key, kw in jobs if got[key] is None]
+    for (key, _), noise in zip(todo, lockstep([measuring(ref, src, spec, **kw) for _, kw in todo])):
+        _save(noise, paths[key])
+        got[key] = noise
+    if todo:
+        cache.enforce_quietly()
+    for key, _ in jobs:
+        cache.mark_used(paths[key])
+        if key not in _MEMORY:
+            if len(_MEMORY) >= 8:
+                _MEMORY.pop(next(iter(_MEMORY)))
+            _MEMORY[key] = got[key]
+    return [got[key] for key, _ in jobs]
 
 
 def noise_for(ref, src, spec, prompt) -> Noise | None:
@@ -284,8 +341,8 @@ def noise_for(ref, src, spec, prompt) -> Noise | None:
     if not thresholds.noise_relative(spec.precision):
         return None
     spec = hf_spec(spec)
-    return merged([_cached(_key(spec, src, prompt, attention=a), ref, src, spec, attention=a)
-                   for a in attentions(src.family)], ref.logits, ref.router_probs, ref.outputs)
+    return merged(_cached_all([(_key(spec, src, prompt, attention=a), dict(attention=a)) for a in attentions(src.family)],
+                              ref, src, spec), ref.logits, ref.router_probs, ref.outputs)
 
 
 def exact_for(ref, src, spec, prompt) -> Noise:

@@ -175,9 +175,7 @@ class LayerStream:
         step), each in the dtype HF's model holds it in; `absent` ones given as zeros, not read."""
         names = self.names if names is None else names
         present = [n for n in names if n not in absent]
-        part = load_into(self.model, self.index, present, self.load_config, absent)
-        self.bytes += (got := sum(tensor_bytes(self.index[n]) for n in present))
-        READ["bytes"] += got
+        part = load_into(self.model, self.index, present, self.load_config, absent, counter=self)
         if self.keys is None:
             self.keys = [k for k in self.layer.state_dict() if self.prefix + k not in part.missing_keys]
         cast_to(self.layer, self.targets)
@@ -245,25 +243,60 @@ def routed_experts(layer):
     return None
 
 
-def load_into(model, index: dict, names: list, load, absent=(), meta: bool = False):
+def load_into(model, index: dict, names: list, load, absent=(), meta: bool = False, counter=None):
     """These checkpoint tensors into `model` by HF's own loading step (`convert_and_load_state_dict_in_model`:
-    renames, per-expert -> fused), only their shards mapped and unmapped after; `absent` ones given as
-    zeros, not read. Returns HF's loading info."""
+    renames, per-expert -> fused), read by layer_tensors; `absent` ones given as zeros, not read. The bytes
+    read from disk for a decoder layer (`counter`: its LayerStream) are added to READ and to counter.bytes.
+    Returns HF's loading info."""
     import torch
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-    from models.checkpoint import open_shard, torch_dtype
+    from models.checkpoint import torch_dtype
 
-    with contextlib.ExitStack() as stack:
-        if meta:  # shapes and dtypes from the header alone: HF's key and shape checks, nothing read
-            tensors = {n: torch.empty(index[n][2], dtype=torch_dtype(index[n][1]), device="meta") for n in names}
-            load = dataclasses.replace(load, device_map={"": "meta"})
-        else:
-            files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in names})}
-            tensors = {n: files[index[n][0]].get_slice(n) for n in names}
-        tensors.update({n: torch.zeros(index[n][2], dtype=torch_dtype(index[n][1])) for n in absent})
-        part, _ = convert_and_load_state_dict_in_model(model, tensors, load, None)
+    if meta:  # shapes and dtypes from the header alone: HF's key and shape checks, nothing read
+        tensors = {n: torch.empty(index[n][2], dtype=torch_dtype(index[n][1]), device="meta") for n in names}
+        load = dataclasses.replace(load, device_map={"": "meta"})
+    else:
+        tensors, got = layer_tensors(index, names)
+        if counter is not None:  # a decoder layer's (the resident tensors are read once, at load)
+            READ["bytes"] += got
+            counter.bytes += got
+    tensors.update({n: torch.zeros(index[n][2], dtype=torch_dtype(index[n][1])) for n in absent})
+    part, _ = convert_and_load_state_dict_in_model(model, tensors, load, None)
     return part
+
+
+# The checkpoint tensors of the decoder layer read last, as read (one layer, process-wide): the models of a
+# layer-by-layer schedule that run one layer in turn (HF at fp32 and at the candidate's precision, with each
+# attention, the candidate) take it from here, and the checkpoint's bytes are read from disk once.
+RECENT: dict = {"layer": None, "tensors": {}}
+
+
+def layer_tensors(index: dict, names: list) -> tuple[dict, int]:
+    """These checkpoint tensors (name -> tensor in its stored dtype, read from its memory-mapped shard), and
+    the bytes read from disk for them: none for those of the layer read last (RECENT), which are kept for
+    the next model that reads them; tensors outside the decoder layers are not kept."""
+    from models.checkpoint import LAYER, open_shard
+
+    m = LAYER.search(names[0]) if names else None
+    layer = None if m is None else (str(index[names[0]][0].parent), int(m.group(1)))
+    if layer is not None and layer != RECENT["layer"]:
+        RECENT["layer"], RECENT["tensors"] = layer, {}
+    kept = RECENT["tensors"] if layer is not None else {}
+    missing = [n for n in names if n not in kept]
+    out = {n: kept[n] for n in names if n in kept}
+    with contextlib.ExitStack() as stack:
+        files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in missing})}
+        for n in missing:
+            out[n] = files[index[n][0]].get_tensor(n)
+    if layer is not None:
+        kept.update({n: out[n] for n in missing})
+    return out, sum(tensor_bytes(index[n]) for n in missing)
+
+
+def forget_reads() -> None:
+    """Drop the layer RECENT keeps (the end of a check)."""
+    RECENT["layer"], RECENT["tensors"] = None, {}
 
 
 def tensor_bytes(entry) -> int:
@@ -332,14 +365,23 @@ def load_streamed(family, model_dir: Path, dtype=None):
         for ctx in cls.get_init_context(dtype, False, False, None):
             stack.enter_context(ctx)
         model = cls(config)
-    targets = {name: p.dtype for name, p in model.named_parameters()}  # `dtype`, or fp32 where HF keeps it
+    # the dtype each parameter is cast to after its read: `dtype`, or fp32 where HF keeps it (the skeleton's own,
+    # or the class's keep-in-fp32 names, which HF's loading step also gives its buffers: DeepSeek-V3's
+    # e_score_correction_bias, a bf16 buffer here before)
+    plan = model._get_dtype_plan(dtype)
+    targets = {name: p.dtype for name, p in model.named_parameters()}
+    if plan:
+        from transformers.core_model_loading import build_glob_alternation
+
+        pattern, groups, _ = build_glob_alternation(list(plan))
+        targets.update({n: plan[groups[m.lastgroup]] for n in targets if (m := pattern.search(n)) is not None})
     for name, p in list(model.named_parameters()):  # loaded in the stored dtype, cast after
         if p.is_floating_point():
             set_module_tensor_to_device(model, name, "meta", dtype=store)
     names_of = {id(m): n for n, m in model.named_modules()}
     mapping = get_model_conversion_mapping(model)
     load = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), device_map={"": "cpu"}, dtype=store,
-                               weight_mapping=mapping, use_safetensors=True)
+                               weight_mapping=mapping, use_safetensors=True, dtype_plan=plan)
     layers = decoder_of(model).layers
     expected, loaded, info, streams = set(model.state_dict()), set(), None, []
     for names in layer_groups(index):  # a layer's keys checked from the header, the rest read and kept

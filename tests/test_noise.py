@@ -147,3 +147,44 @@ def test_the_noise_takes_the_references_mask_decisions_not_hfs_own_flip(monkeypa
     flipped = layer_error("sdpa")
     assert flipped > 5 * eager  # HF's own flip
     assert sdpa < 3 * eager  # the two implementations' rounding, alike
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe", "phimoe"])
+def test_streamed_noise_is_the_whole_ones_each_layer_read_once_for_both_attentions(family, monkeypatch, tmp_path):
+    """HF at bf16 streamed from the checkpoint (as above 1 GiB of fp32 weights) measures exactly what it
+    measures in memory, both attention implementations (deepseek_v3: its correction bias, which HF keeps in
+    fp32, was a bf16 buffer in the streamed model); and the two run one layer at a time in turn (lockstep:
+    each layer's blocks, then its stage of the e2e steps layer by layer), so that each decoder layer is read
+    from the checkpoint once for both, not once per block kind and per step."""
+    from oracle import noise as N
+    from oracle.backend import hf_spec
+    from oracle.reference import READ, forget_reads, tensor_bytes
+    from oracle.references import reference_of
+    from oracle.sources import model_source, prompt_tokens
+    from models.checkpoint import LAYER, tensor_index
+
+    spec = CheckSpec(family=family, backend="hf", precision="bf16", decode_tokens=4)
+    src = model_source(spec)
+    prompt = prompt_tokens(spec, src.args.vocab_size)
+    ref = reference_of(spec, src, prompt)
+
+    def measured(mode):
+        monkeypatch.setenv("MOE_ORACLE_REFERENCE", mode)
+        monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / mode))  # measured here, not read from a cache
+        monkeypatch.setattr(N, "_MEMORY", {})
+        forget_reads()
+        before = READ["bytes"]
+        noise = N.noise_for(ref, src, spec, prompt)
+        return noise, READ["bytes"] - before
+
+    (whole, none), (streamed, read) = measured("whole"), measured("streamed")
+    assert none == 0
+    assert read == sum(tensor_bytes(e) for n, e in tensor_index(src.model_dir).items() if LAYER.search(n))
+    assert len(N.attentions(src.family)) == 2 or family == "gpt_oss"
+    for a, b in ((whole.logits, streamed.logits), *((whole.outputs[k], streamed.outputs[k]) for k in whole.outputs),
+                 *((whole.e2e_scores[k], streamed.e2e_scores[k]) for k in whole.e2e_scores)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            for u, v in zip(x if isinstance(x, tuple) else (x,), y if isinstance(y, tuple) else (y,)):
+                assert u.dtype == v.dtype and np.array_equal(u, v)
+    assert list(whole.outputs) == list(streamed.outputs)

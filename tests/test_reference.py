@@ -148,10 +148,11 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
     layer's blocks are that layer's once (the decode calls inside the same load, the layer's other blocks
     while it is held), not the model's per call."""
     from oracle.backend import CheckSpec, resolve
-    from oracle.reference import release_held, streamed_bytes, tensor_bytes
+    from oracle.reference import forget_reads, release_held, streamed_bytes, tensor_bytes
     from oracle.references import reference_of
     from oracle.sources import model_source, prompt_tokens
 
+    forget_reads()  # a layer another test read last is not this test's read
     spec = CheckSpec(family=family, backend="hf")
     src = model_source(spec)
     ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
@@ -192,10 +193,11 @@ def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, 
     one by one, at bf16 (HF keeps some tensors in fp32 there, and a tied head must follow its embedding's
     cast), and read each decoder layer's bytes once in all."""
     from oracle.backend import CheckSpec, resolve
-    from oracle.reference import streamed_bytes, tensor_bytes
+    from oracle.reference import forget_reads, streamed_bytes, tensor_bytes
     from oracle.references import reference_of
     from oracle.sources import model_source, prompt_tokens
 
+    forget_reads()  # a layer another test read last is not this test's read
     spec = CheckSpec(family=family, backend="hf", precision="bf16", decode_tokens=4)
     src = model_source(spec)
     ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
@@ -217,3 +219,23 @@ def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, 
     assert all(np.array_equal(a[layer][i], b[layer][i]) for a, b in zip(routes, got_routes) for layer in a for i in (0, 1))
     layers = sum(tensor_bytes(s.index[n]) for s in streamed.model._oracle_streams for n in s.names)
     assert streamed_bytes(streamed.model) - before == layers  # each decoder layer's tensors, once
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_streamed_model_holds_every_tensor_as_the_whole_one_does(family):
+    """At bf16, every parameter and buffer of the streamed model (its layers loaded) has the whole model's
+    dtype and value: HF keeps some in fp32 (DeepSeek-V3's e_score_correction_bias, a buffer, by the class's
+    keep-in-fp32 names; ERNIE's gate), and a tied head is its embedding."""
+    from oracle.reference import decoder_of, materialized
+
+    fam = get_family(family)
+    d = tiny_checkpoint(fam, 0)
+    whole, streamed = load_hf_model(fam, d, torch.bfloat16), load_hf_model(fam, d, torch.bfloat16, streamed=True)
+    with materialized(decoder_of(streamed)):
+        theirs = dict([*streamed.named_parameters(), *streamed.named_buffers()])
+        mine = dict([*whole.named_parameters(), *whole.named_buffers()])
+        assert sorted(theirs) == sorted(mine)
+        for name, t in mine.items():
+            assert theirs[name].dtype == t.dtype and torch.equal(theirs[name], t), name
+    assert (streamed.get_output_embeddings().weight is streamed.get_input_embeddings().weight) == \
+        (whole.get_output_embeddings().weight is whole.get_input_embeddings().weight)
