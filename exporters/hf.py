@@ -20,6 +20,7 @@ from oracle.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
 from exporters.eager import device_availability, device_info, device_of, device_option, host
 from oracle.backend import Backend, Candidate, InputError
 from oracle.replay import RouteLog
+from oracle.schedule import Ahead
 from oracle.reference import (normalize_output, block_modules, decoder_of, hold, load_hf_model, materialized,
                               model_args, reference_mode, release_held, router_reader)
 
@@ -50,6 +51,7 @@ class HFCandidate(Candidate):
         self.args = model_args(model, family)
         self.read_router = router_reader(family, self.args)
         self.cache = None
+        self.kept = Ahead()  # what `ahead` computed, answered once each
         self.info = {"executor": "transformers eager"}
         # routers: (weights, indices), and their logits too where asked (oracle/noise.py reads the
         # precision's own selection scores from them)
@@ -85,11 +87,23 @@ class HFCandidate(Candidate):
     def _ids(self, ids):
         return torch.tensor(ids, device=self.device)
 
-    def teacher_forced(self, tokens, prompt_len, calls):
-        """A streamed model's e2e steps layer by layer (LayerByLayer, every layer then the head); None for a
-        model in memory (call by call)."""
+    def ahead(self, ref):
+        """A streamed model's block rows and e2e steps, one layer at a time (oracle.schedule.Ahead: a generator
+        the harness runs in turn with HF's noise measurement, so that a layer is read once for all); None for a
+        model in memory."""
         if not self.streamed:
             return None
+        self.kept = Ahead()
+        return self.kept.run(self, ref, len(decoder_of(self.model).layers),
+                             LayerByLayer(self, ref.tokens, ref.prompt_len, len(ref.logits)), self.routes)
+
+    def teacher_forced(self, tokens, prompt_len, calls):
+        """A streamed model's e2e steps layer by layer (LayerByLayer, every layer then the head; or as `ahead`
+        ran them); None for a model in memory (call by call)."""
+        if not self.streamed:
+            return None
+        if (kept := self.kept.steps(tokens, prompt_len, calls)) is not None:
+            return kept
         steps = LayerByLayer(self, tokens, prompt_len, calls)
         for layer in range(steps.layers):
             steps.through(layer)
@@ -144,6 +158,9 @@ class HFCandidate(Candidate):
     @torch.no_grad()
     @in_arithmetic
     def run_block(self, layer, kind, calls):
+        if (kept := self.kept.block((layer, kind), calls)) is not None:  # computed ahead (the first ask)
+            self.routes.entries[:] = kept[1]
+            return kept[0]
         self.routes.reset()
         probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
         calls = [c for c in calls if not c.probe]
@@ -351,6 +368,8 @@ class HFBackend(Backend):
             cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, streamed=True),
                                model.family, dtype, spec.precision)
             cand.info["executor"] += " (decoder layers read from the checkpoint's shards for each forward)"
+            cand.info["schedule"] = ("layer by layer: each decoder layer read once for its block rows and its stage "
+                                     "of the e2e steps, in turn with HF's noise measurement (oracle/schedule.py)")
             return cand
         m = load_hf_model(model.family, model.model_dir, dtype).to(device)  # cpu: where it already is
         cand = HFCandidate(m, model.family, dtype, spec.precision, device)

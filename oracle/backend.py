@@ -224,6 +224,12 @@ class Candidate:
         """Logits [V] (or [1, V]) of one step, carrying the state of the previous calls."""
         raise NotImplementedError
 
+    def ahead(self, ref):
+        """A generator computing its block rows and e2e steps one decoder layer at a time (yielding after each),
+        which the harness runs in turn with HF's noise measurement before it asks for them (oracle/schedule.py:
+        a streamed checkpoint's layer is then read once for all); None (the default): nothing ahead."""
+        return None
+
     def teacher_forced(self, tokens: list[int], prompt_len: int, calls: int) -> tuple[list, list] | None:
         """Every e2e call at once where the tokens are known (the prefill of tokens[:prompt_len], then
         decode steps fed tokens[prompt_len:], `calls` in all): (each call's logits as prefill / decode

@@ -1,6 +1,6 @@
 """One check as a pipeline of stages: validate -> sources (checkpoint, shipped directory, prompts)
--> reference (HF fp32) -> the precision's own error (HF at it) -> quantization rows -> candidate
--> block rows -> e2e -> drill (inside the worst failing block) -> gates -> CheckResult. Each stage lives in its own module; this one runs
+-> reference (HF fp32) -> quantization rows -> candidate load -> the precision's own error (HF at it,
+with a streamed candidate's layer-by-layer pass) -> block rows -> e2e -> drill (inside the worst failing block) -> gates -> CheckResult. Each stage lives in its own module; this one runs
 them in order, times them and contains a stage that crashes."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from oracle.noise import aligner, block_aligner, exact_for, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
 from oracle.result import CheckResult, GateRow, Status, worst_row
+from oracle.schedule import lockstep
 from oracle.compare import block_rows, reduction_length
 from oracle.conversion import check_tensors
 from oracle.e2e import prompt_set, run_e2e
@@ -133,7 +134,6 @@ def _run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = Tru
         run.result.quantization = {"shipped_dir": run.srcs.shipped, **(run.srcs.quantization or {}), "weights": run.weights}
         run.result.reference = {"not_run": f"HF on the shipped weights could not run: {e}"}
         return verdict(run)
-    measure_noise(run)  # reduced precisions: HF at the precision, same inputs
     quantization(run)  # a shipped or built directory: what it is, and its quantization's own loss
     try:
         run_candidate(run, goldens)  # load, block rows, e2e, prompts, gates, sampling, structures, goldens
@@ -264,19 +264,29 @@ def capture_reference(run: Run) -> None:
     run.result.reference = reference_margins(run.ref)
 
 
-def measure_noise(run: Run) -> None:
+def measure_noise(run: Run, cand) -> None:
     """The precision's own error (HF at it, same inputs: oracle/noise.py); where it cannot be
-    measured the fixed tables judge, and the report says so."""
+    measured the fixed tables judge, and the report says so. A candidate that computes its block rows
+    and e2e steps ahead, one layer at a time (Candidate.ahead: a streamed checkpoint), runs in turn with
+    the measurement, so that each layer is read once for all (oracle/schedule.py); its time is then in
+    noise_s (ahead_s where there is no noise to measure)."""
     spec = run.spec
+    ahead = cand.ahead(run.ref)
+    alongside = () if ahead is None else (ahead,)
     if not thresholds.noise_relative(spec.precision):
+        if ahead is not None:
+            run.progress("the candidate layer by layer")
+            run.timed("ahead", lambda: lockstep([ahead]))
         return
-    run.progress(f"HF at {spec.precision} (the precision's own error)")
+    run.progress(f"HF at {spec.precision} (the precision's own error)"
+                 + (", with the candidate, layer by layer" if ahead is not None else ""))
     t = time.perf_counter()
     try:
-        run.noise = noise_for(run.ref, run.src, spec, run.prompt)
+        run.noise = noise_for(run.ref, run.src, spec, run.prompt, alongside)
         run.result.reference["noise"] = f"HF transformers at {spec.precision} on the same inputs (oracle/noise.py)"
     except Exception as e:
         run.result.reference["noise"] = f"not measured ({type(e).__name__}: {e}): fixed {spec.precision} tables"
+        lockstep(list(alongside))  # the candidate's pass to its end (what it kept is asked for next)
     run.timings["noise_s"] = time.perf_counter() - t
 
 
@@ -362,6 +372,9 @@ def run_candidate(run: Run, goldens: bool) -> None:
                     "all_cached": bool(artifacts) and all(a["cached"] for a in artifacts)}
     if spec.reference is not None:  # where the reference came from is run state: the numbers are the same
         result.cache["reference"] = spec.reference
+
+    run.stage = "noise"  # the precision's own error, with the candidate's layer-by-layer pass where it has one
+    measure_noise(run, cand)
 
     run.stage = "blocks"
     result.blocks = run.timed("blocks", lambda: block_rows(ref, cand, spec, src.args, run.progress, run.noise, src,

@@ -152,22 +152,9 @@ def measure(ref, src, spec, blocks: bool = True, plan: dict | None = None, atten
     rounding, not HF's own flips at near ties; the router blocks and the selection scores (read before
     the selection) are HF's own. With `attention` other than eager, HF's model runs that attention
     implementation, and only the blocks it changes (ATTENDING) are measured."""
+    from oracle.schedule import lockstep
+
     return lockstep([measuring(ref, src, spec, blocks, plan, attention)])[0]
-
-
-def lockstep(passes: list) -> list:
-    """Run generators that each yield once per decoder layer (`measuring`) one layer at a time in turn,
-    so that a streamed checkpoint's layer is read from disk once for all of them (oracle.reference.RECENT
-    keeps the layer read last); their return values, in order."""
-    results, live = [None] * len(passes), list(enumerate(passes))
-    while live:
-        for i, g in list(live):
-            try:
-                next(g)
-            except StopIteration as stop:
-                results[i] = stop.value
-                live.remove((i, g))
-    return results
 
 
 def measuring(ref, src, spec, blocks: bool = True, plan: dict | None = None, attention: str = "eager"):
@@ -307,10 +294,12 @@ def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = N
     return _cached_all([(key, dict(blocks=blocks, plan=plan, attention=attention))], ref, src, spec)[0]
 
 
-def _cached_all(jobs: list, ref, src, spec) -> list:
+def _cached_all(jobs: list, ref, src, spec, alongside: tuple = ()) -> list:
     """Each job's Noise ((key, measure's keyword arguments)): from memory, from the disk cache, or measured,
-    those not cached together one layer at a time (lockstep), then saved."""
+    those not cached together one layer at a time (oracle.schedule.lockstep), with the generators
+    `alongside` (a candidate's layer-by-layer pass: Candidate.ahead), then saved."""
     from models import cache
+    from oracle.schedule import lockstep
 
     paths = {key: cache_root() / "noise" / key for key, _ in jobs}
     for key, _ in jobs:
@@ -318,7 +307,7 @@ def _cached_all(jobs: list, ref, src, spec) -> list:
             cache.hold(paths[key])
     got = {key: _MEMORY.get(key) or _load(paths[key]) for key, _ in jobs}
     todo = [(key, kw) for key, kw in jobs if got[key] is None]
-    for (key, _), noise in zip(todo, lockstep([measuring(ref, src, spec, **kw) for _, kw in todo])):
+    for (key, _), noise in zip(todo, lockstep([measuring(ref, src, spec, **kw) for _, kw in todo] + list(alongside))):
         _save(noise, paths[key])
         got[key] = noise
     if todo:
@@ -332,17 +321,20 @@ def _cached_all(jobs: list, ref, src, spec) -> list:
     return [got[key] for key, _ in jobs]
 
 
-def noise_for(ref, src, spec, prompt) -> Noise | None:
+def noise_for(ref, src, spec, prompt, alongside: tuple = ()) -> Noise | None:
     """The precision's own error for this check (None where its limits are not noise-relative:
     fp32, whose reference is HF itself, and the quantized precisions): HF at the precision with each
-    of its attention implementations, the worse row by row."""
+    of its attention implementations, the worse row by row. The generators `alongside` (a candidate's
+    layer-by-layer pass) run with the measurements, one layer at a time in turn (to the end in any case)."""
     from oracle import thresholds
+    from oracle.schedule import lockstep
 
     if not thresholds.noise_relative(spec.precision):
+        lockstep(list(alongside))
         return None
     spec = hf_spec(spec)
     return merged(_cached_all([(_key(spec, src, prompt, attention=a), dict(attention=a)) for a in attentions(src.family)],
-                              ref, src, spec), ref.logits, ref.router_probs, ref.outputs)
+                              ref, src, spec, alongside), ref.logits, ref.router_probs, ref.outputs)
 
 
 def exact_for(ref, src, spec, prompt) -> Noise:

@@ -106,18 +106,22 @@ def test_streamed_reference_memory_stays_under_the_bound(tmp_path):
           f"whole fp32 weights {sum(fp32.values()) / 2**30:.2f} GiB")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_streamed_hf_candidate_matches_the_whole_one(precision, monkeypatch):
+@pytest.mark.parametrize("family,precision", [("qwen3_5_moe", "fp32"), ("qwen3_5_moe", "bf16"), ("deepseek_v3", "bf16")])
+def test_streamed_hf_candidate_matches_the_whole_one(family, precision, monkeypatch):
     """The `hf` candidate streamed (as it is above 1 GiB) measures exactly what the whole one
-    does: same rows, same numbers, same tokens (qwen3_5_moe: the composite-free hybrid family)."""
+    does: same rows, same numbers, same tokens (qwen3_5_moe: the composite-free hybrid family; deepseek_v3:
+    a correction bias HF keeps in fp32), its block rows and e2e steps computed ahead layer by layer in turn
+    with the noise (the report says so), the other way call by call."""
     from oracle.backend import CheckSpec
     from oracle.check import run_check
 
     def run(mode):
         monkeypatch.setenv("MOE_ORACLE_REFERENCE", mode)
-        r = run_check(CheckSpec(family="qwen3_5_moe", backend="hf", precision=precision, decode_tokens=3))
+        r = run_check(CheckSpec(family=family, backend="hf", precision=precision, decode_tokens=3))
         assert r.status == "pass", r.error
-        return [(b.layer, b.kind, b.status, b.metrics) for b in r.blocks], r.e2e.candidate_tokens
+        assert ("schedule" in r.provenance["backend"]) == (mode == "streamed")
+        return ([(b.layer, b.kind, b.status, b.metrics) for b in r.blocks], r.e2e.candidate_tokens,
+                r.e2e.steps, r.e2e.routing)
 
     assert run("streamed") == run("whole")
 

@@ -1,0 +1,79 @@
+"""Full depth by schedule, not by memory: where the tokens are known, a decoder stack can run layer by
+layer (each layer over every call in order, with its own state), so that each weight is read once. For a
+streamed checkpoint (its decoder layers read from the shards for each use: oracle.reference.LayerStream),
+the models of a check that need a layer (HF at the candidate's precision with each attention, the
+candidate) run it one after the other (`lockstep`), and the layer's tensors are read from disk once for
+all of them (oracle.reference.RECENT keeps the layer read last).
+
+A candidate that can run so (Candidate.ahead) computes its block rows and its e2e steps one layer at a
+time, before the harness asks for them (`Ahead`); run_block and teacher_forced then answer from what was
+kept, once each (a later call, e.g. the drill's, runs again)."""
+
+from __future__ import annotations
+
+
+def lockstep(passes: list) -> list:
+    """Run generators that each yield once per decoder layer one layer at a time in turn; their return
+    values, in order."""
+    results, live = [None] * len(passes), list(enumerate(passes))
+    while live:
+        for i, g in list(live):
+            try:
+                next(g)
+            except StopIteration as stop:
+                results[i] = stop.value
+                live.remove((i, g))
+    return results
+
+
+class Ahead:
+    """A candidate's block rows and e2e steps computed ahead, one decoder layer at a time (`run`), answered
+    once each: `block(key, calls)` -> (outputs, the router log's entries of that run) or None; `steps(tokens,
+    prompt_len, calls)` -> teacher_forced's answer or None. A block that raised raises again when asked."""
+
+    def __init__(self):
+        self.blocks: dict = {}  # (layer, kind) -> (the calls it ran on, outputs or the exception, route entries)
+        self.kept_steps = None  # ((tokens, prompt_len, calls), answer)
+
+    def run(self, cand, ref, layers: int, stepper, log=None):
+        """The generator: for each decoder layer, its block rows (cand.run_block on the reference's calls),
+        then its stage of the e2e steps (stepper.through(layer)); after the last, the final blocks and
+        stepper.finish(). Yields after each layer. A stage that raises ends the steps (teacher_forced then
+        runs them itself); the blocks go on. `log`: the candidate's oracle.replay.RouteLog, whose entries
+        each block's run leaves are kept with it (block_routes reads them)."""
+        keys = ref.block_keys()
+        for layer in [*range(layers), None]:
+            for key in keys:
+                if key[0] == layer:
+                    self._block(cand, key, ref.inputs[key], log)
+            try:
+                if stepper is not None and layer is not None:
+                    stepper.through(layer)
+                elif stepper is not None:
+                    self.kept_steps = ((tuple(ref.tokens), ref.prompt_len, len(ref.logits)), stepper.finish())
+            except Exception:  # noqa: BLE001 - the steps are run again when asked, and fail there with their error
+                stepper = None
+            if layer is not None:
+                yield
+
+    def _block(self, cand, key, calls, log):
+        try:
+            outs = cand.run_block(key[0], key[1], calls)
+        except Exception as e:  # noqa: BLE001 - raised again when the harness asks for this block
+            outs = e
+        self.blocks[key] = (calls, outs, list(log.entries) if log is not None else None)
+
+    def block(self, key, calls):
+        kept = self.blocks.get(key)
+        if kept is None or kept[0] is not calls:
+            return None
+        del self.blocks[key]
+        if isinstance(kept[1], Exception):
+            raise kept[1]
+        return kept[1], kept[2]
+
+    def steps(self, tokens, prompt_len: int, calls: int):
+        if self.kept_steps is None or self.kept_steps[0] != (tuple(tokens), prompt_len, calls):
+            return None
+        answer, self.kept_steps = self.kept_steps[1], None
+        return answer
