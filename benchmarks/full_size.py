@@ -6,9 +6,12 @@ a user checks a real one (`oracle check --model-dir`), with wall time per stage 
 
 1. writes the checkpoint (bf16, 5 GB shards + index, as the published one is laid out) into
    the cache, once (a later run reuses it);
-2. runs each check (default: eager bf16, then mlx q4) as its own `oracle check` process under
-   /usr/bin/time, and reads its JSON: status, wall time per stage, the reference side's peak
-   (VmHWM after the reference stage) and the whole process's peak (time's max RSS).
+2. runs each check (default: eager bf16, then mlx q4) as its own `oracle check --config` process
+   under /usr/bin/time, and reads its JSON: status, wall time per stage, the reference side's peak
+   (VmHWM after the reference stage), the whole process's peak (time's max RSS), the bytes its
+   streamed models read from the checkpoint's decoder layers (and what the process read from storage:
+   /proc/self/io, less what the page cache held), the schedule it ran, and the disk it wrote beside
+   the checkpoint.
 The first check hashes the checkpoint and captures the streamed reference; the second finds
 both cached (the digest by path/size/mtime, the reference by digest/prompt/steps).
 """
@@ -39,6 +42,20 @@ def timed(cmd: list[str], env: dict) -> tuple[int, float, float, str]:
         m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", Path(tf.name).read_text())
     peak = int(m.group(1)) * 1024 / GIB if m else float("nan")
     return p.returncode, time.perf_counter() - t, peak, (p.stderr or "")[-3000:]
+
+
+def disk_usage(root: Path, leave_out: Path) -> int:
+    """Bytes of the files under `root`, those under `leave_out` (the checkpoint) left out."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        if Path(dirpath).is_relative_to(leave_out):
+            continue
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def main(argv=None) -> int:
@@ -73,6 +90,9 @@ def main(argv=None) -> int:
     if p.returncode:
         sys.exit(f"writing the checkpoint failed (exit {p.returncode})")
     ckpt = Path(p.stdout.strip().splitlines()[-1])
+    from models.checkpoint import cache_root
+
+    cache = cache_root()
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / GIB
     shards = len(list(ckpt.glob("*.safetensors")))
     print(f"checkpoint {ckpt} ({size:.1f} GiB in {shards} shard(s), {time.perf_counter() - t:.0f} s; "
@@ -84,17 +104,21 @@ def main(argv=None) -> int:
     for item in args.checks.split(","):
         backend, _, precision = item.partition(":")
         out = args.out / f"{Path(args.config).stem}-{backend}-{precision or 'fp32'}.json"
-        cmd = [py, "-m", "oracle", "check", "--family", family, "--backend", backend, "--model-dir", str(ckpt),
-               "--decode-tokens", str(args.decode), "--json", str(out)]
+        cmd = [py, "-m", "oracle", "check", "--config", args.config, *(["--layers", str(args.layers)] if args.layers else []),
+               "--backend", backend, "--decode-tokens", str(args.decode), "--json", str(out)]
         if precision:
             cmd += ["--precision", precision]
         print(f"$ {' '.join(cmd[1:])}", flush=True)
+        before = disk_usage(cache, ckpt)
         code, wall, peak, err = timed(cmd, env)
+        extra = (disk_usage(cache, ckpt) - before) / GIB  # what the check wrote beside the checkpoint (reference, noise)
         res = json.loads(out.read_text()) if out.is_file() else {}
         tm = res.get("timings", {})
         rows.append({"check": f"{backend} {precision or 'fp32'}", "exit": code, "status": res.get("status", "?"),
                      "wall_s": wall, "peak_gib": peak, "ref_peak_gib": tm.get("reference_peak_rss_gib"),
-                     **{k: tm.get(f"{k}_s") for k in ("checkpoint", "reference", "load", "blocks", "e2e")}})
+                     "read": tm.get("streamed_gib_read"), "disk_read": tm.get("disk_gib_read"), "extra_gib": extra,
+                     "schedule": (res.get("provenance", {}).get("backend") or {}).get("schedule", "call by call"),
+                     **{k: tm.get(f"{k}_s") for k in ("checkpoint", "reference", "noise", "load", "blocks", "e2e")}})
         if code not in (0, 1):
             print(err, file=sys.stderr)
         worst = max(worst, code)
@@ -106,13 +130,15 @@ def main(argv=None) -> int:
 
     print(f"\n{args.config}{f' --layers {args.layers}' if args.layers else ''}: {size:.1f} GiB bf16, "
           f"{os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB RAM\n")
-    print("| check | status | checkpoint s | reference s | load s | blocks s | e2e s | wall s "
-          "| reference peak GiB | process peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| check | status | checkpoint s | reference s | load s | noise s | blocks s | e2e s | wall s "
+          "| reference peak GiB | process peak GiB | layers read (x checkpoint) | disk read GiB | extra disk GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['check']} | {r['status']} | {f(r['checkpoint'], '.0f')} | {f(r['reference'], '.0f')} "
-              f"| {f(r['load'], '.0f')} | {f(r['blocks'], '.0f')} | {f(r['e2e'], '.0f')} | {r['wall_s']:.0f} "
-              f"| {f(r['ref_peak_gib'], '.2f')} | {r['peak_gib']:.2f} |")
+        times = " | ".join(f(r[k], ".0f") for k in ("checkpoint", "reference", "load", "noise", "blocks", "e2e"))
+        read = "-" if r["read"] is None else f"{r['read']:.1f} GiB ({r['read'] / size:.2f}x)"
+        print(f"| {r['check']} | {r['status']} | {times} | {r['wall_s']:.0f} | {f(r['ref_peak_gib'], '.2f')} "
+              f"| {r['peak_gib']:.2f} | {read} | {f(r['disk_read'], '.1f')} | {r['extra_gib']:.2f} |")
+    print("\nschedules: " + "; ".join(f"{r['check']}: {r['schedule']}" for r in rows))
     return worst
 
 

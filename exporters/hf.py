@@ -335,16 +335,13 @@ class HFBackend(Backend):
         embedding and head, and at most two decoder layers at a time (one in use, one being read), in fp32
         (the reference's, captured in the same process; the candidate's at bf16 are smaller): the bound
         tests/test_reference.py measures (1.04 GiB for 2.04 GiB of fp32 weights)."""
-        from oracle.reference import mode_for
+        from oracle.reference import mode_for, streamed_memory
 
         if spec.precision not in self.memory_per_param:
             return None, ""
         if mode_for(src.parameter_count()) != "streamed":
             return super().memory_estimate(src, spec)
-        layer, outside = src.layer_parameter_counts()
-        return (4 * (2 * layer + outside) + (1 << 30),
-                f"streamed: 2 x {layer / 1e9:.2f} B parameters of its largest decoder layer + {outside / 1e9:.2f} B "
-                "outside the layers, in fp32, + 1 GiB; the layers are read from the checkpoint for each forward")
+        return streamed_memory(src)
 
     def load(self, model, spec):
         cand = self._load(model, spec)

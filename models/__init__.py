@@ -238,11 +238,16 @@ class Family:
         dtype = dtype or torch.float32
         index = tensor_index(model_dir)
         for names in layer_groups(index):
-            # fresh memory either way (a tensor read from a shard can sit at an alignment
-            # that makes BLAS round differently from run to run of the same weights)
-            group = self.sanitize(read_tensors(index, names), args)
-            yield {name: t.to(d) if t.dtype != (d := stored_dtype(args, name, dtype)) else t.clone()
-                   for name, t in group.items()}
+            yield self.production_group(read_tensors(index, names), args, dtype)
+
+    def production_group(self, tensors: dict, args: ModelArgs, dtype) -> dict:
+        """One group of checkpoint tensors (a decoder layer's, or those outside the layers) as the
+        production model's parameters: sanitized and converted to `dtype` (fp32 where kept), in fresh
+        memory either way (a tensor read from a shard can sit at an alignment that makes BLAS round
+        differently from run to run of the same weights)."""
+        group = self.sanitize(tensors, args)
+        return {name: t.to(d) if t.dtype != (d := stored_dtype(args, name, dtype)) else t.clone()
+                for name, t in group.items()}
 
 
 # ------------------------------------------------------------------ config consistency

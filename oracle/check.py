@@ -52,6 +52,16 @@ def peak_rss_gib() -> float | None:
     return round(kb / 2**20, 3)
 
 
+def disk_read_bytes() -> int | None:
+    """Bytes this process has read from storage so far (Linux /proc/self/io read_bytes: what the page cache
+    did not already hold), or None where it cannot be read."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def spec_record(spec: CheckSpec) -> dict:
     """The spec as the report records it: a saved reference's path is run state (in `cache`),
     so a check against a moved reference reports the same bytes as one captured in-process; the
@@ -83,6 +93,7 @@ class Run:
     weights: dict | None = None  # a shipped file's weight check (oracle/conversion.py)
     stage: str = ""  # the candidate's stage running (a crash's error names it)
     read_before: int = field(default_factory=lambda: READ["bytes"])  # streamed checkpoint bytes read before it
+    disk_before: int | None = field(default_factory=disk_read_bytes)  # this process's storage reads before it
 
     def record(self, s: CheckSpec) -> dict:  # q8/q4 as asked, not the fp32 check of the directory built for it
         return spec_record(replace(s, precision=self.asked.precision, candidate_dir=None, options=self.asked.options)
@@ -456,6 +467,9 @@ def verdict(run: Run) -> CheckResult:
     run.timings["peak_rss_gib"] = peak_rss_gib()
     if READ["bytes"] > run.read_before:  # streamed HF models (reference, noise, hf): what their layers read
         run.timings["streamed_gib_read"] = (READ["bytes"] - run.read_before) / 2**30
+        disk = disk_read_bytes()  # and what the process read from storage (the checkpoint, less what was cached)
+        if disk is not None and run.disk_before is not None:
+            run.timings["disk_gib_read"] = (disk - run.disk_before) / 2**30
     result.timings = run.timings
     return result
 

@@ -86,6 +86,17 @@ def mode_for(parameters: int) -> str:
     return "streamed" if 4 * parameters > STREAM_ABOVE else "whole"
 
 
+def streamed_memory(src) -> tuple[int, str]:
+    """(bytes, how they are made up) a check of a streamed checkpoint needs (the streamed reference, and
+    the streamed models beside it): the embedding and head, and at most two decoder layers at a time (one in
+    use, one being read), in fp32 (the reference's; the others' at bf16 are smaller), + 1 GiB: the bound
+    tests/test_reference.py measures (1.04 GiB for 2.04 GiB of fp32 weights)."""
+    layer, outside = src.layer_parameter_counts()
+    return (4 * (2 * layer + outside) + (1 << 30),
+            f"streamed: 2 x {layer / 1e9:.2f} B parameters of its largest decoder layer + {outside / 1e9:.2f} B "
+            "outside the layers, in fp32, + 1 GiB; the layers are read from the checkpoint for each use")
+
+
 def load_hf_model(family, model_dir: Path, dtype=None, streamed: bool = False):
     """HF's own model class (in `dtype`, default fp32), eager attention and eager (per-expert
     loop) experts; streamed (`load_streamed`: each decoder layer's weights read from the
