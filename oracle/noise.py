@@ -291,34 +291,36 @@ _MEMORY: dict[str, Noise] = {}  # this process's measurements (a matrix server r
 
 def _cached(key: str, ref, src, spec, blocks: bool = True, plan: dict | None = None,
             attention: str = "eager") -> Noise:
-    return _cached_all([(key, dict(blocks=blocks, plan=plan, attention=attention))], ref, src, spec)[0]
+    return _cached_all([(key, spec, dict(blocks=blocks, plan=plan, attention=attention))], ref, src)[0]
 
 
-def _cached_all(jobs: list, ref, src, spec, alongside: tuple = ()) -> list:
-    """Each job's Noise ((key, measure's keyword arguments)): from memory, from the disk cache, or measured,
-    those not cached together one layer at a time (oracle.schedule.lockstep), with the generators
-    `alongside` (a candidate's layer-by-layer pass: Candidate.ahead), then saved."""
+def _cached_all(jobs: list, ref, src, alongside: tuple = ()) -> list:
+    """Each job's Noise ((key, its hf spec, measure's keyword arguments)): from memory, from the disk cache, or
+    measured, those not cached together one layer at a time (oracle.schedule.lockstep: a streamed checkpoint's
+    layer read once for all), with the generators `alongside` (a candidate's layer-by-layer pass:
+    Candidate.ahead), then saved."""
     from models import cache
     from oracle.schedule import lockstep
 
-    paths = {key: cache_root() / "noise" / key for key, _ in jobs}
-    for key, _ in jobs:
+    paths = {key: cache_root() / "noise" / key for key, _, _ in jobs}
+    for key, _, _ in jobs:
         if key not in _MEMORY:
             cache.hold(paths[key])
-    got = {key: _MEMORY.get(key) or _load(paths[key]) for key, _ in jobs}
-    todo = [(key, kw) for key, kw in jobs if got[key] is None]
-    for (key, _), noise in zip(todo, lockstep([measuring(ref, src, spec, **kw) for _, kw in todo] + list(alongside))):
+    got = {key: _MEMORY.get(key) or _load(paths[key]) for key, _, _ in jobs}
+    todo = [job for job in jobs if got[job[0]] is None]
+    for (key, _, _), noise in zip(todo, lockstep([measuring(ref, src, spec, **kw) for _, spec, kw in todo]
+                                                 + list(alongside))):
         _save(noise, paths[key])
         got[key] = noise
     if todo:
         cache.enforce_quietly()
-    for key, _ in jobs:
+    for key, _, _ in jobs:
         cache.mark_used(paths[key])
         if key not in _MEMORY:
             if len(_MEMORY) >= 8:
                 _MEMORY.pop(next(iter(_MEMORY)))
             _MEMORY[key] = got[key]
-    return [got[key] for key, _ in jobs]
+    return [got[key] for key, _, _ in jobs]
 
 
 def noise_for(ref, src, spec, prompt, alongside: tuple = ()) -> Noise | None:
@@ -333,8 +335,9 @@ def noise_for(ref, src, spec, prompt, alongside: tuple = ()) -> Noise | None:
         lockstep(list(alongside))
         return None
     spec = hf_spec(spec)
-    return merged(_cached_all([(_key(spec, src, prompt, attention=a), dict(attention=a)) for a in attentions(src.family)],
-                              ref, src, spec, alongside), ref.logits, ref.router_probs, ref.outputs)
+    return merged(_cached_all([(_key(spec, src, prompt, attention=a), spec, dict(attention=a))
+                               for a in attentions(src.family)], ref, src, alongside),
+                  ref.logits, ref.router_probs, ref.outputs)
 
 
 def exact_for(ref, src, spec, prompt) -> Noise:
@@ -346,16 +349,18 @@ def exact_for(ref, src, spec, prompt) -> Noise:
     return _cached(_key(spec, src, prompt), ref, src, spec, blocks=False)
 
 
-def replayed(ref, src, spec, prompt, plan: dict, precision: str, attention: str = "eager") -> Noise:
-    """HF at `precision` on the teacher-forced e2e steps with the selection `plan` forced at every
-    router call (layer -> [indices per e2e call]: the candidate's), cached: the routing-aligned
-    reference (fp32), its noise (the candidate's precision, per attention implementation) and fp32's
-    own error there (fp64)."""
+def replayed(ref, src, spec, prompt, plan: dict, runs: list) -> list:
+    """HF on the teacher-forced e2e steps with the selection `plan` forced at every router call (layer ->
+    [indices per e2e call]: the candidate's), at each (precision, attention) of `runs`, cached, those not
+    cached one layer at a time together: the routing-aligned reference (fp32), its noise (the candidate's
+    precision, per attention implementation) and fp32's own error there (fp64)."""
     from oracle.replay import digest
 
-    spec = hf_spec(spec, precision)
-    return _cached(_key(spec, src, prompt, digest(plan), attention), ref, src, spec, blocks=False, plan=plan,
-                   attention=attention)
+    jobs = []
+    for precision, attention in runs:
+        s = hf_spec(spec, precision)
+        jobs.append((_key(s, src, prompt, digest(plan), attention), s, dict(blocks=False, plan=plan, attention=attention)))
+    return _cached_all(jobs, ref, src)
 
 
 def aligner(ref, src, spec, prompt):
@@ -365,12 +370,10 @@ def aligner(ref, src, spec, prompt):
     from oracle import thresholds
 
     def align(plan):
-        fp32 = replayed(ref, src, spec, prompt, plan, "fp32")
-        at = None
-        if thresholds.noise_relative(spec.precision):
-            at = merged([replayed(ref, src, spec, prompt, plan, spec.precision, a) for a in attentions(src.family)],
-                        fp32.logits, fp32.e2e_scores)
-        return fp32, at, lambda: replayed(ref, src, spec, prompt, plan, "fp64")
+        at = [(spec.precision, a) for a in attentions(src.family)] if thresholds.noise_relative(spec.precision) else []
+        fp32, *noises = replayed(ref, src, spec, prompt, plan, [("fp32", "eager"), *at])
+        return (fp32, merged(noises, fp32.logits, fp32.e2e_scores) if noises else None,
+                lambda: replayed(ref, src, spec, prompt, plan, [("fp64", "eager")])[0])
     return align
 
 
