@@ -443,10 +443,10 @@ class StreamedTorchCandidate(TorchCandidate):
         super().__init__(model, dtype, info)
         self.kept = Ahead()
 
-    def ahead(self, ref):
+    def ahead(self, ref, on_block=None):
         self.kept = Ahead()
         return self.kept.run(self, ref, len(self.model.layers), Steps(self, ref.tokens, ref.prompt_len, len(ref.logits)),
-                             self.routes)
+                             self.routes, on_block)
 
     def teacher_forced(self, tokens, prompt_len, calls):
         if (kept := self.kept.steps(tokens, prompt_len, calls)) is not None:

@@ -224,10 +224,11 @@ class Candidate:
         """Logits [V] (or [1, V]) of one step, carrying the state of the previous calls."""
         raise NotImplementedError
 
-    def ahead(self, ref):
+    def ahead(self, ref, on_block=None):
         """A generator computing its block rows and e2e steps one decoder layer at a time (yielding after each),
         which the harness runs in turn with HF's noise measurement before it asks for them (oracle/schedule.py:
-        a streamed checkpoint's layer is then read once for all); None (the default): nothing ahead."""
+        a streamed checkpoint's layer is then read once for all), calling on_block(key, outputs, routes per
+        call) after each block; None (the default): nothing ahead."""
         return None
 
     def teacher_forced(self, tokens: list[int], prompt_len: int, calls: int) -> tuple[list, list] | None:
@@ -407,7 +408,7 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "block_input", "run_block_points", "no_points", "no_routes", "last_routes",
-                         "block_routes")}
+                         "block_routes", "ahead", "teacher_forced")}
 
 
 class _Duck:

@@ -20,7 +20,7 @@ from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
 from oracle.result import CheckResult, GateRow, Status, worst_row
 from oracle.schedule import lockstep
-from oracle.compare import block_rows, reduction_length
+from oracle.compare import aligning, block_rows, reduction_length
 from oracle.conversion import check_tensors
 from oracle.e2e import prompt_set, run_e2e
 from oracle.quantization import quantization_rows
@@ -89,6 +89,7 @@ class Run:
     ref: object = None
     noise: object = None
     cand: object = None
+    block_align: object = None  # oracle.noise.block_aligner of the check
     spent: dict = field(default_factory=dict)  # options spent on writing a q8/q4 directory
     weights: dict | None = None  # a shipped file's weight check (oracle/conversion.py)
     stage: str = ""  # the candidate's stage running (a crash's error names it)
@@ -282,7 +283,7 @@ def measure_noise(run: Run, cand) -> None:
     the measurement, so that each layer is read once for all (oracle/schedule.py); its time is then in
     noise_s (ahead_s where there is no noise to measure)."""
     spec = run.spec
-    ahead = cand.ahead(run.ref)
+    ahead = cand.ahead(run.ref, aligning(run.ref, spec, run.block_align))
     alongside = () if ahead is None else (ahead,)
     if not thresholds.noise_relative(spec.precision):
         if ahead is not None:
@@ -385,11 +386,12 @@ def run_candidate(run: Run, goldens: bool) -> None:
         result.cache["reference"] = spec.reference
 
     run.stage = "noise"  # the precision's own error, with the candidate's layer-by-layer pass where it has one
+    run.block_align = block_aligner(ref, src, spec)  # the block rows' routing replay (run ahead with that pass)
     measure_noise(run, cand)
 
     run.stage = "blocks"
     result.blocks = run.timed("blocks", lambda: block_rows(ref, cand, spec, src.args, run.progress, run.noise, src,
-                                                          align=block_aligner(ref, src, spec)))
+                                                          align=run.block_align))
 
     run.stage = "e2e"
     run.progress("e2e")

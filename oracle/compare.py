@@ -322,15 +322,11 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
             # the block's own choice where the candidate reports it; else its router row's (the moe block's
             # router reads the router row's very input; a layer's router reads the layer's own attention)
             own = selections.get(key)
-            sel = own or router_sel.get(key[0])
-            sel = sel[: len(ref.inputs[key])] if sel is not None else None
-            diffs = block_differences(ref, key[0], sel, spec, len(ref.inputs[key]))
+            sel, diffs, plan = alignment_plan(ref, key, own or router_sel.get(key[0]), spec)
             if align is not None and diffs:
                 progress(f"blocks: HF with the candidate's experts forced ({key[0]} {key[1]})")
-                positions = [np.arange(np.asarray(i).reshape(-1, np.asarray(i).shape[-1]).shape[0])
-                             for _, i in ref.outputs[key[0], "router"][: len(sel)]]
                 try:
-                    aligned = align(key, plan_of(sel, diffs, key[0], positions, key[0] in ref.weight_gaps))
+                    aligned = align(key, plan)
                 except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said
                     note = f"routing replay failed ({type(e).__name__}: {e}): judged against the plain reference"
                 if aligned is not None and key[1] == "layer" and not own:
@@ -471,6 +467,42 @@ def routing_followed(ref, key, outs: list, options: list, noise, where: str) -> 
             "against HF with that choice forced and the rest against HF's own (the nearest; all legitimate at a tie)")
     only_at = options[0][0][1] if len(options) == 1 else None  # no plain noise: the one forced run's, as before
     return (shaped(mixed, ref.outputs[key]), shaped(mixed_at, plain_at) if mixed_at is not None else only_at), note
+
+
+def alignment_plan(ref, key, sel: list | None, spec) -> tuple:
+    """(the candidate's selection of a moe or layer row per call (its own, else its router row's), the tokens
+    where it is not the reference's (block_differences), the forcing plan for HF there (replay.plan_of), None
+    where nothing differs)."""
+    sel = sel[: len(ref.inputs[key])] if sel is not None else None
+    diffs = block_differences(ref, key[0], sel, spec, len(ref.inputs[key]))
+    if not diffs:
+        return sel, diffs, None
+    positions = [np.arange(np.asarray(i).reshape(-1, np.asarray(i).shape[-1]).shape[0])
+                 for _, i in ref.outputs[key[0], "router"][: len(sel)]]
+    return sel, diffs, plan_of(sel, diffs, key[0], positions, key[0] in ref.weight_gaps)
+
+
+def aligning(ref, spec, align):
+    """A callback for a candidate's layer-by-layer pass (Candidate.ahead's `on_block`: (key, its outputs, the
+    routes its run logged)): where a moe or layer row's selection differs from the reference's, HF's routing
+    replay of that row (`align`, noise.block_aligner) is run then, while the layer's tensors are at hand
+    (oracle.reference.RECENT), and kept for the row (block_rows asks the same plan: answered from it). The
+    selection as block_rows reads it; a row it cannot read so is replayed when judged, as before."""
+    routers = {}
+
+    def on_block(key, outs, routes):
+        try:
+            if key[1] == "router":
+                routers[key[0]] = [(np.asarray(as_array(o[1], np.int64)), np.asarray(as_array(o[0]))) for o in outs]
+            elif key[1] in ("moe", "layer"):
+                own = [entry[key[0]] for entry in routes or () if key[0] in entry]
+                own = own if len(own) >= len(ref.inputs[key]) else None
+                _, diffs, plan = alignment_plan(ref, key, own or routers.get(key[0]), spec)
+                if diffs:
+                    align(key, plan, ahead=True)
+        except Exception:  # noqa: BLE001 - an optimisation: the row replays (and reports) it itself
+            pass
+    return on_block
 
 
 def block_selection(cand, layer: int, calls: int) -> list | None:

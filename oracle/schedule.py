@@ -35,17 +35,18 @@ class Ahead:
         self.blocks: dict = {}  # (layer, kind) -> (the calls it ran on, outputs or the exception, route entries)
         self.kept_steps = None  # ((tokens, prompt_len, calls), answer)
 
-    def run(self, cand, ref, layers: int, stepper, log=None):
+    def run(self, cand, ref, layers: int, stepper, log=None, on_block=None):
         """The generator: for each decoder layer, its block rows (cand.run_block on the reference's calls),
         then its stage of the e2e steps (stepper.through(layer)); after the last, the final blocks and
         stepper.finish(). Yields after each layer. A stage that raises ends the steps (teacher_forced then
         runs them itself); the blocks go on. `log`: the candidate's oracle.replay.RouteLog, whose entries
-        each block's run leaves are kept with it (block_routes reads them)."""
+        each block's run leaves are kept with it (block_routes reads them). `on_block(key, outputs, routes per
+        call)`: the harness's work on a block while its layer is at hand (oracle/compare.py aligning)."""
         keys = ref.block_keys()
         for layer in [*range(layers), None]:
             for key in keys:
                 if key[0] == layer:
-                    self._block(cand, key, ref.inputs[key], log)
+                    self._block(cand, key, ref.inputs[key], log, on_block)
             try:
                 if stepper is not None and layer is not None:
                     stepper.through(layer)
@@ -56,12 +57,14 @@ class Ahead:
             if layer is not None:
                 yield
 
-    def _block(self, cand, key, calls, log):
+    def _block(self, cand, key, calls, log, on_block):
         try:
             outs = cand.run_block(key[0], key[1], calls)
         except Exception as e:  # noqa: BLE001 - raised again when the harness asks for this block
             outs = e
         self.blocks[key] = (calls, outs, list(log.entries) if log is not None else None)
+        if on_block is not None and not isinstance(outs, Exception):
+            on_block(key, outs, log.calls() if log is not None else None)
 
     def block(self, key, calls):
         kept = self.blocks.get(key)
