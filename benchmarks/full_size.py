@@ -46,16 +46,9 @@ def timed(cmd: list[str], env: dict) -> tuple[int, float, float, str]:
 
 def disk_usage(root: Path, leave_out: Path) -> int:
     """Bytes of the files under `root`, those under `leave_out` (the checkpoint) left out."""
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        if Path(dirpath).is_relative_to(leave_out):
-            continue
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
-    return total
+    from models.cache import size_of
+
+    return size_of(root) - size_of(leave_out)
 
 
 def main(argv=None) -> int:

@@ -449,12 +449,7 @@ class StreamedTorchCandidate(TorchCandidate):
                              self.routes, on_block)
 
     def teacher_forced(self, tokens, prompt_len, calls):
-        if (kept := self.kept.steps(tokens, prompt_len, calls)) is not None:
-            return kept
-        steps = Steps(self, tokens, prompt_len, calls)
-        for layer in range(steps.layers):
-            steps.through(layer)
-        return steps.finish()
+        return self.kept.steps(tokens, prompt_len, calls, lambda: Steps(self, tokens, prompt_len, calls))
 
     def prefill(self, tokens):
         release_held()  # a layer its block rows kept: this run loads each layer itself

@@ -102,12 +102,7 @@ class HFCandidate(Candidate):
         ran them); None for a model in memory (call by call)."""
         if not self.streamed:
             return None
-        if (kept := self.kept.steps(tokens, prompt_len, calls)) is not None:
-            return kept
-        steps = LayerByLayer(self, tokens, prompt_len, calls)
-        for layer in range(steps.layers):
-            steps.through(layer)
-        return steps.finish()
+        return self.kept.steps(tokens, prompt_len, calls, lambda: LayerByLayer(self, tokens, prompt_len, calls))
 
     @torch.no_grad()
     @in_arithmetic

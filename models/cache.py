@@ -80,7 +80,8 @@ class Entry:
         return d
 
 
-def _size(p: Path) -> int:
+def size_of(p: Path) -> int:
+    """Bytes of a file, or of the files under a directory (links not followed; a file gone meanwhile: 0)."""
     if p.is_file():
         return p.stat().st_size
     total = 0
@@ -132,7 +133,7 @@ def entries(root: Path | None = None) -> list[Entry]:
         for stem, files in groups.items():
             out.append(Entry(f"{kind}/{stem}", kind, files, 0, 0.0))
     for e in out:
-        e.bytes = sum(_size(p) for p in e.paths)
+        e.bytes = sum(size_of(p) for p in e.paths)
         e.last_used = _used(e.paths)
         e.held = _held_by_another(e.name)
     return sorted(out, key=lambda e: e.last_used)
@@ -291,7 +292,7 @@ def remove_stale_temps(root: Path | None = None) -> int:
     """Remove stale_temps; returns the bytes freed."""
     freed = 0
     for d in stale_temps(root):
-        freed += _size(d)
+        freed += size_of(d)
         shutil.rmtree(d, ignore_errors=True)
     return freed
 
@@ -310,7 +311,7 @@ def quick_total(root: Path | None = None) -> int:
     this count needs nothing more (the common case, after each new entry: `entries` of a cache of
     10,000 entries takes a second or two)."""
     root = Path(root or cache_root())
-    return sum(_size(root / k) for k in ("artifacts", "checkpoints", "references", "noise"))
+    return sum(size_of(root / k) for k in ("artifacts", "checkpoints", "references", "noise"))
 
 
 def _evict(cap: int) -> list[Entry]:

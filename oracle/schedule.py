@@ -75,8 +75,15 @@ class Ahead:
             raise kept[1]
         return kept[1], kept[2]
 
-    def steps(self, tokens, prompt_len: int, calls: int):
-        if self.kept_steps is None or self.kept_steps[0] != (tuple(tokens), prompt_len, calls):
+    def steps(self, tokens, prompt_len: int, calls: int, stepper=None):
+        """teacher_forced's answer: what `run` kept for these tokens (once), else `stepper()` (a new
+        layer-by-layer run of them) run through every layer; None where neither."""
+        if self.kept_steps is not None and self.kept_steps[0] == (tuple(tokens), prompt_len, calls):
+            answer, self.kept_steps = self.kept_steps[1], None
+            return answer
+        if stepper is None:
             return None
-        answer, self.kept_steps = self.kept_steps[1], None
-        return answer
+        steps = stepper()
+        for layer in range(steps.layers):
+            steps.through(layer)
+        return steps.finish()

@@ -20,6 +20,24 @@ def _tensors(ref):
     return out
 
 
+def _hf_whole_and_streamed(monkeypatch, **spec):
+    """(the reference, the `hf` candidate in memory, the same streamed) of a tiny checkpoint's check; the
+    layer another test read last forgotten (its reads are not this test's)."""
+    from oracle.backend import CheckSpec, resolve
+    from oracle.reference import forget_reads
+    from oracle.references import reference_of
+    from oracle.sources import model_source, prompt_tokens
+
+    forget_reads()
+    spec = CheckSpec(backend="hf", **spec)
+    src = model_source(spec)
+    ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
+    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "whole")
+    whole = resolve("hf").load(src, spec)
+    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "streamed")
+    return ref, whole, resolve("hf").load(src, spec)
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_streamed_reference_is_bitwise_the_whole_one(family):
     """Decoder layers read from the checkpoint's shards for each forward by HF's own loading step
@@ -151,19 +169,9 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
     placeholders), exactly the outputs and routes of the whole model's replay; the bytes read for a
     layer's blocks are that layer's once (the decode calls inside the same load, the layer's other blocks
     while it is held), not the model's per call."""
-    from oracle.backend import CheckSpec, resolve
-    from oracle.reference import forget_reads, release_held, streamed_bytes, tensor_bytes
-    from oracle.references import reference_of
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.reference import release_held, streamed_bytes, tensor_bytes
 
-    forget_reads()  # a layer another test read last is not this test's read
-    spec = CheckSpec(family=family, backend="hf")
-    src = model_source(spec)
-    ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
-    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "whole")
-    whole = resolve("hf").load(src, spec)
-    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "streamed")
-    streamed = resolve("hf").load(src, spec)
+    ref, whole, streamed = _hf_whole_and_streamed(monkeypatch, family=family)
     assert streamed.streamed and not whole.streamed
     layer_bytes, seen = {s.layer: None for s in streamed.model._oracle_streams}, set()
     for key in ref.block_keys():
@@ -196,19 +204,9 @@ def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, 
     layer's inputs) give exactly the logits and the routes of the whole model's prefill and decode calls
     one by one, at bf16 (HF keeps some tensors in fp32 there, and a tied head must follow its embedding's
     cast), and read each decoder layer's bytes once in all."""
-    from oracle.backend import CheckSpec, resolve
-    from oracle.reference import forget_reads, streamed_bytes, tensor_bytes
-    from oracle.references import reference_of
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.reference import streamed_bytes, tensor_bytes
 
-    forget_reads()  # a layer another test read last is not this test's read
-    spec = CheckSpec(family=family, backend="hf", precision="bf16", decode_tokens=4)
-    src = model_source(spec)
-    ref = reference_of(spec, src, prompt_tokens(spec, src.args.vocab_size))
-    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "whole")
-    whole = resolve("hf").load(src, spec)
-    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "streamed")
-    streamed = resolve("hf").load(src, spec)
+    ref, whole, streamed = _hf_whole_and_streamed(monkeypatch, family=family, precision="bf16", decode_tokens=4)
     P, n = ref.prompt_len, len(ref.logits)
     assert whole.teacher_forced(ref.tokens, P, n) is None  # in memory: call by call
     steps = [whole.prefill(ref.tokens[:P])]
