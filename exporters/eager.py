@@ -443,10 +443,10 @@ class StreamedTorchCandidate(TorchCandidate):
         super().__init__(model, dtype, info)
         self.kept = Ahead()
 
-    def ahead(self, ref, on_block=None):
+    def ahead(self, ref, on_block=None, on_layer=None):
         self.kept = Ahead()
         return self.kept.run(self, ref, len(self.model.layers), Steps(self, ref.tokens, ref.prompt_len, len(ref.logits)),
-                             self.routes, on_block)
+                             self.routes, on_block, on_layer)
 
     def teacher_forced(self, tokens, prompt_len, calls):
         return self.kept.steps(tokens, prompt_len, calls, lambda: Steps(self, tokens, prompt_len, calls))

@@ -87,7 +87,7 @@ class HFCandidate(Candidate):
     def _ids(self, ids):
         return torch.tensor(ids, device=self.device)
 
-    def ahead(self, ref, on_block=None):
+    def ahead(self, ref, on_block=None, on_layer=None):
         """A streamed model's block rows and e2e steps, one layer at a time (oracle.schedule.Ahead: a generator
         the harness runs in turn with HF's noise measurement, so that a layer is read once for all); None for a
         model in memory."""
@@ -95,7 +95,7 @@ class HFCandidate(Candidate):
             return None
         self.kept = Ahead()
         return self.kept.run(self, ref, len(decoder_of(self.model).layers),
-                             LayerByLayer(self, ref.tokens, ref.prompt_len, len(ref.logits)), self.routes, on_block)
+                             LayerByLayer(self, ref.tokens, ref.prompt_len, len(ref.logits)), self.routes, on_block, on_layer)
 
     def teacher_forced(self, tokens, prompt_len, calls):
         """A streamed model's e2e steps layer by layer (LayerByLayer, every layer then the head; or as `ahead`

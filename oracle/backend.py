@@ -224,11 +224,12 @@ class Candidate:
         """Logits [V] (or [1, V]) of one step, carrying the state of the previous calls."""
         raise NotImplementedError
 
-    def ahead(self, ref, on_block=None):
+    def ahead(self, ref, on_block=None, on_layer=None):
         """A generator computing its block rows and e2e steps one decoder layer at a time (yielding after each),
         which the harness runs in turn with HF's noise measurement before it asks for them (oracle/schedule.py:
         a streamed checkpoint's layer is then read once for all), calling on_block(key, outputs, routes per
-        call) after each block; None (the default): nothing ahead."""
+        call) after each block and on_layer(layer, the steps' routes so far) after each layer's stage of the
+        steps; None (the default): nothing ahead."""
         return None
 
     def teacher_forced(self, tokens: list[int], prompt_len: int, calls: int) -> tuple[list, list] | None:

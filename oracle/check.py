@@ -22,7 +22,7 @@ from oracle.result import CheckResult, GateRow, Status, worst_row
 from oracle.schedule import lockstep
 from oracle.compare import aligning, block_rows, reduction_length
 from oracle.conversion import check_tensors
-from oracle.e2e import prompt_set, run_e2e
+from oracle.e2e import ReplayAhead, prompt_set, run_e2e
 from oracle.quantization import quantization_rows
 from oracle.reference import READ, forget_reads, release_held
 from oracle.references import reference_margins, reference_of, saved_reference
@@ -283,12 +283,14 @@ def measure_noise(run: Run, cand) -> None:
     the measurement, so that each layer is read once for all (oracle/schedule.py); its time is then in
     noise_s (ahead_s where there is no noise to measure)."""
     spec = run.spec
-    ahead = cand.ahead(run.ref, aligning(run.ref, spec, run.block_align))
-    alongside = () if ahead is None else (ahead,)
+    replay = ReplayAhead(run.ref, run.src, spec, run.prompt)  # the e2e routing replay, in the same pass
+    ahead = cand.ahead(run.ref, aligning(run.ref, spec, run.block_align), replay.on_layer)
+    alongside = () if ahead is None else (ahead, *replay.passes)
     if not thresholds.noise_relative(spec.precision):
         if ahead is not None:
             run.progress("the candidate layer by layer")
-            run.timed("ahead", lambda: lockstep([ahead]))
+            run.timed("ahead", lambda: lockstep(list(alongside)))
+            replay.finish()
         return
     run.progress(f"HF at {spec.precision} (the precision's own error)"
                  + (", with the candidate, layer by layer" if ahead is not None else ""))
@@ -299,6 +301,8 @@ def measure_noise(run: Run, cand) -> None:
     except Exception as e:
         run.result.reference["noise"] = f"not measured ({type(e).__name__}: {e}): fixed {spec.precision} tables"
         lockstep(list(alongside))  # the candidate's pass to its end (what it kept is asked for next)
+    if ahead is not None:
+        replay.finish()
     run.timings["noise_s"] = time.perf_counter() - t
 
 

@@ -11,8 +11,9 @@ import numpy as np
 from oracle import thresholds
 from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import OutputError, as_array, as_f64, score_resolution, tensor_metrics, top2_margin
-from oracle.noise import aligner, exact_for, noise_for
+from oracle.noise import aligner, attentions, exact_for, measuring, noise_for
 from oracle.result import E2E, GateRow, Status
+from oracle.backend import hf_spec
 from oracle.compare import shape_text, dtype_name, expected_dtype, reduction_length
 from oracle.noise import score_error
 from oracle.replay import differences, plan_of
@@ -123,6 +124,56 @@ def what_chose(ref=None, noise=None) -> dict:
             "weight_gaps": dict(ref.weight_gaps), "group_gaps": dict(ref.group_gaps)}
 
 
+def replay_plan(ref, routes: list, diffs: list, layer: int) -> list:
+    """The e2e routing replay's forcing plan of one MoE layer: the candidate's selection there at every step,
+    with its weights where `diffs` name weight differences (oracle/replay.py plan_of)."""
+    return plan_of([r.get(layer) for r in routes], diffs, layer, ref.positions, layer in ref.weight_gaps)
+
+
+class ReplayAhead:
+    """The e2e routing replay (`replayed`, what run_e2e's `align` asks for) run ahead, in the candidate's
+    layer-by-layer pass (Candidate.ahead's on_layer): once the candidate has run a MoE layer over every step,
+    its forcing plan there is known (its selection against the reference's: oracle/e2e.py replay_plan), and HF
+    at fp32 and at the check's precision with each attention run that layer with it, while its tensors are at
+    hand. When the pass ends with a difference somewhere, each run is kept (cache and memory) under the plan's
+    key, where run_e2e's replay finds it; where nothing differed they are dropped (no replay is asked). Its
+    `passes` go after the candidate's in the lockstep; `finish()` after it."""
+
+    def __init__(self, ref, src, spec, prompt):
+        self.ref, self.src, self.spec, self.prompt = ref, src, spec, prompt
+        self.plan, self.differs, self.complete = {}, False, True
+        at = [(spec.precision, a) for a in attentions(src.family)] if thresholds.noise_relative(spec.precision) else []
+        self.runs = [("fp32", "eager"), *at]
+        self.results = [None] * len(self.runs)
+        self.passes = [self._pass(i, measuring(ref, src, hf_spec(spec, p), blocks=False, plan=self.plan, attention=a))
+                       for i, (p, a) in enumerate(self.runs)]
+
+    def _pass(self, i, gen):
+        try:
+            self.results[i] = yield from gen
+        except Exception:  # noqa: BLE001 - an optimisation: run_e2e replays (and reports) it itself
+            self.complete = False
+
+    def on_layer(self, layer: int, routes: list) -> None:
+        if layer not in self.ref.router_probs:
+            return
+        if any(r is None or layer not in r for r in routes):
+            self.complete = False
+            return
+        own = [{layer: r[layer]} for r in routes]
+        diffs = routing_differences(what_chose(self.ref), None, own, self.ref.positions, self.spec)
+        self.differs |= bool(diffs)
+        self.plan[layer] = replay_plan(self.ref, own, diffs, layer)
+
+    def finish(self) -> None:
+        from oracle.noise import keep_replayed
+
+        if not (self.complete and self.differs and set(self.plan) == set(self.ref.router_probs)):
+            return
+        for (precision, attention), noise in zip(self.runs, self.results):
+            keep_replayed(noise, self.src, hf_spec(self.spec, precision), self.prompt, self.plan, attention)
+
+
 def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None, exact=None, align=None):
     """The candidate's prefill and decode steps, fed the reference's tokens, judged. `collect` (a
     list) receives (step, reference rows, candidate rows) for each step the candidate answered.
@@ -151,8 +202,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
         aligned, why_not = False, "the candidate chose another number of experts: HF cannot be forced to it"
     if aligned:  # HF with the candidate's choice forced: what it then chooses, layer by layer, is what the
         # candidate's choice is judged against (a choice downstream of an earlier flip follows from it)
-        plan = {layer: plan_of([r.get(layer) for r in routes], diffs, layer, ref.positions, layer in ref.weight_gaps)
-                for layer in sorted(ref.router_probs)}
+        plan = {layer: replay_plan(ref, routes, diffs, layer) for layer in sorted(ref.router_probs)}
         try:
             fp32, at, fp64 = align(plan)
         except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said

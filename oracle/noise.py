@@ -316,11 +316,30 @@ def _cached_all(jobs: list, ref, src, alongside: tuple = ()) -> list:
         cache.enforce_quietly()
     for key, _, _ in jobs:
         cache.mark_used(paths[key])
-        if key not in _MEMORY:
-            if len(_MEMORY) >= 8:
-                _MEMORY.pop(next(iter(_MEMORY)))
-            _MEMORY[key] = got[key]
+        _remember(key, got[key])
     return [got[key] for key, _, _ in jobs]
+
+
+def _remember(key: str, noise: Noise) -> None:
+    if key not in _MEMORY:
+        if len(_MEMORY) >= 8:
+            _MEMORY.pop(next(iter(_MEMORY)))
+        _MEMORY[key] = noise
+
+
+def keep_replayed(noise: Noise, src, spec, prompt, plan: dict, attention: str) -> None:
+    """HF's run with `plan` forced measured elsewhere (oracle/e2e.py ReplayAhead: `spec` an hf_spec at its
+    precision) kept where `replayed` looks for it, as _cached_all keeps its own."""
+    from models import cache
+    from oracle.replay import digest
+
+    key = _key(spec, src, prompt, digest(plan), attention)
+    path = cache_root() / "noise" / key
+    cache.hold(path)
+    _save(noise, path)
+    cache.enforce_quietly()
+    cache.mark_used(path)
+    _remember(key, noise)
 
 
 def noise_for(ref, src, spec, prompt, alongside: tuple = ()) -> Noise | None:

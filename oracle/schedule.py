@@ -35,13 +35,15 @@ class Ahead:
         self.blocks: dict = {}  # (layer, kind) -> (the calls it ran on, outputs or the exception, route entries)
         self.kept_steps = None  # ((tokens, prompt_len, calls), answer)
 
-    def run(self, cand, ref, layers: int, stepper, log=None, on_block=None):
+    def run(self, cand, ref, layers: int, stepper, log=None, on_block=None, on_layer=None):
         """The generator: for each decoder layer, its block rows (cand.run_block on the reference's calls),
         then its stage of the e2e steps (stepper.through(layer)); after the last, the final blocks and
         stepper.finish(). Yields after each layer. A stage that raises ends the steps (teacher_forced then
         runs them itself); the blocks go on. `log`: the candidate's oracle.replay.RouteLog, whose entries
         each block's run leaves are kept with it (block_routes reads them). `on_block(key, outputs, routes per
-        call)`: the harness's work on a block while its layer is at hand (oracle/compare.py aligning)."""
+        call)`: the harness's work on a block while its layer is at hand (oracle/compare.py aligning);
+        `on_layer(layer, the steps' routes so far: per call {layer: (indices, weights)})` after each stage of the
+        steps (oracle/noise.py ReplayAhead)."""
         keys = ref.block_keys()
         for layer in [*range(layers), None]:
             for key in keys:
@@ -50,6 +52,8 @@ class Ahead:
             try:
                 if stepper is not None and layer is not None:
                     stepper.through(layer)
+                    if on_layer is not None:
+                        on_layer(layer, stepper.routes)
                 elif stepper is not None:
                     self.kept_steps = ((tuple(ref.tokens), ref.prompt_len, len(ref.logits)), stepper.finish())
             except Exception:  # noqa: BLE001 - the steps are run again when asked, and fail there with their error

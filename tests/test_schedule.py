@@ -108,3 +108,41 @@ def test_a_seeded_fault_or_the_gpu_on_a_streamed_production_model_is_refused(mon
         resolve("eager").with_fault(CATALOGUE[0]).load(src, spec)
     with pytest.raises(InputError, match="streamed from disk"):
         resolve("eager").load(src, CheckSpec(family="olmoe", backend="eager", precision="bf16", options={"device": "cuda"}))
+
+
+def test_the_e2e_routing_replay_run_ahead_is_the_one_run_after(monkeypatch, tmp_path):
+    """The e2e routing replay run in the candidate's layer-by-layer pass (oracle/e2e.py ReplayAhead: each
+    layer's plan from the candidate's selection once it ran that layer) keeps, under the key run_e2e's
+    replay asks, exactly what HF run afterwards with the whole plan measures (fp32, and bf16 with each
+    attention); each layer read once for the candidate and the three runs."""
+    from oracle import noise as N
+    from oracle.e2e import ReplayAhead
+    from oracle.reference import READ
+
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+    ref, cand = _load("qwen3_5_moe", "bf16", "streamed", monkeypatch, backend="hf")
+    from oracle.sources import model_source, prompt_tokens
+
+    spec = CheckSpec(family="qwen3_5_moe", backend="hf", precision="bf16", decode_tokens=4)
+    src = model_source(spec)
+    prompt = prompt_tokens(spec, src.args.vocab_size)
+    monkeypatch.setattr(N, "_MEMORY", {})
+    replay = ReplayAhead(ref, src, spec, prompt)
+    before = READ["bytes"]
+    lockstep([cand.ahead(ref, None, replay.on_layer), *replay.passes])
+    once = READ["bytes"] - before
+    assert set(replay.plan) == set(ref.router_probs) and replay.complete
+    replay.differs = True  # kept even where the candidate chose as the reference did
+    replay.finish()
+    kept = [N._MEMORY.pop(k) for k in list(N._MEMORY)]
+    assert len(kept) == 3
+    after = N.replayed(ref, src, spec, prompt, replay.plan, replay.runs)  # from the cache replay.finish wrote
+    monkeypatch.setattr(N, "_MEMORY", {})
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "fresh"))
+    fresh = N.replayed(ref, src, spec, prompt, replay.plan, replay.runs)  # measured again, after the pass
+    for a, b, c in zip(kept, after, fresh):
+        assert len(a.logits) == len(c.logits) == len(ref.logits)
+        assert all(np.array_equal(x, y) and np.array_equal(x, z) for x, y, z in zip(a.logits, b.logits, c.logits))
+        assert all(np.array_equal(x, y) for k in c.e2e_scores for x, y in zip(a.e2e_scores[k], c.e2e_scores[k]))
+    layers = sum(s.bytes for s in cand.model._oracle_streams)
+    assert once == layers  # the candidate's reads: the three runs took the layers it had just read
