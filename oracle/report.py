@@ -216,6 +216,9 @@ def markdown(doc: dict, top: int = 5) -> str:
         first = (doc.get("error") or "").splitlines()[:1]
         weights = _weights((doc.get("quantization") or {}).get("weights"))
         return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""] + (weights + [""] if weights else []))
+    schedule = ((doc.get("provenance") or {}).get("backend") or {}).get("schedule")
+    if schedule:  # a checkpoint streamed from disk (oracle/schedule.py)
+        lines += [f"Schedule: {schedule}.", ""]
     ex = doc.get("expected")
     q = doc.get("quantization")
     if ex:

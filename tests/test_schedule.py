@@ -84,12 +84,14 @@ def test_a_streamed_check_reports_what_the_whole_one_does_and_its_schedule(backe
     """A check whose candidate streams its checkpoint (run layer by layer with the noise) reports the same
     rows, steps, routing and tokens as with the model in memory, and says which schedule ran."""
     from oracle.check import run_check
+    from oracle.report import markdown
 
     def run(mode):
         monkeypatch.setenv("MOE_ORACLE_REFERENCE", mode)
         r = run_check(CheckSpec(family=family, backend=backend, precision=precision, decode_tokens=3))
         assert r.status == "pass", r.error
         assert r.provenance["backend"].get("schedule", "").startswith("layer by layer") == (mode == "streamed")
+        assert ("Schedule: layer by layer" in markdown(r.to_dict())) == (mode == "streamed")  # the PR comment says it
         return [(b.layer, b.kind, b.status, b.metrics) for b in r.blocks], r.e2e.candidate_tokens, r.e2e.steps, r.e2e.routing
 
     assert run("streamed") == run("whole")
