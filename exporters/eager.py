@@ -15,9 +15,9 @@ from models.layers import STATE_BUFFERS, SparseMoE, Transformer, block_fn, reset
 from models.sampling import Sampler, check_args
 from oracle import points
 from oracle.backend import Backend, Candidate, Option
-from oracle.reference import READ, hold, layer_tensors, release_held, trim_heap
+from oracle.reference import forced_mode, hold, layer_tensors, release_held, trim_heap
 from oracle.replay import RouteLog
-from oracle.schedule import Ahead
+from oracle.schedule import LAYER_BY_LAYER, Ahead
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
@@ -259,13 +259,10 @@ class EagerBackend(Backend):
         """The production model is streamed from the checkpoint (build_streamed) where it would
         not fit in memory whole (its memory_per_param estimate over what is available);
         $MOE_ORACLE_REFERENCE=whole|streamed forces one (as it does for HF's)."""
-        import os
-
         from oracle.backend import BASE_MEMORY, available_memory
 
-        mode = os.environ.get("MOE_ORACLE_REFERENCE", "auto")
-        if mode in ("whole", "streamed"):
-            return mode == "streamed"
+        if forced_mode() is not None:
+            return forced_mode() == "streamed"
         avail = available_memory()
         return avail is not None and super().memory_estimate(src, spec)[0] + BASE_MEMORY > avail
 
@@ -299,8 +296,7 @@ class EagerBackend(Backend):
                              "streamed from disk)")
         info = {"executor": f"torch {torch.__version__} eager (decoder layers read from the checkpoint's shards for "
                             "each use)",
-                "schedule": "layer by layer: each decoder layer read once for its block rows and its stage of the e2e "
-                            "steps, in turn with HF's noise measurement (oracle/schedule.py)"}
+                "schedule": LAYER_BY_LAYER}
         return StreamedTorchCandidate(build_streamed(src, DTYPES[spec.precision]), DTYPES[spec.precision], info)
 
 
@@ -343,9 +339,7 @@ class LayerWeights:
 
         from models.checkpoint import CheckpointError
 
-        raw, got = layer_tensors(self.index, self.names)
-        self.bytes += got
-        READ["bytes"] += got
+        raw = layer_tensors(self.index, self.names, self)
         group = self.family.production_group(raw, self.args, self.dtype)
         own = dict(self.layer.named_parameters())
         for name, value in group.items():
@@ -456,9 +450,8 @@ class StreamedTorchCandidate(TorchCandidate):
         return super().prefill(tokens)
 
     def run_block(self, layer, kind, calls):
-        if (kept := self.kept.block((layer, kind), calls)) is not None:  # computed ahead (the first ask)
-            self.routes.entries[:] = kept[1]
-            return kept[0]
+        if (kept := self.kept.block((layer, kind), calls, self.routes)) is not None:  # computed ahead (the first ask)
+            return kept
         if layer is not None:  # loaded once for this block and the next ones of the layer
             hold(self.model.layers[layer]._oracle_stream)
         return super().run_block(layer, kind, calls)

@@ -20,7 +20,7 @@ from oracle.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
 from exporters.eager import device_availability, device_info, device_of, device_option, host
 from oracle.backend import Backend, Candidate, InputError
 from oracle.replay import RouteLog
-from oracle.schedule import Ahead
+from oracle.schedule import LAYER_BY_LAYER, Ahead
 from oracle.reference import (normalize_output, block_modules, decoder_of, hold, load_hf_model, materialized,
                               model_args, reference_mode, release_held, router_reader)
 
@@ -153,9 +153,8 @@ class HFCandidate(Candidate):
     @torch.no_grad()
     @in_arithmetic
     def run_block(self, layer, kind, calls):
-        if (kept := self.kept.block((layer, kind), calls)) is not None:  # computed ahead (the first ask)
-            self.routes.entries[:] = kept[1]
-            return kept[0]
+        if (kept := self.kept.block((layer, kind), calls, self.routes)) is not None:  # computed ahead (the first ask)
+            return kept
         self.routes.reset()
         probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
         calls = [c for c in calls if not c.probe]
@@ -360,8 +359,7 @@ class HFBackend(Backend):
             cand = HFCandidate(load_hf_model(model.family, model.model_dir, dtype, streamed=True),
                                model.family, dtype, spec.precision)
             cand.info["executor"] += " (decoder layers read from the checkpoint's shards for each forward)"
-            cand.info["schedule"] = ("layer by layer: each decoder layer read once for its block rows and its stage "
-                                     "of the e2e steps, in turn with HF's noise measurement (oracle/schedule.py)")
+            cand.info["schedule"] = LAYER_BY_LAYER
             return cand
         m = load_hf_model(model.family, model.model_dir, dtype).to(device)  # cpu: where it already is
         cand = HFCandidate(m, model.family, dtype, spec.precision, device)

@@ -285,7 +285,7 @@ def measure_noise(run: Run, cand) -> None:
     spec = run.spec
     replay = ReplayAhead(run.ref, run.src, spec, run.prompt)  # the e2e routing replay, in the same pass
     ahead = cand.ahead(run.ref, aligning(run.ref, spec, run.block_align), replay.on_layer)
-    alongside = () if ahead is None else (ahead, *replay.passes)
+    alongside = () if ahead is None else (ahead, *replay.passes())
     if not thresholds.noise_relative(spec.precision):
         if ahead is not None:
             run.progress("the candidate layer by layer")

@@ -11,9 +11,8 @@ import numpy as np
 from oracle import thresholds
 from oracle.distribution import distribution_metrics, judge_distribution
 from oracle.metrics import OutputError, as_array, as_f64, score_resolution, tensor_metrics, top2_margin
-from oracle.noise import aligner, attentions, exact_for, measuring, noise_for
+from oracle.noise import aligner, attentions, exact_for, keep, measuring, noise_for, replay_jobs
 from oracle.result import E2E, GateRow, Status
-from oracle.backend import hf_spec
 from oracle.compare import shape_text, dtype_name, expected_dtype, reduction_length
 from oracle.noise import score_error
 from oracle.replay import differences, plan_of
@@ -137,7 +136,7 @@ class ReplayAhead:
     at fp32 and at the check's precision with each attention run that layer with it, while its tensors are at
     hand. When the pass ends with a difference somewhere, each run is kept (cache and memory) under the plan's
     key, where run_e2e's replay finds it; where nothing differed they are dropped (no replay is asked). Its
-    `passes` go after the candidate's in the lockstep; `finish()` after it."""
+    `passes()` go after the candidate's in the lockstep; `finish()` after it."""
 
     def __init__(self, ref, src, spec, prompt):
         self.ref, self.src, self.spec, self.prompt = ref, src, spec, prompt
@@ -145,8 +144,12 @@ class ReplayAhead:
         at = [(spec.precision, a) for a in attentions(src.family)] if thresholds.noise_relative(spec.precision) else []
         self.runs = [("fp32", "eager"), *at]
         self.results = [None] * len(self.runs)
-        self.passes = [self._pass(i, measuring(ref, src, hf_spec(spec, p), blocks=False, plan=self.plan, attention=a))
-                       for i, (p, a) in enumerate(self.runs)]
+
+    def passes(self) -> list:
+        """The generators of its runs, for the lockstep (asked only where a candidate runs ahead: a warm check
+        of another backend imports no torch)."""
+        return [self._pass(i, measuring(self.ref, self.src, s, **kw))
+                for i, (_, s, kw) in enumerate(replay_jobs(self.src, self.spec, self.prompt, self.plan, self.runs))]
 
     def _pass(self, i, gen):
         try:
@@ -166,12 +169,10 @@ class ReplayAhead:
         self.plan[layer] = replay_plan(self.ref, own, diffs, layer)
 
     def finish(self) -> None:
-        from oracle.noise import keep_replayed
-
         if not (self.complete and self.differs and set(self.plan) == set(self.ref.router_probs)):
             return
-        for (precision, attention), noise in zip(self.runs, self.results):
-            keep_replayed(noise, self.src, hf_spec(self.spec, precision), self.prompt, self.plan, attention)
+        for (key, _, _), noise in zip(replay_jobs(self.src, self.spec, self.prompt, self.plan, self.runs), self.results):
+            keep(key, noise)  # under the whole plan's key, where run_e2e's replay asks
 
 
 def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None, exact=None, align=None):

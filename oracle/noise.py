@@ -310,10 +310,8 @@ def _cached_all(jobs: list, ref, src, alongside: tuple = ()) -> list:
     todo = [job for job in jobs if got[job[0]] is None]
     for (key, _, _), noise in zip(todo, lockstep([measuring(ref, src, spec, **kw) for _, spec, kw in todo]
                                                  + list(alongside))):
-        _save(noise, paths[key])
+        keep(key, noise)
         got[key] = noise
-    if todo:
-        cache.enforce_quietly()
     for key, _, _ in jobs:
         cache.mark_used(paths[key])
         _remember(key, got[key])
@@ -327,13 +325,11 @@ def _remember(key: str, noise: Noise) -> None:
         _MEMORY[key] = noise
 
 
-def keep_replayed(noise: Noise, src, spec, prompt, plan: dict, attention: str) -> None:
-    """HF's run with `plan` forced measured elsewhere (oracle/e2e.py ReplayAhead: `spec` an hf_spec at its
-    precision) kept where `replayed` looks for it, as _cached_all keeps its own."""
+def keep(key: str, noise: Noise) -> None:
+    """A measurement saved in the cache (held, within its limit) and remembered, where _cached_all looks for
+    it: its own, and those made elsewhere (oracle/e2e.py ReplayAhead, one of replay_jobs)."""
     from models import cache
-    from oracle.replay import digest
 
-    key = _key(spec, src, prompt, digest(plan), attention)
     path = cache_root() / "noise" / key
     cache.hold(path)
     _save(noise, path)
@@ -373,13 +369,17 @@ def replayed(ref, src, spec, prompt, plan: dict, runs: list) -> list:
     [indices per e2e call]: the candidate's), at each (precision, attention) of `runs`, cached, those not
     cached one layer at a time together: the routing-aligned reference (fp32), its noise (the candidate's
     precision, per attention implementation) and fp32's own error there (fp64)."""
+    return _cached_all(replay_jobs(src, spec, prompt, plan, runs), ref, src)
+
+
+def replay_jobs(src, spec, prompt, plan: dict, runs: list) -> list:
+    """`replayed`'s measurements as _cached_all's jobs (key, hf spec, measuring's keyword arguments), one per
+    (precision, attention) of `runs`; `plan` may be filled while they run (oracle/e2e.py ReplayAhead: the key
+    is then computed again from the whole plan)."""
     from oracle.replay import digest
 
-    jobs = []
-    for precision, attention in runs:
-        s = hf_spec(spec, precision)
-        jobs.append((_key(s, src, prompt, digest(plan), attention), s, dict(blocks=False, plan=plan, attention=attention)))
-    return _cached_all(jobs, ref, src)
+    return [(_key(s, src, prompt, digest(plan), attention), s, dict(blocks=False, plan=plan, attention=attention))
+            for s, attention in ((hf_spec(spec, p), a) for p, a in runs)]
 
 
 def aligner(ref, src, spec, prompt):
@@ -403,9 +403,7 @@ def block_aligner(ref, src, spec):
     implementation for the blocks it changes, the worse row by row), else None). HF is loaded once per
     precision and attention implementation, when a row first needs it."""
     from oracle import thresholds
-    from oracle.replay import forced
-
-    from oracle.replay import digest
+    from oracle.replay import digest, forced
 
     loaded, kept = {}, {}
 

@@ -80,10 +80,13 @@ def reference_mode(model_dir: Path) -> str:
 
 def mode_for(parameters: int) -> str:
     """reference_mode of a checkpoint of this many parameters."""
+    return forced_mode() or ("streamed" if 4 * parameters > STREAM_ABOVE else "whole")
+
+
+def forced_mode() -> str | None:
+    """"whole" or "streamed" where $MOE_ORACLE_REFERENCE forces how models hold a checkpoint; None: auto."""
     mode = os.environ.get("MOE_ORACLE_REFERENCE", "auto")
-    if mode in ("whole", "streamed"):
-        return mode
-    return "streamed" if 4 * parameters > STREAM_ABOVE else "whole"
+    return mode if mode in ("whole", "streamed") else None
 
 
 def streamed_memory(src) -> tuple[int, str]:
@@ -268,10 +271,7 @@ def load_into(model, index: dict, names: list, load, absent=(), meta: bool = Fal
         tensors = {n: torch.empty(index[n][2], dtype=torch_dtype(index[n][1]), device="meta") for n in names}
         load = dataclasses.replace(load, device_map={"": "meta"})
     else:
-        tensors, got = layer_tensors(index, names)
-        if counter is not None:  # a decoder layer's (the resident tensors are read once, at load)
-            READ["bytes"] += got
-            counter.bytes += got
+        tensors = layer_tensors(index, names, counter)
     tensors.update({n: torch.zeros(index[n][2], dtype=torch_dtype(index[n][1])) for n in absent})
     part, _ = convert_and_load_state_dict_in_model(model, tensors, load, None)
     return part
@@ -283,10 +283,11 @@ def load_into(model, index: dict, names: list, load, absent=(), meta: bool = Fal
 RECENT: dict = {"layer": None, "tensors": {}}
 
 
-def layer_tensors(index: dict, names: list) -> tuple[dict, int]:
-    """These checkpoint tensors (name -> tensor in its stored dtype, read from its memory-mapped shard), and
-    the bytes read from disk for them: none for those of the layer read last (RECENT), which are kept for
-    the next model that reads them; tensors outside the decoder layers are not kept."""
+def layer_tensors(index: dict, names: list, counter=None) -> dict:
+    """These checkpoint tensors (name -> tensor in its stored dtype, read from its memory-mapped shard): those
+    of the layer read last (RECENT) not read again, and kept for the next model that reads them (tensors
+    outside the decoder layers are not kept). The bytes read from disk for a decoder layer (`counter`: its
+    LayerStream or LayerWeights) are added to READ and to counter.bytes."""
     from models.checkpoint import LAYER, open_shard
 
     m = LAYER.search(names[0]) if names else None
@@ -302,7 +303,11 @@ def layer_tensors(index: dict, names: list) -> tuple[dict, int]:
             out[n] = files[index[n][0]].get_tensor(n)
     if layer is not None:
         kept.update({n: out[n] for n in missing})
-    return out, sum(tensor_bytes(index[n]) for n in missing)
+    if counter is not None:  # a decoder layer's (the resident tensors are read once, at load)
+        got = sum(tensor_bytes(index[n]) for n in missing)
+        READ["bytes"] += got
+        counter.bytes += got
+    return out
 
 
 def forget_reads() -> None:

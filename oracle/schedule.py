@@ -11,6 +11,10 @@ kept, once each (a later call, e.g. the drill's, runs again)."""
 
 from __future__ import annotations
 
+# what a streamed candidate's report says of its schedule (provenance.backend.schedule)
+LAYER_BY_LAYER = ("layer by layer: each decoder layer read once for its block rows and its stage of the e2e steps, "
+                  "in turn with HF's noise measurement (oracle/schedule.py)")
+
 
 def lockstep(passes: list) -> list:
     """Run generators that each yield once per decoder layer one layer at a time in turn; their return
@@ -28,8 +32,9 @@ def lockstep(passes: list) -> list:
 
 class Ahead:
     """A candidate's block rows and e2e steps computed ahead, one decoder layer at a time (`run`), answered
-    once each: `block(key, calls)` -> (outputs, the router log's entries of that run) or None; `steps(tokens,
-    prompt_len, calls)` -> teacher_forced's answer or None. A block that raised raises again when asked."""
+    once each: `block(key, calls, log)` -> its outputs (the router log given that run's entries) or None;
+    `steps(tokens, prompt_len, calls, stepper)` -> teacher_forced's answer. A block that raised raises again
+    when asked."""
 
     def __init__(self):
         self.blocks: dict = {}  # (layer, kind) -> (the calls it ran on, outputs or the exception, route entries)
@@ -43,7 +48,7 @@ class Ahead:
         each block's run leaves are kept with it (block_routes reads them). `on_block(key, outputs, routes per
         call)`: the harness's work on a block while its layer is at hand (oracle/compare.py aligning);
         `on_layer(layer, the steps' routes so far: per call {layer: (indices, weights)})` after each stage of the
-        steps (oracle/noise.py ReplayAhead)."""
+        steps (oracle/e2e.py ReplayAhead)."""
         keys = ref.block_keys()
         for layer in [*range(layers), None]:
             for key in keys:
@@ -70,23 +75,23 @@ class Ahead:
         if on_block is not None and not isinstance(outs, Exception):
             on_block(key, outs, log.calls() if log is not None else None)
 
-    def block(self, key, calls):
+    def block(self, key, calls, log=None):
         kept = self.blocks.get(key)
         if kept is None or kept[0] is not calls:
             return None
         del self.blocks[key]
         if isinstance(kept[1], Exception):
             raise kept[1]
-        return kept[1], kept[2]
+        if log is not None:  # block_routes reads what that run logged
+            log.entries[:] = kept[2]
+        return kept[1]
 
-    def steps(self, tokens, prompt_len: int, calls: int, stepper=None):
+    def steps(self, tokens, prompt_len: int, calls: int, stepper):
         """teacher_forced's answer: what `run` kept for these tokens (once), else `stepper()` (a new
-        layer-by-layer run of them) run through every layer; None where neither."""
+        layer-by-layer run of them) run through every layer."""
         if self.kept_steps is not None and self.kept_steps[0] == (tuple(tokens), prompt_len, calls):
             answer, self.kept_steps = self.kept_steps[1], None
             return answer
-        if stepper is None:
-            return None
         steps = stepper()
         for layer in range(steps.layers):
             steps.through(layer)

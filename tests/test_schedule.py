@@ -131,7 +131,7 @@ def test_the_e2e_routing_replay_run_ahead_is_the_one_run_after(monkeypatch, tmp_
     monkeypatch.setattr(N, "_MEMORY", {})
     replay = ReplayAhead(ref, src, spec, prompt)
     before = READ["bytes"]
-    lockstep([cand.ahead(ref, None, replay.on_layer), *replay.passes])
+    lockstep([cand.ahead(ref, None, replay.on_layer), *replay.passes()])
     once = READ["bytes"] - before
     assert set(replay.plan) == set(ref.router_probs) and replay.complete
     replay.differs = True  # kept even where the candidate chose as the reference did
