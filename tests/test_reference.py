@@ -38,16 +38,48 @@ def _hf_whole_and_streamed(monkeypatch, **spec):
     return ref, whole, resolve("hf").load(src, spec)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_streamed_reference_is_bitwise_the_whole_one(family):
+# Real widths (item 1 of issue 54): OLMoE-1B-7B's published config cut to two decoder layers (hidden 2048,
+# 64 experts of 1024, top 8; 2.0 GB at bf16, 4.2 GB whole at fp32), seeded, built once into the cache.
+REAL = [pytest.param("olmoe", "olmoe-1b-7b-0924", id="olmoe-1b-7b-0924-L2")]
+TINY = [(family, None) for family in FAMILY_NAMES]
+
+
+def _checkpoint(fam, config):
+    from models.checkpoint import config_checkpoint
+
+    return tiny_checkpoint(fam, 0) if config is None else config_checkpoint(fam, config, 2, 0)
+
+
+@pytest.mark.parametrize("family,config", TINY + REAL)
+def test_streamed_reference_is_bitwise_the_whole_one(family, config, monkeypatch):
     """Decoder layers read from the checkpoint's shards for each forward by HF's own loading step
     (load_streamed; the expert probes read the router inside one) capture exactly what the in-memory
-    model captures: tokens, logits, every block's inputs and outputs."""
+    model captures: tokens, logits, every block's inputs and outputs. A decode step (1 token, top 2 of 8)
+    of a layer whose checkpoint stores its experts one by one converts only the experts it chose
+    (LayerStream.read_experts), never the whole layer's with the others as zeros."""
+    from oracle.reference import LayerStream
+
+    calls = {"chosen": 0, "whole": 0}
+    read_experts, read = LayerStream.read_experts, LayerStream.read
+
+    def counted_experts(self, module, chosen):
+        calls["chosen"] += 1
+        return read_experts(self, module, chosen)
+
+    def counted_read(self, names=None, absent=frozenset()):
+        calls["whole"] += bool(absent)
+        return read(self, names, absent)
+
+    monkeypatch.setattr(LayerStream, "read_experts", counted_experts)
+    monkeypatch.setattr(LayerStream, "read", counted_read)
     fam = get_family(family)
-    d = tiny_checkpoint(fam, 0)
+    d = _checkpoint(fam, config)
     prompt = [3, 17, 99, 5, 200, 42, 7, 1]
     whole = capture(load_hf_model(fam, d), fam, prompt, 4)
-    streamed = capture(load_hf_model(fam, d, streamed=True), fam, prompt, 4)
+    model = load_hf_model(fam, d, streamed=True)
+    streamed = capture(model, fam, prompt, 4)
+    sparse = sum(bool(s.experts) for s in model._oracle_streams)  # layers stored per expert, routed by HF's module
+    assert calls == {"chosen": 4 * sparse, "whole": 0}, calls  # 4 decode steps, each layer once
     assert streamed.tokens == whole.tokens and streamed.coverage == whole.coverage
     a, b = _tensors(whole), _tensors(streamed)
     assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b))
@@ -197,8 +229,8 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
     release_held()
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, monkeypatch):
+@pytest.mark.parametrize("family,config", TINY + REAL)
+def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, config, monkeypatch):
     """A streamed `hf` candidate's e2e steps run layer by layer (HFCandidate.teacher_forced: each layer
     loaded once and run over the prefill and every decode step with its own cache, its outputs the next
     layer's inputs) give exactly the logits and the routes of the whole model's prefill and decode calls
@@ -206,7 +238,9 @@ def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, 
     cast), and read each decoder layer's bytes once in all."""
     from oracle.reference import streamed_bytes, tensor_bytes
 
-    ref, whole, streamed = _hf_whole_and_streamed(monkeypatch, family=family, precision="bf16", decode_tokens=4)
+    real = {} if config is None else {"config": config, "layers": 2}
+    ref, whole, streamed = _hf_whole_and_streamed(monkeypatch, family=family, precision="bf16", decode_tokens=4,
+                                                  **real)
     P, n = ref.prompt_len, len(ref.logits)
     assert whole.teacher_forced(ref.tokens, P, n) is None  # in memory: call by call
     steps = [whole.prefill(ref.tokens[:P])]
