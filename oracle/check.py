@@ -15,7 +15,7 @@ from oracle import points, thresholds
 from models.cache import CacheFull
 from models.checkpoint import CheckpointError
 from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_refusal, resolve
-from oracle.noise import aligner, block_aligner, exact_for, noise_for
+from oracle.noise import aligner, block_aligner, exact_for, forget_models, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
 from oracle.result import CheckResult, GateRow, Status, worst_row
@@ -117,6 +117,7 @@ def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True
     finally:
         release_held()  # a streamed model's layer kept loaded between its block rows
         forget_reads()  # and the checkpoint tensors of the layer read last
+        forget_models()  # and the streamed HF models the noise and the routing replays shared
 
 
 def _run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,

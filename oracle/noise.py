@@ -111,15 +111,34 @@ def _worse_calls(refs: list, mine: list, theirs: list) -> list:
     return [worse(r, a, b) if np.shape(a) == np.shape(b) == np.shape(r) else a for r, a, b in zip(refs, mine, theirs)]
 
 
+# The streamed HF models of the check running, one per (checkpoint, precision, options, attention): the noise,
+# the block rows' and the e2e steps' routing replays share them (forget_models at the check's end).
+SHARED: dict = {}
+
+
 def hf_at(src, spec, attention: str = "eager"):
     """HF transformers loaded as the `hf` candidate on `spec` (an hf_spec), running that attention
-    implementation."""
+    implementation. A streamed one (its decoder layers read for each use: what it keeps is its embedding and
+    head, 2.4 GiB at fp32 for Qwen3-30B-A3B) is shared by every user in the check (SHARED): they run one layer
+    at a time in turn (oracle.schedule.lockstep), each with its own state (a LayerByLayer's caches, its forcing
+    hooks, removed before the next one's turn), so that the memory a check needs is one model per precision
+    and attention, not one per use."""
     from oracle.backend import resolve
 
+    key = (str(src.model_dir), src.checkpoint_sha256, spec.precision, repr(sorted(spec.options.items())), attention)
+    if key in SHARED:
+        return SHARED[key]
     hf = resolve("hf").load(src, spec)
     if attention != "eager":
         hf.model.set_attn_implementation(attention)
+    if hf.streamed:
+        SHARED[key] = hf
     return hf
+
+
+def forget_models() -> None:
+    """Drop the streamed models hf_at shared (the end of a check)."""
+    SHARED.clear()
 
 
 def _key(spec, src, prompt, routes: str = "reference", attention: str = "eager") -> str:

@@ -82,14 +82,28 @@ def test_the_streamed_production_model_computes_ahead_exactly_what_the_whole_one
                                                       ("eager", "olmoe", "fp32"), ("hf", "phimoe", "bf16")])
 def test_a_streamed_check_reports_what_the_whole_one_does_and_its_schedule(backend, family, precision, monkeypatch):
     """A check whose candidate streams its checkpoint (run layer by layer with the noise) reports the same
-    rows, steps, routing and tokens as with the model in memory, and says which schedule ran."""
+    rows, steps, routing and tokens as with the model in memory, and says which schedule ran. Streamed, the
+    noise and the routing replays share one HF model per precision and attention (what each keeps resident
+    is its embedding and head: one per use was 8 of them at bf16), forgotten at the check's end."""
+    from oracle import noise as N
     from oracle.check import run_check
     from oracle.report import markdown
 
     def run(mode):
         monkeypatch.setenv("MOE_ORACLE_REFERENCE", mode)
+        models, hf_at = {}, N.hf_at
+
+        def counted(src, spec, attention="eager"):
+            hf = hf_at(src, spec, attention)
+            models.setdefault((spec.precision, attention), set()).add(id(hf))
+            return hf
+
+        monkeypatch.setattr(N, "hf_at", counted)
         r = run_check(CheckSpec(family=family, backend=backend, precision=precision, decode_tokens=3))
         assert r.status == "pass", r.error
+        assert not N.SHARED
+        if mode == "streamed":  # (the whole run finds the measurements in memory)
+            assert models and all(len(ids) == 1 for ids in models.values()), models
         assert r.provenance["backend"].get("schedule", "").startswith("layer by layer") == (mode == "streamed")
         assert ("Schedule: layer by layer" in markdown(r.to_dict())) == (mode == "streamed")  # the PR comment says it
         return [(b.layer, b.kind, b.status, b.metrics) for b in r.blocks], r.e2e.candidate_tokens, r.e2e.steps, r.e2e.routing
