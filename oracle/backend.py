@@ -555,24 +555,33 @@ def available_memory() -> int | None:
     return avail
 
 
-def memory_refusal(backend, src: ModelSource, spec: CheckSpec) -> str | None:
-    """Why this backend cannot hold this model here (its estimate of the peak bytes it needs,
-    + BASE_MEMORY, above the available memory), or None. The estimate is the backend's
-    `memory_estimate(src, spec)` -> (bytes, how it is made up): by default its `memory_per_param`
-    at this precision times the checkpoint's parameters. $MOE_ORACLE_MEMORY_CHECK=off skips it (e.g. with
-    swap the kernel does not count)."""
+def memory_plan(backend, src: ModelSource, spec: CheckSpec, beside: tuple[int, str] = (0, "")) -> tuple[int | None, str]:
+    """(peak bytes, how they are made up) of a check of this model on this backend: its estimate
+    (`memory_estimate(src, spec)`: by default its `memory_per_param` at this precision times the checkpoint's
+    parameters) + what the harness holds `beside` it ((bytes, how): oracle/check.py harness_memory) +
+    BASE_MEMORY; (None, "") where the backend makes no estimate."""
+    need, how = backend.memory_estimate(src, spec)
+    if need is None:
+        return None, ""
+    extra, what = beside
+    return (need + extra + BASE_MEMORY,
+            f"{how}{f', + {what}' if extra else ''}, + {BASE_MEMORY / GIB:g} GiB")
+
+
+def memory_refusal(backend, src: ModelSource, spec: CheckSpec, beside: tuple[int, str] = (0, "")) -> str | None:
+    """Why this check cannot hold this model here (memory_plan above the available memory), or None.
+    $MOE_ORACLE_MEMORY_CHECK=off skips it (e.g. with swap the kernel does not count)."""
     import os
 
     if os.environ.get("MOE_ORACLE_MEMORY_CHECK", "on") == "off":
         return None
-    need, how = backend.memory_estimate(src, spec)
+    need, how = memory_plan(backend, src, spec, beside)
     if need is None:
         return None
-    need += BASE_MEMORY
     avail = available_memory()
     if avail is None or need <= avail:
         return None
     return (f"{spec.backend} --precision {spec.precision} would need about {need / GIB:.1f} GiB for this "
-            f"checkpoint ({how}, + {BASE_MEMORY / GIB:g} GiB) and {avail / GIB:.1f} GiB is available: use a machine "
+            f"checkpoint ({how}) and {avail / GIB:.1f} GiB is available: use a machine "
             f"with more memory, a lower precision, or --layers N to check a cut of the model "
             f"(MOE_ORACLE_MEMORY_CHECK=off to try anyway)")

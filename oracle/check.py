@@ -14,7 +14,7 @@ from oracle import goldens as golden_files
 from oracle import points, thresholds
 from models.cache import CacheFull
 from models.checkpoint import CheckpointError
-from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_refusal, resolve
+from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_plan, memory_refusal, resolve
 from oracle.noise import aligner, block_aligner, exact_for, forget_models, noise_for
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
@@ -197,9 +197,7 @@ def read_sources(run: Run) -> None:
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
                                        "tiny": spec.model_dir is None and spec.config is None}
     run.timings["checkpoint_s"] = time.perf_counter() - run.t0
-    refusal = memory_refusal(backend, src, spec)
-    if refusal:
-        raise InputError(refusal)
+    plan_resources(run, src, spec)
     if spec.artifact is not None:
         artifact_matches(spec, srcs.original or src, sized=backend.artifact_weights is None)  # a GGUF: from the original
         backend.check_given(src, spec)  # the program itself (exporters/given.py; a no-op by default)
@@ -219,7 +217,7 @@ def planned_checkpoint(run: Run) -> bool:
     no such plan to make (another source, or the checkpoint already built: validated as usual)."""
     from models import cache, get_family
     from models.checkpoint import config_checkpoint, config_parameters, published_config
-    from oracle.backend import BASE_MEMORY, ModelSource
+    from oracle.backend import ModelSource
     from oracle.sources import require_family
 
     spec = run.spec
@@ -240,14 +238,68 @@ def planned_checkpoint(run: Run) -> bool:
     if why:
         raise InputError(why)
     src = ModelSource(family, None, cfg, args, "", parameters=params)
-    refusal = memory_refusal(run.backend, src, spec)
+    plan = plan_resources(run, src, spec)
+    run.result.provenance["checkpoint"] = {"not_built": True, "config": spec.config, "parameters": params,
+                                           "bytes": nbytes, "memory_bytes": plan["memory_bytes"], "memory": plan["memory"]}
+    return True
+
+
+BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}  # per parameter of HF's model at an hf_spec precision
+
+
+def harness_memory(src, spec: CheckSpec) -> tuple[int, str]:
+    """(bytes, how) the harness holds beside the candidate: for a streamed checkpoint (oracle.reference.mode_for),
+    the HF models the noise and the routing replays share (oracle.noise.hf_at: fp32, and the precision with each
+    attention where its limits are the precision's own error), each keeping its embedding and head resident (its
+    layers are streamed, one at a time: the backend's streamed estimate counts them). In memory: nothing counted
+    (HF's models there are the size the backend's estimate already scales with, one at a time)."""
+    from oracle.noise import attentions
+    from oracle.reference import mode_for
+
+    if spec.precision not in BYTES or mode_for(src.parameter_count()) != "streamed":
+        return 0, ""
+    _, outside = src.layer_parameter_counts()
+    sizes = [BYTES["fp32"]]
+    if thresholds.noise_relative(spec.precision):
+        sizes += [BYTES[spec.precision]] * len(attentions(src.family))
+    return (sum(sizes) * outside, f"{len(sizes)} streamed HF model(s) beside it (fp32"
+            + (f" and {spec.precision} x {len(sizes) - 1} attention(s)" if len(sizes) > 1 else "")
+            + f"): their embedding and head, {outside / 1e9:.2f} B parameters each")
+
+
+def cache_estimate(src, spec: CheckSpec) -> int:
+    """Bytes a check writes into the cache beside the checkpoint, from the shapes: the reference (each
+    decoder layer's block inputs and outputs, fp32, over the prompt and decode positions, and its expert
+    probes: up to 4 rows per expert; the logits), and as much again for each of up to 6 measurements of HF's
+    own error (the noise and the routing replays; they keep outputs, not probes). Measured on Qwen3-30B-A3B
+    (48 layers, 8 + 8 positions): reference 0.21 GiB (docs/benchmarks.md)."""
+    a = src.args
+    positions = spec.prompt_len + spec.decode_tokens
+    row = 4 * a.hidden_size
+    reference = a.num_hidden_layers * (8 * positions + 4 * a.num_experts) * row + 4 * positions * a.vocab_size
+    noise = a.num_hidden_layers * 8 * positions * row + 4 * positions * a.vocab_size
+    return reference + 6 * noise
+
+
+def plan_resources(run: Run, src, spec: CheckSpec) -> dict:
+    """The memory the check will need (the backend's estimate, the harness's models beside it: memory_plan) and
+    the cache it will write beside the checkpoint (cache_estimate), refused here where either cannot fit
+    (bad input, with the sizes), else recorded in the result's provenance ("plan"): what --validate-only says."""
+    from models import cache
+    from oracle.backend import available_memory
+
+    beside = harness_memory(src, spec)
+    refusal = memory_refusal(run.backend, src, spec, beside)
     if refusal:
         raise InputError(refusal)
-    need, how = run.backend.memory_estimate(src, spec)
-    run.result.provenance["checkpoint"] = {"not_built": True, "config": spec.config, "parameters": params,
-                                           "bytes": nbytes, "memory_bytes": None if need is None else need + BASE_MEMORY,
-                                           "memory": f"{how}, + {BASE_MEMORY / (1 << 30):g} GiB" if how else ""}
-    return True
+    need, how = memory_plan(run.backend, src, spec, beside)
+    writes = cache_estimate(src, spec)
+    refusal = cache.refusal(writes, "this check's reference and noise measurements")
+    if refusal:
+        raise InputError(refusal)
+    plan = {"memory_bytes": need, "memory": how, "available_bytes": available_memory(), "cache_bytes": writes}
+    run.result.provenance["plan"] = plan
+    return plan
 
 
 def read_prompts(run: Run) -> None:

@@ -439,17 +439,20 @@ def cmd_check(a, argv: list[str]) -> int:
             print(f"oracle: backend {spec.backend} is unavailable here ({result.skipped_reason}): inputs not checked",
                   file=sys.stderr)
             return EXIT["skipped_required"] if a.require else EXIT["pass"]
-        plan = result.provenance.get("checkpoint") or {}
-        if plan.get("not_built"):
-            from models.cache import human
+        from models.cache import human
 
+        ckpt, plan = result.provenance.get("checkpoint") or {}, result.provenance.get("plan") or {}
+        needs = ((f"the check's memory about {human(plan['memory_bytes'])} ({plan['memory']}; "
+                  + (f"{human(plan['available_bytes'])} available)" if plan.get("available_bytes") else "it fits)")
+                  if plan.get("memory_bytes") else "") +
+                 (f"{', and ' if plan.get('memory_bytes') else ''}about {human(plan['cache_bytes'])} of cache beside the "
+                  "checkpoint (the reference and the noise measurements; it fits)" if plan.get("cache_bytes") else ""))
+        if ckpt.get("not_built"):
             print(f"oracle: inputs valid ({spec.family} on {spec.backend}): the config; its seeded checkpoint is not "
-                  f"built yet: {plan['parameters'] / 1e9:.2f} B parameters, {human(plan['bytes'])} of disk in the cache "
-                  + (f"(it fits), the check's memory about {human(plan['memory_bytes'])} ({plan['memory']}; it fits). "
-                     if plan["memory_bytes"] else "(it fits). ") +
-                  "Prompts and a saved reference are checked once it is built.")
+                  f"built yet: {ckpt['parameters'] / 1e9:.2f} B parameters, {human(ckpt['bytes'])} of disk in the cache "
+                  f"(it fits){'; ' + needs if needs else ''}. Prompts and a saved reference are checked once it is built.")
             return EXIT["pass"]
-        print(f"oracle: inputs valid ({spec.family} on {spec.backend})")
+        print(f"oracle: inputs valid ({spec.family} on {spec.backend}){': ' + needs if needs else ''}")
         return EXIT["pass"]
     doc_json = dumps(result)
     md = markdown(result.to_dict())

@@ -486,11 +486,14 @@ def test_damaged_saved_reference_is_refused(tmp_path, capsys):
 
 
 def test_validate_only_checks_every_input_and_runs_nothing(ckpt, tmp_path, capsys):
-    """--validate-only: the same refusals as a check (exit 2, one line), or exit 0 and no report."""
+    """--validate-only: the same refusals as a check (exit 2, one line), or exit 0, one line saying what the check
+    will need (memory, cache), and no report."""
     report = tmp_path / "r.json"
     code, out, err = run_main(["check", "--backend", "eager", "--model-dir", str(ckpt), "--json", str(report),
                                "--validate-only"], capsys)
-    assert (code, out, err) == (0, "oracle: inputs valid (olmoe on eager)\n", "") and not report.exists()
+    assert (code, err) == (0, "") and not report.exists()
+    assert out.startswith("oracle: inputs valid (olmoe on eager): the check's memory about ") and out.count("\n") == 1
+    assert "of cache beside the checkpoint" in out, out
     config_with(num_experts_per_tok=9)(ckpt)
     code, out, err = run_main(["check", "--backend", "eager", "--model-dir", str(ckpt), "--validate-only"], capsys)
     assert code == 2 and err == (f"oracle: error: {ckpt}/config.json: num_experts_per_tok (9) must be at most "

@@ -162,3 +162,31 @@ def test_the_e2e_routing_replay_run_ahead_is_the_one_run_after(monkeypatch, tmp_
         assert all(np.array_equal(x, y) for k in c.e2e_scores for x, y in zip(a.e2e_scores[k], c.e2e_scores[k]))
     layers = sum(s.bytes for s in cand.model._oracle_streams)
     assert once == layers  # the candidate's reads: the three runs took the layers it had just read
+
+
+def test_a_streamed_check_plans_its_memory_and_cache_before_it_starts(monkeypatch, tmp_path):
+    """Before a streamed check starts (and what --validate-only says): its memory is the backend's streamed
+    estimate + the embedding and head of the three HF models the harness shares beside it (fp32, and bf16 with
+    each attention) + the base; a machine with less is refused with the sizes (bad input), not run out of
+    memory. The cache it will write beside the checkpoint (reference and noise) is estimated from the shapes:
+    at least what the check then writes, and not far above it."""
+    from models.cache import size_of
+    from oracle.backend import BASE_MEMORY
+    from oracle.check import run_check
+    from oracle.sources import model_source
+
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+    monkeypatch.setenv("MOE_ORACLE_REFERENCE", "streamed")
+    spec = CheckSpec(family="qwen3_moe", backend="eager", precision="bf16")
+    plan = run_check(spec, validate_only=True).provenance["plan"]
+    src = model_source(spec)
+    _, outside = src.layer_parameter_counts()
+    own, _ = resolve("eager").memory_estimate(src, spec)
+    assert plan["memory_bytes"] == own + (4 + 2 + 2) * outside + BASE_MEMORY
+    assert "3 streamed HF model(s) beside it" in plan["memory"]
+    assert run_check(spec).status == "pass"
+    written = size_of(tmp_path / "references") + size_of(tmp_path / "noise")
+    assert written <= plan["cache_bytes"] <= 3 * written, (written, plan["cache_bytes"])
+    monkeypatch.setattr("oracle.backend.available_memory", lambda: plan["memory_bytes"] - 1)
+    with pytest.raises(InputError, match=r"would need about .* beside it"):
+        run_check(spec, validate_only=True)
