@@ -26,7 +26,8 @@ from oracle.e2e import ReplayAhead, prompt_set, run_e2e
 from oracle.quantization import quantization_rows
 from oracle.reference import READ, forget_reads, release_held
 from oracle.references import reference_margins, reference_of, saved_reference
-from oracle.sources import check_length, prompt_tokens, quantizing_options, sources, tokenized_prompts
+from oracle.sources import (builds_quantized, check_length, model_source, prompt_tokens, quantizing_options,
+                            sources, tokenized_prompts)
 from oracle.validation import artifact_matches, validate
 
 
@@ -133,6 +134,8 @@ def _run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = Tru
         return run.result
     if validate_only and planned_checkpoint(run):  # a --config checkpoint not built: its plan, nothing written
         return run.result
+    if validate_only and planned_directory(run):  # the q8/q4 directory a check writes: its plan, nothing written
+        return run.result
     read_sources(run)  # checkpoint, the directory a q8/q4 check builds, memory, given program, saved reference
     read_prompts(run)
     if validate_only:
@@ -180,6 +183,7 @@ def read_sources(run: Run) -> None:
     checkpoint."""
     spec, backend, result = run.spec, run.backend, run.result
     run.progress("checkpoint")
+    planned_directory(run)
     run.srcs = srcs = sources(spec, lambda msg: run.progress(f"checkpoint: {msg}"), backend)
     run.src = src = srcs.src
     run.spent = quantizing_options(backend, spec.options) if srcs.built else {}  # the directory's, spent on it
@@ -241,6 +245,18 @@ def planned_checkpoint(run: Run) -> bool:
     plan = plan_resources(run, src, spec)
     run.result.provenance["checkpoint"] = {"not_built": True, "config": spec.config, "parameters": params,
                                            "bytes": nbytes, "memory_bytes": plan["memory_bytes"], "memory": plan["memory"]}
+    return True
+
+
+def planned_directory(run: Run) -> bool:
+    """A q8/q4 check on the directory its backend writes: the check's memory and cache planned on the original
+    before the directory is written (plan_resources; refused there with the sizes: mlx-lm's writer holds the
+    model in memory, and a 30B model's would be killed by the kernel mid-write). True where there is such a
+    directory to write (the plan in the result's provenance), False otherwise."""
+    if not builds_quantized(run.spec, run.backend):
+        return False
+    plan_resources(run, model_source(run.spec, lambda msg: run.progress(f"checkpoint: {msg}")), run.spec)
+    run.result.provenance["checkpoint"] = {"quantized_directory": "planned"}
     return True
 
 

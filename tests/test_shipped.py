@@ -227,3 +227,25 @@ def test_export_and_check_a_published_config_as_the_readme_says(cli, tmp_path):
     assert "**Implementation error**" in p.stdout and "**Quantization error**" in p.stdout
     p = cli("export", "--backend", "mlx", "--output-dir", str(tmp_path / "none"))
     assert p.returncode == 2 and "--family is required with the tiny checkpoint" in p.stderr
+
+
+def test_a_directory_check_is_planned_on_the_original_before_the_directory_is_written(monkeypatch, tmp_path):
+    """A q4 check on the directory its backend writes (mlx): --validate-only plans it and writes no directory;
+    a check whose memory cannot fit is refused with the sizes before the writer runs (mlx-lm's writer holds
+    the model in memory: Qwen3-30B-A3B's was killed by the kernel mid-write before this plan)."""
+    from oracle.backend import resolve
+
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
+    backend = resolve("mlx")
+    if not backend.availability_for(CheckSpec(family="olmoe", backend="mlx", precision="q4"))[0]:
+        pytest.skip("mlx is not installed here")
+    written = []
+    monkeypatch.setattr(type(backend), "export", lambda self, *a, **k: written.append(a) or [])
+    spec = CheckSpec(family="olmoe", backend="mlx", precision="q4")
+    r = run_check(spec, backend, validate_only=True)
+    assert r.provenance["checkpoint"] == {"quantized_directory": "planned"} and r.provenance["plan"]["memory_bytes"]
+    assert not written and not (tmp_path / "artifacts").exists()
+    monkeypatch.setattr("oracle.backend.available_memory", lambda: r.provenance["plan"]["memory_bytes"] - 1)
+    with pytest.raises(InputError, match="mlx --precision q4 would need about"):
+        run_check(spec, backend)
+    assert not written
