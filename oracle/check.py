@@ -302,7 +302,6 @@ def plan_resources(run: Run, src, spec: CheckSpec) -> dict:
     the cache it will write beside the checkpoint (cache_estimate), refused here where either cannot fit
     (bad input, with the sizes), else recorded in the result's provenance ("plan"): what --validate-only says."""
     from models import cache
-    from oracle.backend import available_memory
 
     beside = harness_memory(src, spec)
     refusal = memory_refusal(run.backend, src, spec, beside)
@@ -313,7 +312,7 @@ def plan_resources(run: Run, src, spec: CheckSpec) -> dict:
     refusal = cache.refusal(writes, "this check's reference and noise measurements")
     if refusal:
         raise InputError(refusal)
-    plan = {"memory_bytes": need, "memory": how, "available_bytes": available_memory(), "cache_bytes": writes}
+    plan = {"memory_bytes": need, "memory": how, "cache_bytes": writes}  # (the memory available: the host's, not here)
     run.result.provenance["plan"] = plan
     return plan
 

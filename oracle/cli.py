@@ -440,10 +440,11 @@ def cmd_check(a, argv: list[str]) -> int:
                   file=sys.stderr)
             return EXIT["skipped_required"] if a.require else EXIT["pass"]
         from models.cache import human
+        from oracle.backend import available_memory
 
         ckpt, plan = result.provenance.get("checkpoint") or {}, result.provenance.get("plan") or {}
         needs = ((f"the check's memory about {human(plan['memory_bytes'])} ({plan['memory']}; "
-                  + (f"{human(plan['available_bytes'])} available)" if plan.get("available_bytes") else "it fits)")
+                  + (f"{human(avail)} available)" if (avail := available_memory()) else "it fits)")
                   if plan.get("memory_bytes") else "") +
                  (f"{', and ' if plan.get('memory_bytes') else ''}about {human(plan['cache_bytes'])} of cache beside the "
                   "checkpoint (the reference and the noise measurements; it fits)" if plan.get("cache_bytes") else ""))

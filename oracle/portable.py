@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 
 # keys whose values depend on the machine, the environment or the run, not on the check
-HOST_KEYS = frozenset({"host", "python", "versions", "thresholds_sha256", "timings", "cache", "dir", "path"})
+# (`plan`: the memory and cache a check planned before it started, by this version's estimates)
+HOST_KEYS = frozenset({"host", "python", "versions", "thresholds_sha256", "timings", "cache", "dir", "path", "plan"})
 # a compiled program carries the source locations (file:line) of the code it was traced from, so its
 # bytes change with any edit of that code: artifacts are compared by name (what they compute is in
 # every row); a checkpoint's sha256 is kept (the tiny checkpoints are the same bytes everywhere)
