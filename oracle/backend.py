@@ -558,7 +558,7 @@ def available_memory() -> int | None:
 def memory_plan(backend, src: ModelSource, spec: CheckSpec, beside: tuple[int, str] = (0, "")) -> tuple[int | None, str]:
     """(peak bytes, how they are made up) of a check of this model on this backend: its estimate
     (`memory_estimate(src, spec)`: by default its `memory_per_param` at this precision times the checkpoint's
-    parameters) + what the harness holds `beside` it ((bytes, how): oracle/check.py harness_memory) +
+    parameters) + what the harness holds `beside` it ((bytes, how): oracle.noise.shared_models_memory) +
     BASE_MEMORY; (None, "") where the backend makes no estimate."""
     need, how = backend.memory_estimate(src, spec)
     if need is None:

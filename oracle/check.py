@@ -15,7 +15,7 @@ from oracle import points, thresholds
 from models.cache import CacheFull
 from models.checkpoint import CheckpointError
 from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_plan, memory_refusal, resolve
-from oracle.noise import aligner, block_aligner, exact_for, forget_models, noise_for
+from oracle.noise import aligner, block_aligner, exact_for, forget_models, noise_for, shared_models_memory
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
 from oracle.result import CheckResult, GateRow, Status, worst_row
@@ -242,9 +242,9 @@ def planned_checkpoint(run: Run) -> bool:
     if why:
         raise InputError(why)
     src = ModelSource(family, None, cfg, args, "", parameters=params)
-    plan = plan_resources(run, src, spec)
+    plan_resources(run, src, spec)  # (the memory and cache: provenance["plan"])
     run.result.provenance["checkpoint"] = {"not_built": True, "config": spec.config, "parameters": params,
-                                           "bytes": nbytes, "memory_bytes": plan["memory_bytes"], "memory": plan["memory"]}
+                                           "bytes": nbytes}
     return True
 
 
@@ -258,29 +258,6 @@ def planned_directory(run: Run) -> bool:
     plan_resources(run, model_source(run.spec, lambda msg: run.progress(f"checkpoint: {msg}")), run.spec)
     run.result.provenance["checkpoint"] = {"quantized_directory": "planned"}
     return True
-
-
-BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}  # per parameter of HF's model at an hf_spec precision
-
-
-def harness_memory(src, spec: CheckSpec) -> tuple[int, str]:
-    """(bytes, how) the harness holds beside the candidate: for a streamed checkpoint (oracle.reference.mode_for),
-    the HF models the noise and the routing replays share (oracle.noise.hf_at: fp32, and the precision with each
-    attention where its limits are the precision's own error), each keeping its embedding and head resident (its
-    layers are streamed, one at a time: the backend's streamed estimate counts them). In memory: nothing counted
-    (HF's models there are the size the backend's estimate already scales with, one at a time)."""
-    from oracle.noise import attentions
-    from oracle.reference import mode_for
-
-    if spec.precision not in BYTES or mode_for(src.parameter_count()) != "streamed":
-        return 0, ""
-    _, outside = src.layer_parameter_counts()
-    sizes = [BYTES["fp32"]]
-    if thresholds.noise_relative(spec.precision):
-        sizes += [BYTES[spec.precision]] * len(attentions(src.family))
-    return (sum(sizes) * outside, f"{len(sizes)} streamed HF model(s) beside it (fp32"
-            + (f" and {spec.precision} x {len(sizes) - 1} attention(s)" if len(sizes) > 1 else "")
-            + f"): their embedding and head, {outside / 1e9:.2f} B parameters each")
 
 
 def cache_estimate(src, spec: CheckSpec) -> int:
@@ -303,7 +280,7 @@ def plan_resources(run: Run, src, spec: CheckSpec) -> dict:
     (bad input, with the sizes), else recorded in the result's provenance ("plan"): what --validate-only says."""
     from models import cache
 
-    beside = harness_memory(src, spec)
+    beside = shared_models_memory(src, spec)
     refusal = memory_refusal(run.backend, src, spec, beside)
     if refusal:
         raise InputError(refusal)

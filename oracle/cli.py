@@ -443,11 +443,15 @@ def cmd_check(a, argv: list[str]) -> int:
         from oracle.backend import available_memory
 
         ckpt, plan = result.provenance.get("checkpoint") or {}, result.provenance.get("plan") or {}
-        needs = ((f"the check's memory about {human(plan['memory_bytes'])} ({plan['memory']}; "
-                  + (f"{human(avail)} available)" if (avail := available_memory()) else "it fits)")
-                  if plan.get("memory_bytes") else "") +
-                 (f"{', and ' if plan.get('memory_bytes') else ''}about {human(plan['cache_bytes'])} of cache beside the "
-                  "checkpoint (the reference and the noise measurements; it fits)" if plan.get("cache_bytes") else ""))
+        parts = []
+        if plan.get("memory_bytes"):
+            avail = available_memory()
+            parts.append(f"the check's memory about {human(plan['memory_bytes'])} ({plan['memory']}; "
+                         + (f"{human(avail)} available)" if avail else "it fits)"))
+        if plan.get("cache_bytes"):
+            parts.append(f"about {human(plan['cache_bytes'])} of cache beside the checkpoint (the reference and the "
+                         "noise measurements; it fits)")
+        needs = ", and ".join(parts)
         if ckpt.get("not_built"):
             print(f"oracle: inputs valid ({spec.family} on {spec.backend}): the config; its seeded checkpoint is not "
                   f"built yet: {ckpt['parameters'] / 1e9:.2f} B parameters, {human(ckpt['bytes'])} of disk in the cache "

@@ -141,6 +141,30 @@ def forget_models() -> None:
     SHARED.clear()
 
 
+BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}  # per parameter of HF's model at an hf_spec precision
+
+
+def shared_models_memory(src, spec) -> tuple[int, str]:
+    """(bytes, how) the models hf_at shares in a check hold beside the candidate: for a streamed checkpoint
+    (oracle.reference.mode_for), HF at fp32 (the routing replays) and at the precision with each attention
+    where its limits are the precision's own error (the noise, the replays), each keeping its embedding and
+    head resident (its layers are streamed, one at a time: the backend's streamed estimate counts them). In
+    memory: nothing counted (HF's models there are the size the backend's estimate already scales with, one at
+    a time)."""
+    from oracle import thresholds
+    from oracle.reference import mode_for
+
+    if spec.precision not in BYTES or mode_for(src.parameter_count()) != "streamed":
+        return 0, ""
+    _, outside = src.layer_parameter_counts()
+    sizes = [BYTES["fp32"]]
+    if thresholds.noise_relative(spec.precision):
+        sizes += [BYTES[spec.precision]] * len(attentions(src.family))
+    return (sum(sizes) * outside, f"{len(sizes)} streamed HF model(s) beside it (fp32"
+            + (f" and {spec.precision} x {len(sizes) - 1} attention(s)" if len(sizes) > 1 else "")
+            + f"): their embedding and head, {outside / 1e9:.2f} B parameters each")
+
+
 def _key(spec, src, prompt, routes: str = "reference", attention: str = "eager") -> str:
     import exporters.hf
     from oracle import reference, replay

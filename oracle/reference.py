@@ -149,8 +149,9 @@ class LayerStream:
 
     A forward of fewer tokens than the experts (a decode step) reads only the experts it routes to, where
     the checkpoint stores them per expert and HF's experts module is given the routing (top_k_index): the
-    rest of the layer for the forward, then, as the experts module starts, the experts its tokens chose;
-    the others are zeros HF's per-expert loop never reads (it visits the experts hit). The same numbers,
+    rest of the layer for the forward, then, as the experts module starts, the experts its tokens chose
+    (read_experts); the others' rows are never written, and HF's per-expert loop never reads them (it visits
+    the experts hit). The same numbers,
     a fraction of the bytes (a MoE decode step of 8 of 128 experts reads about a tenth of the layer)."""
 
     def __init__(self, model, layer, prefix: str, names: list, index: dict, load, targets: dict, top_k: int = 0):
@@ -164,6 +165,8 @@ class LayerStream:
                 self.experts.setdefault(int(m.group(1)), []).append(n)
         self.top_k, self.sparse = top_k, False
         routed = routed_experts(layer) if self.experts and top_k else None
+        # the routed experts module's name in the layer (read_experts' stand-in takes its path)
+        self.routed = next((n for n, m in layer.named_modules() if m is routed), None)
         for m in layer.modules():
             m._oracle_stream = self
         layer.register_forward_pre_hook(self._start, with_kwargs=True)
@@ -199,7 +202,7 @@ class LayerStream:
         from accelerate.utils import set_module_tensor_to_device
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-        path = next(n for n, m in self.model.named_modules() if m is module)
+        path = self.prefix + self.routed
         stub = torch.nn.Module()  # the model's path down to `module`, with k experts (meta: nothing allocated)
         stub.base_model_prefix, stub.config = self.model.base_model_prefix, self.model.config
         parent = stub
@@ -220,11 +223,10 @@ class LayerStream:
         info, _ = convert_and_load_state_dict_in_model(stub, tensors, self.load_config, None)
         if info.missing_keys or info.unexpected_keys or info.mismatched_keys or info.conversion_errors:
             return False
-        rel = path[len(self.prefix):]  # the module's path in the layer (self.targets' names)
         rows = torch.tensor(chosen)
         for name, p in fused.items():
             got = parent.get_parameter(name)
-            want = self.targets.get(f"{rel}.{name}", got.dtype)
+            want = self.targets.get(f"{self.routed}.{name}", got.dtype)
             whole = torch.empty(p.shape, dtype=want)  # rows of experts not chosen: never written, never read
             whole[rows] = got.detach().to(want)
             set_module_tensor_to_device(module, name, "cpu", value=whole, dtype=want)
