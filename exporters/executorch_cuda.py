@@ -29,6 +29,7 @@ from exporters.executorch import ExecutorchBackend, export_methods, export_optio
 
 class ExecutorchCudaBackend(ExecutorchBackend):
     kind = "executorch-cuda"
+    rebinds_weights = False  # its weights file is the lowering's own blob
     source = "exporters/executorch_cuda.py"
     precisions = ("bf16", "fp32")
     dense_prefill = False  # the traced MoE gathers each token's experts, as the seed exports do

@@ -25,6 +25,7 @@ from exporters.executorch import ExecutorchBackend, export_methods, export_optio
 
 class ExecutorchMetalBackend(ExecutorchBackend):
     kind = "executorch-metal"
+    rebinds_weights = False  # its weights file is the lowering's own blob
     source = "exporters/executorch_metal.py"
     precisions = ("bf16", "fp32")
     dense_prefill = False  # the traced MoE gathers each token's experts, as the seed exports do

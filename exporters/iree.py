@@ -63,7 +63,7 @@ def code_digest() -> str:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for f in ("models/layers.py", "models/routing.py", "models/args.py", "exporters/eager.py", "exporters/iree.py",
-              "exporters/iree_program.py", "exporters/iree_export.py"):
+              "exporters/iree_program.py", "exporters/iree_export.py", "exporters/identity.py"):
         h.update(f.encode() + b"\0" + (root / f).read_bytes())
     return h.hexdigest()[:16]
 

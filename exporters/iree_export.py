@@ -18,6 +18,7 @@ from torch import nn
 
 from models.args import block_keys
 from models.layers import block_fn
+from exporters.identity import fingerprint, production_structure, program_identity  # noqa: F401 (used here and by exporters/iree.py)
 from exporters.iree_program import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO, mlir_ops
 from models.layers import STATE_BUFFERS, SparseMoE, Transformer
 from oracle.artifacts import sha256_file
@@ -25,18 +26,6 @@ from oracle.goldens import histogram_text
 
 
 # ------------------------------------------------------------------ the model, with or without weights
-def production_structure(src) -> Transformer:
-    """The fp32 production model as Family.build_from lays it out, without reading a weight: its
-    parameters on the meta device (names, shapes, dtypes), its buffers real (computed from the
-    config: RoPE inv_freq, cache_pos, the zero state). Enough for block_programs and the
-    blocks' non-parameter inputs; the parameters' values are in model.irpa."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = Transformer(src.args, torch.float32)
-    return model.eval()
-
-
 def has_weights(model: nn.Module) -> bool:
     return not any(p.is_meta for p in model.parameters())
 
@@ -91,33 +80,6 @@ class BlockProgram:
 
 def block_tensors(call: _Call) -> dict[str, torch.Tensor]:
     return dict(list(call.named_parameters()) + list(call.named_buffers()))
-
-
-def fingerprint(module: nn.Module, where: str) -> str:
-    """What determines a block's program besides its weight values: module types, plain
-    attributes, tensor shapes. A method or tensor set on an instance (how a seeded fault
-    patches one block) makes the block's program its own (`where` names the block)."""
-    h = hashlib.sha256()
-    for path, sub in module.named_modules():
-        h.update(f"{path}:{type(sub).__module__}.{type(sub).__qualname__}\n".encode())
-        for k, v in sorted(vars(sub).items()):
-            if k.startswith("_"):
-                continue
-            patched = callable(v) or isinstance(v, torch.Tensor)
-            h.update(f" {k}={'patched@' + where if patched else repr(v)}\n".encode())
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def program_identity(model: nn.Module) -> str:
-    """What model.vmfb is a function of: the fingerprint of the whole model and the values of its
-    buffers (derived constants such as RoPE's inv_freq are in the program; the parameters are not:
-    external). Two models with one identity compile to one program whatever their weight values."""
-    h = hashlib.sha256(fingerprint(model, "model").encode())
-    for name, t in model.named_buffers():
-        h.update(name.encode() + b"\0" + t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def block_programs(model: Transformer) -> tuple[dict[str, BlockProgram], dict]:

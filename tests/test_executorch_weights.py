@@ -1,0 +1,173 @@
+"""executorch: another checkpoint's weights in a program already lowered (exporters/executorch_weights.py).
+
+Frugal: one program is lowered, olmoe's XNNPACK check program of seed 0 (cached: the one
+tests/test_executorch.py checks); rebinding takes a second. That a rebound program is byte for byte the
+lowered one is measured by benchmarks/executorch_rebind.py (two lowerings a program: docs/benchmarks.md);
+here the rebound program's numbers are the new weights' (against eager), and the backend's own path runs
+in a private cache where the first program's "lowering" is a copy of seed 0's lowered program."""
+
+import filecmp
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import exporters.executorch as ex
+from exporters import executorch_weights as ew
+from models import faults
+from models.layers import reset_state
+from oracle.backend import CheckSpec
+from oracle.sources import model_source
+
+needs_executorch = pytest.mark.skipif(not ex.BACKEND.availability()[0], reason=ex.BACKEND.availability()[1])
+FILES = ("model.pte", "model.ptd", "taps.json", ex.OPS_FILE)
+
+
+def lowered(seed: int) -> Path:
+    """olmoe's check program for `seed`, lowered by the backend (from the shared cache)."""
+    spec = CheckSpec(family="olmoe", backend="executorch", seed=seed)
+    backend = ex.ExecutorchBackend()
+    backend.rebinds_weights = False
+    art = backend.artifact(model_source(spec), spec, True)
+    assert not Path(art.path).with_name("rebound.json").exists()
+    return Path(art.path)
+
+
+def production(seed: int, fault: str | None = None):
+    src = model_source(CheckSpec(family="olmoe", backend="executorch", seed=seed))
+    m = src.build_production(torch.float32)
+    if fault:
+        faults.get(fault).inject(m)
+    return m
+
+
+def same_files(a: Path, b: Path) -> bool:
+    return all(filecmp.cmp(a.with_name(n), b.with_name(n), shallow=False) for n in FILES)
+
+
+@pytest.fixture(scope="module")
+def program():
+    return lowered(0)
+
+
+def bound_of(pte: Path, m) -> dict:
+    bound, why = ew.binding(pte.with_name("model.ptd"), ew.tensor_hashes(m), set(ew.model_tensors(m)))
+    assert bound is not None, why
+    return bound
+
+
+def logits(pte: Path, eager, tokens) -> tuple[float, float]:
+    """max |program - eager| over prefill's logits and two decode steps."""
+    cand = ex.ExecutorchCandidate(pte, {})
+    with torch.no_grad():
+        reset_state(eager)
+        worst = float((cand.prefill(tokens) - eager(torch.tensor([tokens]), torch.arange(len(tokens)))[0]).abs().max())
+        for pos, tok in enumerate([11, 12], start=len(tokens)):
+            want = eager(torch.tensor([[tok]]), torch.tensor([pos]))[0, -1]
+            worst = max(worst, float((cand.decode(tok, pos) - want).abs().max()))
+    return worst
+
+
+@needs_executorch
+def test_rebound_program_computes_with_the_new_weights(program, tmp_path):
+    """Seed 0's program with seed 1's weights computes seed 1's model (as the lowered program computes
+    seed 0's, to 1e-5); seed 0's program does not (the weights are the difference); the delegate's
+    entries are keyed by the new bytes' sha256 in both files."""
+    bound = bound_of(program, production(0))
+    assert bound["content"] and bound["named"]  # XNNPACK's weights by content and the portable ops' by name
+    dest = tmp_path / "model.pte"
+    m1 = production(1)
+    assert ew.rebind(program, bound, m1, dest, ("taps.json", ex.OPS_FILE)) is None
+    tokens = [3, 17, 99, 5, 200, 42, 7, 1]
+    assert logits(dest, m1, tokens) < 1e-5
+    assert logits(program, production(0), tokens) < 1e-5
+    assert logits(program, m1, tokens) > 1e-2
+    t1 = ew.model_tensors(m1)
+    keys = {hashlib.sha256(ew.tensor_bytes(t1[names[0]])).hexdigest() for names in bound["content"].values()}
+    stored = ptd(dest).pop("__content__")
+    assert set(stored) == keys
+    pte = dest.read_bytes()
+    assert all(k.encode() in pte for k in keys) and not any(k.encode() in pte for k in bound["content"])
+    for n in ("taps.json", ex.OPS_FILE):
+        assert filecmp.cmp(dest.with_name(n), program.with_name(n), shallow=False)
+
+
+@needs_executorch
+def test_rebind_refuses_where_shared_bytes_differ(program, tmp_path):
+    """Two tensors with one content entry where the program was lowered (a weight it reads twice) cannot
+    take weights where they differ: refused, nothing written."""
+    p0, m0 = program, production(0)
+    bound = bound_of(p0, m0)
+    key, names = next(iter(bound["content"].items()))
+    other = next(n for n, t in ew.model_tensors(m0).items() if n not in names and t.dtype == torch.float32
+                 and t.shape == ew.model_tensors(m0)[names[0]].shape)
+    shared = {**bound, "content": {**bound["content"], key: [*names, other]}}
+    dest = tmp_path / "model.pte"
+    why = ew.rebind(p0, shared, production(1), dest, ())
+    assert why and other in why
+    assert not list(tmp_path.iterdir())
+
+
+@needs_executorch
+def test_backend_lowers_once_per_identity(program, tmp_path, monkeypatch):
+    """In a fresh cache: the first program of an identity is lowered (here: seed 0's lowered program copied
+    in its place) and recorded; seed 1's and a weight-only fault's are rebound from it (no lowering), and
+    compute with their weights; a fault that changes the computation is lowered."""
+    p0 = program
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_lowering(m, lower, path, check, opts, dense_prefill=False):
+        calls.append(path)
+        if len(calls) > 1:
+            raise RuntimeError("lowered again")
+        for n in FILES:
+            shutil.copyfile(p0.with_name(n), path.with_name(n))
+
+    monkeypatch.setattr(ex, "build_program", fake_lowering)
+
+    def built(seed, fault=None):
+        spec = CheckSpec(family="olmoe", backend="executorch", seed=seed)
+        backend = ex.BACKEND.with_fault(faults.get(fault)) if fault else ex.ExecutorchBackend()
+        return Path(backend.artifact(model_source(spec), spec, True).path)
+
+    first = built(0)
+    assert len(calls) == 1 and same_files(first, p0)
+    rebound = built(1)
+    assert len(calls) == 1 and not rebound.with_name("model.ptd").samefile(p0.with_name("model.ptd"))
+    assert logits(rebound, production(1), [3, 17, 99, 5, 200, 42, 7, 1]) < 1e-5
+    assert json.loads(rebound.with_name("rebound.json").read_text())["lowered_for"] == first.parent.name
+
+    off = built(0, "expert_weights_off_1e-3")  # weights alone: seed 0's program with the fault's weights
+    assert len(calls) == 1
+    t0, tf = ew.model_tensors(production(0)), ew.model_tensors(production(0, "expert_weights_off_1e-3"))
+    faulted = {k for k in t0 if not torch.equal(t0[k], tf[k])}
+    assert faulted
+    stored, clean = ptd(off), ptd(p0)
+    by_content = stored.pop("__content__")
+    clean.pop("__content__")
+    assert stored.keys() == clean.keys()
+    changed = {k for k, (_, _, read) in stored.items() if read and not np.array_equal(read(), clean[k][2]())}
+    assert changed == faulted & stored.keys()
+    for k, (_, _, read) in stored.items():
+        if read:
+            assert np.array_equal(read(), tf[k].detach().numpy())
+    m0 = production(0)
+    bound, _ = ew.binding(p0.with_name("model.ptd"), ew.tensor_hashes(m0), set(t0))
+    assert set(by_content) == {hashlib.sha256(ew.tensor_bytes(tf[names[0]])).hexdigest()
+                               for names in bound["content"].values()}
+    for key, (_, read) in by_content.items():
+        assert hashlib.sha256(read()).hexdigest() == key
+
+    with pytest.raises(RuntimeError, match="lowered again"):  # the computation changed: its own lowering
+        built(0, "rope_theta_wrong")
+
+
+def ptd(pte: Path) -> dict:
+    from exporters.production_weights import ptd_tensors
+
+    return ptd_tensors(pte.with_name("model.ptd"))
