@@ -349,8 +349,6 @@ def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict
 
 WEIGHTS_TAG = "model"  # the weights file: model.ptd beside model.pte
 WEIGHTS_FILE = f"{WEIGHTS_TAG}.ptd"
-# the cache's records of the first program lowered per program identity (exporters/executorch_weights.py)
-TEMPLATES = "executorch-programs"
 
 
 def tag_weights_external(ep) -> None:
@@ -870,7 +868,7 @@ class ExecutorchBackend(Backend):
 
     def artifact(self, model, spec, check: bool):
         """The check's program or the production program, from the cache or built."""
-        from oracle.artifacts import cached_artifact, json_put, key_of
+        from oracle.artifacts import cached_artifact
         from models.cache import estimate
 
         program = "check" if check else "production"
@@ -879,8 +877,10 @@ class ExecutorchBackend(Backend):
         opts = {k: v for k, v in self.options(spec).items() if k != ("sample" if check else "sampling")}
 
         parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
-        template = contextlib.ExitStack()  # held from a miss's lookup until its program is in place
-        lowered = {}
+        # another checkpoint of a program's identity takes its program with other weights (exporters/
+        # executorch_weights.py); not a quantized one's (its weights are packed)
+        once = ew.OneLowering(self.kind, parts, WEIGHTS_FILE, (OPS_FILE, "taps.json")) \
+            if self.rebinds_weights and not opts.get("qlinear") else None
 
         def build(path):
             # the fp32 weights mapped from files beside the build (not process memory): the
@@ -888,59 +888,25 @@ class ExecutorchBackend(Backend):
             # files too; the emitter's bytes of the portable ops' weights)
             with tempfile.TemporaryDirectory(prefix=".weights-", dir=path.parent) as mapped:
                 m = self.production_model(model, spec, opts, Path(mapped))
-                hashes = self.rebound(model, m, parts, opts, path, template, lowered)
-                if hashes is not None:
+
+                def lower():
                     build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check, opts,
                                   self.dense_prefill)
-                    lowered["binding"] = hashes and ew.binding(path.with_name(WEIGHTS_FILE), *hashes)
+
+                if once:
+                    once.build(m, path, lower, program_identity(m), program_identity(production_structure(model)))
+                else:
+                    lower()
                 del m
                 gc.collect()
 
-        with template:
-            art = cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte",
-                                  needed=lambda: estimate(model.parameter_count(), spec.precision))
-            if lowered.get("binding"):  # the first program of its identity: others take its weights file's layout
-                bound, why = lowered["binding"]
-                json_put(TEMPLATES, lowered["template"], {"entry": key_of(parts), "binding": bound, "why": why})
-        return art
+        with once or contextlib.nullcontext():
+            return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte",
+                                   needed=lambda: estimate(model.parameter_count(), spec.precision))
 
     # the programs take other weights of their identity without lowering again (the CPU lowering's
     # model.ptd: exporters/executorch_weights.py); not the CUDA and Metal lowerings' weights files
     rebinds_weights = True
-
-    def rebound(self, src, m, parts: dict, opts: dict, path: Path, template: contextlib.ExitStack, lowered: dict):
-        """On a miss: write at `path` the program of another checkpoint of `m`'s identity (exporters/
-        executorch_weights.py) with `m`'s weights, and return None; else what the lowering that follows
-        records for the next one, (hashes of m's tensors, their names), or () where this backend's programs
-        do not take other weights (a quantized one, another lowering). Programs of one identity are lowered
-        one at a time (`template`, held until the caller's program is in place): the second waits for
-        the first and takes its program."""
-        if not self.rebinds_weights or opts.get("qlinear"):
-            return ()
-        from models import cache
-        from oracle.artifacts import build_lock, json_get, key_of
-
-        clean = program_identity(production_structure(src))
-        ident = program_identity(m)
-        tparts = {**parts, "checkpoint": None, "identity": ident,
-                  "transform_id": None if ident == clean else parts["transform_id"]}
-        lowered["template"] = tparts
-        template.enter_context(build_lock(cache.cache_root() / TEMPLATES / key_of(tparts)))
-        record = json_get(TEMPLATES, tparts)
-        if record and record.get("binding"):
-            first = cache.cache_root() / "artifacts" / self.kind / record["entry"]
-            cache.hold(first)
-            pte = first / "model.pte"
-            if pte.is_file() and pte.with_name(WEIGHTS_FILE).is_file():
-                why = ew.rebind(pte, record["binding"], m, path, (OPS_FILE, "taps.json"))
-                if why is None:
-                    path.with_name("rebound.json").write_text(json.dumps({"lowered_for": record["entry"]}))
-                    return None
-                lowered["why"] = why
-        elif record:  # its identity's program cannot take other weights: lowered every time
-            return ()
-        tensors = ew.model_tensors(m)
-        return ew.tensor_hashes(m), set(tensors)
 
     def points_program(self, model, spec, layer, kind: str, lengths: list[int]) -> tuple[Path, dict]:
         """The drill's program of block (layer, kind): the block of the production model (the fault

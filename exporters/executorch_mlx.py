@@ -37,6 +37,8 @@ import numpy as np
 import torch
 
 from exporters.eager import DTYPES
+from exporters.executorch_weights import OneLowering
+from exporters.identity import production_structure, program_identity
 from models.layers import LINEAR, Transformer
 from models.sampling import runtime_args
 from oracle import goldens
@@ -47,7 +49,7 @@ KIND = "executorch-mlx"
 # built before a change there was reused, and a golden frozen from it: measured), this exporter
 # (production_model) and the export; a fault's own code is in the key's transform_id (Fault.id)
 SOURCES = ("models/layers.py", "models/routing.py", "models/sampling.py", "exporters/executorch_mlx.py",
-           "exporters/executorch_mlx_export.py")
+           "exporters/executorch_mlx_export.py", "exporters/executorch_weights.py")
 EXECUTORS = ("auto", "interpreter", "runtime")
 
 
@@ -129,6 +131,12 @@ def source_digest() -> str:
     from exporters.executorch import source_digest as digest
 
     return digest(*SOURCES)
+
+
+def delegate_code_constant(key: str) -> bool:
+    """A named data entry the MLX delegate made from the code (a scalar, a constant the export lifted), not
+    from a weight: `<prefix>/_scalar_2`, `<prefix>/_lifted_tensor_constant3`."""
+    return key.split("/", 1)[-1].startswith(("_scalar_", "_lifted_tensor_constant"))
 
 
 # ---------------------------------------------------------------- gates and structure
@@ -341,7 +349,9 @@ class ExecutorchMlxBackend(Backend):
     def check_options(self, spec) -> str | None:
         return executor_problem(spec)
 
-    def production_model(self, model, spec, use_custom_kernel: bool) -> Transformer:
+    def production_model(self, model, spec, use_custom_kernel: bool, identity: list | None = None) -> Transformer:
+        """The production model with the fault, transformed for the delegate; `identity`: its program
+        identity before the delegate's transformations is appended (theirs follows from the code)."""
         from exporters.executorch_mlx_export import mlx_source_transformations
         from exporters.executorch_mlx_setup import import_delegate
 
@@ -349,6 +359,8 @@ class ExecutorchMlxBackend(Backend):
         m = model.build_production(DTYPES[spec.precision])
         if self.transform is not None:
             self.transform(m)
+        if identity is not None:
+            identity.append(program_identity(m))
         return mlx_source_transformations(m, use_custom_kernel=use_custom_kernel)
 
     def artifact(self, model, spec, check: bool, kernel: bool):
@@ -363,18 +375,29 @@ class ExecutorchMlxBackend(Backend):
                  "transform_id": self.transform_id, "source": source_digest(),
                  "versions": versions("torch", "executorch", "mlx", "torchao")}
 
+        # another checkpoint of a program's identity takes its program with other weights, in the .pte's
+        # named data (exporters/executorch_weights.py): the delegate's scalars are the code's
+        once = OneLowering(KIND, parts, "model.pte", (), code_constant=delegate_code_constant)
+
         def build(path: Path):
             from exporters.executorch_mlx_export import export_methods, lower, metadata
 
-            m = self.production_model(model, spec, kernel)
-            prog = lower(export_methods(m, check, sampling), metadata(m.args))
-            path.write_bytes(prog.buffer)
-            if prog._tensor_data:
-                prog.write_tensor_data_to_file(str(path.parent))
+            identity = []
+            m = self.production_model(model, spec, kernel, identity)
+
+            def lowered():
+                prog = lower(export_methods(m, check, sampling), metadata(m.args))
+                path.write_bytes(prog.buffer)
+                if prog._tensor_data:
+                    prog.write_tensor_data_to_file(str(path.parent))
+
+            once.build(m, path, lowered, identity[0],
+                       program_identity(production_structure(model, DTYPES[spec.precision])))
 
         name = f"{spec.family}.{spec.precision}.{program}{'.sampling' if sampling else ''}.pte"
-        return cached_artifact(KIND, parts, "model.pte", build, name=name,
-                               needed=lambda: estimate(model.parameter_count(), spec.precision))
+        with once:
+            return cached_artifact(KIND, parts, "model.pte", build, name=name,
+                                   needed=lambda: estimate(model.parameter_count(), spec.precision))
 
     def points_program(self, model, spec, executor: str, kernel: bool, layer, kind: str):
         """The drill's program of block (layer, kind) (executorch_mlx_export.export_points), lowered

@@ -1,20 +1,23 @@
-"""`executorch`: another checkpoint's weights in a program already lowered, instead of lowering again.
+"""ExecuTorch programs (`executorch`, `executorch-mlx`): another checkpoint's weights in a program already
+lowered, instead of lowering again.
 
-The program keeps every weight outside itself, in model.ptd (exporters/executorch.py): the weights the
-portable ops read by their state-dict names, XNNPACK's by the sha256 of their bytes (a key the .pte's
-delegate payload names). Two production models with one program identity (exporters/identity.py:
-modules, attributes, tensor names, shapes and dtypes, buffer values) lower to one program whatever
-their weight values: another seed of a family, or a seeded fault that edits weights alone. The second
-is then the first's program with the second's bytes in model.ptd and its content keys renamed in both
-files: byte for byte what lowering it writes (tests/test_executorch_weights.py), in a second instead of
-the lowering's minutes.
+Two production models with one program identity (exporters/identity.py: modules, attributes, tensor
+names, shapes and dtypes, buffer values) lower to one program whatever their weight values: another seed
+of a family, or a seeded fault that edits weights alone. The program keeps its weights as named data: in
+model.ptd beside it (`executorch`: the portable ops' weights by their state-dict names, XNNPACK's by the
+sha256 of their bytes, a key the .pte's delegate payload names) or in the .pte's own segments (the MLX
+delegate's, by its names). The second model's program is the first's with the second's bytes in those
+entries and the content keys renamed: byte for byte what lowering it writes (benchmarks/
+executorch_rebind.py), in a second or two instead of the lowering's minutes.
 
-A binding says what each entry of a lowered model.ptd holds, by tensor name; it is recorded beside the
-program's identity the first time a program of that identity is lowered (ExecutorchBackend.artifact)."""
+A binding says what each entry holds, by tensor name; it is recorded beside the program's identity the
+first time a program of that identity is lowered (OneLowering)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import mmap
 import shutil
 from pathlib import Path
@@ -47,10 +50,13 @@ def tensor_hashes(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
-def ptd_layout(path: Path) -> tuple[int, list[tuple[str, bool, int, int]]]:
-    """(the end of the .ptd's header and table, [(key, by name, data offset, data size)]) of an ExecuTorch
-    flat tensor file; by name: an entry with a tensor layout (a state-dict name), else a delegate's
-    (keyed by the sha256 of its bytes)."""
+def ptd_layout(path: Path) -> tuple[int, list[tuple[str, str, int, int]]]:
+    """(the end of the file's header and table, [(key, kind, data offset, data size)]) of the named data of an
+    ExecuTorch flat tensor file (.ptd) or program (.pte). kind: "name", the key is a tensor's state-dict
+    name (a .ptd entry with a tensor layout); "content", the key is the sha256 of the bytes (a delegate's
+    .ptd entry); "slot", the key is the delegate's own name for it (a .pte's named data)."""
+    if path.suffix == ".pte":
+        return pte_layout(path)
     from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
 
     with open(path, "rb") as f:
@@ -64,61 +70,81 @@ def ptd_layout(path: Path) -> tuple[int, list[tuple[str, bool, int, int]]]:
     entries = []
     for nd in flat.named_data:
         seg = flat.segments[nd.segment_index]
-        entries.append((nd.key, nd.tensor_layout is not None, header.segment_base_offset + seg.offset, seg.size))
+        entries.append((nd.key, "name" if nd.tensor_layout is not None else "content",
+                        header.segment_base_offset + seg.offset, seg.size))
     return table_end, entries
 
 
-def binding(ptd: Path, hashes: dict[str, list[str]], names: set[str]) -> tuple[dict | None, str]:
-    """(what each entry of a lowered program's weights file holds, or None, why not): {"named": the
-    entries that are the model tensor of their name, "content": {key: the tensors whose bytes it is}}.
-    An entry named for no model tensor keeps its bytes (a constant of the code, the same for every
-    checkpoint of one identity); a delegate's entry that is no tensor's bytes (a weight the delegate
-    derived) makes the program one that cannot take other weights."""
-    _, entries = ptd_layout(ptd)
-    named, content = [], {}
-    for key, by_name, _, _ in entries:
-        if by_name:
+def pte_layout(path: Path) -> tuple[int, list[tuple[str, str, int, int]]]:
+    """ptd_layout of a .pte's named data (its segments after the program's flatbuffer)."""
+    from executorch.exir._serialize._program import _flatbuffer_to_program, _get_extended_header
+
+    data = path.read_bytes()
+    eh = _get_extended_header(data)
+    if eh is None or not eh.is_valid():
+        return len(data), []  # no segments: nothing outside the flatbuffer
+    program = _flatbuffer_to_program(data[:eh.program_size])
+    return eh.program_size, [(nd.key, "slot", eh.segment_base_offset + program.segments[nd.segment_index].offset,
+                              program.segments[nd.segment_index].size) for nd in program.named_data]
+
+
+def binding(weights: Path, hashes: dict[str, list[str]], names: set[str],
+            code_constant=lambda key: False) -> tuple[dict | None, str]:
+    """(what each named data entry of a lowered program's weights file holds, or None, why not): {"file": its
+    name, "named": the entries that are the model tensor of their name, "content" and "slots": {key: the
+    tensors whose bytes it is}}. An entry named for no model tensor, or one `code_constant(key)` says the
+    lowering made from the code (the MLX delegate's scalars), keeps its bytes: the same for every
+    checkpoint of one identity. Any other entry that is no tensor's bytes (a weight the delegate derived)
+    makes the program one that cannot take other weights."""
+    _, entries = ptd_layout(weights)
+    bound = {"file": weights.name, "named": [], "content": {}, "slots": {}}
+    for key, kind, _, _ in entries:
+        if kind == "name":
             if key in names:
-                named.append(key)
-        elif key in hashes:
-            content[key] = hashes[key]
-        else:
-            return None, (f"the delegate's weight {key[:12]}... is no tensor of the model (derived while lowering) "
+                bound["named"].append(key)
+            continue
+        # a delegate's entry: whose bytes?
+        bytes_of = hashes.get(key) if kind == "content" else None
+        if kind == "slot":
+            off, size = next((o, n) for k, _, o, n in entries if k == key)
+            with open(weights, "rb") as f:
+                f.seek(off)
+                bytes_of = hashes.get(hashlib.sha256(f.read(size)).hexdigest())
+        if bytes_of:
+            bound["content" if kind == "content" else "slots"][key] = bytes_of
+        elif not code_constant(key):
+            return None, (f"the delegate's weight {key[:40]} is no tensor of the model (derived while lowering) "
                           "or one of a single repeated value")
-    return {"named": named, "content": content}, ""
+    return bound, ""
 
 
 def rebind(program: Path, bound: dict, model: nn.Module, dest: Path, keep: tuple[str, ...]) -> str | None:
-    """Write at `dest` (a .pte; its model.ptd and the files named in `keep` beside it) the program at
+    """Write at `dest` (a .pte; its weights file and the files named in `keep` beside it) the program at
     `program`, lowered for other weights of `model`'s identity (`bound`: binding() of its weights file),
     with `model`'s weights. None when written, else why it cannot be (nothing is left at `dest`'s files):
     a tensor the first weights shared in one entry differs here, or two entries would get one key."""
     tensors = model_tensors(model)
-    src_ptd = program.with_name("model.ptd")
-    table_end, entries = ptd_layout(src_ptd)
+    src = program.with_name(bound["file"])
+    table_end, entries = ptd_layout(src)
     by_key = {key: (off, size) for key, _, off, size in entries}
     writes, renames = [], {}
-    for key in bound["named"]:
-        off, size = by_key[key]
-        data = tensor_bytes(tensors[key])
-        if data.nbytes != size:
-            return f"{key}: {data.nbytes} bytes here, {size} in the program"
-        writes.append((off, data))
-    for key, names in bound["content"].items():
+    for key, names in [*((k, [k]) for k in bound["named"]), *bound["content"].items(), *bound["slots"].items()]:
         data = tensor_bytes(tensors[names[0]])
         if any(bytes(tensor_bytes(tensors[n])) != bytes(data) for n in names[1:]):
             return f"{', '.join(names)} are one weight of the program (equal where it was lowered) and differ here"
         off, size = by_key[key]
         if data.nbytes != size:
             return f"{names[0]}: {data.nbytes} bytes here, {size} in the program"
-        renames[key.encode()] = hashlib.sha256(data).hexdigest().encode()
+        if key in bound["content"]:
+            renames[key.encode()] = hashlib.sha256(data).hexdigest().encode()
         writes.append((off, data))
     if len(set(renames.values())) < len(renames):
         return "two of the program's weights are equal here (lowering would keep one entry)"
-    ptd = dest.with_name("model.ptd")
+    out = dest.with_name(bound["file"])
+    written = [dest, out, *(dest.with_name(n) for n in keep)]
     try:
-        shutil.copyfile(src_ptd, ptd)
-        with open(ptd, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        shutil.copyfile(src, out)
+        with open(out, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
             table = bytes(m[:table_end])
             for old, new in renames.items():
                 table = table.replace(old, new)
@@ -126,15 +152,77 @@ def rebind(program: Path, bound: dict, model: nn.Module, dest: Path, keep: tuple
             for off, data in writes:
                 m[off:off + data.nbytes] = data
             m.flush()
-        pte = program.read_bytes()
-        for old, new in renames.items():
-            pte = pte.replace(old, new)
-        dest.write_bytes(pte)
+        if out != dest:  # the weights beside the program: its delegate payload names the renamed keys
+            pte = program.read_bytes()
+            for old, new in renames.items():
+                pte = pte.replace(old, new)
+            dest.write_bytes(pte)
         for name in keep:
             if program.with_name(name).is_file():
                 shutil.copyfile(program.with_name(name), dest.with_name(name))
     except BaseException:
-        for f in (dest, ptd, *(dest.with_name(n) for n in keep)):
+        for f in written:
             f.unlink(missing_ok=True)
         raise
     return None
+
+
+RECORDS = "executorch-programs"  # the cache's records of the first program lowered per identity
+
+
+class OneLowering:
+    """One lowering per program identity, for the cache entry `parts` of artifacts/`kind` being built:
+    entered around cached_artifact, whose build calls `build`. The first program of an identity is
+    lowered and recorded with its binding (on leaving, once it is in place); a later one is that
+    program with its own weights (rebind), or lowered where it cannot be (recorded so, or refused
+    here). Programs of one identity are lowered one at a time: a lock on the record, taken in `build`
+    and held until the caller's program is in place, so a second check waits for the first and takes
+    its program. `weights`: the file holding the named data ("model.ptd", or "model.pte" itself);
+    `keep`: the files beside the program copied with it; `code_constant`: binding's."""
+
+    def __init__(self, kind: str, parts: dict, weights: str, keep: tuple[str, ...], code_constant=lambda key: False):
+        self.kind, self.parts, self.weights, self.keep, self.code_constant = kind, parts, weights, keep, code_constant
+        self.stack = contextlib.ExitStack()
+        self.record = None  # (record parts, its value) to write on leaving
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        from oracle.artifacts import json_put
+
+        try:
+            if exc_type is None and self.record:
+                json_put(RECORDS, *self.record)
+        finally:
+            self.stack.close()
+
+    def build(self, m: nn.Module, path: Path, lower, identity: str, clean_identity: str) -> None:
+        """Write the program at `path` for `m` (its tensors as lowered; `identity`: the program identity of
+        the model it was made from, `clean_identity` that of the same model without the transform): rebound
+        from the identity's first program, else `lower()`ed and its binding kept for the record."""
+        from models import cache
+        from oracle.artifacts import build_lock, json_get, key_of
+
+        rparts = {**self.parts, "checkpoint": None, "identity": identity,
+                  "transform_id": None if identity == clean_identity else self.parts.get("transform_id")}
+        self.stack.enter_context(build_lock(cache.cache_root() / RECORDS / key_of(rparts)))
+        record = json_get(RECORDS, rparts)
+        why = ""
+        if record and record.get("binding"):
+            first = cache.cache_root() / "artifacts" / self.kind / record["entry"] / path.name
+            cache.hold(first.parent)
+            if first.is_file() and first.with_name(record["binding"]["file"]).is_file():
+                why = rebind(first, record["binding"], m, path, self.keep)
+                if why is None:
+                    path.with_name("rebound.json").write_text(json.dumps({"lowered_for": record["entry"]}))
+                    return
+        elif record:  # its identity's program cannot take other weights
+            lower()
+            return
+        hashes, names = tensor_hashes(m), set(model_tensors(m))
+        lower()
+        beside = sorted(f.name for f in path.parent.glob("*.ptd") if f.name != self.weights)
+        bound, not_bound = (None, f"weights outside {self.weights} too ({', '.join(beside)})") if beside else \
+            binding(path.with_name(self.weights), hashes, names, self.code_constant)
+        self.record = (rparts, {"entry": key_of(self.parts), "binding": bound, "why": not_bound or why or None})

@@ -13,15 +13,15 @@ from torch import nn
 from models.layers import Transformer
 
 
-def production_structure(src) -> Transformer:
-    """The fp32 production model as Family.build_from lays it out, without reading a weight: its
+def production_structure(src, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The production model (fp32, or `dtype`) as Family.build_from lays it out, without reading a weight: its
     parameters on the meta device (names, shapes, dtypes), its buffers real (computed from the
     config: RoPE inv_freq, cache_pos, the zero state). Enough for a program's identity, IREE's
     block programs and the blocks' non-parameter inputs."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        model = Transformer(src.args, torch.float32)
+        model = Transformer(src.args, dtype)
     return model.eval()
 
 

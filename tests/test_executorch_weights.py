@@ -171,3 +171,46 @@ def ptd(pte: Path) -> dict:
     from exporters.production_weights import ptd_tensors
 
     return ptd_tensors(pte.with_name("model.ptd"))
+
+
+# ------------------------------------------------------------------ executorch-mlx: the weights in the .pte
+MLX_SAMPLING = {"sampling": {"temperature": 0.8, "top_p": 0.9}}  # tests/test_executorch_mlx.py's olmoe program
+
+
+@pytest.fixture(scope="module")
+def mlx_program():
+    from exporters.executorch_mlx import BACKEND as MLX
+
+    if not MLX.availability()[0]:
+        pytest.skip(MLX.availability()[1])
+    spec = CheckSpec(family="olmoe", backend="executorch-mlx", options=MLX_SAMPLING)
+    return Path(MLX.artifact(model_source(spec), spec, True, False).path)
+
+
+def test_mlx_program_with_another_seeds_weights_passes_its_check(mlx_program, tmp_path, monkeypatch):
+    """In a fresh cache whose first "lowering" is olmoe seed 0's lowered MLX program: seed 1's check program
+    is rebound from it (no second lowering: the delegate's weights rewritten in the .pte's named data) and
+    passes seed 1's check against HF; the same program with seed 0's weights left in fails it."""
+    import exporters.executorch_mlx_export as export
+    from oracle.check import run_check
+
+    lowerings = []
+
+    def fake_lower(methods, constant_methods=None):
+        lowerings.append(1)
+        return type("Prog", (), {"buffer": mlx_program.read_bytes(), "_tensor_data": {}})()
+
+    monkeypatch.setattr(export, "export_methods", lambda *a, **k: {})
+    monkeypatch.setattr(export, "lower", fake_lower)
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "rebound"))
+    # (no drill: a failing check's points programs would be lowered too)
+    spec = lambda seed: CheckSpec(family="olmoe", backend="executorch-mlx", seed=seed, options=MLX_SAMPLING,  # noqa: E731
+                                  drill="off")
+    assert run_check(spec(0)).status == "pass" and len(lowerings) == 1
+    r = run_check(spec(1))
+    assert len(lowerings) == 1 and r.status == "pass", (r.status, r.worst, r.error)
+
+    monkeypatch.setattr(ew.OneLowering, "build", lambda self, m, path, lower, *a: lower())  # no rebinding
+    monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "stale"))
+    r = run_check(spec(1))
+    assert len(lowerings) == 2 and r.status == "fail"
