@@ -28,25 +28,19 @@ FILES = ("model.pte", "model.ptd", "taps.json", "ops.txt")
 
 
 def build(backend_name: str, family: str, seed: int, fault: str | None, rebinds: bool) -> tuple[Path, float]:
-    from exporters import executorch_weights as ew
     from models import faults
     from oracle.backend import CheckSpec
     from oracle.sources import model_source
 
     spec = CheckSpec(family=family, backend=backend_name, seed=seed)
-    backend = importlib.import_module("exporters." + backend_name.replace("-", "_")).BACKEND
-    backend = backend.with_fault(faults.get(fault)) if fault else backend
+    base = importlib.import_module("exporters." + backend_name.replace("-", "_")).BACKEND
+    backend = base.with_fault(faults.get(fault)) if fault else type(base)()
     src = model_source(spec)
-    record = ew.OneLowering.build
-    if not rebinds:  # lowered, recorded nowhere
-        ew.OneLowering.build = lambda self, m, path, lower, *a: lower()
-    try:
-        t = time.perf_counter()
-        art = backend.artifact(src, spec, True, False) if backend_name == "executorch-mlx" else \
-            backend.artifact(src, spec, True)
-        return Path(art.path), time.perf_counter() - t
-    finally:
-        ew.OneLowering.build = record
+    backend.rebinds_weights = rebinds  # not: lowered, recorded nowhere
+    t = time.perf_counter()
+    art = backend.artifact(src, spec, True, False) if backend_name == "executorch-mlx" else \
+        backend.artifact(src, spec, True)
+    return Path(art.path), time.perf_counter() - t
 
 
 def main() -> int:

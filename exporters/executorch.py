@@ -815,6 +815,9 @@ class ExecutorchBackend(Backend):
     # prefill runs every expert on every token (no per-token copy of the experts' weights);
     # decode gathers its token's experts (export_methods)
     dense_prefill = True
+    # the programs take other weights of their identity without lowering again (the CPU lowering's
+    # model.ptd: exporters/executorch_weights.py); not the CUDA and Metal lowerings' weights files
+    rebinds_weights = True
     option_schema = (
         Option("partitioner", str, ("xnnpack", "portable"), "xnnpack",
                "portable kernels only (no XNNPACK): about 4x faster to lower; tells a delegate's fault "
@@ -879,8 +882,8 @@ class ExecutorchBackend(Backend):
         parts = cache_parts(self.kind, model, spec, program, self.transform_id, opts, self.source)
         # another checkpoint of a program's identity takes its program with other weights (exporters/
         # executorch_weights.py); not a quantized one's (its weights are packed)
-        once = ew.OneLowering(self.kind, parts, WEIGHTS_FILE, (OPS_FILE, "taps.json")) \
-            if self.rebinds_weights and not opts.get("qlinear") else None
+        once = ew.OneLowering(self.kind, parts, WEIGHTS_FILE, (OPS_FILE, "taps.json"),
+                              enabled=self.rebinds_weights and not opts.get("qlinear"))
 
         def build(path):
             # the fp32 weights mapped from files beside the build (not process memory): the
@@ -893,20 +896,13 @@ class ExecutorchBackend(Backend):
                     build_program(m, lambda methods, mm: self.lower(methods, mm, opts), path, check, opts,
                                   self.dense_prefill)
 
-                if once:
-                    once.build(m, path, lower, program_identity(m), program_identity(production_structure(model)))
-                else:
-                    lower()
+                once.build(m, path, lower, lambda: (program_identity(m), program_identity(production_structure(model))))
                 del m
                 gc.collect()
 
-        with once or contextlib.nullcontext():
+        with once:
             return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte",
                                    needed=lambda: estimate(model.parameter_count(), spec.precision))
-
-    # the programs take other weights of their identity without lowering again (the CPU lowering's
-    # model.ptd: exporters/executorch_weights.py); not the CUDA and Metal lowerings' weights files
-    rebinds_weights = True
 
     def points_program(self, model, spec, layer, kind: str, lengths: list[int]) -> tuple[Path, dict]:
         """The drill's program of block (layer, kind): the block of the production model (the fault

@@ -321,6 +321,8 @@ class ExecutorchMlxBackend(Backend):
 
     name = KIND
     precisions = ("fp32", "bf16")
+    # the programs take other weights of their identity without lowering again (exporters/executorch_weights.py)
+    rebinds_weights = True
     option_schema = (Option("executor", str, EXECUTORS, "auto",
                             "what runs the lowered program: the ExecuTorch runtime with the MLX delegate "
                             "(macOS builds) or moe-oracle's interpreter of the MLX graph; auto: the runtime "
@@ -349,19 +351,24 @@ class ExecutorchMlxBackend(Backend):
     def check_options(self, spec) -> str | None:
         return executor_problem(spec)
 
-    def production_model(self, model, spec, use_custom_kernel: bool, identity: list | None = None) -> Transformer:
-        """The production model with the fault, transformed for the delegate; `identity`: its program
-        identity before the delegate's transformations is appended (theirs follows from the code)."""
+    def faulted_model(self, model, spec) -> Transformer:
+        """The production model with the fault, before the delegate's transformations."""
+        m = model.build_production(DTYPES[spec.precision])
+        if self.transform is not None:
+            self.transform(m)
+        return m
+
+    @staticmethod
+    def for_delegate(m: Transformer, use_custom_kernel: bool) -> Transformer:
+        """`m` transformed for the delegate (in place: the MLX source transformations)."""
         from exporters.executorch_mlx_export import mlx_source_transformations
         from exporters.executorch_mlx_setup import import_delegate
 
         import_delegate()
-        m = model.build_production(DTYPES[spec.precision])
-        if self.transform is not None:
-            self.transform(m)
-        if identity is not None:
-            identity.append(program_identity(m))
         return mlx_source_transformations(m, use_custom_kernel=use_custom_kernel)
+
+    def production_model(self, model, spec, use_custom_kernel: bool) -> Transformer:
+        return self.for_delegate(self.faulted_model(model, spec), use_custom_kernel)
 
     def artifact(self, model, spec, check: bool, kernel: bool):
         """The check's program (forward + blocks) or the production program (forward), cached."""
@@ -377,13 +384,15 @@ class ExecutorchMlxBackend(Backend):
 
         # another checkpoint of a program's identity takes its program with other weights, in the .pte's
         # named data (exporters/executorch_weights.py): the delegate's scalars are the code's
-        once = OneLowering(KIND, parts, "model.pte", (), code_constant=delegate_code_constant)
+        once = OneLowering(KIND, parts, "model.pte", (), code_constant=delegate_code_constant,
+                           enabled=self.rebinds_weights)
 
         def build(path: Path):
             from exporters.executorch_mlx_export import export_methods, lower, metadata
 
-            identity = []
-            m = self.production_model(model, spec, kernel, identity)
+            m = self.faulted_model(model, spec)
+            identity = program_identity(m)  # before the delegate's transformations (theirs follows from the code)
+            m = self.for_delegate(m, kernel)
 
             def lowered():
                 prog = lower(export_methods(m, check, sampling), metadata(m.args))
@@ -391,8 +400,8 @@ class ExecutorchMlxBackend(Backend):
                 if prog._tensor_data:
                     prog.write_tensor_data_to_file(str(path.parent))
 
-            once.build(m, path, lowered, identity[0],
-                       program_identity(production_structure(model, DTYPES[spec.precision])))
+            once.build(m, path, lowered,
+                       lambda: (identity, program_identity(production_structure(model, DTYPES[spec.precision]))))
 
         name = f"{spec.family}.{spec.precision}.{program}{'.sampling' if sampling else ''}.pte"
         with once:

@@ -50,6 +50,18 @@ def tensor_hashes(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
+def flat_tensor_table(data) -> tuple[int, int, object]:
+    """(the end of the header and table, the segments' base offset, the table) of an ExecuTorch flat tensor
+    file's bytes (.ptd; a bytes-like or mmap, read up to the table's end)."""
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
+
+    header = FlatTensorHeader.from_bytes(bytes(data[8:8 + FlatTensorHeader.EXPECTED_LENGTH]))
+    if not header.is_valid():
+        raise ValueError("not an ExecuTorch flat tensor file (.ptd)")
+    table_end = header.flatbuffer_offset + header.flatbuffer_size
+    return table_end, header.segment_base_offset, _deserialize_to_flat_tensor(bytes(data[:table_end]))
+
+
 def ptd_layout(path: Path) -> tuple[int, list[tuple[str, str, int, int]]]:
     """(the end of the file's header and table, [(key, kind, data offset, data size)]) of the named data of an
     ExecuTorch flat tensor file (.ptd) or program (.pte). kind: "name", the key is a tensor's state-dict
@@ -57,21 +69,15 @@ def ptd_layout(path: Path) -> tuple[int, list[tuple[str, str, int, int]]]:
     .ptd entry); "slot", the key is the delegate's own name for it (a .pte's named data)."""
     if path.suffix == ".pte":
         return pte_layout(path)
-    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
-
-    with open(path, "rb") as f:
-        head = f.read(8 + FlatTensorHeader.EXPECTED_LENGTH)
-        header = FlatTensorHeader.from_bytes(head[8:])
-        if not header.is_valid():
-            raise ValueError(f"{path}: not an ExecuTorch flat tensor file (.ptd)")
-        f.seek(0)
-        table_end = header.flatbuffer_offset + header.flatbuffer_size
-        flat = _deserialize_to_flat_tensor(f.read(table_end))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            table_end, base, flat = flat_tensor_table(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     entries = []
     for nd in flat.named_data:
         seg = flat.segments[nd.segment_index]
-        entries.append((nd.key, "name" if nd.tensor_layout is not None else "content",
-                        header.segment_base_offset + seg.offset, seg.size))
+        entries.append((nd.key, "name" if nd.tensor_layout is not None else "content", base + seg.offset, seg.size))
     return table_end, entries
 
 
@@ -98,23 +104,19 @@ def binding(weights: Path, hashes: dict[str, list[str]], names: set[str],
     makes the program one that cannot take other weights."""
     _, entries = ptd_layout(weights)
     bound = {"file": weights.name, "named": [], "content": {}, "slots": {}}
-    for key, kind, _, _ in entries:
-        if kind == "name":
-            if key in names:
-                bound["named"].append(key)
-            continue
-        # a delegate's entry: whose bytes?
-        bytes_of = hashes.get(key) if kind == "content" else None
-        if kind == "slot":
-            off, size = next((o, n) for k, _, o, n in entries if k == key)
-            with open(weights, "rb") as f:
-                f.seek(off)
-                bytes_of = hashes.get(hashlib.sha256(f.read(size)).hexdigest())
-        if bytes_of:
-            bound["content" if kind == "content" else "slots"][key] = bytes_of
-        elif not code_constant(key):
-            return None, (f"the delegate's weight {key[:40]} is no tensor of the model (derived while lowering) "
-                          "or one of a single repeated value")
+    with open(weights, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        for key, kind, off, size in entries:
+            if kind == "name":
+                if key in names:
+                    bound["named"].append(key)
+                continue
+            # a delegate's entry: whose bytes? (a content key is their hash; a slot's bytes are hashed here)
+            whose = hashes.get(key if kind == "content" else hashlib.sha256(data[off:off + size]).hexdigest())
+            if whose:
+                bound["content" if kind == "content" else "slots"][key] = whose
+            elif not code_constant(key):
+                return None, (f"the delegate's weight {key[:40]} is no tensor of the model (derived while lowering) "
+                              "or one of a single repeated value")
     return bound, ""
 
 
@@ -178,10 +180,13 @@ class OneLowering:
     here). Programs of one identity are lowered one at a time: a lock on the record, taken in `build`
     and held until the caller's program is in place, so a second check waits for the first and takes
     its program. `weights`: the file holding the named data ("model.ptd", or "model.pte" itself);
-    `keep`: the files beside the program copied with it; `code_constant`: binding's."""
+    `keep`: the files beside the program copied with it; `code_constant`: binding's; not `enabled` (a
+    backend's programs that cannot take other weights): every program lowered, nothing recorded."""
 
-    def __init__(self, kind: str, parts: dict, weights: str, keep: tuple[str, ...], code_constant=lambda key: False):
+    def __init__(self, kind: str, parts: dict, weights: str, keep: tuple[str, ...], code_constant=lambda key: False,
+                 enabled: bool = True):
         self.kind, self.parts, self.weights, self.keep, self.code_constant = kind, parts, weights, keep, code_constant
+        self.enabled = enabled
         self.stack = contextlib.ExitStack()
         self.record = None  # (record parts, its value) to write on leaving
 
@@ -197,13 +202,17 @@ class OneLowering:
         finally:
             self.stack.close()
 
-    def build(self, m: nn.Module, path: Path, lower, identity: str, clean_identity: str) -> None:
-        """Write the program at `path` for `m` (its tensors as lowered; `identity`: the program identity of
-        the model it was made from, `clean_identity` that of the same model without the transform): rebound
-        from the identity's first program, else `lower()`ed and its binding kept for the record."""
+    def build(self, m: nn.Module, path: Path, lower, identities) -> None:
+        """Write the program at `path` for `m` (its tensors as lowered; `identities()`: the program identity of
+        the model it was made from and that of the same model without the transform): rebound from the
+        identity's first program, else `lower()`ed and its binding kept for the record."""
         from models import cache
         from oracle.artifacts import build_lock, json_get, key_of
 
+        if not self.enabled:
+            lower()
+            return
+        identity, clean_identity = identities()
         rparts = {**self.parts, "checkpoint": None, "identity": identity,
                   "transform_id": None if identity == clean_identity else self.parts.get("transform_id")}
         self.stack.enter_context(build_lock(cache.cache_root() / RECORDS / key_of(rparts)))

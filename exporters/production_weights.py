@@ -24,14 +24,14 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 def ptd_tensors(path: Path) -> dict:
     """name -> (shape, type name, read() -> float32 array or None) of an ExecuTorch .ptd, memory-mapped."""
-    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
+    from exporters.executorch_weights import flat_tensor_table
 
     with open(path, "rb") as f:
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    header = FlatTensorHeader.from_bytes(data[8:8 + FlatTensorHeader.EXPECTED_LENGTH])
-    if not header.is_valid():
-        raise ValueError(f"{path}: not an ExecuTorch flat tensor file (.ptd)")
-    flat = _deserialize_to_flat_tensor(bytes(data[: header.flatbuffer_offset + header.flatbuffer_size]))
+    try:
+        _, base, flat = flat_tensor_table(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     out = {}
     for nd in flat.named_data:
         seg = flat.segments[nd.segment_index]
@@ -39,7 +39,7 @@ def ptd_tensors(path: Path) -> dict:
         st = int(getattr(layout.scalar_type, "value", layout.scalar_type)) if layout is not None else None
         shape = tuple(layout.sizes) if layout is not None else ()
         np_type, name = ET_TYPES.get(st, (None, f"scalar type {st}"))
-        start = header.segment_base_offset + seg.offset
+        start = base + seg.offset
 
         def read(start=start, size=seg.size, np_type=np_type, shape=shape, name=name):
             a = np.frombuffer(data, dtype=np_type, count=int(np.prod(shape, dtype=np.int64)), offset=start)

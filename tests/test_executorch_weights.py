@@ -144,7 +144,8 @@ def test_backend_lowers_once_per_identity(program, tmp_path, monkeypatch):
 
     off = built(0, "expert_weights_off_1e-3")  # weights alone: seed 0's program with the fault's weights
     assert len(calls) == 1
-    t0, tf = ew.model_tensors(production(0)), ew.model_tensors(production(0, "expert_weights_off_1e-3"))
+    m0 = production(0)
+    t0, tf = ew.model_tensors(m0), ew.model_tensors(production(0, "expert_weights_off_1e-3"))
     faulted = {k for k in t0 if not torch.equal(t0[k], tf[k])}
     assert faulted
     stored, clean = ptd(off), ptd(p0)
@@ -156,10 +157,8 @@ def test_backend_lowers_once_per_identity(program, tmp_path, monkeypatch):
     for k, (_, _, read) in stored.items():
         if read:
             assert np.array_equal(read(), tf[k].detach().numpy())
-    m0 = production(0)
-    bound, _ = ew.binding(p0.with_name("model.ptd"), ew.tensor_hashes(m0), set(t0))
     assert set(by_content) == {hashlib.sha256(ew.tensor_bytes(tf[names[0]])).hexdigest()
-                               for names in bound["content"].values()}
+                               for names in bound_of(p0, m0)["content"].values()}
     for key, (_, read) in by_content.items():
         assert hashlib.sha256(read()).hexdigest() == key
 
@@ -192,6 +191,7 @@ def test_mlx_program_with_another_seeds_weights_passes_its_check(mlx_program, tm
     is rebound from it (no second lowering: the delegate's weights rewritten in the .pte's named data) and
     passes seed 1's check against HF; the same program with seed 0's weights left in fails it."""
     import exporters.executorch_mlx_export as export
+    from exporters.executorch_mlx import ExecutorchMlxBackend
     from oracle.check import run_check
 
     lowerings = []
@@ -210,7 +210,8 @@ def test_mlx_program_with_another_seeds_weights_passes_its_check(mlx_program, tm
     r = run_check(spec(1))
     assert len(lowerings) == 1 and r.status == "pass", (r.status, r.worst, r.error)
 
-    monkeypatch.setattr(ew.OneLowering, "build", lambda self, m, path, lower, *a: lower())  # no rebinding
+    stale = ExecutorchMlxBackend()
+    stale.rebinds_weights = False  # seed 1's program "lowered": seed 0's, its weights left in
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "stale"))
-    r = run_check(spec(1))
+    r = run_check(spec(1), stale)
     assert len(lowerings) == 2 and r.status == "fail"
