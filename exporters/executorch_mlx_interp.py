@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from exporters.executorch_mlx_setup import import_delegate
+
 TENSOR_SLOT = 0
 # ExecuTorch ScalarType -> mlx dtype name
 DTYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16", 6: "float32",
@@ -62,6 +64,7 @@ class Graph:
     """One MLX delegate payload: its instruction chains (as pte_inspector parses them) and slots."""
 
     def __init__(self, payload: bytes):
+        import_delegate()
         from executorch.backends.mlx import pte_inspector as pi
 
         header = pi.MLXHeader.from_bytes(payload)

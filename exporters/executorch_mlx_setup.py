@@ -123,13 +123,18 @@ def import_delegate():
 
 
 def delegate_problem() -> str | None:
-    """Why the MLX delegate cannot be imported here, or None."""
+    """Why the MLX delegate cannot be set up here, or None: its generated files are made (or found in
+    the cache) and the wheel's package is there; not imported (its `__init__` imports ExecuTorch's
+    compiler: seconds under `oracle backends` or a warm check that a cached program does not need). A
+    broken install fails where the delegate is imported, as that check's error with the import's message."""
     try:
-        import_delegate()
+        ensure_generated()
+        site_mlx, _ = wheel_dirs()
+        if not (site_mlx / "__init__.py").is_file():
+            raise FileNotFoundError(f"the executorch wheel has no {PACKAGE} ({site_mlx})")
     except Exception as e:
         return f"the ExecuTorch MLX delegate cannot be set up ({type(e).__name__}: {e})"
     return None
-
 
 if __name__ == "__main__":  # the wheel's pte_inspector with the delegate set up, e.g. as ExecuTorch's CI counts:
     # python -m exporters.executorch_mlx_setup model.pte --mlx-instructions | grep -c AsTypeNode

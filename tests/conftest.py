@@ -18,9 +18,15 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 
 def run_cli(*args, cwd=ROOT, env=None):
-    """`oracle ...` in a subprocess (exit codes and stdout/stderr as a user sees them)."""
+    """`oracle ...` in a process of its own (exit codes and stdout/stderr as a user sees them):
+    forked from a warm server that did the imports once (tests/cli_server.py), else a subprocess."""
+    from tests import cli_server
+
     e = {**os.environ, **(env or {})}
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")]))
+    warm = cli_server.run(args, cwd, e, timeout=900)
+    if warm is not None:
+        return warm
     return subprocess.run([sys.executable, "-m", "oracle.cli", *args], cwd=cwd, env=e,
                           capture_output=True, text=True, timeout=900)
 

@@ -28,6 +28,10 @@ from oracle.sources import model_source
 
 AVAILABLE, WHY = BACKEND.availability()
 needs_backend = pytest.mark.skipif(not AVAILABLE, reason=WHY)
+if AVAILABLE:  # availability does not import the delegate; these tests import its modules directly
+    from exporters.executorch_mlx_setup import import_delegate
+
+    import_delegate()
 pytestmark = needs_backend
 SMALL = settings(max_examples=25, deadline=None)
 

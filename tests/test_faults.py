@@ -7,6 +7,7 @@ from exporters.eager import EagerBackend
 from models import FAMILY_NAMES, faults
 from oracle.backend import CheckSpec
 from oracle.check import run_check
+from oracle.selftest import run_selftest
 from oracle.sources import model_source
 
 # The five the spine issue names, with the family where each exists.
@@ -49,15 +50,47 @@ def _all_cases():
             yield pytest.param(family, f.name, id=f"{family}-{f.name}")
 
 
+@pytest.fixture(scope="module")
+def eager_selftest():
+    """The whole catalogue through eager once (15 families x every applicable fault, and each family
+    clean at seeds 0, 1, 2): the per-fault cases below and the whole-catalogue test read its rows (they
+    ran every fault's check twice before, about 90 s of the suite's CPU)."""
+    return run_selftest("eager", seeds=(0, 1, 2))
+
+
+def test_selftest_eager_catches_and_localises_everything(eager_selftest):
+    res = eager_selftest
+    s = res.summary()
+    assert s["faults"] >= 20 and s["distinct_faults"] >= 20
+    assert s["faults"] == len(list(_all_cases()))  # every applicable fault of every family ran
+    assert s["detected"] == s["faults"]
+    assert s["localized"] >= 0.9 * s["faults"]
+    assert s["false_alarms"] == 0 and s["clean_runs"] == 3 * len(FAMILY_NAMES)  # every family x three seeds
+    assert {r.family for r in res.false_alarms} == set(FAMILY_NAMES)
+    assert res.summary_line().startswith(f"detected {s['faults']}/{s['faults']}, localized")
+
+
 @pytest.mark.parametrize("family,name", list(_all_cases()))
-def test_catalogue(family, name):
-    r, expected = _check(family, faults.get(name))
-    # moe_output_upcast makes eager torch itself crash downstream (fp32 hidden state into a
-    # bf16 lm_head): contained, that is the e2e's error (and the rows that raised), the check
-    # fails, and the moe row localises it
+def test_catalogue(eager_selftest, family, name):
+    """Each fault fails its family's check by a measurement (not a crash) and its worst row is the
+    fault's own layer and block kind."""
+    fault = faults.get(name)
+    rows = [r for r in eager_selftest.faults if (r.family, r.fault) == (family, name)]
+    assert len(rows) == 1, rows
+    row = rows[0]
+    assert row.status == "fail" and row.detected and not row.crashed and row.injected, row
+    assert row.precision == fault.precision
+    expected = (fault.layer(model_source(CheckSpec(family=family, backend="eager")).args), fault.kind)
+    assert (row.worst["layer"], row.worst["kind"]) == expected, row.worst
+
+
+def test_an_upcast_moe_output_is_contained_and_localised():
+    """moe_output_upcast makes eager torch itself crash downstream (fp32 hidden state into a bf16
+    lm_head): contained, that is the e2e's error (and the rows that raised), the check fails, and
+    the moe row localises it."""
+    r, expected = _check("qwen3_moe", faults.get("moe_output_upcast"))
     assert r.status == "fail" and r.error is None
-    if name == "moe_output_upcast":
-        assert r.e2e.status == "error" and "RuntimeError" in r.e2e.error
+    assert r.e2e.status == "error" and "RuntimeError" in r.e2e.error
     assert (r.worst["layer"], r.worst["kind"]) == expected
 
 
