@@ -1,5 +1,6 @@
-"""`oracle selftest`: the fault catalogue through the eager backend, and the fixes the
-oracle needed to catch faults it first missed (each with why the fix is principled)."""
+"""`oracle selftest`: the fault catalogue through the eager backend (the whole catalogue, once: in
+tests/test_faults.py, whose per-fault cases read its rows), and the fixes the oracle needed to catch
+faults it first missed (each with why the fix is principled)."""
 
 import json
 
