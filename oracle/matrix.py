@@ -98,6 +98,16 @@ def kill_group(proc: subprocess.Popen) -> None:
             pipe.close()
 
 
+def kill_session(pid: int) -> None:
+    """SIGKILL a forked check's session (oracle.worker.run_check makes it one first): the group, and the
+    child itself were it killed before its setsid. The caller reaps it."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def default_jobs() -> int:
     return os.cpu_count() or 1
 
@@ -143,12 +153,7 @@ class _Warm:
         return self.proc.exitcode
 
     def kill(self) -> None:
-        pid = self.proc.pid
-        for kill in (os.killpg, os.kill):  # the group, and the child itself were it killed before its setsid
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_session(self.proc.pid)
         self.proc.join()  # the fork server reaps it and hands back its exit status
 
     def close(self) -> None:

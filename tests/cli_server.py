@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -75,14 +74,17 @@ class Server:
             self.proc.stdin.write(json.dumps({"argv": list(args), "env": env, "cwd": str(cwd),
                                               "out": str(out), "err": str(err)}) + "\n")
             self.proc.stdin.flush()
-            pid = int(self._line(60))
+            # the fork's pid (the first call waits for the server's imports: within the call's timeout too)
+            pid = self._line(timeout)
+            if pid is None:  # the server never forked: stopped (the next call starts another)
+                self.close()
+                raise subprocess.TimeoutExpired(["oracle", *args], timeout)
+            pid = int(pid)
             code = self._line(timeout)
             if code is None:  # as subprocess.run's timeout: the call killed (with what it started)
-                for kill in (os.killpg, os.kill):
-                    try:
-                        kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                from oracle.matrix import kill_session
+
+                kill_session(pid)
                 self._line(None)
                 raise subprocess.TimeoutExpired(["oracle", *args], timeout)
             return subprocess.CompletedProcess(["oracle", *args], int(code), out.read_text(errors="replace"),
@@ -102,7 +104,7 @@ def run(args, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProce
     if (os.environ.get("ORACLE_TEST_COLD_CLI") == "1" or not sys.platform.startswith("linux")
             or Path(cwd).resolve() != ROOT):
         return None
-    for attempt in (0, 1):  # a server that died (killed from outside) is started again once
+    for _ in range(2):  # a server that died (killed from outside) is started again once
         if _server is None:
             import atexit
 
