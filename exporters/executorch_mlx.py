@@ -135,8 +135,13 @@ def source_digest() -> str:
 
 def delegate_code_constant(key: str) -> bool:
     """A named data entry the MLX delegate made from the code (a scalar, a constant the export lifted), not
-    from a weight: `<prefix>/_scalar_2`, `<prefix>/_lifted_tensor_constant3`."""
-    return key.split("/", 1)[-1].startswith(("_scalar_", "_lifted_tensor_constant"))
+    from a weight: `<prefix>/_scalar_2`, `<prefix>/_lifted_tensor_constant3`, and a tensor the forward
+    creates (`torch.tensor(dk ** -0.5)` in the Gated DeltaNet), which torch.export lifts as
+    `<prefix>/layers.0.linear_attn.lifted_tensor_0` (a module attribute keeps its own name instead). Its
+    value comes from the code and the modules' plain attributes, both in the program's identity
+    (exporters/identity.py), so every checkpoint of one identity has the same bytes there."""
+    name = key.split("/", 1)[-1]
+    return name.startswith(("_scalar_", "_lifted_tensor_constant")) or name.rsplit(".", 1)[-1].startswith("lifted_tensor_")
 
 
 # ---------------------------------------------------------------- gates and structure

@@ -526,6 +526,29 @@ def test_qwen35_bf16_astype_gate_and_structural_golden(qwen35_bf16):
     assert "interpreter" in r.provenance["backend"]["executor"]
 
 
+def test_qwen35_program_can_take_another_checkpoints_weights(qwen35_bf16):
+    """The Gated DeltaNet's `torch.tensor(dk ** -0.5)` is lifted by torch.export as
+    `layers.N.linear_attn.lifted_tensor_0`, a constant of the code (the same for every checkpoint of the
+    program's identity), not a weight the delegate derived: the program binds to the model's tensors, so
+    another seed's program and the weight-only faults are rebound from it instead of lowered again
+    (they were lowered, 1-3 min each, until 2026-11-28). That the rebound program is byte for byte the
+    lowered one: benchmarks/executorch_rebind.py --backend executorch-mlx --family qwen3_5_moe."""
+    from exporters import executorch_weights as ew
+    from exporters.executorch_mlx import delegate_code_constant
+
+    spec, r = qwen35_bf16
+    pte = Path(r.cache["artifacts"][0]["path"])
+    kernel = json.loads(pte.with_name("key.json").read_text())["kernel"]
+    m = BACKEND.production_model(model_source(spec), spec, kernel)
+    slots = [key for key, *_ in ew.ptd_layout(pte)[1]]
+    assert any(k.rsplit(".", 1)[-1].startswith("lifted_tensor_") for k in slots), slots
+    bound, why = ew.binding(pte, ew.tensor_hashes(m), set(ew.model_tensors(m)), delegate_code_constant)
+    assert bound is not None, why
+    weights = {n for names in bound["slots"].values() for n in names}
+    assert {n for n in ew.model_tensors(m) if ".experts." in n} <= weights  # the experts are rebound, not kept
+    assert not delegate_code_constant("ab12/layers.0.mlp.experts.gate_up_proj")
+
+
 def test_the_cli_reports_the_gate_rows(qwen35_bf16, cli, tmp_path):
     """The issue's command, on the program the fixture lowered (from the cache)."""
     out = tmp_path / "r.json"
