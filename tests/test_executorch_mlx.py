@@ -581,6 +581,40 @@ def test_gates_come_from_the_production_graph(olmoe_fp32):
     assert {n for n, m in Program.load(prod.path).methods.items() if m.delegates} == {"forward"}
 
 
+def test_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatch):
+    """A process lowers each method once (executorch_mlx_export.LOWERED): the key of a method is the same
+    for two exports of one model, a seeded fault changes the keys of exactly the methods it touches
+    (olmoe's rope_theta_wrong: layer 1's attention and layer, `forward`, `routes`), and a program made of
+    a new `forward` and remembered block methods is byte for byte the program lowered from scratch."""
+    import collections
+
+    import exporters.executorch_mlx_export as T
+
+    spec = CheckSpec(family="olmoe", backend=KIND)
+    src = model_source(spec)
+    faulted = BACKEND.with_fault(faults.get("rope_theta_wrong"))
+
+    def methods(be):
+        return T.export_methods(be.production_model(src, spec, False), True)
+
+    def keys(ms):
+        return {n: T.lowering_key(ep, n)[0] for n, ep in ms.items()}
+
+    clean, fault = methods(BACKEND), methods(faulted)
+    kc, kf = keys(clean), keys(fault)
+    assert kc == keys(methods(BACKEND))
+    assert {n for n in kc if kc[n] != kf[n]} == {"forward", "routes", "attention_1", "layer_1"}
+
+    subset = lambda ms: {n: ms[n] for n in ("forward", "final_norm", "logits")}  # noqa: E731
+    meta = T.metadata(src.args)
+    monkeypatch.setattr(T, "LOWERED", collections.OrderedDict())
+    T.lower(subset(clean), meta)
+    mixed = T.lower(subset(fault), meta).buffer  # forward lowered, final_norm and logits remembered
+    assert len(T.LOWERED) == 4
+    monkeypatch.setattr(T, "lowering_key", lambda ep, name: None)  # nothing remembered: lowered whole
+    assert T.lower(subset(methods(faulted)), meta).buffer == mixed
+
+
 def test_sampling_rows_pass_through_the_lowered_sampler(olmoe_fp32):
     """`--sampling`: models/sampling.py's head lowered by the MLX delegate (the model with it
     fused, and alone) and run by the interpreter; every sampling row passes."""
