@@ -37,8 +37,10 @@ the two methods, the taps, the probe methods, the cache key and the runtime cand
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
+import copy
 import functools
 import gc
 import hashlib
@@ -381,11 +383,12 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: b
     for ep in methods.values():
         tag_weights_external(ep)
     with spilled_named_data(_spill_dir.get()), remembered_partitions():  # the delegates' serialized weights: to files
-        edge = to_edge_transform_and_lower(
-            methods, partitioner=[XnnpackPartitioner()] if xnnpack else [], constant_methods=metadata(model, sample),
+        programs = lowered_methods(methods, "xnnpack" if xnnpack else "portable", lambda todo: to_edge_transform_and_lower(
+            todo, partitioner=[XnnpackPartitioner()] if xnnpack else [],
             # ExecuTorch 1.5.1's IR arg validator specialises the dynamic length to the example's
-            compile_config=EdgeCompileConfig(_check_ir_validity=False))
+            compile_config=EdgeCompileConfig(_check_ir_validity=False)))
     methods.clear()  # the exported programs (the caller's dict): their weights are the edge programs' now
+    edge = edge_manager(programs, metadata(model, sample))
     release_delegated_constants(edge)  # what the delegates took: in the named data store (files) only
     strip_taps_(edge)  # after partitioning (no-op without taps)
     prog = edge.to_executorch(ExecutorchBackendConfig(
@@ -394,6 +397,79 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: b
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=True),
         emit_mutable_buffer_names=True, external_constants=lambda node: WEIGHTS_TAG))
     return prog
+
+
+# --- one lowering per method in a process ---------------------------------------------------
+
+# this process's lowered methods: lowering_key -> (the lowered edge program, its bytes), least recently used first
+LOWERED: collections.OrderedDict = collections.OrderedDict()
+LOWERED_BYTES = 256 << 20  # kept at most (a tiny family's methods are kilobytes; a real width's are not kept)
+# node metadata that names objects by id() (provenance, traces): not part of the key
+_ID_META = ("from_node", "stack_trace", "torch_fn", "seq_nr")
+
+
+def lowered_methods(methods: dict, how: str, lower) -> dict:
+    """Each method of `methods` (exported programs) lowered by `lower(some of them) -> EdgeProgramManager`, as
+    {name: lowered edge program} in their order. ExecuTorch lowers each method on its own (decompositions,
+    passes, partitions), so a method this process lowered before the same way (`how`: the partitioner and
+    its settings) with the same graph, metadata and weights (lowering_key) is taken from LOWERED: a seeded
+    fault changes a few methods of its program, and `oracle selftest` runs a family's checks one after
+    another in a worker process. The program edge_manager makes of them is byte for byte the one lowered
+    whole (tests/test_executorch_mlx.py, tests/test_executorch.py)."""
+    keys = {name: lowering_key(ep, name, how) for name, ep in methods.items()}  # before lowering: it edits them
+    todo = {name: ep for name, ep in methods.items() if keys[name] is None or keys[name][0] not in LOWERED}
+    new = lower(todo) if todo else None
+    programs = {}
+    for name in methods:  # the caller's order: the program's named data follow it
+        if name in todo:
+            programs[name] = new.exported_program(name)
+            remember(keys[name], programs[name])
+        else:
+            LOWERED.move_to_end(keys[name][0])
+            programs[name] = copy.deepcopy(LOWERED[keys[name][0]][0])  # to_executorch edits the programs
+    return programs
+
+
+def edge_manager(programs: dict, constant_methods: dict | None):
+    """The EdgeProgramManager of lowered methods, as to_edge_transform_and_lower's last step (to_backend) makes it."""
+    from executorch.exir import EdgeCompileConfig, EdgeProgramManager
+
+    return EdgeProgramManager(programs, copy.deepcopy(constant_methods), EdgeCompileConfig(_check_ir_validity=False))
+
+
+def lowering_key(ep, name: str, how: str) -> tuple[str, int] | None:
+    """(What lowering method `name` the way `how` reads, hashed: partition_key's graph, signature, shape
+    constraints and weight bytes, with the module paths and source functions of each node, which a
+    partitioner may read; the weights' bytes) or None where its weights exceed PARTITION_BYTES."""
+    key = partition_key(ep, ())
+    if key is None:
+        return None
+    h = hashlib.sha256(f"{how} {name} {key}".encode())
+    for n in ep.graph.nodes:
+        stack = n.meta.get("nn_module_stack") or {}
+        fns = n.meta.get("source_fn_stack") or []
+        h.update(repr(([(v[0], getattr(v[1], "__qualname__", str(v[1]))) for v in stack.values()],  # keys: id()s
+                       [(f, getattr(t, "__qualname__", str(t))) for f, t in fns],
+                       sorted(k for k in n.meta if k not in _ID_META))).encode())
+    size = sum(t.numel() * t.element_size() for table in (ep.state_dict, ep.constants) for t in table.values()
+               if isinstance(t, torch.Tensor))
+    return h.hexdigest(), size
+
+
+def remember(key: tuple[str, int] | None, program) -> None:
+    """Keep a copy of a lowered method in LOWERED (its weights and the delegates': twice the key's bytes), unless
+    a delegate's data went to a spill file (spilled_named_data: the file goes with its build)."""
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+
+    if key is None:
+        return
+    for _, lbm, _ in get_lowered_submodules(program.graph_module):
+        out = lbm._named_data_store_output
+        if out is not None and not all(isinstance(b, bytes) for b in out.buffers):
+            return
+    LOWERED[key[0]] = (copy.deepcopy(program), 2 * key[1] + (64 << 10))
+    while sum(size for _, size in LOWERED.values()) > LOWERED_BYTES:
+        LOWERED.popitem(last=False)
 
 
 # --- XNNPACK's partitions, remembered -------------------------------------------------------

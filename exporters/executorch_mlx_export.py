@@ -28,8 +28,6 @@ starts a new sequence). The check's program adds one method per block (`Block`).
 
 from __future__ import annotations
 
-import collections
-import copy
 import logging
 import os
 import types
@@ -403,75 +401,22 @@ def _unsupported_only(record) -> bool:
 
 
 def lower(methods: dict, constant_methods: dict | None = None):
-    """MLX partitioner with the delegate's default passes, as ExecuTorch's MLX LLM exports lower. Each
-    method is lowered on its own (ExecuTorch does too: decompositions, passes and partitions are per
-    method), and a method this process lowered before (the same graph, names, metadata and weights:
-    lowering_key) is taken from LOWERED: a seeded fault changes `forward`, `routes` and its own block's
-    methods, the others are the clean program's (`oracle selftest` runs a family's faults in one worker
-    process). The program is byte for byte the one lowered whole (tests/test_executorch_mlx.py)."""
+    """MLX partitioner with the delegate's default passes, as ExecuTorch's MLX LLM exports lower; each method
+    once per process (exporters.executorch.lowered_methods: a seeded fault's program takes the block methods
+    it leaves from the clean program's lowering)."""
     from executorch.backends.mlx import MLXPartitioner
     from executorch.backends.mlx._logging import logger
     from executorch.backends.mlx.passes import get_default_passes
-    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig, \
-        to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
+
+    from exporters.executorch import edge_manager, lowered_methods
 
     if _unsupported_only not in logger.filters:
         logger.addFilter(_unsupported_only)
 
-    keys = {name: lowering_key(ep, name) for name, ep in methods.items()}  # before lowering: it edits them
-    todo = {name: ep for name, ep in methods.items() if keys[name] is None or keys[name][0] not in LOWERED}
-    new = to_edge_transform_and_lower(
+    programs = lowered_methods(methods, "mlx", lambda todo: to_edge_transform_and_lower(
         todo, transform_passes=get_default_passes(), partitioner=[MLXPartitioner()],
-        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True)) if todo else None
-    programs = {}
-    for name in methods:  # the caller's order: the program's named data follow it
-        if name in todo:
-            programs[name] = new.exported_program(name)
-            remember(keys[name], programs[name])
-        else:
-            LOWERED.move_to_end(keys[name][0])
-            programs[name] = copy.deepcopy(LOWERED[keys[name][0]][0])  # to_executorch edits the programs
-    # as to_edge_transform_and_lower's last step (to_backend) makes its manager
-    edge = EdgeProgramManager(programs, copy.deepcopy(constant_methods), EdgeCompileConfig(_check_ir_validity=False))
-    return edge.to_executorch(ExecutorchBackendConfig(
+        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True)))
+    return edge_manager(programs, constant_methods).to_executorch(ExecutorchBackendConfig(
         extract_delegate_segments=True, memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False)))
-
-
-# this process's lowered methods: lowering_key -> (the lowered edge program, its bytes), least recently used first
-LOWERED: collections.OrderedDict = collections.OrderedDict()
-LOWERED_BYTES = 256 << 20  # kept at most (a tiny family's methods are kilobytes; a real width's are not kept)
-# node metadata that names objects by id() (provenance, traces): not part of the key
-_ID_META = ("from_node", "stack_trace", "torch_fn", "seq_nr")
-
-
-def lowering_key(ep, name: str) -> tuple[str, int] | None:
-    """(What lowering method `name` reads, hashed: exporters.executorch.partition_key's graph, signature,
-    shape constraints and weight bytes, with the module paths and source functions of each node, which a
-    partitioner may read; the weights' bytes) or None where its weights are too large to keep."""
-    import hashlib
-
-    from exporters.executorch import PARTITION_BYTES, partition_key
-
-    key = partition_key(ep, ())
-    if key is None:
-        return None
-    h = hashlib.sha256(f"{name} {key}".encode())
-    for n in ep.graph.nodes:
-        stack = n.meta.get("nn_module_stack") or {}
-        fns = n.meta.get("source_fn_stack") or []
-        h.update(repr(([(v[0], getattr(v[1], "__qualname__", str(v[1]))) for v in stack.values()],  # keys: id()s
-                       [(f, getattr(t, "__qualname__", str(t))) for f, t in fns],
-                       sorted(k for k in n.meta if k not in _ID_META))).encode())
-    size = sum(t.numel() * t.element_size() for table in (ep.state_dict, ep.constants) for t in table.values()
-               if isinstance(t, torch.Tensor))
-    return h.hexdigest(), min(size, PARTITION_BYTES)
-
-
-def remember(key: tuple[str, int] | None, program) -> None:
-    """Keep a copy of a lowered method (its weights and the delegate's: twice the key's bytes) in LOWERED."""
-    if key is None:
-        return
-    LOWERED[key[0]] = (copy.deepcopy(program), 2 * key[1] + (64 << 10))
-    while sum(size for _, size in LOWERED.values()) > LOWERED_BYTES:
-        LOWERED.popitem(last=False)

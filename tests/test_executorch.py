@@ -122,6 +122,38 @@ def test_probe_methods_run_one_moe_block_on_given_inputs(olmoe_check):
 
 
 @needs_executorch
+def test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatch):
+    """A process lowers each method once (exporters.executorch.lowered_methods): with a fault in the last
+    layer's experts, layer 0's probe method is the clean program's lowering, and the program (its .pte and
+    its weights) is byte for byte the one lowered whole. (The probes only: two small methods per program.
+    The whole olmoe check program with expert_index_off_by_one, lowered after the clean one, was measured
+    byte-identical to the lowering before lowered_methods existed.)"""
+    import collections
+
+    import exporters.executorch as ex
+
+    src = model_source(CheckSpec(family="olmoe", backend="executorch"))
+
+    def probes(fault=None):
+        m = src.build_production(torch.float32)
+        if fault:
+            faults.get(fault).inject(m)
+        return ex.export_probes(m), m
+
+    def lowered(fault=None):
+        prog = ex.lower_cpu(*probes(fault))
+        return prog.buffer, {k: bytes(v) for k, v in prog._tensor_data.items()}
+
+    monkeypatch.setattr(ex, "LOWERED", collections.OrderedDict())
+    clean = lowered()
+    assert len(ex.LOWERED) == 2 and lowered() == clean  # all remembered
+    mixed = lowered("expert_index_off_by_one")
+    assert len(ex.LOWERED) == 3 and mixed != clean  # probe_1 lowered, probe_0 remembered
+    monkeypatch.setattr(ex, "lowering_key", lambda ep, name, how: None)  # nothing remembered: lowered whole
+    assert lowered("expert_index_off_by_one") == mixed
+
+
+@needs_executorch
 def test_qwen35_prefill_at_position_0_resets_the_gated_deltanet_state(qwen35_program):
     """The conv and recurrent state carry from prefill to decode, and a prefill at position 0
     zeroes them (the model's multiply when pos[0] == 0): after sequence a, sequence b matches

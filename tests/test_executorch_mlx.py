@@ -582,12 +582,14 @@ def test_gates_come_from_the_production_graph(olmoe_fp32):
 
 
 def test_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatch):
-    """A process lowers each method once (executorch_mlx_export.LOWERED): the key of a method is the same
-    for two exports of one model, a seeded fault changes the keys of exactly the methods it touches
+    """A process lowers each method once (exporters.executorch.lowered_methods): the key of a method is the
+    same for two exports of one model, a seeded fault changes the keys of exactly the methods it touches
     (olmoe's rope_theta_wrong: layer 1's attention and layer, `forward`, `routes`), and a program made of
-    a new `forward` and remembered block methods is byte for byte the program lowered from scratch."""
+    a new attention method and remembered ones is byte for byte the program lowered from scratch (three
+    small methods: the whole olmoe check program was measured the same way, with and without the sampler)."""
     import collections
 
+    import exporters.executorch as ex
     import exporters.executorch_mlx_export as T
 
     spec = CheckSpec(family="olmoe", backend=KIND)
@@ -598,21 +600,22 @@ def test_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatc
         return T.export_methods(be.production_model(src, spec, False), True)
 
     def keys(ms):
-        return {n: T.lowering_key(ep, n)[0] for n, ep in ms.items()}
+        return {n: ex.lowering_key(ep, n, "mlx")[0] for n, ep in ms.items()}
 
     clean, fault = methods(BACKEND), methods(faulted)
     kc, kf = keys(clean), keys(fault)
     assert kc == keys(methods(BACKEND))
     assert {n for n in kc if kc[n] != kf[n]} == {"forward", "routes", "attention_1", "layer_1"}
+    assert ex.lowering_key(clean["forward"], "forward", "xnnpack")[0] != kc["forward"]  # another lowering's
 
-    subset = lambda ms: {n: ms[n] for n in ("forward", "final_norm", "logits")}  # noqa: E731
+    subset = lambda ms: {n: ms[n] for n in ("attention_1", "final_norm", "logits")}  # noqa: E731
     meta = T.metadata(src.args)
-    monkeypatch.setattr(T, "LOWERED", collections.OrderedDict())
+    monkeypatch.setattr(ex, "LOWERED", collections.OrderedDict())
     T.lower(subset(clean), meta)
-    mixed = T.lower(subset(fault), meta).buffer  # forward lowered, final_norm and logits remembered
-    assert len(T.LOWERED) == 4
-    monkeypatch.setattr(T, "lowering_key", lambda ep, name: None)  # nothing remembered: lowered whole
-    assert T.lower(subset(methods(faulted)), meta).buffer == mixed
+    mixed = T.lower(subset(fault), meta).buffer  # attention_1 lowered, final_norm and logits remembered
+    assert len(ex.LOWERED) == 4
+    monkeypatch.setattr(ex, "lowering_key", lambda ep, name, how: None)  # nothing remembered: lowered whole
+    assert T.lower(subset(methods(faulted)), meta).buffer == mixed  # a new export: lowering edits them
 
 
 def test_sampling_rows_pass_through_the_lowered_sampler(olmoe_fp32):
