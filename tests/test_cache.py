@@ -230,8 +230,10 @@ def test_a_build_stopped_by_sigterm_leaves_nothing(root):
 def test_validate_only_of_a_config_not_built_writes_nothing_and_says_what_it_will_need(root):
     """--validate-only of a --config check whose seeded checkpoint is not built: the config checked and
     the plan (parameters, disk, memory), without writing the checkpoint; a plan that cannot fit is
-    refused as the check would be (exit 2)."""
-    env = {**os.environ, "MOE_ORACLE_CACHE": str(root)}
+    refused as the check would be (exit 2). The memory check is off: its 8.4 GiB are compared with what the
+    host has free at that moment (measured: refused beside a self-test with 8.0 GiB free), and it has its
+    own tests (tests/test_bad_inputs.py)."""
+    env = {**os.environ, "MOE_ORACLE_CACHE": str(root), "MOE_ORACLE_MEMORY_CHECK": "off"}
     cmd = [sys.executable, "-m", "oracle", "check", "--config", "olmoe-1b-7b-0924", "--layers", "2",
            "--backend", "hf", "--precision", "bf16", "--validate-only"]
     out = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
