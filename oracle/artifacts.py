@@ -8,6 +8,7 @@ identical check finds the artifact and builds nothing; the result says which it 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -34,13 +35,19 @@ class Artifact:
 
 
 def versions(*packages: str) -> dict:
-    out = {}
-    for p in packages:
-        try:
-            out[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            out[p] = None
-    return out
+    """{package: its installed version, or None}. Each package's is read once a process: the
+    installed packages do not change under a running one (the modules it imported would not follow),
+    and each lookup walks the distributions on the path (an eager check asked 19 times: 0.6 s of olmoe's
+    25 checks' 8 s, profiled)."""
+    return {p: _version(p) for p in packages}
+
+
+@functools.cache
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def key_of(parts: dict) -> str:
