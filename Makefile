@@ -12,10 +12,13 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: pip takes the CPU build on disk; unpinned it pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q --no-compile torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# every backend that runs on Linux: iree, mlx (CPU), executorch, llama.cpp (pinned in pyproject.toml;
 	# llama-cpp-python is built from source the first time: 5 min on 2 cores, docs/llamacpp.md, then pip's cache)
-	$(PY) -m pip install -q -e ".[all]"
+	$(PY) -m pip install -q --no-compile -e ".[all]"
+	# the .pyc files pip would write one by one, on every core (26 s instead of 41 s on 2 cores); a file
+	# of a package that is not Python 3.11 (torch's py312_intrinsics.py) is skipped, as pip skips it
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	# llama.cpp's converter (convert_hf_to_gguf.py), from the same version's source distribution
 	$(PY) -m exporters.llamacpp setup
 	touch $(STAMP)
