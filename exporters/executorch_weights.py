@@ -10,13 +10,15 @@ delegate's, by its names). The second model's program is the first's with the se
 entries and the content keys renamed: byte for byte what lowering it writes (benchmarks/
 executorch_rebind.py), in a second or two instead of the lowering's minutes.
 
-A binding says what each entry holds, by tensor name; it is recorded beside the program's identity the
-first time a program of that identity is lowered (OneLowering)."""
+A binding says what each entry holds, by tensor name (or a tensor's axes in the delegate's order: XNNPACK
+keeps a depthwise convolution's [C, 1, K] filter as [1, K, C]); it is recorded beside the program's
+identity the first time a program of that identity is lowered (OneLowering)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import mmap
 import shutil
@@ -94,16 +96,47 @@ def pte_layout(path: Path) -> tuple[int, list[tuple[str, str, int, int]]]:
                               program.segments[nd.segment_index].size) for nd in program.named_data]
 
 
+PERMUTED_CANDIDATES = 64  # tensors of an entry's size tried in other axis orders, at most (else: not bound)
+
+
+def permuted_as(entry, tensors: dict[str, torch.Tensor]) -> list[list]:
+    """[[name, axis order], ...]: the model tensors (of `tensors`, taken before the lowering) whose bytes in
+    another order of their axes are `entry`'s bytes (a layout the delegate chose: XNNPACK's depthwise
+    convolution filter [1, K, C] of a [C, 1, K] conv1d weight). Tensors of one value repeated are left out
+    (tensor_hashes); too many tensors of the entry's size to try, none."""
+    size = len(entry)
+    same = [(n, t) for n, t in tensors.items() if t.dim() >= 2 and t.numel() * t.element_size() == size]
+    if len(same) > PERMUTED_CANDIDATES:
+        return []
+    out = []
+    for name, t in same:
+        flat = t.detach().reshape(-1)
+        if bool((flat == flat[0]).all()):
+            continue
+        for order in itertools.permutations(range(t.dim())):
+            if order != tuple(range(t.dim())) and bytes(tensor_bytes(t.detach().permute(order))) == entry:
+                out.append([name, list(order)])
+                break
+    return out
+
+
+def laid_out(t: torch.Tensor, order: list[int] | None) -> memoryview:
+    """A tensor's bytes in the entry's axis order (None: its own)."""
+    return tensor_bytes(t if order is None else t.detach().permute(order))
+
+
 def binding(weights: Path, hashes: dict[str, list[str]], names: set[str],
-            code_constant=lambda key: False) -> tuple[dict | None, str]:
+            code_constant=lambda key: False, tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict | None, str]:
     """(what each named data entry of a lowered program's weights file holds, or None, why not): {"file": its
     name, "named": the entries that are the model tensor of their name, "content" and "slots": {key: the
-    tensors whose bytes it is}}. An entry named for no model tensor, or one `code_constant(key)` says the
-    lowering made from the code (the MLX delegate's scalars), keeps its bytes: the same for every
-    checkpoint of one identity. Any other entry that is no tensor's bytes (a weight the delegate derived)
-    makes the program one that cannot take other weights."""
+    tensors whose bytes it is}, "permuted": {key: {"kind": "content" or "slot", "tensors": [[name, axis
+    order], ...]}}: the tensors whose bytes in that order it is (permuted_as, given the model's `tensors`)}.
+    An entry named for no model tensor, or one `code_constant(key)` says the lowering made from the code
+    (the MLX delegate's scalars), keeps its bytes: the same for every checkpoint of one identity. Any
+    other entry that is no tensor's bytes in any order (a weight the delegate derived) makes the program
+    one that cannot take other weights."""
     _, entries = ptd_layout(weights)
-    bound = {"file": weights.name, "named": [], "content": {}, "slots": {}}
+    bound = {"file": weights.name, "named": [], "content": {}, "slots": {}, "permuted": {}}
     with open(weights, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         for key, kind, off, size in entries:
             if kind == "name":
@@ -114,9 +147,13 @@ def binding(weights: Path, hashes: dict[str, list[str]], names: set[str],
             whose = hashes.get(key if kind == "content" else hashlib.sha256(data[off:off + size]).hexdigest())
             if whose:
                 bound["content" if kind == "content" else "slots"][key] = whose
-            elif not code_constant(key):
-                return None, (f"the delegate's weight {key[:40]} is no tensor of the model (derived while lowering) "
-                              "or one of a single repeated value")
+            elif code_constant(key):
+                continue
+            elif tensors and (moved := permuted_as(data[off:off + size], tensors)):
+                bound["permuted"][key] = {"kind": kind, "tensors": moved}
+            else:
+                return None, (f"the delegate's weight {key[:40]} is no tensor of the model in any order of its "
+                              "axes (derived while lowering) or one of a single repeated value")
     return bound, ""
 
 
@@ -130,14 +167,18 @@ def rebind(program: Path, bound: dict, model: nn.Module, dest: Path, keep: tuple
     table_end, entries = ptd_layout(src)
     by_key = {key: (off, size) for key, _, off, size in entries}
     writes, renames = [], {}
-    for key, names in [*((k, [k]) for k in bound["named"]), *bound["content"].items(), *bound["slots"].items()]:
-        data = tensor_bytes(tensors[names[0]])
-        if any(bytes(tensor_bytes(tensors[n])) != bytes(data) for n in names[1:]):
-            return f"{', '.join(names)} are one weight of the program (equal where it was lowered) and differ here"
+    permuted = bound.get("permuted", {})  # (records written before it existed have none)
+    for key, held in [*((k, [[k, None]]) for k in bound["named"]),
+                      *((k, [[n, None] for n in names]) for k, names in [*bound["content"].items(), *bound["slots"].items()]),
+                      *((k, p["tensors"]) for k, p in permuted.items())]:
+        data = laid_out(tensors[held[0][0]], held[0][1])
+        if any(bytes(laid_out(tensors[n], order)) != bytes(data) for n, order in held[1:]):
+            return (f"{', '.join(n for n, _ in held)} are one weight of the program (equal where it was lowered) "
+                    "and differ here")
         off, size = by_key[key]
         if data.nbytes != size:
-            return f"{names[0]}: {data.nbytes} bytes here, {size} in the program"
-        if key in bound["content"]:
+            return f"{held[0][0]}: {data.nbytes} bytes here, {size} in the program"
+        if key in bound["content"] or permuted.get(key, {}).get("kind") == "content":
             renames[key.encode()] = hashlib.sha256(data).hexdigest().encode()
         writes.append((off, data))
     if len(set(renames.values())) < len(renames):
@@ -229,9 +270,13 @@ class OneLowering:
         elif record:  # its identity's program cannot take other weights
             lower()
             return
-        hashes, names = tensor_hashes(m), set(model_tensors(m))
+        # the model's tensors, held through the lowering (which releases the model's parameters) for the
+        # entries a delegate laid out in another order (binding): the build maps them from files
+        tensors = model_tensors(m)
+        hashes, names = tensor_hashes(m), set(tensors)
         lower()
         beside = sorted(f.name for f in path.parent.glob("*.ptd") if f.name != self.weights)
         bound, not_bound = (None, f"weights outside {self.weights} too ({', '.join(beside)})") if beside else \
-            binding(path.with_name(self.weights), hashes, names, self.code_constant)
+            binding(path.with_name(self.weights), hashes, names, self.code_constant, tensors)
+        del tensors
         self.record = (rparts, {"entry": key_of(self.parts), "binding": bound, "why": not_bound or why or None})

@@ -4,7 +4,8 @@ Frugal: one program is lowered, olmoe's XNNPACK check program of seed 0 (cached:
 tests/test_executorch.py checks); rebinding takes a second. That a rebound program is byte for byte the
 lowered one is measured by benchmarks/executorch_rebind.py (two lowerings a program: docs/benchmarks.md);
 here the rebound program's numbers are the new weights' (against eager), and the backend's own path runs
-in a private cache where the first program's "lowering" is a copy of seed 0's lowered program."""
+in a private cache where the first program's "lowering" is a copy of seed 0's lowered program. A weight the
+delegate lays out in another axis order: a one-convolution program, lowered twice (seconds)."""
 
 import filecmp
 import hashlib
@@ -215,3 +216,55 @@ def test_mlx_program_with_another_seeds_weights_passes_its_check(mlx_program, tm
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "stale"))
     r = run_check(spec(1), stale)
     assert len(lowerings) == 2 and r.status == "fail"
+
+
+class DepthwiseConv(torch.nn.Module):
+    """The Gated DeltaNet's causal conv1d (a depthwise convolution): XNNPACK keeps its [C, 1, K] filter as
+    [1, K, C], bytes that are no tensor of the model in its own axis order."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = torch.nn.Conv1d(8, 8, 4, groups=8, bias=False)
+
+    def forward(self, x):  # [1, 8, T] -> [1, 8, T - 3]
+        return self.conv(x)
+
+
+def lowered_conv(m: DepthwiseConv, path: Path) -> Path:
+    from types import SimpleNamespace
+
+    ep = torch.export.export(m, (torch.zeros(1, 8, 16),), strict=True)
+    args = SimpleNamespace(max_seq_len=16, vocab_size=1, num_hidden_layers=1)  # the program's constant methods
+    ex.save(ex.lower_cpu({"forward": ep}, SimpleNamespace(args=args)), path)
+    return path
+
+
+@needs_executorch
+def test_a_weight_the_delegate_laid_out_in_another_axis_order_is_rebound(tmp_path):
+    """The Qwen3.5 and Qwen3-Next programs could not take another checkpoint's weights on XNNPACK ("the
+    delegate's weight f000e604... is no tensor of the model", 2026-11-28): the depthwise filter is the conv
+    weight's axes reordered. binding() finds which tensor and which order; the program rebound with another
+    model's weights is byte for byte the one lowered for them."""
+    m0, m1 = DepthwiseConv(0), DepthwiseConv(1)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    p0 = lowered_conv(m0, tmp_path / "a" / "model.pte")
+    tensors = ew.model_tensors(m0)
+    names = set(tensors)
+    assert ew.binding(p0.with_name("model.ptd"), ew.tensor_hashes(m0), names)[0] is None  # before: not bound
+    bound, why = ew.binding(p0.with_name("model.ptd"), ew.tensor_hashes(m0), names, tensors=tensors)
+    assert bound is not None, why
+    (key, held), = bound["permuted"].items()
+    assert held["kind"] == "content" and [n for n, _ in held["tensors"]] == ["conv.weight"]
+    order = held["tensors"][0][1]
+    assert torch.equal(m0.conv.weight.detach().permute(order).reshape(1, 4, 8), m0.conv.weight.detach()[:, 0].T[None])
+    dest = tmp_path / "c" / "model.pte"
+    assert ew.rebind(p0, bound, m1, dest, ()) is None
+    p1 = lowered_conv(m1, tmp_path / "b" / "model.pte")
+    assert all(filecmp.cmp(p1.with_name(n), dest.with_name(n), shallow=False) for n in ("model.pte", "model.ptd"))
+    from executorch.runtime import Runtime
+
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0))
+    prog = Runtime.get().load_program(str(dest), data_path=str(dest.with_name("model.ptd")))
+    with torch.no_grad():
+        assert torch.allclose(prog.load_method("forward").execute([x])[0], m1(x), atol=1e-5)
