@@ -45,11 +45,15 @@ def tensor_hashes(model: nn.Module) -> dict[str, list[str]]:
     lowering made, and binding it to the tensor would write another checkpoint's weight there."""
     out: dict[str, list[str]] = {}
     for name, t in model_tensors(model).items():
-        flat = t.detach().reshape(-1)
-        if flat.numel() <= 1 or bool((flat == flat[0]).all()):
-            continue
-        out.setdefault(hashlib.sha256(tensor_bytes(t)).hexdigest(), []).append(name)
+        if not one_value(t):
+            out.setdefault(hashlib.sha256(tensor_bytes(t)).hexdigest(), []).append(name)
     return out
+
+
+def one_value(t: torch.Tensor) -> bool:
+    """A tensor of one value repeated (or a scalar): its bytes tell no weight from a constant the lowering made."""
+    flat = t.detach().reshape(-1)
+    return flat.numel() <= 1 or bool((flat == flat[0]).all())
 
 
 def flat_tensor_table(data) -> tuple[int, int, object]:
@@ -109,10 +113,7 @@ def permuted_as(entry, tensors: dict[str, torch.Tensor]) -> list[list]:
     if len(same) > PERMUTED_CANDIDATES:
         return []
     out = []
-    for name, t in same:
-        flat = t.detach().reshape(-1)
-        if bool((flat == flat[0]).all()):
-            continue
+    for name, t in [(n, t) for n, t in same if not one_value(t)]:
         for order in itertools.permutations(range(t.dim())):
             if order != tuple(range(t.dim())) and bytes(tensor_bytes(t.detach().permute(order))) == entry:
                 out.append([name, list(order)])
@@ -278,5 +279,4 @@ class OneLowering:
         beside = sorted(f.name for f in path.parent.glob("*.ptd") if f.name != self.weights)
         bound, not_bound = (None, f"weights outside {self.weights} too ({', '.join(beside)})") if beside else \
             binding(path.with_name(self.weights), hashes, names, self.code_constant, tensors)
-        del tensors
         self.record = (rparts, {"entry": key_of(self.parts), "binding": bound, "why": not_bound or why or None})
