@@ -1,7 +1,7 @@
 """What a report says about the machine it ran on, and the one rule every comparison of reports
 uses to leave it out (tests/baselines via oracle.baseline, the host-independence tests).
 
-The rule, in two halves:
+The rule, in three parts:
 1. Keys. Host facts live under a key named `host` (the report's provenance.host: node name,
    CPU count, torch's threads, IREE's target-CPU hash, a GPU's name); run state under `timings`
    and `cache`; the environment under `python`, `versions` and `thresholds_sha256`; where files
@@ -22,6 +22,14 @@ The rule, in two halves:
      relative LIMIT_SHARE (a limit at bf16 or in-situ is derived from a host measurement);
    - a margin or gap (a difference of two reference logits) by `MARGIN_ABS`, as the logits round;
    - a reading of two host-measured errors' ratio (`vs_noise`, `vs_upstream`) is not compared.
+3. Near ties of routing (oracle/replay.py). A tie is, by its definition, a choice of experts within the
+   host's rounding (the reference's gap under a bound measured from HF's own error on this host), so
+   which ties a host meets, and everything that follows from them, is a host fact: the `tie` and
+   `follows` entries of a routing record (`e2e.routing`, a block row's `routing_differences`), its
+   counts of them, whether it was aligned for them, the plain comparison beside it, a row's tie counts
+   and near-tie note, and a tie bound itself (one point of HF's measured rounding; measured 0.00744 here
+   and 0.00681 with ATen's AVX2 kernels, qwen3_moe eager bf16, 2026-11-28). A **divergence** (beyond
+   the bound) is compared like any result, with its count, layer, position and experts.
    A field absent on one side and null on the other (added to the schema later) is the same.
 tests/test_portable.py perturbs every float of every saved baseline by host-like rounding and
 adds fields no rule names: the reports must still compare equal, and a changed status, token,
@@ -61,15 +69,33 @@ RATIOS = frozenset({"ratio", "allclose_ratio", "upstream_allclose_ratio"})
 DERIVED = frozenset({"vs_noise", "vs_upstream"})
 # a difference of two reference logits rounds as they do on the host: a tenth of the fp32 e2e atol (1e-4)
 MARGIN_ABS = 1e-5
+# half 3: the routing records' verdicts within the host's rounding, and what a record or row says of them
+TIE_VERDICTS = frozenset({"tie", "follows"})
+TIE_RECORD_KEYS = frozenset({"ties", "follows", "aligned", "plain"})  # of a routing record (e2e.routing)
+TIE_ROW_KEYS = frozenset({"tie_tokens", "tie_disagreements", "aligned_tokens", "plain_max_abs"})  # a row's metrics
+
+
+def beyond_ties(differences: list) -> list:
+    """A routing record's differences without those within the host's rounding, each without its bound."""
+    return [{k: v for k, v in d.items() if k != "bound"} for d in differences
+            if not (isinstance(d, dict) and d.get("verdict") in TIE_VERDICTS)]
 
 
 def comparable(doc):
-    """`doc` without its host facts, run state and file locations (half 1 of the rule)."""
+    """`doc` without its host facts, run state and file locations (half 1 of the rule), and without
+    its routing's near ties (half 3)."""
     if isinstance(doc, dict):
         out = {}
         for k, v in doc.items():
-            if k in HOST_KEYS:
-                continue
+            if k in HOST_KEYS or k in TIE_ROW_KEYS or (k == "routing" and isinstance(v, str)):
+                continue  # (a block row's `routing`: its note of the near ties it swapped)
+            if k == "routing" and isinstance(v, dict):
+                v = {rk: beyond_ties(rv) if rk == "differences" and isinstance(rv, list) else rv
+                     for rk, rv in v.items() if rk not in TIE_RECORD_KEYS}
+            if k == "routing_differences" and isinstance(v, list):
+                v = beyond_ties(v)
+                if not v:
+                    continue  # a row lists its differences only where it has some
             if k in ARTIFACT_LISTS and isinstance(v, list):
                 v = [{ak: av for ak, av in a.items() if ak != "sha256"} if isinstance(a, dict) else a for a in v]
             out[k] = comparable(v)

@@ -194,3 +194,46 @@ def test_declared_inputs_are_compared_exactly():
     moved = copy.deepcopy(doc)
     moved["provenance"]["backend"]["config"]["rope_theta"] *= 1 + 1e-6
     assert [d.split(":")[0] for d in differences(doc, moved)] == ["provenance.backend.config.rope_theta"]
+
+
+def _tie(verdict="tie", **kw):
+    return {"call": 0, "layer": 1, "position": 2, "reference": [4, 7], "candidate": [0, 7], "gap": 0.001175731,
+            "bound": 0.007440388, "verdict": verdict, "what": "experts", **kw}
+
+
+def _met_ties(doc: dict, bound: float) -> dict:
+    """`doc` as a host whose bf16 rounding met a near tie (qwen3_moe eager bf16 on this host, 2026-11-28):
+    the e2e routing record with the tie, aligned for it, the plain comparison beside; a router row that
+    flipped one, a row compared with the tie swapped."""
+    doc = copy.deepcopy(doc)
+    doc["e2e"]["routing"].update(differences=[_tie(bound=bound)], ties=1, follows=0, aligned=True,
+                                 plain=[{"step": 0, "max_abs": 0.2910933, "rel_l2": 0.04141387}])
+    router = next(b for b in doc["blocks"] if b["kind"] == "router")
+    router["metrics"].update(routing_differences=[_tie(bound=bound / 3)], tie_disagreements=1, tie_tokens=10)
+    moe = next(b for b in doc["blocks"] if b["kind"] == "moe")
+    moe["metrics"].update(aligned_tokens=1, plain_max_abs=0.2877012)
+    moe["metrics"]["routing"] = "HF with the layer's near ties swapped"
+    return doc
+
+
+def test_a_near_tie_one_host_meets_and_another_does_not_is_the_same_result():
+    """Half 3: which near ties a host's rounding meets is a host fact. The same report with a tie, aligned
+    for it, and with none (another host's kernels rounded the other way), or with the tie's bound measured
+    9 % lower (ATen's AVX2 kernels against AVX-512 here), compare equal."""
+    doc = saved_doc(BASELINES / "qwen3_moe__eager__bf16.json")
+    assert differences(_met_ties(doc, 0.007440388), doc) == []
+    assert differences(_met_ties(doc, 0.007440388), _met_ties(doc, 0.00680846)) == []
+
+
+def test_a_router_divergence_is_a_changed_result():
+    """A divergence (beyond the tie bound) is no rounding: appearing on one side, it differs, by its count
+    and its entry, in the e2e record and in a row."""
+    doc = saved_doc(BASELINES / "qwen3_moe__eager__bf16.json")
+    got = _met_ties(doc, 0.007440388)
+    got["e2e"]["routing"].update(differences=[_tie(), _tie("divergence", position=5, gap=0.9)], divergences=1)
+    diffs = differences(doc, got)
+    assert [d.split(":")[0] for d in diffs] == ["e2e.routing.differences", "e2e.routing.divergences"], diffs
+    got = copy.deepcopy(doc)
+    router = next(i for i, b in enumerate(got["blocks"]) if b["kind"] == "router")
+    got["blocks"][router]["metrics"]["routing_differences"] = [_tie("divergence", gap=0.9)]
+    assert [d.split(":")[0] for d in differences(doc, got)] == [f"blocks[{router}].metrics.routing_differences"]
