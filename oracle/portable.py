@@ -69,7 +69,7 @@ RATIOS = frozenset({"ratio", "allclose_ratio", "upstream_allclose_ratio"})
 DERIVED = frozenset({"vs_noise", "vs_upstream"})
 # a difference of two reference logits rounds as they do on the host: a tenth of the fp32 e2e atol (1e-4)
 MARGIN_ABS = 1e-5
-# half 3: the routing records' verdicts within the host's rounding, and what a record or row says of them
+# part 3: the routing records' verdicts within the host's rounding, and what a record or row says of them
 TIE_VERDICTS = frozenset({"tie", "follows"})
 TIE_RECORD_KEYS = frozenset({"ties", "follows", "aligned", "plain"})  # of a routing record (e2e.routing)
 TIE_ROW_KEYS = frozenset({"tie_tokens", "tie_disagreements", "aligned_tokens", "plain_max_abs"})  # a row's metrics
@@ -82,8 +82,8 @@ def beyond_ties(differences: list) -> list:
 
 
 def comparable(doc):
-    """`doc` without its host facts, run state and file locations (half 1 of the rule), and without
-    its routing's near ties (half 3)."""
+    """`doc` without its host facts, run state and file locations (part 1 of the rule), and without
+    its routing's near ties (part 3)."""
     if isinstance(doc, dict):
         out = {}
         for k, v in doc.items():
@@ -107,7 +107,7 @@ def comparable(doc):
 
 def tolerance(key: str, precision: str | None, limits: dict, in_limits: bool = False) -> tuple[float, float]:
     """(relative, absolute) within which two floats at `key` are the same measurement: the
-    precision's default, widened by what the key is (half 2 of the rule). Never narrower than the
+    precision's default, widened by what the key is (part 2 of the rule). Never narrower than the
     default: a key no rule names is compared tolerantly."""
     rel, floor = DEFAULT.get(precision or "", REDUCED)
     if in_limits:  # a limit: the table's (equal) or one derived from a host measurement
@@ -132,7 +132,7 @@ def same_float(a: float, b: float, rel: float, floor: float) -> bool:
 
 def differences(saved, got, path: str = "", limits: dict | None = None, precision: str | None = None,
                 exact: bool = False) -> list[str]:
-    """Where two reports differ once host facts are left out (half 2 of the rule for values).
+    """Where two reports differ once host facts are left out (part 2 of the rule for values).
     Empty: the same check result. Each entry names the JSON path and both values."""
     if path == "":
         saved, got = comparable(saved), comparable(got)

@@ -56,7 +56,7 @@ NEW_NAMES = ("gate_spread", "expert_entropy", "kl_p95", "drift", "late_field_s")
 def host_rounded(doc: dict, rng: random.Random, rounding: float) -> tuple[dict, dict]:
     """(saved, got): `doc` with fields added later (unnamed floats, in random rows), and the same
     report as another host measures it: every float leaf, old or new, moved by a relative change of
-    up to `rounding`, except the declared inputs (`EXACT_KEYS`) and what half 1 drops anyway."""
+    up to `rounding`, except the declared inputs (`EXACT_KEYS`) and what part 1 drops anyway."""
     saved = copy.deepcopy(doc)
 
     def add_fields(x):
@@ -217,7 +217,7 @@ def _met_ties(doc: dict, bound: float) -> dict:
 
 
 def test_a_near_tie_one_host_meets_and_another_does_not_is_the_same_result():
-    """Half 3: which near ties a host's rounding meets is a host fact. The same report with a tie, aligned
+    """Part 3: which near ties a host's rounding meets is a host fact. The same report with a tie, aligned
     for it, and with none (another host's kernels rounded the other way), or with the tie's bound measured
     9 % lower (ATen's AVX2 kernels against AVX-512 here), compare equal."""
     doc = saved_doc(BASELINES / "qwen3_moe__eager__bf16.json")
