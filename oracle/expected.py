@@ -51,6 +51,11 @@ class Divergence:
             return False
 
 
+# path -> (its text, its entries): a check reads the file twice, a self-test hundreds of times; parsed again
+# only when the text changed
+_READ: dict = {}
+
+
 def load(path=None) -> list[Divergence]:
     """Every entry of the data file (none when it does not exist); ValueError naming the file
     and the entry when it is malformed."""
@@ -58,8 +63,18 @@ def load(path=None) -> list[Divergence]:
     if not path.is_file():
         return []
     try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    if _READ.get(str(path), (None,))[0] != text:
+        _READ[str(path)] = (text, tuple(_parse(path, text)))
+    return list(_READ[str(path)][1])
+
+
+def _parse(path, text: str) -> list[Divergence]:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: {e}") from None
     out = []
     for i, entry in enumerate(doc.get("divergence", [])):
