@@ -64,7 +64,11 @@ def test_the_same_outputs_said_to_be_isolated_fail_the_table(in_situ):
     assert failing and all("upstream_max_abs" not in b.metrics for b in r.blocks)
     for b in failing:  # the same error as the in-situ row that passed
         twin, m = same[b.layer, b.kind], "weight_max_abs" if b.kind == "router" else "max_abs"
-        assert twin.status == "pass" and b.metrics[m] == twin.metrics[m]
+        # a row this host judges against the routing-aligned reference (with ATen's AVX2 kernels,
+        # ATEN_CPU_CAPABILITY=avx2, layer 3's is: max_abs 6.6948e-4 there) keeps its comparison with the
+        # reference itself as plain_max_abs, which is the in-situ row's (6.7043e-4), exactly
+        got = b.metrics.get("plain_max_abs", b.metrics[m]) if m == "max_abs" else b.metrics[m]
+        assert twin.status == "pass" and got == twin.metrics[m]
     assert (None, "final_norm") in {(b.layer, b.kind) for b in failing}
 
 
