@@ -42,7 +42,6 @@ import contextlib
 import contextvars
 import copy
 import functools
-import gc
 import hashlib
 import itertools
 import json
@@ -59,6 +58,7 @@ from torch import nn
 from exporters import executorch_weights as ew
 from exporters.eager import DTYPES
 from exporters.identity import production_structure, program_identity
+from exporters.torch_lowering import collect, lowering
 from exporters.executorch_runtime import runtime  # noqa: F401 (the runtime the backends here load programs with)
 from models.args import SPARSE, block_input_path, block_keys, block_path, mlp_type
 from models.layers import STATE_BUFFERS, Transformer, traced_experts
@@ -334,7 +334,7 @@ def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict
         path.with_name("taps.json").write_text(json.dumps(taps))
     # from here the exported programs hold the weights: each is freed once lowered (lower_cpu)
     release_parameters(model)
-    gc.collect()
+    collect()
     with spill_directory(path.parent):
         prog = lower(methods, model)
         methods.clear()
@@ -345,7 +345,7 @@ def build_program(model: Transformer, lower, path: Path, check: bool, opts: dict
             for op, n in op_histogram(prog.exported_program(name)).items():
                 counts[f"{name} {op}"] = n
         del prog
-        gc.collect()
+        collect()
     path.with_name(OPS_FILE).write_text(histogram_text(counts, "ops of the lowered prefill and decode methods"))
 
 
@@ -666,7 +666,7 @@ def release_delegated_constants(edge) -> None:
 
     for name in edge.methods:
         visit(edge.exported_program(name).graph_module)
-    gc.collect()
+    collect()
 
 
 class ExecutorchCandidate(Candidate):
@@ -965,7 +965,8 @@ class ExecutorchBackend(Backend):
             # the fp32 weights mapped from files beside the build (not process memory): the
             # lowering reads each once, and what it keeps it copies (XNNPACK's blobs, spilled to
             # files too; the emitter's bytes of the portable ops' weights)
-            with tempfile.TemporaryDirectory(prefix=".weights-", dir=path.parent) as mapped:
+            with (lowering(4 * model.parameter_count()),
+                  tempfile.TemporaryDirectory(prefix=".weights-", dir=path.parent) as mapped):
                 m = self.production_model(model, spec, opts, Path(mapped))
 
                 def lower():
@@ -974,7 +975,7 @@ class ExecutorchBackend(Backend):
 
                 once.build(m, path, lower, lambda: (program_identity(m), program_identity(production_structure(model))))
                 del m
-                gc.collect()
+                collect()
 
         with once:
             return cached_artifact(self.kind, parts, "model.pte", build, name=f"{spec.family}.{program}.pte",
@@ -992,14 +993,15 @@ class ExecutorchBackend(Backend):
         opts = {k: v for k, v in self.options(spec).items() if k not in ("sample", "sampling")}
 
         def build(path):
-            with tempfile.TemporaryDirectory(prefix=".weights-", dir=path.parent) as mapped:
+            with (lowering(4 * model.parameter_count()),
+                  tempfile.TemporaryDirectory(prefix=".weights-", dir=path.parent) as mapped):
                 m = self.production_model(model, spec, opts, Path(mapped))
                 prog = PointsProgram(PointsCall(*block_fn(m, layer, kind), kind))
                 methods, meta = prog.export(lengths, m.args.hidden_size, m.embed_tokens.weight.dtype)
                 with spill_directory(path.parent):
                     save(self.lower(methods, m, opts), path)
                 del m, prog, methods
-                gc.collect()
+                collect()
             path.with_name("points.json").write_text(json.dumps(meta))
 
         parts = {**cache_parts(self.kind, model, spec, "points", self.transform_id, opts, self.source),

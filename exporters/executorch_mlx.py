@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from exporters.eager import DTYPES
+from exporters.torch_lowering import lowering
 from exporters.executorch_weights import OneLowering
 from exporters.identity import production_structure, program_identity
 from models.layers import LINEAR, Transformer
@@ -400,7 +401,8 @@ class ExecutorchMlxBackend(Backend):
             m = self.for_delegate(m, kernel)
 
             def lowered():
-                prog = lower(export_methods(m, check, sampling), metadata(m.args))
+                with lowering(4 * model.parameter_count()):
+                    prog = lower(export_methods(m, check, sampling), metadata(m.args))
                 path.write_bytes(prog.buffer)
                 if prog._tensor_data:
                     prog.write_tensor_data_to_file(str(path.parent))
@@ -430,8 +432,9 @@ class ExecutorchMlxBackend(Backend):
         def build(path: Path):
             from exporters.executorch_mlx_export import export_points, lower
 
-            methods, meta = export_points(self.production_model(model, spec, kernel), layer, kind)
-            prog = lower(methods)
+            with lowering(4 * model.parameter_count()):
+                methods, meta = export_points(self.production_model(model, spec, kernel), layer, kind)
+                prog = lower(methods)
             path.write_bytes(prog.buffer)
             if prog._tensor_data:
                 prog.write_tensor_data_to_file(str(path.parent))
