@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import copy
 import gc
+import sys
 
 SMALL_BYTES = 256 << 20  # weights (fp32) under this: the collector relaxed
 YOUNG_THRESHOLD = 10_000  # the collector's first threshold in a small model's lowering (Python's: 700)
@@ -63,11 +64,24 @@ def shared_provenance():
 
 
 @contextlib.contextmanager
+def _forgetting():
+    """After a build, ExecuTorch's `exir.backend.utils.is_same_node` cache emptied: an unbounded lru_cache
+    keyed by fx Nodes, it keeps every graph it compared alive (a self-test worker grew by about 45 MB a
+    lowered check, 11 GB over the fifteen-family catalogue: docs/benchmarks.md)."""
+    try:
+        yield
+    finally:
+        utils = sys.modules.get("executorch.exir.backend.utils")
+        if utils is not None and hasattr(utils.is_same_node, "cache_clear"):
+            utils.is_same_node.cache_clear()
+
+
+@contextlib.contextmanager
 def lowering(weight_bytes: int):
     """The context of one program's build (export, lowering, serialisation) for a model whose
     weights take `weight_bytes`: provenance shared; under SMALL_BYTES, the collector relaxed and
     collect() a no-op. Also a decorator."""
-    with shared_provenance():
+    with shared_provenance(), _forgetting():
         if weight_bytes >= SMALL_BYTES or _small.get():
             yield
             return

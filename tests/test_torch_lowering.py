@@ -93,3 +93,17 @@ def test_the_collector_is_relaxed_for_a_small_model_only(monkeypatch):
     with pytest.raises(RuntimeError), lowering(0):
         raise RuntimeError("a lowering that fails")
     assert gc.get_threshold() == before
+
+
+def test_a_lowering_leaves_no_graph_in_executorchs_node_cache():
+    """executorch.exir.backend.utils.is_same_node is an unbounded lru_cache keyed by fx Nodes: a self-test
+    worker kept every graph it lowered (about 45 MB a check). lowering() empties it when a build ends."""
+    import torch
+    from executorch.exir.backend.utils import is_same_node
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    a, b = list(gm.graph.nodes)[:2]
+    with lowering(0):
+        is_same_node(a, b)
+        assert is_same_node.cache_info().currsize > 0
+    assert is_same_node.cache_info().currsize == 0
