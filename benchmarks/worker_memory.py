@@ -5,8 +5,9 @@
 Runs the clean check and then each fault's check one after another in this process, as a worker of
 `oracle selftest -j N` does (oracle.selftest._pooled_check), and prints after each: the resident set, what
 gc.collect() freed, and the twelve object types that grew most. Found with it (2026-11-29, olmoe on
-executorch, an empty cache): about 45 MB and 7000 torch.fx Nodes (whole graphs) kept a lowered check,
-neither garbage nor the remembered methods (docs/benchmarks.md).
+executorch, an empty cache): about 45 MB and 7000 torch.fx Nodes (whole graphs) kept a lowered check, held
+by ExecuTorch's unbounded `is_same_node` lru_cache (emptied since by exporters/torch_lowering.py); a part of the
+memory growth remains (docs/benchmarks.md).
 """
 
 import argparse

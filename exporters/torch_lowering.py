@@ -1,6 +1,7 @@
-"""What every ExecuTorch lowering here runs under: torch.fx's provenance shared instead of copied, and,
-for a small model, Python's cyclic collector relaxed. Neither changes a byte of the program
-(tests/test_torch_lowering.py); both are about a lowering's time, which is Python's (graphs of
+"""What every ExecuTorch lowering here runs under: torch.fx's provenance shared instead of copied,
+for a small model Python's cyclic collector relaxed, and ExecuTorch's node cache emptied when it ends
+(_forgetting: otherwise it keeps every graph it compared, for the process's life). None changes a byte
+of the program (tests/test_torch_lowering.py); the first two are about a lowering's time, which is Python's (graphs of
 hundreds of thousands of nodes rebuilt by each of dozens of passes). Measured on 2 cores,
 2026-11-29, docs/benchmarks.md.
 
