@@ -36,6 +36,10 @@ class InputError(ValueError):
     nothing is written. Backends raise it for input they refuse."""
 
 
+class MemoryRefusal(InputError):
+    """A check refused because the memory it would need is not available here (memory_refusal)."""
+
+
 class BackendError(InputError):
     """Bad --backend value (unknown name, unimportable plugin, a protocol member missing)."""
 

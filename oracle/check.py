@@ -5,6 +5,7 @@ them in order, times them and contains a stage that crashes."""
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
@@ -14,7 +15,7 @@ from oracle import goldens as golden_files
 from oracle import points, thresholds
 from models.cache import CacheFull
 from models.checkpoint import CheckpointError
-from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_plan, memory_refusal, resolve
+from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_plan, memory_refusal, MemoryRefusal, resolve
 from oracle.noise import aligner, block_aligner, exact_for, forget_models, noise_for, shared_models_memory
 from oracle.provenance import provenance
 from oracle.sampling import sampling_gates
@@ -51,6 +52,16 @@ def peak_rss_gib() -> float | None:
     except (OSError, StopIteration, ValueError):
         return None
     return round(kb / 2**20, 3)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc/self/statm), or None where it cannot be read: what a
+    long-lived worker keeps between checks (peak_rss_gib is the peak, which hides memory freed since)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def disk_read_bytes() -> int | None:
@@ -283,7 +294,7 @@ def plan_resources(run: Run, src, spec: CheckSpec) -> dict:
     beside = shared_models_memory(src, spec)
     refusal = memory_refusal(run.backend, src, spec, beside)
     if refusal:
-        raise InputError(refusal)
+        raise MemoryRefusal(refusal)
     need, how = memory_plan(run.backend, src, spec, beside)
     writes = cache_estimate(src, spec)
     refusal = cache.refusal(writes, "this check's reference and noise measurements")

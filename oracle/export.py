@@ -8,7 +8,7 @@ from pathlib import Path
 from models.cache import CacheFull
 from oracle.artifacts import write_manifest
 from oracle.backend import CheckSpec
-from oracle.backend import InputError, memory_refusal
+from oracle.backend import InputError, MemoryRefusal, memory_refusal
 from oracle.sources import model_source
 from oracle.validation import validate
 
@@ -30,7 +30,7 @@ def _run_export(spec: CheckSpec, output_dir: str) -> Path:
     src = model_source(spec)
     refusal = memory_refusal(backend, src, spec)
     if refusal:
-        raise InputError(refusal)
+        raise MemoryRefusal(refusal)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = backend.export(src, spec, out)

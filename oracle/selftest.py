@@ -29,13 +29,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from models import FAMILY_NAMES, faults
 from oracle import thresholds
-from oracle.backend import CheckSpec, InputError
-from oracle.check import run_check
+from oracle.backend import GIB, CheckSpec, InputError, MemoryRefusal, available_memory
+from oracle.check import resident_bytes, run_check
 from oracle.sources import model_source
 from oracle.validation import validate
 from oracle.result import Status, place, worst_row
@@ -369,18 +370,30 @@ def fault_precision(fault, precision: str) -> str:
 
 class Checks:
     """The self-test's checks, run where they are asked for (`jobs` 1), or by `jobs` worker processes
-    ahead of the loop that judges them: `plan` submits a family's checks in the order the loop asks
-    for them, `run` waits for one (submitting it if it was not planned). A worker runs each check as
-    the loop would (oracle.check.run_check, the faulted backend rebuilt from the fault's name) and
-    sends back its CheckResult; the workers come from a fork server that imported the oracle and the
-    backend once (oracle.worker), each runs many checks (its imports and the backend's lowering modules
-    are loaded once). A check that refuses (InputError) raises in `run` as it would in place. A worker
-    that dies (a crash in a native library) takes the pool with it: the checks not finished are
+    ahead of the loop that judges them: `plan` queues a family's checks in the order the loop asks
+    for them, `run` waits for one (submitting it if it was not planned) and keeps up to WINDOW a worker
+    submitted ahead. A worker runs each check as the loop would (oracle.check.run_check, the faulted
+    backend rebuilt from the fault's name) and sends back its CheckResult; the workers come from a fork
+    server that imported the oracle and the backend once (oracle.worker), each runs many checks (its
+    imports and the backend's lowering modules are loaded once). A check that refuses (InputError)
+    raises in `run` as it would in place.
+
+    A long-lived worker keeps what the libraries it calls never free (ExecuTorch's lowering kept ~40 MB
+    a check: docs/benchmarks.md), so the pool is recycled when its workers outgrow the memory left
+    (`outgrown`): the checks already submitted finish, then a new pool forks fresh workers. A check
+    refused for memory (MemoryRefusal) while the workers held memory runs again in fresh workers, once.
+    A worker that dies (a crash in a native library) takes the pool with it: the checks not finished are
     submitted again to a new pool, once."""
 
-    def __init__(self, backend: str, options: dict, weights: str, precision: str, jobs: int = 1):
+    WINDOW = 2  # checks submitted ahead a worker: enough to keep it busy, few to finish before a recycle
+
+    def __init__(self, backend: str, options: dict, weights: str, precision: str, jobs: int = 1, progress=None):
         self.setting = (backend, dict(options), weights, precision)
         self.jobs, self.pool, self.futures, self.tasks = jobs, None, {}, {}
+        self.queue: deque = deque()  # keys planned, not yet submitted, in the order the loop asks for them
+        self.rss: dict[int, int] = {}  # worker pid -> its resident bytes after its last check
+        self.recycled = 0
+        self.progress = progress or (lambda msg: None)
         self.spent = 0.0  # seconds the checks asked for took, each its own (a row's time: its checks')
 
     def __enter__(self):
@@ -393,6 +406,7 @@ class Checks:
                     proc.kill()
             self.pool.shutdown(wait=kind is None, cancel_futures=True)
             self.pool = None
+        if self.jobs > 1:  # (the fork server outlives a recycled pool)
             from oracle.matrix import stop_fork_server
 
             stop_fork_server()
@@ -414,13 +428,26 @@ class Checks:
 
     def submit(self, spec: CheckSpec, fault: str | None):
         k = self.key(spec, fault)
+        self.tasks.setdefault(k, (spec, fault))
         if k not in self.futures:
-            self.tasks[k] = (spec, fault)
+            if k in self.queue:
+                self.queue.remove(k)
             self.futures[k] = self._pool().submit(pooled_check, self.setting, spec, fault)
         return self.futures[k]
 
+    def later(self, spec: CheckSpec, fault: str | None) -> None:
+        """Queue the check for the workers (submitted when a place in the window is free)."""
+        k = self.key(spec, fault)
+        if k not in self.futures and k not in self.queue:
+            self.tasks[k] = (spec, fault)
+            self.queue.append(k)
+
+    def _top_up(self) -> None:
+        while self.queue and sum(not f.done() for f in self.futures.values()) < self.WINDOW * self.jobs:
+            self.submit(*self.tasks[self.queue[0]])
+
     def plan(self, family, seeds, fault_names, base, catalogue, done, done_clean, drill, relative) -> None:
-        """Submit the checks the loop of run_selftest will ask for on `family`, in its order."""
+        """Queue the checks the loop of run_selftest will ask for on `family`, in its order."""
         backend, options, weights, precision = self.setting
         spec = family_spec(backend, family, seeds[0], options, weights, precision, drill)
         try:
@@ -431,17 +458,17 @@ class Checks:
         except InputError:
             return  # refused: the loop says why
         if (family, seeds[0]) not in done_clean or todo:
-            self.submit(spec, None)
+            self.later(spec, None)
         for name, fault in todo:
             at = fault_precision(fault, precision)
-            self.submit(replace(spec, precision=at), name)
+            self.later(replace(spec, precision=at), name)
             if at != precision:
-                self.submit(replace(spec, precision=at), None)
+                self.later(replace(spec, precision=at), None)
             if relative and fault.precision == "fp32":
-                self.submit(replace(spec, precision="fp32"), name)
+                self.later(replace(spec, precision="fp32"), name)
         for seed in seeds[1:]:
             if (family, seed) not in done_clean:
-                self.submit(replace(spec, seed=seed), None)
+                self.later(replace(spec, seed=seed), None)
 
     def run(self, spec: CheckSpec, backend, fault: str | None = None):
         """The check of `spec` on `backend` (the base backend, or the one with `fault` injected)."""
@@ -451,13 +478,17 @@ class Checks:
                 return run_check(spec, backend)
             finally:
                 self.spent += time.perf_counter() - t
+        from concurrent.futures import FIRST_COMPLETED, wait
         from concurrent.futures.process import BrokenProcessPool
 
         k = self.key(spec, fault)
         for attempt in (0, 1):
             future = self.submit(spec, fault)
+            while not future.done():  # the window kept full while this one runs
+                self._top_up()
+                wait([f for f in self.futures.values() if not f.done()], return_when=FIRST_COMPLETED)
             try:
-                result, seconds = future.result()
+                result, seconds, pid, rss = future.result()
             except BrokenProcessPool:
                 if attempt:
                     raise RuntimeError(f"a worker process died twice (a crash in a native library?) while the check of "
@@ -465,21 +496,52 @@ class Checks:
                                        "was pending; run again with --jobs 1 to see which check crashes") from None
                 self._restart()
                 continue
+            except MemoryRefusal:
+                self.futures.pop(k, None)
+                if attempt or not self.rss:
+                    raise
+                self._recycle("a check was refused for memory")  # the workers' own growth may be what took it
+                continue
             except BaseException:
                 self.futures.pop(k, None)
                 raise
             self.futures.pop(k, None)
             self.spent += seconds
+            self.rss[pid] = rss or 0
+            held = sum(self.rss.values())
+            if outgrown(held, available_memory()):
+                self._recycle(f"the workers held {held / GIB:.1f} GiB")
+            self._top_up()
             return result
+
+    def _recycle(self, why: str) -> None:
+        """The checks already submitted finish in this pool (their results kept), then its workers exit:
+        the next check starts a new pool of fresh workers."""
+        from concurrent.futures import wait
+
+        if self.pool is None:
+            return
+        wait(list(self.futures.values()))
+        self.pool.shutdown(wait=True)
+        self.pool, self.rss = None, {}
+        self.recycled += 1
+        self.progress(f"worker processes restarted ({why})")
 
     def _restart(self) -> None:
         """A new pool, every check not finished submitted to it again in its order."""
         pending = [k for k, f in self.futures.items() if not f.done() or f.cancelled() or f.exception() is not None]
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.pool = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool, self.rss = None, {}
         for k in pending:
             del self.futures[k]
             self.submit(*self.tasks[k])
+
+
+def outgrown(held: int, available: int | None) -> bool:
+    """Whether workers resident with `held` bytes between checks should be replaced by fresh ones: they hold
+    more than the memory still `available` to the next check (None: not known, never)."""
+    return available is not None and held > available
 
 
 _WORKER: dict = {}  # in a worker: (backend, options, weights, precision) -> (base backend, catalogue)
@@ -487,9 +549,10 @@ _WORKER: dict = {}  # in a worker: (backend, options, weights, precision) -> (ba
 
 def pooled_check(setting: tuple, spec: CheckSpec, fault: str | None):
     """In a worker process (Checks): the check of `spec` on the backend of `setting`, with `fault` injected
-    as selection gives it for the family, and the seconds it took."""
+    as selection gives it for the family, the seconds it took, and the worker's pid and resident bytes after it."""
     t = time.perf_counter()
-    return _pooled_check(setting, spec, fault), time.perf_counter() - t
+    result = _pooled_check(setting, spec, fault)
+    return result, time.perf_counter() - t, os.getpid(), resident_bytes()
 
 
 def _pooled_check(setting: tuple, spec: CheckSpec, fault: str | None):
@@ -617,8 +680,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     done |= {(r["family"], r["fault"]): r for r in (resume.not_applicable if resume else [])
              if r.get("why", "").startswith("refused: ")}
     done_clean = {(r.family, r.seed): r for r in (resume.false_alarms if resume else [])}
-    checks = Checks(backend_name, options, weights, precision, jobs)
-    if jobs > 1:  # every check this run will need, in the order it will need them: the workers run ahead
+    checks = Checks(backend_name, options, weights, precision, jobs, progress)
+    if jobs > 1:  # every check this run will need, in the order it will need them: the workers run ahead (Checks.WINDOW)
         for family in families:
             checks.plan(family, seeds, fault_names, base, catalogue, done, done_clean, drill, relative)
 

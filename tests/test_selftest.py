@@ -418,3 +418,24 @@ def test_selftest_subset_on_compiled_backends(backend, family, fault_names):
     res = run_selftest(backend, families=[family], seeds=(0,), fault_names=fault_names)
     s = res.summary()
     assert s["faults"] == len(fault_names) and s["ok"], res.summary_line()
+
+
+
+def test_workers_that_outgrow_the_memory_left_are_replaced(monkeypatch):
+    """A worker keeps what the libraries it calls never free (ExecuTorch's lowering: ~40 MB a check), so
+    `-j` recycles the pool when its workers hold more than the memory left (`outgrown`, told here they
+    always do): the next check runs in a fresh worker, with the result it has in place."""
+    from oracle import selftest
+
+    held = []  # the workers (pids) whose memory each decision counted
+    monkeypatch.setattr(selftest, "outgrown", lambda rss, available: held.append(set(checks.rss)) or rss > 0)
+    said = []
+    spec = selftest.family_spec("eager", "qwen2_moe", 0, {}, "normal", "fp32", False)
+    with selftest.Checks("eager", {}, "normal", "fp32", jobs=2, progress=said.append) as checks:
+        clean = checks.run(spec, None)
+        faulted = checks.run(spec, None, "rope_theta_wrong")
+    assert clean.status.value == "pass"
+    assert faulted.status.value == "fail" and (faulted.worst["layer"], faulted.worst["kind"]) == (1, "attention")
+    assert len(held) == 2 and held[0].isdisjoint(held[1])  # the second check's worker is not the first's
+    assert [m.split(" (")[0] for m in said] == ["worker processes restarted"] * 2
+    assert all("GiB" in m for m in said)
