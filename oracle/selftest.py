@@ -125,6 +125,9 @@ class SelftestResult:
     false_alarms: list[AlarmRow] = field(default_factory=list)
     not_applicable: list[dict] = field(default_factory=list)
     refused: list[dict] = field(default_factory=list)  # families the backend cannot check: family, why
+    # checks refused for want of memory here (MemoryRefusal), even in fresh workers: family, what, why. Not
+    # run, so the self-test is not ok; a resumed run tries them again
+    unrun: list[dict] = field(default_factory=list)
     schema: str = SCHEMA
     weights: str = "normal"  # the weight profile of the tiny checkpoints (models/trained.py)
     precision: str = "fp32"  # the clean runs' and every fault's (dtype faults: bf16 always)
@@ -141,8 +144,8 @@ class SelftestResult:
         out = {"detected": d, "localized": loc, "faults": n, "distinct_faults": len({r.fault for r in self.faults}),
                "crashed": sum(r.crashed for r in req), "false_alarms": f, "clean_runs": m,
                "not_injected": sum(not r.injected for r in self.faults), "refused": len(self.refused),
-               "not_applicable": len(self.not_applicable),
-               "ok": n > 0 and d == n and loc >= LOCALIZE_MIN * n and f == 0 and m > 0}
+               "not_applicable": len(self.not_applicable), "unrun": len(self.unrun),
+               "ok": n > 0 and d == n and loc >= LOCALIZE_MIN * n and f == 0 and m > 0 and not self.unrun}
         masked = [r for r in self.faults if r.injected and r.masked]
         if masked:  # at a block that fails without them (a known divergence): stated, not required
             out["masked"] = len(masked)
@@ -177,6 +180,8 @@ class SelftestResult:
             line += f"; {s['not_injected']} not injected (the candidate computed the same as without the fault)"
         if s["refused"]:
             line += f"; {s['refused']} famil{'y' if s['refused'] == 1 else 'ies'} refused by the backend"
+        if s["unrun"]:
+            line += f"; {s['unrun']} check(s) not run: not enough memory here (not ok; --resume runs them)"
         if s["not_applicable"] and not s["faults"]:  # nothing judged: say why
             line += f"; {s['not_applicable']} fault(s) not applicable, none judged"
         if "masked" in s:
@@ -193,7 +198,7 @@ class SelftestResult:
         d = {**asdict(self), "summary": self.summary(), "summary_line": self.summary_line(), "complete": complete}
         if self.weights == "normal":  # a report of the normal profile stays as before the profiles
             del d["weights"]
-        for k, default in (("options", {}), ("drill", False)):  # likewise where not asked for
+        for k, default in (("options", {}), ("drill", False), ("unrun", [])):  # likewise where not asked for / none
             if d[k] == default:
                 del d[k]
         if self.precision == "fp32":  # likewise at fp32, before the precision option
@@ -230,7 +235,7 @@ def load_report(path) -> SelftestResult:
                               rows(AlarmRow, "false_alarms"), list(d.get("not_applicable") or []),
                               list(d.get("refused") or []), weights=d.get("weights", "normal"),
                               precision=d.get("precision", "fp32"), options=dict(d.get("options") or {}),
-                              drill=bool(d.get("drill", False)))
+                              drill=bool(d.get("drill", False)), unrun=list(d.get("unrun") or []))
     except (KeyError, TypeError) as e:
         raise InputError(f"{path}: a malformed selftest report ({e!r})") from None
 
@@ -703,6 +708,9 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                     progress(f"{family} clean seed {seeds[0]}")
                     t = checks.spent
                     clean = {precision: checks.run(spec, base)}
+            except MemoryRefusal as e:
+                add(res.unrun, {"family": family, "check": f"clean seed {seeds[0]}", "why": str(e)})
+                continue
             except InputError as e:
                 add(res.refused, {"family": family, "why": str(e)})
                 continue
@@ -735,6 +743,9 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 at = fault_precision(fault, precision)
                 try:
                     r = checks.run(replace(spec, precision=at), variant, name)
+                except MemoryRefusal as e:
+                    add(res.unrun, {"family": family, "check": fault.name, "why": str(e)})
+                    continue
                 except InputError as e:  # the faulted candidate refused (e.g. a config mlx-lm cannot take)
                     add(res.not_applicable, {"family": family, "fault": fault.name, "why": f"refused: {e}"})
                     continue
@@ -776,6 +787,9 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                 t = checks.spent
                 try:
                     r = checks.run(replace(spec, seed=seed), base)
+                except MemoryRefusal as e:
+                    add(res.unrun, {"family": family, "check": f"clean seed {seed}", "why": str(e)})
+                    continue
                 except InputError as e:  # refused at this seed only: reported, the others go on
                     add(res.refused, {"family": family, "why": f"seed {seed}: {e}"})
                     continue
@@ -812,6 +826,8 @@ def render(res: SelftestResult) -> str:
         lines.append(f"FALSE ALARM {a.family} seed {a.seed}: {a.status} {a.worst}")
     for x in res.refused:
         lines.append(f"REFUSED {x['family']}: {x['why']}")
+    for x in res.unrun:
+        lines.append(f"NOT RUN {x['family']} {x['check']}: {x['why']}")
     for x in res.not_applicable if not res.faults else ():  # (in every report; here when nothing was judged)
         lines.append(f"NOT APPLICABLE {x['family']} {x['fault']}: {x['why']}")
     if any(r.masked for r in res.faults):
@@ -826,6 +842,8 @@ def row_line(row) -> str:
         verdict = row.status if row.status in CLEAN else f"{row.status}: FALSE ALARM"
         return f"{row.family} clean seed {row.seed}: {verdict} ({row.seconds:.0f} s)"
     if isinstance(row, dict):
+        if "check" in row:  # (SelftestResult.unrun)
+            return f"{row['family']} {row['check']}: NOT RUN: {row['why']}"
         return f"{row['family']} {row['fault']}: not applicable: {row['why']}" if "fault" in row else \
             f"{row['family']}: refused: {row['why']}"
     w = row.worst

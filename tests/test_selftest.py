@@ -439,3 +439,30 @@ def test_workers_that_outgrow_the_memory_left_are_replaced(monkeypatch):
     assert len(held) == 2 and held[0].isdisjoint(held[1])  # the second check's worker is not the first's
     assert [m.split(" (")[0] for m in said] == ["worker processes restarted"] * 2
     assert all("GiB" in m for m in said)
+
+
+def test_a_check_refused_for_memory_fails_the_selftest_and_runs_again_on_resume(tmp_path, monkeypatch):
+    """A check the memory here cannot hold was not run: its fault was not tested, so the self-test is not ok
+    (it used to list it as `not applicable` and pass), and a resumed run tries it again."""
+    from oracle import selftest
+    from oracle.backend import MemoryRefusal
+
+    real = selftest.run_check
+
+    def short_of_memory(spec, backend=None, **kw):
+        if backend.name != "eager":  # the faulted candidate ("eager+rope_theta_wrong")
+            raise MemoryRefusal("the check would need about 9.0 GiB ... and 1.0 GiB is available")
+        return real(spec, backend, **kw)
+
+    monkeypatch.setattr(selftest, "run_check", short_of_memory)
+    args = dict(families=["qwen2_moe"], seeds=(0,), fault_names=["rope_theta_wrong"])
+    res = run_selftest("eager", **args)
+    s = res.summary()
+    assert (s["ok"], s["faults"], s["unrun"], s["not_applicable"]) == (False, 0, 1, 0)
+    assert res.unrun[0]["check"] == "rope_theta_wrong" and "9.0 GiB" in res.unrun[0]["why"]
+    assert "NOT RUN qwen2_moe rope_theta_wrong" in render(res) and "1 check(s) not run" in res.summary_line()
+    j = tmp_path / "st.json"
+    j.write_text(json.dumps(res.to_dict()))
+    monkeypatch.setattr(selftest, "run_check", real)
+    again = run_selftest("eager", resume=selftest.load_report(j), **args)
+    assert again.summary()["ok"] and [r.fault for r in again.faults] == ["rope_theta_wrong"] and not again.unrun
