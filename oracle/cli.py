@@ -562,7 +562,8 @@ def cmd_selftest(a) -> int:
             f"{len(done.false_alarms)} clean run(s) finished")
     run = lambda progress=None: run_selftest(  # noqa: E731
         a.backend, families, seeds, a.fault, progress, options_of(a), a.weights, a.precision, a.drill, on_row,
-        **({"resume": done, "resume_from": a.json} if done is not None else {}), jobs=a.jobs)
+        **({"resume": done, "resume_from": a.json} if done is not None else {}), jobs=a.jobs,
+        notice=lambda line: say(f"selftest {a.backend}: {line}"))
     return run_and_report(run, prog, update, render, a.json, save)
 
 

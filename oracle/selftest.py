@@ -392,13 +392,13 @@ class Checks:
 
     WINDOW = 2  # checks submitted ahead a worker: enough to keep it busy, few to finish before a recycle
 
-    def __init__(self, backend: str, options: dict, weights: str, precision: str, jobs: int = 1, progress=None):
+    def __init__(self, backend: str, options: dict, weights: str, precision: str, jobs: int = 1, notice=None):
         self.setting = (backend, dict(options), weights, precision)
         self.jobs, self.pool, self.futures, self.tasks = jobs, None, {}, {}
         self.queue: deque = deque()  # keys planned, not yet submitted, in the order the loop asks for them
         self.rss: dict[int, int] = {}  # worker pid -> its resident bytes after its last check
         self.recycled = 0
-        self.progress = progress or (lambda msg: None)
+        self.notice = notice or (lambda msg: None)  # a line for the run's log (a pool replaced)
         self.spent = 0.0  # seconds the checks asked for took, each its own (a row's time: its checks')
 
     def __enter__(self):
@@ -530,7 +530,7 @@ class Checks:
         self.pool.shutdown(wait=True)
         self.pool, self.rss = None, {}
         self.recycled += 1
-        self.progress(f"worker processes restarted ({why})")
+        self.notice(f"worker processes restarted ({why})")
 
     def _restart(self) -> None:
         """A new pool, every check not finished submitted to it again in its order."""
@@ -658,7 +658,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                  progress=None, options: dict | None = None, weights: str = "normal",
                  precision: str = "fp32", drill: bool = False, on_row=None,
                  resume: SelftestResult | None = None, resume_from: str = "the report",
-                 jobs: int = 1) -> SelftestResult:
+                 jobs: int = 1, notice=None) -> SelftestResult:
     """`drill`: each detected fault's check drills its worst block (oracle/points.py) and the row
     records the first point named against the point the fault breaks (models.faults.POINTS).
     `on_row(res, row)`: after each row is added (a FaultRow, an AlarmRow, or a refusal's or a not
@@ -667,7 +667,8 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     they are, in their place, and only the others run (the clean seed-0 check again where a fault is
     left, as the faults are judged against it).
     `jobs` > 1: up to that many checks at once, each in a worker process (Checks): the rows, their
-    order and the partial reports are the same as one at a time."""
+    order and the partial reports are the same as one at a time; `notice(line)` is told when the workers
+    are replaced (Checks.notice)."""
     families = list(families or FAMILY_NAMES)
     progress = progress or (lambda msg: None)
     options = dict(options or {})
@@ -685,7 +686,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
     done |= {(r["family"], r["fault"]): r for r in (resume.not_applicable if resume else [])
              if r.get("why", "").startswith("refused: ")}
     done_clean = {(r.family, r.seed): r for r in (resume.false_alarms if resume else [])}
-    checks = Checks(backend_name, options, weights, precision, jobs, progress)
+    checks = Checks(backend_name, options, weights, precision, jobs, notice)
     if jobs > 1:  # every check this run will need, in the order it will need them: the workers run ahead (Checks.WINDOW)
         for family in families:
             checks.plan(family, seeds, fault_names, base, catalogue, done, done_clean, drill, relative)

@@ -431,7 +431,7 @@ def test_workers_that_outgrow_the_memory_left_are_replaced(monkeypatch):
     monkeypatch.setattr(selftest, "outgrown", lambda rss, available: held.append(set(checks.rss)) or rss > 0)
     said = []
     spec = selftest.family_spec("eager", "qwen2_moe", 0, {}, "normal", "fp32", False)
-    with selftest.Checks("eager", {}, "normal", "fp32", jobs=2, progress=said.append) as checks:
+    with selftest.Checks("eager", {}, "normal", "fp32", jobs=2, notice=said.append) as checks:
         clean = checks.run(spec, None)
         faulted = checks.run(spec, None, "rope_theta_wrong")
     assert clean.status.value == "pass"
