@@ -7,7 +7,8 @@ Runs the clean check and then each fault's check one after another in this proce
 gc.collect() freed, and the twelve object types that grew most. Found with it (2026-11-29, olmoe on
 executorch, an empty cache): about 45 MB and 7000 torch.fx Nodes (whole graphs) kept a lowered check, held
 by ExecuTorch's unbounded `is_same_node` lru_cache (emptied since by exporters/torch_lowering.py); a part of the
-memory growth remains (docs/benchmarks.md).
+memory growth remains (docs/benchmarks.md), so `oracle selftest -j N` replaces its workers when they outgrow the
+memory left (oracle.selftest.Checks).
 """
 
 import argparse
@@ -15,12 +16,12 @@ import collections
 import gc
 import time
 
+from oracle.check import resident_bytes
 from oracle.selftest import _pooled_check, family_spec
 
 
 def rss_gib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**30
+    return resident_bytes() / 2**30
 
 
 def census() -> collections.Counter:
