@@ -229,7 +229,7 @@ def test_matrix_and_selftest_pass_the_profile_on(tmp_path, monkeypatch, capsys):
     assert seen == [["--weights", "trained"], []]
 
     def fake(backend, families, seeds, faults, progress=None, options=None, weights="normal", precision="fp32",
-             drill=False, on_row=None, jobs=1):
+             drill=False, on_row=None, jobs=1, notice=None):
         seen.append(weights)
         return oracle.selftest.SelftestResult(backend, ["olmoe"], seeds, weights=weights)
 
