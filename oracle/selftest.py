@@ -397,7 +397,6 @@ class Checks:
         self.jobs, self.pool, self.futures, self.tasks = jobs, None, {}, {}
         self.queue: deque = deque()  # keys planned, not yet submitted, in the order the loop asks for them
         self.rss: dict[int, int] = {}  # worker pid -> its resident bytes after its last check
-        self.recycled = 0
         self.notice = notice or (lambda msg: None)  # a line for the run's log (a pool replaced)
         self.spent = 0.0  # seconds the checks asked for took, each its own (a row's time: its checks')
 
@@ -529,7 +528,6 @@ class Checks:
         wait(list(self.futures.values()))
         self.pool.shutdown(wait=True)
         self.pool, self.rss = None, {}
-        self.recycled += 1
         self.notice(f"worker processes restarted ({why})")
 
     def _restart(self) -> None:

@@ -420,7 +420,6 @@ def test_selftest_subset_on_compiled_backends(backend, family, fault_names):
     assert s["faults"] == len(fault_names) and s["ok"], res.summary_line()
 
 
-
 def test_workers_that_outgrow_the_memory_left_are_replaced(monkeypatch):
     """A worker keeps what the libraries it calls never free (ExecuTorch's lowering: ~40 MB a check), so
     `-j` recycles the pool when its workers hold more than the memory left (`outgrown`, told here they
