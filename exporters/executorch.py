@@ -403,7 +403,11 @@ def lower_cpu(methods: dict, model: Transformer, xnnpack: bool = True, sample: b
 
 # this process's lowered methods: lowering_key -> (the lowered edge program, its bytes), least recently used first
 LOWERED: collections.OrderedDict = collections.OrderedDict()
-LOWERED_BYTES = 256 << 20  # kept at most (a tiny family's methods are kilobytes; a real width's are not kept)
+LOWERED_BYTES = 256 << 20  # kept at most (a tiny family's methods are 0.4-5 MB; a real width's are not kept)
+# an fx node of a lowered method, its metadata (fake tensors, provenance) and code, as a deep copy holds it:
+# 2.6-4.3 KB measured (tracemalloc around the copy, olmoe's and qwen3_5_moe's XNNPACK check methods, 94 to
+# 1937 nodes: 0.4-5.0 MB each); the bound counts it with the weights
+NODE_BYTES = 5 << 10
 # node metadata that names objects by id() (provenance, traces): not part of the key
 _ID_META = ("from_node", "stack_trace", "torch_fn", "seq_nr")
 
@@ -457,8 +461,8 @@ def lowering_key(ep, name: str, how: str) -> tuple[str, int] | None:
 
 
 def remember(key: tuple[str, int] | None, program) -> None:
-    """Keep a copy of a lowered method in LOWERED (its weights and the delegates': twice the key's bytes), unless
-    a delegate's data went to a spill file (spilled_named_data: the file goes with its build)."""
+    """Keep a copy of a lowered method in LOWERED, counted as lowered_bytes, unless a delegate's data went to a
+    spill file (spilled_named_data: the file goes with its build)."""
     from executorch.exir.lowered_backend_module import get_lowered_submodules
 
     if key is None:
@@ -467,9 +471,19 @@ def remember(key: tuple[str, int] | None, program) -> None:
         out = lbm._named_data_store_output
         if out is not None and not all(isinstance(b, bytes) for b in out.buffers):
             return
-    LOWERED[key[0]] = (copy.deepcopy(program), 2 * key[1] + (64 << 10))
+    LOWERED[key[0]] = (copy.deepcopy(program), lowered_bytes(program, key[1]))
     while sum(size for _, size in LOWERED.values()) > LOWERED_BYTES:
         LOWERED.popitem(last=False)
+
+
+def lowered_bytes(program, weights: int) -> int:
+    """What a copy of a lowered method holds: its weights and the delegates' copies of them (twice `weights`),
+    and its graphs' nodes, the method's own and each delegate's original partition (NODE_BYTES each)."""
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+
+    nodes = len(program.graph.nodes) + sum(len(lbm._original_exported_program.graph.nodes)
+                                           for _, lbm, _ in get_lowered_submodules(program.graph_module))
+    return 2 * weights + nodes * NODE_BYTES
 
 
 # --- XNNPACK's partitions, remembered -------------------------------------------------------
