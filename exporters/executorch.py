@@ -427,10 +427,11 @@ def lowered_methods(methods: dict, how: str, lower) -> dict:
     for name in methods:  # the caller's order: the program's named data follow it
         if name in todo:
             programs[name] = new.exported_program(name)
-            remember(keys[name], programs[name])
         else:
             LOWERED.move_to_end(keys[name][0])
             programs[name] = copy.deepcopy(LOWERED[keys[name][0]][0])  # to_executorch edits the programs
+    for name in todo:  # after every remembered method is taken: remembering may evict them
+        remember(keys[name], programs[name])
     return programs
 
 

@@ -141,9 +141,9 @@ def test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same(monk
             faults.get(fault).inject(m)
         return ex.export_probes(m), m
 
-    def lowered(fault=None, only=None):
+    def lowered(fault=None, only=None, order=None):
         methods, m = probes(fault)
-        prog = ex.lower_cpu({only: methods[only]} if only else methods, m)
+        prog = ex.lower_cpu({only: methods[only]} if only else {k: methods[k] for k in order or methods}, m)
         return prog.buffer, {k: bytes(v) for k, v in prog._tensor_data.items()}
 
     monkeypatch.setattr(ex, "LOWERED", collections.OrderedDict())
@@ -162,8 +162,14 @@ def test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same(monk
     assert 0.3 * ex.lowered_bytes(program, 0) < python_bytes <= ex.lowered_bytes(program, 0) < counted
     mixed = lowered("expert_index_off_by_one")
     assert len(ex.LOWERED) == 2  # probe_1 lowered, probe_0 remembered
+    # the new method first, and room for one method: remembering probe_1 evicts probe_0, which is taken before
+    monkeypatch.setattr(ex, "LOWERED_BYTES", max(size for _, size in ex.LOWERED.values()))
+    ex.LOWERED.popitem()  # probe_1
+    first_new = lowered("expert_index_off_by_one", order=["probe_1", "probe_0"])
+    assert len(ex.LOWERED) == 1
     monkeypatch.setattr(ex, "lowering_key", lambda ep, name, how: None)  # nothing remembered: lowered whole
     assert lowered("expert_index_off_by_one") == mixed
+    assert lowered("expert_index_off_by_one", order=["probe_1", "probe_0"]) == first_new
 
 
 @needs_executorch
