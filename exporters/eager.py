@@ -77,6 +77,13 @@ def reset_routes(cand) -> None:
         log.reset()
 
 
+def settle_routes(cand) -> None:
+    """The experts the call just run chose, kept (oracle.replay.RouteLog.settle)."""
+    log = cand.__dict__.get("routes")
+    if log is not None:
+        log.settle()
+
+
 def _device(cand) -> torch.device:
     return cand.__dict__.get("device", torch.device("cpu"))
 
@@ -129,7 +136,11 @@ class TorchCandidate(Candidate):
         reset_state(module)
         reset_routes(self)
         dev = _device(self)
-        return [host(fn(c.x.to(dev, self.dtype), c.pos.to(dev))) for c in calls]
+        outs = []
+        for c in calls:
+            outs.append(host(fn(c.x.to(dev, self.dtype), c.pos.to(dev))))
+            settle_routes(self)
+        return outs
 
     @torch.no_grad()
     def run_block_points(self, layer, kind, calls):

@@ -71,6 +71,8 @@ class Ahead:
             outs = cand.run_block(key[0], key[1], calls)
         except Exception as e:  # noqa: BLE001 - raised again when the harness asks for this block
             outs = e
+        if log is not None:
+            log.settle()
         self.blocks[key] = (calls, outs, list(log.entries) if log is not None else None)
         if on_block is not None and not isinstance(outs, Exception):
             on_block(key, outs, log.calls() if log is not None else None)
@@ -83,7 +85,8 @@ class Ahead:
         if isinstance(kept[1], Exception):
             raise kept[1]
         if log is not None:  # block_routes reads what that run logged
-            log.entries[:] = kept[2]
+            log.reset()
+            log.entries.extend(kept[2])
         return kept[1]
 
     def steps(self, tokens, prompt_len: int, calls: int, stepper):

@@ -51,11 +51,18 @@ def test_the_controls_device_path_on_the_cpu(backend):
 
 def test_compiled_functions_pass_on_the_cpu():
     """Every block and the whole model through torch.compile(fullgraph=True), Inductor's C++
-    kernels: the backend's logic where no GPU is; fp32 limits, tokens exact."""
+    kernels: the backend's logic where no GPU is; fp32 limits, tokens exact. Each block is traced for the
+    prefill's length and the decode's, the model for both: the hooks recording its routers' choices
+    (oracle/replay.py RouteLog) made every call of a router or MoE block trace again (64 graphs here)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     r = run_check(CheckSpec(family="olmoe", backend="cuda", decode_tokens=3), CudaBackend(device="cpu"))
     assert r.status == "pass", (r.worst, r.error)
     assert len(r.blocks) == 10 and all(b.status == "pass" for b in r.blocks)
     assert r.e2e.token_exact and "Inductor" in r.provenance["backend"]["executor"]
+    assert counters["stats"]["unique_graphs"] <= 2 * len(r.blocks) + 2, dict(counters["stats"])
+    assert r.e2e.routing["recorded"] and r.e2e.routing["divergences"] == 0
 
 
 def test_inductor_at_bf16_on_qwen3_moe_chose_another_expert_at_a_tie():
@@ -77,7 +84,9 @@ def test_a_fault_in_the_compiled_model_is_localised():
     from models import faults
 
     fault = faults.get("router_softmax_after_topk")
-    r = run_check(CheckSpec(family="olmoe", backend="cuda", decode_tokens=2), CudaBackend(device="cpu").with_fault(fault))
+    # the spec of test_compiled_functions_pass_on_the_cpu: the blocks the fault leaves alone are its compiled
+    # graphs again (Inductor's cache; the KV cache's length is prompt + decode tokens, a shape of every graph)
+    r = run_check(CheckSpec(family="olmoe", backend="cuda", decode_tokens=3), CudaBackend(device="cpu").with_fault(fault))
     assert r.status == "fail" and r.worst["kind"] == "router"
 
 
