@@ -688,5 +688,5 @@ def cached_dir(recipe: dict, stem: str, recipe_file: str, build, needed=None, bu
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     cache.mark_used(final)
-    cache.enforce_quietly()
+    cache.enforce_quietly(final)
     return final

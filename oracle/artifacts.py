@@ -118,7 +118,7 @@ def cached_artifact(namespace: str, parts: dict, filename: str, build: Callable[
             cache.make_room(needed() if callable(needed) else needed, f"the {namespace} artifact {name or filename}")
         art = _build(d, parts, filename, build, name)
     cache.mark_used(d)
-    cache.enforce_quietly()
+    cache.enforce_quietly(d)
     return art
 
 

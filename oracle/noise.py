@@ -376,7 +376,7 @@ def keep(key: str, noise: Noise) -> None:
     path = cache_root() / "noise" / key
     cache.hold(path)
     _save(noise, path)
-    cache.enforce_quietly()
+    cache.enforce_quietly(path)
     cache.mark_used(path)
     _remember(key, noise)
 

@@ -44,7 +44,7 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
             raise InputError(f"the HF fp32 reference itself produces NaN/Inf, first at {bad}: the checkpoint "
                              f"{model_dir} (weights or config) is bad; no backend can be judged against it")
         reference.save(ref, path)
-        cache.enforce_quietly()
+        cache.enforce_quietly(path)
     cache.mark_used(path)
     return ref
 

@@ -23,6 +23,7 @@ def root(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(cache.ENV, raising=False)
     monkeypatch.setattr(cache, "_HELD", {})  # this test's holds only
+    monkeypatch.setattr(cache, "_COUNTED", {})  # and its counts
     return tmp_path / "cache"
 
 
@@ -78,6 +79,39 @@ def test_the_quick_total_is_what_the_entries_hold_and_decides_nothing_under_the_
     # within the limit by the walk: the entries (lock files, ages) are not read at all
     monkeypatch.setattr(cache, "entries", lambda root=None: pytest.fail("entries read under the limit"))
     assert cache.enforce(400 * KIB) == []
+
+
+def test_small_entries_after_a_recent_count_are_added_to_it_until_near_the_limit(root, monkeypatch):
+    """enforce_quietly(new entry): the first counts the cache (one walk); the next entries, while the count
+    plus them stays within RECOUNT_SHARE of the limit, are added to that count without a walk; the entry that
+    passes it walks again and evicts the least recently used; a count older than RECOUNT_S walks again."""
+    monkeypatch.setenv(cache.ENV, "500K")
+    walks = []
+    quick_total = cache.quick_total
+    monkeypatch.setattr(cache, "quick_total", lambda root=None: walks.append(1) or quick_total(root))
+    now = time.time()
+    paths = [entry(root, "iree", f"k{i}", 100 * KIB, now - 1000 + i) for i in range(6)]  # k0 oldest
+    (root / "noise").mkdir()
+    (root / "noise" / "n.npz").write_bytes(b"\0" * 5 * KIB)  # a file group's bytes count too
+    cache.enforce_quietly(root / "noise" / "n")
+    assert len(walks) == 1 and not paths[0].exists() and not paths[1].exists()  # 605 KiB: k0, k1 evicted
+    assert cache.total_bytes() == 405 * KIB
+    big = entry(root, "iree", "big", 50 * KIB, now)
+    cache.enforce_quietly(big)  # 405 + 50 > 450 (90 % of 500): walked again, 455 is within the limit
+    assert len(walks) == 2 and cache.total_bytes() == 455 * KIB and paths[2].exists()
+    small = entry(root, "iree", "small", 10 * KIB, now)
+    cache.enforce_quietly(small)  # 455 counted, more than 450 with anything: walked again
+    assert len(walks) == 3
+    for p in paths[2:4]:
+        cache.prune([e for e in cache.entries() if e.paths[0] == p])
+    cache.enforce_quietly(small)  # 265 KiB counted now
+    assert len(walks) == 4 and cache.total_bytes() == 265 * KIB
+    tiny = entry(root, "iree", "tiny", 1 * KIB, now)
+    cache.enforce_quietly(tiny)  # 265 + 1 <= 450: added to the count, no walk
+    assert len(walks) == 4
+    monkeypatch.setattr(cache, "RECOUNT_S", 0.0)
+    cache.enforce_quietly(tiny)  # the count is too old
+    assert len(walks) == 5
 
 
 def test_an_entry_used_again_is_kept_over_an_older_one(root):
