@@ -5,7 +5,8 @@ llama.cpp (llama-cpp-python's build of it) with its own KV cache.
   llama-cpp-python source distribution of the installed version (the wheel has none of them:
   `python -m exporters.llamacpp setup`, run by `make setup`, fetches that sdist from the package
   registry and keeps those three in `<env>/share/moe-oracle/llama.cpp/<version>/`; never a copy in this
-  repository). The converter runs in a child process (it puts its own `gguf` first on sys.path).
+  repository). The converter runs in a child process (it puts its own `gguf` first on sys.path),
+  one a process that converts GGUF after GGUF (`Converter`: its imports paid once).
   A tiny checkpoint has no tokenizer: the converter's `set_vocab` is given a synthetic SPM
   vocabulary of `vocab_size` tokens (the check feeds token ids; llama.cpp never tokenizes).
   `--option outtype=` f32 (the fp32 check's), bf16, q8_0 (the converter's own types), or a
@@ -40,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,29 +63,129 @@ SEQ_MODE, PROBE_MODE = "in-situ", "isolated"
 # ---------------------------------------------------------------- conversion (child process)
 
 def convert(model_dir: Path, out: Path, outtype: str) -> dict:
-    """The checkpoint at `model_dir` as a GGUF at `out` by llama.cpp's converter (a child process).
-    InputError with the converter's own reason where it does not support the model."""
-    r = subprocess.run([sys.executable, "-m", "exporters.llamacpp", "convert", str(model_dir), str(out), outtype],
-                       capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-    if r.returncode != 0:
+    """The checkpoint at `model_dir` as a GGUF at `out` by llama.cpp's converter (in CONVERTER's child
+    process). InputError with the converter's own reason where it does not support the model."""
+    rc, result, text = CONVERTER.run(Path(model_dir), Path(out), outtype)
+    if rc != 0:
         # the converter's own reason: its last exception line (or its message of an unsupported model)
-        lines = [x.strip() for x in (r.stderr + r.stdout).splitlines() if x.strip()]
+        lines = [x.strip() for x in text.splitlines() if x.strip()]
         reason = next((x for x in reversed(lines) if "not supported" in x or
                        (x.split(":", 1)[0].endswith(("Error", "Exception")) and " " not in x.split(":", 1)[0])),
-                      lines[-1] if lines else f"exit {r.returncode}")
+                      lines[-1] if lines else f"exit {rc}")
         where = next((x for x in reversed(lines) if x.startswith("File ") and "/conversion/" in x), "")
         where = f" (at {where.split('/conversion/', 1)[1]})" if where else ""
         raise InputError(f"llama.cpp's converter (convert_hf_to_gguf.py of {PACKAGE} {installed_version()}) cannot "
                          f"convert this checkpoint: {reason}{where}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return result
+
+
+class Converter:
+    """llama.cpp's converter in one child process that converts one checkpoint after another (`python -m
+    exporters.llamacpp convert-server`): its imports (torch and the converter, 3-4 s of a tiny checkpoint's
+    4.6 s) paid once per process, not per GGUF. A child process still (the converter puts its own `gguf`
+    first on sys.path); each conversion's output goes to a file of its own; a child whose peak memory
+    passed RECYCLE_BYTES (a real-width conversion) is ended after it, and one that died (a crash, the
+    kernel's OOM killer) is that conversion's error and replaced by the next."""
+
+    RECYCLE_BYTES = 3 << 29  # 1.5 GiB: a tiny checkpoint's conversion peaks near 0.6 GiB
+
+    def __init__(self):
+        self.proc, self.where = None, None
+        self.lock = threading.Lock()
+
+    def run(self, model_dir: Path, out: Path, outtype: str) -> tuple[int, dict | None, str]:
+        """(exit status, the converter's summary or None, its output)."""
+        with self.lock:
+            where = str(converter_dir())
+            if self.proc is not None and (self.proc.poll() is not None or self.where != where):
+                self.close()
+            if self.proc is None:
+                self.proc = subprocess.Popen([sys.executable, "-m", "exporters.llamacpp", "convert-server", where],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                             cwd=Path(__file__).resolve().parent.parent)
+                self.where = where
+            fd, log = tempfile.mkstemp(prefix="moe-oracle-convert-", suffix=".log")
+            os.close(fd)
+            try:
+                try:
+                    self.proc.stdin.write(json.dumps({"model_dir": str(model_dir), "out": str(out),
+                                                      "outtype": outtype, "log": log}) + "\n")
+                    self.proc.stdin.flush()
+                    line = self.proc.stdout.readline()
+                except (BrokenPipeError, OSError):
+                    line = ""
+                text = Path(log).read_text(errors="replace")
+            finally:
+                os.unlink(log)
+            if not line:  # the child died during the conversion
+                rc = self.proc.wait()
+                self.proc = None
+                return rc or 1, None, text
+            reply = json.loads(line)
+            if reply["peak"] > self.RECYCLE_BYTES:
+                self.close()
+            return reply["rc"], reply["result"], text
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+
+
+CONVERTER = Converter()
+
+
+def _convert_server(where: str) -> None:
+    """In the child: conversions read from stdin (one JSON object a line), each with its stdout and stderr
+    in the file it names; one reply line each ({"rc", "result", "peak": bytes}) on the original stdout."""
+    import resource
+    import traceback
+
+    sys.path[:0] = [where, str(Path(where) / "gguf-py")]
+    replies = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        job = json.loads(line)
+        saved = os.dup(1), os.dup(2)
+        with open(job["log"], "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            rc, result = 0, None
+            try:
+                result = _convert(job["model_dir"], job["out"], job["outtype"])
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+            except BaseException:  # noqa: BLE001 - the conversion's error, told to the parent
+                traceback.print_exc()
+                rc = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                for fd in saved:
+                    os.close(fd)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        replies.write(json.dumps({"rc": rc, "result": result, "peak": peak}) + "\n")
+        replies.flush()
 
 
 def _convert_main(model_dir: str, out: str, outtype: str) -> None:
-    """In the child: llama.cpp's converter, with a synthetic vocabulary where the checkpoint has no tokenizer."""
-    import logging
-
+    """`python -m exporters.llamacpp convert`: one conversion, its summary printed as JSON."""
     d = converter_dir()
     sys.path[:0] = [str(d), str(d / "gguf-py")]
+    print(json.dumps(_convert(model_dir, out, outtype)))
+
+
+def _convert(model_dir: str, out: str, outtype: str) -> dict:
+    """In the child: llama.cpp's converter, with a synthetic vocabulary where the checkpoint has no tokenizer
+    (the converter's directory and its gguf-py first on sys.path); its summary."""
+    import logging
+
     logging.basicConfig(level=logging.WARNING)
     import gguf
     import torch
@@ -116,8 +218,8 @@ def _convert_main(model_dir: str, out: str, outtype: str) -> None:
 
             model.set_vocab = synthetic_vocab
         model.write()
-    print(json.dumps({"architecture": arch, "gguf_arch": model.model_arch_name if hasattr(model, "model_arch_name")
-                      else str(model.model_arch), "synthetic_vocab": not tokenizer}))
+    return {"architecture": arch, "gguf_arch": model.model_arch_name if hasattr(model, "model_arch_name")
+            else str(model.model_arch), "synthetic_vocab": not tokenizer}
 
 
 # ---------------------------------------------------------------- llama.cpp through ctypes
@@ -797,6 +899,8 @@ if __name__ == "__main__":
         print(setup())
     elif sys.argv[1:2] == ["convert"]:
         _convert_main(*sys.argv[2:5])
+    elif sys.argv[1:2] == ["convert-server"]:
+        _convert_server(sys.argv[2])
     elif sys.argv[1:2] == ["serve"]:
         _serve(*sys.argv[2:8])
     else:

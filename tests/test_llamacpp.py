@@ -63,6 +63,41 @@ def test_converter_refusal_names_the_converters_reason(llamacpp, cli):
     assert "PhimoeForCausalLM is not supported by convert_hf_to_gguf.py" in r.stderr
 
 
+def test_one_converter_process_converts_one_checkpoint_after_another(llamacpp, tmp_path):
+    """exporters.llamacpp.Converter: a second conversion is the same child's (the converter's imports paid
+    once), its GGUF byte for byte the one a fresh process writes (`python -m exporters.llamacpp convert`);
+    the converter's error is that conversion's, the child goes on; a child that dies mid-conversion is that
+    conversion's error (its exit status) and the next conversion gets a new child."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    conv = llamacpp.Converter()
+    src = tiny_checkpoint(get_family("olmoe"), 0)
+    try:
+        first = conv.run(src, tmp_path / "a.gguf", "f32")
+        pid = conv.proc.pid
+        rc, result, text = conv.run(src, tmp_path / "missing" / "d.gguf", "f32")  # a directory that is not there
+        assert first[0] == 0 and rc == 1 and result is None and "FileNotFoundError" in text and conv.proc.pid == pid
+        second = conv.run(src, tmp_path / "b.gguf", "f32")
+        assert second[0] == 0 and first[1] == second[1] and conv.proc.pid == pid
+        fresh = subprocess.run([sys.executable, "-m", "exporters.llamacpp", "convert", str(src), str(tmp_path / "c.gguf"),
+                                "f32"], cwd=ROOT, capture_output=True, text=True)
+        assert fresh.returncode == 0 and json.loads(fresh.stdout.strip().splitlines()[-1]) == first[1]
+        assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes() == (tmp_path / "c.gguf").read_bytes()
+
+        conv.close()  # a child that dies on the conversion it is given
+        conv.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(7)"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        conv.where = str(llamacpp.converter_dir())
+        assert conv.run(src, tmp_path / "f.gguf", "f32")[:2] == (7, None) and conv.proc is None
+        assert conv.run(src, tmp_path / "g.gguf", "f32")[0] == 0
+        assert (tmp_path / "g.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()
+    finally:
+        conv.close()
+
+
 def test_a_gguf_llama_cpp_cannot_load_is_its_expected_failure(llamacpp):
     """dots1's loader sizes K/V for n_head heads: the tiny GQA checkpoint is refused at load, the
     check is an error there, and the known divergence (fails = ["load"]) makes it xfail."""
