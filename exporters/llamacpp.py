@@ -138,6 +138,9 @@ class Converter:
 
 
 CONVERTER = Converter()
+# a process forked from this one (a matrix's or a self-test's warm server) starts its own child: the pipes of
+# this one's are not its to write
+os.register_at_fork(after_in_child=CONVERTER.__init__)
 
 
 def _convert_server(where: str) -> None:
