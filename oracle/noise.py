@@ -114,6 +114,14 @@ def _worse_calls(refs: list, mine: list, theirs: list) -> list:
 # The streamed HF models of the check running, one per (checkpoint, precision, options, attention): the noise,
 # the block rows' and the e2e steps' routing replays share them (forget_models at the check's end).
 SHARED: dict = {}
+# Small HF models in memory, kept across the checks of this process (a self-test measures the noise and the
+# replays of one checkpoint for each of its faults: the eager catalogue loaded HF 530 times, 31 s of its 155
+# cold, 2026-11-29): at most KEEP, of at most KEEP_PARAMETERS parameters each. The same object again, not a
+# copy: its weights as from_pretrained laid them out, the numbers of a fresh load bit for bit (a deep copy's
+# are not: docs/architecture.md). Its users leave nothing on it (their forcing and recording hooks removed,
+# its KV cache reset by each prefill).
+KEPT: dict = {}
+KEEP, KEEP_PARAMETERS = 4, 50_000_000
 
 
 def hf_at(src, spec, attention: str = "eager"):
@@ -125,14 +133,24 @@ def hf_at(src, spec, attention: str = "eager"):
     and attention, not one per use."""
     from oracle.backend import resolve
 
-    key = (str(src.model_dir), src.checkpoint_sha256, spec.precision, repr(sorted(spec.options.items())), attention)
+    from oracle.reference import mode_for
+
+    key = (str(src.model_dir), src.checkpoint_sha256, spec.precision, repr(sorted(spec.options.items())), attention,
+           mode_for(src.parameter_count()))  # whole or streamed ($MOE_ORACLE_REFERENCE may force one)
     if key in SHARED:
         return SHARED[key]
+    if key in KEPT:
+        KEPT[key] = hf = KEPT.pop(key)  # the most recently used now
+        return hf
     hf = resolve("hf").load(src, spec)
     if attention != "eager":
         hf.model.set_attn_implementation(attention)
     if hf.streamed:
         SHARED[key] = hf
+    elif src.parameter_count() <= KEEP_PARAMETERS:
+        KEPT[key] = hf
+        while len(KEPT) > KEEP:
+            KEPT.pop(next(iter(KEPT)))
     return hf
 
 

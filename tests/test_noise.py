@@ -122,6 +122,47 @@ def test_the_noise_is_the_worse_of_hf_eager_and_sdpa_row_by_row():
             assert key not in each[1].outputs  # the blocks the attention does not change: measured once
 
 
+def test_a_kept_hf_model_measures_what_a_fresh_load_does(monkeypatch):
+    """oracle.noise.KEPT: HF's small model in memory, kept across checks, is handed out again (not loaded),
+    and a measurement on it after another user forced and recorded routes on it is bit for bit a freshly
+    loaded model's (blocks, selection scores, logits); at most KEEP are kept."""
+    from oracle import noise as N
+    from oracle.backend import hf_spec
+    from oracle.references import reference_of
+    from oracle.sources import model_source, prompt_tokens
+
+    spec = CheckSpec(family="qwen3_moe", backend="eager", precision="bf16")
+    src = model_source(spec)
+    prompt = prompt_tokens(spec, src.args.vocab_size)
+    ref = reference_of(spec, src, prompt)
+    h = hf_spec(spec)
+    monkeypatch.setattr(N, "KEPT", {})
+    # another selection forced: each prompt token given its predecessor's experts
+    plan = {layer: [np.roll(np.asarray(c.experts), 1, axis=0) for c in calls] for layer, calls in N.reference_plan(ref).items()}
+    first = N.measure(ref, src, h)
+    (key, hf), = N.KEPT.items()
+    forced = N.measure(ref, src, h, plan=plan)  # the same model, forced elsewhere and recorded
+    assert not np.array_equal(forced.logits[0], first.logits[0])
+    again = N.measure(ref, src, h)
+    assert N.KEPT == {key: hf} and N.hf_at(src, h) is hf
+    monkeypatch.setattr(N, "KEEP_PARAMETERS", 0)
+    monkeypatch.setattr(N, "KEPT", {})
+    fresh = N.measure(ref, src, h)  # loaded again, not kept
+    assert N.KEPT == {}
+    for m in (again, fresh):
+        assert all(np.array_equal(a, b) for a, b in zip(first.logits, m.logits))
+        assert first.outputs.keys() == m.outputs.keys()
+        for k, outs in first.outputs.items():
+            for a, b in zip(outs, m.outputs[k]):
+                assert all(np.array_equal(x, y) for x, y in zip(a, b)) if k[1] == "router" else np.array_equal(a, b)
+        assert all(np.array_equal(a, b) for k in first.e2e_scores for a, b in zip(first.e2e_scores[k], m.e2e_scores[k]))
+    monkeypatch.setattr(N, "KEEP_PARAMETERS", 10**9)
+    monkeypatch.setattr(N, "KEEP", 1)
+    N.hf_at(src, h)
+    N.hf_at(src, hf_spec(spec, "fp32"))
+    assert len(N.KEPT) == 1 and next(iter(N.KEPT))[2] == "fp32"  # the least recently used went
+
+
 def test_the_noise_takes_the_references_mask_decisions_not_hfs_own_flip(monkeypatch):
     """phimoe (sparsemixer: a discrete mask decision sets the weights), bf16, normal weights, seed 1: HF with
     sdpa at bf16 flipped a mask of its own at a near tie in layer 0 (forced to the reference's experts only),
