@@ -114,6 +114,10 @@ class Converter:
                     line = self.proc.stdout.readline()
                 except (BrokenPipeError, OSError):
                     line = ""
+                except BaseException:  # interrupted: its reply would answer the next conversion's question
+                    self.proc.kill()
+                    self.close()
+                    raise
                 text = Path(log).read_text(errors="replace")
             finally:
                 os.unlink(log)
