@@ -83,11 +83,11 @@ class Converter:
     """llama.cpp's converter in one child process that converts one checkpoint after another (`python -m
     exporters.llamacpp convert-server`): its imports (torch and the converter, 3-4 s of a tiny checkpoint's
     4.6 s) paid once per process, not per GGUF. A child process still (the converter puts its own `gguf`
-    first on sys.path); each conversion's output goes to a file of its own; a child whose peak memory
-    passed RECYCLE_BYTES (a real-width conversion) is ended after it, and one that died (a crash, the
+    first on sys.path); each conversion's output goes to a file of its own; a child that holds more than
+    RECYCLE_BYTES after a conversion (a real-width one) is ended, and one that died (a crash, the
     kernel's OOM killer) is that conversion's error and replaced by the next."""
 
-    RECYCLE_BYTES = 3 << 29  # 1.5 GiB: a tiny checkpoint's conversion peaks near 0.6 GiB
+    RECYCLE_BYTES = 3 << 29  # 1.5 GiB: after a tiny checkpoint's conversion the child holds about 0.6 GiB
 
     def __init__(self):
         self.proc, self.where = None, None
@@ -126,7 +126,7 @@ class Converter:
                 self.proc = None
                 return rc or 1, None, text
             reply = json.loads(line)
-            if reply["peak"] > self.RECYCLE_BYTES:
+            if reply["held"] > self.RECYCLE_BYTES:
                 self.close()
             return reply["rc"], reply["result"], text
 
@@ -149,9 +149,11 @@ os.register_at_fork(after_in_child=CONVERTER.__init__)
 
 def _convert_server(where: str) -> None:
     """In the child: conversions read from stdin (one JSON object a line), each with its stdout and stderr
-    in the file it names; one reply line each ({"rc", "result", "peak": bytes}) on the original stdout."""
+    in the file it names; one reply line each ({"rc", "result", "held": resident bytes}) on the original stdout."""
     import resource
     import traceback
+
+    from oracle.check import resident_bytes
 
     sys.path[:0] = [where, str(Path(where) / "gguf-py")]
     replies = os.fdopen(os.dup(1), "w")
@@ -176,8 +178,11 @@ def _convert_server(where: str) -> None:
                 os.dup2(saved[1], 2)
                 for fd in saved:
                     os.close(fd)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        replies.write(json.dumps({"rc": rc, "result": result, "peak": peak}) + "\n")
+        # what it keeps now (Linux's ru_maxrss would include the parent's resident memory at the fork before exec)
+        held = resident_bytes()
+        if held is None:
+            held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        replies.write(json.dumps({"rc": rc, "result": result, "held": held}) + "\n")
         replies.flush()
 
 

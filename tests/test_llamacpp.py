@@ -74,9 +74,14 @@ def test_one_converter_process_converts_one_checkpoint_after_another(llamacpp, t
     from tests.conftest import ROOT
 
     conv = llamacpp.Converter()
+    # the child is judged by what it holds (about 0.35 GiB after a tiny conversion), not by Linux's ru_maxrss,
+    # which counts the parent's resident memory at the fork: a test worker of several GiB had every child ended
+    conv.RECYCLE_BYTES = 640 << 20
+    parent = np.ones(100_000_000)  # 0.8 GB resident here when the child is started
     src = tiny_checkpoint(get_family("olmoe"), 0)
     try:
         first = conv.run(src, tmp_path / "a.gguf", "f32")
+        del parent
         pid = conv.proc.pid
         rc, result, text = conv.run(src, tmp_path / "missing" / "d.gguf", "f32")  # a directory that is not there
         assert first[0] == 0 and rc == 1 and result is None and "FileNotFoundError" in text and conv.proc.pid == pid
