@@ -87,7 +87,7 @@ class Converter:
     RECYCLE_BYTES after a conversion (a real-width one) is ended, and one that died (a crash, the
     kernel's OOM killer) is that conversion's error and replaced by the next."""
 
-    RECYCLE_BYTES = 3 << 29  # 1.5 GiB: after a tiny checkpoint's conversion the child holds about 0.6 GiB
+    RECYCLE_BYTES = 3 << 29  # 1.5 GiB: after a tiny checkpoint's conversion the child holds about 0.35 GiB
 
     def __init__(self):
         self.proc, self.where = None, None

@@ -94,11 +94,16 @@ def size_of(p: Path) -> int:
     return total
 
 
+def group_files(path: Path) -> list[Path]:
+    """The files of the file-group entry at `path` (references/<key>.*, noise/<key>.*)."""
+    return list(path.parent.glob(path.name.split(".", 1)[0] + ".*"))
+
+
 def entry_bytes(path: Path) -> int:
-    """Bytes of the entry at `path`: a directory's files, or a file group's (references/<key>.*)."""
+    """Bytes of the entry at `path`: a directory's files, or a file group's."""
     if path.is_dir():
         return size_of(path)
-    return sum(size_of(f) for f in path.parent.glob(path.name.split(".", 1)[0] + ".*"))
+    return sum(size_of(f) for f in group_files(path))
 
 
 def _used(paths: list) -> float:
@@ -210,7 +215,7 @@ def mark_used(path: Path) -> None:
         if path.is_dir():
             (path / USED).touch()
         else:
-            for f in path.parent.glob(path.name.split(".", 1)[0] + ".*"):
+            for f in group_files(path):
                 os.utime(f)
     except OSError:
         pass  # a read-only cache: nothing to mark

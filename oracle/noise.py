@@ -132,11 +132,11 @@ def hf_at(src, spec, attention: str = "eager"):
     hooks, removed before the next one's turn), so that the memory a check needs is one model per precision
     and attention, not one per use."""
     from oracle.backend import resolve
-
     from oracle.reference import mode_for
 
+    parameters = src.parameter_count()
     key = (str(src.model_dir), src.checkpoint_sha256, spec.precision, repr(sorted(spec.options.items())), attention,
-           mode_for(src.parameter_count()))  # whole or streamed ($MOE_ORACLE_REFERENCE may force one)
+           mode_for(parameters))  # whole or streamed ($MOE_ORACLE_REFERENCE may force one)
     if key in SHARED:
         return SHARED[key]
     if key in KEPT:
@@ -147,7 +147,7 @@ def hf_at(src, spec, attention: str = "eager"):
         hf.model.set_attn_implementation(attention)
     if hf.streamed:
         SHARED[key] = hf
-    elif src.parameter_count() <= KEEP_PARAMETERS:
+    elif parameters <= KEEP_PARAMETERS:
         KEPT[key] = hf
         while len(KEPT) > KEEP:
             KEPT.pop(next(iter(KEPT)))
