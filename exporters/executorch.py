@@ -420,7 +420,7 @@ def lowered_methods(methods: dict, how: str, lower) -> dict:
     fault changes a few methods of its program, and `oracle selftest` runs a family's checks one after
     another in a worker process. The program edge_manager makes of them is byte for byte the one lowered
     whole (tests/test_executorch_mlx.py, tests/test_executorch.py)."""
-    keys = {name: lowering_key(ep, name, how) for name, ep in methods.items()}  # before lowering: it edits them
+    keys = {name: lowering_key(ep, how) for name, ep in methods.items()}  # before lowering: it edits them
     todo = {name: ep for name, ep in methods.items() if keys[name] is None or keys[name][0] not in LOWERED}
     new = lower(todo) if todo else None
     programs = {}
@@ -442,14 +442,17 @@ def edge_manager(programs: dict, constant_methods: dict | None):
     return EdgeProgramManager(programs, copy.deepcopy(constant_methods), EdgeCompileConfig(_check_ir_validity=False))
 
 
-def lowering_key(ep, name: str, how: str) -> tuple[str, int] | None:
-    """(What lowering method `name` the way `how` reads, hashed: partition_key's graph, signature, shape
+def lowering_key(ep, how: str) -> tuple[str, int] | None:
+    """(What lowering a method the way `how` reads, hashed: partition_key's graph, signature, shape
     constraints and weight bytes, with the module paths and source functions of each node, which a
-    partitioner may read; the weights' bytes) or None where its weights exceed PARTITION_BYTES."""
+    partitioner may read; the weights' bytes) or None where its weights exceed PARTITION_BYTES. Not the
+    method's name: ExecuTorch lowers each method's program on its own and names it after (edge_manager), so
+    a program lowered under one name serves another (the check's `sample_prefill` is the `--sample`
+    export's `prefill`; tests/test_executorch.py)."""
     key = partition_key(ep, ())
     if key is None:
         return None
-    h = hashlib.sha256(f"{how} {name} {key}".encode())
+    h = hashlib.sha256(f"{how} {key}".encode())
     for n in ep.graph.nodes:
         stack = n.meta.get("nn_module_stack") or {}
         fns = n.meta.get("source_fn_stack") or []

@@ -39,6 +39,22 @@ def cli():
     return run_cli
 
 
+# the longest test files, longest first (a fresh clone's `make test`, every cache cold, 2026-11-29:
+# docs/benchmarks.md): `make test` hands whole files to its two workers in collection order
+# (--dist loadfile --no-loadscope-reorder), so these go first and the short ones fill in at the end, and
+# both workers finish together (longest processing time first). pytest-xdist's own order, by number of
+# tests per file, left a long file of few tests to the end: one worker ran on alone for half a minute
+LONGEST_FIRST = ("test_executorch.py", "test_executorch_mlx.py", "test_cuda.py", "test_drill.py",
+                 "test_reference.py", "test_faults.py", "test_matrix.py", "test_baselines.py", "test_selftest.py",
+                 "test_conversion.py", "test_given_programs.py", "test_installed.py", "test_llamacpp.py",
+                 "test_mlx.py", "test_iree_params.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order is kept
+
+
 def warm_check_imports(family: str, backend: str, *modules: str) -> list[bool]:
     """`oracle check` run twice in fresh interpreters (the first fills the caches): whether each
     of `modules` was imported by the second, the warm one (its exit status must be 0)."""

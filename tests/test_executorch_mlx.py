@@ -600,13 +600,13 @@ def test_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatc
         return T.export_methods(be.production_model(src, spec, False), True)
 
     def keys(ms):
-        return {n: ex.lowering_key(ep, n, "mlx")[0] for n, ep in ms.items()}
+        return {n: ex.lowering_key(ep, "mlx")[0] for n, ep in ms.items()}
 
     clean, fault = methods(BACKEND), methods(faulted)
     kc, kf = keys(clean), keys(fault)
     # two exports (two models built): the methods the fault leaves have the same keys
     assert {n for n in kc if kc[n] != kf[n]} == {"forward", "routes", "attention_1", "layer_1"}
-    assert ex.lowering_key(clean["forward"], "forward", "xnnpack")[0] != kc["forward"]  # another lowering's
+    assert ex.lowering_key(clean["forward"], "xnnpack")[0] != kc["forward"]  # another lowering's
 
     subset = lambda ms: {n: ms[n] for n in ("attention_1", "final_norm")}  # noqa: E731
     meta = T.metadata(src.args)
