@@ -41,9 +41,9 @@ def cli():
 
 # the longest test files, longest first (a fresh clone's `make test`, every cache cold, 2026-11-29:
 # docs/benchmarks.md): `make test` hands whole files to its two workers in collection order
-# (--dist loadfile --no-loadscope-reorder), so these go first and the short ones fill in at the end, and
-# both workers finish together (longest processing time first). pytest-xdist's own order, by number of
-# tests per file, left a long file of few tests to the end: one worker ran on alone for half a minute
+# (--dist loadfile --no-loadscope-reorder), so these go first and the short ones fill in at the end
+# (longest processing time first), instead of pytest-xdist's order by number of tests per file, which can
+# leave a long file of few tests (test_drill.py, test_installed.py) to the end for one worker alone
 LONGEST_FIRST = ("test_executorch.py", "test_executorch_mlx.py", "test_cuda.py", "test_drill.py",
                  "test_reference.py", "test_faults.py", "test_matrix.py", "test_baselines.py", "test_selftest.py",
                  "test_conversion.py", "test_given_programs.py", "test_installed.py", "test_llamacpp.py",
