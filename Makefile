@@ -34,7 +34,7 @@ check: $(STAMP)
 
 # the suite in parallel workers (pytest-xdist), one test file per worker at a time: a file's
 # shared exports stay in one process, and two files needing one artifact share it through the
-# cache (oracle/artifacts.py: one build per entry across processes). Measured on 2 cores:
+# cache (oracle/cache/artifacts.py: one build per entry across processes). Measured on 2 cores:
 # 10.0 min of pytest by file, 13.3 min with work stealing (fixtures built twice). TEST_JOBS=0: serial.
 # The files in collection order, the longest first (tests/conftest.py LONGEST_FIRST), not xdist's by count.
 TEST_JOBS ?= auto

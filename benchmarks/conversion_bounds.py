@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oracle.conversion import Chunk, Format, TensorSource, judge  # noqa: E402
+from oracle.verdict.conversion import Chunk, Format, TensorSource, judge  # noqa: E402
 
 KINDS = ("normal", "t3", "t2", "outliers", "shifted", "one-signed")
 
@@ -85,7 +85,7 @@ def mlx_rows(rng, trials: int, shape) -> list:
 
 
 def ggml_rows(rng, trials: int, shape) -> list:
-    from exporters.llamacpp_weights import GRIDS, block_source, ggml_quantize
+    from exporters.llamacpp.weights import GRIDS, block_source, ggml_quantize
 
     out = []
     for imatrix in (False, True):

@@ -1,4 +1,4 @@
-"""One lowering per program identity on `executorch` and `executorch-mlx` (exporters/executorch_weights.py),
+"""One lowering per program identity on `executorch` and `executorch-mlx` (exporters/executorch/rebind.py),
 measured (not a test).
 
 In an empty cache (a temporary one, or --cache): the family's clean check program of seed 0 is lowered,
@@ -28,9 +28,9 @@ FILES = ("model.pte", "model.ptd", "taps.json", "ops.txt")
 
 
 def build(backend_name: str, family: str, seed: int, fault: str | None, rebinds: bool) -> tuple[Path, float]:
-    from models import faults
+    from models.faults import catalogue as faults
     from oracle.backend import CheckSpec
-    from oracle.sources import model_source
+    from oracle.source.sources import model_source
 
     spec = CheckSpec(family=family, backend=backend_name, seed=seed)
     base = importlib.import_module("exporters." + backend_name.replace("-", "_")).BACKEND
@@ -49,9 +49,9 @@ def main() -> int:
     ap.add_argument("--family", action="append", help="repeatable (default olmoe)")
     ap.add_argument("--cache", help="a directory for the two caches (default: a temporary one, removed)")
     a = ap.parse_args()
-    from models import faults
+    from models.faults import catalogue as faults
     from oracle.backend import CheckSpec
-    from oracle.sources import model_source
+    from oracle.source.sources import model_source
 
     with tempfile.TemporaryDirectory(prefix="rebind-", dir=a.cache) as root:
         for fam in a.family or ["olmoe"]:

@@ -46,7 +46,7 @@ def timed(cmd: list[str], env: dict) -> tuple[int, float, float, str]:
 
 def disk_usage(root: Path, leave_out: Path) -> int:
     """Bytes of the files under `root`, those under `leave_out` (the checkpoint) left out."""
-    from models.cache import size_of
+    from oracle.cache.store import size_of
 
     return size_of(root) - size_of(leave_out)
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         sys.exit("needs /usr/bin/time (GNU time) to measure each process's peak RSS")
     sys.path.insert(0, str(ROOT))
     from oracle.backend import InputError
-    from oracle.validation import family_of
+    from oracle.source.validation import family_of
 
     try:
         family = family_of(None, args.config, args.layers)
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     # 1. the checkpoint, built once into the cache (its own process: its peak is its own)
     build = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from models import get_family; "
-             f"from models.checkpoint import config_checkpoint; "
+             f"from oracle.source.seeded import config_checkpoint; "
              f"print(config_checkpoint(get_family({family!r}), {args.config!r}, {args.layers!r}, 0, "
              f"progress=lambda m: print(m, file=sys.stderr, flush=True)))")
     t = time.perf_counter()
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     if p.returncode:
         sys.exit(f"writing the checkpoint failed (exit {p.returncode})")
     ckpt = Path(p.stdout.strip().splitlines()[-1])
-    from models.checkpoint import cache_root
+    from oracle.cache.store import cache_root
 
     cache = cache_root()
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / GIB

@@ -203,7 +203,7 @@ def table(out: Path, timings: dict, machine: dict) -> str:
              f"transformers {machine['transformers']}, Python {machine['python']}, commit {machine['commit']} "
              "(benchmarks/gpu_session.py).", "",
              "Each cell: status, worst block's ratio to its limit / worst e2e step in multiples of HF bf16's own "
-             "error (bf16) / routing differences (oracle/replay.py).", "",
+             "error (bf16) / routing differences (oracle/verdict/replay.py).", "",
              "| family | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for f in families:
         lines.append(f"| {f} | " + " | ".join(cell(by.get((label, f))) for label in labels) + " |")

@@ -45,9 +45,9 @@ def child(family: str, backend: str, out: str) -> None:
     quiet()
     from oracle.backend import CheckSpec
     from oracle.check import run_check
-    from oracle.validation import validate
-    from oracle.report import markdown
-    from oracle.result import dumps, write_atomic
+    from oracle.source.validation import validate
+    from oracle.reports.markdown import markdown
+    from oracle.reports.result import dumps, write_atomic
 
     spec = CheckSpec(family=a.family, backend=a.backend, precision=a.precision, prompt_len=a.prompt_len,
                      decode_tokens=a.decode_tokens, seed=a.seed)

@@ -1,7 +1,7 @@
 """Thresholds at real widths (not a test): `oracle check --config NAME --layers 2` for the
 published configs of the five families against Linux backends, and, per precision and
 block kind, the largest measured error as a fraction of its limit (the row's `ratio`: 1.0 is
-the limit). This is how the numbers in oracle/thresholds.toml were re-measured at real widths.
+the limit). This is how the numbers in oracle/verdict/thresholds.toml were re-measured at real widths.
 
     python benchmarks/real_width.py                       # every config x eager,hf,mlx,iree,executorch,llamacpp
     python benchmarks/real_width.py --configs olmoe-1b-7b-0924 --checks mlx:q4,mlx:q8

@@ -36,8 +36,8 @@ def _minutes(s: float) -> str:
 
 def rows_of(doc: dict) -> dict:
     """family -> counts of one report (a report may hold several families): the self-test's own summary
-    (oracle.selftest.SelftestResult.summary) of that family's rows, with the seconds its checks took."""
-    from oracle.selftest import AlarmRow, FaultRow, SelftestResult
+    (oracle.selftest.result.SelftestResult.summary) of that family's rows, with the seconds its checks took."""
+    from oracle.selftest.result import AlarmRow, FaultRow, SelftestResult
 
     out = {}
     for fam in doc["families"]:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from exporters.eager import EagerBackend
+from exporters.torch.eager import EagerBackend
 from oracle.backend import CheckSpec
 from oracle.check import run_check
 

@@ -1,6 +1,6 @@
 """Time and memory of the weight check of one shipped file (docs/conversion.md, docs/benchmarks.md).
 
-Runs only the weight check (oracle/conversion.py through the backend's shipped_tensors) of FILE against
+Runs only the weight check (oracle/verdict/conversion.py through the backend's shipped_tensors) of FILE against
 the checkpoint of --family/--config/--layers, in this process, and prints its wall time, the peak resident
 memory of the process (VmHWM, the mapped files' pages included) and its peak anonymous memory (RssAnon,
 sampled), the largest tensor of the file and its verdict. The original's conversion
@@ -62,10 +62,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from models import family_for_model_type
-    from models.checkpoint import published_config
+    from oracle.source.published import published_config
     from oracle.backend import CheckSpec, resolve
-    from oracle.conversion import check_tensors
-    from oracle.sources import model_source
+    from oracle.verdict.conversion import check_tensors
+    from oracle.source.sources import model_source
 
     family = a.family or family_for_model_type(published_config(a.config, a.layers)["model_type"])
     original = model_source(CheckSpec(family=family, backend=a.backend, config=a.config, layers=a.layers))

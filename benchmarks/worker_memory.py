@@ -3,12 +3,12 @@
     python benchmarks/worker_memory.py [--backend executorch] [--family olmoe] [FAULT ...]
 
 Runs the clean check and then each fault's check one after another in this process, as a worker of
-`oracle selftest -j N` does (oracle.selftest._pooled_check), and prints after each: the resident set, what
+`oracle selftest -j N` does (oracle.selftest.run._pooled_check), and prints after each: the resident set, what
 gc.collect() freed, and the twelve object types that grew most. Found with it (2026-11-29, olmoe on
 executorch, an empty cache): about 45 MB and 7000 torch.fx Nodes (whole graphs) kept a lowered check, held
-by ExecuTorch's unbounded `is_same_node` lru_cache (emptied since by exporters/torch_lowering.py); a part of the
+by ExecuTorch's unbounded `is_same_node` lru_cache (emptied since by exporters/executorch/torch_lowering.py); a part of the
 memory growth remains (docs/benchmarks.md), so `oracle selftest -j N` replaces its workers when they outgrow the
-memory left (oracle.selftest.Checks).
+memory left (oracle.selftest.run.Checks).
 """
 
 import argparse
@@ -17,7 +17,7 @@ import gc
 import time
 
 from oracle.check import resident_bytes
-from oracle.selftest import _pooled_check, family_spec
+from oracle.selftest.run import _pooled_check, family_spec
 
 
 def rss_gib() -> float:

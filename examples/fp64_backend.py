@@ -9,8 +9,7 @@ member is optional, with its default on the base class (see oracle/backend.py).
 
 import torch
 
-from exporters.eager import block_fn
-from models.layers import reset_state
+from models.layers.transformer import block_fn, reset_state
 from oracle.backend import Backend, Candidate
 
 

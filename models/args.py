@@ -348,7 +348,7 @@ def block_keys(a: ModelArgs) -> list[tuple[int | None, str]]:
 
 
 def block_path(a: ModelArgs, layer: int | None, kind: str) -> str:
-    """The production model's module (models/layers.py) computing a block: its path in the model."""
+    """The production model's module (models/layers/) computing a block: its path in the model."""
     if layer is None:
         return {"final_norm": "norm", "logits": "lm_head"}[kind]
     if kind not in layer_kinds(a, layer):

@@ -3,9 +3,11 @@ RMSNorm, partial rotary (half the head), the first `first_k_dense_replace` layer
 experts chosen as DeepSeek-V3 does (sigmoid + correction bias, group-limited) plus always-on
 shared experts."""
 
-from models import (FIRST_K_DENSE, GROUPED, Family, ModelArgs, drop_layers_from, first_k_dense, hf_args, require, rope_theta,
-                    sanitize_hf, sigmoid_routing)
-from models import deepseek_router
+from models.rules import FIRST_K_DENSE, GROUPED
+from models.family import Family
+from models.args import ModelArgs
+from models.mapping import (deepseek_router, drop_layers_from, first_k_dense, hf_args, require, rope_theta, sanitize_hf,
+                            sigmoid_routing)
 from models.args import AttentionArgs, RopeArgs
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, NOAUX, UNTIED, MlxLm, const, head_dim, rope_parameters
 

@@ -1,5 +1,5 @@
 """How mlx-lm's model of a family reads a checkpoint: the data each family file declares as its
-`mlx` entry (exporters/mlx.py applies it; nothing here imports mlx, mlx-lm or torch).
+`mlx` entry (exporters/mlx/ applies it; nothing here imports mlx, mlx-lm or torch).
 
 `config` lists every field of the family's mlx-lm ModelArgs and where its value comes from,
 given the HF config object as HF's own config class resolves it (the reference's values): a
@@ -52,7 +52,7 @@ class MlxLm:
     array_mask: bool = False
     # checkpoint tensors (name endings) the mlx-lm model has no parameter for (its sanitize() drops
     # them): a shipped directory cannot carry them; HF's reference on one takes them from the original
-    # checkpoint (models.quantized.from_original)
+    # checkpoint (oracle.source.quantized.from_original)
     dropped: tuple = ()
 
     @property

@@ -18,16 +18,16 @@ from pathlib import Path
 from typing import Any
 
 BUILTIN = {
-    "eager": "exporters.eager:BACKEND",
-    "hf": "exporters.hf:BACKEND",
-    "iree-llvm-cpu": "exporters.iree:BACKEND",
-    "mlx": "exporters.mlx:BACKEND",
-    "executorch": "exporters.executorch:BACKEND",
-    "executorch-cuda": "exporters.executorch_cuda:BACKEND",
-    "cuda": "exporters.cuda:BACKEND",
-    "executorch-metal": "exporters.executorch_metal:BACKEND",
-    "executorch-mlx": "exporters.executorch_mlx:BACKEND",
-    "llamacpp": "exporters.llamacpp:BACKEND",
+    "eager": "exporters.torch.eager:BACKEND",
+    "hf": "exporters.torch.hf:BACKEND",
+    "iree-llvm-cpu": "exporters.iree.backend:BACKEND",
+    "mlx": "exporters.mlx.backend:BACKEND",
+    "executorch": "exporters.executorch.backend:BACKEND",
+    "executorch-cuda": "exporters.executorch.cuda:BACKEND",
+    "cuda": "exporters.torch.cuda:BACKEND",
+    "executorch-metal": "exporters.executorch.metal:BACKEND",
+    "executorch-mlx": "exporters.executorch.mlx.backend:BACKEND",
+    "llamacpp": "exporters.llamacpp.backend:BACKEND",
 }
 
 
@@ -132,7 +132,7 @@ class CheckSpec:
     model_dir: str | None = None  # None: the family's tiny checkpoint for `seed` (or `config`'s)
     config: str | None = None  # a published config (models/configs/NAME.json): a seeded checkpoint of it
     layers: int | None = None  # with `config`: the depth cut to this many layers
-    # the weight profile of the tiny / `config` checkpoint (models/trained.py): normal, or trained
+    # the weight profile of the tiny / `config` checkpoint (oracle/source/trained.py): normal, or trained
     # (outlier dims, massive activations, spread norm gains, sharp routers and attention)
     weights: str = "normal"
     # a shipped (prequantized) artifact directory the backend loads as the candidate, instead of
@@ -148,7 +148,7 @@ class CheckSpec:
     prompts: tuple[str, ...] | None = None
     artifact: str | None = None  # a program built elsewhere (--pte / --vmfb) for the backend to run, not build
     options: dict = field(default_factory=dict)  # backend-specific options
-    # the drill-down inside blocks (oracle/points.py): "auto" the worst failing block of a failing
+    # the drill-down inside blocks (oracle/drill/points.py): "auto" the worst failing block of a failing
     # check, where the backend exposes its points; "all" every block; "off" none
     drill: str = "auto"
 
@@ -168,7 +168,7 @@ class ModelSource:
     family: Any  # models.Family
     model_dir: Path
     config: dict
-    args: Any  # models.layers.ModelArgs (max_seq_len set for this check)
+    args: Any  # models.args.ModelArgs (max_seq_len set for this check)
     checkpoint_sha256: str
     parameters: int | None = None  # known without the checkpoint (a --config not built yet: --validate-only)
 
@@ -186,7 +186,8 @@ class ModelSource:
     def layer_parameter_counts(self) -> tuple[int, int]:
         """(parameters of the largest decoder layer, parameters outside the layers), from the headers (or
         the config, for a checkpoint not built yet)."""
-        from models.checkpoint import config_layer_parameter_counts, layer_parameter_counts
+        from oracle.source.seeded import config_layer_parameter_counts
+        from models.checkpoint import layer_parameter_counts
 
         if self.model_dir is None:
             return config_layer_parameter_counts(self.family, self.config)
@@ -202,14 +203,14 @@ class Candidate:
     """What `Backend.load` returns: the model built (or loaded) by the backend, run by the harness.
     Subclass it; override the three required methods and whichever optional members apply."""
 
-    # provenance: the executor etc.; info["artifacts"]: a list of oracle.artifacts.Artifact.as_dict()
+    # provenance: the executor etc.; info["artifacts"]: a list of oracle.cache.artifacts.Artifact.as_dict()
     # (name, path, sha256, cached, build_s), info["host"]: host facts (e.g. the target CPU)
     info: dict = {}
     # how run_block's rows are fed: 'isolated' (the reference's inputs) or 'in-situ' (the candidate's
-    # own upstream, oracle/insitu.py); block_modes: per kind, overriding block_mode
+    # own upstream, oracle/verdict/insitu.py); block_modes: per kind, overriding block_mode
     block_mode: str = "isolated"
     block_modes: dict = {}
-    # the on-device sampler (oracle/sampling.py, the `--sampling` rows); None: the candidate has none
+    # the on-device sampler (oracle/verdict/sampling.py, the `--sampling` rows); None: the candidate has none
     # and the sampling rows are skipped. sample_prefill(tokens, temperature, top_p, seed) -> token,
     # sample_decode(token, pos, temperature, top_p, seed) -> token; sample_logits(logits,
     # temperature, top_p, seed) -> token: the sampling head alone (None: the distribution is drawn
@@ -245,7 +246,7 @@ class Candidate:
         return None
 
     def run_block(self, layer: int | None, kind: str, calls: list) -> list | None:
-        """The block `kind` of `layer` on the reference's calls (oracle.reference.BlockCall: the
+        """The block `kind` of `layer` on the reference's calls (oracle.reference.run.BlockCall: the
         input as numpy `x_array`, `pos_array`, and torch copies `x`, `pos`), one output per call,
         state carried from call to call and fresh at the first. Kinds: attention, router, moe, mlp
         (a dense layer's MLP), layer (per layer), final_norm, logits (layer None). router returns
@@ -258,12 +259,12 @@ class Candidate:
         `layer` inside the layer (its norm's output) on the sequence's calls (those not `probe`),
         one [T, H] per call. With it, the row is judged against HF's block on that same input, and
         an error of the norm before the block stays in the layer's row; None: against HF's block
-        on the candidate's layer input, through HF's own norm (oracle/insitu.py)."""
+        on the candidate's layer input, through HF's own norm (oracle/verdict/insitu.py)."""
         return None
 
     def run_block_points(self, layer: int | None, kind: str, calls: list) -> dict | None:
-        """The drill (oracle/points.py): run_block on the same calls with the points inside the block
-        recorded: point name (a submodule path as in HF's module, or one of oracle.points.TAPS) ->
+        """The drill (oracle/drill/points.py): run_block on the same calls with the points inside the block
+        recorded: point name (a submodule path as in HF's module, or one of oracle.drill.points.TAPS) ->
         its outputs, one per firing, in the order the points first fire. None: the backend exposes
         no points (the drill says so, with `no_points`)."""
         return None
@@ -271,7 +272,7 @@ class Candidate:
     # why run_block_points gives None, for the drill's n/a
     no_points = "the backend exposes no points inside its blocks"
 
-    # routing replay (oracle/replay.py): which experts its routers selected, per MoE layer and token
+    # routing replay (oracle/verdict/replay.py): which experts its routers selected, per MoE layer and token
     no_routes = "the backend does not report which experts its routers selected"
 
     def last_routes(self) -> dict | None:
@@ -285,7 +286,7 @@ class Candidate:
         return None
 
     def gates(self) -> list:
-        """The backend's own gate rows (oracle.result.GateRow, e.g. cast counts); none by default."""
+        """The backend's own gate rows (oracle.reports.result.GateRow, e.g. cast counts); none by default."""
         return []
 
     def structures(self) -> dict[str, str]:
@@ -295,7 +296,7 @@ class Candidate:
 
     def host_sampler(self, logits, temperature: float, top_p: float, seed: int) -> tuple:
         """The host implementation the sampler's seed schedule is judged against: (token, margin)."""
-        from oracle.sampling import reference_sample  # oracle.sampling reads this module's types
+        from oracle.verdict.sampling import reference_sample  # oracle.verdict.sampling reads this module's types
 
         return reference_sample(logits, temperature, top_p, seed)
 
@@ -326,10 +327,10 @@ class Backend:
     # two row sets of a shipped directory: the candidate against HF on those weights, and HF on them
     # against HF on the original. None: a given program carries the checkpoint's own weights
     artifact_weights = None
-    # shipped_tensors(original: ModelSource, shipped: Path, progress) -> iterator of oracle.conversion.TensorSource:
+    # shipped_tensors(original: ModelSource, shipped: Path, progress) -> iterator of oracle.verdict.conversion.TensorSource:
     # the weight check of a shipped file (a --candidate-dir directory, a --gguf, a --pte's .ptd, a --vmfb's
     # .irpa): each of its tensors with the original brought into its layout by the format's own rules, to
-    # be judged within the format's rounding (oracle/conversion.py). None: its files get no weight check
+    # be judged within the format's rounding (oracle/verdict/conversion.py). None: its files get no weight check
     shipped_tensors = None
     # `oracle selftest --conversion`: the shipped files it writes with `export` and checks, as
     # (label, precision, options) each; the conversion defects only a written file can have (name ->
@@ -346,11 +347,11 @@ class Backend:
     # export(model: ModelSource, spec, output_dir: Path) -> list[Path]: write the artifacts for
     # `oracle export` (and the directory a q8/q4 check loads, with loads_directory); None: it cannot
     export = None
-    # with_fault(fault) -> Backend | None: this backend with a seeded fault (models/faults.py)
+    # with_fault(fault) -> Backend | None: this backend with a seeded fault (models/faults/)
     # injected, None where the fault cannot be expressed on it; None here: `oracle selftest` refused
     with_fault = None
-    # fault_catalogue(args) -> list of models.faults.Fault: the backend's own faults for a model, in
-    # place of models/faults.py's (a backend that runs no production model, e.g. llama.cpp's GGUF
+    # fault_catalogue(args) -> list of models.faults.fault.Fault: the backend's own faults for a model, in
+    # place of models/faults/'s (a backend that runs no production model, e.g. llama.cpp's GGUF
     # faults); with args None, every fault it has (the names `--fault` may give); None: the catalogue's
     fault_catalogue = None
 
@@ -400,7 +401,7 @@ class Backend:
 
     def fault_point(self, fault) -> str | tuple | None:
         """The point inside its block that this backend's form of `fault` breaks, where it is not the
-        catalogue's (models.faults.POINTS): a fault whose form here edits a projection's weights breaks
+        catalogue's (models.faults.catalogue.POINTS): a fault whose form here edits a projection's weights breaks
         that projection. None: the catalogue's."""
         return None
 
@@ -491,6 +492,14 @@ def builtin_names() -> list[str]:
     return list(BUILTIN)
 
 
+def builtin_source(name: str) -> Path:
+    """The file of a built-in backend's module, found without importing it (its code is part of a cache
+    key where what it computes is cached: HF's own error at a precision, oracle/verdict/noise.py)."""
+    import importlib.util
+
+    return Path(importlib.util.find_spec(BUILTIN[name].partition(":")[0]).origin)
+
+
 def import_plugin(mod_name: str):
     """The module, found as `python -m` would find it: the installed packages, then the current
     directory (the `oracle` script does not put it on sys.path, so a plugin next to the user's
@@ -562,7 +571,7 @@ def available_memory() -> int | None:
 def memory_plan(backend, src: ModelSource, spec: CheckSpec, beside: tuple[int, str] = (0, "")) -> tuple[int | None, str]:
     """(peak bytes, how they are made up) of a check of this model on this backend: its estimate
     (`memory_estimate(src, spec)`: by default its `memory_per_param` at this precision times the checkpoint's
-    parameters) + what the harness holds `beside` it ((bytes, how): oracle.noise.shared_models_memory) +
+    parameters) + what the harness holds `beside` it ((bytes, how): oracle.verdict.noise.shared_models_memory) +
     BASE_MEMORY; (None, "") where the backend makes no estimate."""
     need, how = backend.memory_estimate(src, spec)
     if need is None:

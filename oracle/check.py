@@ -10,26 +10,27 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
 
-from oracle import expected
-from oracle import goldens as golden_files
-from oracle import points, thresholds
-from models.cache import CacheFull
+from oracle.verdict import expected, goldens as golden_files
+from oracle.drill import points
+from oracle.verdict import thresholds
+from oracle.cache.store import CacheFull
 from models.checkpoint import CheckpointError
-from oracle.backend import CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_plan, memory_refusal, MemoryRefusal, resolve
-from oracle.noise import aligner, block_aligner, exact_for, forget_models, noise_for, shared_models_memory
-from oracle.provenance import provenance
-from oracle.sampling import sampling_gates
-from oracle.result import CheckResult, GateRow, Status, worst_row
+from oracle.backend import (CheckSpec, InputError, as_backend, as_candidate, hf_spec, memory_plan, memory_refusal,
+                            MemoryRefusal, resolve)
+from oracle.verdict.noise import aligner, block_aligner, exact_for, forget_models, noise_for, shared_models_memory
+from oracle.reports.provenance import provenance
+from oracle.verdict.sampling import sampling_gates
+from oracle.reports.result import CheckResult, GateRow, Status, worst_row
 from oracle.schedule import lockstep
-from oracle.compare import aligning, block_rows, reduction_length
-from oracle.conversion import check_tensors
-from oracle.e2e import ReplayAhead, prompt_set, run_e2e
-from oracle.quantization import quantization_rows
-from oracle.reference import READ, forget_reads, release_held
-from oracle.references import reference_margins, reference_of, saved_reference
-from oracle.sources import (builds_quantized, check_length, model_source, prompt_tokens, quantizing_options,
-                            sources, tokenized_prompts)
-from oracle.validation import artifact_matches, validate
+from oracle.verdict.compare import aligning, block_rows, reduction_length, reference_margins
+from oracle.verdict.conversion import check_tensors
+from oracle.verdict.e2e import ReplayAhead, prompt_set, run_e2e
+from oracle.verdict.quantization import quantization_rows
+from oracle.reference.streaming import READ, forget_reads, release_held
+from oracle.reference.cached import reference_of, saved_reference
+from oracle.source.sources import (builds_quantized, check_length, model_source, prompt_tokens, quantizing_options,
+                                   sources, tokenized_prompts)
+from oracle.source.validation import artifact_matches, validate
 
 
 def _contained(result, name: str, fn):
@@ -94,16 +95,16 @@ class Run:
     progress: object
     t0: float
     timings: dict = field(default_factory=dict)
-    srcs: object = None  # oracle.sources.Sources
+    srcs: object = None  # oracle.source.sources.Sources
     src: object = None  # the checkpoint the reference runs (a shipped directory's: dequantized)
     prompts: list | None = None  # --prompts, tokenized
     prompt: list | None = None  # the first prompt: the reference's, the blocks' and e2e's
     ref: object = None
     noise: object = None
     cand: object = None
-    block_align: object = None  # oracle.noise.block_aligner of the check
+    block_align: object = None  # oracle.verdict.noise.block_aligner of the check
     spent: dict = field(default_factory=dict)  # options spent on writing a q8/q4 directory
-    weights: dict | None = None  # a shipped file's weight check (oracle/conversion.py)
+    weights: dict | None = None  # a shipped file's weight check (oracle/verdict/conversion.py)
     stage: str = ""  # the candidate's stage running (a crash's error names it)
     read_before: int = field(default_factory=lambda: READ["bytes"])  # streamed checkpoint bytes read before it
     disk_before: int | None = field(default_factory=disk_read_bytes)  # this process's storage reads before it
@@ -215,7 +216,7 @@ def read_sources(run: Run) -> None:
     plan_resources(run, src, spec)
     if spec.artifact is not None:
         artifact_matches(spec, srcs.original or src, sized=backend.artifact_weights is None)  # a GGUF: from the original
-        backend.check_given(src, spec)  # the program itself (exporters/given.py; a no-op by default)
+        backend.check_given(src, spec)  # the program itself (exporters/shared/given.py; a no-op by default)
     if spec.reference is not None:
         saved = saved_reference(spec)["checkpoint_sha256"]
         here = [s.checkpoint_sha256 for s in (src, srcs.original) if s is not None]
@@ -230,10 +231,12 @@ def planned_checkpoint(run: Run) -> bool:
     cache and the backend's memory, each refused here as the check would refuse it. The plan goes into
     the result's provenance ("checkpoint": "not_built", bytes, parameters, memory). False where there is
     no such plan to make (another source, or the checkpoint already built: validated as usual)."""
-    from models import cache, get_family
-    from models.checkpoint import config_checkpoint, config_parameters, published_config
+    from oracle.cache import store as cache
+    from models import get_family
+    from oracle.source.seeded import config_checkpoint, config_parameters
+    from oracle.source.published import published_config
     from oracle.backend import ModelSource
-    from oracle.sources import require_family
+    from oracle.source.sources import require_family
 
     spec = run.spec
     if not spec.config or spec.model_dir or spec.candidate_dir or spec.artifact:
@@ -289,7 +292,7 @@ def plan_resources(run: Run, src, spec: CheckSpec) -> dict:
     """The memory the check will need (the backend's estimate, the harness's models beside it: memory_plan) and
     the cache it will write beside the checkpoint (cache_estimate), refused here where either cannot fit
     (bad input, with the sizes), else recorded in the result's provenance ("plan"): what --validate-only says."""
-    from models import cache
+    from oracle.cache import store as cache
 
     beside = shared_models_memory(src, spec)
     refusal = memory_refusal(run.backend, src, spec, beside)
@@ -333,7 +336,7 @@ def capture_reference(run: Run) -> None:
 
 
 def measure_noise(run: Run, cand) -> None:
-    """The precision's own error (HF at it, same inputs: oracle/noise.py); where it cannot be
+    """The precision's own error (HF at it, same inputs: oracle/verdict/noise.py); where it cannot be
     measured the fixed tables judge, and the report says so. A candidate that computes its block rows
     and e2e steps ahead, one layer at a time (Candidate.ahead: a streamed checkpoint), runs in turn with
     the measurement, so that each layer is read once for all (oracle/schedule.py); its time is then in
@@ -353,6 +356,8 @@ def measure_noise(run: Run, cand) -> None:
     t = time.perf_counter()
     try:
         run.noise = noise_for(run.ref, run.src, spec, run.prompt, alongside)
+        # the report names the module by its path before the reorganisation of 2026-12 (oracle/verdict/noise.py
+        # now): reports stay comparable with the saved ones (tests/baselines), the path changes with the schema
         run.result.reference["noise"] = f"HF transformers at {spec.precision} on the same inputs (oracle/noise.py)"
     except Exception as e:
         run.result.reference["noise"] = f"not measured ({type(e).__name__}: {e}): fixed {spec.precision} tables"
@@ -400,7 +405,7 @@ def quantization(run: Run) -> None:
 def weight_check(run: Run) -> None:
     """A shipped file (a directory, a GGUF): is it a correct conversion of the original? Each tensor,
     brought back by the format's layout rules (the backend's `shipped_tensors`), within the format's own
-    rounding (oracle/conversion.py). A tensor beyond it is a conversion defect: the check fails, naming it.
+    rounding (oracle/verdict/conversion.py). A tensor beyond it is a conversion defect: the check fails, naming it.
     Run before the reference: a defect can make HF on the shipped weights fail to run (a zeroed router
     row's expert probe is 0/0), and the defect is then the verdict. The quantization rows then say whether
     their loss is explained by that rounding."""
@@ -483,7 +488,7 @@ def run_candidate(run: Run, goldens: bool) -> None:
 
 
 def drill_down(run: Run) -> None:
-    """Inside the blocks (oracle/points.py): the worst failing block of a failing check ("auto"),
+    """Inside the blocks (oracle/drill/points.py): the worst failing block of a failing check ("auto"),
     or every block ("all"), run again on both sides with its points recorded. A drill that cannot
     run says why in its section; it never changes the check's status."""
     spec, result = run.spec, run.result

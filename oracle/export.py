@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from models.cache import CacheFull
-from oracle.artifacts import write_manifest
-from oracle.backend import CheckSpec
-from oracle.backend import InputError, MemoryRefusal, memory_refusal
-from oracle.sources import model_source
-from oracle.validation import validate
+from oracle.cache.store import CacheFull
+from oracle.cache.artifacts import write_manifest
+from oracle.backend import CheckSpec, InputError, MemoryRefusal, memory_refusal
+from oracle.source.sources import model_source
+from oracle.source.validation import validate
 
 
 def run_export(spec: CheckSpec, output_dir: str) -> Path:

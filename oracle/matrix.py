@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from oracle import summary as S
-from oracle.result import Status, write_atomic
+from oracle.reports import summary as S
+from oracle.reports.result import Status, write_atomic
 
 OUTPUTS = ("summary.json", "summary.md", "junit.xml", "report.html")
 
@@ -337,7 +337,7 @@ def run_checks(cs: list[Combo], out_dir: Path, timeout: float, seed: int, extra:
 
 
 def write_outputs(report_dir: Path, summary: dict) -> None:
-    from oracle.html import render_html
+    from oracle.reports.html import render_html
 
     write_atomic(report_dir / "summary.json", json.dumps(summary, indent=1, sort_keys=True) + "\n")
     write_atomic(report_dir / "summary.md", S.markdown(summary))

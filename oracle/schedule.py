@@ -1,9 +1,9 @@
 """Full depth by schedule, not by memory: where the tokens are known, a decoder stack can run layer by
 layer (each layer over every call in order, with its own state), so that each weight is read once. For a
-streamed checkpoint (its decoder layers read from the shards for each use: oracle.reference.LayerStream),
+streamed checkpoint (its decoder layers read from the shards for each use: oracle.reference.streaming.LayerStream),
 the models of a check that need a layer (HF at the candidate's precision with each attention, the
 candidate) run it one after the other (`lockstep`), and the layer's tensors are read from disk once for
-all of them (oracle.reference.RECENT keeps the layer read last).
+all of them (oracle.reference.streaming.RECENT keeps the layer read last).
 
 A candidate that can run so (Candidate.ahead) computes its block rows and its e2e steps one layer at a
 time, before the harness asks for them (`Ahead`); run_block and teacher_forced then answer from what was
@@ -44,11 +44,11 @@ class Ahead:
         """The generator: for each decoder layer, its block rows (cand.run_block on the reference's calls),
         then its stage of the e2e steps (stepper.through(layer)); after the last, the final blocks and
         stepper.finish(). Yields after each layer. A stage that raises ends the steps (teacher_forced then
-        runs them itself); the blocks go on. `log`: the candidate's oracle.replay.RouteLog, whose entries
+        runs them itself); the blocks go on. `log`: the candidate's oracle.verdict.replay.RouteLog, whose entries
         each block's run leaves are kept with it (block_routes reads them). `on_block(key, outputs, routes per
-        call)`: the harness's work on a block while its layer is at hand (oracle/compare.py aligning);
+        call)`: the harness's work on a block while its layer is at hand (oracle/verdict/compare.py aligning);
         `on_layer(layer, the steps' routes so far: per call {layer: (indices, weights)})` after each stage of the
-        steps (oracle/e2e.py ReplayAhead)."""
+        steps (oracle/verdict/e2e.py ReplayAhead)."""
         keys = ref.block_keys()
         for layer in [*range(layers), None]:
             for key in keys:

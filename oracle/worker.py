@@ -32,7 +32,7 @@ def warm_up(backends: list[str]) -> None:
         import importlib
 
         # the CLI (run by each child as a program: run_check) and what its check command imports
-        for module in ("oracle.cli", "oracle.check", "oracle.report", "oracle.result"):
+        for module in ("oracle.cli", "oracle.check", "oracle.reports.markdown", "oracle.reports.result"):
             importlib.import_module(module)
         from oracle.backend import resolve
 

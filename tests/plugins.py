@@ -2,7 +2,7 @@
 
 import torch
 
-from exporters.eager import EagerBackend
+from exporters.torch.eager import EagerBackend
 
 
 class Unavailable:
@@ -47,7 +47,7 @@ class Switchable(EagerBackend):
     def load(self, model, spec):
         import os
 
-        from models import faults
+        from models.faults import catalogue as faults
 
         name = os.environ.get("ORACLE_TEST_BREAK")
         self.transform = faults.get(name).inject if name else None
@@ -284,8 +284,8 @@ class ThriceHFError:
         import numpy as np
 
         from oracle.backend import resolve
-        from oracle.references import reference_for
-        from oracle.sources import prompt_tokens
+        from oracle.reference.cached import reference_for
+        from oracle.source.sources import prompt_tokens
 
         cand = resolve("hf").load(model, spec)
         ref = reference_for(spec.family, str(model.model_dir), model.checkpoint_sha256,
@@ -324,7 +324,7 @@ class _InSituCandidate(_Broken):
 
     def _sequence(self, calls) -> dict:
         from models.args import block_input_path, block_keys, block_path
-        from models.layers import reset_state
+        from models.layers.transformer import reset_state
 
         key = tuple((tuple(c.tokens), tuple(c.pos.tolist())) for c in calls)
         if self._seq[0] == key:
@@ -373,7 +373,7 @@ class _ClaimsIsolated(_InSituCandidate):
 
 class InSitu(EagerBackend):
     """The eager production model with in-situ block rows (_InSituCandidate); a fault
-    (`with_fault`, models/faults.py) is injected into the model as for `eager`."""
+    (`with_fault`, models/faults/) is injected into the model as for `eager`."""
 
     wrapper = _InSituCandidate
 
@@ -403,7 +403,7 @@ def qwen35_four_faults(model):
     (tests/test_iree.py, tests/test_drill.py; transform_id QWEN35_FOUR_FAULTS): the catalogue's
     layer-2 Gated DeltaNet state not carried and layer-3 RoPE theta wrong, layer 0's expert 3 and
     layer 1's shared expert with their down projections 1% off."""
-    from models import faults
+    from models.faults import catalogue as faults
 
     faults.get("gdn_state_not_carried").inject(model)
     faults.get("rope_theta_wrong").inject(model)
@@ -440,7 +440,7 @@ class FlipRouter(EagerBackend):
             if len(rows) and self.expert not in idx[rows[0]].tolist():
                 idx = idx.clone()
                 idx[rows, -1] = self.expert
-                from models import routing
+                from models.layers import routing
 
                 w = routing.topk_weights(routing.scores(logits, router.args), idx, router.args).to(w.dtype)
             return w, idx
@@ -498,7 +498,7 @@ class FlipMaskInLayer(EagerBackend):
         self.layer, self.row, self.scale = layer, row, scale
 
     def load(self, model, spec):
-        from models import routing
+        from models.layers import routing
 
         cand = super().load(model, spec)
         cand.block_routes = lambda: None  # not reported, as a compiled block program's

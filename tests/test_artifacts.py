@@ -1,6 +1,6 @@
 """The artifact cache: content-addressed, atomic, and a corrupted entry is rebuilt."""
 
-from oracle.artifacts import cached_artifact, write_manifest
+from oracle.cache.artifacts import cached_artifact, write_manifest
 
 
 def test_cache_hit_miss_and_corruption(tmp_path, monkeypatch):
@@ -85,7 +85,7 @@ def test_cache_entries_and_reports_get_the_umasks_permissions_not_the_temp_files
     import os
     from pathlib import Path
 
-    from oracle.result import write_atomic
+    from oracle.reports.result import write_atomic
 
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
     old = os.umask(0o022)

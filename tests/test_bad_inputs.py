@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models import UNSUPPORTED, get_family
-from models.checkpoint import tiny_checkpoint
+from oracle.source.seeded import tiny_checkpoint
 from oracle.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

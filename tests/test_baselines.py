@@ -1,12 +1,12 @@
 """The five original families' reports are unchanged by the family abstraction: each check is
 run again and compared with its report saved before the change (tests/baselines/), by the rule of
-oracle.portable: host facts, run state and file locations aside, measured errors within a tenth
+oracle.verdict.portable: host facts, run state and file locations aside, measured errors within a tenth
 of their limit (kernels round by the CPU they run on), everything else exact. Here the checks
-whose artifacts the rest of the suite builds anyway; `python -m oracle.baseline` runs all 45."""
+whose artifacts the rest of the suite builds anyway; `python -m oracle.reports.baseline` runs all 45."""
 
 import pytest
 
-from oracle.baseline import BASELINES, baseline_name, compare
+from oracle.reports.baseline import BASELINES, baseline_name, compare
 from oracle.backend import CheckSpec
 from oracle.check import run_check
 

@@ -1,4 +1,4 @@
-"""The bounded artifact cache (models/cache.py): least recently used entries go past the limit, an
+"""The bounded artifact cache (oracle/cache/store.py): least recently used entries go past the limit, an
 entry another running process holds stays, an artifact that cannot fit is refused before it is built,
 and `oracle cache list|prune`."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from models import cache
-from oracle.artifacts import cached_artifact
+from oracle.cache import store as cache
+from oracle.cache.artifacts import cached_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 KIB = 1024
@@ -39,7 +39,7 @@ def entry(root: Path, ns: str, key: str, size: int, used: float) -> Path:
 
 HOLDER = """
 import sys
-from models import cache
+from oracle.cache import store as cache
 cache.hold(sys.argv[1])
 print("held", flush=True)
 sys.stdin.readline()
@@ -208,8 +208,8 @@ def test_a_build_directory_whose_writer_is_gone_is_removed(root):
     entries, outside every one (a seeded 30B checkpoint killed after 5 minutes left 41 GB): the next
     eviction (or `oracle cache`) removes it where its writer, named in it, is not running; one whose
     writer runs stays, and one that does not name its writer stays until a day untouched."""
-    from models.cache import temp_prefix
-    from models.checkpoint import temp_dir
+    from oracle.cache.store import temp_prefix
+    from oracle.cache.files import temp_dir
 
     ck = root / "checkpoints"
     ck.mkdir(parents=True)
@@ -233,8 +233,8 @@ def test_a_build_directory_whose_writer_is_gone_is_removed(root):
 
 SLOW_BUILD = """
 import sys, time
-from oracle.cli import terminate_cleanly
-from models.checkpoint import cached_dir
+from oracle.cli.common import terminate_cleanly
+from oracle.cache.files import cached_dir
 
 def build(out):
     (out / "model.safetensors").write_bytes(b"0" * 100000)
@@ -272,7 +272,7 @@ def test_validate_only_of_a_config_not_built_writes_nothing_and_says_what_it_wil
            "--backend", "hf", "--precision", "bf16", "--validate-only"]
     out = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "not built yet" in out.stdout and "1.05 B parameters" in out.stdout  # as the built checkpoint's headers count (exporters/hf.py) and "GiB of disk" in out.stdout
+    assert "not built yet" in out.stdout and "1.05 B parameters" in out.stdout  # as the built checkpoint's headers count (exporters/torch/hf.py) and "GiB of disk" in out.stdout
     assert not (root / "checkpoints").exists() or not any((root / "checkpoints").iterdir())
     out = subprocess.run(cmd + ["--cache-limit", "1G"], env=env, cwd=Path(__file__).parents[1], capture_output=True,
                          text=True, timeout=300)

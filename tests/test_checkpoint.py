@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from models import FAMILY_NAMES, get_family
-from models.checkpoint import CheckpointError, read_config, read_weights, tiny_checkpoint
+from models.checkpoint import CheckpointError, read_config, read_weights
+from oracle.source.seeded import tiny_checkpoint
 
 
 def _fuse(weights):
@@ -93,8 +94,10 @@ def test_seeded_checkpoint_is_sharded_like_save_pretrained(tmp_path):
     """One decoder layer at a time, HF's own initialisation with the config's
     initializer_range, HF's reverse weight conversion (per-expert names), shards + index:
     transformers loads it with nothing missing, and its weights have the config's std."""
-    from models.checkpoint import checkpoint_identity, tensor_index, write_seeded_checkpoint
-    from oracle.reference import load_hf_model
+    from oracle.source.identity import checkpoint_identity
+    from models.checkpoint import tensor_index
+    from oracle.source.seeded import write_seeded_checkpoint
+    from oracle.reference.streaming import load_hf_model
 
     fam = get_family("qwen2_moe")
     cfg = dict(fam.tiny_config, model_type="qwen2_moe", initializer_range=0.05)
@@ -114,7 +117,7 @@ def test_identity_is_cached_by_path_size_mtime(tmp_path, monkeypatch):
     """A second check of an unchanged checkpoint does not re-read (re-hash) it; a changed file is."""
     import shutil
 
-    from models import checkpoint as C
+    from oracle.source import identity as C
 
     d = tmp_path / "c"
     shutil.copytree(tiny_checkpoint(get_family("olmoe"), 0), d)
@@ -131,7 +134,7 @@ def test_identity_is_cached_by_path_size_mtime(tmp_path, monkeypatch):
 def test_published_configs_resolve(name):
     """The shipped published configs map onto their family (HF's config class + ModelArgs)."""
     from models import family_for_model_type
-    from models.checkpoint import published_config
+    from oracle.source.published import published_config
 
     cfg = published_config(name, layers=2)
     fam = get_family(family_for_model_type(cfg["model_type"]))
@@ -201,7 +204,7 @@ def test_layer_by_layer_build_equals_the_whole_dict_build(family):
     """build_from (parameters on meta, filled one decoder layer at a time from the shards) gives
     exactly the model the whole-dict build gives, in fp32 and bf16."""
     from oracle.backend import CheckSpec
-    from oracle.sources import model_source
+    from oracle.source.sources import model_source
 
     src = model_source(CheckSpec(family=family, backend="eager"))
     for dtype in (torch.float32, torch.bfloat16):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models import get_family
-from models.checkpoint import tiny_checkpoint
+from oracle.source.seeded import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporters.eager import TorchCandidate
+from exporters.torch.candidate import TorchCandidate
 from oracle.backend import BUILTIN, Backend, BackendError, Candidate, CheckSpec, as_backend, as_candidate, resolve
 from oracle.check import run_check
 
@@ -35,11 +35,16 @@ def test_builtins_subclass_the_contract(name):
 
 
 def test_builtin_candidates_subclass_the_contract():
-    import exporters.eager, exporters.executorch, exporters.executorch_mlx, exporters.hf, exporters.iree, exporters.mlx
+    import exporters.torch.candidate
+    import exporters.executorch.candidate
+    import exporters.executorch.mlx.backend
+    import exporters.torch.hf
+    import exporters.iree.candidate
+    import exporters.mlx.candidate
 
-    for cls in (exporters.eager.TorchCandidate, exporters.hf.HFCandidate, exporters.iree.IreeCandidate,
-                exporters.mlx.MLXCandidate, exporters.executorch.ExecutorchCandidate,
-                exporters.executorch_mlx.MlxCandidate):
+    for cls in (exporters.torch.candidate.TorchCandidate, exporters.torch.hf.HFCandidate, exporters.iree.candidate.IreeCandidate,
+                exporters.mlx.candidate.MLXCandidate, exporters.executorch.candidate.ExecutorchCandidate,
+                exporters.executorch.mlx.backend.MlxCandidate):
         assert issubclass(cls, Candidate), cls
 
 
@@ -113,10 +118,10 @@ def test_a_duck_typed_backend_keeps_its_own_code_as_its_cache_key():
 
 
 def test_statuses_are_compared_as_the_enum():
-    """oracle.result.Status is the one list of statuses: the harness compares with its members, not
+    """oracle.reports.result.Status is the one list of statuses: the harness compares with its members, not
     with bare strings (a typo in a string compares False silently; a member that does not exist
     fails on import)."""
-    from oracle.result import Status
+    from oracle.reports.result import Status
 
     values = {s.value for s in Status} - {"routing-tie"}  # also a token verdict (match/tie/mismatch/routing-tie)
 
@@ -130,4 +135,4 @@ def test_statuses_are_compared_as_the_enum():
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Compare) and any(bare(x) for x in [node.left, *node.comparators]):
                 found.append(f"{p.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
-    assert not found, "compare with oracle.result.Status members:\n" + "\n".join(found)
+    assert not found, "compare with oracle.reports.result.Status members:\n" + "\n".join(found)

@@ -1,4 +1,4 @@
-"""The weight check of a shipped file (oracle/conversion.py, issue 50): a correct quantization by the
+"""The weight check of a shipped file (oracle/verdict/conversion.py, issue 50): a correct quantization by the
 format's own quantizer passes, a conversion defect fails naming its tensor.
 
 The quantizers are the formats' own: mlx's `mx.quantize` and llama.cpp's `ggml_quantize_chunk` (what
@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from conversion_bounds import KINDS, draw, source  # noqa: E402
 
-from oracle.conversion import Chunk, Format, TensorSource, judge  # noqa: E402
+from oracle.verdict.conversion import Chunk, Format, TensorSource, judge  # noqa: E402
 
 
 def whole(x, deq, fmt) -> TensorSource:
@@ -32,11 +32,11 @@ def _mlx():
 
 def _ggml():
     pytest.importorskip("llama_cpp")
-    from exporters.llamacpp_setup import converter_problem
+    from exporters.llamacpp.setup import converter_problem
 
     if converter_problem():
         pytest.skip(converter_problem())
-    from exporters import llamacpp_weights
+    from exporters.llamacpp import weights as llamacpp_weights
 
     return llamacpp_weights
 
@@ -97,7 +97,7 @@ def test_mlx_defects_fail(bits):
 @pytest.mark.parametrize("imatrix", [False, True])
 def test_llamacpp_quantizer_output_passes_and_the_grid_is_its_dequantizer(qtype, imatrix):
     w = _ggml()
-    from exporters.llamacpp_setup import gguf_module
+    from exporters.llamacpp.setup import gguf_module
 
     gguf = gguf_module()
     rng = np.random.default_rng(9)
@@ -191,7 +191,7 @@ def test_experts_exchanged_in_an_mlx_directory_fail_naming_the_tensor(mlx_q8, tm
 def test_one_expert_scaled_in_a_gguf_fails_naming_the_tensor(outtype, tmp_path, cli):
     """1 % on one expert (stays within a quantization step of every value) in an F32 and a Q8_0 GGUF."""
     _ggml()
-    from exporters.llamacpp_setup import gguf_module
+    from exporters.llamacpp.setup import gguf_module
 
     r = cli("export", "--family", "olmoe", "--backend", "llamacpp", "--option", f"outtype={outtype}",
             "--output-dir", str(tmp_path))
@@ -231,7 +231,7 @@ def test_conversion_selftest_on_one_family(backend, fmt, cli, tmp_path):
 def test_ulp_is_the_exact_spacing_at_every_binade():
     """ulp reads the exponent with frexp: 2^(floor(log2 |v|) - mantissa bits), exact where log2 and exp2
     were not (log2 of the largest double below 2^k rounds to k: twice the spacing there)."""
-    from oracle.conversion import FLOATS, ulp
+    from oracle.verdict.conversion import FLOATS, ulp
 
     k = np.arange(-120, 120)
     below, at = np.nextafter(2.0 ** k, 0), 2.0 ** k
@@ -246,7 +246,7 @@ def test_a_tensors_verdict_does_not_depend_on_how_its_rows_are_grouped(monkeypat
     """The statistics are per row, computed a few rows at a time in threads (cache-sized temporaries):
     one row per group, the default groups and one group for the whole chunk give the same row, number
     for number, on a correct quantization and on a defect."""
-    import oracle.conversion as conversion
+    import oracle.verdict.conversion as conversion
 
     mx = _mlx()
     rng = np.random.default_rng(9)

@@ -6,7 +6,7 @@ are marked `gpu` and run only where torch sees a CUDA device."""
 import pytest
 import torch
 
-from exporters.cuda import CudaBackend
+from exporters.torch.cuda import CudaBackend
 from models import FAMILY_NAMES
 from oracle.backend import CheckSpec
 from oracle.check import run_check
@@ -53,7 +53,7 @@ def test_compiled_functions_pass_on_the_cpu():
     """Every block and the whole model through torch.compile(fullgraph=True), Inductor's C++
     kernels: the backend's logic where no GPU is; fp32 limits, tokens exact. Each block is traced for the
     prefill's length and the decode's, the model for both: the hooks recording its routers' choices
-    (oracle/replay.py RouteLog) made every call of a router or MoE block trace again (64 graphs here)."""
+    (oracle/verdict/replay.py RouteLog) made every call of a router or MoE block trace again (64 graphs here)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -81,7 +81,7 @@ def test_inductor_at_bf16_on_qwen3_moe_chose_another_expert_at_a_tie():
 
 
 def test_a_fault_in_the_compiled_model_is_localised():
-    from models import faults
+    from models.faults import catalogue as faults
 
     fault = faults.get("router_softmax_after_topk")
     # the spec of test_compiled_functions_pass_on_the_cpu: the blocks the fault leaves alone are its compiled

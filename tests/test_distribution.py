@@ -1,14 +1,13 @@
-"""The distribution metrics of quantized precisions (oracle/distribution.py): properties
+"""The distribution metrics of quantized precisions (oracle/verdict/distribution.py): properties
 that must hold for any logits, and the verdict against limits."""
 
 import math
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-from oracle.distribution import distribution_metrics, judge_distribution, kl_per_position, log_softmax
+from oracle.verdict.distribution import distribution_metrics, judge_distribution, kl_per_position, log_softmax
 
 LIMITS = {"kl_mean": 0.01, "kl_p99": 0.1, "kl_max": 0.1, "delta_p_max_abs": 0.02, "min_same_top1": 0.75}
 
@@ -100,7 +99,7 @@ def test_same_top1_leaves_out_near_ties():
     """A top-1 flip where the reference's top-2 margin is below tie_margin is the precision's
     doing (as for greedy tokens): not counted; with every position a near tie the criterion
     does not apply, while KL and delta-p still judge."""
-    from oracle.distribution import distribution_metrics, judge_distribution
+    from oracle.verdict.distribution import distribution_metrics, judge_distribution
 
     ref = np.array([[2.0, 1.99, 0.0], [3.0, 0.0, 0.0], [0.0, 1.0, 1.005]])
     cand = np.array([[1.99, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 1.005, 1.0]])  # rows 0 and 2 flip a near tie

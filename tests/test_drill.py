@@ -1,4 +1,4 @@
-"""The drill-down inside a block (oracle/points.py): on eager (the production model), a fault names
+"""The drill-down inside a block (oracle/drill/points.py): on eager (the production model), a fault names
 the point it breaks, the points before it agree, and a clean block has no false divergence."""
 
 from __future__ import annotations
@@ -6,15 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exporters.eager import EagerBackend
-from models import FAMILY_NAMES, faults
+from exporters.torch.eager import EagerBackend
+from models.faults import catalogue as faults
+from models import FAMILY_NAMES
 from oracle.backend import CheckSpec, resolve
 from oracle.check import run_check
-from oracle.compare import reduction_length
-from oracle.points import drill, point_limits
-from oracle.references import reference_of
-from oracle.result import Status
-from oracle.sources import model_source, prompt_tokens
+from oracle.verdict.compare import reduction_length
+from oracle.drill.points import drill, point_limits
+from oracle.reference.cached import reference_of
+from oracle.reports.result import Status
+from oracle.source.sources import model_source, prompt_tokens
 
 
 def _drilled(family: str, transform) -> dict:
@@ -82,7 +83,7 @@ def test_a_shared_experts_fault_is_drilled_to_its_projection():
 def test_the_markdown_report_has_the_points_table():
     r = run_check(CheckSpec(family="qwen3_moe", backend="eager"),
                   EagerBackend(name="drilled", transform=faults.get("rope_theta_wrong").inject))
-    from oracle.report import markdown
+    from oracle.reports.markdown import markdown
 
     md = markdown(r.to_dict())
     assert "| **`q_rope`** | fail |" in md and "| `q_proj` | pass |" in md
@@ -174,8 +175,8 @@ def test_no_false_divergence_in_a_clean_mlx_layer(mlx, family):
 
 
 def test_the_html_report_plots_the_points_and_report_diff_names_a_changed_point():
-    from oracle.html import check_section
-    from oracle.summary import diff, diff_markdown, row_of
+    from oracle.reports.html import check_section
+    from oracle.reports.summary import diff, diff_markdown, row_of
 
     r = run_check(CheckSpec(family="qwen3_moe", backend="eager"),
                   EagerBackend(name="drilled", transform=faults.get("rope_theta_wrong").inject))
@@ -192,7 +193,7 @@ def test_the_html_report_plots_the_points_and_report_diff_names_a_changed_point(
 
 
 def test_every_catalogue_fault_declares_the_point_it_breaks():
-    from oracle.points import TAPS
+    from oracle.drill.points import TAPS
 
     assert set(faults.POINTS) == {f.name for f in faults.CATALOGUE}
     taps = {n for names in TAPS.values() for n in names}
@@ -203,7 +204,8 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
 
 
 def test_the_selftest_reports_the_share_drilled_to_the_faults_point():
-    from oracle.selftest import render, run_selftest
+    from oracle.selftest.result import render
+    from oracle.selftest.run import run_selftest
 
     names = ["rope_theta_wrong", "router_no_renorm", "expert_gate_up_swapped", "qk_norm_flat_for_per_head"]
     res = run_selftest("eager", ["qwen3_moe"], seeds=(0,), fault_names=names, drill=True)
@@ -231,7 +233,8 @@ def test_at_bf16_each_point_is_judged_against_hfs_own_bf16_error():
 def test_a_point_the_backend_does_not_expose_is_counted_apart():
     """mlx-lm computes the router's scores inline: a fault that breaks `scores` there is drilled to a
     later point, listed with the reason, not counted as a miss nor as a hit."""
-    from oracle.selftest import FaultRow, SelftestResult, point_exposed, render
+    from oracle.selftest.result import FaultRow, SelftestResult, render
+    from oracle.selftest.judge import point_exposed
 
     pts = [{"name": "logits", "status": Status.PASS, "reason": ""},
            {"name": "scores", "status": Status.NA, "reason": "not exposed by the backend (computed inline)"},

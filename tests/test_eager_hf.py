@@ -6,7 +6,7 @@ from models import FAMILY_NAMES
 from oracle.backend import CheckSpec
 from oracle.check import run_check
 from models.args import block_keys
-from oracle.sources import model_source
+from oracle.source.sources import model_source
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -17,15 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from exporters.executorch import BACKEND, ExecutorchCandidate, op_histogram
-from exporters.executorch_cuda import BACKEND as CUDA
-from exporters.executorch_metal import BACKEND as METAL
-from models import faults
-from models.layers import reset_state
+from exporters.executorch.backend import BACKEND
+from exporters.executorch.candidate import ExecutorchCandidate
+from exporters.executorch.export import op_histogram
+from exporters.executorch.cuda import BACKEND as CUDA
+from exporters.executorch.metal import BACKEND as METAL
+from models.faults import catalogue as faults
+from models.layers.transformer import reset_state
 from oracle.backend import CheckSpec, InputError
 from oracle.check import run_check
-from oracle.sources import model_source
-from oracle.reference import BlockCall
+from oracle.source.sources import model_source
+from oracle.reference.run import BlockCall
 
 needs_executorch = pytest.mark.skipif(not BACKEND.availability()[0], reason=BACKEND.availability()[1])
 PORTABLE = {"partitioner": "portable"}
@@ -123,7 +125,7 @@ def test_probe_methods_run_one_moe_block_on_given_inputs(olmoe_check):
 
 @needs_executorch
 def test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatch):
-    """A process lowers each method once (exporters.executorch.lowered_methods): with a fault in the last
+    """A process lowers each method once (exporters.executorch.lower.lowered_methods): with a fault in the last
     layer's experts, layer 0's probe method is the clean program's lowering, and the program (its .pte and
     its weights) is byte for byte the one lowered whole; a method lowered under one name is taken under
     another, and that program too is the one lowered whole. (The probes only: two small methods per program.
@@ -132,7 +134,8 @@ def test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same(monk
     import collections
     import copy
 
-    import exporters.executorch as ex
+    import exporters.executorch.lower as ex
+    from exporters.executorch.export import export_probes
 
     src = model_source(CheckSpec(family="olmoe", backend="executorch"))
     exported = {}
@@ -142,7 +145,7 @@ def test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same(monk
             m = src.build_production(torch.float32)
             if fault:
                 faults.get(fault).inject(m)
-            exported[fault] = ex.export_probes(m), m
+            exported[fault] = export_probes(m), m
         methods, m = exported[fault]
         return copy.deepcopy(methods), m
 
@@ -319,7 +322,7 @@ def test_export_sample_fuses_the_sampler(tmp_path):
     of test_sampling_rows_pass_through_the_runtime, lowered before in it (lowered_methods), 19 s less."""
     from executorch.runtime import Runtime
 
-    from models.sampling import SampledModel
+    from models.layers.sampling import SampledModel
     from oracle.cli import main
 
     assert main(["export", "--family", "olmoe", "--backend", "executorch", "--sample", "--option",
@@ -393,7 +396,7 @@ def test_metal_exported_program_before_lowering():
 
 @needs_executorch
 def test_a_partition_lowered_before_is_taken_from_the_cache_with_the_same_bytes(tmp_path, monkeypatch):
-    """XNNPACK's preprocess of a partition is remembered by everything it reads (exporters/executorch.py:
+    """XNNPACK's preprocess of a partition is remembered by everything it reads (exporters/executorch/:
     remembered_partitions): the same module lowered again calls it for no partition and gives the same
     program; a changed weight or a changed op is a new partition, preprocessed (a fault's program takes
     the partitions it does not change from the clean program's)."""
@@ -401,7 +404,7 @@ def test_a_partition_lowered_before_is_taken_from_the_cache_with_the_same_bytes(
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
     from executorch.exir import to_edge_transform_and_lower
 
-    from exporters.executorch import PARTITIONS, remembered_partitions
+    from exporters.executorch.lower import PARTITIONS, remembered_partitions
 
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
     calls = []

@@ -17,19 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from exporters.executorch_mlx import BACKEND, KIND, histogram_text, node_gates, node_histogram
-from models import FAMILY_NAMES, faults
+from exporters.executorch.mlx.backend import BACKEND, KIND, histogram_text, node_gates, node_histogram
+from models.faults import catalogue as faults
+from models import FAMILY_NAMES
 from oracle.backend import CheckSpec
 from oracle.check import run_check
-from oracle.sources import model_source
+from oracle.source.sources import model_source
 
 AVAILABLE, WHY = BACKEND.availability()
 needs_backend = pytest.mark.skipif(not AVAILABLE, reason=WHY)
 if AVAILABLE:  # availability does not import the delegate; these tests import its modules directly
-    from exporters.executorch_mlx_setup import import_delegate
+    from exporters.executorch.mlx.setup import import_delegate
 
     import_delegate()
 pytestmark = needs_backend
@@ -41,7 +41,7 @@ def test_delegate_imports_from_the_cache_not_site_packages():
     import executorch.backends.mlx as mlx_delegate
     import executorch.backends.mlx.serialization as ser
 
-    from exporters.executorch_mlx_setup import delegate_dir, wheel_dirs
+    from exporters.executorch.mlx.setup import delegate_dir, wheel_dirs
 
     site, flatc = wheel_dirs()
     assert Path(ser.__file__).parent == delegate_dir() / "serialization"
@@ -58,7 +58,7 @@ def test_unavailable_with_the_reason_when_mlx_is_missing(monkeypatch):
 
 # ------------------------------------------------------------------ the source transformations (eager)
 def transformed(src):
-    from exporters.executorch_mlx_export import mlx_source_transformations
+    from exporters.executorch.mlx.export import mlx_source_transformations
 
     return mlx_source_transformations(src.build_production(torch.float32), use_custom_kernel=False)
 
@@ -87,7 +87,7 @@ def test_every_fault_survives_the_transformations(family):
     """A fault injected as the backend injects it (before the transformations; in the program's
     own op where the torch form does not lower) computes the faulted production model: the
     method a fault overrides is left alone by the transformations."""
-    from exporters.executorch_mlx_export import mlx_source_transformations
+    from exporters.executorch.mlx.export import mlx_source_transformations
 
     src = model_source(CheckSpec(family=family, backend="eager"))
     for fault in faults.applicable(src.args):
@@ -111,7 +111,7 @@ def mlx():
 
 def run_node(op, inputs, out_tids=(100,), values=None, **fields):
     """Run one node on torch inputs (tids 0..n-1); returns its outputs (torch) and the values."""
-    from exporters.executorch_mlx_interp import OPS, State, from_torch, to_torch
+    from exporters.executorch.mlx.interpreter import OPS, State, from_torch, to_torch
 
     s = State({i: from_torch(x) for i, x in enumerate(inputs)})
     s.values.update(values or {})
@@ -428,7 +428,7 @@ def test_metal_kernel_node_says_to_use_the_scan_fallback():
 
 def fake_delegate(chains, mutable=(), meta=None):
     """A Delegate over hand-written chains (no constants)."""
-    from exporters.executorch_mlx_interp import Delegate
+    from exporters.executorch.mlx.interpreter import Delegate
 
     g = types.SimpleNamespace(chains=chains, main=0, init=-1, num_constants=0, names={}, mutable=list(mutable),
                               meta=meta or {}, inputs=[(0, 0), (1, 1)], outputs=[(100, 0)])
@@ -442,7 +442,7 @@ def test_if_node_runs_the_chain_its_int_value_selects(cond, seed):
     d = fake_delegate([[{"op_name": "IfNode", "cond": {"vid": 1}, "then_chain_idx": 1, "else_chain_idx": 2}],
                        [{"op_name": "NegNode", "x": T0, "out": OUT}],
                        [{"op_name": "ExpNode", "x": T0, "out": OUT}]])
-    from exporters.executorch_mlx_interp import from_torch, to_torch
+    from exporters.executorch.mlx.interpreter import from_torch, to_torch
 
     got = to_torch(d.execute([from_torch(x), cond])[0])
     torch.testing.assert_close(got, -x if cond else x.exp())
@@ -452,7 +452,7 @@ def test_if_node_runs_the_chain_its_int_value_selects(cond, seed):
 @given(st.integers(1, 6), seeds)
 def test_scan_node_carries_state_over_the_scan_axis(T, seed):
     """A running sum with decay: carry = carry * 0.5 + x_t; out_t = carry (mutable carry buffer)."""
-    from exporters.executorch_mlx_interp import from_torch, to_torch
+    from exporters.executorch.mlx.interpreter import from_torch, to_torch
 
     x, half = randn((2, T, 3), seed), torch.full((2, 3), 0.5)
     body = [{"op_name": "MultiplyNode", "a": {"tid": 50}, "b": {"tid": 60}, "out": {"tid": 50}},
@@ -475,7 +475,7 @@ def test_scan_node_carries_state_over_the_scan_axis(T, seed):
 
 
 def test_every_supported_node_type_has_a_test():
-    from exporters.executorch_mlx_interp import OPS
+    from exporters.executorch.mlx.interpreter import OPS
 
     tested = set(UNARY) | set(BINARY) | {
         "LogicalAndNode", "LogicalOrNode", "LogicalNotNode", "WhereNode", "AddIntNode", "SubtractIntNode",
@@ -533,8 +533,8 @@ def test_qwen35_program_can_take_another_checkpoints_weights(qwen35_bf16):
     another seed's program and the weight-only faults are rebound from it instead of lowered again
     (they were lowered, 1-3 min each, until 2026-11-28). That the rebound program is byte for byte the
     lowered one: benchmarks/executorch_rebind.py --backend executorch-mlx --family qwen3_5_moe."""
-    from exporters import executorch_weights as ew
-    from exporters.executorch_mlx import delegate_code_constant
+    from exporters.executorch import rebind as ew
+    from exporters.executorch.mlx.backend import delegate_code_constant
 
     spec, r = qwen35_bf16
     pte = Path(r.cache["artifacts"][0]["path"])
@@ -576,21 +576,21 @@ def test_gates_come_from_the_production_graph(olmoe_fp32):
     check = BACKEND.artifact(src, spec, True, False)
     prod = BACKEND.artifact(src, spec, False, False)
     assert node_histogram(Path(check.path)) == node_histogram(Path(prod.path))
-    from exporters.executorch_mlx_interp import Program
+    from exporters.executorch.mlx.interpreter import Program
 
     assert {n for n, m in Program.load(prod.path).methods.items() if m.delegates} == {"forward"}
 
 
 def test_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatch):
-    """A process lowers each method once (exporters.executorch.lowered_methods): the key of a method is the
+    """A process lowers each method once (exporters.executorch.lower.lowered_methods): the key of a method is the
     same for two exports of one model, a seeded fault changes the keys of exactly the methods it touches
     (olmoe's rope_theta_wrong: layer 1's attention and layer, `forward`, `routes`), and a program made of
     a new attention method and a remembered one is byte for byte the program lowered from scratch (two
     small methods: the whole olmoe check program was measured the same way, with and without the sampler)."""
     import collections
 
-    import exporters.executorch as ex
-    import exporters.executorch_mlx_export as T
+    import exporters.executorch.lower as ex
+    import exporters.executorch.mlx.export as T
 
     spec = CheckSpec(family="olmoe", backend=KIND)
     src = model_source(spec)
@@ -621,7 +621,7 @@ def test_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatc
 
 
 def test_sampling_rows_pass_through_the_lowered_sampler(olmoe_fp32):
-    """`--sampling`: models/sampling.py's head lowered by the MLX delegate (the model with it
+    """`--sampling`: models/layers/sampling.py's head lowered by the MLX delegate (the model with it
     fused, and alone) and run by the interpreter; every sampling row passes."""
     _, r = olmoe_fp32
     gates = {g.name: g for g in r.gates if g.name.startswith("sampling_")}
@@ -632,7 +632,7 @@ def test_sampling_rows_pass_through_the_lowered_sampler(olmoe_fp32):
 def test_a_stray_cast_in_the_transformations_fails_the_astype_gate(monkeypatch):
     """The RMSNorm transformation with an fp32 round trip (what it exists to remove): two casts
     per norm, and the olmoe production graph breaks its AsType budget."""
-    import exporters.executorch_mlx_export as T
+    import exporters.executorch.mlx.export as T
 
     def casting(self, x):
         return F.rms_norm(x.float(), (x.shape[-1],), self.mlx_weight.float(), self.eps).to(x.dtype)
@@ -666,8 +666,8 @@ def test_the_delegate_keeps_a_norm_over_two_dims():
     pass turns the faulty whole-projection norm back into the per-head one."""
     from torch.export import export
 
-    from exporters.executorch_mlx_export import lower
-    from exporters.executorch_mlx_interp import Program
+    from exporters.executorch.mlx.export import lower
+    from exporters.executorch.mlx.interpreter import Program
 
     class TwoDimNorm(torch.nn.Module):
         def __init__(self):
@@ -689,8 +689,8 @@ def test_the_delegate_keeps_a_bf16_round_trip():
     """Why the fault stray_bf16_downcast goes undetected on this backend."""
     from torch.export import export
 
-    from exporters.executorch_mlx_export import lower
-    from exporters.executorch_mlx_interp import Program
+    from exporters.executorch.mlx.export import lower
+    from exporters.executorch.mlx.interpreter import Program
 
     class RoundTrip(torch.nn.Module):
         def forward(self, x):
@@ -709,15 +709,15 @@ def test_unknown_executor_is_bad_input():
 def test_a_faulted_programs_cache_key_covers_the_faults_code(monkeypatch):
     """Measured: a faulted program built from an earlier form of the fault was served from the cache
     (the key named the fault, not its code), so the self-test judged the old form. Until issue 52 the
-    key covered all of models/faults.py (a change to one fault rebuilt every faulted program); it now
+    key covered all of models/faults/ (a change to one fault rebuilt every faulted program); it now
     covers the fault's own code (Fault.id): another form of this fault, another key; the clean build's
     and the production source's unchanged."""
     import dataclasses
 
-    import oracle.artifacts
+    import oracle.cache.artifacts
 
     keys = []
-    monkeypatch.setattr(oracle.artifacts, "cached_artifact", lambda ns, parts, *a, **k: keys.append(parts))
+    monkeypatch.setattr(oracle.cache.artifacts, "cached_artifact", lambda ns, parts, *a, **k: keys.append(parts))
     spec = CheckSpec(family="olmoe", backend=KIND)
     src = model_source(spec)
     fault = next(f for f in faults.applicable(src.args) if f.name == "rope_theta_wrong")
@@ -789,7 +789,7 @@ def test_the_delegates_softmax_is_computed_in_bf16():
     import numpy as np
 
     mx = pytest.importorskip("mlx.core")
-    from exporters.executorch_mlx_setup import import_delegate
+    from exporters.executorch.mlx.setup import import_delegate
 
     import_delegate()
     from executorch.backends.mlx import ops

@@ -1,4 +1,4 @@
-"""executorch: another checkpoint's weights in a program already lowered (exporters/executorch_weights.py).
+"""executorch: another checkpoint's weights in a program already lowered (exporters/executorch/rebind.py).
 
 Frugal: one program is lowered, olmoe's XNNPACK check program of seed 0 (cached: the one
 tests/test_executorch.py checks); rebinding takes a second. That a rebound program is byte for byte the
@@ -17,15 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-import exporters.executorch as ex
-from exporters import executorch_weights as ew
-from models import faults
-from models.layers import reset_state
+import exporters.executorch.backend as ex
+from exporters.executorch.candidate import ExecutorchCandidate
+from exporters.executorch.lower import lower_cpu
+from exporters.executorch.program import OPS_FILE, save
+from exporters.executorch import rebind as ew
+from models.faults import catalogue as faults
+from models.layers.transformer import reset_state
 from oracle.backend import CheckSpec
-from oracle.sources import model_source
+from oracle.source.sources import model_source
 
 needs_executorch = pytest.mark.skipif(not ex.BACKEND.availability()[0], reason=ex.BACKEND.availability()[1])
-FILES = ("model.pte", "model.ptd", "taps.json", ex.OPS_FILE)
+FILES = ("model.pte", "model.ptd", "taps.json", OPS_FILE)
 
 
 def lowered(seed: int) -> Path:
@@ -63,7 +66,7 @@ def bound_of(pte: Path, m) -> dict:
 
 def logits(pte: Path, eager, tokens) -> tuple[float, float]:
     """max |program - eager| over prefill's logits and two decode steps."""
-    cand = ex.ExecutorchCandidate(pte, {})
+    cand = ExecutorchCandidate(pte, {})
     with torch.no_grad():
         reset_state(eager)
         worst = float((cand.prefill(tokens) - eager(torch.tensor([tokens]), torch.arange(len(tokens)))[0]).abs().max())
@@ -82,7 +85,7 @@ def test_rebound_program_computes_with_the_new_weights(program, tmp_path):
     assert bound["content"] and bound["named"]  # XNNPACK's weights by content and the portable ops' by name
     dest = tmp_path / "model.pte"
     m1 = production(1)
-    assert ew.rebind(program, bound, m1, dest, ("taps.json", ex.OPS_FILE)) is None
+    assert ew.rebind(program, bound, m1, dest, ("taps.json", OPS_FILE)) is None
     tokens = [3, 17, 99, 5, 200, 42, 7, 1]
     assert logits(dest, m1, tokens) < 1e-5
     assert logits(program, production(0), tokens) < 1e-5
@@ -93,7 +96,7 @@ def test_rebound_program_computes_with_the_new_weights(program, tmp_path):
     assert set(stored) == keys
     pte = dest.read_bytes()
     assert all(k.encode() in pte for k in keys) and not any(k.encode() in pte for k in bound["content"])
-    for n in ("taps.json", ex.OPS_FILE):
+    for n in ("taps.json", OPS_FILE):
         assert filecmp.cmp(dest.with_name(n), program.with_name(n), shallow=False)
 
 
@@ -168,7 +171,7 @@ def test_backend_lowers_once_per_identity(program, tmp_path, monkeypatch):
 
 
 def ptd(pte: Path) -> dict:
-    from exporters.production_weights import ptd_tensors
+    from exporters.shared.weights import ptd_tensors
 
     return ptd_tensors(pte.with_name("model.ptd"))
 
@@ -179,7 +182,7 @@ MLX_SAMPLING = {"sampling": {"temperature": 0.8, "top_p": 0.9}}  # tests/test_ex
 
 @pytest.fixture(scope="module")
 def mlx_program():
-    from exporters.executorch_mlx import BACKEND as MLX
+    from exporters.executorch.mlx.backend import BACKEND as MLX
 
     if not MLX.availability()[0]:
         pytest.skip(MLX.availability()[1])
@@ -191,8 +194,8 @@ def test_mlx_program_with_another_seeds_weights_passes_its_check(mlx_program, tm
     """In a fresh cache whose first "lowering" is olmoe seed 0's lowered MLX program: seed 1's check program
     is rebound from it (no second lowering: the delegate's weights rewritten in the .pte's named data) and
     passes seed 1's check against HF; the same program with seed 0's weights left in fails it."""
-    import exporters.executorch_mlx_export as export
-    from exporters.executorch_mlx import ExecutorchMlxBackend
+    import exporters.executorch.mlx.export as export
+    from exporters.executorch.mlx.backend import ExecutorchMlxBackend
     from oracle.check import run_check
 
     lowerings = []
@@ -236,7 +239,7 @@ def lowered_conv(m: DepthwiseConv, path: Path) -> Path:
 
     ep = torch.export.export(m, (torch.zeros(1, 8, 16),), strict=True)
     args = SimpleNamespace(max_seq_len=16, vocab_size=1, num_hidden_layers=1)  # the program's constant methods
-    ex.save(ex.lower_cpu({"forward": ep}, SimpleNamespace(args=args)), path)
+    save(lower_cpu({"forward": ep}, SimpleNamespace(args=args)), path)
     return path
 
 

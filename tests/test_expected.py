@@ -1,13 +1,13 @@
-"""Known candidate defects (oracle/expected.py, goldens/known_divergences.toml): a check that
+"""Known candidate defects (oracle/verdict/expected.py, goldens/known_divergences.toml): a check that
 fails where its entry says is an expected failure; one that passes (a stale entry) or fails
 elsewhere is red; an entry for other versions or precisions does not apply; a malformed data
 file is refused with its path. The real entry (ERNIE on mlx-lm) runs in tests/test_mlx.py."""
 
 import pytest
 
-from oracle import summary
-from oracle.expected import Divergence, load, judge
-from oracle.result import E2E, BlockRow, CheckResult
+from oracle.reports import summary
+from oracle.verdict.expected import Divergence, load, judge
+from oracle.reports.result import E2E, BlockRow, CheckResult
 
 ENTRY = Divergence(family="ernie4_5_moe", backend="mlx", package="mlx-lm", versions="<=0.32.2",
                    fails=("router", "e2e"), cause="drops the correction bias", reference="upstream")
@@ -33,7 +33,7 @@ def test_failing_where_the_entry_says_is_an_expected_failure():
 
 def test_the_kinds_a_known_divergence_fails_are_known_to_the_drill():
     """The drill (oracle/check.py drill_down) prefers a failing block of another kind: a new defect."""
-    from oracle.expected import known_fails
+    from oracle.verdict.expected import known_fails
 
     assert known_fails(result(failing=("router",)), [ENTRY]) == ("router", "e2e")
     assert known_fails(result(failing=("router",), mlx_lm="0.33.0"), [ENTRY]) == ()

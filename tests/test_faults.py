@@ -3,12 +3,13 @@ block row names the right layer and block kind."""
 
 import pytest
 
-from exporters.eager import EagerBackend
-from models import FAMILY_NAMES, faults
+from exporters.torch.eager import EagerBackend
+from models.faults import catalogue as faults
+from models import FAMILY_NAMES
 from oracle.backend import CheckSpec
 from oracle.check import run_check
-from oracle.selftest import run_selftest
-from oracle.sources import model_source
+from oracle.selftest.run import run_selftest
+from oracle.source.sources import model_source
 
 # The five the spine issue names, with the family where each exists.
 NAMED = [
@@ -107,7 +108,7 @@ def test_chunked_prefill_fault_is_two_chunks_and_exports_at_any_length():
     import torch
     from torch.export import Dim, export
 
-    from models.layers import GatedDeltaNet, gated_delta_rule
+    from models.layers.gated_deltanet import GatedDeltaNet, gated_delta_rule
 
     args = model_source(CheckSpec(family="qwen3_5_moe", backend="eager")).args
     gdn = GatedDeltaNet(args)

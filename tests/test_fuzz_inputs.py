@@ -10,7 +10,7 @@ the code, with a clear message and exit 2, not in this file.
 
 The checks run in-process (oracle.cli.main): a tiny checkpoint checks in about a tenth of a second
 once warm. A check of a given program (--pte / --vmfb) runs `oracle check` in a child process
-itself (exporters/given.py: a program can crash its runtime), so those cases cost seconds each.
+itself (exporters/shared/given.py: a program can crash its runtime), so those cases cost seconds each.
 
 Budget: ORACLE_FUZZ_EXAMPLES cases per input (default SHORT, a third of it for the given programs;
 derandomized: the same cases in every `make test`, 15-45 s for this file on 2 cores once the
@@ -31,11 +31,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from models import FAMILY_NAMES, get_family
-from models.checkpoint import tiny_checkpoint
+from oracle.source.seeded import tiny_checkpoint
 from oracle.cli import main
 
 SHORT = 10
@@ -43,7 +42,7 @@ EXAMPLES = int(os.environ.get("ORACLE_FUZZ_EXAMPLES", SHORT))
 HANG_S = 300  # one case; the slowest legitimate one (a given program loaded twice, one child) takes seconds
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="ORACLE_FUZZ_EXAMPLES" not in os.environ,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-# a case of a given program runs `oracle check` in a child process (exporters/given.py: 3-5 s here)
+# a case of a given program runs `oracle check` in a child process (exporters/shared/given.py: 3-5 s here)
 GIVEN = settings(FUZZ, max_examples=max(2, EXAMPLES // 3))
 FAMILIES = ("olmoe", "deepseek_v3", "qwen3_5_moe")  # plain attention; MLA + grouped routing; Gated DeltaNet
 

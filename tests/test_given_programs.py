@@ -116,7 +116,7 @@ def test_random_bytes_as_pte_are_refused_not_an_abort(cli, tmp_path):
 def test_a_runtime_abort_loading_a_program_is_contained():
     """The same bytes given to the runtime itself (past the byte checks): it aborts, in the
     child process that loads given programs, and that is an InputError naming the file."""
-    from exporters import given
+    from exporters.shared import given
 
     pytest.importorskip("executorch.runtime")
     import tempfile
@@ -174,11 +174,11 @@ def test_damaged_vmfb_is_refused(vmfb, tmp_path):
 
 
 def test_vmfb_compiled_for_another_cpu_is_refused(vmfb, tmp_path):
-    """An llvm-cpu program is compiled for a CPU (exporters/iree.py: the host's): one compiled
+    """An llvm-cpu program is compiled for a CPU (exporters/iree/: the host's): one compiled
     for another architecture, or with features this CPU lacks, is refused with the reason."""
     from iree.compiler import compile_str
 
-    from exporters import given
+    from exporters.shared import given
 
     other = "x86_64-unknown-linux-gnu" if platform.machine() in ("aarch64", "arm64") else "aarch64-unknown-linux-gnu"
     module = compile_str(given._TRIVIAL, extra_args=["--iree-hal-target-device=local",
@@ -214,7 +214,7 @@ def test_a_given_programs_weights_file_is_checked_tensor_by_tensor(which, reques
     the original (an fp32 file: exactly); one expert's down projection 1 % off fails naming tensor and expert."""
     import numpy as np
 
-    from oracle.sources import model_source
+    from oracle.source.sources import model_source
 
     program = request.getfixturevalue(which)
     backend = {"vmfb": "iree-llvm-cpu", "pte": "executorch"}[which]

@@ -1,13 +1,13 @@
-"""The `hf` backend's seeded faults (exporters/hf_faults.py) against the production model's forms
-(models/faults.py): where both exist they are one fault, so the checks fail by the same numbers.
+"""The `hf` backend's seeded faults (exporters/torch/hf_faults.py) against the production model's forms
+(models/faults/): where both exist they are one fault, so the checks fail by the same numbers.
 A file of its own so that it runs beside test_selftest.py, not after it."""
 
 from dataclasses import replace
 
 import pytest
 
-from exporters.eager import EagerBackend
-from models import faults
+from exporters.torch.eager import EagerBackend
+from models.faults import catalogue as faults
 from oracle.backend import CheckSpec
 from oracle.check import run_check
 
@@ -18,7 +18,7 @@ def test_hf_gate_up_swap_is_the_catalogue_fault(family):
     computes what the production model's form does: the two checks fail their rows by the same
     numbers. A wrong layout would also fail the moe row, by other numbers (gpt-oss's torch form had
     SiLU and no bias before 2026-11-26: its moe row was 22.4 against HF's 20.6)."""
-    from exporters.hf import HFBackend
+    from exporters.torch.hf import HFBackend
 
     fault = next(f for f in faults.CATALOGUE if f.name == "expert_gate_up_swapped")
     spec = CheckSpec(family=family, backend="hf", seed=0, drill="off")

@@ -1,4 +1,4 @@
-"""In-situ rows at fp32 (oracle/insitu.py, issue 37): a row whose input carries the candidate's
+"""In-situ rows at fp32 (oracle/verdict/insitu.py, issue 37): a row whose input carries the candidate's
 own upstream error is judged against what HF fp32 makes of that input, element by element, with
 the isolated table as the floor; the same output error on an exact input fails the table, and a
 fault in one block is still found and localised behind the upstream error.
@@ -12,13 +12,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from models import faults
-from oracle import insitu
+from models.faults import catalogue as faults
+from oracle.verdict import insitu
 from oracle.backend import CheckSpec
 from oracle.check import run_check
-from oracle.compare import compare_block
-from oracle.references import reference_of
-from oracle.sources import model_source, prompt_tokens
+from oracle.verdict.compare import compare_block
+from oracle.reference.cached import reference_of
+from oracle.source.sources import model_source, prompt_tokens
 from oracle.backend import resolve
 
 PLUGINS = "tests.plugins"

@@ -63,15 +63,15 @@ def test_every_data_file_is_in_the_wheel(installed):
     names = set(zipfile.ZipFile(wheel).namelist())
     data = sorted(str(p.relative_to(src)) for pkg in PACKAGES for p in (src / pkg).rglob("*")
                   if p.is_file() and p.suffix not in (".py", ".pyc"))
-    assert "models/configs/olmoe-1b-7b-0924.json" in data and "oracle/thresholds.toml" in data
+    assert "models/configs/olmoe-1b-7b-0924.json" in data and "oracle/verdict/thresholds.toml" in data
     assert not set(data) - names, f"not in the wheel: {sorted(set(data) - names)}"
 
 
 def test_imports_come_from_the_install(installed):
     _, target, _, cwd = installed
     r = run_installed(target, cwd, program=(
-        "import json, oracle, models, exporters; from oracle import goldens, thresholds; "
-        "from models.checkpoint import CONFIGS_DIR; "
+        "import json, oracle, models, exporters; from oracle.verdict import goldens, thresholds; "
+        "from oracle.source.published import CONFIGS_DIR; "
         "print(json.dumps([oracle.__file__, models.__file__, exporters.__file__, str(goldens.root()), "
         "str(thresholds.DEFAULT_PATH), str(CONFIGS_DIR)]))"))
     assert r.returncode == 0, r.stderr
@@ -109,7 +109,7 @@ def test_goldens_check(installed):
 
 def test_report_diff(installed, tmp_path):
     _, target, _, cwd = installed
-    from oracle.summary import SCHEMA
+    from oracle.reports.summary import SCHEMA
 
     def summary(name, status, ratio):
         row = {"id": "olmoe__eager__fp32", "family": "olmoe", "backend": "eager", "precision": "fp32",

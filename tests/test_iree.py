@@ -15,14 +15,16 @@ import torch
 pytest.importorskip("iree.runtime", reason="iree is not installed (pip install 'moe-oracle[iree]')")
 pytest.importorskip("iree.turbine.aot", reason="iree-turbine is not installed (pip install 'moe-oracle[iree]')")
 
-import exporters.iree as iree_backend  # noqa: E402
-import exporters.iree_export as iree_export  # noqa: E402
-from exporters.iree import BACKEND, IreeBackend  # noqa: E402
-from exporters.iree_export import block_programs  # noqa: E402
-from models import faults  # noqa: E402
+import exporters.iree.backend as iree_backend  # noqa: E402
+import exporters.iree.export as iree_export  # noqa: E402
+from exporters.iree.program import mlir_ops  # noqa: E402
+from exporters.shared.identity import production_structure  # noqa: E402
+from exporters.iree.backend import BACKEND, IreeBackend  # noqa: E402
+from exporters.iree.export import block_programs  # noqa: E402
+from models.faults import catalogue as faults  # noqa: E402
 from oracle.backend import CheckSpec  # noqa: E402
 from oracle.check import run_check
-from oracle.sources import model_source
+from oracle.source.sources import model_source
 
 NAME = "iree-llvm-cpu"
 
@@ -93,7 +95,7 @@ def test_mlir_ops_counts_ops_not_resource_names():
   }
 #-}
 """
-    assert iree_backend.mlir_ops(text) == {"func.func": 1, "torch.aten.embedding": 1, "util.global": 1,
+    assert mlir_ops(text) == {"func.func": 1, "torch.aten.embedding": 1, "util.global": 1,
                                            "util.global.load": 1}
 
 
@@ -158,7 +160,7 @@ def _same_programs(built, bp: dict, structure, sp: dict) -> None:
     """Raise unless a built model has the block programs (names, fingerprints, inputs) and non-state
     buffers of the structure the cache key and the candidate are made from: a transform that behaved
     differently without weights."""
-    from models.layers import STATE_BUFFERS
+    from models.args import STATE_BUFFERS
 
     def desc(programs):
         return [(p.name, p.fingerprint, p.weights, p.state) for p in programs.values()]
@@ -186,7 +188,7 @@ def test_programs_come_from_the_structure_without_weights():
     rope.transform(built)
     _same_programs(built, block_programs(built)[0], structure, block_programs(structure)[0])
     i = faults.get("rope_theta_wrong").layer(src.args)
-    clean = iree_export.production_structure(src)
+    clean = production_structure(src)
     assert not torch.equal(structure.layers[i].attn.rope.inv_freq, clean.layers[i].attn.rope.inv_freq)
     off = BACKEND.with_fault(faults.get("expert_weights_off_1e-3")).model(src)
     assert iree_export.has_weights(off)

@@ -20,14 +20,16 @@ pytest.importorskip("iree.turbine.aot", reason="iree-turbine is not installed (p
 
 import iree.runtime as rt  # noqa: E402
 
-import exporters.iree as iree_backend  # noqa: E402
-import exporters.iree_export as iree_export  # noqa: E402
-from exporters.iree import BACKEND, PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO  # noqa: E402
-from models.layers import STATE_BUFFERS  # noqa: E402
-from oracle import goldens  # noqa: E402
-from oracle.artifacts import cached_artifact, sha256_file  # noqa: E402
+import exporters.iree.candidate as iree_backend  # noqa: E402
+import exporters.iree.export as iree_export  # noqa: E402
+from exporters.shared.identity import production_structure, program_identity  # noqa: E402
+from exporters.iree.backend import BACKEND  # noqa: E402
+from exporters.iree.program import PARAM_SCOPE, PARAMS_FILE, PARAMS_INFO
+from models.args import STATE_BUFFERS  # noqa: E402
+from oracle.verdict import goldens  # noqa: E402
+from oracle.cache.artifacts import cached_artifact, sha256_file  # noqa: E402
 from oracle.backend import CheckSpec  # noqa: E402
-from oracle.sources import model_source
+from oracle.source.sources import model_source
 
 NAME = "iree-llvm-cpu"
 SPEC = CheckSpec(family="qwen2_moe", backend=NAME)  # test_iree.py's qwen2_moe check: its cached program
@@ -283,7 +285,7 @@ def test_memory_estimate_follows_the_largest_layer(built):
     outside = sum(p.numel() for p in model.parameters()) - sum(per_layer)
     need, how = BACKEND.memory_estimate(src, SPEC)
     assert need == 8 * max(per_layer) + 4 * outside, how
-    from models import faults
+    from models.faults import catalogue as faults
 
     faulted, _ = BACKEND.with_fault(faults.applicable(src.args)[0]).memory_estimate(src, SPEC)
     assert faulted == need + 4 * src.parameter_count()  # a fault builds the whole fp32 model
@@ -296,7 +298,7 @@ def test_one_program_for_every_seed_and_for_a_fault_in_the_weights_alone(built):
     archive carrying the fault; a fault that changes the computation has a program of its own."""
     from dataclasses import replace
 
-    from models import faults
+    from models.faults import catalogue as faults
 
     src, b, _ = built
     spec1 = replace(SPEC, seed=1)
@@ -332,14 +334,15 @@ def test_the_faults_that_run_the_clean_program_are_those_in_the_weights_alone():
     that does not), and exactly the two faults that edit weight values alone run the clean program;
     every other fault (an attribute, a patched method, a buffer such as rope_theta_wrong's inv_freq)
     compiles its own."""
-    from models import FAMILY_NAMES, faults
+    from models.faults import catalogue as faults
+    from models import FAMILY_NAMES
 
     weights_alone = {"expert_gate_up_swapped", "expert_weights_off_1e-3"}
     for family in FAMILY_NAMES:
         spec = CheckSpec(family=family, backend=NAME)
         src = model_source(spec)
-        structure = iree_export.production_structure(src)
-        assert iree_export.program_identity(structure) == iree_export.program_identity(
+        structure = production_structure(src)
+        assert program_identity(structure) == program_identity(
             src.build_production(torch.float32)), family
         for fault in faults.applicable(src.args):
             be = BACKEND.with_fault(fault)

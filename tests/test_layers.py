@@ -3,7 +3,8 @@
 import torch
 
 from models.args import RopeArgs
-from models.layers import Experts, ModelArgs
+from models.layers.experts import Experts
+from models.args import ModelArgs
 
 
 def _experts(E=8, H=64, I=32):
@@ -41,11 +42,11 @@ class _Gathered(torch.nn.Module):
 
 
 def test_sparsemixer_weights_are_transformers_own():
-    """models.routing.sparsemixer_weights (comparisons and sums, for export) against the function
+    """models.layers.routing.sparsemixer_weights (comparisons and sums, for export) against the function
     transformers' PhiMoE router calls, at inference, on random logits with near ties planted."""
     from transformers.models.phimoe.modeling_phimoe import sparsemixer
 
-    from models import routing
+    from models.layers import routing
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(512, 8, generator=g)
@@ -63,7 +64,7 @@ def test_mixtral_sliding_window_applies_to_every_layer():
     """Mixtral's sliding_window has no per-layer form: every layer is a SLIDING one."""
     from models import get_family
     from models.args import SLIDING
-    from models.layers import Attention
+    from models.layers.attention import Attention
 
     fam = get_family("mixtral")
     a = fam.args({**fam.tiny_config, "sliding_window": 4})

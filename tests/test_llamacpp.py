@@ -1,8 +1,8 @@
-"""The llamacpp backend (exporters/llamacpp.py): GGUFs written by llama.cpp's own converter and run
+"""The llamacpp backend (exporters/llamacpp/): GGUFs written by llama.cpp's own converter and run
 by llama.cpp, checked block by block (in-situ, read by its eval callback) and end to end against HF
 fp32; its known divergences proven by their causes; a GGUF as shipped (--gguf, Q8_0 and Q4_K_M made
 by llama.cpp's own quantizer) with both row sets; bad GGUFs refused by name; GGUF-level seeded
-faults detected and localised; and the a8 arithmetic (oracle/arithmetic.py) it is judged by."""
+faults detected and localised; and the a8 arithmetic (oracle/verdict/arithmetic.py) it is judged by."""
 
 import json
 import shutil
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from models.checkpoint import tiny_checkpoint
+from oracle.source.seeded import tiny_checkpoint
 from models import get_family
-from oracle.arithmetic import RoundedActivations, round_blocks
+from oracle.verdict.arithmetic import RoundedActivations, round_blocks
 from oracle.backend import CheckSpec
 from oracle.check import run_check
 
@@ -23,7 +23,7 @@ from oracle.check import run_check
 @pytest.fixture(scope="module")
 def llamacpp():
     pytest.importorskip("llama_cpp")
-    from exporters import llamacpp
+    from exporters.llamacpp import backend as llamacpp
 
     ok, why = llamacpp.BACKEND.availability()
     if not ok:
@@ -64,7 +64,7 @@ def test_converter_refusal_names_the_converters_reason(llamacpp, cli):
 
 
 def test_one_converter_process_converts_one_checkpoint_after_another(llamacpp, tmp_path):
-    """exporters.llamacpp.Converter: a second conversion is the same child's (the converter's imports paid
+    """exporters.llamacpp.converter.Converter: a second conversion is the same child's (the converter's imports paid
     once), its GGUF byte for byte the one a fresh process writes (`python -m exporters.llamacpp convert`);
     the converter's error is that conversion's, the child goes on; a child that dies mid-conversion is that
     conversion's error (its exit status) and the next conversion gets a new child."""
@@ -73,7 +73,10 @@ def test_one_converter_process_converts_one_checkpoint_after_another(llamacpp, t
 
     from tests.conftest import ROOT
 
-    conv = llamacpp.Converter()
+    from exporters.llamacpp.converter import Converter
+    from exporters.llamacpp.setup import converter_dir
+
+    conv = Converter()
     # the child is judged by what it holds (about 0.35 GiB after a tiny conversion), not by Linux's ru_maxrss,
     # which counts the parent's resident memory at the fork: a test worker of several GiB had every child ended
     conv.RECYCLE_BYTES = 640 << 20
@@ -95,7 +98,7 @@ def test_one_converter_process_converts_one_checkpoint_after_another(llamacpp, t
         conv.close()  # a child that dies on the conversion it is given
         conv.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(7)"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        conv.where = str(llamacpp.converter_dir())
+        conv.where = str(converter_dir())
         assert conv.run(src, tmp_path / "f.gguf", "f32")[:2] == (7, None) and conv.proc is None
         assert conv.run(src, tmp_path / "g.gguf", "f32")[0] == 0
         assert (tmp_path / "g.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()
@@ -180,14 +183,14 @@ def test_shipped_gguf_weights_are_the_ggufs_own(shipped, llamacpp):
     """The dequantized checkpoint holds the GGUF's values, pulled back through the converter's map:
     an expert weight differs from the original by Q8_0's rounding and no more."""
     from models.checkpoint import read_tensors, tensor_index
-    from oracle.sources import model_source
+    from oracle.source.sources import model_source
 
     spec = CheckSpec(family="olmoe", backend="llamacpp")
     orig = model_source(spec)
     ref = llamacpp.BACKEND.gguf(orig, spec)
-    from exporters.llamacpp_gguf import dequantized_gguf
+    from exporters.llamacpp.gguf import dequantized_gguf
 
-    from exporters.llamacpp_gguf import reader, values
+    from exporters.llamacpp.gguf import reader, values
 
     d, summary = dequantized_gguf(orig.family, orig, shipped["Q8_0"], Path(ref.path), "test")
     name = "model.layers.0.mlp.experts.3.down_proj.weight"
@@ -203,7 +206,7 @@ def test_shipped_gguf_weights_are_the_ggufs_own(shipped, llamacpp):
 
 
 def test_bad_ggufs_are_refused_by_name(shipped, llamacpp, tmp_path, cli):
-    from exporters.llamacpp_faults import rewrite
+    from exporters.llamacpp.faults import rewrite
 
     key = tmp_path / "key.gguf"
     shutil.copy(shipped["Q8_0"], key)
@@ -230,7 +233,7 @@ def test_bad_ggufs_are_refused_by_name(shipped, llamacpp, tmp_path, cli):
     ("gguf_expert_used_count_wrong", (0, "router"), "topk"),
 ])
 def test_gguf_faults_are_detected_and_localised(llamacpp, fault, where, point):
-    from exporters import llamacpp_faults
+    from exporters.llamacpp import faults as llamacpp_faults
 
     f = next(x for x in llamacpp_faults.CATALOGUE if x.name == fault)
     r = run_check(CheckSpec(family="olmoe", backend="llamacpp"), llamacpp.BACKEND.with_fault(f))
@@ -266,7 +269,7 @@ def test_qwen2moe_shared_gate_of_zero_is_nan_in_llama_cpp(llamacpp):
     a zeroed gate tensor (HF: sigmoid(0) = 0.5) makes every later row NaN. A NaN never passes: the
     layer's moe row fails with its count. When llama.cpp computes a real sigmoid this test fails:
     then the gate is 0.5 and the row fails by its numbers instead (update the docs)."""
-    from exporters.llamacpp_faults import rewrite
+    from exporters.llamacpp.faults import rewrite
 
     def zero_gate(path, args):
         rewrite(path, tensors=lambda t, r: {"blk.1.ffn_gate_inp_shexp.weight": np.zeros_like(t["blk.1.ffn_gate_inp_shexp.weight"])})

@@ -257,7 +257,7 @@ def test_goldens_check_passes_and_an_edit_fails(cli, tmp_path):
 def test_goldens_apply_to_the_spec_they_were_frozen_for(tmp_path, monkeypatch):
     """Tokens: the frozen seed, lengths, precision and options. Structures: the frozen options
     only (a partitioner is another graph; a precision or a length is not, see the docs)."""
-    from oracle import goldens
+    from oracle.verdict import goldens
     from oracle.backend import CheckSpec
 
     monkeypatch.setenv("MOE_ORACLE_GOLDENS", str(tmp_path))

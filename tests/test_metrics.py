@@ -6,12 +6,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-from oracle import thresholds
-from oracle.metrics import router_metrics, tensor_metrics, top2_margin
+from oracle.verdict import thresholds
+from oracle.verdict.metrics import router_metrics, tensor_metrics, top2_margin
 
 FP32 = {"atol": 1e-5, "rtol": 1e-4, "rel_l2": 1e-5}
 finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
@@ -79,7 +78,7 @@ ROUTER = {"weight_atol": 1e-5, "min_agreement": 1.0, "tie_gap": 1e-3}
 
 
 def gaps(probs, k):
-    """The k-th minus (k+1)-th probability per token (what oracle.compare.router_gaps gives)."""
+    """The k-th minus (k+1)-th probability per token (what oracle.verdict.compare.router_gaps gives)."""
     srt = -np.sort(-probs, axis=-1)
     return srt[:, k - 1] - srt[:, k] if probs.shape[-1] > k else np.full(probs.shape[0], np.inf)
 
@@ -134,7 +133,7 @@ def test_limits_at_real_width():
     """The dimension rules of thresholds.toml: an fp32 atol grows as sqrt(K / 64) with the
     longest dot product K (tiny models: K = 64, unchanged); bf16 tables have no such rule; the
     router near-tie gap scales as 8 / E."""
-    from oracle import thresholds
+    from oracle.verdict import thresholds
 
     fp32 = thresholds.limits("fp32", "moe")
     assert thresholds.at_width(fp32, 64) == fp32 and thresholds.at_width(fp32, 32) == fp32
@@ -159,7 +158,7 @@ def _e2e_case(step1_logits, tie_position, exact=None):
     Noise, measured lazily (run_e2e's `exact`)."""
     from types import SimpleNamespace
 
-    from oracle.e2e import run_e2e
+    from oracle.verdict.e2e import run_e2e
     from oracle.backend import CheckSpec
 
     V, P = 6, 3
@@ -183,7 +182,7 @@ def _e2e_case(step1_logits, tie_position, exact=None):
 def test_e2e_no_step_is_excused_for_a_near_tie():
     """A step far from the reference fails wherever its position's routing is a near tie: no step is
     excused without evidence (issue 51). What the candidate's routers chose is judged by routing replay
-    (oracle/replay.py, tests/test_replay.py); a candidate that does not report it is judged as is. NaN
+    (oracle/verdict/replay.py, tests/test_replay.py); a candidate that does not report it is judged as is. NaN
     never passes."""
     moved = torch.tensor([9.0, -9.0, 9.0, -9.0, 9.0, -9.0])  # far from the reference's logits
     for tie_position in (3, None, 1, 4):
@@ -200,7 +199,7 @@ def test_e2e_no_step_is_excused_for_a_near_tie():
 def _fp64(step1_error: float, calls: list):
     """HF at fp64 as run_e2e's `exact`: the reference (HF fp32) is `step1_error` from it at decode
     step 1 (at one element), exact elsewhere; `calls` counts the measurements."""
-    from oracle.noise import Noise
+    from oracle.verdict.noise import Noise
 
     def measure(logits):
         calls.append(1)

@@ -1,4 +1,4 @@
-"""The mlx backend (exporters/mlx.py) against the real HF fp32 reference: fp32 block + e2e
+"""The mlx backend (exporters/mlx/) against the real HF fp32 reference: fp32 block + e2e
 for the five families, q8 judged by its logits' distribution, the explicit config
 conversion and the rope_theta trap it exists for, the routing mirrors, seeded faults on
 mlx-lm's model, and the backend's absence on a host without mlx."""
@@ -11,15 +11,17 @@ import sys
 import numpy as np
 import pytest
 
-from models import CORE, FAMILY_NAMES, faults, get_family
-from models.checkpoint import read_config, tiny_checkpoint
-from oracle import thresholds
+from models.faults import catalogue as faults
+from models import CORE, FAMILY_NAMES, get_family
+from models.checkpoint import read_config
+from oracle.source.seeded import tiny_checkpoint
+from oracle.verdict import thresholds
 from oracle.backend import CheckSpec
 from oracle.check import run_check
-from oracle.references import reference_for
-from oracle.sources import model_source, prompt_tokens
-from oracle.distribution import distribution_metrics, judge_distribution
-from oracle.metrics import as_f64
+from oracle.reference.cached import reference_for
+from oracle.source.sources import model_source, prompt_tokens
+from oracle.verdict.distribution import distribution_metrics, judge_distribution
+from oracle.verdict.metrics import as_f64
 from models.args import block_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,9 +40,14 @@ FAULTS = {
 def mlx():
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
-    from exporters import mlx
+    from types import SimpleNamespace
 
-    return mlx
+    from exporters.mlx import backend, config, load, model
+    from models.mlx_lm import ConfigError
+
+    # the backend's modules' names in one place (the tests read the backend, its config conversion, its
+    # loading and the routing mirrors of mlx-lm's blocks)
+    return SimpleNamespace(**{**vars(model), **vars(load), **vars(config), **vars(backend), "ConfigError": ConfigError})
 
 
 # the core families (models.CORE) in depth; the others at fp32 in test_other_families_pass_fp32,
@@ -81,7 +88,7 @@ def test_mlx_lm_models_that_compute_another_model_are_expected_failures(family_n
 @pytest.fixture(scope="module", params=CORE)
 def family(request):
     """Module-scoped, so pytest runs each family's tests together: the reference (cached
-    in-process by oracle.references.reference_for) is captured once per family."""
+    in-process by oracle.reference.cached.reference_for) is captured once per family."""
     return request.param
 
 
@@ -188,16 +195,15 @@ def test_q8_on_trained_weights_passes_with_the_loss_reported(mlx, weights_family
 
 @pytest.mark.parametrize("any_family", FAMILY_NAMES)
 def test_router_mirror_is_what_the_block_applies(mlx, any_family):
-    """exporters.mlx.route mirrors each mlx-lm MoE block's routing: run the block itself with
+    """exporters.mlx.model.route mirrors each mlx-lm MoE block's routing: run the block itself with
     its experts replaced by one-hot rows, so its own weighted sum returns the weights it
     applies (exact; Llama 4 scales the expert's input by its weight: the ratio, to rounding), and
     compare, on random tokens and on single tokens. Also through a seeded fault's patched subclass of
-    the block (exporters.mlx_faults.patch_call): the mirror is still found (a router row the harness
+    the block (exporters.mlx.model.patch_call): the mirror is still found (a router row the harness
     cannot read is a containment defect)."""
     import mlx.core as mx
 
-    from exporters.mlx_faults import patch_call
-    from exporters.mlx_model import experts_of, router_linear
+    from exporters.mlx.model import experts_of, patch_call, router_linear
 
     src = model_source(CheckSpec(family=any_family, backend="mlx"))
     model, _ = mlx.load_model(src)
@@ -245,11 +251,11 @@ def test_router_mirror_is_what_the_block_applies(mlx, any_family):
 @pytest.mark.parametrize("any_family", ["gpt_oss", "deepseek_v2", "deepseek_v3", "llama4", "phimoe"])
 def test_rotary_rebuilds_the_ropes_with_explicit_frequencies(mlx, any_family):
     """The seeded rope faults rebuild mlx-lm's ropes with explicit frequencies (YaRN, DeepSeek-V2's
-    YaRN, Llama 3, LongRoPE) as exporters.mlx_faults._Rotary, then change one thing: unchanged, the
+    YaRN, Llama 3, LongRoPE) as exporters.mlx.fault_attention.Rotary, then change one thing: unchanged, the
     rebuild computes what the rope does (so the fault is the one change)."""
     import mlx.core as mx
 
-    from exporters.mlx_faults import rotary
+    from exporters.mlx.fault_attention import rotary
 
     model, _ = mlx.load_model(model_source(CheckSpec(family=any_family, backend="mlx")))
     ropes = [mlx.attention_block(layer).rope for layer in model.layers if "rope" in mlx.attention_block(layer)]
@@ -434,7 +440,7 @@ def test_bad_options_are_refused_with_the_reason(mlx, options, precision, messag
     import mlx.core as mx
 
     from oracle.backend import InputError
-    from oracle.validation import validate
+    from oracle.source.validation import validate
 
     if options.get("device") == "gpu" and mx.is_available(mx.gpu):
         pytest.skip("this host has an mlx GPU")
@@ -482,7 +488,7 @@ def test_sampling_rows_pass_with_mlx_lms_sampler(mlx):
 def test_mlx_lm_takes_top_p_before_the_temperature(mlx):
     """Why the mlx candidate declares top_p_after_temperature = False: judged as a
     temperature-first sampler, mlx-lm's draws fall outside that nucleus."""
-    from oracle.sampling import distribution_gate
+    from oracle.verdict.sampling import distribution_gate
 
     spec = CheckSpec(family="olmoe", backend="mlx")
     cand = mlx.BACKEND.load(model_source(spec), spec)

@@ -1,4 +1,4 @@
-"""Reduced-precision verdicts from measured noise (oracle/noise.py, issue 37): HF transformers'
+"""Reduced-precision verdicts from measured noise (oracle/verdict/noise.py, issue 37): HF transformers'
 own bf16 run passes by construction, a candidate with three times its error on one block fails
 that row, a decode-path defect fails e2e (no step is excused: a routing difference is judged on its
 own, tests/test_replay.py). The sweep over fifteen families, seeds 0-4 and both weight profiles is in
@@ -11,7 +11,8 @@ import torch
 from models import get_family
 from oracle.backend import CheckSpec
 from oracle.check import run_check
-from oracle.noise import ATTENDING, attentions, rounding, row_error, score_error, worse
+from oracle.verdict.noise import ATTENDING, attentions, row_error, score_error, worse
+from oracle.verdict.metrics import rounding
 
 PLUGINS = "tests.plugins"
 
@@ -95,10 +96,10 @@ def test_worse_takes_each_row_from_the_measurement_farther_from_the_reference():
 def test_the_noise_is_the_worse_of_hf_eager_and_sdpa_row_by_row():
     """HF at bf16 with each attention implementation it offers (gpt_oss's sinks: eager only): the judged
     noise is at least each one's error, step by step and row by row, and is one of them."""
-    from oracle.noise import _cached, _key, noise_for
+    from oracle.verdict.noise import _cached, _key, noise_for
     from oracle.backend import hf_spec
-    from oracle.references import reference_of
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.reference.cached import reference_of
+    from oracle.source.sources import model_source, prompt_tokens
 
     assert attentions(get_family("gpt_oss")) == ("eager",) and attentions(get_family("olmoe")) == ("eager", "sdpa")
     spec = CheckSpec(family="olmoe", backend="eager", precision="bf16", seed=1)
@@ -123,13 +124,13 @@ def test_the_noise_is_the_worse_of_hf_eager_and_sdpa_row_by_row():
 
 
 def test_a_kept_hf_model_measures_what_a_fresh_load_does(monkeypatch):
-    """oracle.noise.KEPT: HF's small model in memory, kept across checks, is handed out again (not loaded),
+    """oracle.verdict.noise.KEPT: HF's small model in memory, kept across checks, is handed out again (not loaded),
     and a measurement on it after another user forced and recorded routes on it is bit for bit a freshly
     loaded model's (blocks, selection scores, logits); at most KEEP are kept."""
-    from oracle import noise as N
+    from oracle.verdict import noise as N
     from oracle.backend import hf_spec
-    from oracle.references import reference_of
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.reference.cached import reference_of
+    from oracle.source.sources import model_source, prompt_tokens
 
     spec = CheckSpec(family="qwen3_moe", backend="eager", precision="bf16")
     src = model_source(spec)
@@ -168,11 +169,11 @@ def test_the_noise_takes_the_references_mask_decisions_not_hfs_own_flip(monkeypa
     sdpa at bf16 flipped a mask of its own at a near tie in layer 0 (forced to the reference's experts only),
     and its layer row's error was 12x eager's (0.18 vs 0.016): a flip, not rounding. Forced to the
     reference's decisions too, it is rounding."""
-    from oracle import replay
+    from oracle.verdict import replay
     from oracle.backend import hf_spec
-    from oracle.noise import measure
-    from oracle.references import reference_of
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.verdict.noise import measure
+    from oracle.reference.cached import reference_of
+    from oracle.source.sources import model_source, prompt_tokens
 
     spec = hf_spec(CheckSpec(family="phimoe", backend="eager", precision="bf16", weights="normal", seed=1))
     src = model_source(spec)
@@ -197,11 +198,11 @@ def test_streamed_noise_is_the_whole_ones_each_layer_read_once_for_both_attentio
     fp32, was a bf16 buffer in the streamed model); and the two run one layer at a time in turn (lockstep:
     each layer's blocks, then its stage of the e2e steps layer by layer), so that each decoder layer is read
     from the checkpoint once for both, not once per block kind and per step."""
-    from oracle import noise as N
+    from oracle.verdict import noise as N
     from oracle.backend import hf_spec
-    from oracle.reference import READ, forget_reads, tensor_bytes
-    from oracle.references import reference_of
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.reference.streaming import READ, forget_reads, tensor_bytes
+    from oracle.reference.cached import reference_of
+    from oracle.source.sources import model_source, prompt_tokens
     from models.checkpoint import LAYER, tensor_index
 
     spec = CheckSpec(family=family, backend="hf", precision="bf16", decode_tokens=4)

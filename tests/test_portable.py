@@ -1,4 +1,4 @@
-"""Nothing host-specific is compared (oracle.portable): a saved report compares equal to the same
+"""Nothing host-specific is compared (oracle.verdict.portable): a saved report compares equal to the same
 report from another machine (another node name, CPU count, IREE target CPU, Python, paths, and
 kernels that round differently), and unequal when the check's result changed."""
 
@@ -10,8 +10,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from oracle.baseline import BASELINES
-from oracle.portable import DEFAULT, EXACT_KEYS, HOST_KEYS, REDUCED, comparable, differences
+from oracle.reports.baseline import BASELINES
+from oracle.verdict.portable import DEFAULT, EXACT_KEYS, HOST_KEYS, REDUCED, comparable, differences
 
 SAVED = BASELINES / "qwen2_moe__iree-llvm-cpu__fp32.json"
 ALL_SAVED = sorted(BASELINES.glob("*.json"))
@@ -49,7 +49,7 @@ def another_machine(doc: dict) -> dict:
 
 # host-like rounding of a float measured at the report's precision (the issue's figures)
 ROUNDING = {"fp32": 1e-5, "bf16": 1e-3}
-# names no rule of oracle.portable knows: fields a later change may add to any row
+# names no rule of oracle.verdict.portable knows: fields a later change may add to any row
 NEW_NAMES = ("gate_spread", "expert_entropy", "kl_p95", "drift", "late_field_s")
 
 
@@ -106,7 +106,7 @@ def test_host_rounding_of_every_float_compares_equal(path, rng):
     1e-3 at bf16), with fields added later that no rule names: the same check result.
 
     This covers fields nobody classified. It fails when the default for an unnamed float is made
-    near-exact again: set `DEFAULT = {}` and `REDUCED = (1e-4, 1e-9)` in oracle/portable.py (the
+    near-exact again: set `DEFAULT = {}` and `REDUCED = (1e-4, 1e-9)` in oracle/verdict/portable.py (the
     rule before 2026-11-27) and it fails at the first added field, or at a float such as
     `tie_weight_max_abs` or `reference.token_margins` (tried: it fails on the first example)."""
     doc = saved_doc(path)

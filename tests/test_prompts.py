@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from models import get_family
-from models.checkpoint import tiny_checkpoint
+from oracle.source.seeded import tiny_checkpoint
 
 PROMPTS = ["The quick brown fox", '{"text": "Mixture of experts routes each token."}', "", "Hello, world"]
 

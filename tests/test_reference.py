@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from models import FAMILY_NAMES, get_family
-from models.checkpoint import tiny_checkpoint
-from oracle.reference import capture, load_hf_model
+from oracle.source.seeded import tiny_checkpoint
+from oracle.reference.run import capture
+from oracle.reference.streaming import load_hf_model
 
 
 def _tensors(ref):
@@ -24,9 +25,9 @@ def _hf_whole_and_streamed(monkeypatch, **spec):
     """(the reference, the `hf` candidate in memory, the same streamed) of a tiny checkpoint's check; the
     layer another test read last forgotten (its reads are not this test's)."""
     from oracle.backend import CheckSpec, resolve
-    from oracle.reference import forget_reads
-    from oracle.references import reference_of
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.reference.streaming import forget_reads
+    from oracle.reference.cached import reference_of
+    from oracle.source.sources import model_source, prompt_tokens
 
     forget_reads()
     spec = CheckSpec(backend="hf", **spec)
@@ -45,7 +46,7 @@ TINY = [(family, None) for family in FAMILY_NAMES]
 
 
 def _checkpoint(fam, config):
-    from models.checkpoint import config_checkpoint
+    from oracle.source.seeded import config_checkpoint
 
     return tiny_checkpoint(fam, 0) if config is None else config_checkpoint(fam, config, 2, 0)
 
@@ -57,7 +58,7 @@ def test_streamed_reference_is_bitwise_the_whole_one(family, config, monkeypatch
     model captures: tokens, logits, every block's inputs and outputs. A decode step (1 token, top 2 of 8)
     of a layer whose checkpoint stores its experts one by one converts only the experts it chose
     (LayerStream.read_experts), never the whole layer's with the others as zeros."""
-    from oracle.reference import LayerStream
+    from oracle.reference.streaming import LayerStream
 
     calls = {"chosen": 0, "whole": 0}
     read_experts, read = LayerStream.read_experts, LayerStream.read
@@ -97,7 +98,8 @@ CHILD = """
 import json, sys
 from pathlib import Path
 from models import get_family
-from oracle.reference import capture, first_nonfinite, load_hf_model, streamed_bytes
+from oracle.reference.run import capture, first_nonfinite
+from oracle.reference.streaming import load_hf_model, streamed_bytes
 fam = get_family("olmoe")
 model = load_hf_model(fam, Path(sys.argv[1]), streamed=True)
 ref = capture(model, fam, [3, 17, 99, 5, 200, 42, 7, 1], 3)
@@ -123,7 +125,8 @@ def test_streamed_reference_memory_stays_under_the_bound(tmp_path):
     import subprocess
     import sys
 
-    from models.checkpoint import tensor_index, write_seeded_checkpoint
+    from models.checkpoint import tensor_index
+    from oracle.source.seeded import write_seeded_checkpoint
 
     fam = get_family("olmoe")
     ckpt = tmp_path / "ckpt"
@@ -179,7 +182,7 @@ def test_streamed_hf_candidate_matches_the_whole_one(family, precision, monkeypa
 def test_saved_reference_reads_back_as_the_same_numpy_arrays(tmp_path):
     """The on-disk reference cache (what a warm check reads, without torch): every array back with
     its dtype and bytes, the block calls' inputs as numpy and, for torch candidates, as tensors."""
-    from oracle.reference import load, save
+    from oracle.reference.saved import load, save
 
     fam = get_family("qwen3_5_moe")
     ref = capture(load_hf_model(fam, tiny_checkpoint(fam, 0)), fam, [3, 17, 99, 5], 2)
@@ -196,12 +199,12 @@ def test_saved_reference_reads_back_as_the_same_numpy_arrays(tmp_path):
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(family, monkeypatch):
-    """The `hf` candidate's block rows on a streamed model (exporters/hf.py `_only_layer`): the block's
+    """The `hf` candidate's block rows on a streamed model (exporters/torch/hf.py `_only_layer`): the block's
     own decoder layer loaded once for all its calls, every other layer skipped (its cache grown by
     placeholders), exactly the outputs and routes of the whole model's replay; the bytes read for a
     layer's blocks are that layer's once (the decode calls inside the same load, the layer's other blocks
     while it is held), not the model's per call."""
-    from oracle.reference import release_held, streamed_bytes, tensor_bytes
+    from oracle.reference.streaming import release_held, streamed_bytes, tensor_bytes
 
     ref, whole, streamed = _hf_whole_and_streamed(monkeypatch, family=family)
     assert streamed.streamed and not whole.streamed
@@ -221,7 +224,7 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
             assert read == 0, key  # the final norm and the head: resident, no layer read
         else:
             stream = streamed.model._oracle_streams[key[0]]
-            if key[0] in seen:  # kept loaded since the layer's first block (oracle.reference.hold)
+            if key[0] in seen:  # kept loaded since the layer's first block (oracle.reference.streaming.hold)
                 assert read == 0, key
             else:
                 seen.add(key[0])
@@ -236,7 +239,7 @@ def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, 
     layer's inputs) give exactly the logits and the routes of the whole model's prefill and decode calls
     one by one, at bf16 (HF keeps some tensors in fp32 there, and a tied head must follow its embedding's
     cast), and read each decoder layer's bytes once in all."""
-    from oracle.reference import streamed_bytes, tensor_bytes
+    from oracle.reference.streaming import streamed_bytes, tensor_bytes
 
     real = {} if config is None else {"config": config, "layers": 2}
     ref, whole, streamed = _hf_whole_and_streamed(monkeypatch, family=family, precision="bf16", decode_tokens=4,
@@ -262,7 +265,7 @@ def test_streamed_model_holds_every_tensor_as_the_whole_one_does(family):
     """At bf16, every parameter and buffer of the streamed model (its layers loaded) has the whole model's
     dtype and value: HF keeps some in fp32 (DeepSeek-V3's e_score_correction_bias, a buffer, by the class's
     keep-in-fp32 names; ERNIE's gate), and a tied head is its embedding."""
-    from oracle.reference import decoder_of, materialized
+    from oracle.reference.streaming import decoder_of, materialized
 
     fam = get_family(family)
     d = tiny_checkpoint(fam, 0)

@@ -9,7 +9,7 @@ import pytest
 
 from oracle.backend import CheckSpec, InputError
 from oracle.check import run_check
-from oracle.references import save_reference
+from oracle.reference.cached import save_reference
 
 
 def _report(path):

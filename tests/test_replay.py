@@ -1,4 +1,4 @@
-"""Routing replay (oracle/replay.py, issue 51): HF with a forced selection computes what the production
+"""Routing replay (oracle/verdict/replay.py, issue 51): HF with a forced selection computes what the production
 model computes with that selection, in every family (HF's MoE block uses the indices its router
 returns, the weights come from the router's own logits by the family's routing); a forced selection
 equal to HF's own changes nothing; the differences and their verdicts."""
@@ -9,9 +9,9 @@ import torch
 
 from models import FAMILY_NAMES
 from oracle.backend import CheckSpec, resolve
-from oracle.references import reference_of
-from oracle.replay import Difference, differences, exchange_gap, forced, reference_routes
-from oracle.sources import model_source, prompt_tokens
+from oracle.reference.cached import reference_of
+from oracle.verdict.replay import Difference, differences, exchange_gap, forced, reference_routes
+from oracle.source.sources import model_source, prompt_tokens
 
 
 def other_experts(idx: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -25,7 +25,7 @@ def other_experts(idx: np.ndarray, scores: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_forced_selection_in_hf_is_the_production_models(family):
-    from models import routing
+    from models.layers import routing
     from models.args import SPARSE, mlp_type
 
     spec = CheckSpec(family=family, backend="hf")
@@ -125,8 +125,8 @@ def test_a_flip_inside_the_tie_bound_passes_and_is_listed():
     """At bf16 the candidate takes, inside its own run, the reference's (k+1)-th expert at a position whose
     gap is within the bound measured there: a tie. The check passes, judged against HF with that choice
     forced; the routing section lists it."""
-    from oracle.e2e import tie_bounds
-    from oracle.noise import noise_for
+    from oracle.verdict.e2e import tie_bounds
+    from oracle.verdict.noise import noise_for
     from tests.plugins import FlipRouter
 
     spec, src, prompt, ref = _reference("qwen3_5_moe", "bf16")
@@ -161,11 +161,11 @@ def run_check_with(spec, backend):
 def test_a_group_choice_at_its_margin_has_the_other_groups_experts():
     """routing.group_alternative: the top-k had the weakest kept group been exchanged for the best left
     out (what a group-limited router at a near tie of its group choice may take; a failing layer row of
-    a compiled block program is judged against it there: oracle/compare.near_tie_alternative). Measured
+    a compiled block program is judged against it there: oracle/verdict/compare.py: near_tie_alternative). Measured
     case: dots1 on executorch-mlx at bf16, trained weights, seed 0, took the other group at decode
     step 2 inside layer 1 (a group gap 1.1x the router row's bound, within the bound measured in HF's
     whole bf16 run): 26.9 from HF plain, 0.66 from HF with that alternative forced."""
-    from models import routing
+    from models.layers import routing
     from models.args import ModelArgs
 
     a = model_source(CheckSpec(family="dots1", backend="eager")).args
@@ -192,7 +192,7 @@ def test_a_sparsemixer_mask_at_its_margin_is_weighed_the_other_way():
     """routing.mask_flipped: sparsemixer's weights with each token's nearest mask decision (the expert
     nearest a choice's 2-eps threshold) taken the other way; checked against sparsemixer_weights with
     eps moved just past that expert, which decides it so."""
-    from models import routing
+    from models.layers import routing
 
     eps = 0.01
     # token 0: expert 2 just inside choice 0's softmax ((m - s) / m = 0.0196 < 2 eps); token 1: expert 3
@@ -215,7 +215,7 @@ def test_a_sparsemixer_mask_at_its_margin_is_weighed_the_other_way():
 def test_a_layer_whose_mask_flips_at_a_near_tie_is_judged_against_that_mask():
     """A compiled block program's layer row (its own choice not reported) whose sparsemixer mask went the
     other way at a near tie inside the layer is judged against HF with that mask decision flipped
-    (oracle/compare.near_tie_alternative): the MLX delegate's layer 0 of phimoe at bf16, normal weights,
+    (oracle/verdict/compare.py: near_tie_alternative): the MLX delegate's layer 0 of phimoe at bf16, normal weights,
     seed 1, failed at 14x before, its experts agreeing and the weights' margin 0.003 within the bound
     0.02. Weights that no mask decision gives there still fail."""
     from tests.plugins import FlipMaskInLayer

@@ -2,12 +2,12 @@
 
 import json
 
-from exporters.eager import EagerBackend
-from models import faults
+from exporters.torch.eager import EagerBackend
+from models.faults import catalogue as faults
 from oracle.backend import CheckSpec
 from oracle.check import run_check
-from oracle.report import markdown
-from oracle.result import dumps, write_atomic
+from oracle.reports.markdown import markdown
+from oracle.reports.result import dumps, write_atomic
 
 
 def _strip_timings(doc):
@@ -36,14 +36,14 @@ def test_markdown_names_the_fault():
     md = markdown(r.to_dict())
     assert "**fail**" in md and "Localised fault: **layer 1 attention (full_attention)**" in md
     assert "First divergence: step" in md
-    # the drill-down of the failing block (oracle/points.py) names the point inside it, in bold
+    # the drill-down of the failing block (oracle/drill/points.py) names the point inside it, in bold
     assert "Drill: layer 1 attention: first divergence at `q_rope`" in md and "| **`q_rope`** | fail |" in md
     drill = [line for line in md.splitlines() if line.startswith("| `") or line.startswith("| **`")]
     assert len(md.splitlines()) - len(drill) < 30  # compact besides the drill's points table (one row per point)
 
 
 def test_nonfinite_json_is_valid():
-    from oracle.result import _clean
+    from oracle.reports.result import _clean
 
     assert _clean({"a": float("nan"), "b": [float("inf")]}) == {"a": "nan", "b": ["inf"]}
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from models.sampling import Sampler, check_args, gumbel_noise
+from models.layers.sampling import Sampler, check_args, gumbel_noise
 from oracle.backend import CheckSpec
 from oracle.check import run_check
-from oracle.sampling import distribution_gate, nucleus, reference_noise, reference_sample
+from oracle.verdict.sampling import distribution_gate, nucleus, reference_noise, reference_sample
 
 SAMPLING = {"sampling": {"temperature": 0.8, "top_p": 0.9}}
 
@@ -59,8 +59,8 @@ def test_cli_refuses_bad_sampling_arguments(cli, args, needle):
 
 
 def test_noise_matches_the_independent_host_implementation():
-    from models.sampling import hash32
-    from oracle.sampling import _hash32
+    from models.layers.sampling import hash32
+    from oracle.verdict.sampling import _hash32
 
     for seed in (0, 1, 12345, 2**31 + 7, 2**40 + 3):
         x = torch.arange(300, dtype=torch.int64) * 7919 + seed % 1000

@@ -25,8 +25,8 @@ def test_lockstep_runs_each_pass_one_step_at_a_time_in_turn():
 
 
 def _load(family, precision, mode, monkeypatch, backend="eager"):
-    from oracle.references import reference_of
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.reference.cached import reference_of
+    from oracle.source.sources import model_source, prompt_tokens
 
     spec = CheckSpec(family=family, backend=backend, precision=precision, decode_tokens=4)
     src = model_source(spec)
@@ -37,13 +37,13 @@ def _load(family, precision, mode, monkeypatch, backend="eager"):
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_the_streamed_production_model_computes_ahead_exactly_what_the_whole_one_does(family, monkeypatch):
-    """The production model streamed from the checkpoint (exporters/eager.py build_streamed: each layer's weights
+    """The production model streamed from the checkpoint (exporters/torch/ build_streamed: each layer's weights
     read, sanitized and converted by the family's rules when in use), its block rows and e2e steps computed
     ahead layer by layer (Candidate.ahead): every block output, the routes of every block and step, and the
     logits of the prefill and each decode step are bitwise the whole model's, call by call; each decoder
     layer read once for all of them; asked again (the drill), a block runs again with the same bytes."""
     from models.checkpoint import LAYER, tensor_index
-    from oracle.reference import forget_reads, streamed_bytes, tensor_bytes
+    from oracle.reference.streaming import forget_reads, streamed_bytes, tensor_bytes
 
     forget_reads()
     ref, whole = _load(family, "bf16", "whole", monkeypatch)
@@ -85,9 +85,9 @@ def test_a_streamed_check_reports_what_the_whole_one_does_and_its_schedule(backe
     rows, steps, routing and tokens as with the model in memory, and says which schedule ran. Streamed, the
     noise and the routing replays share one HF model per precision and attention (what each keeps resident
     is its embedding and head: one per use was 8 of them at bf16), forgotten at the check's end."""
-    from oracle import noise as N
+    from oracle.verdict import noise as N
     from oracle.check import run_check
-    from oracle.report import markdown
+    from oracle.reports.markdown import markdown
 
     def run(mode):
         monkeypatch.setenv("MOE_ORACLE_REFERENCE", mode)
@@ -114,8 +114,8 @@ def test_a_streamed_check_reports_what_the_whole_one_does_and_its_schedule(backe
 def test_a_seeded_fault_or_the_gpu_on_a_streamed_production_model_is_refused(monkeypatch):
     """A fault edits the production model in memory, and the GPU control moves it there: neither can run on a
     streamed one (bad input, said why), rather than a crash on meta tensors."""
-    from models.faults import CATALOGUE
-    from oracle.sources import model_source
+    from models.faults.catalogue import CATALOGUE
+    from oracle.source.sources import model_source
 
     spec = CheckSpec(family="olmoe", backend="eager", precision="bf16")
     src = model_source(spec)
@@ -127,17 +127,17 @@ def test_a_seeded_fault_or_the_gpu_on_a_streamed_production_model_is_refused(mon
 
 
 def test_the_e2e_routing_replay_run_ahead_is_the_one_run_after(monkeypatch, tmp_path):
-    """The e2e routing replay run in the candidate's layer-by-layer pass (oracle/e2e.py ReplayAhead: each
+    """The e2e routing replay run in the candidate's layer-by-layer pass (oracle/verdict/e2e.py ReplayAhead: each
     layer's plan from the candidate's selection once it ran that layer) keeps, under the key run_e2e's
     replay asks, exactly what HF run afterwards with the whole plan measures (fp32, and bf16 with each
     attention); each layer read once for the candidate and the three runs."""
-    from oracle import noise as N
-    from oracle.e2e import ReplayAhead
-    from oracle.reference import READ
+    from oracle.verdict import noise as N
+    from oracle.verdict.e2e import ReplayAhead
+    from oracle.reference.streaming import READ
 
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
     ref, cand = _load("qwen3_5_moe", "bf16", "streamed", monkeypatch, backend="hf")
-    from oracle.sources import model_source, prompt_tokens
+    from oracle.source.sources import model_source, prompt_tokens
 
     spec = CheckSpec(family="qwen3_5_moe", backend="hf", precision="bf16", decode_tokens=4)
     src = model_source(spec)
@@ -170,10 +170,10 @@ def test_a_streamed_check_plans_its_memory_and_cache_before_it_starts(monkeypatc
     each attention) + the base; a machine with less is refused with the sizes (bad input), not run out of
     memory. The cache it will write beside the checkpoint (reference and noise) is estimated from the shapes:
     at least what the check then writes, and not far above it."""
-    from models.cache import size_of
+    from oracle.cache.store import size_of
     from oracle.backend import BASE_MEMORY
     from oracle.check import run_check
-    from oracle.sources import model_source
+    from oracle.source.sources import model_source
 
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
     monkeypatch.setenv("MOE_ORACLE_REFERENCE", "streamed")

@@ -7,12 +7,14 @@ import json
 import pytest
 import torch
 
-from exporters.eager import EagerBackend
-from models import FAMILY_NAMES, faults
-from oracle.backend import CheckSpec
+from exporters.torch.eager import EagerBackend
+from models.faults import catalogue as faults
+from models import FAMILY_NAMES
+from oracle.backend import CheckSpec, InputError
 from oracle.check import run_check
-from oracle.sources import model_source
-from oracle.selftest import render, run_selftest
+from oracle.source.sources import model_source
+from oracle.selftest.result import load_report, render
+from oracle.selftest.run import run_selftest
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
@@ -37,7 +39,7 @@ def test_selftest_cli_subset(cli, tmp_path, jobs):
 def test_a_cut_selftest_keeps_the_rows_it_finished(tmp_path, monkeypatch, capsys):
     """The --json report is rewritten after each row (`complete: false` until the end): a run cut
     short (a shard's time limit, Ctrl-C) keeps what it finished, never a half-written file."""
-    from oracle import selftest
+    from oracle.selftest import run as selftest
     from oracle.cli import main
 
     real, calls = selftest.run_check, []
@@ -62,7 +64,7 @@ def test_a_cut_selftest_keeps_the_rows_it_finished(tmp_path, monkeypatch, capsys
 def test_a_cut_selftest_resumes_from_its_report(tmp_path, monkeypatch, capsys):
     """--resume keeps the rows a cut run finished (not run again) and runs the rest; the result is
     the uncut run's; a report of other settings is refused and left as it was."""
-    from oracle import selftest
+    from oracle.selftest import run as selftest
     from oracle.cli import main
 
     real, calls = selftest.run_check, []
@@ -239,13 +241,13 @@ def test_selftest_fails_when_the_fault_never_reaches_the_candidate(cli, tmp_path
 def test_a_crash_is_not_a_detection_and_a_refused_family_does_not_abort(monkeypatch):
     """A faulted candidate that raises is counted `crashed`, not detected; a family the backend
     refuses is reported with the reason while the others run to the end."""
-    from oracle import selftest
+    from oracle.selftest import run as selftest
 
     real = selftest.run_check
 
     def run_check(spec, backend=None, **kw):
         if spec.family == "mixtral":
-            raise selftest.InputError("this backend cannot check mixtral (a test)")
+            raise InputError("this backend cannot check mixtral (a test)")
         r = real(spec, backend, **kw)
         if "+" in getattr(backend, "name", ""):  # every faulted run: as if the candidate had raised
             r.status, r.error, r.worst = "error", "load: RuntimeError: boom", None
@@ -256,13 +258,13 @@ def test_a_crash_is_not_a_detection_and_a_refused_family_does_not_abort(monkeypa
     s = res.summary()
     assert res.refused == [{"family": "mixtral", "why": "this backend cannot check mixtral (a test)"}]
     assert (s["faults"], s["detected"], s["crashed"], s["refused"], s["clean_runs"]) == (1, 0, 1, 1, 1)
-    assert not s["ok"] and "1 crashed" in res.summary_line() and "REFUSED mixtral" in selftest.render(res)
+    assert not s["ok"] and "1 crashed" in res.summary_line() and "REFUSED mixtral" in render(res)
 
 
 def test_rows_that_all_raised_are_a_crash_not_a_detection(monkeypatch):
     """A faulted check whose failing rows all raised (status error; the check itself `fail`) measured
     nothing: crashed, not detected (HF's model with its MoE output upcast raised in every row)."""
-    from oracle import selftest
+    from oracle.selftest import run as selftest
 
     real = selftest.run_check
 
@@ -286,9 +288,9 @@ def test_a_check_failing_by_a_gate_alone_is_not_a_crash(monkeypatch):
     qk_norm_flat_for_per_head back into the per-head norm, so every row measures what the clean
     candidate does and only the structural golden fails. Nothing raised: not injected (the same
     numbers), not crashed; with other numbers and no failing row it is a miss that names the gate."""
-    from oracle import selftest
-    from oracle.result import GateRow
-    from oracle.selftest import FaultRow, row_line
+    from oracle.selftest import run as selftest
+    from oracle.reports.result import GateRow
+    from oracle.selftest.result import FaultRow, row_line
 
     real = selftest.run_check
 
@@ -320,7 +322,7 @@ def test_a_known_divergence_family_detects_by_a_measured_row_only(monkeypatch, r
     """A family failing as its known divergence says (every check `xfail`): a fault is detected by a
     row that fails by a measurement and passes without the fault. Where every such row raised, the
     faulted candidate crashed: counted crashed, not detected."""
-    from oracle import selftest
+    from oracle.selftest import run as selftest
 
     real = selftest.run_check
 
@@ -342,7 +344,7 @@ def test_a_known_divergence_family_detects_by_a_measured_row_only(monkeypatch, r
 
 
 def test_selftest_hf_faults_on_transformers_modules():
-    """The `hf` backend's faults are edits of HF's own modules (exporters/hf_faults.py): an attribute
+    """The `hf` backend's faults are edits of HF's own modules (exporters/torch/hf_faults.py): an attribute
     (the attention's scaling), a weight (one expert's, in HF's fused layout), a submodule's output
     (the shared expert dropped); a fault with no form there is listed with why."""
     res = run_selftest("hf", families=["qwen2_moe"], seeds=(0,),
@@ -424,7 +426,7 @@ def test_workers_that_outgrow_the_memory_left_are_replaced(monkeypatch):
     """A worker keeps what the libraries it calls never free (ExecuTorch's lowering: ~40 MB a check), so
     `-j` recycles the pool when its workers hold more than the memory left (`outgrown`, told here they
     always do): the next check runs in a fresh worker, with the result it has in place."""
-    from oracle import selftest
+    from oracle.selftest import run as selftest
 
     held = []  # the workers (pids) whose memory each decision counted
     monkeypatch.setattr(selftest, "outgrown", lambda rss, available: held.append(set(checks.rss)) or rss > 0)
@@ -443,7 +445,7 @@ def test_workers_that_outgrow_the_memory_left_are_replaced(monkeypatch):
 def test_a_check_refused_for_memory_fails_the_selftest_and_runs_again_on_resume(tmp_path, monkeypatch):
     """A check the memory here cannot hold was not run: its fault was not tested, so the self-test is not ok
     (it used to list it as `not applicable` and pass), and a resumed run tries it again."""
-    from oracle import selftest
+    from oracle.selftest import run as selftest
     from oracle.backend import MemoryRefusal
 
     real = selftest.run_check
@@ -463,5 +465,5 @@ def test_a_check_refused_for_memory_fails_the_selftest_and_runs_again_on_resume(
     j = tmp_path / "st.json"
     j.write_text(json.dumps(res.to_dict()))
     monkeypatch.setattr(selftest, "run_check", real)
-    again = run_selftest("eager", resume=selftest.load_report(j), **args)
+    again = run_selftest("eager", resume=load_report(j), **args)
     assert again.summary()["ok"] and [r.fault for r in again.faults] == ["rope_theta_wrong"] and not again.unrun

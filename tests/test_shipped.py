@@ -14,12 +14,12 @@ import torch
 
 from models import CORE, FAMILY_NAMES, get_family
 from models.checkpoint import CheckpointError, read_config, read_weights
-from models.quantized import dequantize, dequantized_checkpoint
-from oracle import thresholds
+from oracle.source.quantized import dequantize, dequantized_checkpoint
+from oracle.verdict import thresholds
 from oracle.backend import CheckSpec, InputError
 from oracle.check import run_check
-from oracle.sources import first_difference, model_source
-from oracle.validation import validate
+from oracle.source.sources import first_difference, model_source
+from oracle.source.validation import validate
 from oracle.export import run_export
 
 mx = pytest.importorskip("mlx.core")
@@ -120,7 +120,7 @@ def test_implementation_rows_pass_at_fp32_and_quantization_rows_are_apart(shippe
 
 @pytest.mark.parametrize("fault", ["dequant_scale_bias_swap", "dequant_group_size_doubled"])
 def test_runtime_dequantization_faults_fail_implementation_rows_only(shipped, fault):
-    from exporters.mlx import BACKEND as MLX
+    from exporters.mlx.backend import BACKEND as MLX
 
     d = shipped("olmoe", "q4g32")
     spec = CheckSpec(family="olmoe", backend="mlx", candidate_dir=str(d))
@@ -215,7 +215,7 @@ def test_export_and_check_a_published_config_as_the_readme_says(cli, tmp_path):
     """`oracle export --config C --layers N --backend mlx --precision q4` then `oracle check
     --config C --layers N --backend mlx --candidate-dir Q` (the family read from the config); a
     config.json path stands in for a published one (tiny shapes)."""
-    from models.checkpoint import tiny_checkpoint
+    from oracle.source.seeded import tiny_checkpoint
 
     cfg = tiny_checkpoint(get_family("qwen2_moe"), 0) / "config.json"
     q = tmp_path / "q4"

@@ -22,7 +22,7 @@ import sys
 
 
 def test_a_foreign_tests_package_is_first_on_sys_path():
-    from exporters.llamacpp_setup import gguf_module
+    from exporters.llamacpp.setup import gguf_module
 
     sys.path.insert(0, {decoy!r})  # a foreign regular `tests` package first on sys.path, for the rest of the process
     try:

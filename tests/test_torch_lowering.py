@@ -1,4 +1,4 @@
-"""exporters/torch_lowering.py: while a program is lowered, torch.fx's provenance chains are shared
+"""exporters/executorch/torch_lowering.py: while a program is lowered, torch.fx's provenance chains are shared
 instead of deep-copied and, for a small model, the collector is relaxed. The chains record the same
 thing, the lowered program is the same bytes, and torch and the collector are left as they were."""
 
@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-from exporters.executorch import BACKEND
-from exporters.torch_lowering import SMALL_BYTES, YOUNG_THRESHOLD, collect, lowering, shared_provenance
+from exporters.executorch.backend import BACKEND
+from exporters.executorch.torch_lowering import SMALL_BYTES, YOUNG_THRESHOLD, collect, lowering, shared_provenance
 
 
 class Two(torch.nn.Module):
@@ -50,7 +50,7 @@ def test_the_chains_are_the_same_and_torch_is_restored():
 
 
 def test_a_copy_of_anything_but_a_chain_is_deep():
-    from exporters.torch_lowering import _ShallowChains
+    from exporters.executorch.torch_lowering import _ShallowChains
 
     x = [{"a": [1]}]
     y = _ShallowChains.deepcopy(x)

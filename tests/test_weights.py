@@ -1,4 +1,4 @@
-"""The trained weight profile (models/trained.py, docs/weights.md): its statistics are in the written
+"""The trained weight profile (oracle/source/trained.py, docs/weights.md): its statistics are in the written
 checkpoints, it is deterministic per seed, the normal profile is byte-for-byte what it was before
 the profiles, HF's fp32 reference stays finite and non-degenerate on it for every family, and a
 real checkpoint (--model-dir) refuses it."""
@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from models import FAMILY_NAMES, get_family
-from models import trained as T
-from models.checkpoint import checkpoint_identity, read_weights, tiny_checkpoint
+from oracle.source import trained as T
+from oracle.source.identity import checkpoint_identity
+from models.checkpoint import read_weights
+from oracle.source.seeded import tiny_checkpoint
 
 # sha256 of the normal tiny checkpoints at seed 0, taken before the profiles existed (transformers
 # 5.23.0, torch 2.13.0: config.json records the one, the draws are the other's)
@@ -121,7 +123,7 @@ def test_normal_is_unchanged(family, tmp_path, monkeypatch):
 def test_seeded_config_checkpoint_takes_the_profile(tmp_path, monkeypatch):
     """--config NAME --weights trained: the seeded (HF-initialised, layer at a time) checkpoint gets
     the same rewrite, scaled to its own init (initializer_range)."""
-    from models.checkpoint import config_checkpoint
+    from oracle.source.seeded import config_checkpoint
 
     monkeypatch.setenv("MOE_ORACLE_CACHE", str(tmp_path))
     fam = get_family("olmoe")
@@ -147,11 +149,12 @@ def test_hf_reference_is_finite_and_not_degenerate(family):
     """HF fp32 on the trained checkpoint (seed 0), a prompt that holds a massive-activation token:
     finite everywhere, the outlier and massive dims at the first layer's input, logits neither flat
     nor the same choice at every position."""
-    from oracle.reference import capture, first_nonfinite, load_hf_model
+    from oracle.reference.run import capture, first_nonfinite
+    from oracle.reference.streaming import load_hf_model
 
     fam = get_family(family)
     d = tiny_checkpoint(fam, 0, "trained")
-    # a check's prompt at seed 0 (oracle.sources.prompt_tokens), opening with a massive-activation token
+    # a check's prompt at seed 0 (oracle.source.sources.prompt_tokens), opening with a massive-activation token
     prompt = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(0)).tolist()
     prompt[0] = T.massive_rows(0, 256)[0]
     ref = capture(load_hf_model(fam, d), fam, prompt, 4)
@@ -187,10 +190,11 @@ def test_plumbing():
     """Every command that makes a tiny / --config checkpoint takes --weights; the report records a
     trained profile and leaves the normal one out (reports as before); goldens, frozen on normal
     weights, do not apply to a trained check."""
-    from oracle import goldens
+    from oracle.verdict import goldens
     from oracle.backend import CheckSpec
     from oracle.check import spec_record
-    from oracle.cli import WEIGHT_PROFILES, parser
+    from oracle.cli.common import WEIGHT_PROFILES
+    from oracle.cli import parser
 
     assert WEIGHT_PROFILES == T.PROFILES
     p = parser()
@@ -216,9 +220,9 @@ def test_matrix_and_selftest_pass_the_profile_on(tmp_path, monkeypatch, capsys):
     """`oracle matrix --weights trained` runs every check with it (normal: the command lines as
     before); `oracle selftest --weights trained` runs the catalogue and the clean runs on it."""
     import oracle.matrix
-    import oracle.selftest
+    import oracle.selftest.result
     from oracle.cli import main
-    from oracle.summary import summarize
+    from oracle.reports.summary import summarize
 
     seen = []
     monkeypatch.setattr(oracle.matrix, "run_matrix",
@@ -231,8 +235,8 @@ def test_matrix_and_selftest_pass_the_profile_on(tmp_path, monkeypatch, capsys):
     def fake(backend, families, seeds, faults, progress=None, options=None, weights="normal", precision="fp32",
              drill=False, on_row=None, jobs=1, notice=None):
         seen.append(weights)
-        return oracle.selftest.SelftestResult(backend, ["olmoe"], seeds, weights=weights)
+        return oracle.selftest.result.SelftestResult(backend, ["olmoe"], seeds, weights=weights)
 
-    monkeypatch.setattr(oracle.selftest, "run_selftest", fake)
+    monkeypatch.setattr(oracle.selftest.run, "run_selftest", fake)
     main(["selftest", "--family", "olmoe", "--weights", "trained"])
     assert seen[-1] == "trained" and "trained weights" in capsys.readouterr().out

@@ -1,0 +1,253 @@
+"""The seeded faults' forms on mlx-lm's attention (exporters/mlx/faults.py applies them): its rope
+(a rotary with explicit frequencies in place of the family's), q/k norms, the cache, the mask, the scale,
+grouped-query heads, the output gate, MLA, sinks and windows, and the Gated DeltaNet's state."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from exporters.mlx.model import attention_block, patch_call, text_model
+
+
+# ------------------------------------------------------------------ full attention
+class _Rotary(nn.Module):
+    """mx.fast.rope with explicit frequencies: an mlx-lm rope (YaRN, Llama 3, LongRoPE, DeepSeek-V2's
+    YaRN) rebuilt with one thing changed. `scale` multiplies the rotated features first (YaRN's
+    mscale, LongRoPE's scale)."""
+
+    def __init__(self, dims: int, traditional: bool, freqs, scale: float = 1.0):
+        super().__init__()
+        self.dims, self.traditional, self.scale, self._freqs = dims, traditional, scale, freqs
+
+    def __call__(self, x, offset=0):
+        if self.scale != 1.0:
+            x = x.at[..., : self.dims].multiply(self.scale)
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset,
+                            freqs=self._freqs)
+
+
+# ropes with explicit frequencies whose rotation order is fixed in their __call__
+FIXED_ORDER = {"SuScaledRoPE": False, "DeepseekV2YarnRotaryEmbedding": True}
+
+
+def rotary(r) -> _Rotary:
+    """An mlx-lm rope with explicit frequencies (`_freqs`) as a _Rotary that computes the same."""
+    freqs = r._freqs
+    dims = getattr(r, "dims", None) or getattr(r, "dim", None) or 2 * freqs.shape[0]
+    traditional = FIXED_ORDER.get(type(r).__name__, getattr(r, "traditional", False))
+    scale = getattr(r, "mscale", None) or getattr(r, "_scale", None) or 1.0
+    return _Rotary(dims, traditional, freqs, float(scale))
+
+
+def _rope(attn, **kw):
+    r = attn.rope
+    attn.rope = nn.RoPE(**{"dims": r.dims, "traditional": r.traditional, "base": r.base, "scale": r.scale, **kw})
+
+
+def _exponents(dims):
+    return mx.arange(0, dims, 2, dtype=mx.float32) / dims
+
+
+def rope_theta_wrong(attn, a):
+    theta = 1e4 if a.rope.theta != 1e4 else 1e6  # the qwen2_moe / mlx-lm default mix-up
+    if isinstance(attn.rope, nn.RoPE):
+        return _rope(attn, base=theta)
+    r = rotary(attn.rope)  # the same scaled frequencies, from the other theta
+    r._freqs = r._freqs * (theta / a.rope.theta) ** _exponents(r.dims)
+    attn.rope = r
+
+
+def rope_interleaved(attn, a):
+    if isinstance(attn.rope, nn.RoPE):
+        return _rope(attn, traditional=True)
+    r = rotary(attn.rope)
+    r.traditional = True
+    attn.rope = r
+
+
+def rotary_fraction_wrong(attn, a):
+    """The rotated dims wrong (all of head_dim where the family rotates a part, else half), their
+    frequencies computed for that width (as a port with the wrong fraction would)."""
+    hd = a.head_dim
+    if isinstance(attn.rope, nn.RoPE):
+        return _rope(attn, dims=hd if attn.rope.dims < hd else hd // 2)
+    r = rotary(attn.rope)
+    dims = hd if r.dims < hd else hd // 2
+    attn.rope = _Rotary(dims, r.traditional, a.rope.theta ** _exponents(dims), r.scale)
+
+
+def qk_norm_missing(attn, a):
+    if hasattr(attn, "use_qk_norm"):  # Llama 4's weightless L2-style norm is a flag in its __call__
+        attn.use_qk_norm = False
+    else:
+        attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
+
+
+class _RegroupedNorm(nn.Module):
+    """RMSNorm over groups of `size` features (x viewed as [..., -1, size]), then the weight."""
+
+    def __init__(self, norm, size: int, flat: bool):
+        super().__init__()
+        self.weight, self.eps, self.size, self.flat = norm.weight, norm.eps, size, flat
+
+    def __call__(self, x):
+        shape = x.shape
+        g = x.reshape(*shape[:-2], -1) if self.flat else x.reshape(*shape[:-1], -1, self.size)
+        return mx.fast.rms_norm(g, None, self.eps).reshape(shape) * self.weight
+
+
+def qk_norm_per_head_for_flat(attn, a):  # olmoe: the norm spans the whole projection
+    hd = a.head_dim
+    attn.q_norm, attn.k_norm = _RegroupedNorm(attn.q_norm, hd, False), _RegroupedNorm(attn.k_norm, hd, False)
+
+
+def qk_norm_flat_for_per_head(attn, a):  # applied to [B, L, heads, hd]: normalise over heads * hd
+    hd = a.head_dim
+    attn.q_norm, attn.k_norm = _RegroupedNorm(attn.q_norm, hd, True), _RegroupedNorm(attn.k_norm, hd, True)
+
+
+def not_causal(attn, a):
+    call = type(attn).__call__
+    patch_call(attn, lambda self, x, mask=None, cache=None: call(self, x, None, cache))
+
+
+def scale_wrong(attn, a):
+    # GPT-OSS's attention (with sinks) keeps its softmax scale as sm_scale, the others as scale
+    setattr(attn, "sm_scale" if hasattr(attn, "sm_scale") else "scale", 1.0 / a.head_dim)
+
+
+def gqa_repeat_wrong(attn, a):
+    """kv heads tiled (0, 1, 0, 1) instead of repeated (0, 0, 1, 1): k/v projections widened
+    to one kv head per query head, in tiled order."""
+    nh_attr = next(n for n in ("n_heads", "num_heads", "num_attention_heads") if n in attn.__dict__)
+    kv_attr = next(n for n in ("n_kv_heads", "num_key_value_heads") if n in attn.__dict__)
+    nh, kvh, hd = getattr(attn, nh_attr), getattr(attn, kv_attr), a.head_dim
+    for p in (attn.k_proj, attn.v_proj):
+        p.weight = mx.tile(p.weight.reshape(kvh, hd, -1), (nh // kvh, 1, 1)).reshape(nh * hd, -1)
+        if "bias" in p:
+            p.bias = mx.tile(p.bias.reshape(kvh, hd), (nh // kvh, 1)).reshape(-1)
+    setattr(attn, kv_attr, nh)
+
+
+def output_gate_no_sigmoid(attn, a):
+    """Qwen3.5's gated attention with o_proj fed output * gate instead of output *
+    sigmoid(gate): mlx-lm's own __call__ runs with o_proj set aside, then the sigmoid is
+    swapped for the raw gate (the gate as Qwen3NextAttention splits it off q_proj)."""
+    call, o_proj = type(attn).__call__, attn.o_proj
+
+    def fn(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)[1]
+        gate = gate.reshape(B, L, -1)
+        self["o_proj"] = nn.Identity()
+        try:
+            gated = call(self, x, mask, cache)  # output * sigmoid(gate)
+        finally:
+            self["o_proj"] = o_proj
+        return o_proj(gated / mx.sigmoid(gate) * gate)
+
+    patch_call(attn, fn)
+
+
+def kv_off_by_one(model, layer: int):
+    """The layer's KV cache writes each token one position late (a zero key/value first), so
+    a query never sees its own token: the model's make_cache hands out a faulty cache there."""
+    from mlx_lm.models.cache import KVCache
+
+    class OffByOne(KVCache):
+        def update_and_fetch(self, keys, values):
+            head = self.pending if self.keys is not None else (mx.zeros_like(keys[..., :1, :]),) * 2
+            self.pending = keys[..., -1:, :], values[..., -1:, :]
+            return super().update_and_fetch(mx.concatenate([head[0], keys[..., :-1, :]], axis=2),
+                                            mx.concatenate([head[1], values[..., :-1, :]], axis=2))
+
+    make = getattr(model, "make_cache", None) or (lambda: [KVCache() for _ in model.layers])  # mlx-lm's default
+    model.make_cache = lambda: [OffByOne() if i == layer else c for i, c in enumerate(make())]
+
+
+# ------------------------------------------------------------------ Gated DeltaNet
+def gdn_forget(gdn, slot: int):
+    """Drop the cache's conv state (slot 0) or recurrent state (slot 1) before every call."""
+    call = type(gdn).__call__
+
+    def fn(self, x, mask=None, cache=None):
+        if cache is not None:
+            cache[slot] = None
+        return call(self, x, mask, cache)
+
+    patch_call(gdn, fn)
+
+
+def gdn_chunked_prefill(gdn, a):
+    """Prefill in two chunks, the second from a zero recurrent state (conv state carried)."""
+    call = type(gdn).__call__
+
+    def fn(self, x, mask=None, cache=None):
+        T = x.shape[1]
+        if T < 2 or cache is None:
+            return call(self, x, mask, cache)
+        h = T // 2
+        o1 = call(self, x[:, :h], None if mask is None else mask[:, :h], cache)
+        cache[1] = None
+        return mx.concatenate([o1, call(self, x[:, h:], None if mask is None else mask[:, h:], cache)], axis=1)
+
+    patch_call(gdn, fn)
+
+
+# ------------------------------------------------------------------ multi-head latent attention
+def mla_rope_nope_swapped(attn, a):
+    """q's rotary part taken from the front of each head instead of the back: the q projection's rows
+    of each head rotated by the rope width, so mlx-lm's split [nope | rope] gets [rope | nope]."""
+    p = attn.q_proj if "q_proj" in attn else attn.q_b_proj
+    nh, d = attn.num_heads, attn.q_head_dim
+    p.weight = mx.roll(p.weight.reshape(nh, d, -1), -attn.qk_rope_head_dim, axis=1).reshape(nh * d, -1)
+
+
+def mla_cache_not_carried(attn, a):
+    """The compressed KV cache (V3: the latent and the rotary key; V2: its keys and values) zeroed
+    before every call: positions kept, what was written before lost."""
+    call = type(attn).__call__
+
+    def fn(self, x, mask=None, cache=None):
+        if cache is not None and cache.keys is not None:
+            cache.keys, cache.values = mx.zeros_like(cache.keys), mx.zeros_like(cache.values)
+        return call(self, x, mask, cache)
+
+    patch_call(attn, fn)
+
+
+def yarn_mscale_missing(attn, a):
+    attn.scale = attn.q_head_dim ** -0.5
+
+
+# ------------------------------------------------------------------ the variants
+def sinks_dropped(attn, a):
+    attn.sinks = None  # a plain softmax (mlx-lm's sdpa takes sinks=None)
+
+
+def window_off_by_one(model, layer: int):
+    """The sliding layer's window one key wider: its cache holds window + 1 keys and its attention
+    builds its mask for window + 1 (mlx-lm's model hands every sliding layer the same mask)."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import RotatingKVCache
+
+    w = text_model(model).args.sliding_window + 1
+    make = model.make_cache
+    model.make_cache = lambda: [RotatingKVCache(max_size=w) if i == layer else c for i, c in enumerate(make())]
+    attn = attention_block(model.layers[layer])
+    call = type(attn).__call__
+
+    def fn(self, x, mask=None, cache=None):
+        mask = create_attention_mask(x, cache, window_size=w, return_array=isinstance(mask, mx.array))
+        return call(self, x, mask, cache)
+
+    patch_call(attn, fn)
+
+
+def rope_on_nope_layer(model, layer: int):
+    """Llama 4's no-rope layer rotated as the rope layers are (their rope, no q/k norm there: mlx-lm's
+    use_qk_norm is off on that layer; its temperature tuning, for no-rope layers, then stops)."""
+    attn = attention_block(model.layers[layer])
+    donor = next(attention_block(lay) for lay in reversed(model.layers) if getattr(attention_block(lay), "use_rope", 0))
+    attn.rope, attn.use_rope = donor.rope, 1

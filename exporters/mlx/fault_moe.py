@@ -1,0 +1,223 @@
+"""The seeded faults' forms on mlx-lm's routers, experts and MoE blocks (exporters/mlx/faults.py
+applies them): a block's routing recomputed with one thing changed, its weights edited, its gate's fields
+set."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from exporters.mlx.model import (experts_of, moe_block, patch_call, router_linear, router_logits, router_module,
+                                 route as mlx_route)
+
+
+# ------------------------------------------------------------------ router / moe
+def _topk(scores, k):
+    inds = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+    return mx.take_along_axis(scores, inds, axis=-1), inds
+
+
+def _scores(logits, k, renorm, score=lambda v: mx.softmax(v, axis=-1, precise=True)):
+    """Score all experts, top-k, renormalised where the family does (Mixtral's softmax over
+    the top-k logits is the same)."""
+    s, inds = _topk(score(logits.astype(mx.float32)), k)
+    return (s / s.sum(axis=-1, keepdims=True) if renorm else s), inds
+
+
+def softmax_after_topk(logits, k, renorm):
+    v, inds = _topk(logits.astype(mx.float32), k)
+    return mx.softmax(v, axis=-1, precise=True), inds
+
+
+def combine(moe, x, scores, inds, a, weighted=True, shared=True, shared_sigmoid=True):
+    """What the family's mlx-lm MoE block computes from its routing (scores [.., k], inds [.., k]):
+    the routed experts weighted and summed (Llama 4: each expert's input scaled by its weight),
+    plus the shared expert(s) (Qwen's behind a sigmoid gate). One step changed by the flags."""
+    ex = experts_of(moe)
+    if a.router.weights_on_input:  # Llama 4 (top-1): experts(x * sigmoid score)
+        y = ex(x * scores.astype(x.dtype) if weighted else x, inds).sum(axis=-2)
+    else:
+        y = ex(x, inds)
+        y = (y * scores[..., None] if weighted else y).sum(axis=-2).astype(x.dtype)
+    if shared and a.shared_expert_intermediate_size > 0:
+        if "shared_expert" in moe:
+            s = moe.shared_expert(x)
+            if "shared_expert_gate" in moe:
+                g = moe.shared_expert_gate(x)
+                s = (mx.sigmoid(g) if shared_sigmoid else g) * s
+        else:
+            s = moe.shared_experts(x)
+        y = y + s
+    return y
+
+
+def patched_combine(layer, a, **changed):
+    """The layer's MoE block computing mlx-lm's MoE (its own routing: exporters.mlx.model.route)
+    with one step of the combine changed (combine's flags)."""
+    patch_call(moe_block(layer), lambda self, x: combine(self, x, *mlx_route(self, x), a, **changed))
+
+
+def reroute(layer, a, route):
+    """The layer's routing replaced by `route(logits, k, renorm) -> (weights, indices)` on the
+    router's logits. A router module that routes by itself (DeepSeek's MoEGate, dots1, Granite) is
+    patched: the block calls it as before. A block that routes inline gets `oracle_route`, which
+    both its patched __call__ and the router block program use (mlx-lm has no router module there)."""
+    moe = moe_block(layer)
+    k, renorm = a.num_experts_per_tok, a.router.norm_topk_prob
+
+    def faulty(x):
+        return route(router_logits(moe, x), k, renorm)
+
+    gate = router_module(moe)
+    if gate is not None:  # returns (indices, weights)
+        patch_call(gate, lambda self, x: tuple(reversed(faulty(x))))
+    else:
+        moe.oracle_route = faulty
+        patched_combine(layer, a)
+
+
+def no_renorm(layer, a):
+    gate = router_module(moe_block(layer))
+    if gate is not None and hasattr(gate, "norm_topk_prob"):  # DeepSeek-V3, GLM-4, dots1: the gate's own flag
+        gate.norm_topk_prob = False
+    elif hasattr(moe_block(layer), "norm_topk_prob"):  # Qwen3's block reads its flag at every call
+        moe_block(layer).norm_topk_prob = False
+    else:
+        reroute(layer, a, lambda v, k, renorm: _scores(v, k, False))
+
+
+def one_expert_fewer(layer, a):
+    """The router's linear layer with its last expert's row dropped: every family's own routing
+    then runs over one expert fewer than the checkpoint has."""
+    r = router_linear(moe_block(layer))
+    r.weight = r.weight[:-1]
+    if "bias" in r:
+        r.bias = r.bias[:-1]
+
+
+def sigmoid(layer, a):
+    moe = moe_block(layer)
+    if "gate_act" in moe:  # ERNIE's block has the choice itself
+        moe.gate_act = nn.Sigmoid()
+    else:
+        reroute(layer, a, lambda v, k, renorm: _scores(v, k, renorm, mx.sigmoid))
+
+
+def gate_up_swapped(layer, a):
+    sw = experts_of(moe_block(layer))
+    sw["gate_proj"], sw["up_proj"] = sw["up_proj"], sw["gate_proj"]
+
+
+def one_expert_off(layer, a):
+    """The most-routed-to expert (largest router row norm) off by 1e-3 in all its weights."""
+    moe = moe_block(layer)
+    e = int(mx.argmax(mx.linalg.norm(router_linear(moe).weight, axis=1)))
+    sw = experts_of(moe)
+    for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
+        hit = (mx.arange(proj.weight.shape[0]) == e)[:, None, None]
+        proj.weight = proj.weight + 1e-3 * hit
+
+
+def expert_index_off_by_one(layer, a):
+    sw = experts_of(moe_block(layer))
+    n, call = sw.gate_proj.weight.shape[0], type(sw).__call__
+    patch_call(sw, lambda self, x, inds: call(self, x, (inds + 1) % n))
+
+
+def stray_bf16(layer, a):
+    moe = moe_block(layer)
+    call = type(moe).__call__
+    patch_call(moe, lambda self, x: call(self, x).astype(mx.bfloat16).astype(x.dtype))
+
+
+# ------------------------------------------------------------------ DeepSeek-style routing
+# DeepSeek-V2/V3, GLM-4 and dots1 route in a gate module (MoEGate / TopkRouter) that keeps its
+# routing fields as attributes: most of these faults are one of them set wrong.
+def _gate(layer):
+    return router_module(moe_block(layer))
+
+
+def set_gate(**fields):
+    def apply(layer, a):
+        g = _gate(layer)
+        for k, v in fields.items():
+            setattr(g, k, v(a) if callable(v) else v)
+
+    return apply
+
+
+def group_limit_ignored(layer, a):
+    g = _gate(layer)
+    g.n_group, g.topk_group = 1, 1  # V3 / GLM-4: `if n_group > 1`; dots1: `n_group - topk_group` groups dropped
+    if hasattr(g, "topk_method"):  # V2's group_limited_greedy reads its method
+        g.topk_method = "greedy"
+
+
+def bias_ignored(layer, a):
+    g = _gate(layer)
+    g.e_score_correction_bias = mx.zeros_like(g.e_score_correction_bias)
+
+
+def bias_in_weights(layer, a):
+    """The gate's own choice, its weights taken from sigmoid + correction bias (not the sigmoid alone)."""
+    g = _gate(layer)
+    call = type(g).__call__
+
+    def fn(self, x):
+        inds, _ = call(self, x)
+        s = mx.take_along_axis(mx.sigmoid((x @ self.weight.T).astype(mx.float32)) + self.e_score_correction_bias,
+                               inds, axis=-1)
+        if self.top_k > 1 and self.norm_topk_prob:
+            s = s / s.sum(axis=-1, keepdims=True)
+        return inds, s * self.routed_scaling_factor
+
+    patch_call(g, fn)
+
+
+def softmax_for_sigmoid(layer, a):
+    """Softmax scores where the family's are sigmoid. A routing gate runs its module's own
+    group_expert_select (which takes the sigmoid of what it is given) on logit(softmax): its scores
+    are then the softmax probabilities. Llama 4 (inline): softmax over all experts, top-k of those."""
+    import sys
+
+    g = _gate(layer)
+    if g is None:
+        return reroute(layer, a, lambda v, k, renorm: _scores(v, k, False))
+    select = sys.modules[type(g).__module__].group_expert_select
+
+    def fn(self, x):
+        p = mx.softmax((x @ self.weight.T).astype(mx.float32), axis=-1, precise=True)
+        return select(mx.log(p) - mx.log1p(-p), self.e_score_correction_bias, self.top_k, self.n_group,
+                      self.topk_group, self.routed_scaling_factor, self.norm_topk_prob)
+
+    patch_call(g, fn)
+
+
+def dense_layer_routed(layer, a):
+    mlp = moe_block(layer)
+    call = type(mlp).__call__
+    patch_call(mlp, lambda self, x: call(self, x) * a.router.routed_scaling_factor)
+
+
+def moe_layer_as_dense(layer, a):
+    """A wrong MoE/dense interleave: the layer's routed experts left out, its shared expert(s) all it computes."""
+    moe = moe_block(layer)
+    patch_call(moe, lambda self, x: (self["shared_expert"] if "shared_expert" in self else self["shared_experts"])(x))
+
+
+def clamp_missing(layer, a):
+    experts_of(moe_block(layer)).activation._limit = float("inf")  # SwigluOAI's limit (7)
+
+
+def router_logit_bias_ignored(layer, a):
+    moe_block(layer).router.pop("bias")  # nn.Linear adds a bias only when it has one
+
+
+def sparsemixer_first_unmasked(layer, a):
+    from mlx_lm.models.phimoe import sparsemixer
+
+    def route(logits, k, renorm):
+        inds, scores = sparsemixer(logits, top_k=k, jitter_eps=a.router.jitter_eps)
+        return mx.repeat(scores[..., :1], k, axis=-1), mx.repeat(inds[..., :1], k, axis=-1)
+
+    reroute(layer, a, route)

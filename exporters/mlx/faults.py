@@ -1,0 +1,210 @@
+"""Seeded faults on mlx-lm's model, keyed by the names in models/faults/.
+
+Each transform changes one block of a loaded mlx-lm model in place, the way the bug would
+look in an MLX port: a module attribute (rope, scale, eps, norm), weights, or one module
+instance's `__call__`. `inject(fault, model, args)` applies it at the layer models/faults/
+expects the oracle to localise it (`fault.layer(args)`, `fault.kind`), reading the checkpoint's
+ModelArgs for what mlx-lm's modules do not all carry (top-k, renormalisation, head_dim, rope theta).
+mlx-lm's families name their parts differently (exporters/mlx/model.py: `switch_mlp` or `experts`,
+a router that routes by itself or a linear gate whose logits the block routes inline, Granite's
+`router.layer`, GPT-OSS's `sm_scale`, Llama 4's `use_qk_norm`, ropes with explicit frequencies):
+every transform goes through those accessors, so each fault has its own form on every family.
+Faults with no form on mlx-lm's model (the bf16 dtype faults; ERNIE's correction-bias faults, whose
+bias mlx-lm drops) are refused: `MLXBackend.with_fault` returns None for them and `not_applicable`
+says why.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_repeat_wrong, kv_off_by_one,
+                                            mla_cache_not_carried, mla_rope_nope_swapped, not_causal,
+                                            output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
+                                            qk_norm_per_head_for_flat, rope_interleaved, rope_on_nope_layer,
+                                            rope_theta_wrong, rotary_fraction_wrong, scale_wrong, sinks_dropped,
+                                            window_off_by_one, yarn_mscale_missing)
+from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missing, dense_layer_routed,
+                                     expert_index_off_by_one, gate_up_swapped, group_limit_ignored, moe_layer_as_dense,
+                                     no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
+                                     router_logit_bias_ignored, set_gate, sigmoid, softmax_after_topk,
+                                     softmax_for_sigmoid, sparsemixer_first_unmasked, stray_bf16)
+from exporters.mlx.model import attention_block, moe_block, patch_call, text_model
+
+
+# ------------------------------------------------------------------ layer / model
+def _input_norm_eps(layer, a):
+    layer.input_layernorm.eps *= 1e3
+
+
+def _norm_offset_missing(layer, a):  # sanitize()'s +1 on (1 + w) weights lost (conv1d-shape trap)
+    layer.post_attention_layernorm.weight = layer.post_attention_layernorm.weight - 1.0
+
+
+def _residual_missing(layer, a):
+    def call(self, x, mask=None, cache=None):
+        h = attention_block(self)(self.input_layernorm(x), mask, cache)
+        return h + moe_block(self)(self.post_attention_layernorm(h))
+
+    patch_call(layer, call)
+
+
+def _final_norm_eps(model, a):
+    text_model(model).model.norm.eps *= 1e3
+
+
+def _layernorm_as_rmsnorm(layer, a):
+    ln = layer.input_layernorm
+    rms = nn.RMSNorm(ln.weight.shape[0], eps=ln.eps)
+    rms.weight = ln.weight
+    layer.input_layernorm = rms
+
+
+def _logits_scaling_missing(model, a):
+    text_model(model).logits_scaling = 1.0  # mlx-lm's Granite divides by it (so does the logits block)
+
+
+def _set(name, value):
+    def apply(obj, a):
+        setattr(obj, name, value(a) if callable(value) else value)
+
+    return apply
+
+
+# name -> transform(target, args): target the layer, its attention block (fault.kind attention),
+# or the model (fault.target model; MODEL_LEVEL: the model and the layer index)
+FAULTS = {
+    "router_softmax_after_topk": lambda layer, a: reroute(layer, a, softmax_after_topk),
+    "router_no_renorm": no_renorm,
+    "router_wrong_num_experts": one_expert_fewer,
+    "router_sigmoid": sigmoid,
+    "expert_gate_up_swapped": gate_up_swapped,
+    "expert_weights_off_1e-3": one_expert_off,
+    "expert_index_off_by_one": expert_index_off_by_one,
+    "expert_weights_not_applied": lambda layer, a: patched_combine(layer, a, weighted=False),
+    "shared_expert_gate_no_sigmoid": lambda layer, a: patched_combine(layer, a, shared_sigmoid=False),
+    "shared_expert_missing": lambda layer, a: patched_combine(layer, a, shared=False),
+    "stray_bf16_downcast": stray_bf16,
+    "rope_theta_wrong": rope_theta_wrong,
+    "rope_interleaved": rope_interleaved,
+    "rotary_fraction_wrong": rotary_fraction_wrong,
+    "qk_norm_missing": qk_norm_missing,
+    "qk_norm_per_head_for_flat": qk_norm_per_head_for_flat,
+    "qk_norm_flat_for_per_head": qk_norm_flat_for_per_head,
+    "kv_cache_write_off_by_one": kv_off_by_one,
+    "attention_not_causal": not_causal,
+    "attention_scale_wrong": scale_wrong,
+    "gqa_kv_heads_tiled": gqa_repeat_wrong,
+    "attention_gate_no_sigmoid": output_gate_no_sigmoid,
+    "gdn_state_not_carried": lambda gdn, a: gdn_forget(gdn, 1),
+    "gdn_conv_state_not_carried": lambda gdn, a: gdn_forget(gdn, 0),
+    "gdn_chunked_prefill_differs": gdn_chunked_prefill,
+    "rmsnorm_eps_wrong": _input_norm_eps,
+    "norm_offset_missing": _norm_offset_missing,
+    "residual_missing": _residual_missing,
+    "final_norm_eps_wrong": _final_norm_eps,
+    "router_bias_in_weights": bias_in_weights,
+    "router_bias_ignored": bias_ignored,
+    "router_group_limit_ignored": group_limit_ignored,
+    "routed_scaling_missing": set_gate(routed_scaling_factor=1.0),
+    "routed_scaling_twice": set_gate(routed_scaling_factor=lambda a: a.router.routed_scaling_factor ** 2),
+    "router_softmax_for_sigmoid": softmax_for_sigmoid,
+    "dense_layer_routed": dense_layer_routed,
+    "mla_rope_nope_swapped": mla_rope_nope_swapped,
+    "mla_cache_not_carried": mla_cache_not_carried,
+    "yarn_mscale_missing": yarn_mscale_missing,
+    "attention_sinks_dropped": sinks_dropped,
+    "sliding_window_off_by_one": window_off_by_one,
+    "swiglu_clamp_missing": clamp_missing,
+    "router_logit_bias_ignored": router_logit_bias_ignored,
+    "sparsemixer_first_unmasked": sparsemixer_first_unmasked,
+    "layernorm_as_rmsnorm": _layernorm_as_rmsnorm,
+    "moe_interleave_wrong": moe_layer_as_dense,
+    "residual_multiplier_missing": _set("residual_multiplier", 1.0),
+    "attention_multiplier_missing": _set("scale", lambda a: a.head_dim ** -0.5),
+    "logits_scaling_missing": _logits_scaling_missing,
+    "rope_on_nope_layer": rope_on_nope_layer,
+}
+
+
+# transforms taking (model, layer index): what they change is also outside the layer (its cache, a donor rope)
+MODEL_LEVEL = {"kv_cache_write_off_by_one", "sliding_window_off_by_one", "rope_on_nope_layer"}
+
+
+# faults of the catalogue with no form on mlx-lm's model, and why (None from MLXBackend.with_fault)
+NOT_APPLICABLE = {
+    "moe_output_upcast": "a bf16 dtype fault: mlx's CPU gather_mm (the experts) is float32-only, so mlx runs bf16 "
+                         "on Apple GPUs only, where no form of it is written yet",
+    "logits_cast_to_float": "a bf16 dtype fault: mlx's CPU gather_mm (the experts) is float32-only, so mlx runs "
+                            "bf16 on Apple GPUs only, where no form of it is written yet",
+}
+
+
+# ... and on one family's mlx-lm model only: (fault, mlx-lm module) -> why
+NOT_APPLICABLE_ON = {
+    ("router_bias_in_weights", "ernie4_5_moe"): "mlx-lm's ernie4_5_moe has no correction bias (its sanitize() drops "
+                                                "it: the known divergence), so there is no bias to misuse",
+    ("router_bias_ignored", "ernie4_5_moe"): "mlx-lm's ernie4_5_moe already ignores the correction bias (the known "
+                                             "divergence): the fault is the candidate as it is",
+}
+
+
+def not_applicable(fault, module: str) -> str | None:
+    """Why `fault` has no form on the mlx-lm model `module` (None: it has one)."""
+    return NOT_APPLICABLE_ON.get((fault.name, module)) or NOT_APPLICABLE.get(fault.name) or (
+        None if fault.name in FAULTS else "no form on mlx-lm's model in exporters/mlx/faults.py")
+
+
+def inject(fault, model, args) -> None:
+    """Apply `fault` to the loaded mlx-lm model where models/faults/ expects it (fault.layer(args))."""
+    why = NOT_APPLICABLE_ON.get((fault.name, type(model).__module__.rsplit(".", 1)[-1]))
+    if why:  # refused for this family's mlx-lm model (the selftest lists it as not applicable)
+        from oracle.backend import InputError
+
+        raise InputError(f"{fault.name}: {why}")
+    i = fault.layer(args)
+    if fault.name in MODEL_LEVEL:
+        FAULTS[fault.name](model, i)
+    elif i is None:
+        FAULTS[fault.name](model, args)
+    elif fault.kind == "attention":
+        FAULTS[fault.name](attention_block(model.layers[i]), args)
+    else:
+        FAULTS[fault.name](model.layers[i], args)
+
+
+# ------------------------------------------------------------------ a quantized runtime's faults
+# Seeded into the candidate loaded from a shipped directory (--candidate-dir), in one decoder
+# layer's experts: the weights in the file are right, the runtime dequantizes them wrongly. The
+# implementation rows must fail at that layer's moe; the quantization rows (HF original vs HF on
+# the file's weights) cannot see a runtime fault and must not change.
+def _experts_quantized(layer) -> list:
+    sw = moe_block(layer).switch_mlp
+    mods = [getattr(sw, name) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all("scales" in m for m in mods):
+        raise ValueError("the layer's experts are not quantized: a quantized runtime fault needs a quantized candidate")
+    return mods
+
+
+def _scale_bias_swap(layer):  # each group's scale read as its bias and its bias as its scale
+    for m in _experts_quantized(layer):
+        m.scales, m.biases = m.biases, m.scales
+
+
+def _group_size_doubled(layer):  # each scale and bias applied to two groups: group size read as 2x the file's
+    for m in _experts_quantized(layer):
+        idx = mx.array([(g // 2) * 2 for g in range(m.scales.shape[-1])])
+        m.scales, m.biases = m.scales[..., idx], m.biases[..., idx]
+
+
+QUANTIZED_FAULTS = {"dequant_scale_bias_swap": _scale_bias_swap, "dequant_group_size_doubled": _group_size_doubled}
+
+
+# the point inside its block each fault's form here breaks, where it is not the catalogue's
+# (models.faults.catalogue.POINTS): these forms edit a projection's weights, so that projection diverges first
+POINTS = {
+    "gqa_kv_heads_tiled": ("k_proj", "v_proj"),  # k/v projections widened to one head per query head
+    "mla_rope_nope_swapped": ("q_proj", "q_b_proj"),  # the q projection's rows rolled by the rope width
+    "router_wrong_num_experts": "logits",  # the gate's rows sliced: the logits have fewer experts
+}

@@ -1,0 +1,159 @@
+"""mlx-lm's model as the harness reads it: its text model, each layer's attention and MoE blocks
+under their mlx-lm names, and how each mlx-lm MoE block routes (mirrors of its __call__). Shared
+by the backend (exporters/mlx/) and its seeded faults (exporters/mlx/faults.py)."""
+
+from __future__ import annotations
+
+
+def text_model(model):
+    return getattr(model, "language_model", model)
+
+
+def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm name
+    return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp") if n in layer)
+
+
+def attention_block(layer):
+    return layer.linear_attn if getattr(layer, "is_linear", False) else layer.self_attn
+
+
+def experts_of(moe):
+    """The MoE block's routed experts (mlx-lm's SwitchGLU): `switch_mlp`, or `experts` (dots1,
+    gpt_oss, llama4)."""
+    return moe["switch_mlp"] if "switch_mlp" in moe else moe["experts"]
+
+
+def router_module(moe):
+    """The module that routes by itself, returning (indices, weights) (DeepSeek's and GLM's MoEGate,
+    dots1's TopkRouter, Granite's TopKGating), or None where the block routes inline from a linear
+    layer's logits (the routing in its own __call__)."""
+    r = moe["gate"] if "gate" in moe else moe.get("router")
+    return r if hasattr(r, "top_k") else None
+
+
+def router_linear(moe):
+    """The linear layer (or the gate's own weight holder) that gives the router logits."""
+    r = moe["gate"] if "gate" in moe else moe["router"]
+    return r["layer"] if "layer" in r else r  # Granite's gating wraps an nn.Linear
+
+
+def router_logits(moe, x):
+    """The router's logits [.., E] for the block's input x, as the block's own routing computes them."""
+    r = router_linear(moe)
+    return x @ r.weight.T if hasattr(r, "top_k") else r(x)  # a routing gate holds a bare weight
+
+
+# How each mlx-lm MoE block routes (read off its __call__ in mlx_lm/models/<family>.py),
+# reading the block's own attributes (gate, top_k, norm_topk_prob). tests/test_mlx.py checks
+# each mirror against the weights the block itself applies, so a change in mlx-lm shows.
+def _route_olmoe(moe, x):  # olmoe: softmax over all, top-k by -probs, optional renorm
+    import mlx.core as mx
+
+    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
+    inds = mx.argpartition(-probs, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if moe.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return scores, inds
+
+
+def _route_qwen2_moe(moe, x):  # qwen2_moe: as olmoe, never renormalised
+    import mlx.core as mx
+
+    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
+    inds = mx.argpartition(-probs, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
+    return mx.take_along_axis(probs, inds, axis=-1), inds
+
+
+def _route_qwen3(moe, x):  # qwen3_moe, qwen3_next (Qwen3.5): top-k as the last k of argpartition
+    import mlx.core as mx
+
+    probs = mx.softmax(moe.gate(x), axis=-1, precise=True)
+    inds = mx.argpartition(probs, kth=-moe.top_k, axis=-1)[..., -moe.top_k :]
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if moe.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return scores, inds
+
+
+def _softmax_of_topk(logits, k: int):  # top-k of the logits, softmax over those k
+    import mlx.core as mx
+
+    inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True), inds
+
+
+def _route_mixtral(moe, x):  # mixtral: the gate's logits
+    return _softmax_of_topk(moe.gate(x), moe.num_experts_per_tok)
+
+
+def _route_router(moe, x):  # granitemoe: a router module returns (indices, weights)
+    inds, scores = moe.router(x)
+    return scores, inds
+
+
+def _route_sparsemixer(moe, x):  # phimoe: mlx-lm's own sparsemixer over the gate's logits
+    from mlx_lm.models.phimoe import sparsemixer
+
+    inds, scores = sparsemixer(moe.gate(x), top_k=moe.top_k, jitter_eps=moe.jitter_eps)
+    return scores, inds
+
+
+def _route_ernie(moe, x):  # ernie4_5_moe: softmax (fp32), top-k without the correction bias, / max(sum, 1e-12)
+    import mlx.core as mx
+
+    gates = moe.gate_act(moe.gate(x).astype(mx.float32))
+    inds = mx.argpartition(-gates, kth=moe.k - 1, axis=-1)[..., : moe.k]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    return scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12), inds
+
+
+def _route_router_topk(moe, x):  # gpt_oss: its own top-k (the last k of argpartition) of the (biased) router's logits
+    import mlx.core as mx
+    from mlx_lm.models.gpt_oss import mlx_topk
+
+    v, inds = mlx_topk(moe.router(x), k=moe.num_experts_per_tok, axis=-1)
+    return mx.softmax(v, axis=-1, precise=True), inds
+
+
+def _route_sigmoid_top(moe, x):  # llama4: top-k of the router logits, their sigmoid (scales the expert input)
+    import mlx.core as mx
+
+    logits = moe.router(x)
+    inds = mx.argpartition(-logits, kth=moe.top_k - 1, axis=-1)[..., : moe.top_k]
+    return mx.sigmoid(mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32)), inds
+
+
+def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
+    inds, scores = moe.gate(x)
+    return scores, inds
+
+
+ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
+         "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
+         "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
+         "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
+         "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
+         "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate}
+
+
+def route(moe, x):
+    """(weights [.., k], indices [.., k]) as the mlx-lm MoE block computes them. A seeded
+    fault that changes routing sets `oracle_route` on the block (its patched __call__ uses
+    it too): mlx-lm routes inline, there is no router module to patch."""
+    fn = getattr(moe, "oracle_route", None)
+    if fn is not None:
+        return fn(x)
+    # the block's class, or the mlx-lm class a seeded fault's patched subclass derives from
+    for cls in type(moe).__mro__:
+        fn = ROUTE.get(f"{cls.__module__}.{cls.__name__}") or ROUTE.get(cls.__name__)
+        if fn is not None:
+            return fn(moe, x)
+    raise NotImplementedError(f"no routing mirror for mlx-lm's {type(moe).__name__}")
+
+
+def patch_call(module, fn) -> None:
+    """Override `__call__` of this one instance (Python looks it up on the type). The subclass keeps
+    the class's name and module (exporters.mlx.model.route finds its routing mirror through the MRO)."""
+    cls = type(module)
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": fn, "__module__": cls.__module__})

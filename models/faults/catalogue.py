@@ -1,0 +1,189 @@
+"""The catalogue of seeded faults in the production model: the bugs seen in real ports, by
+mechanism (the modules beside this one), each with the block a correct oracle must name and the point
+inside it the drill should name first."""
+
+from __future__ import annotations
+
+from models.args import ModelArgs
+from models.faults.attention import (attention_multiplier_missing, gqa_repeat_wrong, kv_off_by_one, not_causal,
+                                     output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
+                                     qk_norm_per_head_for_flat, rope_interleaved, rope_on_nope_layer, rope_theta_wrong,
+                                     rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one)
+from models.faults.experts import (clamp_missing, dense_layer_routed, expert_index_off_by_one, gate_up_swapped,
+                                   has_shared, interleave_sparse, moe_layer_as_dense, moe_output_upcast, one_expert_off,
+                                   shared_gate_no_sigmoid, shared_missing, stray_bf16, weights_not_applied)
+from models.faults.fault import Fault
+from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
+from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
+                                 logits_to_float, norm_offset_missing, residual_missing, residual_multiplier_missing)
+from models.faults.mla import mla_cache_not_carried, mla_rope_nope_swapped, yarn_mscale_missing
+from models.faults.router import (bias_in_weights, is_scaled, is_sigmoid, no_renorm, rerouted,
+                                  router_logit_bias_ignored, second_expert_unmasked, sigmoid_router, softmax_after_topk,
+                                  wrong_num_experts)
+from models.layers import routing
+
+# every MoE family's mechanisms: softmax top-k routing, SwiGLU experts, GQA attention with rope and
+# q/k norms, RMSNorm, KV and recurrent state, Gated DeltaNet, dtypes
+COMMON: tuple[Fault, ...] = (
+    Fault("router_softmax_after_topk", "router", "last", "softmax over the top-k logits instead of over all experts",
+          softmax_after_topk, lambda a: not a.router.norm_topk_prob),
+    Fault("router_no_renorm", "router", "last", "missing norm_topk_prob renormalisation", no_renorm,
+          lambda a: a.router.norm_topk_prob),
+    Fault("router_wrong_num_experts", "router", "last", "router sees one expert fewer than the checkpoint has",
+          wrong_num_experts, lambda a: not routing.grouped(a)),
+    Fault("router_sigmoid", "router", "last", "sigmoid scoring instead of softmax", sigmoid_router,
+          lambda a: a.router.scoring == "softmax"),
+    Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", gate_up_swapped),
+    Fault("expert_weights_off_1e-3", "moe", "last", "one (used) expert's weights off by 1e-3", one_expert_off),
+    Fault("expert_index_off_by_one", "moe", "last", "expert weights gathered at index + 1", expert_index_off_by_one),
+    # (sparsemixer's weights are 1 but inside its jitter band: nothing to see there)
+    Fault("expert_weights_not_applied", "moe", "last", "expert outputs summed without routing weights",
+          weights_not_applied, lambda a: a.router.scoring != "sparsemixer"),
+    Fault("shared_expert_gate_no_sigmoid", "moe", "last", "shared-expert gate used without sigmoid",
+          shared_gate_no_sigmoid, lambda a: has_shared(a) and a.shared_expert_gated),
+    Fault("shared_expert_missing", "moe", "last", "shared expert dropped", shared_missing, has_shared),
+    Fault("stray_bf16_downcast", "moe", "last", "a stray downcast to bf16 inside an fp32 program", stray_bf16),
+    Fault("rope_theta_wrong", "attention", "rope", "wrong rope theta (1e4 vs the checkpoint's)", rope_theta_wrong,
+          attention=("gqa", "mla")),
+    Fault("rope_interleaved", "attention", "rope", "interleaved (GPT-J) rotation instead of rotate-half",
+          rope_interleaved, lambda a: not a.rope.interleave),
+    Fault("rotary_fraction_wrong", "attention", "rope", "partial-rotary fraction wrong", rotary_fraction_wrong),
+    Fault("qk_norm_missing", "attention", "rope", "q/k RMSNorm missing", qk_norm_missing,
+          lambda a: a.attention.qk_norm != "none"),
+    Fault("qk_norm_per_head_for_flat", "attention", "full", "per-head q/k norm where the family's is flat",
+          qk_norm_per_head_for_flat, lambda a: a.attention.qk_norm == "flat"),
+    Fault("qk_norm_flat_for_per_head", "attention", "full", "flat q/k norm where the family's is per head",
+          qk_norm_flat_for_per_head, lambda a: a.attention.qk_norm == "head"),
+    Fault("kv_cache_write_off_by_one", "attention", "full", "KV cache written one position late", kv_off_by_one),
+    Fault("attention_not_causal", "attention", "full", "attention mask not causal", not_causal),
+    Fault("attention_scale_wrong", "attention", "full", "softmax scale 1/d instead of 1/sqrt(d)", scale_wrong),
+    Fault("gqa_kv_heads_tiled", "attention", "full", "kv heads tiled instead of repeated for GQA",
+          gqa_repeat_wrong, lambda a: a.num_attention_heads != a.num_key_value_heads),
+    Fault("attention_gate_no_sigmoid", "attention", "full", "attention output gate without sigmoid",
+          output_gate_no_sigmoid, lambda a: a.attention.output_gate),
+    Fault("gdn_state_not_carried", "attention", "linear", "Gated DeltaNet recurrent state not carried",
+          gdn_state_not_carried),
+    Fault("gdn_conv_state_not_carried", "attention", "linear", "Gated DeltaNet conv state not carried",
+          gdn_conv_state_not_carried),
+    Fault("gdn_chunked_prefill_differs", "attention", "linear", "chunked prefill differs from one-shot prefill",
+          gdn_chunked_prefill),
+    Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", input_norm_eps),
+    Fault("norm_offset_missing", "layer", "last", "(1 + w) RMSNorm offset missing", norm_offset_missing,
+          lambda a: a.norm.offset),
+    Fault("residual_missing", "layer", "last", "attention residual connection dropped", residual_missing),
+    Fault("final_norm_eps_wrong", "final_norm", "model", "final RMSNorm eps 1000x too large", final_norm_eps),
+    Fault("moe_output_upcast", "moe", "last", "an unconditional cast that changes the MoE output dtype (bf16 model)",
+          moe_output_upcast, precision="bf16"),
+    Fault("logits_cast_to_float", "logits", "model", "final logits cast to float where the model's dtype is bf16",
+          logits_to_float, precision="bf16"),
+)
+
+
+# biased routing (sigmoid scores with a correction bias, groups, routed scaling), dense layers, MLA, YaRN
+BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
+    Fault("router_bias_in_weights", "router", "last", "correction bias added to the weights too (not only the choice)",
+          bias_in_weights, lambda a: a.router.correction_bias),
+    Fault("router_bias_ignored", "router", "last", "correction bias left out of the expert choice",
+          rerouted(lambda a: {"correction_bias": False}), lambda a: a.router.correction_bias),
+    Fault("router_group_limit_ignored", "router", "last", "group limit ignored (top-k over every expert)",
+          rerouted(lambda a: {"n_group": 1, "topk_group": 1}), routing.grouped),
+    Fault("routed_scaling_missing", "router", "last", "routed_scaling_factor not applied",
+          rerouted(lambda a: {"routed_scaling_factor": 1.0}), is_scaled),
+    Fault("routed_scaling_twice", "router", "last", "routed_scaling_factor applied twice",
+          rerouted(lambda a: {"routed_scaling_factor": a.router.routed_scaling_factor ** 2}), is_scaled),
+    Fault("router_softmax_for_sigmoid", "router", "last", "softmax scores where the family's are sigmoid",
+          rerouted(lambda a: {"scoring": "softmax"}), is_sigmoid),
+    Fault("dense_layer_routed", "mlp", "dense", "a dense layer's MLP treated as routed (scaled by routed_scaling_factor)",
+          dense_layer_routed, is_scaled),
+    Fault("mla_rope_nope_swapped", "attention", "full", "MLA: q's rope and no-rope parts swapped",
+          mla_rope_nope_swapped, attention=("mla",)),
+    Fault("mla_cache_not_carried", "attention", "full", "MLA: compressed KV cache not carried across calls",
+          mla_cache_not_carried, attention=("mla",)),
+    Fault("yarn_mscale_missing", "attention", "full", "YaRN mscale missing from the softmax scale",
+          yarn_mscale_missing, lambda a: a.rope.kind == "yarn" and bool(a.rope.scaling.mscale_all_dim),
+          attention=("mla",)),
+)
+
+
+# the variants: attention sinks, sliding windows, clamped SwiGLU, router logit bias, sparsemixer,
+# LayerNorm, interleaved MoE layers, Granite's multipliers, NoPE layers
+VARIANTS: tuple[Fault, ...] = (
+    Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
+          sinks_dropped, lambda a: a.attention.sinks),
+    Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
+          window_off_by_one),
+    Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", clamp_missing,
+          lambda a: a.experts.activation == "clamped_swiglu"),
+    Fault("router_logit_bias_ignored", "router", "last", "the router's bias left out of its logits",
+          router_logit_bias_ignored, lambda a: a.router.logit_bias),
+    Fault("sparsemixer_first_unmasked", "router", "last", "sparsemixer's second expert chosen without masking the first",
+          second_expert_unmasked, lambda a: a.router.scoring == "sparsemixer"),
+    Fault("layernorm_as_rmsnorm", "layer", "last", "LayerNorm computed as RMSNorm (no mean, no bias)",
+          layernorm_as_rmsnorm, lambda a: a.norm.kind == "layer"),
+    Fault("moe_interleave_wrong", "moe", "last", "an MoE layer taken for a dense one (wrong MoE/dense interleave)",
+          moe_layer_as_dense, interleave_sparse),
+    Fault("residual_multiplier_missing", "layer", "last", "residual_multiplier not applied",
+          residual_multiplier_missing, lambda a: a.multipliers.residual != 1.0),
+    Fault("attention_multiplier_missing", "attention", "full", "attention_multiplier replaced by 1/sqrt(head_dim)",
+          attention_multiplier_missing, lambda a: bool(a.multipliers.attention)
+          and a.multipliers.attention != a.head_dim**-0.5),
+    Fault("logits_scaling_missing", "logits", "model", "logits not divided by logits_scaling",
+          logits_scaling_missing, lambda a: a.multipliers.logits_scaling != 1.0),
+    Fault("rope_on_nope_layer", "attention", "nope", "rope applied on a no-rope layer", rope_on_nope_layer),
+)
+
+
+CATALOGUE: tuple[Fault, ...] = COMMON + BIASED_ROUTING_AND_MLA + VARIANTS
+
+
+def get(name: str) -> Fault:
+    for f in CATALOGUE:
+        if f.name == name:
+            return f
+    raise KeyError(f"unknown fault {name!r}; known: {', '.join(f.name for f in CATALOGUE)}")
+
+
+def applicable(a: ModelArgs) -> list[Fault]:
+    return [f for f in CATALOGUE if f.is_applicable(a)]
+
+
+# The point inside its block each fault breaks (oracle/drill/points.py): what the drill-down should name
+# first (a tuple: any of these, where families differ). `output` where the fault is in the block's
+# own arithmetic after its last point (a combine, a cast) or where no finer point exists (a final
+# norm, the head); the first point after a residual sum for a residual fault. None: a dtype fault
+# whose numbers agree (the drill compares values; the dtype gate and the block's dtype check name it).
+POINTS: dict[str, str | tuple | None] = {
+    # router
+    "router_softmax_after_topk": "scores", "router_no_renorm": "weights", "router_wrong_num_experts": "scores",
+    "router_sigmoid": "scores", "router_bias_in_weights": "weights", "router_bias_ignored": "selection",
+    "router_group_limit_ignored": "selection", "routed_scaling_missing": "weights", "routed_scaling_twice": "weights",
+    "router_softmax_for_sigmoid": "scores", "router_logit_bias_ignored": "logits",
+    "sparsemixer_first_unmasked": "weights",
+    # experts and the MoE block
+    "expert_gate_up_swapped": "experts", "expert_weights_off_1e-3": "experts", "expert_index_off_by_one": "experts",
+    "expert_weights_not_applied": "experts", "swiglu_clamp_missing": "experts",
+    # the routed experts and their router never run: the router's logits come first where HF's router is
+    # inside the block (measured: the DeepSeek-style families, ERNIE, Llama 4), else the experts' output
+    "moe_interleave_wrong": ("logits", "experts"),
+    "stray_bf16_downcast": "output", "shared_expert_gate_no_sigmoid": "output",
+    # the shared expert never runs: its first projection, which HF computes (an always-on one: DeepSeek's
+    # shared_experts); where the module is gone from the candidate, the block's output
+    "shared_expert_missing": ("shared_expert.gate_proj", "shared_experts.gate_proj", "output"),
+    "moe_output_upcast": None, "dense_layer_routed": "output",
+    # attention
+    # (MLA's rotation has no tap: the attention's context there)
+    "rope_theta_wrong": ("q_rope", "context"), "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
+    "yarn_mscale_missing": ("q_rope", "context"), "rope_on_nope_layer": "q_rope",
+    "qk_norm_missing": "q_norm", "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
+    "kv_cache_write_off_by_one": "context", "attention_not_causal": "context", "attention_scale_wrong": "context",
+    "gqa_kv_heads_tiled": "context", "attention_gate_no_sigmoid": "context", "attention_sinks_dropped": "context",
+    "sliding_window_off_by_one": "context", "attention_multiplier_missing": "context",
+    "mla_rope_nope_swapped": "context", "mla_cache_not_carried": "context",
+    "gdn_state_not_carried": "recurrence", "gdn_chunked_prefill_differs": "recurrence",
+    "gdn_conv_state_not_carried": "conv",
+    # layer, final norm, head
+    "rmsnorm_eps_wrong": "input_layernorm", "norm_offset_missing": "post_attention_layernorm",
+    "layernorm_as_rmsnorm": "input_layernorm", "residual_missing": "post_attention_layernorm",
+    "residual_multiplier_missing": "post_attention_layernorm",
+    "final_norm_eps_wrong": "output", "logits_cast_to_float": None, "logits_scaling_missing": "output",
+}

@@ -1,0 +1,45 @@
+"""Port bugs of a decoder layer and of the model around the layers: norms (eps, the (1 + w) offset,
+LayerNorm), residuals and Granite's multipliers, the final norm, the head's scaling and dtype."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from models.faults.fault import patch
+
+
+def logits_to_float(model, a):
+    head = model.lm_head
+    fwd = type(head).forward
+    patch(head, "forward", lambda x: fwd(head, x).float())
+
+
+# ------------------------------------------------------------------ layer / model
+def input_norm_eps(layer, a):
+    layer.input_layernorm.eps = a.rms_norm_eps * 1e3
+
+
+def norm_offset_missing(layer, a):
+    layer.post_attention_layernorm.offset = False
+
+
+def residual_missing(layer, a):
+    patch(layer, "forward", lambda x, pos: (lambda h: h + layer.mlp(layer.post_attention_layernorm(h)))(
+        layer.attn(layer.input_layernorm(x), pos)))
+
+
+def final_norm_eps(model, a):
+    model.norm.eps = a.rms_norm_eps * 1e3
+
+
+def layernorm_as_rmsnorm(layer, a):
+    norm = layer.input_layernorm
+    patch(norm, "forward", lambda x: F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
+
+
+def residual_multiplier_missing(layer, a):
+    layer.residual_multiplier = 1.0
+
+
+def logits_scaling_missing(model, a):
+    model.lm_head.logits_scaling = 1.0

@@ -1,0 +1,79 @@
+"""DeepSeek's multi-head latent attention: the compressed latent and the shared rotary key
+cached, queries through an optional low-rank projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.args import ModelArgs
+from models.layers.norms import RMSNorm
+from models.layers.rope import Rope, yarn_mscale
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (MLA). Per position the cache holds the
+    normalised kv latent [kv_lora_rank] and one rotary key shared by every head [qk_rope]
+    (latent_cache [B, S, r], rope_key_cache [B, S, dr]); keys and values are expanded from the
+    latent by kv_b_proj at every call. q.k runs over qk_nope + qk_rope dims per head; the
+    values have v_head_dim. The low-rank norms use eps 1e-6 (HF's, not rms_norm_eps)."""
+
+    def __init__(self, a: ModelArgs, dtype=torch.float32):
+        super().__init__()
+        m, bias = a.attention.mla, a.attention.qkv_bias
+        self.nh, self.r = a.num_attention_heads, m.kv_lora_rank
+        self.dn, self.dr, self.dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        qk = self.dn + self.dr
+        if m.q_lora_rank:
+            self.q_a_proj = nn.Linear(a.hidden_size, m.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.nh * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(a.hidden_size, self.nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, self.r + self.dr, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
+        self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.attention.o_bias)
+        self.rope = Rope(self.dr, a.rope, partial=1.0)
+        self.scale = qk**-0.5
+        y = a.rope.scaling
+        if a.rope.kind == "yarn" and y.mscale_all_dim:  # the softmax scale times mscale^2 (HF yarn_apply_mscale)
+            self.scale = self.scale * yarn_mscale(y.factor, y.mscale_all_dim) ** 2
+        S = a.max_seq_len
+        self.register_buffer("latent_cache", torch.zeros(1, S, self.r, dtype=dtype))
+        self.register_buffer("rope_key_cache", torch.zeros(1, S, self.dr, dtype=dtype))
+        self.register_buffer("cache_pos", torch.arange(S), persistent=False)
+
+    def forward(self, x, pos):  # x [B, T, H], pos [T]
+        q, latent, k_rot = self.project(x, pos)
+        latents, rope_keys = self.update_cache(latent, k_rot, pos)
+        return self.attend(q, latents, rope_keys, pos)
+
+    def project(self, x, pos):
+        """q [B, nh, T, dn + dr] (its rotary part rotated), the normalised latent [B, T, r] and
+        the rotated shared key [B, T, dr]."""
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        q_nope, q_rot = self.split_q(q.view(B, T, self.nh, self.dn + self.dr).transpose(1, 2))
+        latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.r, self.dr], dim=-1)
+        k_rot = self.rope(k_rot.view(B, 1, T, self.dr), pos)[:, 0]
+        return torch.cat((q_nope, self.rope(q_rot, pos)), dim=-1), self.kv_a_layernorm(latent), k_rot
+
+    def split_q(self, q):  # [..., dn + dr] -> the no-rope part, the rotary part
+        return torch.split(q, [self.dn, self.dr], dim=-1)
+
+    def update_cache(self, latent, k_rot, pos):
+        self.latent_cache[:, pos] = latent
+        self.rope_key_cache[:, pos] = k_rot
+        return self.latent_cache, self.rope_key_cache
+
+    def attend(self, q, latents, rope_keys, pos):  # keys and values expanded from every cached latent
+        B, S = q.shape[0], latents.shape[1]
+        kv = self.kv_b_proj(latents).view(B, S, self.nh, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)  # [B, nh, S, dn], [B, nh, S, dv]
+        k = torch.cat((k_nope, rope_keys[:, None].expand(B, self.nh, S, self.dr)), dim=-1)
+        scores = (q @ k.transpose(2, 3)) * self.scale  # [B, nh, T, S]
+        visible = self.cache_pos[None, :] <= pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.o_proj((probs @ v).transpose(1, 2).reshape(B, q.shape[2], self.nh * self.dv))

@@ -1,0 +1,49 @@
+"""The MoE block (router, routed experts, a gated or always-on shared expert) and the dense MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.args import ModelArgs
+from models.layers.experts import Experts
+from models.layers.router import Router
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate = Router(a)
+        self.experts = Experts(a)
+        self.shared_expert = None
+        if a.shared_expert_intermediate_size and a.shared_expert_gated:
+            self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
+            self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+        elif a.shared_expert_intermediate_size:  # always on, no gate (DeepSeek)
+            self.shared_experts = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
+
+    def forward(self, x):  # [B, T, H]
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, idx = self.gate(x)
+        y = self.experts(x, idx, w)
+        if self.shared_expert is not None or hasattr(self, "shared_experts"):
+            y = y + self.shared(x)
+        return y.view(shape)
+
+    def shared(self, x):
+        if self.shared_expert is None:  # always on
+            return self.shared_experts(x)
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,0 +1,104 @@
+"""The production model: decoder layers (an attention or linear-attention mixer, an MoE or dense
+MLP, their norms and residuals), the embedding and head, and the one (layer, kind) -> block map.
+
+Export-friendly: static-shape state buffers (KV cache, conv state, recurrent state),
+no data-dependent Python control flow, positions passed explicitly. One forward
+serves prefill (T tokens) and decode (T == 1); state is carried in registered
+buffers and reset by a call at position 0.
+
+Module names mirror the HF checkpoints (self_attn / linear_attn / mlp.gate /
+mlp.experts / mlp.shared_expert ...) so that a family's `sanitize()` is mostly a
+prefix strip plus the expert stacking.
+
+Shapes: B batch (1), T tokens in this call, S max_seq_len, H hidden, E experts,
+k experts per token, I expert intermediate, nh/kvh heads, hd head dim."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.args import LINEAR, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mlp_type
+from models.layers.attention import Attention
+from models.layers.gated_deltanet import GatedDeltaNet
+from models.layers.mla import LatentAttention
+from models.layers.moe import MLP, SparseMoE
+from models.layers.norms import norm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, i: int, dtype=torch.float32):
+        super().__init__()
+        self.layer_type = a.layer_types[i]
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(a, dtype)
+        elif a.attention.kind == "mla":
+            self.self_attn = LatentAttention(a, dtype)
+        else:
+            self.self_attn = Attention(a, dtype, i)
+        self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+        self.input_layernorm = norm(a, a.hidden_size)
+        self.post_attention_layernorm = norm(a, a.hidden_size)
+        self.residual_multiplier = a.multipliers.residual
+
+    @property
+    def attn(self) -> nn.Module:
+        return self.linear_attn if self.layer_type == LINEAR else self.self_attn
+
+    def forward(self, x, pos):
+        if self.residual_multiplier != 1.0:  # Granite
+            h = x + self.attn(self.input_layernorm(x), pos) * self.residual_multiplier
+            return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
+        h = x + self.attn(self.input_layernorm(x), pos)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """tokens [B, T] + positions [T] -> logits [B, T, V]; state carried in buffers."""
+
+    def __init__(self, a: ModelArgs, dtype=torch.float32):
+        super().__init__()
+        self.args = a
+        # weights come from the checkpoint: no init (normal_ on meta imports torch._dynamo, 2 s)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(a, i, dtype) for i in range(a.num_hidden_layers))
+        self.norm = norm(a, a.hidden_size)
+        self.lm_head = LMHead(a)
+
+    def forward(self, tokens, pos):
+        x = self.embed_tokens(tokens)
+        if self.args.multipliers.embedding != 1.0:  # Granite
+            x = x * self.args.multipliers.embedding
+        for layer in self.layers:
+            x = layer(x, pos)
+        return self.lm_head(self.norm(x))
+
+
+class LMHead(nn.Linear):
+    """The output projection (with PhiMoE's bias; Granite divides the logits by logits_scaling)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__(a.hidden_size, a.vocab_size, bias=a.lm_head_bias)
+        self.logits_scaling = a.multipliers.logits_scaling
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y / self.logits_scaling if self.logits_scaling != 1.0 else y
+
+
+def reset_state(module: nn.Module) -> None:
+    """Zero every state buffer under `module` (KV cache, conv and recurrent state)."""
+    for name, buf in module.named_buffers():
+        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
+            buf.zero_()
+
+
+def block_fn(model: Transformer, layer: int | None, kind: str):
+    """(module to reset, fn(x [1, T, H], pos [T]) -> output) for one block of the production model:
+    the module at models.args.block_path (the one (layer, kind) -> module map every backend uses)."""
+    module = model.get_submodule(block_path(model.args, layer, kind))
+    if kind in ("attention", "layer"):
+        return module, module
+    if kind == "router":
+        return module, lambda x, pos: module(x.reshape(-1, x.shape[-1]))
+    return module, lambda x, pos: module(x)
