@@ -4,12 +4,12 @@ topk_method "group_limited_greedy", the top-k within the topk_group groups with 
 expert probability; weights times routed_scaling_factor, never renormalised (HF 5.23 reads no
 norm_topk_prob for V2); always-on shared experts."""
 
-from models.rules import FIRST_K_DENSE, GROUPED
-from models.family import Family
 from models.args import ModelArgs
+from models.family import Family
 from models.mapping import (deepseek_router, drop_layers_from, first_k_dense, hf_args, mla, require, rope_of,
                             rope_theta_any, sanitize_hf)
 from models.mlx_lm import COMMON_REQUIRE, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
+from models.rules import FIRST_K_DENSE, GROUPED
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

@@ -7,13 +7,13 @@ The worked example of a family made of blocks that exist (docs/architecture.md, 
 family, backend, block kind or gate goes"): the config mapping, the checkpoint's names and the
 mlx-lm mapping are all this file has."""
 
-from models.rules import FIRST_K_DENSE, GROUPED
-from models.family import Family
 from models.args import ModelArgs
-from models.mapping import drop_layers_from, first_k_dense, hf_args, mla, require, sanitize_hf, sigmoid_routing
-from models.mlx_lm import COMMON_REQUIRE, NOAUX, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
 from models.checkpoint import unstack_experts
-from models.mapping import deepseek_router, rope_of, rope_theta_any
+from models.family import Family
+from models.mapping import (deepseek_router, drop_layers_from, first_k_dense, hf_args, mla, require, rope_of,
+                            rope_theta_any, sanitize_hf, sigmoid_routing)
+from models.mlx_lm import COMMON_REQUIRE, NOAUX, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
+from models.rules import FIRST_K_DENSE, GROUPED
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

@@ -3,12 +3,11 @@ dense, then experts chosen as DeepSeek-V3 does (sigmoid + correction bias, group
 always-on shared experts. Sliding-window layers (layer_types) are refused: the released
 configs have none."""
 
-from models.rules import FIRST_K_DENSE, GROUPED
+from models.args import FULL, AttentionArgs, ModelArgs
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import deepseek_router, first_k_dense, hf_args, require, rope_theta, sanitize_hf, sigmoid_routing
-from models.args import FULL, AttentionArgs
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, NOAUX, MlxLm, const, head_dim
+from models.rules import FIRST_K_DENSE, GROUPED
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

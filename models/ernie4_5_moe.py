@@ -3,10 +3,9 @@ moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index, a softm
 whose correction bias (moe_statics) decides the choice only, the top-k weights divided by
 max(sum, moe_norm_min), and always-on shared experts (no gate)."""
 
+from models.args import DENSE, SPARSE, AttentionArgs, ModelArgs, RopeArgs, RouterArgs
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import hf_args, require, rope_theta, sanitize_hf
-from models.args import DENSE, SPARSE, AttentionArgs, RopeArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, MlxLm, const
 
 TINY = dict(

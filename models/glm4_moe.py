@@ -3,13 +3,12 @@ RMSNorm, partial rotary (half the head), the first `first_k_dense_replace` layer
 experts chosen as DeepSeek-V3 does (sigmoid + correction bias, group-limited) plus always-on
 shared experts."""
 
-from models.rules import FIRST_K_DENSE, GROUPED
+from models.args import AttentionArgs, ModelArgs, RopeArgs
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import (deepseek_router, drop_layers_from, first_k_dense, hf_args, require, rope_theta, sanitize_hf,
                             sigmoid_routing)
-from models.args import AttentionArgs, RopeArgs
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, NOAUX, UNTIED, MlxLm, const, head_dim, rope_parameters
+from models.rules import FIRST_K_DENSE, GROUPED
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

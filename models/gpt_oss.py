@@ -3,12 +3,11 @@ a learned sink logit per head in every softmax, biased q/k/v/o, YaRN, a biased r
 logits are softmaxed, and experts with biases and the clamped SwiGLU
 (gate <= limit, |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)), gate/up interleaved."""
 
-from models.family import Family
-from models.args import ModelArgs
-from models.mapping import hf_args, require, rope_of, rope_theta_any, sanitize_hf
-from models.args import FULL, SLIDING, AttentionArgs, ExpertArgs, NormArgs, RouterArgs
+from models.args import FULL, SLIDING, AttentionArgs, ExpertArgs, ModelArgs, NormArgs, RouterArgs
 from models.checkpoint import CheckpointError
-from models.mlx_lm import MlxLm, YARN_REQUIRE, yarn_scaling
+from models.family import Family
+from models.mapping import hf_args, require, rope_of, rope_theta_any, sanitize_hf
+from models.mlx_lm import YARN_REQUIRE, MlxLm, yarn_scaling
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

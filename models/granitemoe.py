@@ -5,10 +5,9 @@ the logits, softmax over those k (= softmax, top-k, renormalised)."""
 
 import re
 
+from models.args import AttentionArgs, ModelArgs, Multipliers, RouterArgs
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import hf_args, rope_theta, sanitize_hf
-from models.args import AttentionArgs, Multipliers, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
 
 TINY = dict(

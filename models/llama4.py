@@ -6,11 +6,10 @@ scales the expert's *input*, plus an always-on shared expert; the other layers d
 
 import math
 
-from models.family import Family
-from models.args import ModelArgs
-from models.mapping import hf_args, require, sanitize_hf, strip_prefix
-from models.args import CHUNKED, DENSE, FULL, SPARSE, AttentionArgs, Llama3Scaling, RopeArgs, RouterArgs
+from models.args import CHUNKED, DENSE, FULL, SPARSE, AttentionArgs, Llama3Scaling, ModelArgs, RopeArgs, RouterArgs
 from models.checkpoint import CheckpointError
+from models.family import Family
+from models.mapping import hf_args, require, sanitize_hf, strip_prefix
 from models.mlx_lm import MlxLm, rope_parameters
 
 TINY = dict(

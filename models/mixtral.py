@@ -1,12 +1,10 @@
 """Mixtral: plain attention, softmax top-k routing always renormalised (weights kept in fp32)."""
 
+from models.args import FULL, SLIDING, AttentionArgs, ModelArgs, RouterArgs
+from models.checkpoint import stack_experts, unstack_experts
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import hf_args, rope_theta, sanitize_hf
-from models.args import FULL, SLIDING, AttentionArgs, RouterArgs
-from models.checkpoint import stack_experts
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, rope
-from models.checkpoint import unstack_experts
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,

@@ -1,9 +1,8 @@
 """OLMoE: flat q/k RMSNorm over the whole projection, softmax top-k routing, no shared expert."""
 
+from models.args import AttentionArgs, ModelArgs, RouterArgs
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import hf_args, require, rope_theta, sanitize_hf
-from models.args import AttentionArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const, head_dim, rope
 
 TINY = dict(

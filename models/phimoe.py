@@ -2,13 +2,11 @@
 LongRoPE, 16 experts routed by sparsemixer: the best expert, then the best of the others, each
 weighted by its softmax among the experts within 2 * router_jitter_noise of it (relative)."""
 
+from models.args import SLIDING, AttentionArgs, LongRoPE, ModelArgs, NormArgs, RopeArgs, RouterArgs
+from models.checkpoint import CheckpointError, stack_experts, unstack_experts
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import hf_args, require, sanitize_hf
-from models.args import SLIDING, AttentionArgs, LongRoPE, NormArgs, RopeArgs, RouterArgs
-from models.checkpoint import CheckpointError, stack_experts
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const, rope_parameters
-from models.checkpoint import unstack_experts
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,

@@ -1,9 +1,8 @@
 """Qwen2-MoE: q/k/v bias, softmax top-k routing, sigmoid-gated shared expert. rope_theta 1e4 (HF default)."""
 
+from models.args import AttentionArgs, ModelArgs, RouterArgs
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import hf_args, require, rope_theta, sanitize_hf
-from models.args import AttentionArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, rope
 
 TINY = dict(

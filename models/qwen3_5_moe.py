@@ -2,13 +2,12 @@
 per-head q/k norm), (1 + w) RMSNorm, softmax top-k routing with renormalisation and a
 sigmoid-gated shared expert."""
 
-from models.rules import GATED_DELTANET
-from models.family import Family
-from models.args import ModelArgs
-from models.mapping import hf_args, require, rope_theta, sanitize_hf
-from models.args import FULL, LINEAR, AttentionArgs, LinearAttentionArgs, NormArgs, RopeArgs, RouterArgs
-from models.mlx_lm import COMMON_REQUIRE, ConfigError, MlxLm, const
+from models.args import FULL, LINEAR, AttentionArgs, LinearAttentionArgs, ModelArgs, NormArgs, RopeArgs, RouterArgs
 from models.checkpoint import unstack_experts
+from models.family import Family
+from models.mapping import hf_args, require, rope_theta, sanitize_hf
+from models.mlx_lm import COMMON_REQUIRE, ConfigError, MlxLm, const
+from models.rules import GATED_DELTANET
 
 TINY = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

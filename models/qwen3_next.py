@@ -3,13 +3,12 @@ softmax top-k routing, a sigmoid-gated shared expert) with its Gated DeltaNet in
 fused per key head (in_proj_qkvz, in_proj_ba: re-laid out by sanitize() into Qwen3.5's), dense
 MLP layers (mlp_only_layers, decoder_sparse_step) and norm_topk_prob from the config."""
 
-from models.rules import GATED_DELTANET
+from models.args import DENSE, FULL, LINEAR, SPARSE, AttentionArgs, ModelArgs, NormArgs, RopeArgs, RouterArgs
 from models.family import Family
-from models.args import ModelArgs
 from models.mapping import hf_args, require, rope_theta, sanitize_hf
-from models.args import DENSE, FULL, LINEAR, SPARSE, AttentionArgs, NormArgs, RopeArgs, RouterArgs
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
-from models.qwen3_5_moe import (OFFSET_NORMS, conv1d_shape, full_attention_interval_of, from_mlx_names, gated_deltanet)  # noqa: F401
+from models.qwen3_5_moe import (OFFSET_NORMS, conv1d_shape, from_mlx_names, full_attention_interval_of, gated_deltanet)  # noqa: F401
+from models.rules import GATED_DELTANET
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

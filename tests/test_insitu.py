@@ -14,12 +14,11 @@ import pytest
 
 from models.faults import catalogue as faults
 from oracle.verdict import insitu
-from oracle.backend import CheckSpec
+from oracle.backend import CheckSpec, resolve
 from oracle.check import run_check
 from oracle.verdict.compare import compare_block
 from oracle.reference.cached import reference_of
 from oracle.source.sources import model_source, prompt_tokens
-from oracle.backend import resolve
 
 PLUGINS = "tests.plugins"
 SPEC = CheckSpec(family="qwen3_5_moe", backend=f"{PLUGINS}:IN_SITU", weights="trained")

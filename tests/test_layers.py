@@ -2,9 +2,8 @@
 
 import torch
 
-from models.args import RopeArgs
+from models.args import ModelArgs, RopeArgs
 from models.layers.experts import Experts
-from models.args import ModelArgs
 
 
 def _experts(E=8, H=64, I=32):

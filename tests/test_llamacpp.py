@@ -188,9 +188,8 @@ def test_shipped_gguf_weights_are_the_ggufs_own(shipped, llamacpp):
     spec = CheckSpec(family="olmoe", backend="llamacpp")
     orig = model_source(spec)
     ref = llamacpp.BACKEND.gguf(orig, spec)
-    from exporters.llamacpp.gguf import dequantized_gguf
+    from exporters.llamacpp.gguf import dequantized_gguf, reader, values
 
-    from exporters.llamacpp.gguf import reader, values
 
     d, summary = dequantized_gguf(orig.family, orig, shipped["Q8_0"], Path(ref.path), "test")
     name = "model.layers.0.mlp.experts.3.down_proj.weight"

@@ -11,10 +11,9 @@ import numpy as np
 from oracle.verdict import thresholds
 from oracle.verdict.distribution import distribution_metrics, judge_distribution
 from oracle.verdict.metrics import OutputError, as_array, as_f64, score_resolution, tensor_metrics, top2_margin
-from oracle.verdict.noise import aligner, attentions, exact_for, keep, measuring, noise_for, replay_jobs
+from oracle.verdict.noise import aligner, attentions, exact_for, keep, measuring, noise_for, replay_jobs, score_error
 from oracle.reports.result import E2E, GateRow, Status
 from oracle.verdict.compare import shape_text, dtype_name, expected_dtype, reduction_length
-from oracle.verdict.noise import score_error
 from oracle.verdict.replay import differences, plan_of
 from oracle.reference.cached import reference_of
 
