@@ -34,6 +34,9 @@ class Family:
     hf_moe: str = "mlp"
     hf_router: str = "mlp.gate"
     hf_mlp: str = "mlp"  # a dense layer's MLP
+    # a correction bias (e_score_correction_bias) HF keeps beside the router, not under it: its path in
+    # the decoder layer (MiniMax-M2's MoE block holds it and passes it to its router); None: under the router
+    hf_router_bias: str | None = None
     # (mlx-lm checkpoint tensors of one layer, config.json) -> the HF checkpoint's names and layouts
     # (how a shipped mlx-lm directory's dequantized weights become an HF reference)
     from_mlx: Callable = None

@@ -127,6 +127,9 @@ def gqa_repeat_wrong(attn, a):
         p.weight = mx.tile(p.weight.reshape(kvh, hd, -1), (nh // kvh, 1, 1)).reshape(nh * hd, -1)
         if "bias" in p:
             p.bias = mx.tile(p.bias.reshape(kvh, hd), (nh // kvh, 1)).reshape(-1)
+    if a.attention.qk_norm == "flat" and "k_norm" in attn:  # a flat k norm (MiniMax-M2) over the widened k:
+        # its gains tiled the same way (the tiled vector's mean square is the original's: k normed as before)
+        attn.k_norm.weight = mx.tile(attn.k_norm.weight, (nh // kvh,))
     setattr(attn, kv_attr, nh)
 
 

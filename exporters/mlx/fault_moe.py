@@ -89,10 +89,13 @@ def no_renorm(layer, a):
 def one_expert_fewer(layer, a):
     """The router's linear layer with its last expert's row dropped: every family's own routing
     then runs over one expert fewer than the checkpoint has."""
-    r = router_linear(moe_block(layer))
+    moe = moe_block(layer)
+    r = router_linear(moe)
     r.weight = r.weight[:-1]
     if "bias" in r:
         r.bias = r.bias[:-1]
+    if "e_score_correction_bias" in moe:  # a block that routes inline with its own bias (MiniMax-M2): it sees
+        moe.e_score_correction_bias = moe.e_score_correction_bias[:-1]  # one fewer too (as the torch form)
 
 
 def sigmoid(layer, a):
@@ -155,12 +158,25 @@ def group_limit_ignored(layer, a):
 
 def bias_ignored(layer, a):
     g = _gate(layer)
+    if g is None:  # a block that routes inline, its correction bias its own (MiniMax-M2)
+        g = moe_block(layer)
     g.e_score_correction_bias = mx.zeros_like(g.e_score_correction_bias)
 
 
 def bias_in_weights(layer, a):
     """The gate's own choice, its weights taken from sigmoid + correction bias (not the sigmoid alone)."""
     g = _gate(layer)
+    if g is None:  # a block that routes inline with its own correction bias (MiniMax-M2): its routing recomputed
+        moe = moe_block(layer)
+
+        def route(logits, k, renorm):
+            biased = mx.sigmoid(logits.astype(mx.float32)) + moe.e_score_correction_bias
+            inds = mx.argpartition(-biased, kth=k - 1, axis=-1)[..., :k]
+            s = mx.take_along_axis(biased, inds, axis=-1)
+            return (s / s.sum(axis=-1, keepdims=True) if renorm else s), inds
+
+        reroute(layer, a, route)
+        return
     call = type(g).__call__
 
     def fn(self, x):

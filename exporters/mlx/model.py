@@ -124,6 +124,16 @@ def _route_sigmoid_top(moe, x):  # llama4: top-k of the router logits, their sig
     return mx.sigmoid(mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32)), inds
 
 
+def _route_minimax(moe, x):  # minimax_m2: fp32 gate logits, sigmoid, top-k of + correction bias, renorm (+1e-20)
+    import mlx.core as mx
+
+    orig = mx.sigmoid(moe.gate(x.astype(mx.float32)))
+    k = moe.num_experts_per_tok
+    inds = mx.argpartition(-(orig + moe.e_score_correction_bias), kth=k - 1, axis=-1)[..., :k]
+    scores = mx.take_along_axis(orig, inds, axis=-1)
+    return (scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)).astype(x.dtype), inds
+
+
 def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
@@ -134,7 +144,8 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
          "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
-         "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate}
+         "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
+         "MiniMaxSparseMoeBlock": _route_minimax}
 
 
 def route(moe, x):

@@ -18,7 +18,7 @@ import torch
 from exporters.torch.candidate import device_availability, device_info, device_of, device_option, host
 from oracle.backend import Backend, Candidate, InputError
 from oracle.drill import points
-from oracle.reference.run import block_modules, model_args, normalize_output, router_reader
+from oracle.reference.run import block_modules, call_router, model_args, normalize_output, router_reader
 from oracle.reference.streaming import decoder_of, hold, load_hf_model, materialized, reference_mode, release_held
 from oracle.schedule import LAYER_BY_LAYER, Ahead
 from oracle.verdict.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
@@ -168,7 +168,8 @@ class HFCandidate(Candidate):
             outs = self._replay(layer, kind, calls)
             for c in probes:
                 x = c.x.to(self.device, self.dtype)
-                o = self.modules[layer, kind](x.reshape(-1, x.shape[-1]) if kind == "router" else x)
+                block = self.modules[layer, kind]
+                o = call_router(block, x.reshape(-1, x.shape[-1])) if kind == "router" else block(x)
                 o = host(normalize_output(kind, o, keep_dtype=True, router_output=self.read_router))
                 outs.append(o[: self._router_items] if kind == "router" else o)
         return outs

@@ -4,6 +4,7 @@ with hooks recording every block's input and output on every call."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,9 @@ def block_modules(model, family) -> dict:
                 raise RuntimeError(f"{family.name}: layer {i} of HF's model has no {kind} block at "
                                    f"{' or '.join(family.hf_path(kind))}")
             out[i, kind] = module
+            if kind == "router" and family.hf_router_bias:
+                path, _, name = family.hf_router_bias.rpartition(".")
+                BIAS_HOLDERS[module] = (_submodule(layer, path), name)
     out[None, "final_norm"] = decoder.norm
     out[None, "logits"] = model.get_output_embeddings()
     return out
@@ -109,12 +113,29 @@ def normalize_output(kind: str, out, keep_dtype: bool = False, router_output=Non
     return cast(out)
 
 
+# an HF router -> (the module that holds its correction bias, the bias's name) where that is not the router
+# (Family.hf_router_bias: MiniMax-M2's MoE block, which passes the bias to its router)
+BIAS_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def correction_bias(router):
-    """The router's correction bias wherever under it the family keeps it (ERNIE 4.5: moe_statics), or None."""
+    """The router's correction bias wherever under it the family keeps it (ERNIE 4.5: moe_statics), or
+    beside it (Family.hf_router_bias), or None."""
+    holder, name = BIAS_HOLDERS.get(router, (None, None))
+    if holder is not None:
+        with materialized(holder):  # a streamed model's layer holds its weights only while in use
+            return getattr(holder, name).detach().float().reshape(-1).clone()
     with materialized(router):  # a streamed model's router holds its weights only in its forward
         bias = next((t for n, t in [*router.named_parameters(), *router.named_buffers()]
                      if n.rsplit(".", 1)[-1] == "e_score_correction_bias"), None)
         return bias.detach().float().reshape(-1).clone() if bias is not None else None
+
+
+def call_router(router, x):
+    """An HF router on tokens x [N, H], alone (a probe): with its block's correction bias where the
+    block passes it (Family.hf_router_bias)."""
+    holder, name = BIAS_HOLDERS.get(router, (None, None))
+    return router(x) if holder is None else router(x, getattr(holder, name))
 
 
 def selection_scores(router, logits, args):
@@ -266,14 +287,14 @@ def expert_probes(router, moe, args, reader=None) -> tuple[list, list]:
         pinv = None
         for e in range(w.shape[0]):
             x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
-            out = router(x.reshape(1, -1).to(router.weight.dtype))
+            out = call_router(router, x.reshape(1, -1).to(router.weight.dtype))
             if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
                 if pinv is None:
                     pinv = torch.linalg.pinv(w.double())  # [H, E]
                 z = torch.full((w.shape[0],), -8.0, dtype=torch.float64)
                 z[e] = 8.0
                 x = (pinv @ z).float().reshape(1, 1, -1)
-                out = router(x.reshape(1, -1).to(router.weight.dtype))
+                out = call_router(router, x.reshape(1, -1).to(router.weight.dtype))
                 if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
                     unprobed.append(e)
                     continue
