@@ -131,6 +131,9 @@ def _edited(family, tmp_path, **config):
     ("deepseek_v3", {"scoring_func": "sigmoid"}, "scoring_func"),
     # llama.cpp hard-codes Llama 4's chunk size and floor scale to the published 8192
     ("llama4", {"attention_chunk_size": 8192, "floor_scale": 8192}, "attention_chunk_size"),
+    # the converter rotates GLM-4.5's default half of each head where the config names no partial_rotary_factor
+    ("solar_open", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 1.0}},
+     "partial_rotary_factor"),
 ])
 def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, cause):
     """The tiny checkpoint fails where its entry says (xfail); with the cause removed from config.json
