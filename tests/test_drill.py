@@ -9,6 +9,7 @@ import torch
 from exporters.torch.eager import EagerBackend
 from models.faults import catalogue as faults
 from models import FAMILY_NAMES
+from tests.depth import IN_DEPTH
 from oracle.backend import CheckSpec, resolve
 from oracle.check import run_check
 from oracle.verdict.compare import reduction_length
@@ -157,7 +158,7 @@ KNOWN_MLX_DIVERGENCE = {"ernie4_5_moe": ("logits", "topk", "weights", "output", 
                         "glm4_moe": ("topk", "weights", "output", "mlp"), "dots1": ("topk", "weights", "output", "mlp")}
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", IN_DEPTH)  # the other families: tests/depth.py
 def test_no_false_divergence_in_a_clean_mlx_layer(mlx, family):
     """mlx-lm's first decoder layer of every family, clean: no point diverges."""
     spec = CheckSpec(family=family, backend="mlx")

@@ -6,11 +6,13 @@ from models import FAMILY_NAMES
 from oracle.backend import CheckSpec
 from oracle.check import run_check
 from models.args import block_keys
+from tests.depth import IN_DEPTH
 from oracle.source.sources import model_source
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+# fp32 for every family; bf16 (judged against HF bf16's own error, with routing replay: 2-4x an fp32
+# check's time) for the families checked in depth (tests/depth.py)
+@pytest.mark.parametrize("family,precision", [(f, "fp32") for f in FAMILY_NAMES] + [(f, "bf16") for f in IN_DEPTH])
 def test_eager_passes(family, precision):
     r = run_check(CheckSpec(family=family, backend="eager", precision=precision, decode_tokens=8))
     assert r.status == "pass", r.worst

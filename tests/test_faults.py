@@ -6,6 +6,7 @@ import pytest
 from exporters.torch.eager import EagerBackend
 from models.faults import catalogue as faults
 from models import FAMILY_NAMES
+from tests.depth import BREADTH, IN_DEPTH
 from oracle.backend import CheckSpec
 from oracle.check import run_check
 from oracle.selftest.run import run_selftest
@@ -44,39 +45,78 @@ def test_gdn_state_fault_shows_in_decode_not_prefill():
     assert fd["index"][0] >= 8  # the first 8 rows are the prompt (prefill)
 
 
-def _all_cases():
-    for family in FAMILY_NAMES:
+def _cases(families):
+    for family in families:
         args = model_source(CheckSpec(family=family, backend="eager")).args
         for f in faults.applicable(args):
-            yield pytest.param(family, f.name, id=f"{family}-{f.name}")
+            yield family, f.name
+
+
+def _all_cases():
+    return [pytest.param(family, name, id=f"{family}-{name}") for family, name in _cases(IN_DEPTH)]
+
+
+def _breadth_cases() -> list[tuple[str, str]]:
+    """Each fault that no family checked in depth has (the mechanism another family brought), on the first
+    other family it applies to (tests/depth.py): the rest of the catalogue over those families is
+    `oracle selftest`'s."""
+    covered, out = {name for _, name in _cases(IN_DEPTH)}, []
+    for family, name in _cases(BREADTH):
+        if name not in covered:
+            covered.add(name)
+            out.append((family, name))
+    return out
 
 
 @pytest.fixture(scope="module")
 def eager_selftest():
-    """The whole catalogue through eager once (15 families x every applicable fault, and each family
-    clean at seeds 0, 1, 2): the per-fault cases below and the whole-catalogue test read its rows (they
-    ran every fault's check twice before, about 90 s of the suite's CPU)."""
-    return run_selftest("eager", seeds=(0, 1, 2))
+    """The whole catalogue through eager once over the families checked in depth (every applicable fault,
+    and each family clean at seeds 0, 1, 2): the per-fault cases below and the whole-catalogue test read its
+    rows (they ran every fault's check twice before, about 90 s of the suite's CPU)."""
+    return run_selftest("eager", families=IN_DEPTH, seeds=(0, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def breadth_selftest():
+    """The faults of _breadth_cases through eager, each family's once (clean at seed 0, then its faults)."""
+    by_family: dict[str, list[str]] = {}
+    for family, name in _breadth_cases():
+        by_family.setdefault(family, []).append(name)
+    return [run_selftest("eager", families=[family], seeds=(0,), fault_names=names)
+            for family, names in by_family.items()]
 
 
 def test_selftest_eager_catches_and_localises_everything(eager_selftest):
     res = eager_selftest
     s = res.summary()
     assert s["faults"] >= 20 and s["distinct_faults"] >= 20
-    assert s["faults"] == len(list(_all_cases()))  # every applicable fault of every family ran
+    assert s["faults"] == len(_all_cases())  # every applicable fault of every family ran
     assert s["detected"] == s["faults"]
     assert s["localized"] >= 0.9 * s["faults"]
-    assert s["false_alarms"] == 0 and s["clean_runs"] == 3 * len(FAMILY_NAMES)  # every family x three seeds
-    assert {r.family for r in res.false_alarms} == set(FAMILY_NAMES)
+    assert s["false_alarms"] == 0 and s["clean_runs"] == 3 * len(IN_DEPTH)  # every family x three seeds
+    assert {r.family for r in res.false_alarms} == set(IN_DEPTH)
     assert res.summary_line().startswith(f"detected {s['faults']}/{s['faults']}, localized")
 
 
-@pytest.mark.parametrize("family,name", list(_all_cases()))
-def test_catalogue(eager_selftest, family, name):
+def test_every_fault_of_the_catalogue_runs_in_the_suite():
+    """The in-depth families and the breadth cases together reach every fault of the catalogue that applies
+    to any family (a mechanism's fault is never left to `oracle selftest` alone)."""
+    applicable = {name for _, name in _cases(FAMILY_NAMES)}
+    assert applicable == {name for _, name in _cases(IN_DEPTH)} | {name for _, name in _breadth_cases()}
+
+
+def test_breadth_faults_are_caught_with_no_false_alarm(breadth_selftest):
+    for res in breadth_selftest:
+        s = res.summary()
+        assert s["detected"] == s["faults"] > 0 and s["false_alarms"] == 0, res.summary_line()
+
+
+@pytest.mark.parametrize("family,name", _all_cases() + [pytest.param(f, n, id=f"{f}-{n}") for f, n in _breadth_cases()])
+def test_catalogue(eager_selftest, breadth_selftest, family, name):
     """Each fault fails its family's check by a measurement (not a crash) and its worst row is the
     fault's own layer and block kind."""
     fault = faults.get(name)
-    rows = [r for r in eager_selftest.faults if (r.family, r.fault) == (family, name)]
+    rows = [r for res in (eager_selftest, *breadth_selftest) for r in res.faults if (r.family, r.fault) == (family, name)]
     assert len(rows) == 1, rows
     row = rows[0]
     assert row.status == "fail" and row.detected and not row.crashed and row.injected, row

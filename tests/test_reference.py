@@ -10,6 +10,7 @@ from models import FAMILY_NAMES, get_family
 from oracle.source.seeded import tiny_checkpoint
 from oracle.reference.run import capture
 from oracle.reference.streaming import load_hf_model
+from tests.depth import IN_DEPTH
 
 
 def _tensors(ref):
@@ -197,7 +198,7 @@ def test_saved_reference_reads_back_as_the_same_numpy_arrays(tmp_path):
     assert call.pos.tolist() == list(range(4))
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", IN_DEPTH)  # the other families: tests/depth.py
 def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(family, monkeypatch):
     """The `hf` candidate's block rows on a streamed model (exporters/torch/hf.py `_only_layer`): the block's
     own decoder layer loaded once for all its calls, every other layer skipped (its cache grown by
@@ -232,7 +233,7 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
     release_held()
 
 
-@pytest.mark.parametrize("family,config", TINY + REAL)
+@pytest.mark.parametrize("family,config", [(f, c) for f, c in TINY if f in IN_DEPTH] + REAL)
 def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, config, monkeypatch):
     """A streamed `hf` candidate's e2e steps run layer by layer (HFCandidate.teacher_forced: each layer
     loaded once and run over the prefill and every decode step with its own cache, its outputs the next

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import FAMILY_NAMES
+from tests.depth import IN_DEPTH
 from oracle.backend import CheckSpec, InputError, resolve
 from oracle.schedule import lockstep
 
@@ -35,7 +35,7 @@ def _load(family, precision, mode, monkeypatch, backend="eager"):
     return ref, resolve(backend).load(src, spec)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", IN_DEPTH)  # the other families: tests/depth.py
 def test_the_streamed_production_model_computes_ahead_exactly_what_the_whole_one_does(family, monkeypatch):
     """The production model streamed from the checkpoint (exporters/torch/ build_streamed: each layer's weights
     read, sanitized and converted by the family's rules when in use), its block rows and e2e steps computed
