@@ -17,6 +17,7 @@ from models.checkpoint import CheckpointError
 if TYPE_CHECKING:
     from models.layers.transformer import Transformer
 from models.rules import COMMON_RULES, broken_rule
+from models.text_tower import causal_lm, text_config, text_section  # noqa: F401  (text_config: the harness's)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class Family:
     # not say how): "rows" [E, 2I, H] gate rows then up (transformers 5's chunk(2)), "columns"
     # [E, H, 2I] gate columns then up, "interleaved" [E, H, 2I] gate in the even columns, up in the odd
     hf_gate_up: str = "rows"
+    # the MoE text tower of a multimodal release (models.text_tower.TextTower): the reference is HF's text
+    # model class `hf_class_name` with the release's head, as a CausalLM under the release's names
+    text_tower: object = None
 
     def __post_init__(self):
         if self.from_mlx is None:
@@ -75,6 +79,8 @@ class Family:
                 "mlp": (self.hf_mlp,)}[kind]
 
     def hf_class(self):
+        if self.text_tower is not None:
+            return causal_lm(self.hf_module, self.text_tower)
         return getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_class_name)
 
     def hf_config(self, cfg: dict):
@@ -130,7 +136,7 @@ class Family:
             # before anything per layer is made (a depth of 10**9: a 10**9-entry layer_types, then a model
             # that would take forever even on the meta device)
             depth = 1 + max((int(m.group(1)) for k in weights if (m := LAYER.search(k))), default=-1)
-            text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+            text = text_section(cfg)
             stated = text.get("num_hidden_layers")
             if isinstance(stated, int) and not isinstance(stated, bool) and stated > depth:
                 raise CheckpointError(f"num_hidden_layers {stated}: the checkpoint has tensors of {depth} layer(s)")
@@ -254,13 +260,3 @@ def map_group(tensors: dict, path: Path) -> dict:
     tensors.clear()
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def text_config(cfg: dict) -> dict:
-    """The language model's config: a composite (multimodal) release's `text_config`, with the
-    top-level keys it leaves out (e.g. tie_word_embeddings); any other config as it is."""
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        return cfg
-    inherited = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg and k not in text}
-    return {**text, **inherited}

@@ -121,9 +121,14 @@ def _edited(family, tmp_path, **config):
     out = tmp_path / family
     shutil.copytree(src, out)
     cfg = json.loads((out / "config.json").read_text())
-    cfg.update(config)
-    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "config.json").write_text(json.dumps(_merged(cfg, config)))
     return str(out)
+
+
+def _merged(cfg: dict, config: dict) -> dict:
+    """cfg with config's keys set, a dict merged key by key (a composite release's nested text config)."""
+    return {**cfg, **{k: _merged(cfg[k], v) if isinstance(v, dict) and isinstance(cfg.get(k), dict) and k != "rope_parameters"
+                      else v for k, v in config.items()}}
 
 
 @pytest.mark.parametrize("family,config,cause", [
@@ -134,6 +139,10 @@ def _edited(family, tmp_path, **config):
     # the converter rotates GLM-4.5's default half of each head where the config names no partial_rotary_factor
     ("solar_open", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 1.0}},
      "partial_rotary_factor"),
+    # llama.cpp's interleaved M-RoPE leaves a frequency outside its sections at the 4th position, 0 for text
+    ("qwen3_omni_moe", {"thinker_config": {"text_config": {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [3, 3, 2], "interleaved": True,
+        "mrope_interleaved": True}}}}, "4th dim is all 0"),
 ])
 def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, cause):
     """The tiny checkpoint fails where its entry says (xfail); with the cause removed from config.json

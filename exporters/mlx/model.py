@@ -145,6 +145,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
+         "mlx_lm.models.exaone_moe.MoE": _route_gate,
          "MiniMaxSparseMoeBlock": _route_minimax}
 
 

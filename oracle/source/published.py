@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from models.checkpoint import CheckpointError, read_config_file
+from models.family import text_section
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "models" / "configs"  # data of models/, shipped with it
 
@@ -31,7 +32,7 @@ def published_config(name: str, layers: int | None = None) -> dict:
                               f"known: {known_configs()}")
     cfg = read_config_file(path)
     if layers is not None:
-        text = cfg.get("text_config", cfg)
+        text = text_section(cfg)
         if layers > text["num_hidden_layers"]:
             raise CheckpointError(f"--layers {layers}: {name} has {text['num_hidden_layers']} layers")
         text["num_hidden_layers"] = layers
