@@ -53,6 +53,9 @@ def mlx():
 # the core families (models.CORE) in depth; the others at fp32 in test_other_families_pass_fp32,
 # and every family's q8 in test_q8_on_trained_weights / the shipped-directory round trip
 OTHERS = tuple(f for f in FAMILY_NAMES if f not in CORE)
+# the families mlx-lm 0.32.2 has a model of (Family.mlx); the others the backend refuses by name
+# (test_families_without_an_mlx_lm_model_are_refused)
+MLX_FAMILIES = tuple(f for f in FAMILY_NAMES if get_family(f).mlx is not None)
 
 
 # mlx-lm models with a known defect for the tiny checkpoint (goldens/known_divergences.toml): they
@@ -62,7 +65,8 @@ EXPECTED_FAILURES = {"ernie4_5_moe": "drops the router's e_score_correction_bias
 ON_SOME_TOKENS = {"solar_open": "group_expert_select"}
 
 
-@pytest.mark.parametrize("new_family", [f for f in OTHERS if f not in EXPECTED_FAILURES and f not in ON_SOME_TOKENS])
+@pytest.mark.parametrize("new_family", [f for f in OTHERS if f in MLX_FAMILIES and f not in EXPECTED_FAILURES
+                                        and f not in ON_SOME_TOKENS])
 def test_other_families_pass_fp32(new_family):
     """mlx-lm's own model of each other family against HF: every block and e2e."""
     r = run_check(CheckSpec(family=new_family, backend="mlx"))
@@ -212,7 +216,16 @@ def test_q8_on_trained_weights_passes_with_the_loss_reported(mlx, weights_family
     assert rows["status"] == "reported" and rows["e2e"]["distribution"]["kl_mean"] > 0
 
 
-@pytest.mark.parametrize("any_family", FAMILY_NAMES)
+@pytest.mark.parametrize("family_name", [f for f in FAMILY_NAMES if f not in MLX_FAMILIES])
+def test_families_without_an_mlx_lm_model_are_refused(family_name, cli):
+    """A family mlx-lm has no model of (or none the harness maps): the mlx backend refuses it by name, exit 2."""
+    pytest.importorskip("mlx_lm")
+    r = cli("check", "--family", family_name, "--backend", "mlx")
+    assert r.returncode == 2, r.stderr
+    assert f"{family_name}: no mlx-lm model is mapped for this family" in r.stderr
+
+
+@pytest.mark.parametrize("any_family", MLX_FAMILIES)
 def test_router_mirror_is_what_the_block_applies(mlx, any_family):
     """exporters.mlx.model.route mirrors each mlx-lm MoE block's routing: run the block itself with
     its experts replaced by one-hot rows, so its own weighted sum returns the weights it
