@@ -31,11 +31,8 @@ FAMILY_NAMES = tuple(n for n in CORE if n in _FILES) + tuple(n for n in _FILES i
 UNSUPPORTED = {
     "jamba": "Mamba (selective state-space) layers",
     "granitemoehybrid": "Mamba2 layers",
-    "granitemoeshared": "Granite's shared MLP beside the experts (shared_intermediate_size)",
     "granitemoe_swa": "Granite's sliding-window layers",
     "minimax": "lightning (linear) attention layers",
-    "dbrx": "DBRX's fused Wqkv with clip_qkv and its per-expert weight layout",
-    "jetmoe": "mixture-of-attention-heads (routed attention experts)",
     "deepseek_v32": "DeepSeek sparse attention (the lightning indexer)",
     "longcat_flash": "zero-computation experts and shortcut-connected MoE",
 }

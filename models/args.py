@@ -152,10 +152,12 @@ class MLA:
 
 @dataclass(frozen=True)
 class AttentionArgs:
-    """The softmax attention layers: "gqa" (q/k/v projections, num_key_value_heads shared heads)
-    or "mla" (its dimensions in `mla`), and their options."""
+    """The softmax attention layers: "gqa" (q/k/v projections, num_key_value_heads shared heads),
+    "mla" (its dimensions in `mla`) or "moa" (JetMoE's mixture of attention heads: routed query and
+    output projections over shared kv heads, num_experts / num_experts_per_tok of the model's), and their
+    options."""
 
-    kind: Literal["gqa", "mla"] = "gqa"
+    kind: Literal["gqa", "mla", "moa"] = "gqa"
     mla: MLA | None = None
     # q/k RMSNorm: per head (Qwen3), over the whole projection (OLMoE), or weightless after the
     # rotation (Llama 4's "l2", rope layers only)
@@ -166,6 +168,7 @@ class AttentionArgs:
     sliding_window: int | None = None  # SLIDING layers
     chunk_size: int = 0  # CHUNKED layers
     sinks: bool = False  # a learned logit per head that takes part in the softmax (gpt-oss)
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (DBRX)
     # Llama 4's no-rope layers: q scaled by log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1
     temperature_tuning: bool = False
     floor_scale: float = 8192.0
@@ -200,6 +203,8 @@ class RouterArgs:
     scoring: Literal["softmax", "sigmoid", "sparsemixer"] = "softmax"
     norm_topk_prob: bool = False
     norm_topk_min: float = 0.0  # renormalise top-k weights by max(sum, norm_topk_min) (ERNIE 4.5)
+    # what norm_topk_prob renormalises by: 1, the weights' sum; else their p-norm (DBRX's moe_normalize_expert_weights)
+    norm_p: float = 1.0
     correction_bias: bool = False  # e_score_correction_bias: decides the choice, never the weights
     logit_bias: bool = False  # a bias on the router's logits (gpt-oss), not a selection bias
     n_group: int = 1
@@ -244,6 +249,7 @@ class NormArgs:
     # RMSNorm's gain applied in fp32 and the product rounded once: (w * x_normed).to(dtype), as HF's
     # GptOssRMSNorm does; else w * x_normed.to(dtype) (Llama's: two roundings)
     gain_fp32: bool = False
+    bias: bool = True  # LayerNorm's bias (DBRX's and Cohere's LayerNorms have none)
 
     def __post_init__(self):
         check_kinds(self)
@@ -290,6 +296,17 @@ class ModelArgs:
     # always on (DeepSeek: shared_experts, n_shared_experts x moe_intermediate_size wide)
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True
+    # the always-on shared expert sits beside the MoE block, on the decoder layer (Granite's shared_mlp:
+    # layers.{i}.shared_mlp, its output added to the routed experts' before the residual): the MoE block
+    # checked is then the routed experts alone, as HF's block_sparse_moe is
+    shared_expert_beside: bool = False
+    # the routed and shared experts' outputs averaged, (routed + shared) / 2 (Cohere2-MoE's
+    # shared_expert_combination_strategy "average"); else summed
+    shared_expert_average: bool = False
+    # the attention and the MLP in parallel on one input norm, both added to the residual:
+    # x + attn(norm(x)) + mlp(norm(x)) (Cohere's; the layer has no post-attention norm)
+    parallel_block: bool = False
+    moe_bias: bool = False  # a bias added to the MoE block's output (JetMoE)
     mlp_bias: bool = False  # biases on the dense and shared-expert MLPs (ERNIE 4.5's use_bias)
     lm_head_bias: bool = False
     attention: AttentionArgs = AttentionArgs()
@@ -360,9 +377,10 @@ def block_path(a: ModelArgs, layer: int | None, kind: str) -> str:
 
 def block_input_path(a: ModelArgs, layer: int | None, kind: str) -> str | None:
     """The production model's module whose output is a decoder layer's block's own input (the norm
-    before it: the attention's, or the router's and the experts'); None for a block fed the stream
-    itself (the layer, the final norm, the head)."""
+    before it: the attention's, or the router's and the experts'; a parallel block's one input norm);
+    None for a block fed the stream itself (the layer, the final norm, the head)."""
     if layer is None or kind == "layer":
         return None
     block_path(a, layer, kind)  # a block the layer has
-    return f"layers.{layer}." + ("input_layernorm" if kind == "attention" else "post_attention_layernorm")
+    norm = "input_layernorm" if kind == "attention" or a.parallel_block else "post_attention_layernorm"
+    return f"layers.{layer}.{norm}"

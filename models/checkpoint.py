@@ -155,7 +155,8 @@ def parameter_count(model_dir: Path) -> int:
     return sum(math.prod(shape) for _, _, shape in tensor_index(model_dir).values())
 
 
-LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's tensor names: ...layers.N....
+# a decoder layer's tensor names: ...layers.N.... (DBRX's release: transformer.blocks.N....)
+LAYER = re.compile(r"(?:\.layers|^transformer\.blocks)\.(\d+)\.")
 
 
 def layer_parameter_counts(model_dir: Path) -> tuple[int, int]:

@@ -53,8 +53,9 @@ def mlx():
 # the core families (models.CORE) in depth; the others at fp32 in test_other_families_pass_fp32,
 # and every family's q8 in test_q8_on_trained_weights / the shipped-directory round trip
 OTHERS = tuple(f for f in FAMILY_NAMES if f not in CORE and get_family(f).mlx is not None)
-# the families mlx-lm 0.32.2 has no model of (the mlx backend refuses them, naming that)
-NO_MLX_LM = tuple(f for f in FAMILY_NAMES if get_family(f).mlx is None)
+# the families mlx-lm 0.32.2 has a model of (Family.mlx); the others the backend refuses by name
+MLX_FAMILIES = tuple(f for f in FAMILY_NAMES if get_family(f).mlx is not None)
+NO_MLX_LM = tuple(f for f in FAMILY_NAMES if f not in MLX_FAMILIES)
 
 
 # mlx-lm models with a known defect for the tiny checkpoint (goldens/known_divergences.toml): they
@@ -64,7 +65,8 @@ EXPECTED_FAILURES = {"ernie4_5_moe": "drops the router's e_score_correction_bias
 ON_SOME_TOKENS = {"solar_open": "group_expert_select"}
 
 
-@pytest.mark.parametrize("new_family", [f for f in OTHERS if f not in EXPECTED_FAILURES and f not in ON_SOME_TOKENS])
+@pytest.mark.parametrize("new_family", [f for f in OTHERS if f in MLX_FAMILIES and f not in EXPECTED_FAILURES
+                                        and f not in ON_SOME_TOKENS])
 def test_other_families_pass_fp32(new_family):
     """mlx-lm's own model of each other family against HF: every block and e2e."""
     r = run_check(CheckSpec(family=new_family, backend="mlx"))
@@ -221,7 +223,17 @@ def test_q8_on_trained_weights_passes_with_the_loss_reported(mlx, weights_family
     assert rows["status"] == "reported" and rows["e2e"]["distribution"]["kl_mean"] > 0
 
 
-@pytest.mark.parametrize("any_family", [f for f in FAMILY_NAMES if get_family(f).mlx is not None])
+@pytest.mark.parametrize("family_name", NO_MLX_LM[:1])
+def test_a_family_without_an_mlx_lm_model_is_refused_at_the_cli(family_name, cli):
+    """... and at the command line: exit 2, the family named (test_families_without_an_mlx_lm_model_are_refused_by_name
+    covers every such family at the mapping)."""
+    pytest.importorskip("mlx_lm")
+    r = cli("check", "--family", family_name, "--backend", "mlx")
+    assert r.returncode == 2, r.stderr
+    assert f"{family_name}: no mlx-lm model is mapped for this family" in r.stderr
+
+
+@pytest.mark.parametrize("any_family", MLX_FAMILIES)
 def test_router_mirror_is_what_the_block_applies(mlx, any_family):
     """exporters.mlx.model.route mirrors each mlx-lm MoE block's routing: run the block itself with
     its experts replaced by one-hot rows, so its own weighted sum returns the weights it

@@ -196,6 +196,8 @@ class LlamaCppBackend(Backend):
             # GGUF, checked against that conversion): a defect of the candidate, the check's error with its reason
             made = "the given GGUF" if spec.artifact is not None else "the GGUF llama.cpp's converter wrote"
             raise LoadError(f"{e} ({made} from this checkpoint)") from None
+        if src.args.shared_expert_beside:  # HF's MoE block is the routed experts alone (Granite's shared_mlp beside)
+            cand.moe_tensor = "experts"
         cand.info["load_s"] = round(time.perf_counter() - t, 3)
         return cand
 

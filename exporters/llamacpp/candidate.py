@@ -35,6 +35,9 @@ class LlamaCppCandidate(Candidate):
         head = self._reply()
         self.n_vocab, self.n_layer = head["n_vocab"], head["n_layer"]
         self._seq = (None, None)
+        # the graph's tensor a MoE block's row reads: the FFN branch ("ffn"), or the routed experts' sum alone
+        # ("experts": where a shared MLP sits beside the MoE block, ModelArgs.shared_expert_beside)
+        self.moe_tensor = "ffn"
 
     def _reply(self):
         import pickle
@@ -126,14 +129,15 @@ class LlamaCppCandidate(Candidate):
 
     def probe(self, layer: int, xs: list) -> list[tuple]:
         """(block output, (weights, indices)) per input: Runner.probe."""
-        return [self._call("probe", layer, np.asarray(x, np.float32).reshape(-1, x.shape[-1])) for x in xs]
+        return [self._call("probe", layer, np.asarray(x, np.float32).reshape(-1, x.shape[-1]), self.moe_tensor)
+                for x in xs]
 
     def run_block(self, layer, kind, calls):
         seq = [c for c in calls if not c.probe]
         probes = [c for c in calls if c.probe]
         if probes and kind not in ("router", "moe"):
             return None
-        name = (layer, "ffn" if kind in ("moe", "mlp") else kind)
+        name = (layer, self.moe_tensor if kind == "moe" else "ffn" if kind == "mlp" else kind)
         rows = self.sequence(seq) if seq else []
         if any(name not in r for r in rows):
             return None  # not in this graph (a name llama.cpp's graph of the model does not give)

@@ -124,16 +124,17 @@ class Graph:
         p = self.named.get(name)
         return None if p is None else self.values.get(p)
 
-    def branch(self, p, stream) -> np.ndarray | None:
+    def branch(self, p, stream, before_scale: bool = True) -> np.ndarray | None:
         """The operand of the ADD `p` (a pointer) that is not `stream`: the block's output added to
-        the residual stream, read before a SCALE on it (a residual multiplier)."""
+        the residual stream, read before a SCALE on it (a residual multiplier; `before_scale` False: the
+        SCALE is the block's own, Cohere2-MoE's average of its routed and shared experts)."""
         if p is None or self.nodes[p][1] != "ADD":
             return None
         other = [q for q in self.nodes[p][2] if self.through(q) != self.through(stream)]
         if len(other) != 1:
             return None
         q = other[0]
-        while q in self.nodes and self.nodes[q][1] == "SCALE":  # the block's output is what is scaled
+        while before_scale and q in self.nodes and self.nodes[q][1] == "SCALE":  # the block's output is what is scaled
             q = self.nodes[q][2][0]
         return self.values.get(q)
 
@@ -155,8 +156,13 @@ class Graph:
         attn_in = self.named.get(f"attn_norm-{L}")
         stream = self.stream_into(f"attn_norm-{L}")
         mid = self.add_onto(stream, attn_in)
-        return {"stream": stream, "mid": mid, "out": self.named.get(f"l_out-{L}"), "attn_in": attn_in,
-                "ffn_in": self.normed(mid) if mid is not None else None}
+        out = self.named.get(f"l_out-{L}")
+        ffn_in = self.normed(mid) if mid is not None else None
+        # a parallel block (Cohere's): no norm after the first residual sum, which is the MLP's (fed attn_in)
+        # output added to the stream; the layer's output adds the attention's to it
+        parallel = ffn_in is None and mid is not None and out in self.nodes and mid in self.nodes[out][2]
+        return {"stream": stream, "mid": mid, "out": out, "attn_in": attn_in,
+                "ffn_in": attn_in if parallel else ffn_in, "parallel": parallel}
 
     def through(self, p):
         """`p` seen through row selections and views (the last layer keeps only the output rows)."""
@@ -271,9 +277,16 @@ class Runner:
         out = {}
         for L in range(self.n_layer):
             n = g.layer(L)
+            if n["parallel"]:  # the layer's output is (MLP + stream) + attention
+                attention = g.branch(n["out"], n["mid"])
+                ffn = g.branch(n["mid"], n["stream"], before_scale=False)
+            else:
+                attention, ffn = g.branch(n["mid"], n["stream"]), g.branch(n["out"], n["mid"])
             for key, v in (((L, "layer"), g.values.get(n["out"])),
-                           ((L, "attention"), g.branch(n["mid"], n["stream"])),
-                           ((L, "ffn"), g.branch(n["out"], n["mid"])),
+                           ((L, "attention"), attention),
+                           ((L, "ffn"), ffn),
+                           # the routed experts' sum alone (a shared MLP beside the MoE block is added after it)
+                           ((L, "experts"), g.value(f"ffn_moe_out-{L}")),
                            ((L, "input:attention"), g.values.get(n["attn_in"])),
                            ((L, "input:ffn"), g.values.get(n["ffn_in"])),
                            ((L, "router"), router_of(g, L))):
@@ -309,11 +322,12 @@ class Runner:
             self.ffn_inputs[layer] = name
         return self.ffn_inputs[layer]
 
-    def probe(self, layer: int, x) -> tuple:
+    def probe(self, layer: int, x, moe: str = "ffn") -> tuple:
         """(the layer's experts' output, its routing) on `x` [N, H]: `x` written over the experts'
-        input in a sequence of its own."""
+        input in a sequence of its own (`moe`: the blocks' entry read as the experts' output, "ffn" or
+        "experts")."""
         b = self.blocks([0] * x.shape[0], list(range(x.shape[0])), {self.ffn_input(layer): x})
-        return b.get((layer, "ffn")), b.get((layer, "router"))
+        return b.get((layer, moe)), b.get((layer, "router"))
 
     # the drill's points of a router and a MoE (oracle/drill/points.py) as llama.cpp names them (build_moe_ffn)
     # (point, llama.cpp's names, the first it has: a router's bias added, a group-limited choice's masking)
@@ -341,7 +355,7 @@ class Runner:
             if v is not None:
                 found[point] = v.reshape(x.shape[0], -1).astype(np.float32)
         n = g.layer(layer)
-        out = g.branch(n["out"], n["mid"])
+        out = g.branch(n["mid"], n["stream"], before_scale=False) if n["parallel"] else g.branch(n["out"], n["mid"])
         if out is not None:
             found["output"] = out.reshape(x.shape[0], -1)
         return found

@@ -9,7 +9,8 @@ where every family's HF modules can take it without rewriting their forward:
 
 - an attribute the modules keep (an RMSNorm's eps, the attention's `scaling`, a router's
   `norm_topk_prob`, `routed_scaling_factor` or group count, Granite's `residual_multiplier`,
-  the clamp `limit` of GPT-OSS's experts);
+  the clamp `limit` of GPT-OSS's experts, DBRX's `clip_qkv`, Cohere2-MoE's
+  `shared_expert_combination_strategy`);
 - a weight or buffer (one expert's weights, the routers' correction bias or logit bias, the
   attention sinks; gate and up exchanged in the fused experts, in the layout the family states:
   models.Family.hf_gate_up);
@@ -44,7 +45,7 @@ def attribute(names: tuple, value, path: str | None = None):
                     continue
                 for n in names:
                     old = m.__dict__.get(n)  # a plain attribute, not a parameter, buffer or submodule
-                    if isinstance(old, (bool, int, float)):
+                    if isinstance(old, (bool, int, float, str)):
                         setattr(m, n, value(old, a))
                         return
         raise InputError(f"HF's module has no {' or '.join(names)} attribute"
@@ -143,6 +144,8 @@ FORMS = {
     "expert_weights_off_1e-3": _one_expert_off,
     "expert_gate_up_swapped": _gate_up_swapped,
     "swiglu_clamp_missing": attribute(("limit",), lambda v, a: float("inf")),
+    "shared_expert_summed": attribute(("shared_expert_combination_strategy",), lambda v, a: "sum"),
+    "moe_bias_missing": tensor(("bias",), lambda t: t.zero_()),
     "shared_expert_missing": output(lambda out, x: torch.zeros_like(out), ("shared_expert", "shared_experts")),
     "stray_bf16_downcast": output(lambda out, x: out.to(torch.bfloat16).to(out.dtype)),
     # attention
@@ -150,9 +153,11 @@ FORMS = {
     "attention_scale_wrong": attribute(("scaling",), lambda v, a: 1.0 / a.head_dim),
     "attention_multiplier_missing": attribute(("scaling",), lambda v, a: a.head_dim ** -0.5),
     "attention_sinks_dropped": tensor(("sinks",), lambda t: t.fill_(float("-inf"))),
+    "clip_qkv_missing": attribute(("clip_qkv",), lambda v, a: float("inf")),  # (HF's clamp takes no None bound)
     # layer, final norm, head
     "rmsnorm_eps_wrong": attribute(("variance_epsilon", "eps"), lambda v, a: v * 1e3, path="input_layernorm"),
     "residual_multiplier_missing": attribute(("residual_multiplier",), lambda v, a: 1.0),
+    "shared_mlp_missing": output(lambda out, x: torch.zeros_like(out), ("shared_mlp",)),
     "final_norm_eps_wrong": attribute(("variance_epsilon", "eps"), lambda v, a: v * 1e3),
     "logits_cast_to_float": output(lambda out, x: out.float()),
 }
@@ -168,7 +173,7 @@ NOT_APPLICABLE = {
                      "rope_interleaved", "qk_norm_per_head_for_flat", "qk_norm_flat_for_per_head",
                      "gqa_kv_heads_tiled", "attention_gate_no_sigmoid", "mla_rope_nope_swapped",
                      "yarn_mscale_missing", "gdn_chunked_prefill_differs", "layernorm_as_rmsnorm",
-                     "norm_offset_missing", "residual_missing"), _CODE),
+                     "norm_offset_missing", "residual_missing", "moa_kv_heads_interleaved"), _CODE),
     **dict.fromkeys(("rope_theta_wrong", "rotary_fraction_wrong", "rope_on_nope_layer"),
                     f"{_MODEL}: the rotary embedding (the model's rotary_emb, one for every layer)"),
     **dict.fromkeys(("kv_cache_write_off_by_one", "mla_cache_not_carried", "gdn_state_not_carried",

@@ -38,6 +38,17 @@ def rotary_fraction_wrong(attn: Attention, a):
     rope.inv_freq = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
 
 
+def clip_qkv_missing(attn: Attention, a):
+    """DBRX's clip_qkv left out: q, k and v unclamped."""
+    attn.clip = None
+
+
+def moa_kv_interleaved(attn, a):
+    """JetMoE's mixture of attention: the shared kv heads repeated per head (interleaved, GQA's pattern)
+    where the k experts' query heads read them tiled."""
+    attn.kv_repeat = "interleave"
+
+
 def qk_norm_missing(attn: Attention, a):
     attn.qk_norm = "none"
 

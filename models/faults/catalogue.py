@@ -5,13 +5,14 @@ inside it the drill should name first."""
 from __future__ import annotations
 
 from models.args import ModelArgs
-from models.faults.attention import (attention_multiplier_missing, gqa_repeat_wrong, kv_off_by_one, not_causal,
-                                     output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
+from models.faults.attention import (attention_multiplier_missing, clip_qkv_missing, gqa_repeat_wrong, kv_off_by_one,
+                                     moa_kv_interleaved, not_causal, output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
                                      qk_norm_per_head_for_flat, rope_interleaved, rope_on_nope_layer, rope_theta_wrong,
                                      rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one)
 from models.faults.experts import (clamp_missing, dense_layer_routed, expert_index_off_by_one, gate_up_swapped,
-                                   has_shared, interleave_sparse, moe_layer_as_dense, moe_output_upcast, one_expert_off,
-                                   shared_gate_no_sigmoid, shared_missing, stray_bf16, weights_not_applied)
+                                   has_shared, has_shared_beside, interleave_sparse, moe_bias_missing, moe_layer_as_dense, moe_output_upcast, one_expert_off,
+                                   shared_beside_missing, shared_gate_no_sigmoid, shared_missing, shared_summed,
+                                   stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
 from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
@@ -130,6 +131,17 @@ VARIANTS: tuple[Fault, ...] = (
     Fault("logits_scaling_missing", "logits", "model", "logits not divided by logits_scaling",
           logits_scaling_missing, lambda a: a.multipliers.logits_scaling != 1.0),
     Fault("rope_on_nope_layer", "attention", "nope", "rope applied on a no-rope layer", rope_on_nope_layer),
+    Fault("clip_qkv_missing", "attention", "full", "clip_qkv left out (q, k and v not clamped)", clip_qkv_missing,
+          lambda a: a.attention.clip_qkv is not None),
+    Fault("shared_expert_summed", "moe", "last", "the shared expert summed with the routed experts (not averaged)",
+          shared_summed, lambda a: has_shared(a) and a.shared_expert_average),
+    Fault("moa_kv_heads_interleaved", "attention", "full", "mixture of attention: the shared kv heads interleaved "
+          "over the experts' query heads instead of tiled", moa_kv_interleaved,
+          lambda a: a.num_key_value_heads > 1 and a.num_experts_per_tok > 1, attention=("moa",)),
+    Fault("moe_bias_missing", "moe", "last", "the bias on the MoE block's output left out", moe_bias_missing,
+          lambda a: a.moe_bias),
+    Fault("shared_mlp_missing", "layer", "last", "the shared MLP beside the MoE block dropped",
+          shared_beside_missing, has_shared_beside),
 )
 
 
@@ -174,7 +186,7 @@ POINTS: dict[str, str | tuple | None] = {
     # (MLA's rotation has no tap: the attention's context there)
     "rope_theta_wrong": ("q_rope", "context"), "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
     "yarn_mscale_missing": ("q_rope", "context"), "rope_on_nope_layer": "q_rope",
-    "qk_norm_missing": "q_norm", "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
+    "clip_qkv_missing": "q_rope", "qk_norm_missing": "q_norm", "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
     "kv_cache_write_off_by_one": "context", "attention_not_causal": "context", "attention_scale_wrong": "context",
     "gqa_kv_heads_tiled": "context", "attention_gate_no_sigmoid": "context", "attention_sinks_dropped": "context",
     "sliding_window_off_by_one": "context", "attention_multiplier_missing": "context",
@@ -183,7 +195,11 @@ POINTS: dict[str, str | tuple | None] = {
     "gdn_conv_state_not_carried": "conv",
     # layer, final norm, head
     "rmsnorm_eps_wrong": "input_layernorm", "norm_offset_missing": "post_attention_layernorm",
-    "layernorm_as_rmsnorm": "input_layernorm", "residual_missing": "post_attention_layernorm",
-    "residual_multiplier_missing": "post_attention_layernorm",
+    # (a parallel block has no post-attention norm: its layer's output)
+    "layernorm_as_rmsnorm": "input_layernorm", "residual_missing": ("post_attention_layernorm", "output"),
+    "residual_multiplier_missing": "post_attention_layernorm", "shared_mlp_missing": ("shared_mlp", "output"),
+    "shared_expert_summed": "output", "moe_bias_missing": "output",
+    # (the attention experts' outputs have no output projection named o_proj: the block's output)
+    "moa_kv_heads_interleaved": "output",
     "final_norm_eps_wrong": "output", "logits_cast_to_float": None, "logits_scaling_missing": "output",
 }

@@ -67,8 +67,30 @@ def moe_output_upcast(layer, a):
     patch(moe, "forward", lambda x: fwd(moe, x).float())
 
 
-def has_shared(a):
-    return a.shared_expert_intermediate_size > 0
+def has_shared(a):  # a shared expert inside the MoE block
+    return a.shared_expert_intermediate_size > 0 and not a.shared_expert_beside
+
+
+def shared_summed(layer, a):
+    """The shared expert's output summed with the routed experts' where the family averages them."""
+    layer.mlp.average = False
+
+
+def moe_bias_missing(layer, a):
+    """The bias on the MoE block's output (JetMoE's) left out."""
+    moe = layer.mlp
+    with torch.no_grad():
+        moe.bias.zero_()
+
+
+def has_shared_beside(a):  # a shared MLP beside the MoE block, on the decoder layer (Granite's)
+    return a.shared_expert_intermediate_size > 0 and a.shared_expert_beside
+
+
+def shared_beside_missing(layer, a):
+    """The shared MLP beside the MoE block dropped: the layer computes the routed experts alone."""
+    shared = layer.shared_mlp
+    patch(shared, "forward", lambda x: torch.zeros_like(x))
 
 
 def dense_layer_routed(layer, a):

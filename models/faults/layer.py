@@ -24,6 +24,9 @@ def norm_offset_missing(layer, a):
 
 
 def residual_missing(layer, a):
+    if getattr(layer, "parallel", False):  # a parallel block (Cohere): attention + MLP without the stream
+        patch(layer, "forward", lambda x, pos: (lambda h: layer.attn(h, pos) + layer.ffn(h))(layer.input_layernorm(x)))
+        return
     patch(layer, "forward", lambda x, pos: (lambda h: h + layer.mlp(layer.post_attention_layernorm(h)))(
         layer.attn(layer.input_layernorm(x), pos)))
 

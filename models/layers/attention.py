@@ -28,6 +28,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=at.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=at.o_bias)
         self.qk_norm = at.qk_norm
+        self.clip = at.clip_qkv  # read at every call: a seeded fault drops it (models/faults/)
         if at.qk_norm == "head":
             self.q_norm = rms_norm(a, self.hd)
             self.k_norm = rms_norm(a, self.hd)
@@ -66,6 +67,8 @@ class Attention(nn.Module):
             q, gate = q.view(B, T, self.nh, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.nh * self.hd)
         k, v = self.k_proj(x), self.v_proj(x)
+        if self.clip is not None:  # DBRX: the fused Wqkv's output clamped, q, k and v alike
+            q, k, v = (t.clamp(min=-self.clip, max=self.clip) for t in (q, k, v))
         if self.qk_norm == "flat":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.nh, self.hd)

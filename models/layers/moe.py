@@ -28,7 +28,12 @@ class SparseMoE(nn.Module):
         self.gate = Router(a)
         self.experts = Experts(a)
         self.shared_expert = None
-        if a.shared_expert_intermediate_size and a.shared_expert_gated:
+        if a.moe_bias:  # JetMoE: a bias on the block's output
+            self.bias = nn.Parameter(torch.zeros(a.hidden_size))
+        self.average = a.shared_expert_average  # read at every call: a seeded fault sums instead (models/faults/)
+        if a.shared_expert_beside:  # on the decoder layer (models.layers.transformer.DecoderLayer)
+            pass
+        elif a.shared_expert_intermediate_size and a.shared_expert_gated:
             self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
             self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
         elif a.shared_expert_intermediate_size:  # always on, no gate (DeepSeek)
@@ -41,6 +46,10 @@ class SparseMoE(nn.Module):
         y = self.experts(x, idx, w)
         if self.shared_expert is not None or hasattr(self, "shared_experts"):
             y = y + self.shared(x)
+            if self.average:  # Cohere2-MoE: (routed + shared) / 2
+                y = y / 2
+        if hasattr(self, "bias"):
+            y = y + self.bias
         return y.view(shape)
 
     def shared(self, x):

@@ -30,13 +30,13 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm with bias (PhiMoE), computed in the input's dtype as HF's nn.LayerNorm is."""
+    """LayerNorm with bias (PhiMoE) or without (DBRX), computed in the input's dtype as HF's nn.LayerNorm is."""
 
 
 def norm(a: ModelArgs, dim: int) -> nn.Module:
     """The family's norm of a hidden state (ModelArgs.norm)."""
     if a.norm.kind == "layer":
-        return LayerNorm(dim, eps=a.rms_norm_eps)
+        return LayerNorm(dim, eps=a.rms_norm_eps, bias=a.norm.bias)
     return rms_norm(a, dim)
 
 

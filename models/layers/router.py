@@ -29,7 +29,8 @@ class Router(nn.Module):
         self.top_k, self.norm_topk = a.num_experts_per_tok, r.norm_topk_prob
         self.cast = r.weights_in_model_dtype
         self.softmax_only = (r.scoring == "softmax" and not r.correction_bias and r.n_group <= 1
-                             and r.routed_scaling_factor == 1.0 and not r.fp32 and not r.norm_topk_min)
+                             and r.routed_scaling_factor == 1.0 and not r.fp32 and not r.norm_topk_min
+                             and r.norm_p == 1.0)
 
     def forward(self, x):  # x [N, H] -> weights [N, k], indices [N, k]
         bias = getattr(self, "bias", None)

@@ -22,6 +22,7 @@ from models.args import LINEAR, SPARSE, STATE_BUFFERS, ModelArgs, block_path, ml
 from models.layers.attention import Attention
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.mla import LatentAttention
+from models.layers.moa import MixtureOfAttention
 from models.layers.moe import MLP, SparseMoE
 from models.layers.norms import norm
 
@@ -34,23 +35,37 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(a, dtype)
         elif a.attention.kind == "mla":
             self.self_attn = LatentAttention(a, dtype)
+        elif a.attention.kind == "moa":
+            self.self_attn = MixtureOfAttention(a, dtype, i)
         else:
             self.self_attn = Attention(a, dtype, i)
         self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
         self.input_layernorm = norm(a, a.hidden_size)
-        self.post_attention_layernorm = norm(a, a.hidden_size)
+        self.parallel = a.parallel_block  # Cohere: one input norm, no post-attention norm
+        if not self.parallel:
+            self.post_attention_layernorm = norm(a, a.hidden_size)
         self.residual_multiplier = a.multipliers.residual
+        self.shared_mlp = None  # Granite's shared MLP beside the MoE block (ModelArgs.shared_expert_beside)
+        if a.shared_expert_beside and a.shared_expert_intermediate_size and mlp_type(a, i) == SPARSE:
+            self.shared_mlp = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
 
     @property
     def attn(self) -> nn.Module:
         return self.linear_attn if self.layer_type == LINEAR else self.self_attn
 
     def forward(self, x, pos):
+        if self.parallel:  # Cohere: attention and MLP on the same normed input, both onto the residual
+            h = self.input_layernorm(x)
+            return x + self.attn(h, pos) + self.ffn(h)
         if self.residual_multiplier != 1.0:  # Granite
             h = x + self.attn(self.input_layernorm(x), pos) * self.residual_multiplier
-            return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
+            return h + self.ffn(self.post_attention_layernorm(h)) * self.residual_multiplier
         h = x + self.attn(self.input_layernorm(x), pos)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.ffn(self.post_attention_layernorm(h))
+
+    def ffn(self, x):  # the MLP block, plus a shared MLP beside it (Granite's: on the same normed input)
+        y = self.mlp(x)
+        return y if self.shared_mlp is None else y + self.shared_mlp(x)
 
 
 class Transformer(nn.Module):

@@ -429,9 +429,25 @@ def load_streamed(family, model_dir: Path, dtype=None):
 
 def decoder_of(model):
     """The HF model's decoder (its `layers`, `norm`): get_decoder(), or `model` where that answers
-    the CausalLM itself (transformers 5.23's Llama4ForCausalLM)."""
+    the CausalLM itself (transformers 5.23's Llama4ForCausalLM); a decoder that names them otherwise
+    (DBRX's `blocks`, `norm_f`) seen under those names (RenamedDecoder)."""
     decoder = model.get_decoder()
-    return decoder if hasattr(decoder, "layers") else model.model
+    if hasattr(decoder, "layers"):
+        return decoder
+    if hasattr(decoder, "blocks") and hasattr(decoder, "norm_f"):
+        return RenamedDecoder(decoder, decoder.blocks, decoder.norm_f)
+    return model.model
+
+
+class RenamedDecoder:
+    """A decoder whose layer list and final norm HF names otherwise, under `layers` and `norm` (the
+    modules themselves: the list can be edited in place); everything else is the decoder's."""
+
+    def __init__(self, decoder, layers, norm):
+        self.decoder, self.layers, self.norm = decoder, layers, norm
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
 
 
 def first_tensor(args, kwargs):
