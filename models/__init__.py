@@ -32,7 +32,6 @@ UNSUPPORTED = {
     "jamba": "Mamba (selective state-space) layers",
     "granitemoehybrid": "Mamba2 layers",
     "granitemoeshared": "Granite's shared MLP beside the experts (shared_intermediate_size)",
-    "granitemoe_swa": "Granite's sliding-window layers",
     "minimax": "lightning (linear) attention layers",
     "dbrx": "DBRX's fused Wqkv with clip_qkv and its per-expert weight layout",
     "jetmoe": "mixture-of-attention-heads (routed attention experts)",

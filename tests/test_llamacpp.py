@@ -134,6 +134,10 @@ def _edited(family, tmp_path, **config):
     # the converter rotates GLM-4.5's default half of each head where the config names no partial_rotary_factor
     ("solar_open", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 1.0}},
      "partial_rotary_factor"),
+    # llama.cpp's mellum graph rotates the sliding layers with the full layers' rope base
+    ("mellum", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}},
+     "rope_freq_base_swa"),
 ])
 def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, cause):
     """The tiny checkpoint fails where its entry says (xfail); with the cause removed from config.json
