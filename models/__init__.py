@@ -31,7 +31,6 @@ FAMILY_NAMES = tuple(n for n in CORE if n in _FILES) + tuple(n for n in _FILES i
 UNSUPPORTED = {
     "jamba": "Mamba (selective state-space) layers",
     "granitemoehybrid": "Mamba2 layers",
-    "granitemoe_swa": "Granite's sliding-window layers",
     "minimax": "lightning (linear) attention layers",
     "deepseek_v32": "DeepSeek sparse attention (the lightning indexer)",
     "longcat_flash": "zero-computation experts and shortcut-connected MoE",

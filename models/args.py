@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Literal
 
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -112,6 +112,11 @@ class RopeArgs:
     fp32: bool = False
     # per layer: () = every attention layer rotates; else 1 (rope) / 0 (no rope) per layer (Llama 4)
     per_layer: tuple[int, ...] = ()
+    # per layer type: the rope of the SLIDING layers where it is not the others' (rope_parameters keyed by
+    # layer type: Mellum, Laguna, MiMo-V2-Flash); None: every layer's is this one
+    sliding: RopeArgs | None = None
+    # per layer: its own base in place of `theta`, 0 for no rope on it (GraniteMoE-SWA's layer_rope_theta); ()
+    layer_theta: tuple[float, ...] = ()
 
     def __post_init__(self):
         check_kinds(self)
@@ -133,7 +138,20 @@ class RopeArgs:
         return from_json(cls, d)
 
     def rotates(self, layer: int) -> bool:
-        return not self.per_layer or bool(self.per_layer[layer])
+        return (not self.per_layer or bool(self.per_layer[layer])) and (not self.layer_theta
+                                                                        or bool(self.layer_theta[layer]))
+
+    def of_layer(self, layer: int, layer_type: str) -> RopeArgs:
+        """The rope of one layer: its type's (`sliding`), at its own base (`layer_theta`)."""
+        r = self.sliding if self.sliding is not None and layer_type == SLIDING else self
+        if self.layer_theta and self.layer_theta[layer]:
+            r = replace(r, theta=float(self.layer_theta[layer]))
+        return r
+
+    def own(self, layer: int, layer_type: str) -> bool:
+        """Does the layer rotate with frequencies other than the model's `theta` (per type or per layer)?"""
+        r = self.of_layer(layer, layer_type)
+        return self.rotates(layer) and (r.theta, r.partial_rotary_factor) != (self.theta, self.partial_rotary_factor)
 
 
 # ------------------------------------------------------------------ attention
@@ -163,12 +181,20 @@ class AttentionArgs:
     # rotation (Llama 4's "l2", rope layers only)
     qk_norm: Literal["none", "head", "flat", "l2"] = "none"
     output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
+    # a gate on the attention output (before o_proj) from its own projection of the attention's input
+    # (g_proj): its activation ("none": no such gate; Laguna's softplus, computed in fp32) and its width
+    # ("head": one value per head over its head_dim; "element": one per channel)
+    gate_act: Literal["none", "softplus", "sigmoid"] = "none"
+    gate_width: Literal["head", "element"] = "head"
     qkv_bias: bool = False
     o_bias: bool = False
     sliding_window: int | None = None  # SLIDING layers
     chunk_size: int = 0  # CHUNKED layers
     sinks: bool = False  # a learned logit per head that takes part in the softmax (gpt-oss)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (DBRX)
+    sinks_on: Literal["all", "sliding"] = "all"  # the layers that have them (MiMo-V2-Flash: the SLIDING ones)
+    v_head_dim: int = 0  # the value heads' width where it is not head_dim (MiMo-V2-Flash); 0: head_dim
+    value_scale: float = 1.0  # v times this before the attention (MiMo-V2-Flash's attention_value_scale)
     # Llama 4's no-rope layers: q scaled by log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1
     temperature_tuning: bool = False
     floor_scale: float = 8192.0
@@ -219,6 +245,7 @@ class RouterArgs:
     weights_in_model_dtype: bool = True  # Mixtral keeps top-k weights in fp32
     weights_on_input: bool = False  # expert(x * w) instead of w * expert(x) (Llama 4)
     jitter_eps: float = 0.0  # sparsemixer's threshold (PhiMoE's router_jitter_noise)
+    logit_softcap: float = 0.0  # the logits (fp32) capped as tanh(logits / c) * c before scoring (Laguna); 0: none
 
     def __post_init__(self):
         check_kinds(self)
@@ -315,6 +342,10 @@ class ModelArgs:
     experts: ExpertArgs = ExpertArgs()
     norm: NormArgs = NormArgs()
     multipliers: Multipliers = Multipliers()
+    # per layer: its q heads / kv heads where a layer's are not num_attention_heads / num_key_value_heads
+    # (Laguna's num_attention_heads_per_layer, MiMo-V2-Flash's doubled kv heads on its SLIDING layers); ()
+    layer_heads: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_kinds(self)
@@ -345,6 +376,16 @@ def stored_dtype(a: ModelArgs, name: str, dtype):
     import torch
 
     return torch.float32 if dtype.itemsize < 4 and kept_fp32(a, name) else dtype
+
+
+def heads(a: ModelArgs, layer: int) -> tuple[int, int]:
+    """(q heads, kv heads) of one attention layer (ModelArgs.layer_heads / layer_kv_heads)."""
+    return (a.layer_heads[layer] if a.layer_heads else a.num_attention_heads,
+            a.layer_kv_heads[layer] if a.layer_kv_heads else a.num_key_value_heads)
+
+
+def has_sinks(a: ModelArgs, layer: int) -> bool:
+    return a.attention.sinks and (a.attention.sinks_on == "all" or a.layer_types[layer] == SLIDING)
 
 
 def mlp_type(a: ModelArgs, layer: int) -> str:

@@ -4,9 +4,11 @@ stacks and routing, MLA, the common checkpoint mapping, and refusals with their 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from models.args import DENSE, MLA, SPARSE, AttentionArgs, ModelArgs, RopeArgs, RouterArgs, YaRN
+from models.args import DENSE, FULL, MLA, SLIDING, SPARSE, AttentionArgs, ModelArgs, RopeArgs, RouterArgs, YaRN
 from models.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
@@ -57,6 +59,31 @@ def yarn(config) -> YaRN | None:
 def rope_of(config, **how) -> RopeArgs:
     """The RopeArgs of a config with default or YaRN RoPE; `how` sets the rest (interleave, ...)."""
     return RopeArgs.scaled(rope_theta_any(config), yarn(config), **how)
+
+
+def rope_per_type(c, partial: float = 1.0, **how) -> RopeArgs:
+    """The RopeArgs of a config whose rope_parameters are keyed by layer type ({"full_attention": {...},
+    "sliding_attention": {...}}: Mellum, Laguna, MiMo-V2-Flash): the full layers' rope as the model's, the
+    sliding layers' as its `sliding` where it differs; each default or YaRN with its own
+    partial_rotary_factor (`partial` where it states none: the family's default). A config not keyed so: one
+    rope for every layer."""
+    rp = getattr(c, "rope_parameters", None) or {}
+    if FULL not in rp and SLIDING not in rp:
+        return rope_of(c, partial_rotary_factor=float(rp.get("partial_rotary_factor", partial)), **how)
+
+    def of_type(kind: str) -> RopeArgs:
+        p = rp.get(kind)
+        if not isinstance(p, dict):
+            raise CheckpointError(f"rope_parameters has no {kind!r} entry, and layer_types has {kind} layers")
+        one = SimpleNamespace(rope_parameters=p, max_position_embeddings=c.max_position_embeddings)
+        return rope_of(one, partial_rotary_factor=float(p.get("partial_rotary_factor", partial)), **how)
+
+    kinds = set(c.layer_types)
+    full = of_type(FULL) if FULL in kinds else None
+    sliding = of_type(SLIDING) if SLIDING in kinds else None
+    if full is None:
+        return sliding
+    return full if sliding is None or sliding == full else replace(full, sliding=sliding)
 
 
 def hf_args(c, family: str, **specific) -> ModelArgs:

@@ -143,6 +143,10 @@ def _merged(cfg: dict, config: dict) -> dict:
     ("qwen3_omni_moe", {"thinker_config": {"text_config": {"rope_parameters": {
         "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [3, 3, 2], "interleaved": True,
         "mrope_interleaved": True}}}}, "4th dim is all 0"),
+    # llama.cpp's mellum graph rotates the sliding layers with the full layers' rope base
+    ("mellum", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}},
+     "rope_freq_base_swa"),
 ])
 def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, cause):
     """The tiny checkpoint fails where its entry says (xfail); with the cause removed from config.json

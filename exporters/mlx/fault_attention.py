@@ -50,12 +50,22 @@ def _exponents(dims):
 
 
 def rope_theta_wrong(attn, a):
-    theta = 1e4 if a.rope.theta != 1e4 else 1e6  # the qwen2_moe / mlx-lm default mix-up
+    own = getattr(attn.rope, "base", None) or a.rope.theta  # the layer's own (a per-type rope's) where it says
+    theta = 1e4 if own != 1e4 else 1e6  # the qwen2_moe / mlx-lm default mix-up
     if isinstance(attn.rope, nn.RoPE):
         return _rope(attn, base=theta)
     r = rotary(attn.rope)  # the same scaled frequencies, from the other theta
     r._freqs = r._freqs * (theta / a.rope.theta) ** _exponents(r.dims)
     attn.rope = r
+
+
+def rope_of_the_model(attn, a):
+    """The model's rope (the first type's theta and rotary fraction, the global theta) on a layer with its own."""
+    if not isinstance(attn.rope, nn.RoPE):
+        from oracle.backend import InputError
+
+        raise InputError(f"mlx-lm's rope here is a {type(attn.rope).__name__}, not an nn.RoPE to give the model's base")
+    return _rope(attn, base=a.rope.theta, dims=int(a.head_dim * a.rope.partial_rotary_factor))
 
 
 def rope_interleaved(attn, a):

@@ -22,9 +22,9 @@ import mlx.nn as nn
 from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_repeat_wrong, kv_off_by_one,
                                             mla_cache_not_carried, mla_rope_nope_swapped, not_causal,
                                             output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
-                                            qk_norm_per_head_for_flat, rope_interleaved, rope_on_nope_layer,
-                                            rope_theta_wrong, rotary_fraction_wrong, scale_wrong, sinks_dropped,
-                                            window_off_by_one, yarn_mscale_missing)
+                                            qk_norm_per_head_for_flat, rope_interleaved, rope_of_the_model,
+                                            rope_on_nope_layer, rope_theta_wrong, rotary_fraction_wrong, scale_wrong,
+                                            sinks_dropped, window_off_by_one, yarn_mscale_missing)
 from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missing, dense_layer_routed,
                                      expert_index_off_by_one, gate_up_swapped, group_limit_ignored, moe_layer_as_dense,
                                      no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
@@ -125,6 +125,8 @@ FAULTS = {
     "attention_multiplier_missing": _set("scale", lambda a: a.head_dim ** -0.5),
     "logits_scaling_missing": _logits_scaling_missing,
     "rope_on_nope_layer": rope_on_nope_layer,
+    "rope_of_the_model_on_own_layer": rope_of_the_model,
+    "router_softcap_missing": lambda layer, a: setattr(moe_block(layer).gate, "softcap", 0.0),  # laguna's MoEGate
 }
 
 

@@ -141,12 +141,13 @@ def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module retur
 
 ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
+         "MellumSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
          "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
          "mlx_lm.models.exaone_moe.MoE": _route_gate,
-         "MiniMaxSparseMoeBlock": _route_minimax}
+         "MiniMaxSparseMoeBlock": _route_minimax, "mlx_lm.models.mimo_v2_flash.MoE": _route_gate}
 
 
 def route(moe, x):

@@ -154,6 +154,8 @@ FORMS = {
     "attention_multiplier_missing": attribute(("scaling",), lambda v, a: a.head_dim ** -0.5),
     "attention_sinks_dropped": tensor(("sinks",), lambda t: t.fill_(float("-inf"))),
     "clip_qkv_missing": attribute(("clip_qkv",), lambda v, a: float("inf")),  # (HF's clamp takes no None bound)
+    "value_scale_missing": attribute(("v_scale",), lambda v, a: 1.0),
+    "router_softcap_missing": attribute(("router_logit_softcapping",), lambda v, a: 0.0),
     # layer, final norm, head
     "rmsnorm_eps_wrong": attribute(("variance_epsilon", "eps"), lambda v, a: v * 1e3, path="input_layernorm"),
     "residual_multiplier_missing": attribute(("residual_multiplier",), lambda v, a: 1.0),
@@ -173,8 +175,10 @@ NOT_APPLICABLE = {
                      "rope_interleaved", "qk_norm_per_head_for_flat", "qk_norm_flat_for_per_head",
                      "gqa_kv_heads_tiled", "attention_gate_no_sigmoid", "mla_rope_nope_swapped",
                      "yarn_mscale_missing", "gdn_chunked_prefill_differs", "layernorm_as_rmsnorm",
-                     "norm_offset_missing", "residual_missing", "moa_kv_heads_interleaved"), _CODE),
-    **dict.fromkeys(("rope_theta_wrong", "rotary_fraction_wrong", "rope_on_nope_layer"),
+                     "norm_offset_missing", "residual_missing", "moa_kv_heads_interleaved", "kv_groups_of_the_model",
+                     "attention_gate_sigmoid_for_softplus"), _CODE),
+    **dict.fromkeys(("rope_theta_wrong", "rotary_fraction_wrong", "rope_on_nope_layer",
+                     "rope_of_the_model_on_own_layer"),
                     f"{_MODEL}: the rotary embedding (the model's rotary_emb, one for every layer)"),
     **dict.fromkeys(("kv_cache_write_off_by_one", "mla_cache_not_carried", "gdn_state_not_carried",
                      "gdn_conv_state_not_carried"), f"{_MODEL}: the cache (a DynamicCache the model's forward owns)"),

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import replace
+
 from models.faults.fault import patch
 from models.layers.attention import Attention
+from models.layers.rope import Rope
 
 
 # ------------------------------------------------------------------ full attention
 def rope_theta_wrong(attn: Attention, a):
-    theta = 1e4 if a.rope.theta != 1e4 else 1e6  # the classic qwen2_moe / mlx-lm default mix-up
+    theta = 1e4 if attn.rope.theta != 1e4 else 1e6  # the classic qwen2_moe / mlx-lm default mix-up
     rd = attn.rope.rotary_dim
     attn.rope.inv_freq.copy_(1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd)))
 
@@ -33,7 +36,7 @@ def rope_interleaved(attn: Attention, a):
 def rotary_fraction_wrong(attn: Attention, a):
     rope = attn.rope
     rd = attn.hd if rope.rotary_dim < attn.hd else attn.hd // 2
-    theta = a.rope.theta
+    theta = rope.theta  # the layer's own
     rope.rotary_dim = rd
     rope.inv_freq = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
 
@@ -108,7 +111,7 @@ def gqa_repeat_wrong(attn: Attention, a):
         kc, vc = kc.repeat(1, rep, 1, 1), vc.repeat(1, rep, 1, 1)
         scores = ((q @ kc.transpose(2, 3)) * attn.scale).masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-        return (probs @ vc).transpose(1, 2).reshape(B, T, attn.nh * attn.hd)
+        return (probs @ vc).transpose(1, 2).reshape(B, T, attn.nh * attn.vd)
 
     patch(attn, "attend", attend)
 
@@ -138,3 +141,36 @@ def attention_multiplier_missing(attn: Attention, a):
 
 def rope_on_nope_layer(attn: Attention, a):
     attn.use_rope, attn.qk_norm = True, "none"  # rotated as the rope layers are (without their q/k norm)
+
+
+# ------------------------------------------------------------------ per-layer ropes and head counts
+def rope_of_the_model(attn: Attention, a):
+    """The model's rope (rope_parameters' first type, the global theta) on a layer whose own differs
+    (the full layers' theta on a sliding one; a per-layer theta ignored)."""
+    attn.rope = Rope(attn.hd, replace(a.rope, sliding=None, layer_theta=()))
+
+
+def kv_groups_of_the_model(attn: Attention, a):
+    """The q heads' kv heads from the model's head counts (num_attention_heads // num_key_value_heads
+    per group) on a layer with its own: q head h reads kv head h // that, clamped to the layer's last."""
+    rep = max(1, a.num_attention_heads // a.num_key_value_heads)
+    index = (torch.arange(attn.nh) // rep).clamp(max=attn.kvh - 1)
+    attend = attn.attend
+
+    def wrong(q, kc, vc, visible):  # each q head's kv head repeated into its place, so attend's own repeat is 1
+        kvh = attn.kvh
+        attn.kvh = attn.nh
+        try:
+            return attend(q, kc[:, index], vc[:, index], visible)
+        finally:
+            attn.kvh = kvh
+
+    patch(attn, "attend", wrong)
+
+
+def gate_sigmoid_for_softplus(attn: Attention, a):
+    attn.gate_act = "sigmoid"
+
+
+def value_scale_missing(attn: Attention, a):
+    attn.value_scale = 1.0

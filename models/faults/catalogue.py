@@ -4,9 +4,11 @@ inside it the drill should name first."""
 
 from __future__ import annotations
 
-from models.args import ModelArgs
-from models.faults.attention import (attention_multiplier_missing, clip_qkv_missing, gqa_repeat_wrong, kv_off_by_one,
-                                     moa_kv_interleaved, not_causal, output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
+from models.args import LINEAR, ModelArgs, has_sinks
+from models.faults.attention import (attention_multiplier_missing, clip_qkv_missing, gate_sigmoid_for_softplus,
+                                     gqa_repeat_wrong, kv_groups_of_the_model, kv_off_by_one, moa_kv_interleaved,
+                                     not_causal, output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
+                                     rope_of_the_model, value_scale_missing,
                                      qk_norm_per_head_for_flat, rope_interleaved, rope_on_nope_layer, rope_theta_wrong,
                                      rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one)
 from models.faults.experts import (clamp_missing, dense_layer_routed, expert_index_off_by_one, gate_up_swapped,
@@ -19,8 +21,8 @@ from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rm
                                  logits_to_float, norm_offset_missing, residual_missing, residual_multiplier_missing)
 from models.faults.mla import mla_cache_not_carried, mla_rope_nope_swapped, yarn_mscale_missing
 from models.faults.router import (bias_in_weights, is_scaled, is_sigmoid, no_renorm, rerouted,
-                                  router_logit_bias_ignored, second_expert_unmasked, sigmoid_router, softmax_after_topk,
-                                  wrong_num_experts)
+                                  router_logit_bias_ignored, second_expert_unmasked, sigmoid_router, softcap_missing,
+                                  softmax_after_topk, wrong_num_experts)
 from models.layers import routing
 
 # every MoE family's mechanisms: softmax top-k routing, SwiGLU experts, GQA attention with rope and
@@ -110,7 +112,8 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
 # LayerNorm, interleaved MoE layers, Granite's multipliers, NoPE layers
 VARIANTS: tuple[Fault, ...] = (
     Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
-          sinks_dropped, lambda a: a.attention.sinks),
+          sinks_dropped, lambda a: a.attention.sinks and has_sinks(a, max(i for i, t in enumerate(a.layer_types)
+                                                                          if t != LINEAR))),
     Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
           window_off_by_one),
     Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", clamp_missing,
@@ -142,6 +145,20 @@ VARIANTS: tuple[Fault, ...] = (
           lambda a: a.moe_bias),
     Fault("shared_mlp_missing", "layer", "last", "the shared MLP beside the MoE block dropped",
           shared_beside_missing, has_shared_beside),
+    # per-layer ropes and head counts (Mellum, GraniteMoE-SWA, MiMo-V2-Flash, Laguna)
+    Fault("rope_of_the_model_on_own_layer", "attention", "ownrope",
+          "the model's rope (the full layers' theta, the global theta) on a layer with its own (per type or per layer)",
+          rope_of_the_model),
+    Fault("kv_groups_of_the_model", "attention", "ownheads",
+          "a layer with its own head counts grouping its q heads by the model's num_attention_heads / num_key_value_heads",
+          kv_groups_of_the_model),
+    Fault("value_scale_missing", "attention", "full", "the values' scale (attention_value_scale) left out",
+          value_scale_missing, lambda a: a.attention.value_scale != 1.0),
+    Fault("attention_gate_sigmoid_for_softplus", "attention", "full",
+          "the attention output's projected gate through a sigmoid where the family's is a softplus",
+          gate_sigmoid_for_softplus, lambda a: a.attention.gate_act == "softplus"),
+    Fault("router_softcap_missing", "router", "last", "the router logits' tanh softcap left out",
+          softcap_missing, lambda a: bool(a.router.logit_softcap)),
 )
 
 
@@ -190,7 +207,9 @@ POINTS: dict[str, str | tuple | None] = {
     "kv_cache_write_off_by_one": "context", "attention_not_causal": "context", "attention_scale_wrong": "context",
     "gqa_kv_heads_tiled": "context", "attention_gate_no_sigmoid": "context", "attention_sinks_dropped": "context",
     "sliding_window_off_by_one": "context", "attention_multiplier_missing": "context",
-    "mla_rope_nope_swapped": "context", "mla_cache_not_carried": "context",
+    "mla_rope_nope_swapped": "context", "rope_of_the_model_on_own_layer": "q_rope", "kv_groups_of_the_model": "context",
+    "value_scale_missing": "context", "attention_gate_sigmoid_for_softplus": "context",
+    "router_softcap_missing": "logits", "mla_cache_not_carried": "context",
     "gdn_state_not_carried": "recurrence", "gdn_chunked_prefill_differs": "recurrence",
     "gdn_conv_state_not_carried": "conv",
     # layer, final norm, head

@@ -12,7 +12,7 @@ import types
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from models.args import DENSE, LINEAR, SLIDING, SPARSE, ModelArgs, mlp_type
+from models.args import DENSE, LINEAR, SLIDING, SPARSE, ModelArgs, heads, mlp_type
 from models.layers.transformer import Transformer
 
 
@@ -21,7 +21,8 @@ class Fault:
     name: str
     kind: str  # the block kind the oracle must name
     # which layer: full (last softmax-attention layer: full, sliding or chunked), rope (last that rotates),
-    # nope (last that does not), sliding (last sliding-window), linear (last Gated DeltaNet),
+    # nope (last that does not), sliding (last sliding-window), linear (last Gated DeltaNet), ownrope (last
+    # whose rope is its own: per type or per layer), ownheads (last whose q heads per kv head are its own),
     # dense (first dense), last, model; first, first_<target> and last_sparse (a fault of a hyper-parameter
     # every layer reads shows first in the first layer it touches: exporters/llamacpp/faults.py)
     target: str
@@ -84,8 +85,15 @@ def _targets(a: ModelArgs, target: str) -> list[int]:
     rotates = a.rope.rotates
     pick = {"full": lambda i, t: t != LINEAR, "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
             "rope": lambda i, t: t != LINEAR and rotates(i), "nope": lambda i, t: t != LINEAR and not rotates(i),
-            "sparse": lambda i, t: mlp_type(a, i) == SPARSE}[target]
+            "sparse": lambda i, t: mlp_type(a, i) == SPARSE,
+            "ownrope": lambda i, t: t != LINEAR and a.rope.own(i, t),
+            "ownheads": lambda i, t: t != LINEAR and _group(*heads(a, i)) != _group(a.num_attention_heads,
+                                                                                   a.num_key_value_heads)}[target]
     return [i for i, t in enumerate(a.layer_types) if pick(i, t)]
+
+
+def _group(nh: int, kvh: int) -> int:
+    return nh // kvh
 
 
 def code_of(fn: Callable, seen: set | None = None) -> list[str]:

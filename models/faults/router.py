@@ -18,6 +18,10 @@ def softmax_after_topk(layer, a):
     patch(r, "route", lambda logits: (lambda v, i: (torch.softmax(v.float(), -1), i))(*torch.topk(logits, r.top_k)))
 
 
+def softcap_missing(layer, a):
+    layer.mlp.gate.softcap = 0.0
+
+
 def no_renorm(layer, a):
     layer.mlp.gate.norm_topk = False
 

@@ -4,9 +4,10 @@ weightless), partial rotary or none, an output gate, sinks, sliding and chunked 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from models.args import CHUNKED, SLIDING, ModelArgs
+from models.args import CHUNKED, SLIDING, ModelArgs, has_sinks, heads
 from models.layers.norms import l2_rms, rms_norm
 from models.layers.rope import Rope
 from models.layers.taps import tap
@@ -15,18 +16,21 @@ from models.layers.taps import tap
 class Attention(nn.Module):
     """Causal attention over a static KV cache [B, kvh, S, hd]: over every earlier position (FULL),
     the last `sliding_window` (SLIDING) or those in the same `chunk_size` chunk (CHUNKED: AttentionArgs);
-    with rope or not (RopeArgs.per_layer), and optionally a learned sink logit per head."""
+    with rope or not (RopeArgs.per_layer), and optionally a learned sink logit per head. A layer's own
+    head counts (ModelArgs.layer_heads / layer_kv_heads) and rope (RopeArgs.of_layer: per type, per layer);
+    value heads of their own width, scaled (AttentionArgs.v_head_dim, value_scale)."""
 
     def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
-        self.nh, self.kvh, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        (self.nh, self.kvh), self.hd = heads(a, layer), a.head_dim
         at = a.attention
+        self.vd, self.value_scale = at.v_head_dim or self.hd, at.value_scale
         self.gated = at.output_gate
         q_out = self.nh * self.hd * (2 if self.gated else 1)
         self.q_proj = nn.Linear(a.hidden_size, q_out, bias=at.qkv_bias)
         self.k_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=at.qkv_bias)
-        self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=at.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=at.o_bias)
+        self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.vd, bias=at.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.vd, a.hidden_size, bias=at.o_bias)
         self.qk_norm = at.qk_norm
         self.clip = at.clip_qkv  # read at every call: a seeded fault drops it (models/faults/)
         if at.qk_norm == "head":
@@ -36,19 +40,22 @@ class Attention(nn.Module):
             self.q_norm = rms_norm(a, self.nh * self.hd)
             self.k_norm = rms_norm(a, self.kvh * self.hd)
         self.use_rope = a.rope.rotates(layer)
-        self.rope = Rope(self.hd, a.rope)
+        kind = a.layer_types[layer]
+        self.rope = Rope(self.hd, a.rope.of_layer(layer, kind))
         self.scale = a.multipliers.attention or self.hd**-0.5
         self.eps = a.rms_norm_eps
-        kind = a.layer_types[layer]
         self.window = at.sliding_window if kind == SLIDING else None
         self.chunk = at.chunk_size if kind == CHUNKED else None
-        if at.sinks:
+        if at.gate_act != "none":  # from the attention's input, per head or per channel (Laguna's g_proj)
+            self.gate_act, self.gate_per_head = at.gate_act, at.gate_width == "head"
+            self.g_proj = nn.Linear(a.hidden_size, self.nh if self.gate_per_head else self.nh * self.vd, bias=False)
+        if has_sinks(a, layer):
             self.sinks = nn.Parameter(torch.zeros(self.nh))
         # Llama 4's no-rope layers scale q with the position
         self.temperature = (at.floor_scale, at.attn_scale) if at.temperature_tuning and not self.use_rope else None
         S = a.max_seq_len
         self.register_buffer("k_cache", torch.zeros(1, self.kvh, S, self.hd, dtype=dtype))
-        self.register_buffer("v_cache", torch.zeros(1, self.kvh, S, self.hd, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(1, self.kvh, S, self.vd, dtype=dtype))
         self.register_buffer("cache_pos", torch.arange(S), persistent=False)
 
     def forward(self, x, pos):  # x [B, T, H], pos [T]
@@ -57,7 +64,18 @@ class Attention(nn.Module):
         y = self.attend(q, kc, vc, self.mask(pos))  # [B, T, nh * hd]
         if self.gated:
             y = y * torch.sigmoid(gate)
+        if hasattr(self, "g_proj"):
+            y = self.projected_gate(x, y)
         return self.o_proj(y)
+
+    def projected_gate(self, x, y):
+        """y [B, T, nh * vd] times the activation (fp32) of g_proj(x), one value per head or per channel."""
+        g = self.g_proj(x).float()
+        g = (F.softplus(g) if self.gate_act == "softplus" else torch.sigmoid(g)).to(y.dtype)
+        if not self.gate_per_head:
+            return y * g
+        B, T, _ = y.shape
+        return (y.view(B, T, self.nh, self.vd) * g[..., None]).view(B, T, -1)
 
     def project(self, x, pos):
         """q [B, nh, T, hd], k/v [B, kvh, T, hd] after q/k norm and RoPE; the output gate."""
@@ -85,7 +103,8 @@ class Attention(nn.Module):
             floor_scale, attn_scale = self.temperature
             t = torch.log(torch.floor((pos.float() + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0  # [T]
             q = (q * t[:, None]).to(q.dtype)
-        return q, k, v.view(B, T, self.kvh, self.hd).transpose(1, 2), gate
+        v = v.view(B, T, self.kvh, self.vd).transpose(1, 2)
+        return q, k, (v * self.value_scale if self.value_scale != 1.0 else v), gate
 
     def update_cache(self, k, v, pos):
         self.k_cache[:, :, pos] = k
@@ -115,4 +134,4 @@ class Attention(nn.Module):
             probs = probs.to(q.dtype)
         else:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return (probs @ vc).transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        return (probs @ vc).transpose(1, 2).reshape(B, T, self.nh * self.vd)

@@ -28,7 +28,7 @@ class Rope(nn.Module):
     def __init__(self, head_dim: int, r: RopeArgs, partial: float | None = None):
         super().__init__()
         self.rotary_dim = int(head_dim * (r.partial_rotary_factor if partial is None else partial))
-        self.interleave, self.fp32 = r.interleave, r.fp32
+        self.interleave, self.fp32, self.theta = r.interleave, r.fp32, r.theta
         inv = 1.0 / (r.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
         self.factor, self.longrope = 1.0, None
         if r.kind == "yarn":

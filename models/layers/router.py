@@ -28,9 +28,10 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts))
         self.top_k, self.norm_topk = a.num_experts_per_tok, r.norm_topk_prob
         self.cast = r.weights_in_model_dtype
+        self.softcap = r.logit_softcap
         self.softmax_only = (r.scoring == "softmax" and not r.correction_bias and r.n_group <= 1
                              and r.routed_scaling_factor == 1.0 and not r.fp32 and not r.norm_topk_min
-                             and r.norm_p == 1.0)
+                             and r.norm_p == 1.0 and not r.logit_softcap)
 
     def forward(self, x):  # x [N, H] -> weights [N, k], indices [N, k]
         bias = getattr(self, "bias", None)
@@ -38,6 +39,8 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
         else:
             logits = F.linear(x, self.weight, bias)
+        if self.softcap:  # (the logits a router returns are the capped ones: HF's Laguna router's)
+            logits = torch.tanh(logits.float() / self.softcap) * self.softcap
         w, idx = self.route(tap("logits", logits))
         return (w.to(logits.dtype) if self.cast else w), idx
 

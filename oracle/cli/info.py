@@ -12,11 +12,12 @@ def add(sub) -> None:
 def cmd_families() -> int:
     from models import FAMILY_NAMES, UNSUPPORTED, get_family
 
+    width = max(map(len, (*FAMILY_NAMES, *UNSUPPORTED)))
     for name in FAMILY_NAMES:
         f = get_family(name)
-        print(f"{name:14s} supported    HF {f.hf_class_name} (model_type {', '.join(f.model_types)})")
+        print(f"{name:{width}s} supported    HF {f.hf_class_name} (model_type {', '.join(f.model_types)})")
     for name, why in UNSUPPORTED.items():
-        print(f"{name:14s} unsupported  missing: {why}")
+        print(f"{name:{width}s} unsupported  missing: {why}")
     from oracle.source.published import known_configs
 
     print(f"published configs (--config NAME [--layers N]): {known_configs()}")
