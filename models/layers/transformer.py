@@ -37,8 +37,14 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(a, dtype, i)
         self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
-        self.input_layernorm = norm(a, a.hidden_size)
+        self.placement = a.norm.placement  # (models.args.NormArgs)
+        if self.placement != "post":
+            self.input_layernorm = norm(a, a.hidden_size)
         self.post_attention_layernorm = norm(a, a.hidden_size)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = norm(a, a.hidden_size)
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = norm(a, a.hidden_size)
         self.residual_multiplier = a.multipliers.residual
 
     @property
@@ -46,11 +52,25 @@ class DecoderLayer(nn.Module):
         return self.linear_attn if self.layer_type == LINEAR else self.self_attn
 
     def forward(self, x, pos):
+        if self.placement != "pre":  # the blocks' outputs normed before their residual adds
+            h = x + self.attention_branch(x, pos)
+            return h + self.mlp_branch(h)
         if self.residual_multiplier != 1.0:  # Granite
             h = x + self.attn(self.input_layernorm(x), pos) * self.residual_multiplier
             return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
         h = x + self.attn(self.input_layernorm(x), pos)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention_branch(self, x, pos):
+        """What a "post" or "sandwich" layer adds to the stream x for its attention: the attention's
+        output normed (of x normed first, sandwich), times the residual multiplier."""
+        y = self.post_attention_layernorm(self.attn(x if self.placement == "post" else self.input_layernorm(x), pos))
+        return y * self.residual_multiplier if self.residual_multiplier != 1.0 else y
+
+    def mlp_branch(self, h):
+        """Likewise for its MLP (or MoE) on the stream h."""
+        y = self.post_feedforward_layernorm(self.mlp(h if self.placement == "post" else self.pre_feedforward_layernorm(h)))
+        return y * self.residual_multiplier if self.residual_multiplier != 1.0 else y
 
 
 class Transformer(nn.Module):
