@@ -180,6 +180,7 @@ class AttentionArgs:
     # q/k RMSNorm: per head (Qwen3), over the whole projection (OLMoE), or weightless after the
     # rotation (Llama 4's "l2", rope layers only)
     qk_norm: Literal["none", "head", "flat", "l2"] = "none"
+    qk_norm_after_rope: bool = False  # the per-head q/k norm applied to the rotated q/k (HunYuan), not before
     output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
     # a gate on the attention output (before o_proj) from its own projection of the attention's input
     # (g_proj): its activation ("none": no such gate; Laguna's softplus, computed in fp32) and its width
@@ -277,6 +278,11 @@ class NormArgs:
     # GptOssRMSNorm does; else w * x_normed.to(dtype) (Llama's: two roundings)
     gain_fp32: bool = False
     bias: bool = True  # LayerNorm's bias (DBRX's and Cohere's LayerNorms have none)
+    # where a decoder layer's norms sit: "pre" before each block (input_layernorm, post_attention_layernorm
+    # before the MLP: Llama's); "post" on each block's output before its residual add and none before
+    # (post_attention_layernorm, post_feedforward_layernorm: OLMo 2, FlexOlmo); "sandwich" both
+    # (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm)
+    placement: Literal["pre", "post", "sandwich"] = "pre"
 
     def __post_init__(self):
         check_kinds(self)
@@ -423,5 +429,9 @@ def block_input_path(a: ModelArgs, layer: int | None, kind: str) -> str | None:
     if layer is None or kind == "layer":
         return None
     block_path(a, layer, kind)  # a block the layer has
-    norm = "input_layernorm" if kind == "attention" or a.parallel_block else "post_attention_layernorm"
-    return f"layers.{layer}.{norm}"
+    placement = a.norm.placement
+    if placement == "post":  # no norm before the blocks: fed the stream
+        return None
+    if kind == "attention" or a.parallel_block:  # (a parallel block: one input norm for both)
+        return f"layers.{layer}.input_layernorm"
+    return f"layers.{layer}." + ("pre_feedforward_layernorm" if placement == "sandwich" else "post_attention_layernorm")

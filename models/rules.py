@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # naming the fields as config.json spells them ("a.b": key b of the dict a). A field that is absent
 # or None (HF's "not used") passes every rule. A rule is (kind, *fields):
 #   ("positive", f, ...)   each a number > 0          ("at_most", a, b)    a <= b
+#                          (for these two, a list of numbers is judged by each of its entries)
 #   ("at_least", f, n)     f >= the number n          ("divides", a, b)    b is a multiple of a
 #   ("per_layer", f)       a list of num_hidden_layers entries
 #   ("layer_index", f)     a list of layers, each in 0 .. num_hidden_layers - 1
@@ -64,6 +65,14 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _extreme(v, largest: bool):
+    """A non-empty list of numbers as the entry a rule judges (its largest, else its smallest); any
+    other value as it is."""
+    if isinstance(v, (list, tuple)) and v and all(_number(x) for x in v):
+        return max(v) if largest else min(v)
+    return v
+
+
 def broken_rule(c, rule: tuple, raw: bool = False) -> str | None:
     """What `c` (an HF config object) breaks of one rule (see COMMON_RULES), or None. `raw`: a
     value of another type passes (HF's class names the type it expects)."""
@@ -71,6 +80,8 @@ def broken_rule(c, rule: tuple, raw: bool = False) -> str | None:
     if kind == "at_least":
         names, bound = names[:1], names[1]
     values = [field_value(c, n) for n in names]
+    if kind in ("positive", "at_most"):  # a per-layer list of numbers (HunYuan's moe_topk): its every entry
+        values = [_extreme(v, kind == "at_most" and j == 0) for j, v in enumerate(values)]
     if any(v is _MISSING or v is None for v in values) and kind != "positive":
         return None
     for n, v in zip(names, values):

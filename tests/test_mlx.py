@@ -63,10 +63,12 @@ NO_MLX_LM = tuple(f for f in FAMILY_NAMES if f not in MLX_FAMILIES)
 EXPECTED_FAILURES = {"ernie4_5_moe": "drops the router's e_score_correction_bias"}
 # ... and those whose known divergence bites on some tokens, the tiny checkpoint's among them (seed 0)
 ON_SOME_TOKENS = {"solar_open": "group_expert_select"}
+# ... and those that choose HF's experts with other weights
+OTHER_WEIGHTS = {"hunyuan_v1_moe": "never renormalises the top-k"}
 
 
 @pytest.mark.parametrize("new_family", [f for f in OTHERS if f in MLX_FAMILIES and f not in EXPECTED_FAILURES
-                                        and f not in ON_SOME_TOKENS])
+                                        and f not in ON_SOME_TOKENS and f not in OTHER_WEIGHTS])
 def test_other_families_pass_fp32(new_family):
     """mlx-lm's own model of each other family against HF: every block and e2e."""
     r = run_check(CheckSpec(family=new_family, backend="mlx"))
@@ -113,6 +115,30 @@ def test_a_divergence_on_some_tokens_is_its_expected_failure(family_name):
         diffs = row.metrics["routing_differences"]
         assert diffs and all(d["verdict"] == "divergence" and d["layer"] == row.layer for d in diffs)
         assert 0.5 < row.metrics["topk_agreement"] < 1.0
+
+
+def test_mlx_lm_hunyuan_without_renormalisation(tmp_path):
+    """HunYuan: mlx-lm's MoeBlock weights the chosen experts by their plain softmax probabilities, HF's gate
+    renormalises them. The same experts are chosen (top-k agreement 1), the weights differ, and only the
+    rows those weights feed fail (the known divergence's expected failure). With top-k = the expert count
+    the renormalisation divides by 1: every row passes, so the entry names the real cause."""
+    import json
+    import shutil
+
+    r = run_check(CheckSpec(family="hunyuan_v1_moe", backend="mlx"))
+    assert r.status == "xfail", (r.status, r.error, r.worst)
+    assert OTHER_WEIGHTS["hunyuan_v1_moe"] in r.expected["cause"]
+    failed = [row for row in r.blocks if row.status != "pass"]
+    assert failed and {row.kind for row in failed} <= {"router", "moe", "layer"}
+    assert all(row.metrics["topk_agreement"] == 1.0 for row in failed if row.kind == "router")
+    src = tiny_checkpoint(get_family("hunyuan_v1_moe"), 0)
+    out = tmp_path / "all-experts"
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["moe_topk"] = [cfg["num_experts"]] * cfg["num_hidden_layers"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    fixed = run_check(CheckSpec(family="hunyuan_v1_moe", backend="mlx", model_dir=str(out)))
+    assert fixed.status == "pass", (fixed.error, fixed.worst)
 
 
 @pytest.fixture(scope="module", params=CORE)

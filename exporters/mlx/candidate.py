@@ -273,6 +273,8 @@ class MLXCandidate(Candidate):
             else:
                 mask = create_ssm_mask(x, cache) if linear else create_attention_mask(
                     x, cache, window_size=self.windows.get(layer), return_array=self.array_mask)
-            return self._out(module(x, mask, cache))
+            y = module(x, mask, cache)
+            # mlx-lm's hunyuan returns (output, k/v kept for its cross-layer attention): the output
+            return self._out(y[0] if isinstance(y, tuple) else y)
 
         return fn

@@ -94,6 +94,25 @@ def qk_norm_missing(attn, a):
         attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
 
 
+class _NormedFirst(nn.Module):
+    """A rope that norms its input first: HunYuan's attention calls its rope on the queries, then on the
+    keys (each __call__), so the calls alternate the query and the key norm."""
+
+    def __init__(self, rope, q_norm, k_norm):
+        super().__init__()
+        self.rope, self.norms, self.calls = rope, (q_norm, k_norm), 0
+
+    def __call__(self, x, offset=0):
+        norm = self.norms[self.calls % 2]
+        self.calls += 1
+        return self.rope(norm(x), offset=offset)
+
+
+def qk_norm_before_rope(attn, a):  # hunyuan: the per-head norms moved before the rotation
+    attn.rope = _NormedFirst(attn.rope, attn.query_layernorm, attn.key_layernorm)
+    attn.use_qk_norm = False
+
+
 class _RegroupedNorm(nn.Module):
     """RMSNorm over groups of `size` features (x viewed as [..., -1, size]), then the weight."""
 

@@ -45,8 +45,8 @@ def combine(moe, x, scores, inds, a, weighted=True, shared=True, shared_sigmoid=
             if "shared_expert_gate" in moe:
                 g = moe.shared_expert_gate(x)
                 s = (mx.sigmoid(g) if shared_sigmoid else g) * s
-        else:
-            s = moe.shared_experts(x)
+        else:  # DeepSeek's shared_experts, HunYuan's shared_mlp
+            s = (moe.shared_experts if "shared_experts" in moe else moe.shared_mlp)(x)
         y = y + s
     return y
 
@@ -218,7 +218,7 @@ def dense_layer_routed(layer, a):
 def moe_layer_as_dense(layer, a):
     """A wrong MoE/dense interleave: the layer's routed experts left out, its shared expert(s) all it computes."""
     moe = moe_block(layer)
-    patch_call(moe, lambda self, x: (self["shared_expert"] if "shared_expert" in self else self["shared_experts"])(x))
+    patch_call(moe, lambda self, x: next(self[n] for n in ("shared_expert", "shared_experts", "shared_mlp") if n in self)(x))
 
 
 def clamp_missing(layer, a):

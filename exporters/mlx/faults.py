@@ -21,10 +21,11 @@ import mlx.nn as nn
 
 from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_repeat_wrong, kv_off_by_one,
                                             mla_cache_not_carried, mla_rope_nope_swapped, not_causal,
-                                            output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
-                                            qk_norm_per_head_for_flat, rope_interleaved, rope_of_the_model,
-                                            rope_on_nope_layer, rope_theta_wrong, rotary_fraction_wrong, scale_wrong,
-                                            sinks_dropped, window_off_by_one, yarn_mscale_missing)
+                                            output_gate_no_sigmoid, qk_norm_before_rope, qk_norm_flat_for_per_head,
+                                            qk_norm_missing, qk_norm_per_head_for_flat, rope_interleaved,
+                                            rope_of_the_model, rope_on_nope_layer, rope_theta_wrong,
+                                            rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one,
+                                            yarn_mscale_missing)
 from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missing, dense_layer_routed,
                                      expert_index_off_by_one, gate_up_swapped, group_limit_ignored, moe_layer_as_dense,
                                      no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
@@ -90,6 +91,7 @@ FAULTS = {
     "rope_interleaved": rope_interleaved,
     "rotary_fraction_wrong": rotary_fraction_wrong,
     "qk_norm_missing": qk_norm_missing,
+    "qk_norm_before_rope": qk_norm_before_rope,
     "qk_norm_per_head_for_flat": qk_norm_per_head_for_flat,
     "qk_norm_flat_for_per_head": qk_norm_flat_for_per_head,
     "kv_cache_write_off_by_one": kv_off_by_one,

@@ -134,6 +134,21 @@ def _route_minimax(moe, x):  # minimax_m2: fp32 gate logits, sigmoid, top-k of +
     return (scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)).astype(x.dtype), inds
 
 
+def _route_afmoe(moe, x):  # afmoe: sigmoid (or softmax) of fp32 logits, top-k of + expert_bias, renorm (k > 1), scale
+    import mlx.core as mx
+
+    if moe.n_group > 1:
+        raise NotImplementedError("no routing mirror for mlx-lm's AfmoeMoE with n_group > 1")
+    logits = moe.router(x).astype(mx.float32)
+    scores = mx.sigmoid(logits) if moe.score_func == "sigmoid" else mx.softmax(logits, axis=-1)
+    k = moe.num_experts_per_tok
+    inds = mx.argpartition(-(scores + moe.expert_bias), kth=k - 1, axis=-1)[..., :k]
+    s = mx.take_along_axis(scores, inds, axis=-1)
+    if moe.route_norm and k > 1:
+        s = s / s.sum(axis=-1, keepdims=True)
+    return s * moe.route_scale, inds
+
+
 def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
@@ -147,7 +162,8 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
          "mlx_lm.models.exaone_moe.MoE": _route_gate,
-         "MiniMaxSparseMoeBlock": _route_minimax, "mlx_lm.models.mimo_v2_flash.MoE": _route_gate}
+         "MiniMaxSparseMoeBlock": _route_minimax, "mlx_lm.models.mimo_v2_flash.MoE": _route_gate,
+         "mlx_lm.models.hunyuan.MoeBlock": _route_qwen2_moe, "AfmoeMoE": _route_afmoe}  # (hunyuan: softmax top-k, never renormalised)
 
 
 def route(moe, x):

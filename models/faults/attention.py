@@ -56,6 +56,10 @@ def qk_norm_missing(attn: Attention, a):
     attn.qk_norm = "none"
 
 
+def qk_norm_before_rope(attn: Attention, a):
+    attn.qk_norm_after_rope = False  # the per-head norm on q/k before the rotation (the usual place)
+
+
 def qk_norm_per_head_for_flat(attn: Attention, a):
     """Normalise each head although the checkpoint's norm spans the whole projection."""
     qn, kn = attn.q_norm, attn.k_norm

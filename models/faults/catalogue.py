@@ -7,8 +7,8 @@ from __future__ import annotations
 from models.args import LINEAR, ModelArgs, has_sinks
 from models.faults.attention import (attention_multiplier_missing, clip_qkv_missing, gate_sigmoid_for_softplus,
                                      gqa_repeat_wrong, kv_groups_of_the_model, kv_off_by_one, moa_kv_interleaved,
-                                     not_causal, output_gate_no_sigmoid, qk_norm_flat_for_per_head, qk_norm_missing,
-                                     rope_of_the_model, value_scale_missing,
+                                     not_causal, output_gate_no_sigmoid, qk_norm_before_rope, qk_norm_flat_for_per_head,
+                                     qk_norm_missing, rope_of_the_model, value_scale_missing,
                                      qk_norm_per_head_for_flat, rope_interleaved, rope_on_nope_layer, rope_theta_wrong,
                                      rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one)
 from models.faults.experts import (clamp_missing, dense_layer_routed, expert_index_off_by_one, gate_up_swapped,
@@ -18,7 +18,8 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
 from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
-                                 logits_to_float, norm_offset_missing, residual_missing, residual_multiplier_missing)
+                                 logits_to_float, norm_offset_missing, post_norm_misplaced, post_norm_missing,
+                                 residual_missing, residual_multiplier_missing)
 from models.faults.mla import mla_cache_not_carried, mla_rope_nope_swapped, yarn_mscale_missing
 from models.faults.router import (bias_in_weights, is_scaled, is_sigmoid, no_renorm, rerouted,
                                   router_logit_bias_ignored, second_expert_unmasked, sigmoid_router, softcap_missing,
@@ -57,6 +58,8 @@ COMMON: tuple[Fault, ...] = (
           qk_norm_per_head_for_flat, lambda a: a.attention.qk_norm == "flat"),
     Fault("qk_norm_flat_for_per_head", "attention", "full", "flat q/k norm where the family's is per head",
           qk_norm_flat_for_per_head, lambda a: a.attention.qk_norm == "head"),
+    Fault("qk_norm_before_rope", "attention", "rope", "per-head q/k norm before the rotation where the family's is "
+          "after it", qk_norm_before_rope, lambda a: a.attention.qk_norm == "head" and a.attention.qk_norm_after_rope),
     Fault("kv_cache_write_off_by_one", "attention", "full", "KV cache written one position late", kv_off_by_one),
     Fault("attention_not_causal", "attention", "full", "attention mask not causal", not_causal),
     Fault("attention_scale_wrong", "attention", "full", "softmax scale 1/d instead of 1/sqrt(d)", scale_wrong),
@@ -70,7 +73,8 @@ COMMON: tuple[Fault, ...] = (
           gdn_conv_state_not_carried),
     Fault("gdn_chunked_prefill_differs", "attention", "linear", "chunked prefill differs from one-shot prefill",
           gdn_chunked_prefill),
-    Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", input_norm_eps),
+    Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", input_norm_eps,
+          lambda a: a.norm.placement != "post"),  # (post-norm layers have no input norm)
     Fault("norm_offset_missing", "layer", "last", "(1 + w) RMSNorm offset missing", norm_offset_missing,
           lambda a: a.norm.offset),
     Fault("residual_missing", "layer", "last", "attention residual connection dropped", residual_missing),
@@ -159,6 +163,10 @@ VARIANTS: tuple[Fault, ...] = (
           gate_sigmoid_for_softplus, lambda a: a.attention.gate_act == "softplus"),
     Fault("router_softcap_missing", "router", "last", "the router logits' tanh softcap left out",
           softcap_missing, lambda a: bool(a.router.logit_softcap)),
+    Fault("post_norm_misplaced", "layer", "last", "the attention's post-norm in the wrong place (on the block's "
+          "input: post; on the residual sum: sandwich)", post_norm_misplaced, lambda a: a.norm.placement != "pre"),
+    Fault("post_norm_missing", "layer", "last", "the attention's post-norm left out", post_norm_missing,
+          lambda a: a.norm.placement != "pre"),
 )
 
 
@@ -203,7 +211,8 @@ POINTS: dict[str, str | tuple | None] = {
     # (MLA's rotation has no tap: the attention's context there)
     "rope_theta_wrong": ("q_rope", "context"), "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
     "yarn_mscale_missing": ("q_rope", "context"), "rope_on_nope_layer": "q_rope",
-    "clip_qkv_missing": "q_rope", "qk_norm_missing": "q_norm", "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
+    "clip_qkv_missing": "q_rope", "qk_norm_missing": "q_norm", "qk_norm_before_rope": ("q_norm", "q_rope"),
+    "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
     "kv_cache_write_off_by_one": "context", "attention_not_causal": "context", "attention_scale_wrong": "context",
     "gqa_kv_heads_tiled": "context", "attention_gate_no_sigmoid": "context", "attention_sinks_dropped": "context",
     "sliding_window_off_by_one": "context", "attention_multiplier_missing": "context",
@@ -220,5 +229,7 @@ POINTS: dict[str, str | tuple | None] = {
     "shared_expert_summed": "output", "moe_bias_missing": "output",
     # (the attention experts' outputs have no output projection named o_proj: the block's output)
     "moa_kv_heads_interleaved": "output",
+    # the post-norm computed on another value than HF's (post: before the attention, on the stream)
+    "post_norm_misplaced": "post_attention_layernorm", "post_norm_missing": "post_attention_layernorm",
     "final_norm_eps_wrong": "output", "logits_cast_to_float": None, "logits_scaling_missing": "output",
 }

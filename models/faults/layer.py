@@ -27,8 +27,32 @@ def residual_missing(layer, a):
     if getattr(layer, "parallel", False):  # a parallel block (Cohere): attention + MLP without the stream
         patch(layer, "forward", lambda x, pos: (lambda h: layer.attn(h, pos) + layer.ffn(h))(layer.input_layernorm(x)))
         return
+    if layer.placement != "pre":  # post / sandwich norms (models.args.NormArgs.placement)
+        patch(layer, "forward", lambda x, pos: (lambda h: h + layer.mlp_branch(h))(layer.attention_branch(x, pos)))
+        return
     patch(layer, "forward", lambda x, pos: (lambda h: h + layer.mlp(layer.post_attention_layernorm(h)))(
         layer.attn(layer.input_layernorm(x), pos)))
+
+
+def post_norm_misplaced(layer, a):
+    """The attention's post-norm in the wrong place: "post" (no pre-norms) ported as pre-norm, the norm on
+    the block's input instead of its output; "sandwich": the post-norm applied after the residual add,
+    to the sum, instead of to the attention's output."""
+    post = layer.post_attention_layernorm
+    if layer.placement == "post":
+        patch(layer, "forward", lambda x, pos: (lambda h: h + layer.mlp_branch(h))(x + layer.attn(post(x), pos)))
+    else:
+        patch(layer, "forward", lambda x, pos: (lambda h: h + layer.mlp_branch(h))(
+            post(x + layer.attn(layer.input_layernorm(x), pos))))
+
+
+def post_norm_missing(layer, a):
+    """The attention's post-norm left out (the attention's output added to the stream as it is)."""
+    def forward(x, pos):
+        h = x + layer.attn(x if layer.placement == "post" else layer.input_layernorm(x), pos)
+        return h + layer.mlp_branch(h)
+
+    patch(layer, "forward", forward)
 
 
 def final_norm_eps(model, a):

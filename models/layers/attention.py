@@ -31,7 +31,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=at.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.vd, bias=at.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.vd, a.hidden_size, bias=at.o_bias)
-        self.qk_norm = at.qk_norm
+        self.qk_norm, self.qk_norm_after_rope = at.qk_norm, at.qk_norm_after_rope
         self.clip = at.clip_qkv  # read at every call: a seeded fault drops it (models/faults/)
         if at.qk_norm == "head":
             self.q_norm = rms_norm(a, self.hd)
@@ -91,7 +91,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.nh, self.hd)
         k = k.view(B, T, self.kvh, self.hd)
-        if self.qk_norm == "head":
+        if self.qk_norm == "head" and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.use_rope:
@@ -99,6 +99,8 @@ class Attention(nn.Module):
             k = tap("k_rope", self.rope(k, pos), self.rope.hf_layout)
             if self.qk_norm == "l2":  # Llama 4: weightless, after the rotation, rope layers only
                 q, k = l2_rms(q, self.eps), l2_rms(k, self.eps)
+        if self.qk_norm == "head" and self.qk_norm_after_rope:  # HunYuan: on the rotated heads [B, h, T, hd]
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
             t = torch.log(torch.floor((pos.float() + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0  # [T]

@@ -40,10 +40,16 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(a, dtype, i)
         self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
-        self.input_layernorm = norm(a, a.hidden_size)
+        self.placement = a.norm.placement  # (models.args.NormArgs)
         self.parallel = a.parallel_block  # Cohere: one input norm, no post-attention norm
+        if self.placement != "post":
+            self.input_layernorm = norm(a, a.hidden_size)
         if not self.parallel:
             self.post_attention_layernorm = norm(a, a.hidden_size)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = norm(a, a.hidden_size)
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = norm(a, a.hidden_size)
         self.residual_multiplier = a.multipliers.residual
         self.shared_mlp = None  # Granite's shared MLP beside the MoE block (ModelArgs.shared_expert_beside)
         if a.shared_expert_beside and a.shared_expert_intermediate_size and mlp_type(a, i) == SPARSE:
@@ -57,6 +63,9 @@ class DecoderLayer(nn.Module):
         if self.parallel:  # Cohere: attention and MLP on the same normed input, both onto the residual
             h = self.input_layernorm(x)
             return x + self.attn(h, pos) + self.ffn(h)
+        if self.placement != "pre":  # the blocks' outputs normed before their residual adds
+            h = x + self.attention_branch(x, pos)
+            return h + self.mlp_branch(h)
         if self.residual_multiplier != 1.0:  # Granite
             h = x + self.attn(self.input_layernorm(x), pos) * self.residual_multiplier
             return h + self.ffn(self.post_attention_layernorm(h)) * self.residual_multiplier
@@ -66,6 +75,17 @@ class DecoderLayer(nn.Module):
     def ffn(self, x):  # the MLP block, plus a shared MLP beside it (Granite's: on the same normed input)
         y = self.mlp(x)
         return y if self.shared_mlp is None else y + self.shared_mlp(x)
+
+    def attention_branch(self, x, pos):
+        """What a "post" or "sandwich" layer adds to the stream x for its attention: the attention's
+        output normed (of x normed first, sandwich), times the residual multiplier."""
+        y = self.post_attention_layernorm(self.attn(x if self.placement == "post" else self.input_layernorm(x), pos))
+        return y * self.residual_multiplier if self.residual_multiplier != 1.0 else y
+
+    def mlp_branch(self, h):
+        """Likewise for its MLP (or MoE) on the stream h."""
+        y = self.post_feedforward_layernorm(self.mlp(h if self.placement == "post" else self.pre_feedforward_layernorm(h)))
+        return y * self.residual_multiplier if self.residual_multiplier != 1.0 else y
 
 
 class Transformer(nn.Module):

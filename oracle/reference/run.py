@@ -135,7 +135,21 @@ def call_router(router, x):
     """An HF router on tokens x [N, H], alone (a probe): with its block's correction bias where the
     block passes it (Family.hf_router_bias)."""
     holder, name = BIAS_HOLDERS.get(router, (None, None))
-    return router(x) if holder is None else router(x, getattr(holder, name))
+    if holder is None:
+        return router(x)
+    # the block passes its hidden states [B, T, H] with the bias (AFMoE's router reads three dims)
+    return router(x.reshape(1, -1, x.shape[-1]), getattr(holder, name))
+
+
+def router_weight(router):
+    """The HF router's logits weight [E, H]: its own, or its linear layer's where it wraps one (HunYuan's
+    gate.wg, AFMoE's router.gate)."""
+    from torch import nn
+
+    w = getattr(router, "weight", None)
+    if w is not None:
+        return w
+    return next(m.weight for m in router.modules() if isinstance(m, nn.Linear))
 
 
 def selection_scores(router, logits, args):
@@ -260,7 +274,7 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
             ref.outputs[key] = [o.numpy() for o in outs]
     for (layer, kind), router in modules.items():
         if kind == "router":
-            add_probes(ref, layer, int(router.weight.shape[0]), *probes[layer])
+            add_probes(ref, layer, int(router_weight(router).shape[0]), *probes[layer])
     return ref
 
 
@@ -283,18 +297,19 @@ def expert_probes(router, moe, args, reader=None) -> tuple[list, list]:
 
     probes, unprobed = [], []
     with torch.no_grad(), materialized(moe), materialized(router):
-        w = router.weight.detach().float().clone()
+        rw = router_weight(router)
+        w = rw.detach().float().clone()
         pinv = None
         for e in range(w.shape[0]):
             x = (w[e] / w[e].pow(2).mean().sqrt()).reshape(1, 1, -1)
-            out = call_router(router, x.reshape(1, -1).to(router.weight.dtype))
+            out = call_router(router, x.reshape(1, -1).to(rw.dtype))
             if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
                 if pinv is None:
                     pinv = torch.linalg.pinv(w.double())  # [H, E]
                 z = torch.full((w.shape[0],), -8.0, dtype=torch.float64)
                 z[e] = 8.0
                 x = (pinv @ z).float().reshape(1, 1, -1)
-                out = call_router(router, x.reshape(1, -1).to(router.weight.dtype))
+                out = call_router(router, x.reshape(1, -1).to(rw.dtype))
                 if e not in normalize_output("router", out, router_output=reader)[1].reshape(-1).tolist():
                     unprobed.append(e)
                     continue
