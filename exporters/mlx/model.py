@@ -134,7 +134,7 @@ def _route_minimax(moe, x):  # minimax_m2: fp32 gate logits, sigmoid, top-k of +
     return (scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)).astype(x.dtype), inds
 
 
-def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
+def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe(_lite), dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
 
@@ -142,7 +142,7 @@ def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module retur
 ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
-         "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
+         "Dots1MoE": _route_gate, "Glm4MoeLiteMoE": _route_gate, "GraniteMoeMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
          "MiniMaxSparseMoeBlock": _route_minimax}
