@@ -134,6 +134,8 @@ def _merged(cfg: dict, config: dict) -> dict:
 @pytest.mark.parametrize("family,config,cause", [
     # the converter reads the gating function from scoring_func, which transformers does not keep
     ("deepseek_v3", {"scoring_func": "sigmoid"}, "scoring_func"),
+    # ... and (converted as DeepSeek-V2) the dense layers from first_k_dense_replace, which it does not keep either
+    ("glm4_moe_lite", {"first_k_dense_replace": 1, "scoring_func": "sigmoid"}, "first_k_dense_replace"),
     # llama.cpp hard-codes Llama 4's chunk size and floor scale to the published 8192
     ("llama4", {"attention_chunk_size": 8192, "floor_scale": 8192}, "attention_chunk_size"),
     # the converter rotates GLM-4.5's default half of each head where the config names no partial_rotary_factor

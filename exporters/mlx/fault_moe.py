@@ -94,8 +94,11 @@ def one_expert_fewer(layer, a):
     r.weight = r.weight[:-1]
     if "bias" in r:
         r.bias = r.bias[:-1]
-    if "e_score_correction_bias" in moe:  # a block that routes inline with its own bias (MiniMax-M2): it sees
-        moe.e_score_correction_bias = moe.e_score_correction_bias[:-1]  # one fewer too (as the torch form)
+    # a block that routes inline with its own bias (MiniMax-M2), or a gate that holds one beside its weight
+    # (the DeepSeek-style MoEGate, ungrouped: glm4_moe_lite): it sees one fewer too (as the torch form)
+    for holder in (moe,) if r is moe else (moe, r):
+        if "e_score_correction_bias" in holder:
+            holder.e_score_correction_bias = holder.e_score_correction_bias[:-1]
 
 
 def sigmoid(layer, a):

@@ -149,7 +149,7 @@ def _route_afmoe(moe, x):  # afmoe: sigmoid (or softmax) of fp32 logits, top-k o
     return s * moe.route_scale, inds
 
 
-def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe, dots1: a gate module returns (indices, weights)
+def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe(_lite), dots1: a gate module returns (indices, weights)
     inds, scores = moe.gate(x)
     return scores, inds
 
@@ -158,7 +158,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
          "MellumSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
-         "Dots1MoE": _route_gate, "GraniteMoeMoE": _route_router,
+         "Dots1MoE": _route_gate, "Glm4MoeLiteMoE": _route_gate, "GraniteMoeMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
          "mlx_lm.models.exaone_moe.MoE": _route_gate,
