@@ -61,6 +61,9 @@ NO_MLX_LM = tuple(f for f in FAMILY_NAMES if f not in MLX_FAMILIES)
 # mlx-lm models with a known defect for the tiny checkpoint (goldens/known_divergences.toml): they
 # run, fail where the entry says, and are expected failures
 EXPECTED_FAILURES = {"ernie4_5_moe": "drops the router's e_score_correction_bias"}
+# ... and those whose known divergence is in what the checkpoint's config gives mlx-lm: (its cause, the mlx-lm
+# field that, given HF's value, makes every row pass)
+WINDOW_FAILURES = {"mimo_v2_flash": ("sliding_window_size", "sliding_window_size")}
 # ... and those whose known divergence bites on some tokens, the tiny checkpoint's among them (seed 0)
 ON_SOME_TOKENS = {"solar_open": "group_expert_select"}
 # ... and those that choose HF's experts with other weights
@@ -71,7 +74,7 @@ LOW_RANK_NORM_EPS = ("glm4_moe_lite",)
 
 @pytest.mark.parametrize("new_family", [f for f in OTHERS if f in MLX_FAMILIES and f not in EXPECTED_FAILURES
                                         and f not in ON_SOME_TOKENS and f not in OTHER_WEIGHTS
-                                        and f not in LOW_RANK_NORM_EPS])
+                                        and f not in LOW_RANK_NORM_EPS and f not in WINDOW_FAILURES])
 def test_other_families_pass_fp32(new_family):
     """mlx-lm's own model of each other family against HF: every block and e2e."""
     r = run_check(CheckSpec(family=new_family, backend="mlx"))
@@ -101,6 +104,33 @@ def test_mlx_lm_models_that_compute_another_model_are_expected_failures(family_n
     assert r.expected["verdict"].startswith("expected failure: ") and EXPECTED_FAILURES[family_name] in r.expected["cause"]
     out = cli("check", "--family", family_name, "--backend", "mlx", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0 and "**xfail**" in out.stdout and "expected failure" in out.stdout
+
+
+@pytest.mark.parametrize("family_name", WINDOW_FAILURES)
+def test_mlx_lm_window_of_the_release_field_is_its_expected_failure(family_name, monkeypatch):
+    """MiMo-V2-Flash: mlx-lm's window is the release's sliding_window_size, HF's that + 1: the sliding layers'
+    rows fail and the verdict is the known divergence's; given HF's window, mlx-lm passes every row."""
+    from dataclasses import replace
+
+    import models.mimo_v2_flash as family_module
+
+    cause, field = WINDOW_FAILURES[family_name]
+    r = run_check(CheckSpec(family=family_name, backend="mlx"))
+    assert r.status == "xfail", (r.status, r.error, r.worst)
+    assert cause in r.expected["cause"]
+    assert {row.kind for row in r.blocks if row.status != "pass"} <= {"attention", "layer"}
+    mlx = family_module.FAMILY.mlx
+    fixed = replace(mlx, config={**mlx.config, field: lambda c: c.sliding_window})
+    import models
+
+    digest = models.code_digest()  # the converted mlx-lm config is cached by the code's digest: another code here
+    monkeypatch.setattr(models, "code_digest", lambda: digest + "-window-of-hf")
+    object.__setattr__(family_module.FAMILY, "mlx", fixed)
+    try:
+        r = run_check(CheckSpec(family=family_name, backend="mlx"))
+    finally:
+        object.__setattr__(family_module.FAMILY, "mlx", mlx)
+    assert r.status == "pass", (r.error, r.worst)
 
 
 @pytest.mark.parametrize("family_name", ON_SOME_TOKENS)

@@ -34,7 +34,8 @@ def router_module(moe):
 def router_linear(moe):
     """The linear layer (or the gate's own weight holder) that gives the router logits."""
     r = moe["gate"] if "gate" in moe else moe["router"]
-    return r["layer"] if "layer" in r else r  # Granite's gating wraps an nn.Linear
+    # Granite's gating wraps an nn.Linear as `layer`, Laguna's MoEGate as `proj`
+    return r["layer"] if "layer" in r else r["proj"] if "proj" in r else r
 
 
 def router_logits(moe, x):
@@ -154,6 +155,11 @@ def _route_gate(moe, x):  # deepseek_v2/v3, glm4_moe(_lite), dots1: a gate modul
     return scores, inds
 
 
+def _route_gate_scaled(moe, x):  # laguna: a gate module returns (indices, weights); the block scales the routed sum
+    inds, scores = moe.gate(x)
+    return scores * moe.routed_scaling_factor, inds
+
+
 ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_qwen2_moe,
          "Qwen3MoeSparseMoeBlock": _route_qwen3, "Qwen3NextSparseMoeBlock": _route_qwen3,
          "MellumSparseMoeBlock": _route_qwen3,
@@ -163,6 +169,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
          "mlx_lm.models.exaone_moe.MoE": _route_gate,
          "MiniMaxSparseMoeBlock": _route_minimax, "mlx_lm.models.mimo_v2_flash.MoE": _route_gate,
+         "mlx_lm.models.laguna.MoE": _route_gate_scaled,
          "mlx_lm.models.hunyuan.MoeBlock": _route_qwen2_moe, "AfmoeMoE": _route_afmoe}  # (hunyuan: softmax top-k, never renormalised)
 
 
