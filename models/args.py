@@ -291,6 +291,9 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True
     mlp_bias: bool = False  # biases on the dense and shared-expert MLPs (ERNIE 4.5's use_bias)
+    # an RMSNorm on the MoE block's output (routed + shared experts), before the residual add: the sparse
+    # layers' mlp.post_mlp_layernorm (A.X-K1)
+    moe_output_norm: bool = False
     lm_head_bias: bool = False
     attention: AttentionArgs = AttentionArgs()
     linear_attention: LinearAttentionArgs | None = None  # the LINEAR layers'

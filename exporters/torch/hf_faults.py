@@ -145,6 +145,7 @@ FORMS = {
     "swiglu_clamp_missing": attribute(("limit",), lambda v, a: float("inf")),
     "shared_expert_missing": output(lambda out, x: torch.zeros_like(out), ("shared_expert", "shared_experts")),
     "stray_bf16_downcast": output(lambda out, x: out.to(torch.bfloat16).to(out.dtype)),
+    "moe_output_norm_missing": output(lambda out, x: x, ("post_mlp_layernorm",)),
     # attention
     "qk_norm_missing": output(lambda out, x: x, ("q_norm", "k_norm", "qk_norm")),
     "attention_scale_wrong": attribute(("scaling",), lambda v, a: 1.0 / a.head_dim),
@@ -168,7 +169,7 @@ NOT_APPLICABLE = {
                      "rope_interleaved", "qk_norm_per_head_for_flat", "qk_norm_flat_for_per_head",
                      "gqa_kv_heads_tiled", "attention_gate_no_sigmoid", "mla_rope_nope_swapped",
                      "yarn_mscale_missing", "gdn_chunked_prefill_differs", "layernorm_as_rmsnorm",
-                     "norm_offset_missing", "residual_missing"), _CODE),
+                     "norm_offset_missing", "residual_missing", "moe_output_norm_before_shared"), _CODE),
     **dict.fromkeys(("rope_theta_wrong", "rotary_fraction_wrong", "rope_on_nope_layer"),
                     f"{_MODEL}: the rotary embedding (the model's rotary_emb, one for every layer)"),
     **dict.fromkeys(("kv_cache_write_off_by_one", "mla_cache_not_carried", "gdn_state_not_carried",

@@ -10,8 +10,9 @@ from models.faults.attention import (attention_multiplier_missing, gqa_repeat_wr
                                      qk_norm_per_head_for_flat, rope_interleaved, rope_on_nope_layer, rope_theta_wrong,
                                      rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one)
 from models.faults.experts import (clamp_missing, dense_layer_routed, expert_index_off_by_one, gate_up_swapped,
-                                   has_shared, interleave_sparse, moe_layer_as_dense, moe_output_upcast, one_expert_off,
-                                   shared_gate_no_sigmoid, shared_missing, stray_bf16, weights_not_applied)
+                                   has_shared, interleave_sparse, moe_layer_as_dense, moe_output_norm_before_shared,
+                                   moe_output_norm_missing, moe_output_upcast, one_expert_off, shared_gate_no_sigmoid,
+                                   shared_missing, stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
 from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
@@ -130,6 +131,11 @@ VARIANTS: tuple[Fault, ...] = (
     Fault("logits_scaling_missing", "logits", "model", "logits not divided by logits_scaling",
           logits_scaling_missing, lambda a: a.multipliers.logits_scaling != 1.0),
     Fault("rope_on_nope_layer", "attention", "nope", "rope applied on a no-rope layer", rope_on_nope_layer),
+    Fault("moe_output_norm_missing", "moe", "last", "the MoE block's output norm left out", moe_output_norm_missing,
+          lambda a: a.moe_output_norm),
+    Fault("moe_output_norm_before_shared", "moe", "last",
+          "the MoE block's output norm applied to the routed experts alone, before the shared experts are added",
+          moe_output_norm_before_shared, lambda a: a.moe_output_norm and has_shared(a)),
 )
 
 
@@ -170,6 +176,8 @@ POINTS: dict[str, str | tuple | None] = {
     # shared_experts); where the module is gone from the candidate, the block's output
     "shared_expert_missing": ("shared_expert.gate_proj", "shared_experts.gate_proj", "output"),
     "moe_output_upcast": None, "dense_layer_routed": "output",
+    # the norm's own output (its input without the shared experts, or not normalised at all)
+    "moe_output_norm_missing": "post_mlp_layernorm", "moe_output_norm_before_shared": "post_mlp_layernorm",
     # attention
     # (MLA's rotation has no tap: the attention's context there)
     "rope_theta_wrong": ("q_rope", "context"), "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
