@@ -341,6 +341,9 @@ class ModelArgs:
     parallel_block: bool = False
     moe_bias: bool = False  # a bias added to the MoE block's output (JetMoE)
     mlp_bias: bool = False  # biases on the dense and shared-expert MLPs (ERNIE 4.5's use_bias)
+    # an RMSNorm on the MoE block's output (routed + shared experts), before the residual add: the sparse
+    # layers' mlp.post_mlp_layernorm (A.X-K1)
+    moe_output_norm: bool = False
     lm_head_bias: bool = False
     attention: AttentionArgs = AttentionArgs()
     linear_attention: LinearAttentionArgs | None = None  # the LINEAR layers'

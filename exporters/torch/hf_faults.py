@@ -148,6 +148,7 @@ FORMS = {
     "moe_bias_missing": tensor(("bias",), lambda t: t.zero_()),
     "shared_expert_missing": output(lambda out, x: torch.zeros_like(out), ("shared_expert", "shared_experts")),
     "stray_bf16_downcast": output(lambda out, x: out.to(torch.bfloat16).to(out.dtype)),
+    "moe_output_norm_missing": output(lambda out, x: x, ("post_mlp_layernorm",)),
     # attention
     "qk_norm_missing": output(lambda out, x: x, ("q_norm", "k_norm", "qk_norm")),
     "post_norm_missing": output(lambda out, x: x, ("post_attention_layernorm",)),
@@ -177,7 +178,8 @@ NOT_APPLICABLE = {
                      "gqa_kv_heads_tiled", "attention_gate_no_sigmoid", "mla_rope_nope_swapped",
                      "yarn_mscale_missing", "gdn_chunked_prefill_differs", "layernorm_as_rmsnorm",
                      "norm_offset_missing", "residual_missing", "moa_kv_heads_interleaved", "kv_groups_of_the_model",
-                     "attention_gate_sigmoid_for_softplus", "post_norm_misplaced", "qk_norm_before_rope"), _CODE),
+                     "attention_gate_sigmoid_for_softplus", "post_norm_misplaced", "qk_norm_before_rope",
+                     "moe_output_norm_before_shared"), _CODE),
     **dict.fromkeys(("rope_theta_wrong", "rotary_fraction_wrong", "rope_on_nope_layer",
                      "rope_of_the_model_on_own_layer"),
                     f"{_MODEL}: the rotary embedding (the model's rotary_emb, one for every layer)"),

@@ -12,9 +12,10 @@ from models.faults.attention import (attention_multiplier_missing, clip_qkv_miss
                                      qk_norm_per_head_for_flat, rope_interleaved, rope_on_nope_layer, rope_theta_wrong,
                                      rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one)
 from models.faults.experts import (clamp_missing, dense_layer_routed, expert_index_off_by_one, gate_up_swapped,
-                                   has_shared, has_shared_beside, interleave_sparse, moe_bias_missing, moe_layer_as_dense, moe_output_upcast, one_expert_off,
-                                   shared_beside_missing, shared_gate_no_sigmoid, shared_missing, shared_summed,
-                                   stray_bf16, weights_not_applied)
+                                   has_shared, has_shared_beside, interleave_sparse, moe_bias_missing, moe_layer_as_dense,
+                                   moe_output_norm_before_shared, moe_output_norm_missing, moe_output_upcast,
+                                   one_expert_off, shared_beside_missing, shared_gate_no_sigmoid, shared_missing,
+                                   shared_summed, stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
 from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
@@ -167,6 +168,11 @@ VARIANTS: tuple[Fault, ...] = (
           "input: post; on the residual sum: sandwich)", post_norm_misplaced, lambda a: a.norm.placement != "pre"),
     Fault("post_norm_missing", "layer", "last", "the attention's post-norm left out", post_norm_missing,
           lambda a: a.norm.placement != "pre"),
+    Fault("moe_output_norm_missing", "moe", "last", "the MoE block's output norm left out", moe_output_norm_missing,
+          lambda a: a.moe_output_norm),
+    Fault("moe_output_norm_before_shared", "moe", "last",
+          "the MoE block's output norm applied to the routed experts alone, before the shared experts are added",
+          moe_output_norm_before_shared, lambda a: a.moe_output_norm and has_shared(a)),
 )
 
 
@@ -207,6 +213,8 @@ POINTS: dict[str, str | tuple | None] = {
     # shared_experts); where the module is gone from the candidate, the block's output
     "shared_expert_missing": ("shared_expert.gate_proj", "shared_experts.gate_proj", "output"),
     "moe_output_upcast": None, "dense_layer_routed": "output",
+    # the norm's own output (its input without the shared experts, or not normalised at all)
+    "moe_output_norm_missing": "post_mlp_layernorm", "moe_output_norm_before_shared": "post_mlp_layernorm",
     # attention
     # (MLA's rotation has no tap: the attention's context there)
     "rope_theta_wrong": ("q_rope", "context"), "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",

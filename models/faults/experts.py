@@ -114,3 +114,24 @@ def moe_layer_as_dense(layer, a):
 def interleave_sparse(a):
     return SPARSE in a.mlp_types and DENSE in a.mlp_types and a.shared_expert_intermediate_size > 0 \
         and not a.shared_expert_gated
+
+
+def moe_output_norm_missing(layer, a):
+    """The MoE block's output norm (A.X-K1's post_mlp_layernorm) left out: the block returns routed + shared
+    un-normalised."""
+    norm = layer.mlp.post_mlp_layernorm
+    patch(norm, "forward", lambda x: x)
+
+
+def moe_output_norm_before_shared(layer, a):
+    """The MoE block's output norm misplaced: applied to the routed experts' sum alone, the shared experts
+    added after it (HF normalises their sum)."""
+    moe = layer.mlp
+
+    def forward(x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, idx = moe.gate(x)
+        return (moe.post_mlp_layernorm(moe.experts(x, idx, w)) + moe.shared(x)).view(shape)
+
+    patch(moe, "forward", forward)

@@ -8,6 +8,7 @@ from torch import nn
 
 from models.args import ModelArgs
 from models.layers.experts import Experts
+from models.layers.norms import norm
 from models.layers.router import Router
 
 
@@ -38,6 +39,8 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
         elif a.shared_expert_intermediate_size:  # always on, no gate (DeepSeek)
             self.shared_experts = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
+        if a.moe_output_norm:  # the block's output normalised (A.X-K1)
+            self.post_mlp_layernorm = norm(a, a.hidden_size)
 
     def forward(self, x):  # [B, T, H]
         shape = x.shape
@@ -50,6 +53,8 @@ class SparseMoE(nn.Module):
                 y = y / 2
         if hasattr(self, "bias"):
             y = y + self.bias
+        if hasattr(self, "post_mlp_layernorm"):
+            y = self.post_mlp_layernorm(y)
         return y.view(shape)
 
     def shared(self, x):
