@@ -124,9 +124,10 @@ class Graph:
         p = self.named.get(name)
         return None if p is None else self.values.get(p)
 
-    def branch(self, p, stream) -> np.ndarray | None:
+    def branch(self, p, stream, post_normed: bool = False) -> np.ndarray | None:
         """The operand of the ADD `p` (a pointer) that is not `stream`: the block's output added to
-        the residual stream, read before a SCALE on it (a residual multiplier)."""
+        the residual stream, read before a SCALE on it (a residual multiplier); `post_normed`: before the
+        norm on it too (a post-norm: a MUL of an RMS_NORM/NORM, whose input is the block's output)."""
         if p is None or self.nodes[p][1] != "ADD":
             return None
         other = [q for q in self.nodes[p][2] if self.through(q) != self.through(stream)]
@@ -135,6 +136,10 @@ class Graph:
         q = other[0]
         while q in self.nodes and self.nodes[q][1] == "SCALE":  # the block's output is what is scaled
             q = self.nodes[q][2][0]
+        if post_normed and q in self.nodes and self.nodes[q][1] == "MUL" and self.nodes[q][2]:
+            n = self.nodes[q][2][0]
+            if n in self.nodes and self.nodes[n][1] in ("RMS_NORM", "NORM") and self.nodes[n][2]:
+                q = self.through(self.nodes[n][2][0])
         return self.values.get(q)
 
     def add_onto(self, stream, after):
@@ -260,7 +265,7 @@ class Runner:
         finally:
             self.graph = Graph(record=False)
 
-    def blocks(self, tokens, pos, patch=None) -> dict:
+    def blocks(self, tokens, pos, patch=None, post_normed: bool = False) -> dict:
         """(layer, kind) -> output of one recorded call: a layer, its attention and its experts (or
         MLP, "ffn"), their own inputs ("input:attention", "input:ffn"), its router; the final norm
         and the logits."""
@@ -272,8 +277,8 @@ class Runner:
         for L in range(self.n_layer):
             n = g.layer(L)
             for key, v in (((L, "layer"), g.values.get(n["out"])),
-                           ((L, "attention"), g.branch(n["mid"], n["stream"])),
-                           ((L, "ffn"), g.branch(n["out"], n["mid"])),
+                           ((L, "attention"), g.branch(n["mid"], n["stream"], post_normed)),
+                           ((L, "ffn"), g.branch(n["out"], n["mid"], post_normed)),
                            ((L, "input:attention"), g.values.get(n["attn_in"])),
                            ((L, "input:ffn"), g.values.get(n["ffn_in"])),
                            ((L, "router"), router_of(g, L))):
