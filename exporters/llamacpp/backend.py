@@ -192,6 +192,7 @@ class LlamaCppBackend(Backend):
         n_ctx = max(src.args.max_seq_len, 2 * (src.args.num_experts or 1), 32)
         try:
             cand = LlamaCppCandidate(Path(art.path), n_ctx, kv, info, flash_attn=fa, repack=repack)
+            cand.post_normed = src.args.norm.placement != "pre"  # the blocks' outputs read before their post-norms
         except RuntimeError as e:  # llama.cpp cannot load or run what its own converter wrote (or the given
             # GGUF, checked against that conversion): a defect of the candidate, the check's error with its reason
             made = "the given GGUF" if spec.artifact is not None else "the GGUF llama.cpp's converter wrote"

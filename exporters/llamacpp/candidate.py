@@ -38,6 +38,8 @@ class LlamaCppCandidate(Candidate):
         # the graph's tensor a MoE block's row reads: the FFN branch ("ffn"), or the routed experts' sum alone
         # ("experts": where a shared MLP sits beside the MoE block, ModelArgs.shared_expert_beside)
         self.moe_tensor = "ffn"
+        # post or sandwich norms (models.args.NormArgs.placement): a block's output is what its post-norm normalises
+        self.post_normed = False
 
     def _reply(self):
         import pickle
@@ -98,7 +100,8 @@ class LlamaCppCandidate(Candidate):
         if self._seq[0] != key:
             if calls and int(calls[0].pos[0]) != 0:
                 raise ValueError("the block calls must start a sequence at position 0")
-            self._seq = (key, [self._call("blocks", list(c.tokens), c.pos.tolist()) for c in calls])
+            self._seq = (key, [self._call("blocks", list(c.tokens), c.pos.tolist(), None, self.post_normed)
+                                for c in calls])
         return self._seq[1]
 
     def block_input(self, layer, kind, calls):

@@ -124,10 +124,11 @@ class Graph:
         p = self.named.get(name)
         return None if p is None else self.values.get(p)
 
-    def branch(self, p, stream, before_scale: bool = True) -> np.ndarray | None:
+    def branch(self, p, stream, before_scale: bool = True, post_normed: bool = False) -> np.ndarray | None:
         """The operand of the ADD `p` (a pointer) that is not `stream`: the block's output added to
         the residual stream, read before a SCALE on it (a residual multiplier; `before_scale` False: the
-        SCALE is the block's own, Cohere2-MoE's average of its routed and shared experts)."""
+        SCALE is the block's own, Cohere2-MoE's average of its routed and shared experts); `post_normed`:
+        before the norm on it too (a post-norm: a MUL of an RMS_NORM/NORM, whose input is the block's output)."""
         if p is None or self.nodes[p][1] != "ADD":
             return None
         other = [q for q in self.nodes[p][2] if self.through(q) != self.through(stream)]
@@ -136,6 +137,10 @@ class Graph:
         q = other[0]
         while before_scale and q in self.nodes and self.nodes[q][1] == "SCALE":  # the block's output is what is scaled
             q = self.nodes[q][2][0]
+        if post_normed and q in self.nodes and self.nodes[q][1] == "MUL" and self.nodes[q][2]:
+            n = self.nodes[q][2][0]
+            if n in self.nodes and self.nodes[n][1] in ("RMS_NORM", "NORM") and self.nodes[n][2]:
+                q = self.through(self.nodes[n][2][0])
         return self.values.get(q)
 
     def add_onto(self, stream, after):
@@ -266,7 +271,7 @@ class Runner:
         finally:
             self.graph = Graph(record=False)
 
-    def blocks(self, tokens, pos, patch=None) -> dict:
+    def blocks(self, tokens, pos, patch=None, post_normed: bool = False) -> dict:
         """(layer, kind) -> output of one recorded call: a layer, its attention and its experts (or
         MLP, "ffn"), their own inputs ("input:attention", "input:ffn"), its router; the final norm
         and the logits."""
@@ -281,7 +286,8 @@ class Runner:
                 attention = g.branch(n["out"], n["mid"])
                 ffn = g.branch(n["mid"], n["stream"], before_scale=False)
             else:
-                attention, ffn = g.branch(n["mid"], n["stream"]), g.branch(n["out"], n["mid"])
+                attention = g.branch(n["mid"], n["stream"], post_normed=post_normed)
+                ffn = g.branch(n["out"], n["mid"], post_normed=post_normed)
             for key, v in (((L, "layer"), g.values.get(n["out"])),
                            ((L, "attention"), attention),
                            ((L, "ffn"), ffn),
