@@ -149,6 +149,11 @@ def _merged(cfg: dict, config: dict) -> dict:
     ("mellum", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}},
      "rope_freq_base_swa"),
+    # llama.cpp's laguna has no router softcap and assumes the release's full-every-4th layer pattern
+    ("laguna", {"moe_router_logit_softcapping": 0.0,
+                "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}, "softcap"),
+    # llama.cpp's granite_swa reads no layer_rope_theta: one rope base for every layer
+    ("granitemoe_swa", {"layer_rope_theta": [10000.0, 10000.0, 10000.0]}, "layer_rope_theta"),
 ])
 def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, cause):
     """The tiny checkpoint fails where its entry says (xfail); with the cause removed from config.json
