@@ -163,8 +163,8 @@ def mask_positions(self, pos):
 def attend(self, q, kc, vc, pos):  # pos: what `mask_positions` returned
     B, _, T, _ = q.shape
     start = start_of(pos, kc.shape[2])
-    y = torch.ops.mlx.custom_sdpa(q, kc, vc, start, None, 0.0, True, self.scale)  # [B, nh, T, hd]
-    return y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+    y = torch.ops.mlx.custom_sdpa(q, kc, vc, start, None, 0.0, True, self.scale)  # [B, nh, T, vd]
+    return y.transpose(1, 2).reshape(B, T, self.nh * vc.shape[-1])  # (the values' width: MiMo-V2-Flash's v_head_dim)
 
 
 def transform_attention(attn: Attention, theta: float) -> None:
