@@ -239,6 +239,13 @@ def release_held() -> None:
         HELD.pop().release()
 
 
+def _top_k(config, layer: int) -> int:
+    """The experts each token of decoder layer `layer` chooses: num_experts_per_tok, one per layer where the
+    config gives a list (HunYuan's moe_topk); 0: not known."""
+    k = getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0
+    return int(k[layer] if isinstance(k, (list, tuple)) else k)
+
+
 def routed_experts(layer):
     """The layer's HF experts module that is given the routing (forward(hidden_states, top_k_index, ...)),
     or None (an experts module that routes by itself, or none)."""
@@ -402,7 +409,7 @@ def load_streamed(family, model_dir: Path, dtype=None):
             prefix = names_of[id(layer)] + "."
             stream = LayerStream(model, layer, prefix, names, index, load,
                                  {n[len(prefix):]: d for n, d in targets.items() if n.startswith(prefix)},
-                                 getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0)
+                                 _top_k(config, int(m.group(1))))
             part = stream.check()
             streams.append(stream)
         else:  # the embedding, final norm, head: resident
