@@ -60,7 +60,7 @@ STREAM_WHOLE_OPEN = {"ernie4_5_vl_moe": "decode steps read the layer whole: the 
 
 @pytest.mark.parametrize("family,config", [
     pytest.param(f, c, marks=pytest.mark.xfail(reason=STREAM_WHOLE_OPEN[f], strict=True)) if f in STREAM_WHOLE_OPEN
-    else (f, c) for f, c in TINY + REAL])
+    else (f, c) for f, c in TINY] + REAL)
 def test_streamed_reference_is_bitwise_the_whole_one(family, config, monkeypatch):
     """Decoder layers read from the checkpoint's shards for each forward by HF's own loading step
     (load_streamed; the expert probes read the router inside one) capture exactly what the in-memory
