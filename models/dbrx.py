@@ -80,6 +80,24 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return tie_embeddings(out, args)
 
 
+def profile_view(sd: dict, cfg: dict) -> dict:
+    """The trained profile's names for HF's DBRX tensors (Family.hf_profile_view): the RENAMES under model.,
+    Wqkv as views of its q, k and v rows; the router and experts keep their names (Family.hf_router reads them)."""
+    hd, kv = cfg["d_model"] // cfg["n_heads"], cfg["attn_config"]["kv_n_heads"] * (cfg["d_model"] // cfg["n_heads"])
+    out = {}
+    for k, t in sd.items():
+        for pattern, new in RENAMES[:-1]:  # (not the router's)
+            k = re.sub(pattern, new, k)
+        k = k if k.startswith("lm_head.") else "model." + k
+        if k.endswith(".self_attn.Wqkv.weight"):
+            base = k[: -len("Wqkv.weight")]
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), t.split([cfg["n_heads"] * hd, kv, kv], dim=0)):
+                out[f"{base}{name}.weight"] = part
+        else:
+            out[k] = t
+    return out
+
+
 def router_output(logits, args: ModelArgs):
     """HF's router's logits [N, E] -> (logits, weights, indices) as DbrxFFN.route_tokens_to_experts
     computes them: softmax, top-k, the weights over their p-norm."""
@@ -110,7 +128,7 @@ FAMILY = Family(
     name="dbrx", model_types=("dbrx",), hf_module="dbrx", hf_class_name="DbrxForCausalLM",
     hf_config_name="DbrxConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_attention=("norm_attn_norm.attn",), hf_moe="ffn", hf_router="ffn.router.layer", hf_mlp="ffn",
-    router_output=router_output, router_input=router_input,
+    router_output=router_output, router_input=router_input, hf_profile_view=profile_view,
     # (mlx-lm 0.32.2's dbrx model is not mapped: see the family's row in README.md)
     experts="ffn_config.moe_num_experts", top_k="ffn_config.moe_top_k",
     rules=(("positive", "d_model", "n_heads", "n_layers", "ffn_config.ffn_hidden_size", "attn_config.kv_n_heads",

@@ -65,6 +65,10 @@ class Family:
     # the MoE text tower of a multimodal release (models.text_tower.TextTower): the reference is HF's text
     # model class `hf_class_name` with the release's head, as a CausalLM under the release's names
     text_tower: object = None
+    # (HF state dict, config.json dict) -> the same tensors, or views of them, under the names the trained weight
+    # profile reads (oracle/source/trained.py: HF's shared names, model.layers.N.self_attn.q_proj, ...) for a
+    # family whose modules are named otherwise (DBRX's blocks and fused Wqkv); None: those names already
+    hf_profile_view: Callable = None
 
     def __post_init__(self):
         if self.from_mlx is None:

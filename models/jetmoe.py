@@ -76,11 +76,33 @@ def router_input(logits, weights, idx, args: ModelArgs):
     return torch.full_like(logits, float("-inf")).scatter(1, idx.reshape(-1, idx.shape[-1]), torch.log(w))
 
 
+# the trained profile's names for HF's JetMoE attention (Family.hf_profile_view): the attention experts' query and
+# output projections and the output bias stand for q_proj, o_proj (its [E, H, hidden] with H first) and o_proj's
+# bias; k is the first half of kv_proj's rows
+PROFILE_NAMES = {"self_attention.experts.input_linear.weight": "self_attn.q_proj.weight",
+                 "self_attention.experts.output_linear.weight": "self_attn.o_proj.weight",
+                 "self_attention.experts.bias": "self_attn.o_proj.bias"}
+
+
+def profile_view(sd: dict, cfg: dict) -> dict:
+    out = {}
+    for k, t in sd.items():
+        rel = next((r for r in PROFILE_NAMES if k.endswith("." + r)), None)
+        if rel is not None:
+            out[k[: -len(rel)] + PROFILE_NAMES[rel]] = t.transpose(0, 1) if rel.endswith("output_linear.weight") else t
+        elif k.endswith(".self_attention.kv_proj.weight"):
+            base = k[: -len("self_attention.kv_proj.weight")]
+            out[base + "self_attn.k_proj.weight"], out[base + "self_attn.v_proj.weight"] = t.chunk(2, dim=0)
+        else:
+            out[k] = t
+    return out
+
+
 FAMILY = Family(
     name="jetmoe", model_types=("jetmoe",), hf_module="jetmoe", hf_class_name="JetMoeForCausalLM",
     hf_config_name="JetMoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_attention=("self_attention",), hf_router="mlp.router.layer", router_output=router_output,
-    router_input=router_input,
+    router_input=router_input, hf_profile_view=profile_view,
     # (neither mlx-lm 0.32.2 nor llama.cpp's converter has JetMoE)
     experts="num_local_experts",
     rules=(("positive", "kv_channels", "intermediate_size"),),

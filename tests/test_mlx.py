@@ -130,7 +130,9 @@ def test_mlx_lm_window_of_the_release_field_is_its_expected_failure(family_name,
         r = run_check(CheckSpec(family=family_name, backend="mlx"))
     finally:
         object.__setattr__(family_module.FAMILY, "mlx", mlx)
-    assert r.status == "pass", (r.error, r.worst)
+    # every row passes; the known divergence (still on the family) then says it did not happen: stale
+    assert r.error is None and all(row.status == "pass" for row in r.blocks) and r.e2e.status == "pass", r.worst
+    assert r.expected["verdict"].startswith("stale") and r.status == "fail"
 
 
 @pytest.mark.parametrize("family_name", ON_SOME_TOKENS)
@@ -313,10 +315,11 @@ def test_router_mirror_is_what_the_block_applies(mlx, any_family):
                 return eye * (h / x)[..., None, :1] if on_input else eye  # on input: its weight
 
             name = "switch_mlp" if "switch_mlp" in moe else "experts"
-            saved = {k: moe[k] for k in (name, "shared_expert", "shared_experts") if moe.get(k) is not None}
+            shared = ("shared_expert", "shared_experts", "shared_mlp")  # (HunYuan's: shared_mlp)
+            saved = {k: moe[k] for k in (name, *shared) if moe.get(k) is not None}
             assert saved[name] is experts_of(moe)
             moe[name] = experts
-            for k in ("shared_expert", "shared_experts"):
+            for k in shared:
                 if k in saved:
                     moe[k] = mx.zeros_like
             try:

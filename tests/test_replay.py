@@ -47,6 +47,8 @@ def test_forced_selection_in_hf_is_the_production_models(family):
         w, idx = plain(x)
         logits = torch.nn.functional.linear(x.float(), moe.gate.weight.float(),
                                             getattr(moe.gate, "bias", None))
+        if a.router.logit_softcap:  # the capped logits the router's forward routes by (Laguna's)
+            logits = torch.tanh(logits / a.router.logit_softcap) * a.router.logit_softcap
         forced_idx = torch.as_tensor(want[_n[0]])
         _n[0] += 1
         return routing.topk_weights(routing.scores(logits, a), forced_idx, a).to(w.dtype), forced_idx

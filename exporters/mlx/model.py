@@ -34,8 +34,14 @@ def router_module(moe):
 def router_linear(moe):
     """The linear layer (or the gate's own weight holder) that gives the router logits."""
     r = moe["gate"] if "gate" in moe else moe["router"]
-    # Granite's gating wraps an nn.Linear as `layer`, Laguna's MoEGate as `proj`
-    return r["layer"] if "layer" in r else r["proj"] if "proj" in r else r
+    # a router module wrapping its linear: Granite's gating as `layer`, Laguna's MoEGate as `proj`,
+    # AFMoE's MoERouter as `gate`, HunYuan's Gate as `wg` (a routing gate holding a bare weight is itself)
+    while "weight" not in r:
+        inner = [name for name in ("layer", "proj", "gate", "wg") if name in r]
+        if not inner:
+            break
+        r = r[inner[0]]
+    return r
 
 
 def router_logits(moe, x):

@@ -75,7 +75,7 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
         **({"tiny_std": family.tiny_std} if family.tiny_std else {}),
         "format": TINY_FORMAT,
         "transformers": version("transformers"),
-        **profile_recipe(weights),
+        **profile_recipe(weights, family),
     }
     stem = f"{family.name}-s{seed}" + ("" if weights == "normal" else f"-{weights}")
     return cached_dir(recipe, stem, "oracle_tiny.json",
@@ -175,7 +175,7 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
     rewrite = profile_rewrite(family, cfg, weights, seed)
     name = Path(name).stem if name.endswith(".json") else name
     recipe = {"family": family.name, "config": cfg, "seed": seed, "dtype": dtype, "format": TINY_FORMAT,
-              "transformers": version("transformers"), **profile_recipe(weights)}
+              "transformers": version("transformers"), **profile_recipe(weights, family)}
     stored = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[dtype]
     profile = "" if weights == "normal" else f"-{weights}"
     return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}{profile}", "oracle_seeded.json",

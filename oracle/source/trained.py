@@ -53,10 +53,15 @@ QK_PROJ = re.compile(r"self_attn\.[qk]_proj\.(weight|bias)")
 LAYER = re.compile(r"(.*\.layers\.\d+\.)(.*)")
 
 
-def profile_recipe(weights: str) -> dict:
+def profile_recipe(weights: str, family=None) -> dict:
     """What a checkpoint's cache key adds for the profile: nothing for normal (its keys, and so every
-    cached checkpoint, golden and baseline made before the profiles existed, stay as they were)."""
-    return {} if weights == "normal" else {"weights": weights, "weights_format": TRAINED_FORMAT}
+    cached checkpoint, golden and baseline made before the profiles existed, stay as they were); a family
+    whose names the profile reads through a view (Family.hf_profile_view) says so: its trained checkpoints
+    made before the view had roles left out."""
+    if weights == "normal":
+        return {}
+    view = {"view": 1} if family is not None and family.hf_profile_view is not None else {}
+    return {"weights": weights, "weights_format": TRAINED_FORMAT, **view}
 
 
 def profile_rewrite(family, cfg: dict, weights: str, seed: int):
@@ -67,7 +72,8 @@ def profile_rewrite(family, cfg: dict, weights: str, seed: int):
     if weights == "normal":
         return None
     offset = family.args(cfg).norm.offset
-    return lambda sd: rewrite(sd, seed, offset, family.hf_router)
+    view = family.hf_profile_view or (lambda sd, cfg: sd)  # (the rewrite is in place: through the views too)
+    return lambda sd: rewrite(view(sd, cfg), seed, offset, family.hf_router)
 
 
 def generator(seed: int, what: str):
