@@ -200,11 +200,18 @@ class AttentionArgs:
     temperature_tuning: bool = False
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
+    # Mistral 4's position-dependent query scale (rope_parameters' llama_4_scaling_beta): every query, after its
+    # rotation, times 1 + q_position_beta * log(1 + floor(pos / q_position_period)); 0: none (MLA layers only)
+    q_position_beta: float = 0.0
+    q_position_period: float = 1.0
 
     def __post_init__(self):
         check_kinds(self)
         if (self.kind == "mla") != (self.mla is not None):
             raise ValueError(f"AttentionArgs.mla: {self.mla!r} for kind {self.kind!r} (its dimensions go with 'mla' only)")
+        if self.q_position_beta and (self.kind != "mla" or not self.q_position_period > 0):
+            raise ValueError(f"AttentionArgs.q_position_beta {self.q_position_beta} needs kind 'mla' (not "
+                             f"{self.kind!r}) and a positive q_position_period (got {self.q_position_period})")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not
 from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
                                  logits_to_float, norm_offset_missing, post_norm_misplaced, post_norm_missing,
                                  residual_missing, residual_multiplier_missing)
-from models.faults.mla import mla_cache_not_carried, mla_rope_nope_swapped, yarn_mscale_missing
+from models.faults.mla import mla_cache_not_carried, mla_rope_nope_swapped, q_position_scale_missing, yarn_mscale_missing
 from models.faults.router import (bias_in_weights, is_scaled, is_sigmoid, no_renorm, rerouted,
                                   router_logit_bias_ignored, second_expert_unmasked, sigmoid_router, softcap_missing,
                                   softmax_after_topk, wrong_num_experts)
@@ -107,6 +107,9 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
           mla_rope_nope_swapped, attention=("mla",)),
     Fault("mla_cache_not_carried", "attention", "full", "MLA: compressed KV cache not carried across calls",
           mla_cache_not_carried, attention=("mla",)),
+    Fault("q_position_scale_missing", "attention", "full", "the position-dependent query scale "
+          "(1 + beta log(1 + floor(pos / period)), Mistral 4's llama_4_scaling_beta) left out", q_position_scale_missing,
+          lambda a: bool(a.attention.q_position_beta), attention=("mla",)),
     Fault("yarn_mscale_missing", "attention", "full", "YaRN mscale missing from the softmax scale",
           yarn_mscale_missing, lambda a: a.rope.kind == "yarn" and bool(a.rope.scaling.mscale_all_dim),
           attention=("mla",)),
@@ -218,7 +221,7 @@ POINTS: dict[str, str | tuple | None] = {
     # attention
     # (MLA's rotation has no tap: the attention's context there)
     "rope_theta_wrong": ("q_rope", "context"), "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
-    "yarn_mscale_missing": ("q_rope", "context"), "rope_on_nope_layer": "q_rope",
+    "yarn_mscale_missing": ("q_rope", "context"), "q_position_scale_missing": "context", "rope_on_nope_layer": "q_rope",
     "clip_qkv_missing": "q_rope", "qk_norm_missing": "q_norm", "qk_norm_before_rope": ("q_norm", "q_rope"),
     "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
     "kv_cache_write_off_by_one": "context", "attention_not_causal": "context", "attention_scale_wrong": "context",

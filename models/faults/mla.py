@@ -34,3 +34,8 @@ def mla_cache_not_carried(attn: LatentAttention, a):
 
 def yarn_mscale_missing(attn: LatentAttention, a):
     attn.scale = (attn.dn + attn.dr) ** -0.5
+
+
+def q_position_scale_missing(attn: LatentAttention, a):
+    """Mistral 4's position-dependent query scale (llama_4_scaling_beta) left out: every query at scale 1."""
+    attn.q_position = None

@@ -36,6 +36,8 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.attention.o_bias)
         self.rope = Rope(self.dr, a.rope, partial=1.0)
         self.scale = qk**-0.5
+        at = a.attention  # Mistral 4's query scale by position (beta, period); None: none
+        self.q_position = (at.q_position_beta, at.q_position_period) if at.q_position_beta else None
         y = a.rope.scaling
         if a.rope.kind == "yarn" and y.mscale_all_dim:  # the softmax scale times mscale^2 (HF yarn_apply_mscale)
             self.scale = self.scale * yarn_mscale(y.factor, y.mscale_all_dim) ** 2
@@ -57,7 +59,11 @@ class LatentAttention(nn.Module):
         q_nope, q_rot = self.split_q(q.view(B, T, self.nh, self.dn + self.dr).transpose(1, 2))
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.r, self.dr], dim=-1)
         k_rot = self.rope(k_rot.view(B, 1, T, self.dr), pos)[:, 0]
-        return torch.cat((q_nope, self.rope(q_rot, pos)), dim=-1), self.kv_a_layernorm(latent), k_rot
+        q = torch.cat((q_nope, self.rope(q_rot, pos)), dim=-1)
+        if self.q_position is not None:  # 1 + beta * log(1 + floor(pos / period)) [T], every head and dim
+            beta, period = self.q_position
+            q = q * (1.0 + beta * torch.log1p(torch.floor(pos.float() / period)))[:, None].to(q.dtype)
+        return q, self.kv_a_layernorm(latent), k_rot
 
     def split_q(self, q):  # [..., dn + dr] -> the no-rope part, the rotary part
         return torch.split(q, [self.dn, self.dr], dim=-1)
