@@ -42,8 +42,10 @@ def rows(r):
 # families whose converted GGUF llama.cpp runs as HF does (the others: known divergences below, or
 # the converter's refusal); `oracle check --backend llamacpp` over all fifteen is docs/llamacpp.md's table
 # (the other passing families, qwen3_moe, qwen2_moe, mixtral, glm4_moe, granitemoe: their goldens in the nightly
-# matrix and `oracle goldens check`; here the simplest and the one with sinks, biases and a clamped SwiGLU)
-@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
+# matrix and `oracle goldens check`; here the simplest and the one with sinks, biases and a clamped SwiGLU; and
+# AFMoE, whose sandwich norms put a post-norm on every block's output: each row (its expert probes too, and the last
+# layer's through its output-row selection) read before it)
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "afmoe"])
 def test_converted_gguf_passes_at_fp32(llamacpp, family):
     r = check(family)
     assert r.status == "pass", (r.error, r.worst)

@@ -132,8 +132,8 @@ class LlamaCppCandidate(Candidate):
 
     def probe(self, layer: int, xs: list) -> list[tuple]:
         """(block output, (weights, indices)) per input: Runner.probe."""
-        return [self._call("probe", layer, np.asarray(x, np.float32).reshape(-1, x.shape[-1]), self.moe_tensor)
-                for x in xs]
+        return [self._call("probe", layer, np.asarray(x, np.float32).reshape(-1, x.shape[-1]), self.moe_tensor,
+                           self.post_normed) for x in xs]
 
     def run_block(self, layer, kind, calls):
         seq = [c for c in calls if not c.probe]

@@ -137,6 +137,8 @@ class Graph:
         q = other[0]
         while before_scale and q in self.nodes and self.nodes[q][1] == "SCALE":  # the block's output is what is scaled
             q = self.nodes[q][2][0]
+        if post_normed:  # (the last layer's post-norm seen through its output-row selection)
+            q = self.through(q)
         if post_normed and q in self.nodes and self.nodes[q][1] == "MUL" and self.nodes[q][2]:
             n = self.nodes[q][2][0]
             if n in self.nodes and self.nodes[n][1] in ("RMS_NORM", "NORM") and self.nodes[n][2]:
@@ -328,11 +330,11 @@ class Runner:
             self.ffn_inputs[layer] = name
         return self.ffn_inputs[layer]
 
-    def probe(self, layer: int, x, moe: str = "ffn") -> tuple:
+    def probe(self, layer: int, x, moe: str = "ffn", post_normed: bool = False) -> tuple:
         """(the layer's experts' output, its routing) on `x` [N, H]: `x` written over the experts'
         input in a sequence of its own (`moe`: the blocks' entry read as the experts' output, "ffn" or
-        "experts")."""
-        b = self.blocks([0] * x.shape[0], list(range(x.shape[0])), {self.ffn_input(layer): x})
+        "experts"; `post_normed`: read before the block's post-norm, as blocks() reads it)."""
+        b = self.blocks([0] * x.shape[0], list(range(x.shape[0])), {self.ffn_input(layer): x}, post_normed)
         return b.get((layer, moe)), b.get((layer, "router"))
 
     # the drill's points of a router and a MoE (oracle/drill/points.py) as llama.cpp names them (build_moe_ffn)

@@ -31,8 +31,11 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
     from oracle.reference.saved import load, save
 
     code = hashlib.sha256(capture_code()).hexdigest()
+    # ... and the family's own code: the HF block map it reads the reference by (hf_attention, hf_router, a
+    # router_output, a text tower) lives in its file: a changed family file is another reference
+    family_code = hashlib.sha256(family_source(family_name)).hexdigest()
     key = key_of({"family": family_name, "sha": sha, "prompt": list(prompt), "n": n, "code": code,
-                  **versions("torch", "transformers", "safetensors")})
+                  "family_code": family_code, **versions("torch", "transformers", "safetensors")})
     path = cache_root() / "references" / key
     cache.hold(path)
     ref = load(path)
@@ -48,6 +51,15 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
         cache.enforce_quietly(path)
     cache.mark_used(path)
     return ref
+
+
+def family_source(family_name: str) -> bytes:
+    """The source a family's reference capture reads: its module, the Family dataclass, the text tower."""
+    import importlib
+
+    files = [Path(importlib.import_module(f"models.{family_name}").__file__)]
+    files += [Path(importlib.import_module(m).__file__) for m in ("models.family", "models.text_tower")]
+    return b"".join(p.read_bytes() for p in files)
 
 
 def saved_reference(spec: CheckSpec) -> dict:
