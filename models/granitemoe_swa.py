@@ -2,13 +2,14 @@
 logits then softmax over those k) with sliding-window layers (layer_types), a learned sink per head in every
 layer's softmax (HF computes it as sigmoid(logsumexp - sink) times the output: the same as one more softmax
 logit), and a rope base per layer (layer_rope_theta, 0: no rope on that layer; RopeArgs.layer_theta).
-HF's shared MLP beside the MoE block (shared_intermediate_size > 0, default 0) is refused here: it is
-granitemoeshared's mechanism (its decoder layer's shared_mlp), checked with that family."""
+HF's shared MLP beside the MoE block (shared_intermediate_size > 0, default 0) is granitemoeshared's mechanism
+(ModelArgs.shared_expert_beside, its fused input_linear split by that family's sanitize): the tiny config has none
+(granitemoeshared's tiny checks it); tests/test_checkpoint.py checks a config with one."""
 
 from models.args import FULL, SLIDING, AttentionArgs, ModelArgs, RopeArgs
 from models.family import Family
-from models.granitemoe import sanitize as granitemoe_sanitize
 from models.granitemoe import to_args as granitemoe_args
+from models.granitemoeshared import sanitize as shared_sanitize
 from models.mapping import require, rope_of
 
 TINY = dict(
@@ -31,19 +32,19 @@ def layer_theta(c) -> tuple[float, ...]:
 
 
 def to_args(c) -> ModelArgs:
-    require(not c.shared_intermediate_size, "granitemoe_swa: shared_intermediate_size > 0 (the shared MLP beside "
-            "the MoE block) is not supported here yet (granitemoeshared's mechanism)")
     require(set(c.layer_types) <= {FULL, SLIDING}, f"granitemoe_swa: unknown layer_types {sorted(set(c.layer_types))}")
     a = granitemoe_args(c)
     attention = AttentionArgs(qkv_bias=c.attention_bias, o_bias=c.attention_bias, sliding_window=c.sliding_window,
                               sinks=True)
     rope: RopeArgs = rope_of(c, layer_theta=layer_theta(c))
+    shared = int(c.shared_intermediate_size or 0)
     return ModelArgs(**{**a.__dict__, "family": "granitemoe_swa", "layer_types": tuple(c.layer_types),
-                        "attention": attention, "rope": rope})
+                        "attention": attention, "rope": rope, "shared_expert_beside": shared > 0,
+                        "shared_expert_intermediate_size": shared, "shared_expert_gated": False})
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:
-    return granitemoe_sanitize(weights, args)
+    return shared_sanitize(weights, args)  # (granitemoe's, the shared MLP's input_linear split where there is one)
 
 
 FAMILY = Family(

@@ -221,3 +221,26 @@ def test_layer_by_layer_build_equals_the_whole_dict_build(family):
         b = src.family.build(src.config, src.weights(), dtype, src.args.max_seq_len).state_dict()
         assert list(a) == list(b)
         assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_granitemoe_swa_with_a_shared_mlp_passes(tmp_path):
+    """GraniteMoE-SWA's optional shared MLP beside the MoE block (shared_intermediate_size > 0: granitemoeshared's
+    mechanism, not in the tiny config): a seeded checkpoint of the tiny config with one checks on eager, and the
+    production model has it."""
+    import json
+
+    from models.granitemoe_swa import TINY
+    from oracle.backend import CheckSpec
+    from oracle.check import run_check
+    from oracle.source.sources import model_source
+
+    path = tmp_path / "granitemoe_swa-shared.json"
+    path.write_text(json.dumps({**TINY, "shared_intermediate_size": 48, "model_type": "granitemoe_swa",
+                                "architectures": ["GraniteMoeSWAForCausalLM"]}))
+    spec = CheckSpec(family="granitemoe_swa", backend="eager", config=str(path))
+    src = model_source(spec)
+    assert src.args.shared_expert_beside and src.args.shared_expert_intermediate_size == 48
+    model = src.build_production(torch.float32)
+    assert model.layers[0].shared_mlp.up_proj.weight.abs().sum() > 0  # the checkpoint's weights, not zeros
+    r = run_check(spec)
+    assert r.status == "pass" and r.e2e.token_exact, r.worst
