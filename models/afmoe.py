@@ -99,6 +99,7 @@ FAMILY = Family(
     name="afmoe", model_types=("afmoe",), hf_module="afmoe", hf_class_name="AfmoeForCausalLM",
     hf_config_name="AfmoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
     hf_router="mlp.router", hf_router_bias="mlp.expert_bias",
+    hf_point_names={"pre_mlp_layernorm": "pre_feedforward_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"},
     rules=(("positive", "intermediate_size", "moe_intermediate_size", "sliding_window", "global_attn_every_n_layers"),
            ("within_depth", "num_dense_layers")),
 )

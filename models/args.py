@@ -254,6 +254,9 @@ class RouterArgs:
     weights_on_input: bool = False  # expert(x * w) instead of w * expert(x) (Llama 4)
     jitter_eps: float = 0.0  # sparsemixer's threshold (PhiMoE's router_jitter_noise)
     logit_softcap: float = 0.0  # the logits (fp32) capped as tanh(logits / c) * c before scoring (Laguna); 0: none
+    # what the choice ranks (the correction bias added to it): the scores (DeepSeek-V3), or the fp32 logits
+    # themselves (Kolibri-1: top-k of logits + bias, the weights the sigmoid of the chosen logits)
+    choice_on: Literal["scores", "logits"] = "scores"
 
     def __post_init__(self):
         check_kinds(self)

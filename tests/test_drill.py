@@ -120,10 +120,6 @@ DRILL_POINTS_OPEN = {
     "afmoe": "self_attn.q_proj: the production q_proj holds the output gate joined head by head (HF: gate_proj apart)",
     "laguna": "mlp.experts: HF scales the routed sum by moe_routed_scaling_factor after its experts module, the "
               "production model inside the weights (ratio 1e5 at layer 1; selection, topk and weights agree)",
-    "exaone_moe": "self_attn.q_norm at layer 0 (a sliding layer) diverges (ratio 2.4e5) where q/k/v projections agree: "
-                  "the point's tensor is not aligned with HF's q_norm output (cause not yet found)",
-    "hy_v3": "self_attn.q_norm at layer 0 diverges (ratio 2.4e5) where q/k/v projections agree: the point's tensor "
-             "is not aligned with HF's q_norm output (cause not yet found)",
 }
 
 

@@ -184,6 +184,12 @@ class HFCandidate(Candidate):
             rec.points["output"] = []
             for o in outs:
                 rec.add("output", o)
+        names = self.family.hf_point_names or {}  # HF's submodule paths -> the production model's (the drill's names)
+        if names:
+            renamed = points.Points(rec.points.taps)
+            renamed.registered = [names.get(n, n) for n in rec.points.registered]
+            renamed.update({names.get(n, n): v for n, v in rec.points.items()})
+            return renamed
         return rec.points
 
     def _replay(self, layer, kind, calls):

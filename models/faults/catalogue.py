@@ -101,6 +101,9 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
           rerouted(lambda a: {"routed_scaling_factor": a.router.routed_scaling_factor ** 2}), is_scaled),
     Fault("router_softmax_for_sigmoid", "router", "last", "softmax scores where the family's are sigmoid",
           rerouted(lambda a: {"scoring": "softmax"}), is_sigmoid),
+    Fault("router_choice_on_scores", "router", "last", "the choice ranks the scores plus the correction bias where "
+          "the family's ranks the logits plus it (Kolibri-1)", rerouted(lambda a: {"choice_on": "scores"}),
+          lambda a: a.router.choice_on == "logits" and a.router.correction_bias),
     Fault("dense_layer_routed", "mlp", "dense", "a dense layer's MLP treated as routed (scaled by routed_scaling_factor)",
           dense_layer_routed, is_scaled),
     Fault("mla_rope_nope_swapped", "attention", "full", "MLA: q's rope and no-rope parts swapped",
@@ -202,7 +205,7 @@ POINTS: dict[str, str | tuple | None] = {
     # router
     "router_softmax_after_topk": "scores", "router_no_renorm": "weights", "router_wrong_num_experts": "scores",
     "router_sigmoid": "scores", "router_bias_in_weights": "weights", "router_bias_ignored": "selection",
-    "router_group_limit_ignored": "selection", "routed_scaling_missing": "weights", "routed_scaling_twice": "weights",
+    "router_group_limit_ignored": "selection", "router_choice_on_scores": "selection", "routed_scaling_missing": "weights", "routed_scaling_twice": "weights",
     "router_softmax_for_sigmoid": "scores", "router_logit_bias_ignored": "logits",
     "sparsemixer_first_unmasked": "weights",
     # experts and the MoE block

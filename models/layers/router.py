@@ -29,7 +29,7 @@ class Router(nn.Module):
         self.top_k, self.norm_topk = a.num_experts_per_tok, r.norm_topk_prob
         self.cast = r.weights_in_model_dtype
         self.softcap = r.logit_softcap
-        self.softmax_only = (r.scoring == "softmax" and not r.correction_bias and r.n_group <= 1
+        self.softmax_only = (r.scoring == "softmax" and not r.correction_bias and r.n_group <= 1 and r.choice_on == "scores"
                              and r.routed_scaling_factor == 1.0 and not r.fp32 and not r.norm_topk_min
                              and r.norm_p == 1.0 and not r.logit_softcap)
 
@@ -54,7 +54,8 @@ class Router(nn.Module):
         a = self.args  # read at every call: a seeded fault routes by other fields (models/faults/)
         probs = tap("scores", routing.scores(logits, a))
         bias = self.e_score_correction_bias if a.router.correction_bias else None
-        idx = tap("topk", torch.topk(tap("selection", routing.selection(probs, bias, a)), self.top_k, dim=-1).indices)
+        choice = routing.choice_scores(logits, probs, a)
+        idx = tap("topk", torch.topk(tap("selection", routing.selection(choice, bias, a)), self.top_k, dim=-1).indices)
         # idx is also used by weights(): a node used inside the router is not one of its outputs
         # to ExecuTorch's module-path taps, so the indices leave the router as their own node
         return tap("weights", self.weights(probs, idx)), idx.clone()

@@ -23,6 +23,12 @@ def scores(logits, a: ModelArgs):
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
+def choice_scores(logits, probs, a: ModelArgs):
+    """What the family's choice ranks [N, E] before its correction bias: the scores `probs`, or the fp32 logits
+    (RouterArgs.choice_on "logits": Kolibri-1)."""
+    return logits.float() if a.router.choice_on == "logits" else probs
+
+
 def group_scores(choice, a: ModelArgs):
     """[N, E] -> [N, G]: each group's score, the sum of its best two (DeepSeek-V3) or its best (V2)."""
     grouped = choice.view(choice.shape[0], a.router.n_group, -1)

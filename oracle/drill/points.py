@@ -242,6 +242,16 @@ def _rows(arrays: list) -> np.ndarray:
     return np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1, np.shape(a)[-1]) for a in arrays])
 
 
+def heads_as(ref, cand):
+    """`cand` in `ref`'s layout where the two hold per-head rows in the other order: [B, heads, T, d] on one side,
+    [B, T, heads, d] on the other (EXAONE 4's q/k norm runs on [B, heads, T, d], Qwen3's on [B, T, heads, d]); the
+    axes told apart by their sizes (with as many heads as tokens the layouts cannot be told apart: left as it is)."""
+    a, b = np.shape(ref), np.shape(cand)
+    if len(a) == len(b) == 4 and a != b and a == (b[0], b[2], b[1], b[3]):
+        return np.swapaxes(np.asarray(cand), 1, 2)
+    return cand
+
+
 def compare_point(name: str, ref: list, cand: list, lim: dict, noise: list | None = None,
                   precision: str = "fp32", scores: tuple | None = None) -> Point:
     """`noise`: HF's own outputs of the point at a noise-relative precision (bf16), on the same
@@ -261,6 +271,7 @@ def compare_point(name: str, ref: list, cand: list, lim: dict, noise: list | Non
         return Point(name, Status.NA, reason="not exposed by HF's module")
     if len(ref) != len(cand):
         return Point(name, Status.NA, reason=f"computed {len(ref)} time(s) by HF, {len(cand)} by the candidate")
+    cand = [heads_as(r, c) for r, c in zip(ref, cand)]
     shapes = [np.shape(r) for r in ref], [np.shape(c) for c in cand]
     if shapes[0] != shapes[1] and not all(a[-1:] == b[-1:] and np.prod(a) == np.prod(b) for a, b in zip(*shapes)):
         i = next(i for i, (a, b) in enumerate(zip(*shapes)) if a != b)

@@ -158,8 +158,8 @@ def selection_scores(router, logits, args):
     from models.layers import routing
 
     bias = correction_bias(router)
-    probs = routing.scores(logits, args)
-    return routing.selection(probs, bias, args), (routing.group_gap(probs, bias, args) if routing.grouped(args) else None)
+    choice = routing.choice_scores(logits, routing.scores(logits, args), args)
+    return routing.selection(choice, bias, args), (routing.group_gap(choice, bias, args) if routing.grouped(args) else None)
 
 
 def router_record(router, logits, args):
@@ -168,11 +168,12 @@ def router_record(router, logits, args):
     [N, k]; each None where the routing has no such decision), its scores and bias read once."""
     from models.layers import routing
 
-    bias, probs = correction_bias(router), routing.scores(logits, args)
+    bias = correction_bias(router)
+    choice = routing.choice_scores(logits, routing.scores(logits, args), args)
     grouped = routing.grouped(args)
-    return (routing.selection(probs, bias, args), routing.group_gap(probs, bias, args) if grouped else None,
+    return (routing.selection(choice, bias, args), routing.group_gap(choice, bias, args) if grouped else None,
             weight_gap(logits, args),
-            routing.group_alternative(probs, bias, args, args.num_experts_per_tok) if grouped else None)
+            routing.group_alternative(choice, bias, args, args.num_experts_per_tok) if grouped else None)
 
 
 def weight_gap(logits, args):
