@@ -11,9 +11,10 @@ The tiny config's original_max_position_embeddings is 4 so that the scale change
 (positions 0-3 at 1, 4-7 at 1 + beta log 2, ...): the same field sets YaRN's original context, as in HF."""
 
 from models.args import ModelArgs, RouterArgs
-from models.deepseek_v3 import from_mlx
+from models.deepseek_v3 import from_mlx as deepseek_v3_from_mlx
 from models.family import Family
 from models.mapping import drop_layers_from, first_k_dense, hf_args, mla, require, rope_of, sanitize_hf
+from models.mlx_lm import COMMON_REQUIRE, NOAUX, UNTIED, MlxLm, const, rope_parameters
 from models.rules import FIRST_K_DENSE, GROUPED
 
 TINY = dict(
@@ -63,9 +64,66 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(drop_layers_from(weights, args.num_hidden_layers), args)
 
 
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names -> HF's as transformers holds and writes Mistral 4 (deepseek_v3.from_mlx: kv_b_proj back from
+    the absorbed halves), the experts fused as the release keeps them: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    import re
+
+    import torch
+
+    out = {}
+    for k, v in deepseek_v3_from_mlx(weights, config).items():
+        if re.search(r"\.mlp\.experts\.\d+\.", k) is None:
+            out[k] = v
+    for k, v in weights.items():  # the stacked experts [E, out, in], as mlx-lm's switch_mlp keeps them
+        if k.endswith(".mlp.switch_mlp.gate_proj.weight"):
+            p = k[: -len("switch_mlp.gate_proj.weight")]
+            out[p + "experts.gate_up_proj"] = torch.cat([v, weights[p + "switch_mlp.up_proj.weight"]], dim=1)
+            out[p + "experts.down_proj"] = weights[p + "switch_mlp.down_proj.weight"]
+    return out
+
+
+def mlx_attn_scale(model, x, cache):
+    """What mlx-lm's Mistral4Model passes every layer beside x and the mask: the query scale of x's positions."""
+    from mlx_lm.models.ministral3 import _get_llama_4_attn_scale
+
+    rp = model.args.rope_parameters
+    return (_get_llama_4_attn_scale(x.shape[1], cache.offset if cache is not None else 0, rp["llama_4_scaling_beta"],
+                                    rp["original_max_position_embeddings"]).astype(x.dtype),)
+
+
+MLX = MlxLm(
+    module="mistral4",
+    config=dict(
+        model_type="model_type", vocab_size="vocab_size", hidden_size="hidden_size",
+        intermediate_size="intermediate_size", moe_intermediate_size="moe_intermediate_size",
+        num_hidden_layers="num_hidden_layers", num_attention_heads="num_attention_heads",
+        num_key_value_heads="num_key_value_heads", n_shared_experts="n_shared_experts",
+        n_routed_experts="n_routed_experts", routed_scaling_factor="routed_scaling_factor",
+        kv_lora_rank="kv_lora_rank", q_lora_rank="q_lora_rank", norm_topk_prob="norm_topk_prob",
+        max_position_embeddings="max_position_embeddings", rms_norm_eps="rms_norm_eps", topk_group="topk_group",
+        num_experts_per_tok="num_experts_per_tok", first_k_dense_replace="first_k_dense_replace", n_group="n_group",
+        qk_rope_head_dim="qk_rope_head_dim", qk_nope_head_dim="qk_nope_head_dim", v_head_dim="v_head_dim",
+        tie_word_embeddings="tie_word_embeddings", rope_interleave="rope_interleave", attention_bias="attention_bias",
+        rope_parameters=lambda c: dict(rope_parameters(c)),
+        # (what its __post_init__ derives them as: the q/k head width, and rope_parameters)
+        head_dim=lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim,
+        qk_head_dim=lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim, rope_scaling=lambda c: dict(rope_parameters(c)),
+        rope_theta=lambda c: float(rope_parameters(c).get("rope_theta", 10000.0)),
+    ),
+    require=COMMON_REQUIRE + NOAUX + UNTIED + (
+        (lambda c: rope_parameters(c).get("rope_type", "default") == "yarn",
+         "rope_type other than yarn (mlx-lm's mistral4 reads its scale's period from the yarn parameters)"),
+        (lambda c: rope_parameters(c).get("truncate", True), "yarn truncate=False (mlx-lm always truncates)"),
+        (lambda c: bool(rope_parameters(c).get("llama_4_scaling_beta")),
+         "no llama_4_scaling_beta (mlx-lm's mistral4 reads it)"),
+    ),
+    experts="fused", block_args=mlx_attn_scale,
+)
+
 FAMILY = Family(
     name="mistral4", model_types=("mistral4",), hf_module="mistral4", hf_class_name="Mistral4ForCausalLM",
-    hf_config_name="Mistral4Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx,
+    hf_config_name="Mistral4Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize, from_mlx=from_mlx, mlx=MLX,
     experts="n_routed_experts",
     rules=(*GROUPED, *FIRST_K_DENSE,
            ("positive", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank")),

@@ -54,6 +54,9 @@ class MlxLm:
     # them): a shipped directory cannot carry them; HF's reference on one takes them from the original
     # checkpoint (oracle.source.quantized.from_original)
     dropped: tuple = ()
+    # (mlx-lm's model, x [B, T, H], the block's cache) -> the arguments its attention and decoder layer take
+    # between x and the mask, which its model computes once for every layer (Mistral 4's attn_scale); None: none
+    block_args: Callable | None = None
 
     @property
     def composite(self) -> bool:

@@ -167,7 +167,8 @@ class MLXBackend(Backend):
         a = model.args
         windows = {i: a.attention.sliding_window for i, t in enumerate(a.layer_types) if t == SLIDING}
         chunks = {i: a.attention.chunk_size for i, t in enumerate(a.layer_types) if t == CHUNKED}
-        return MLXCandidate(m, dtype, device, info, mapping(model.family.name).array_mask, windows, chunks)
+        mlx_lm = mapping(model.family.name)
+        return MLXCandidate(m, dtype, device, info, mlx_lm.array_mask, windows, chunks, mlx_lm.block_args)
 
     # `oracle selftest --conversion`: mlx-lm directories at two widths and two group sizes
     shipped_formats = tuple((f"{p} g{g}", p, {"group_size": g}) for p in ("q8", "q4") for g in GROUP_SIZES)

@@ -78,7 +78,7 @@ class MLXCandidate(Candidate):
     block_mode = "isolated"
 
     def __init__(self, model, dtype, device, info, array_mask: bool = False, windows: dict | None = None,
-                 chunks: dict | None = None):
+                 chunks: dict | None = None, block_args=None):
         import mlx.core as mx
 
         self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
@@ -86,6 +86,7 @@ class MLXCandidate(Candidate):
         self.array_mask = array_mask  # the family's mlx-lm model builds an array mask (MlxLm.array_mask)
         self.windows = windows or {}  # layer -> its sliding window (the model's own masks; a block needs it)
         self.chunks = chunks or {}  # layer -> its attention chunk (Llama 4's chunked layers)
+        self.block_args = block_args  # MlxLm.block_args: what the model passes its layers beside x and the mask
         self.routes: list = []  # (layer, indices, weights) of each MoE block's call (routing replay)
         self._record_routes()
 
@@ -273,7 +274,8 @@ class MLXCandidate(Candidate):
             else:
                 mask = create_ssm_mask(x, cache) if linear else create_attention_mask(
                     x, cache, window_size=self.windows.get(layer), return_array=self.array_mask)
-            y = module(x, mask, cache)
+            extra = self.block_args(text_model(self.model), x, cache) if self.block_args else ()
+            y = module(x, *extra, mask, cache)
             # mlx-lm's hunyuan returns (output, k/v kept for its cross-layer attention): the output
             return self._out(y[0] if isinstance(y, tuple) else y)
 

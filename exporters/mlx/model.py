@@ -179,6 +179,18 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "mlx_lm.models.hunyuan.MoeBlock": _route_qwen2_moe, "AfmoeMoE": _route_afmoe}  # (hunyuan: softmax top-k, never renormalised)
 
 
+def _route_mistral4(moe, x):  # mistral4: mlx-lm's own selection (softmax in fp32, groups by their best two, renorm, scale)
+    from mlx_lm.models.mistral4 import mistral4_expert_select
+
+    a = moe.args
+    inds, scores = mistral4_expert_select(moe.gate(x), moe.num_experts_per_tok, a.n_group, a.topk_group,
+                                          a.routed_scaling_factor, a.norm_topk_prob)
+    return scores, inds
+
+
+ROUTE["Mistral4MoE"] = _route_mistral4
+
+
 def route(moe, x):
     """(weights [.., k], indices [.., k]) as the mlx-lm MoE block computes them. A seeded
     fault that changes routing sets `oracle_route` on the block (its patched __call__ uses
