@@ -57,11 +57,25 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(out, args)
 
 
+# HF's in-memory names (what the trained profile rewrites) -> the profile's: its residual-stream norms by their role
+PROFILE_NAMES = {".post_attention_layernorm.": ".pre_feedforward_layernorm.",
+                 ".post_self_attn_layernorm.": ".post_attention_layernorm.",
+                 ".post_mlp_layernorm.": ".post_feedforward_layernorm."}
+
+
+def profile_view(sd: dict, cfg: dict) -> dict:
+    out = {}
+    for k, t in sd.items():
+        old = next((o for o in PROFILE_NAMES if o in k), None)
+        out[k.replace(old, PROFILE_NAMES[old]) if old else k] = t
+    return out
+
+
 FAMILY = Family(
     name="kolibri1", model_types=("kolibri1",), hf_module="kolibri1", hf_class_name="Kolibri1ForCausalLM",
     hf_config_name="Kolibri1Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     # the correction bias must move choices: beside fp32 logits of std ~0.8 the tiny draws' 0.1 never does
-    tiny_std={"e_score_correction_bias": 1.0},
+    tiny_std={"e_score_correction_bias": 1.0}, hf_profile_view=profile_view,
     hf_point_names={"post_attention_layernorm": "pre_feedforward_layernorm",
                     "post_self_attn_layernorm": "post_attention_layernorm",
                     "post_mlp_layernorm": "post_feedforward_layernorm"},
