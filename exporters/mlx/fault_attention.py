@@ -239,18 +239,32 @@ def mla_rope_nope_swapped(attn, a):
 def mla_cache_not_carried(attn, a):
     """The compressed KV cache (V3: the latent and the rotary key; V2: its keys and values) zeroed
     before every call: positions kept, what was written before lost."""
-    call = type(attn).__call__
+    import inspect
 
-    def fn(self, x, mask=None, cache=None):
+    call = type(attn).__call__
+    signature = inspect.signature(call)
+
+    def fn(self, x, *args, **kw):  # (mask, cache), or with what the model passes beside them (Mistral 4's attn_scale)
+        cache = signature.bind(self, x, *args, **kw).arguments.get("cache")
         if cache is not None and cache.keys is not None:
             cache.keys, cache.values = mx.zeros_like(cache.keys), mx.zeros_like(cache.values)
-        return call(self, x, mask, cache)
+        return call(self, x, *args, **kw)
 
     patch_call(attn, fn)
 
 
 def yarn_mscale_missing(attn, a):
     attn.scale = attn.q_head_dim ** -0.5
+
+
+def q_position_scale_missing(attn, a):
+    """Mistral 4's position-dependent query scale left out: the attention takes its model's attn_scale as ones."""
+    call = type(attn).__call__
+
+    def fn(self, x, attn_scale, mask=None, cache=None):
+        return call(self, x, mx.ones_like(attn_scale), mask, cache)
+
+    patch_call(attn, fn)
 
 
 # ------------------------------------------------------------------ the variants

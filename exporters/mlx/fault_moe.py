@@ -140,7 +140,17 @@ def stray_bf16(layer, a):
 # DeepSeek-V2/V3, GLM-4 and dots1 route in a gate module (MoEGate / TopkRouter) that keeps its
 # routing fields as attributes: most of these faults are one of them set wrong.
 def _gate(layer):
-    return router_module(moe_block(layer))
+    """What holds the layer's routing fields (n_group, routed_scaling_factor, ...): its router module, or, for a block
+    that routes inline by the model's ModelArgs (Mistral 4's `self.args`), a copy of those args of its own (the
+    model's are every layer's)."""
+    g = router_module(moe_block(layer))
+    moe = moe_block(layer)
+    if g is None and getattr(moe, "args", None) is not None and hasattr(moe.args, "n_group"):
+        import copy
+
+        moe.args = copy.copy(moe.args)
+        return moe.args
+    return g
 
 
 def set_gate(**fields):

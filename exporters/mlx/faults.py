@@ -25,7 +25,7 @@ from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_
                                             qk_norm_missing, qk_norm_per_head_for_flat, rope_interleaved,
                                             rope_of_the_model, rope_on_nope_layer, rope_theta_wrong,
                                             rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one,
-                                            yarn_mscale_missing)
+                                            q_position_scale_missing, yarn_mscale_missing)
 from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missing, dense_layer_routed,
                                      expert_index_off_by_one, gate_up_swapped, group_limit_ignored, moe_layer_as_dense,
                                      no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
@@ -44,8 +44,8 @@ def _norm_offset_missing(layer, a):  # sanitize()'s +1 on (1 + w) weights lost (
 
 
 def _residual_missing(layer, a):
-    def call(self, x, mask=None, cache=None):
-        h = attention_block(self)(self.input_layernorm(x), mask, cache)
+    def call(self, x, *args, **kw):  # (mask, cache), or what the model passes beside them (Mistral 4's attn_scale)
+        h = attention_block(self)(self.input_layernorm(x), *args, **kw)
         return h + moe_block(self)(self.post_attention_layernorm(h))
 
     patch_call(layer, call)
@@ -115,7 +115,7 @@ FAULTS = {
     "dense_layer_routed": dense_layer_routed,
     "mla_rope_nope_swapped": mla_rope_nope_swapped,
     "mla_cache_not_carried": mla_cache_not_carried,
-    "yarn_mscale_missing": yarn_mscale_missing,
+    "yarn_mscale_missing": yarn_mscale_missing, "q_position_scale_missing": q_position_scale_missing,
     "attention_sinks_dropped": sinks_dropped,
     "sliding_window_off_by_one": window_off_by_one,
     "swiglu_clamp_missing": clamp_missing,
