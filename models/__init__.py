@@ -55,6 +55,21 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
+def family_source(name: str) -> bytes:
+    """The source a family's derived results (its HF reference, a dequantized directory read back by its from_mlx)
+    depend on beyond the harness's: its module, the models.* modules it imports from (another family's, a mechanism's
+    mapping), the Family dataclass and the text tower."""
+    import re
+
+    root = Path(__file__).parent
+    files = [root / f"{name}.py"]
+    for dep in re.findall(r"^from models\.(\w+) import", files[0].read_text(), flags=re.M):
+        if (root / f"{dep}.py").is_file() and root / f"{dep}.py" not in files:
+            files.append(root / f"{dep}.py")
+    files += [root / "family.py", root / "text_tower.py"]
+    return b"".join(p.read_bytes() for p in files)
+
+
 def get_family(name: str) -> Family:
     if name in FAMILY_NAMES:
         return importlib.import_module(f"models.{name}").FAMILY

@@ -31,13 +31,15 @@ NORMAL_DIRS = {"olmoe": "olmoe-s0-a7b7cd950fcff1408454", "qwen3_5_moe": "qwen3_5
 PINNED = version("transformers") == "5.23.0" and torch.__version__.startswith("2.13.0")
 
 # the roles the profile rewrites, by saved (save_pretrained) tensor name (under a text tower's prefix too: a
-# multimodal release's language model); every other tensor is untouched. The router: the family's (Family.hf_router)
+# multimodal release's language model); every other tensor is untouched. The router: a gate's or router's own
+# weight (not shared_expert_gate), or under the family's router module (Family.hf_router: HunYuan's gate.wg); the
+# saved names are the release's (Mixtral's block_sparse_moe, Hy3's router.gate), not always HF's in-memory ones
 ROLES = {
     "embedding": r"(.*\.)?embed_tokens\.weight",
     "qk": r".*self_attn\.(q_proj|k_proj|q_b_proj|q_norm|k_norm)\.(weight|bias)",
     "norm": r".*norm\.weight",
     "writer": r".*\.(o_proj|out_proj)\.(weight|bias)",
-    "router": None,
+    "router": r".*\.(gate|router|router\.layer)\.(weight|bias)",
 }
 LAYER = re.compile(r".*\.layers\.\d+\.(.*)")
 
@@ -46,7 +48,7 @@ def role(name: str, router: str) -> str | None:
     m = LAYER.fullmatch(name)
     if m and m.group(1).startswith(router + ".") and m.group(1).endswith(("weight", ".bias")):
         return "router"
-    return next((r for r, rx in ROLES.items() if rx and re.fullmatch(rx, name)), None)
+    return next((r for r, rx in ROLES.items() if re.fullmatch(rx, name)), None)
 
 
 def both(family: str, seed: int = 0):
@@ -234,6 +236,7 @@ def test_matrix_and_selftest_pass_the_profile_on(tmp_path, monkeypatch, capsys):
     before); `oracle selftest --weights trained` runs the catalogue and the clean runs on it."""
     import oracle.matrix
     import oracle.selftest.result
+    import oracle.selftest.run  # (patched below: imported here, not left to an earlier test)
     from oracle.cli import main
     from oracle.reports.summary import summarize
 

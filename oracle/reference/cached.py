@@ -10,7 +10,7 @@ import platform
 from dataclasses import replace
 from pathlib import Path
 
-from models import get_family
+from models import family_source, get_family
 from models.checkpoint import CheckpointError
 from oracle.backend import CheckSpec, InputError, ModelSource
 from oracle.cache.store import cache_root
@@ -51,15 +51,6 @@ def reference_for(family_name: str, model_dir: str, sha: str, prompt: tuple, n: 
         cache.enforce_quietly(path)
     cache.mark_used(path)
     return ref
-
-
-def family_source(family_name: str) -> bytes:
-    """The source a family's reference capture reads: its module, the Family dataclass, the text tower."""
-    import importlib
-
-    files = [Path(importlib.import_module(f"models.{family_name}").__file__)]
-    files += [Path(importlib.import_module(m).__file__) for m in ("models.family", "models.text_tower")]
-    return b"".join(p.read_bytes() for p in files)
 
 
 def saved_reference(spec: CheckSpec) -> dict:

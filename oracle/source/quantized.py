@@ -223,7 +223,7 @@ def dequantized_checkpoint(family, qdir: Path, config: dict | None = None, progr
     if config is None:
         config = {k: v for k, v in own.items() if k not in QUANT_KEYS}
     # keyed by this file's code and the family's own (its from_mlx maps the names back)
-    from oracle.reference.cached import family_source
+    from models import family_source
 
     code = hashlib.sha256(Path(__file__).read_bytes() + family_source(family.name)).hexdigest()
     recipe = {"candidate_sha256": checkpoint_identity(qdir), "config": config, "format": FORMAT, "code": code,
