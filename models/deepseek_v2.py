@@ -8,7 +8,7 @@ from models.args import ModelArgs
 from models.family import Family
 from models.mapping import (deepseek_router, drop_layers_from, first_k_dense, hf_args, mla, require, rope_of,
                             rope_theta_any, sanitize_hf)
-from models.mlx_lm import COMMON_REQUIRE, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
+from models.mlx_lm import COMMON_REQUIRE, MLA_NAMES, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
 from models.rules import FIRST_K_DENSE, GROUPED
 
 TINY = dict(
@@ -40,17 +40,9 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
 MLX = MlxLm(
     module="deepseek_v2",
     config=dict(
-        model_type="model_type", vocab_size="vocab_size", hidden_size="hidden_size",
-        intermediate_size="intermediate_size", moe_intermediate_size="moe_intermediate_size",
-        num_hidden_layers="num_hidden_layers", num_attention_heads="num_attention_heads",
-        num_key_value_heads="num_key_value_heads", n_shared_experts="n_shared_experts",
-        n_routed_experts="n_routed_experts", routed_scaling_factor="routed_scaling_factor",
-        kv_lora_rank="kv_lora_rank", q_lora_rank="q_lora_rank", qk_rope_head_dim="qk_rope_head_dim",
-        v_head_dim="v_head_dim", qk_nope_head_dim="qk_nope_head_dim",
-        topk_method="topk_method", n_group="n_group", topk_group="topk_group",
-        num_experts_per_tok="num_experts_per_tok", moe_layer_freq=const(1),
-        first_k_dense_replace="first_k_dense_replace", max_position_embeddings="max_position_embeddings",
-        rms_norm_eps="rms_norm_eps", rope_theta=rope_theta_any, attention_bias="attention_bias",
+        **MLA_NAMES,
+        topk_method="topk_method", moe_layer_freq=const(1),
+        first_k_dense_replace="first_k_dense_replace", rope_theta=rope_theta_any,
         # never None: mlx-lm's deepseek_v2 always builds its YaRN rope
         rope_scaling=lambda c: yarn_scaling(c) or {"rope_type": "default", "factor": 1.0},
     ),

@@ -12,7 +12,7 @@ from models.checkpoint import unstack_experts
 from models.family import Family
 from models.mapping import (deepseek_router, drop_layers_from, first_k_dense, hf_args, mla, require, rope_of,
                             rope_theta_any, sanitize_hf, sigmoid_routing)
-from models.mlx_lm import COMMON_REQUIRE, NOAUX, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
+from models.mlx_lm import COMMON_REQUIRE, MLA_NAMES, NOAUX, UNTIED, YARN_REQUIRE, MlxLm, const, yarn_scaling
 from models.rules import FIRST_K_DENSE, GROUPED
 
 TINY = dict(
@@ -59,19 +59,10 @@ def from_mlx(weights: dict, config: dict) -> dict:
 MLX = MlxLm(
     module="deepseek_v3",
     config=dict(
-        model_type="model_type", vocab_size="vocab_size", hidden_size="hidden_size",
-        intermediate_size="intermediate_size", moe_intermediate_size="moe_intermediate_size",
-        num_hidden_layers="num_hidden_layers", num_attention_heads="num_attention_heads",
-        num_key_value_heads="num_key_value_heads", n_shared_experts="n_shared_experts",
-        n_routed_experts="n_routed_experts", routed_scaling_factor="routed_scaling_factor",
-        kv_lora_rank="kv_lora_rank", q_lora_rank="q_lora_rank", qk_rope_head_dim="qk_rope_head_dim",
-        v_head_dim="v_head_dim", qk_nope_head_dim="qk_nope_head_dim",
+        **MLA_NAMES,
         topk_method=const("noaux_tc"), scoring_func=const("sigmoid"),  # what HF hard-codes
-        norm_topk_prob="norm_topk_prob", n_group="n_group", topk_group="topk_group",
-        num_experts_per_tok="num_experts_per_tok", moe_layer_freq=const(1),  # HF has no moe_layer_freq
-        first_k_dense_replace="first_k_dense_replace", max_position_embeddings="max_position_embeddings",
-        rms_norm_eps="rms_norm_eps", rope_theta=rope_theta_any, rope_scaling=yarn_scaling,
-        attention_bias="attention_bias",
+        norm_topk_prob="norm_topk_prob", moe_layer_freq=const(1),  # HF has no moe_layer_freq
+        first_k_dense_replace="first_k_dense_replace", rope_theta=rope_theta_any, rope_scaling=yarn_scaling,
     ),
     require=COMMON_REQUIRE + YARN_REQUIRE + NOAUX + UNTIED + (
         (lambda c: c.rope_interleave, "rope_interleave=False (mlx-lm rotates interleaved pairs)"),

@@ -14,7 +14,7 @@ from models.args import ModelArgs, RouterArgs
 from models.deepseek_v3 import from_mlx as deepseek_v3_from_mlx
 from models.family import Family
 from models.mapping import drop_layers_from, first_k_dense, hf_args, mla, require, rope_of, sanitize_hf
-from models.mlx_lm import COMMON_REQUIRE, NOAUX, UNTIED, MlxLm, const, rope_parameters
+from models.mlx_lm import COMMON_REQUIRE, MLA_NAMES, NOAUX, UNTIED, MlxLm, const, rope_parameters
 from models.rules import FIRST_K_DENSE, GROUPED
 
 TINY = dict(
@@ -95,17 +95,10 @@ def mlx_attn_scale(model, x, cache):
 MLX = MlxLm(
     module="mistral4",
     config=dict(
-        model_type="model_type", vocab_size="vocab_size", hidden_size="hidden_size",
-        intermediate_size="intermediate_size", moe_intermediate_size="moe_intermediate_size",
-        num_hidden_layers="num_hidden_layers", num_attention_heads="num_attention_heads",
-        num_key_value_heads="num_key_value_heads", n_shared_experts="n_shared_experts",
-        n_routed_experts="n_routed_experts", routed_scaling_factor="routed_scaling_factor",
-        kv_lora_rank="kv_lora_rank", q_lora_rank="q_lora_rank", norm_topk_prob="norm_topk_prob",
-        max_position_embeddings="max_position_embeddings", rms_norm_eps="rms_norm_eps", topk_group="topk_group",
-        num_experts_per_tok="num_experts_per_tok", first_k_dense_replace="first_k_dense_replace", n_group="n_group",
-        qk_rope_head_dim="qk_rope_head_dim", qk_nope_head_dim="qk_nope_head_dim", v_head_dim="v_head_dim",
-        tie_word_embeddings="tie_word_embeddings", rope_interleave="rope_interleave", attention_bias="attention_bias",
-        rope_parameters=lambda c: dict(rope_parameters(c)),
+        **MLA_NAMES,
+        norm_topk_prob="norm_topk_prob",
+        first_k_dense_replace="first_k_dense_replace", tie_word_embeddings="tie_word_embeddings",
+        rope_interleave="rope_interleave", rope_parameters=lambda c: dict(rope_parameters(c)),
         # (what its __post_init__ derives them as: the q/k head width, and rope_parameters)
         head_dim=lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim,
         qk_head_dim=lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim, rope_scaling=lambda c: dict(rope_parameters(c)),

@@ -64,6 +64,14 @@ class MlxLm:
 
 
 # what every family's mlx-lm MoE model hard-codes
+# the fields every DeepSeek-style (MLA) mlx-lm ModelArgs reads under HF's own names (deepseek_v2, deepseek_v3,
+# glm4_moe_lite, mistral4): each family's MlxLm.config adds its own
+MLA_NAMES = {name: name for name in (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "routed_scaling_factor",
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
+    "num_experts_per_tok", "max_position_embeddings", "rms_norm_eps", "attention_bias")}
+
 COMMON_REQUIRE = ((lambda c: c.hidden_act == "silu", "hidden_act other than silu (mlx-lm's experts are SwiGLU)"),)
 
 
