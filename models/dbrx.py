@@ -68,9 +68,7 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
         for pattern, new in RENAMES:
             k = re.sub(pattern, new, k)
         if k.endswith(".self_attn.Wqkv.weight"):
-            q, kk, v = t.split([args.num_attention_heads * args.head_dim, kv, kv], dim=0)
-            base = k[: -len("Wqkv.weight")]
-            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = q, kk, v
+            out.update(split_wqkv(k, t, args.num_attention_heads * args.head_dim, kv))
         else:
             out[k] = t
     for layer, w in experts.items():
@@ -83,19 +81,24 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
 def profile_view(sd: dict, cfg: dict) -> dict:
     """The trained profile's names for HF's DBRX tensors (Family.hf_profile_view): the RENAMES under model.,
     Wqkv as views of its q, k and v rows; the router and experts keep their names (Family.hf_router reads them)."""
-    hd, kv = cfg["d_model"] // cfg["n_heads"], cfg["attn_config"]["kv_n_heads"] * (cfg["d_model"] // cfg["n_heads"])
+    hd = cfg["d_model"] // cfg["n_heads"]
     out = {}
     for k, t in sd.items():
         for pattern, new in RENAMES[:-1]:  # (not the router's)
             k = re.sub(pattern, new, k)
         k = k if k.startswith("lm_head.") else "model." + k
         if k.endswith(".self_attn.Wqkv.weight"):
-            base = k[: -len("Wqkv.weight")]
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), t.split([cfg["n_heads"] * hd, kv, kv], dim=0)):
-                out[f"{base}{name}.weight"] = part
+            out.update(split_wqkv(k, t, cfg["n_heads"] * hd, cfg["attn_config"]["kv_n_heads"] * hd))
         else:
             out[k] = t
     return out
+
+
+def split_wqkv(name: str, t, q_rows: int, kv_rows: int) -> dict:
+    """A Wqkv [q + 2 kv, H] (its rows: q, then k, then v) as q_proj, k_proj and v_proj beside it (views of its rows)."""
+    base = name[: -len("Wqkv.weight")]
+    return dict(zip((base + "q_proj.weight", base + "k_proj.weight", base + "v_proj.weight"),
+                    t.split([q_rows, kv_rows, kv_rows], dim=0)))
 
 
 def router_output(logits, args: ModelArgs):

@@ -38,37 +38,28 @@ def to_args(c) -> ModelArgs:
     )
 
 
-# the release's names (what transformers' kolibri1 conversion reads; HF's in-memory ones beside them) -> the production
-# model's; one rename a name, the first that applies (post_attention_layernorm is GLM-4's pre-MLP norm)
-RENAMES = ((".moe.router.expert_bias", ".mlp.gate.e_score_correction_bias"),
-           (".post_attention_layernorm.", ".pre_feedforward_layernorm."),
-           (".post_attn_norm.", ".post_attention_layernorm."), (".post_self_attn_layernorm.", ".post_attention_layernorm."),
-           (".post_ffn_norm.", ".post_feedforward_layernorm."), (".post_mlp_layernorm.", ".post_feedforward_layernorm."))
+# HF's in-memory norm names (GLM-4's sandwich) -> the production model's: post_attention_layernorm is GLM-4's pre-MLP
+# norm. The one map the checkpoint (sanitize), the trained profile (profile_view) and the drill (hf_point_names) read
+HF_NORMS = {"post_attention_layernorm": "pre_feedforward_layernorm",
+            "post_self_attn_layernorm": "post_attention_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
+# ... and the release's names (what transformers' kolibri1 conversion reads) -> HF's in-memory ones
+RELEASE = {"post_attn_norm": "post_self_attn_layernorm", "post_ffn_norm": "post_mlp_layernorm"}
+TO_PRODUCTION = {**HF_NORMS, **{r: HF_NORMS[h] for r, h in RELEASE.items()}}
+
+
+def renamed(name: str, names: dict) -> str:
+    """`name` with each of its dotted parts renamed by `names` (one pass: no chain of renames)."""
+    return ".".join(names.get(part, part) for part in name.split("."))
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:
-    out = {}
-    for k, t in weights.items():
-        for old, new in RENAMES:
-            if old in k:
-                k = k.replace(old, new)
-                break
-        out[k] = t
-    return sanitize_hf(out, args)
-
-
-# HF's in-memory names (what the trained profile rewrites) -> the profile's: its residual-stream norms by their role
-PROFILE_NAMES = {".post_attention_layernorm.": ".pre_feedforward_layernorm.",
-                 ".post_self_attn_layernorm.": ".post_attention_layernorm.",
-                 ".post_mlp_layernorm.": ".post_feedforward_layernorm."}
+    return sanitize_hf({renamed(k.replace(".moe.router.expert_bias", ".mlp.gate.e_score_correction_bias"),
+                                TO_PRODUCTION): t for k, t in weights.items()}, args)
 
 
 def profile_view(sd: dict, cfg: dict) -> dict:
-    out = {}
-    for k, t in sd.items():
-        old = next((o for o in PROFILE_NAMES if o in k), None)
-        out[k.replace(old, PROFILE_NAMES[old]) if old else k] = t
-    return out
+    """HF's in-memory names (what the trained profile rewrites) -> the profile's: the residual-stream norms by role."""
+    return {renamed(k, HF_NORMS): t for k, t in sd.items()}
 
 
 FAMILY = Family(
@@ -76,8 +67,6 @@ FAMILY = Family(
     hf_config_name="Kolibri1Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     # the correction bias must move choices: beside fp32 logits of std ~0.8 the tiny draws' 0.1 never does
     tiny_std={"e_score_correction_bias": 1.0}, hf_profile_view=profile_view,
-    hf_point_names={"post_attention_layernorm": "pre_feedforward_layernorm",
-                    "post_self_attn_layernorm": "post_attention_layernorm",
-                    "post_mlp_layernorm": "post_feedforward_layernorm"},
+    hf_point_names=HF_NORMS,
     rules=(("positive", "moe_intermediate_size", "sliding_window"),),
 )

@@ -67,19 +67,15 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
 def from_mlx(weights: dict, config: dict) -> dict:
     """mlx-lm's names -> HF's as transformers holds and writes Mistral 4 (deepseek_v3.from_mlx: kv_b_proj back from
     the absorbed halves), the experts fused as the release keeps them: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
-    import re
-
     import torch
 
-    out = {}
-    for k, v in deepseek_v3_from_mlx(weights, config).items():
-        if re.search(r"\.mlp\.experts\.\d+\.", k) is None:
-            out[k] = v
-    for k, v in weights.items():  # the stacked experts [E, out, in], as mlx-lm's switch_mlp keeps them
+    stacked = {k: v for k, v in weights.items() if ".mlp.switch_mlp." in k}  # [E, out, in], as mlx-lm keeps them
+    out = deepseek_v3_from_mlx({k: v for k, v in weights.items() if k not in stacked}, config)
+    for k, v in stacked.items():
         if k.endswith(".mlp.switch_mlp.gate_proj.weight"):
             p = k[: -len("switch_mlp.gate_proj.weight")]
-            out[p + "experts.gate_up_proj"] = torch.cat([v, weights[p + "switch_mlp.up_proj.weight"]], dim=1)
-            out[p + "experts.down_proj"] = weights[p + "switch_mlp.down_proj.weight"]
+            out[p + "experts.gate_up_proj"] = torch.cat([v, stacked[p + "switch_mlp.up_proj.weight"]], dim=1)
+            out[p + "experts.down_proj"] = stacked[p + "switch_mlp.down_proj.weight"]
     return out
 
 

@@ -143,8 +143,8 @@ def _gate(layer):
     """What holds the layer's routing fields (n_group, routed_scaling_factor, ...): its router module, or, for a block
     that routes inline by the model's ModelArgs (Mistral 4's `self.args`), a copy of those args of its own (the
     model's are every layer's)."""
-    g = router_module(moe_block(layer))
     moe = moe_block(layer)
+    g = router_module(moe)
     if g is None and getattr(moe, "args", None) is not None and hasattr(moe.args, "n_group"):
         import copy
 
