@@ -35,7 +35,6 @@ UNSUPPORTED = {
     "deepseek_v32": "DeepSeek sparse attention (the lightning indexer)",
     "longcat_flash": "zero-computation experts and shortcut-connected MoE",
     # issue 76's families not built yet (each can be built here: the mechanism is missing, not a tool)
-    "lfm2_moe": "the gated short-convolution mixer layers (LFM2's conv blocks and their conv state)",
     "beam": "the position-dependent query scale (1 + p/2048)^0.1 of its NoPE layers, the head gate with a bias, "
             "depth-scaled residuals",
     "step3p7": "Step-3.7's text model: a per-head gate on the attention output, per-layer head counts and ropes, "

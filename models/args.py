@@ -9,12 +9,14 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Literal
 
 FULL, LINEAR = "full_attention", "linear_attention"
+CONV = "conv"  # LFM2's gated short-convolution mixer (models/layers/short_conv.py) in the attention's place
 # attention over a window of the last `sliding_window` positions (gpt-oss, Mixtral), or within
 # fixed chunks of `chunk_size` positions (Llama 4's rope layers; AttentionArgs)
 SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
-LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED), (SPARSE, DENSE)
-# the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state
+LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV), (SPARSE, DENSE)
+# the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state (a short
+# convolution's conv_state too)
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
 
 
@@ -225,6 +227,19 @@ class LinearAttentionArgs:
     conv_kernel_dim: int = 4
 
 
+@dataclass(frozen=True)
+class ShortConvArgs:
+    """The gated short convolution of CONV layers (LFM2): its taps and whether its three linear maps
+    (in_proj, the conv, out_proj) have biases."""
+
+    kernel: int = 3
+    bias: bool = False
+
+    def __post_init__(self):
+        if self.kernel < 2:
+            raise ValueError(f"ShortConvArgs.kernel: {self.kernel} (a causal conv of at least 2 taps carries a state)")
+
+
 # ------------------------------------------------------------------ routing and experts
 @dataclass(frozen=True)
 class RouterArgs:
@@ -239,6 +254,7 @@ class RouterArgs:
     norm_topk_min: float = 0.0  # renormalise top-k weights by max(sum, norm_topk_min) (ERNIE 4.5)
     # what norm_topk_prob renormalises by: 1, the weights' sum; else their p-norm (DBRX's moe_normalize_expert_weights)
     norm_p: float = 1.0
+    norm_eps: float = 1e-20  # added to the weights' sum it renormalises by (LFM2: 1e-6)
     correction_bias: bool = False  # e_score_correction_bias: decides the choice, never the weights
     logit_bias: bool = False  # a bias on the router's logits (gpt-oss), not a selection bias
     n_group: int = 1
@@ -327,7 +343,7 @@ class ModelArgs:
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
-    layer_types: tuple[str, ...]  # per layer: FULL, LINEAR, SLIDING or CHUNKED
+    layer_types: tuple[str, ...]  # per layer: FULL, LINEAR, SLIDING, CHUNKED or CONV
     rope: RopeArgs
     tie_word_embeddings: bool = False
     max_seq_len: int = 256
@@ -357,6 +373,7 @@ class ModelArgs:
     lm_head_bias: bool = False
     attention: AttentionArgs = AttentionArgs()
     linear_attention: LinearAttentionArgs | None = None  # the LINEAR layers'
+    short_conv: ShortConvArgs | None = None  # the CONV layers'
     router: RouterArgs = RouterArgs()
     experts: ExpertArgs = ExpertArgs()
     norm: NormArgs = NormArgs()
@@ -375,6 +392,8 @@ class ModelArgs:
                 raise ValueError(f"ModelArgs.{name}: {unknown[0]!r} is not one of {', '.join(map(repr, allowed))}")
         if LINEAR in self.layer_types and self.linear_attention is None:
             raise ValueError("ModelArgs.linear_attention: None, but layer_types has linear_attention layers")
+        if CONV in self.layer_types and self.short_conv is None:
+            raise ValueError("ModelArgs.short_conv: None, but layer_types has conv layers")
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
@@ -430,9 +449,14 @@ def block_path(a: ModelArgs, layer: int | None, kind: str) -> str:
         return {"final_norm": "norm", "logits": "lm_head"}[kind]
     if kind not in layer_kinds(a, layer):
         raise KeyError(f"layer {layer} has no {kind} block (its blocks: {', '.join(layer_kinds(a, layer))})")
-    attn = "linear_attn" if a.layer_types[layer] == LINEAR else "self_attn"
+    attn = mixer_name(a.layer_types[layer])
     return f"layers.{layer}" + {"attention": f".{attn}", "router": ".mlp.gate", "moe": ".mlp", "mlp": ".mlp",
                                 "layer": ""}[kind]
+
+
+def mixer_name(layer_type: str) -> str:
+    """The production decoder layer's module in the attention's place for a layer of this type (HF's name)."""
+    return {LINEAR: "linear_attn", CONV: "conv"}.get(layer_type, "self_attn")
 
 
 def block_input_path(a: ModelArgs, layer: int | None, kind: str) -> str | None:

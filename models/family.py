@@ -69,8 +69,9 @@ class Family:
     # profile reads (oracle/source/trained.py: HF's shared names, model.layers.N.self_attn.q_proj, ...) for a
     # family whose modules are named otherwise (DBRX's blocks and fused Wqkv); None: those names already
     hf_profile_view: Callable = None
-    # HF's submodule paths inside a block -> the production model's, where a decoder layer names its norms otherwise
-    # (Kolibri-1's GLM-4 sandwich: post_self_attn_layernorm is the production post_attention_layernorm): the drill
+    # HF's submodule names inside a block -> the production model's, each dotted part of a path renamed
+    # (models.mapping.renamed), where a decoder layer names its modules otherwise (Kolibri-1's GLM-4 sandwich:
+    # post_self_attn_layernorm is the production post_attention_layernorm; LFM2's feed_forward is mlp): the drill
     # compares the points both have by name; None: the same names
     hf_point_names: dict = None
 

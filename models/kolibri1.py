@@ -8,7 +8,7 @@ always-on shared expert (shared_expert_intermediate_size). No mlx-lm model and n
 
 from models.args import FULL, SLIDING, AttentionArgs, ModelArgs, NormArgs, RopeArgs, RouterArgs
 from models.family import Family
-from models.mapping import hf_args, require, rope_theta, sanitize_hf
+from models.mapping import hf_args, renamed, require, rope_theta, sanitize_hf
 
 TINY = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -45,11 +45,6 @@ HF_NORMS = {"post_attention_layernorm": "pre_feedforward_layernorm",
 # ... and the release's names (what transformers' kolibri1 conversion reads) -> HF's in-memory ones
 RELEASE = {"post_attn_norm": "post_self_attn_layernorm", "post_ffn_norm": "post_mlp_layernorm"}
 TO_PRODUCTION = {**HF_NORMS, **{r: HF_NORMS[h] for r, h in RELEASE.items()}}
-
-
-def renamed(name: str, names: dict) -> str:
-    """`name` with each of its dotted parts renamed by `names` (one pass: no chain of renames)."""
-    return ".".join(names.get(part, part) for part in name.split("."))
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:

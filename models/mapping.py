@@ -94,7 +94,8 @@ def hf_args(c, family: str, **specific) -> ModelArgs:
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps, num_experts_per_tok=c.num_experts_per_tok,
+        rms_norm_eps=specific["rms_norm_eps"] if "rms_norm_eps" in specific else c.rms_norm_eps,  # (LFM2's norm_eps)
+        num_experts_per_tok=c.num_experts_per_tok,
         layer_types=("full_attention",) * c.num_hidden_layers, tie_word_embeddings=c.tie_word_embeddings,
     )
     if "rope" not in specific:  # (a family with scaled RoPE passes its own: rope_of)
@@ -112,6 +113,11 @@ def sanitize_hf(weights: dict, args: ModelArgs) -> dict:
 def strip_prefix(weights: dict, prefix: str = "model.") -> dict:
     """Checkpoint keys without the HF base-model prefix."""
     return {k[len(prefix):] if k.startswith(prefix) else k: t for k, t in weights.items()}
+
+
+def renamed(name: str, names: dict) -> str:
+    """`name` with each of its dotted parts renamed by `names` (one pass: no chain of renames)."""
+    return ".".join(names.get(part, part) for part in name.split("."))
 
 
 def tie_embeddings(weights: dict, args: ModelArgs) -> dict:

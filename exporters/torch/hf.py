@@ -17,6 +17,7 @@ import torch
 
 from exporters.torch.candidate import device_availability, device_info, device_of, device_option, host
 from oracle.backend import Backend, Candidate, InputError
+from models.mapping import renamed
 from oracle.drill import points
 from oracle.reference.run import block_modules, call_router, model_args, normalize_output, router_reader
 from oracle.reference.streaming import decoder_of, hold, load_hf_model, materialized, reference_mode, release_held
@@ -184,12 +185,12 @@ class HFCandidate(Candidate):
             rec.points["output"] = []
             for o in outs:
                 rec.add("output", o)
-        names = self.family.hf_point_names or {}  # HF's submodule paths -> the production model's (the drill's names)
+        names = self.family.hf_point_names or {}  # HF's submodule names -> the production model's (the drill's names)
         if names:
-            renamed = points.Points(rec.points.taps)
-            renamed.registered = [names.get(n, n) for n in rec.points.registered]
-            renamed.update({names.get(n, n): v for n, v in rec.points.items()})
-            return renamed
+            out = points.Points(rec.points.taps)
+            out.registered = [renamed(n, names) for n in rec.points.registered]
+            out.update({renamed(n, names): v for n, v in rec.points.items()})
+            return out
         return rec.points
 
     def _replay(self, layer, kind, calls):

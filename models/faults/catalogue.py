@@ -4,7 +4,7 @@ inside it the drill should name first."""
 
 from __future__ import annotations
 
-from models.args import LINEAR, ModelArgs, has_sinks
+from models.args import CONV, LINEAR, ModelArgs, has_sinks
 from models.faults.attention import (attention_multiplier_missing, clip_qkv_missing, gate_sigmoid_for_softplus,
                                      gqa_repeat_wrong, kv_groups_of_the_model, kv_off_by_one, moa_kv_interleaved,
                                      not_causal, output_gate_no_sigmoid, qk_norm_before_rope, qk_norm_flat_for_per_head,
@@ -18,6 +18,7 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
                                    shared_summed, stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
+from models.faults.short_conv import short_conv_gate_missing, short_conv_state_not_carried, short_conv_taps_reversed
 from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
                                  logits_to_float, norm_offset_missing, post_norm_misplaced, post_norm_missing,
                                  residual_missing, residual_multiplier_missing)
@@ -74,6 +75,11 @@ COMMON: tuple[Fault, ...] = (
           gdn_conv_state_not_carried),
     Fault("gdn_chunked_prefill_differs", "attention", "linear", "chunked prefill differs from one-shot prefill",
           gdn_chunked_prefill),
+    Fault("short_conv_state_not_carried", "attention", "conv", "short-conv state not carried into decode",
+          short_conv_state_not_carried),
+    Fault("short_conv_gate_missing", "attention", "conv", "short-conv output not gated by C", short_conv_gate_missing),
+    Fault("short_conv_taps_reversed", "attention", "conv", "short-conv kernel taps in reverse order",
+          short_conv_taps_reversed),
     Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", input_norm_eps,
           lambda a: a.norm.placement != "post"),  # (post-norm layers have no input norm)
     Fault("norm_offset_missing", "layer", "last", "(1 + w) RMSNorm offset missing", norm_offset_missing,
@@ -124,7 +130,7 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
 VARIANTS: tuple[Fault, ...] = (
     Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
           sinks_dropped, lambda a: a.attention.sinks and has_sinks(a, max(i for i, t in enumerate(a.layer_types)
-                                                                          if t != LINEAR))),
+                                                                          if t not in (LINEAR, CONV)))),
     Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
           window_off_by_one),
     Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", clamp_missing,
@@ -235,6 +241,7 @@ POINTS: dict[str, str | tuple | None] = {
     "router_softcap_missing": "logits", "mla_cache_not_carried": "context",
     "gdn_state_not_carried": "recurrence", "gdn_chunked_prefill_differs": "recurrence",
     "gdn_conv_state_not_carried": "conv",
+    "short_conv_state_not_carried": "conv", "short_conv_gate_missing": "context", "short_conv_taps_reversed": "conv",
     # layer, final norm, head
     "rmsnorm_eps_wrong": "input_layernorm", "norm_offset_missing": "post_attention_layernorm",
     # (a parallel block has no post-attention norm: its layer's output)

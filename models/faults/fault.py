@@ -12,7 +12,7 @@ import types
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from models.args import DENSE, LINEAR, SLIDING, SPARSE, ModelArgs, heads, mlp_type
+from models.args import CONV, DENSE, LINEAR, SLIDING, SPARSE, ModelArgs, heads, mlp_type
 from models.layers.transformer import Transformer
 
 
@@ -83,12 +83,14 @@ class Fault:
 def _targets(a: ModelArgs, target: str) -> list[int]:
     """The layers a target names (its fault goes to the last)."""
     rotates = a.rope.rotates
-    pick = {"full": lambda i, t: t != LINEAR, "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
-            "rope": lambda i, t: t != LINEAR and rotates(i), "nope": lambda i, t: t != LINEAR and not rotates(i),
+    attends = lambda t: t not in (LINEAR, CONV)  # noqa: E731  (a softmax-attention layer, of any kind)
+    pick = {"full": lambda i, t: attends(t), "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
+            "conv": lambda i, t: t == CONV,
+            "rope": lambda i, t: attends(t) and rotates(i), "nope": lambda i, t: attends(t) and not rotates(i),
             "sparse": lambda i, t: mlp_type(a, i) == SPARSE,
-            "ownrope": lambda i, t: t != LINEAR and a.rope.own(i, t),
-            "ownheads": lambda i, t: t != LINEAR and _group(*heads(a, i)) != _group(a.num_attention_heads,
-                                                                                   a.num_key_value_heads)}[target]
+            "ownrope": lambda i, t: attends(t) and a.rope.own(i, t),
+            "ownheads": lambda i, t: attends(t) and _group(*heads(a, i)) != _group(a.num_attention_heads,
+                                                                                  a.num_key_value_heads)}[target]
     return [i for i, t in enumerate(a.layer_types) if pick(i, t)]
 
 

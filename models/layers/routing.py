@@ -185,5 +185,5 @@ def topk_weights(probs, idx, a: ModelArgs, norm: bool | None = None):
     elif norm and r.norm_p != 1.0:  # DBRX's moe_normalize_expert_weights
         w = w / torch.linalg.vector_norm(w, ord=r.norm_p, dim=-1, keepdim=True)
     elif norm:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = w / (w.sum(dim=-1, keepdim=True) + r.norm_eps)
     return w * r.routed_scaling_factor

@@ -1,4 +1,4 @@
-"""The production model: decoder layers (an attention or linear-attention mixer, an MoE or dense
+"""The production model: decoder layers (an attention, linear-attention or short-conv mixer, an MoE or dense
 MLP, their norms and residuals), the embedding and head, and the one (layer, kind) -> block map.
 
 Export-friendly: static-shape state buffers (KV cache, conv state, recurrent state),
@@ -18,13 +18,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.args import LINEAR, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mlp_type
+from models.args import CONV, LINEAR, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mixer_name, mlp_type
 from models.layers.attention import Attention
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.mla import LatentAttention
 from models.layers.moa import MixtureOfAttention
 from models.layers.moe import MLP, SparseMoE
 from models.layers.norms import norm
+from models.layers.short_conv import ShortConv
 
 
 class DecoderLayer(nn.Module):
@@ -33,6 +34,8 @@ class DecoderLayer(nn.Module):
         self.layer_type = a.layer_types[i]
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(a, dtype)
+        elif self.layer_type == CONV:
+            self.conv = ShortConv(a, dtype)
         elif a.attention.kind == "mla":
             self.self_attn = LatentAttention(a, dtype)
         elif a.attention.kind == "moa":
@@ -57,7 +60,7 @@ class DecoderLayer(nn.Module):
 
     @property
     def attn(self) -> nn.Module:
-        return self.linear_attn if self.layer_type == LINEAR else self.self_attn
+        return getattr(self, mixer_name(self.layer_type))
 
     def forward(self, x, pos):
         if self.parallel:  # Cohere: attention and MLP on the same normed input, both onto the residual

@@ -42,6 +42,7 @@ from oracle.reports.result import Status, place
 TAPS = {
     "attention": ("q_rope", "k_rope"),
     "linear_attention": ("conv", "q_l2norm", "k_l2norm", "beta", "g", "recurrence"),
+    "short_conv": ("bx", "conv"),  # the gated input B * x, the causal conv's output (rows by token)
     "router": ("logits", "scores", "selection", "topk", "weights"),
 }
 DRILLED = ("attention", "router", "moe", "mlp", "layer", "final_norm", "logits")
@@ -168,8 +169,8 @@ def production_taps(rec: Recorder):
 
 @contextlib.contextmanager
 def hf_taps(block, router, rec: Recorder, args, read_router):
-    """HF's side of TAPS: its rotary function's results (patched in the modeling file of every module
-    of the block that has one) and, where the block holds the layer's router, the router's logits,
+    """HF's side of TAPS: its rotary function's results, its Gated DeltaNet kernel's inputs and output, its short
+    conv's (patched in the modeling file of every module of the block that has one) and, where the block holds the layer's router, the router's logits,
     scores, selection scores, choice and weights."""
     import torch
 
@@ -207,14 +208,26 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
             return out
         return wrapped
 
+    def short_conv(fn, mod):  # HF's causal conv of a short-conv mixer: [B, C, T] in (B * x) and out
+        def wrapped(x, *a, **kw):
+            out = fn(x, *a, **kw)
+            if inside[0]:
+                rec.add("bx", x.transpose(1, 2))
+                rec.add("conv", out.transpose(1, 2))
+            return out
+        return wrapped
+
     functions = {"apply_rotary_pos_emb": rotary, "torch_chunk_gated_delta_rule": delta_rule,
-                 "torch_recurrent_gated_delta_rule": delta_rule}
+                 "torch_recurrent_gated_delta_rule": delta_rule, "causal_conv1d_fn": short_conv,
+                 "causal_conv1d_update": short_conv}
     for m in block.modules():
         mod = sys.modules.get(type(m).__module__)
         for name, wrap in functions.items():
             fn = getattr(mod, name, None)
             if fn is None or any(p[0] is mod and p[1] == name for p in patched):
                 continue
+            if wrap is short_conv and hasattr(mod, "torch_chunk_gated_delta_rule"):
+                continue  # a Gated DeltaNet's conv: its taps are the kernel's inputs
             patched.append((mod, name, fn))
             setattr(mod, name, wrap(fn, mod))
     if router is not None and any(m is router for m in block.modules()):

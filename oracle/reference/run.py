@@ -96,6 +96,9 @@ def block_modules(model, family) -> dict:
             if kind == "router" and family.hf_router_bias:
                 path, _, name = family.hf_router_bias.rpartition(".")
                 BIAS_HOLDERS[module] = (_submodule(layer, path), name)
+                if module not in ROUTER_RANK:  # (hooked once: three dims until a call is seen)
+                    ROUTER_RANK[module] = 3
+                    module.register_forward_pre_hook(_seen_rank)
     out[None, "final_norm"] = decoder.norm
     out[None, "logits"] = model.get_output_embeddings()
     return out
@@ -116,6 +119,13 @@ def normalize_output(kind: str, out, keep_dtype: bool = False, router_output=Non
 # an HF router -> (the module that holds its correction bias, the bias's name) where that is not the router
 # (Family.hf_router_bias: MiniMax-M2's MoE block, which passes the bias to its router)
 BIAS_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# such a router -> the rank of the hidden states its block passes it (call_router passes a probe so)
+ROUTER_RANK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _seen_rank(module, args):
+    if args and hasattr(args[0], "dim"):
+        ROUTER_RANK[module] = args[0].dim()
 
 
 def correction_bias(router):
@@ -137,8 +147,11 @@ def call_router(router, x):
     holder, name = BIAS_HOLDERS.get(router, (None, None))
     if holder is None:
         return router(x)
-    # the block passes its hidden states [B, T, H] with the bias (AFMoE's router reads three dims)
-    return router(x.reshape(1, -1, x.shape[-1]), getattr(holder, name))
+    # the block passes its hidden states with the bias, in the rank it was last seen taking (AFMoE's router
+    # reads [B, T, H], LFM2's [N, H]; three dims before any call)
+    if ROUTER_RANK[router] == 3:
+        x = x.reshape(1, -1, x.shape[-1])
+    return router(x, getattr(holder, name))
 
 
 def router_weight(router):

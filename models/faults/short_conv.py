@@ -1,0 +1,27 @@
+"""Port bugs of the gated short convolution (LFM2): its conv state not carried into decode, the C gate left
+out, the conv's taps in reverse order (a kernel layout misread: [H, 1, K] read back to front)."""
+
+from __future__ import annotations
+
+import torch
+
+from models.faults.fault import patch
+from models.layers.short_conv import ShortConv
+
+
+def short_conv_state_not_carried(sc: ShortConv, a):
+    def causal_conv(bx):
+        sc.conv_state.zero_()
+        return ShortConv.causal_conv(sc, bx)
+
+    patch(sc, "causal_conv", causal_conv)
+
+
+def short_conv_gate_missing(sc: ShortConv, a):
+    patch(sc, "gated", lambda c, y: y)
+
+
+def short_conv_taps_reversed(sc: ShortConv, a):
+    """Applied to the weights (static, so it exports)."""
+    with torch.no_grad():
+        sc.conv.weight.copy_(sc.conv.weight.flip(-1))
