@@ -4,11 +4,13 @@ carried for decode; out_proj), the rest GQA attention with a per-head q/k RMSNor
 k_layernorm; the output projection out_proj); one operator norm before the mixer, one before the MLP (operator_norm,
 ffn_norm), and the final norm named embedding_norm although it follows the layers. The first num_dense_layers have a
 dense SwiGLU MLP (w1 gate, w3 up, w2 down), the rest experts chosen on sigmoid scores plus an expert_bias (the choice
-only), the chosen scores renormalised (+1e-6) and times routed_scaling_factor. Embeddings tied (tie_embedding)."""
+only), the chosen scores renormalised (+1e-6) and times routed_scaling_factor. Embeddings tied (tie_embedding).
+mlx-lm's lfm2_moe and llama.cpp's LFM2MoE have it."""
 
 from models.args import CONV, DENSE, FULL, SPARSE, AttentionArgs, ModelArgs, RopeArgs, RouterArgs, ShortConvArgs
 from models.family import Family
 from models.mapping import hf_args, renamed, require, rope_theta, sanitize_hf
+from models.mlx_lm import DEFAULT_ROPE, MlxLm, const
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -51,9 +53,29 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
                         for k, t in weights.items()}, args)
 
 
+MLX = MlxLm(
+    module="lfm2_moe",
+    config=dict(
+        model_type="model_type", vocab_size="vocab_size", hidden_size="hidden_size",
+        intermediate_size="intermediate_size", moe_intermediate_size="moe_intermediate_size",
+        num_hidden_layers="num_hidden_layers", num_experts="num_experts", num_experts_per_tok="num_experts_per_tok",
+        norm_topk_prob="norm_topk_prob", num_attention_heads="num_attention_heads",
+        num_key_value_heads="num_key_value_heads", max_position_embeddings="max_position_embeddings",
+        use_expert_bias="use_expert_bias", num_dense_layers=lambda c: c.num_dense_layers or 0, norm_eps="norm_eps",
+        conv_bias="conv_bias", conv_L_cache="conv_L_cache", rope_theta=rope_theta,
+        routed_scaling_factor="routed_scaling_factor", rope_parameters=const(None), full_attn_idxs=lambda c: [i for i, t in enumerate(c.layer_types) if t == FULL],
+        layer_types=lambda c: list(c.layer_types),
+    ),
+    require=DEFAULT_ROPE + (
+        (lambda c: c.tie_word_embeddings, "untied embeddings (mlx-lm's lfm2_moe always ties its head)"),
+        (lambda c: FULL in c.layer_types, "layer_types without a full_attention layer (mlx-lm's lfm2_moe looks one up)"),
+    ),
+    expert_names={"gate": "w1", "up": "w3", "down": "w2"}, moe="feed_forward",
+)
+
 FAMILY = Family(
     name="lfm2_moe", model_types=("lfm2_moe",), hf_module="lfm2_moe", hf_class_name="Lfm2MoeForCausalLM",
-    hf_config_name="Lfm2MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+    hf_config_name="Lfm2MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
     hf_attention=("self_attn", "conv"), hf_moe="feed_forward", hf_router="feed_forward.gate",
     hf_mlp="feed_forward", hf_router_bias="feed_forward.expert_bias", hf_point_names=NAMES,
     rules=(("positive", "intermediate_size", "moe_intermediate_size", "conv_L_cache"),

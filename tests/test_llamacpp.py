@@ -156,6 +156,8 @@ def _merged(cfg: dict, config: dict) -> dict:
                 "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}, "softcap"),
     # llama.cpp's granite_swa reads no layer_rope_theta: one rope base for every layer
     ("granitemoe_swa", {"layer_rope_theta": [10000.0, 10000.0, 10000.0]}, "layer_rope_theta"),
+    # llama.cpp's lfm2moe never scales the experts' weights by routed_scaling_factor (its short-conv layers pass)
+    ("lfm2_moe", {"routed_scaling_factor": 1.0}, "expert_weights_scale"),
 ])
 def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, cause):
     """The tiny checkpoint fails where its entry says (xfail); with the cause removed from config.json

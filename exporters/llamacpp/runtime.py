@@ -160,8 +160,9 @@ class Graph:
         """Layer L's nodes (pointers): its input `stream`, the residual sum after its attention
         `mid`, its output `out` (l_out-L), its attention's input `attn_in` (attn_norm-L), its
         experts' or MLP's input `ffn_in` (the norm of `mid`)."""
-        attn_in = self.named.get(f"attn_norm-{L}")
-        stream = self.stream_into(f"attn_norm-{L}")
+        norm = next((n.format(L) for n in ATTN_NORMS if n.format(L) in self.named), f"attn_norm-{L}")
+        attn_in = self.named.get(norm)
+        stream = self.stream_into(norm)
         mid = self.add_onto(stream, attn_in)
         out = self.named.get(f"l_out-{L}")
         ffn_in = self.normed(mid) if mid is not None else None
@@ -194,6 +195,11 @@ class Graph:
             srcs = self.nodes[p][2]
             p = srcs[0] if srcs else None
         return None if p is None or p not in self.nodes else self.nodes[p][2][0]
+
+
+# what llama.cpp's graphs name a layer's norm before its attention (or the mixer in its place): attn_norm-L, or LFM2's
+# HF-style name (its graph passes "model.layers.{}.operator_norm" to cb, which appends -L and keeps the braces)
+ATTN_NORMS = ("attn_norm-{0}", "model.layers.{{}}.operator_norm-{0}")
 
 
 class Runner:

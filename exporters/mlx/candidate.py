@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from exporters.mlx.config import check_args
-from exporters.mlx.model import attention_block, moe_block, route, text_model
+from exporters.mlx.model import attention_block, final_norm, moe_block, route, text_model
 from oracle.backend import Candidate
 from oracle.reports.result import GateRow
 
@@ -211,7 +211,7 @@ class MLXCandidate(Candidate):
 
         tm = text_model(self.model)
         if kind in ("final_norm", "logits"):
-            block = tm.model.norm if kind == "final_norm" else tm.lm_head if "lm_head" in tm else None
+            block = final_norm(tm) if kind == "final_norm" else tm.lm_head if "lm_head" in tm else None
         else:
             dec = self.model.layers[layer]
             block = {"attention": attention_block(dec), "layer": dec}.get(kind) or moe_block(dec)
@@ -246,9 +246,11 @@ class MLXCandidate(Candidate):
 
         tm = text_model(self.model)
         if kind == "final_norm":
-            return lambda x, c: self._out(tm.model.norm(x))
+            return lambda x, c: self._out(final_norm(tm)(x))
         if kind == "logits":
-            head = tm.model.embed_tokens.as_linear if getattr(tm.args, "tie_word_embeddings", False) else tm.lm_head
+            # (tied: the args say so, or the model has no head of its own, LFM2's)
+            tied = getattr(tm.args, "tie_word_embeddings", False) or "lm_head" not in tm
+            head = tm.model.embed_tokens.as_linear if tied else tm.lm_head
             # what mlx-lm's Model.__call__ does after the head: Granite divides by its logits_scaling
             scaling = getattr(tm, "logits_scaling", 1.0)
             return lambda x, c: self._out(head(x) / scaling if scaling != 1.0 else head(x))
@@ -263,7 +265,8 @@ class MLXCandidate(Candidate):
             return router
         module = {"attention": attention_block(dec), "layer": dec}[kind]
         cache, pos = make_prompt_cache(self.model)[layer], [0]
-        linear = getattr(dec, "is_linear", False)
+        # a recurrent mixer's layer takes the SSM mask (Qwen3.5's linear attention, LFM2's short conv)
+        linear = getattr(dec, "is_linear", False) or not getattr(dec, "is_attention_layer", True)
 
         def fn(x, c):
             if c.probe or int(c.pos_array[0]) != pos[0]:

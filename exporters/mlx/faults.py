@@ -31,7 +31,7 @@ from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missin
                                      no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
                                      router_logit_bias_ignored, set_gate, sigmoid, softmax_after_topk,
                                      softmax_for_sigmoid, sparsemixer_first_unmasked, stray_bf16)
-from exporters.mlx.model import attention_block, moe_block, patch_call, text_model
+from exporters.mlx.model import attention_block, final_norm, moe_block, patch_call, text_model
 
 
 # ------------------------------------------------------------------ layer / model
@@ -52,7 +52,7 @@ def _residual_missing(layer, a):
 
 
 def _final_norm_eps(model, a):
-    text_model(model).model.norm.eps *= 1e3
+    final_norm(text_model(model)).eps *= 1e3
 
 
 def _layernorm_as_rmsnorm(layer, a):

@@ -9,12 +9,18 @@ def text_model(model):
     return getattr(model, "language_model", model)
 
 
+def final_norm(tm):  # the text model's final norm (LFM2 names it embedding_norm)
+    return tm.model.norm if "norm" in tm.model else tm.model.embedding_norm
+
+
 def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm name
     return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp") if n in layer)
 
 
-def attention_block(layer):
-    return layer.linear_attn if getattr(layer, "is_linear", False) else layer.self_attn
+def attention_block(layer):  # the mixer in the attention's place: LFM2's short conv where a layer has no attention
+    if getattr(layer, "is_linear", False):
+        return layer.linear_attn
+    return layer.self_attn if "self_attn" in layer else layer.conv
 
 
 def experts_of(moe):
@@ -189,6 +195,22 @@ def _route_mistral4(moe, x):  # mistral4: mlx-lm's own selection (softmax in fp3
 
 
 ROUTE["Mistral4MoE"] = _route_mistral4
+
+
+def _route_lfm2(moe, x):  # lfm2_moe: sigmoid in x's dtype, top-k of + expert_bias (fp32), renorm (+1e-6), scale
+    import mlx.core as mx
+
+    w = mx.sigmoid(moe.gate(x))
+    k = moe.top_k
+    choice = w.astype(mx.float32) + moe.expert_bias if moe.use_expert_bias else w
+    inds = mx.argpartition(choice, kth=-k, axis=-1)[..., -k:]
+    s = mx.take_along_axis(w, inds, axis=-1)
+    if moe.norm_topk_prob:
+        s = s / (mx.sum(s, axis=-1, keepdims=True) + 1e-6)
+    return (s * moe.routed_scaling_factor).astype(x.dtype), inds
+
+
+ROUTE["Lfm2MoeSparseMoeBlock"] = _route_lfm2
 
 
 def route(moe, x):
