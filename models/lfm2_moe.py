@@ -9,6 +9,7 @@ mlx-lm's lfm2_moe and llama.cpp's LFM2MoE have it."""
 
 from models.args import CONV, DENSE, FULL, SPARSE, AttentionArgs, ModelArgs, RopeArgs, RouterArgs, ShortConvArgs
 from models.family import Family
+from models.checkpoint import unstack_experts
 from models.mapping import hf_args, renamed, require, rope_theta, sanitize_hf
 from models.mlx_lm import DEFAULT_ROPE, MlxLm, const
 
@@ -53,6 +54,34 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
                         for k, t in weights.items()}, args)
 
 
+# the trained profile's names for HF's in-memory ones (Family.hf_profile_view): the residual-stream norms and the
+# q/k norms by role, the attention's output projection (the conv mixer's out_proj is a writer under its own name)
+PROFILE = {"operator_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "q_layernorm": "q_norm",
+           "k_layernorm": "k_norm"}
+
+
+def profile_view(sd: dict, cfg: dict) -> dict:
+    return {renamed(k, PROFILE).replace(".self_attn.out_proj.", ".self_attn.o_proj."): t for k, t in sd.items()}
+
+
+# mlx-lm's sanitize: w1/w3/w2 -> gate/up/down_proj (dense and expert), experts stacked, conv.weight [H, K, 1]
+TO_RELEASE = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names and layouts -> the release's: per-expert w1/w3/w2, the dense MLP's too, conv [H, 1, K]."""
+    out = {}
+    for k, v in unstack_experts(weights, TO_RELEASE).items():
+        if k.endswith(".conv.weight") and v.ndim == 3 and v.shape[-1] == 1:
+            v = v.moveaxis(2, 1)
+        out[renamed(k, TO_RELEASE) if ".feed_forward." in k else k] = v
+    return out
+
+
+def attention_layers(c) -> list:
+    return [i for i, t in enumerate(c.layer_types) if t == FULL]
+
+
 MLX = MlxLm(
     module="lfm2_moe",
     config=dict(
@@ -63,8 +92,8 @@ MLX = MlxLm(
         num_key_value_heads="num_key_value_heads", max_position_embeddings="max_position_embeddings",
         use_expert_bias="use_expert_bias", num_dense_layers=lambda c: c.num_dense_layers or 0, norm_eps="norm_eps",
         conv_bias="conv_bias", conv_L_cache="conv_L_cache", rope_theta=rope_theta,
-        routed_scaling_factor="routed_scaling_factor", rope_parameters=const(None), full_attn_idxs=lambda c: [i for i, t in enumerate(c.layer_types) if t == FULL],
-        layer_types=lambda c: list(c.layer_types),
+        routed_scaling_factor="routed_scaling_factor", rope_parameters=const(None),
+        full_attn_idxs=attention_layers, layer_types=lambda c: list(c.layer_types),
     ),
     require=DEFAULT_ROPE + (
         (lambda c: c.tie_word_embeddings, "untied embeddings (mlx-lm's lfm2_moe always ties its head)"),
@@ -76,6 +105,7 @@ MLX = MlxLm(
 FAMILY = Family(
     name="lfm2_moe", model_types=("lfm2_moe",), hf_module="lfm2_moe", hf_class_name="Lfm2MoeForCausalLM",
     hf_config_name="Lfm2MoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
+    from_mlx=from_mlx, hf_profile_view=profile_view,
     hf_attention=("self_attn", "conv"), hf_moe="feed_forward", hf_router="feed_forward.gate",
     hf_mlp="feed_forward", hf_router_bias="feed_forward.expert_bias", hf_point_names=NAMES,
     rules=(("positive", "intermediate_size", "moe_intermediate_size", "conv_L_cache"),

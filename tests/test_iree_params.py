@@ -338,7 +338,8 @@ def test_the_faults_that_run_the_clean_program_are_those_in_the_weights_alone():
     from models import FAMILY_NAMES
 
     weights_alone = {"expert_gate_up_swapped", "expert_weights_off_1e-3",
-                     "moe_bias_missing"}  # (JetMoE's MoE output bias zeroed: a weight value)
+                     "moe_bias_missing",  # (JetMoE's MoE output bias zeroed: a weight value)
+                     "short_conv_taps_reversed"}  # (LFM2's conv kernel flipped in place: a weight value)
     for family in FAMILY_NAMES:
         spec = CheckSpec(family=family, backend=NAME)
         src = model_source(spec)

@@ -45,8 +45,9 @@ QK_SCALE = 2.5
 # the residual stream's norms inside a layer (the final norm is the one outside the layers)
 LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight",
                "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
-# the attention's output projections ([H, ...]): every layer writes into the residual stream through one
-WRITERS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "linear_attn.out_proj.weight")
+# the mixers' output projections ([H, ...]): every layer writes into the residual stream through one (attention,
+# Gated DeltaNet, LFM2's short convolution)
+WRITERS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "linear_attn.out_proj.weight", "conv.out_proj.weight")
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 MLA_QUERIES = ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")
 QK_PROJ = re.compile(r"self_attn\.[qk]_proj\.(weight|bias)")
