@@ -125,3 +125,13 @@ def code_of(fn: Callable, seen: set | None = None) -> list[str]:
 def patch(obj, name: str, fn) -> None:
     """Override one method on this instance only."""
     setattr(obj, name, fn)
+
+
+def state_not_carried(module, method: str, state: str) -> None:
+    """`module.method` with the state buffer it carries (`state`) zeroed before every call: the state of one call
+    (prefill) not carried into the next (decode)."""
+    def call(*args):
+        getattr(module, state).zero_()
+        return getattr(type(module), method)(module, *args)
+
+    patch(module, method, call)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from models.faults.fault import patch
+from models.faults.fault import patch, state_not_carried
 from models.layers.gated_deltanet import GatedDeltaNet
 
 
@@ -19,11 +19,7 @@ def gdn_state_not_carried(gdn: GatedDeltaNet, a):
 
 
 def gdn_conv_state_not_carried(gdn: GatedDeltaNet, a):
-    def conv(qkv):
-        gdn.conv_state.zero_()
-        return GatedDeltaNet.conv(gdn, qkv)
-
-    patch(gdn, "conv", conv)
+    state_not_carried(gdn, "conv", "conv_state")
 
 
 def gdn_chunked_prefill(gdn: GatedDeltaNet, a):

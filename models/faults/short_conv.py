@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from models.faults.fault import patch
+from models.faults.fault import patch, state_not_carried
 from models.layers.short_conv import ShortConv
 
 
 def short_conv_state_not_carried(sc: ShortConv, a):
-    def causal_conv(bx):
-        sc.conv_state.zero_()
-        return ShortConv.causal_conv(sc, bx)
-
-    patch(sc, "causal_conv", causal_conv)
+    state_not_carried(sc, "causal_conv", "conv_state")
 
 
 def short_conv_gate_missing(sc: ShortConv, a):

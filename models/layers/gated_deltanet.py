@@ -13,6 +13,7 @@ from torch import nn
 from models.args import ModelArgs
 from models.layers.norms import GatedRMSNorm, l2norm
 from models.layers import taps
+from models.layers.state import reset_at_start
 from models.layers.taps import tap
 
 
@@ -98,9 +99,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o)
 
     def reset_at_start(self, pos):
-        keep = (pos[0] != 0).to(self.conv_state.dtype)  # a call at position 0 starts a new sequence
-        self.conv_state.mul_(keep)
-        self.recurrent_state.mul_(keep.float())
+        reset_at_start(pos, self.conv_state, self.recurrent_state)
 
     def conv(self, qkv):  # [B, C, T] -> silu(causal depthwise conv) [B, C, T], carrying conv_state
         conv_in = torch.cat([self.conv_state, qkv], dim=-1)  # [B, C, K-1+T]

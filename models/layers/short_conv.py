@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.args import ModelArgs
+from models.layers.state import reset_at_start
 from models.layers.taps import tap
 
 
@@ -24,8 +25,7 @@ class ShortConv(nn.Module):
         self.register_buffer("conv_state", torch.zeros(1, H, self.K - 1, dtype=dtype))
 
     def forward(self, x, pos):  # x [B, T, H], pos [T]
-        keep = (pos[0] != 0).to(self.conv_state.dtype)  # a call at position 0 starts a new sequence
-        self.conv_state.mul_(keep)
+        reset_at_start(pos, self.conv_state)
         b, c, v = self.in_proj(x).transpose(1, 2).chunk(3, dim=1)  # each [B, H, T]
         bx = b * v
         tap("bx", bx, lambda t: t.transpose(1, 2))  # [B, T, H]: rows by token, as every other point
