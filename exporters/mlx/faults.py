@@ -66,6 +66,16 @@ def _logits_scaling_missing(model, a):
     text_model(model).logits_scaling = 1.0  # mlx-lm's Granite divides by it (so does the logits block)
 
 
+def _short_conv_gate_missing(sc, a):  # the short conv's in_proj with its C third (the gate) all ones
+    call = type(sc.in_proj).__call__
+
+    def fn(self, x):
+        b, _, v = mx.split(call(self, x), 3, axis=-1)
+        return mx.concatenate([b, mx.ones_like(b), v], axis=-1)
+
+    patch_call(sc.in_proj, fn)
+
+
 def _set(name, value):
     def apply(obj, a):
         setattr(obj, name, value(a) if callable(value) else value)
@@ -129,6 +139,11 @@ FAULTS = {
     "rope_on_nope_layer": rope_on_nope_layer,
     "rope_of_the_model_on_own_layer": rope_of_the_model,
     "router_softcap_missing": lambda layer, a: setattr(moe_block(layer).gate, "softcap", 0.0),  # laguna's MoEGate
+    # mlx-lm's lfm2_moe ShortConv: its state is the cache's slot 0 (as Gated DeltaNet's conv state); mlx's Conv1d
+    # weight is [H, K, 1]; the C gate is in_proj's middle third
+    "short_conv_state_not_carried": lambda sc, a: gdn_forget(sc, 0),
+    "short_conv_taps_reversed": lambda sc, a: setattr(sc.conv, "weight", sc.conv.weight[:, ::-1, :]),
+    "short_conv_gate_missing": _short_conv_gate_missing,
 }
 
 

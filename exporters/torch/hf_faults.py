@@ -53,16 +53,19 @@ def attribute(names: tuple, value, path: str | None = None):
     return apply
 
 
-def tensor(names: tuple, edit):
-    """Edit in place the first parameter or buffer whose own name is one of `names`."""
+def tensor(names: tuple, edit, path: str | None = None):
+    """Edit in place the first parameter or buffer whose own name is one of `names` (`path`: of that submodule
+    only)."""
     def apply(blocks, a):
         for block in blocks.values():
             for n, t in (*block.named_parameters(), *block.named_buffers()):
-                if n.rsplit(".", 1)[-1] in names:
+                owner, _, own = n.rpartition(".")
+                if own in names and (path is None or owner == path):
                     with torch.no_grad():
                         edit(t)
                     return
-        raise InputError(f"HF's module has no {' or '.join(names)} tensor to change")
+        raise InputError(f"HF's module has no {' or '.join(names)} tensor" + (f" at {path}" if path else "")
+                         + " to change")
     return apply
 
 
@@ -158,6 +161,12 @@ FORMS = {
     "clip_qkv_missing": attribute(("clip_qkv",), lambda v, a: float("inf")),  # (HF's clamp takes no None bound)
     "value_scale_missing": attribute(("v_scale",), lambda v, a: 1.0),
     "router_softcap_missing": attribute(("router_logit_softcapping",), lambda v, a: 0.0),
+    # LFM2's short convolution: its kernel [H, 1, K] back to front; the C gate (in_proj's middle third) all ones
+    "short_conv_taps_reversed": tensor(("weight",), lambda t: t.copy_(t.flip(-1)), path="conv"),
+    "short_conv_gate_missing": output(lambda out, x: torch.cat([out[..., : out.shape[-1] // 3],
+                                                                 torch.ones_like(out[..., : out.shape[-1] // 3]),
+                                                                 out[..., 2 * out.shape[-1] // 3:]], dim=-1),
+                                      ("in_proj",)),
     # layer, final norm, head
     "rmsnorm_eps_wrong": attribute(("variance_epsilon", "eps"), lambda v, a: v * 1e3, path="input_layernorm"),
     "residual_multiplier_missing": attribute(("residual_multiplier",), lambda v, a: 1.0),
@@ -184,7 +193,7 @@ NOT_APPLICABLE = {
                      "rope_of_the_model_on_own_layer"),
                     f"{_MODEL}: the rotary embedding (the model's rotary_emb, one for every layer)"),
     **dict.fromkeys(("kv_cache_write_off_by_one", "mla_cache_not_carried", "gdn_state_not_carried",
-                     "gdn_conv_state_not_carried"), f"{_MODEL}: the cache (a DynamicCache the model's forward owns)"),
+                     "gdn_conv_state_not_carried", "short_conv_state_not_carried"), f"{_MODEL}: the cache (a DynamicCache the model's forward owns)"),
     **dict.fromkeys(("attention_not_causal", "sliding_window_off_by_one"),
                     f"{_MODEL}: the attention mask (built from the config by the model's forward)"),
     "logits_scaling_missing": f"{_MODEL}: the logits' scaling (the causal-LM head's forward)",
