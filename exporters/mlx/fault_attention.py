@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from exporters.mlx.model import attention_block, patch_call, text_model
+from exporters.mlx.model import attention_block, named, patch_call, text_model
 
 
 # ------------------------------------------------------------------ full attention
@@ -87,11 +87,18 @@ def rotary_fraction_wrong(attn, a):
     attn.rope = _Rotary(dims, r.traditional, a.rope.theta ** _exponents(dims), r.scale)
 
 
+def _qk_norms(attn, make) -> None:
+    """The attention's q and k norms (under their names on this model: LFM2's q_layernorm) replaced by make(norm)."""
+    for role in ("q_norm", "k_norm"):
+        name = named(attn, role)
+        setattr(attn, name, make(getattr(attn, name)))
+
+
 def qk_norm_missing(attn, a):
     if hasattr(attn, "use_qk_norm"):  # Llama 4's weightless L2-style norm is a flag in its __call__
         attn.use_qk_norm = False
     else:
-        attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
+        _qk_norms(attn, lambda norm: nn.Identity())
 
 
 class _NormedFirst(nn.Module):
@@ -127,13 +134,11 @@ class _RegroupedNorm(nn.Module):
 
 
 def qk_norm_per_head_for_flat(attn, a):  # olmoe: the norm spans the whole projection
-    hd = a.head_dim
-    attn.q_norm, attn.k_norm = _RegroupedNorm(attn.q_norm, hd, False), _RegroupedNorm(attn.k_norm, hd, False)
+    _qk_norms(attn, lambda norm: _RegroupedNorm(norm, a.head_dim, False))
 
 
 def qk_norm_flat_for_per_head(attn, a):  # applied to [B, L, heads, hd]: normalise over heads * hd
-    hd = a.head_dim
-    attn.q_norm, attn.k_norm = _RegroupedNorm(attn.q_norm, hd, True), _RegroupedNorm(attn.k_norm, hd, True)
+    _qk_norms(attn, lambda norm: _RegroupedNorm(norm, a.head_dim, True))
 
 
 def not_causal(attn, a):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from exporters.mlx.model import (experts_of, moe_block, patch_call, router_linear, router_logits, router_module,
+from exporters.mlx.model import (experts_of, moe_block, named, patch_call, router_linear, router_logits, router_module,
                                  route as mlx_route)
 
 
@@ -97,8 +97,9 @@ def one_expert_fewer(layer, a):
     # a block that routes inline with its own bias (MiniMax-M2), or a gate that holds one beside its weight
     # (the DeepSeek-style MoEGate, ungrouped: glm4_moe_lite): it sees one fewer too (as the torch form)
     for holder in (moe,) if r is moe else (moe, r):
-        if "e_score_correction_bias" in holder:
-            holder.e_score_correction_bias = holder.e_score_correction_bias[:-1]
+        bias = named(holder, "e_score_correction_bias")  # (LFM2's expert_bias)
+        if bias in holder:
+            setattr(holder, bias, getattr(holder, bias)[:-1])
 
 
 def sigmoid(layer, a):
@@ -156,6 +157,8 @@ def _gate(layer):
 def set_gate(**fields):
     def apply(layer, a):
         g = _gate(layer)
+        if g is None:  # a block that routes inline with the fields its own (LFM2)
+            g = moe_block(layer)
         for k, v in fields.items():
             setattr(g, k, v(a) if callable(v) else v)
 
@@ -171,9 +174,10 @@ def group_limit_ignored(layer, a):
 
 def bias_ignored(layer, a):
     g = _gate(layer)
-    if g is None:  # a block that routes inline, its correction bias its own (MiniMax-M2)
+    if g is None:  # a block that routes inline, its correction bias its own (MiniMax-M2, LFM2's expert_bias)
         g = moe_block(layer)
-    g.e_score_correction_bias = mx.zeros_like(g.e_score_correction_bias)
+    bias = named(g, "e_score_correction_bias")
+    setattr(g, bias, mx.zeros_like(getattr(g, bias)))
 
 
 def bias_in_weights(layer, a):
@@ -181,9 +185,10 @@ def bias_in_weights(layer, a):
     g = _gate(layer)
     if g is None:  # a block that routes inline with its own correction bias (MiniMax-M2): its routing recomputed
         moe = moe_block(layer)
+        bias = getattr(moe, named(moe, "e_score_correction_bias"))
 
         def route(logits, k, renorm):
-            biased = mx.sigmoid(logits.astype(mx.float32)) + moe.e_score_correction_bias
+            biased = mx.sigmoid(logits.astype(mx.float32)) + bias
             inds = mx.argpartition(-biased, kth=k - 1, axis=-1)[..., :k]
             s = mx.take_along_axis(biased, inds, axis=-1)
             return (s / s.sum(axis=-1, keepdims=True) if renorm else s), inds

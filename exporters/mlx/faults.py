@@ -31,22 +31,25 @@ from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missin
                                      no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
                                      router_logit_bias_ignored, set_gate, sigmoid, softmax_after_topk,
                                      softmax_for_sigmoid, sparsemixer_first_unmasked, stray_bf16)
-from exporters.mlx.model import attention_block, final_norm, moe_block, patch_call, text_model
+from exporters.mlx.model import attention_block, final_norm, moe_block, named, patch_call, text_model
 
 
 # ------------------------------------------------------------------ layer / model
 def _input_norm_eps(layer, a):
-    layer.input_layernorm.eps *= 1e3
+    getattr(layer, named(layer, "input_layernorm")).eps *= 1e3
 
 
 def _norm_offset_missing(layer, a):  # sanitize()'s +1 on (1 + w) weights lost (conv1d-shape trap)
-    layer.post_attention_layernorm.weight = layer.post_attention_layernorm.weight - 1.0
+    norm = getattr(layer, named(layer, "post_attention_layernorm"))
+    norm.weight = norm.weight - 1.0
 
 
 def _residual_missing(layer, a):
+    pre, post = named(layer, "input_layernorm"), named(layer, "post_attention_layernorm")
+
     def call(self, x, *args, **kw):  # (mask, cache), or what the model passes beside them (Mistral 4's attn_scale)
-        h = attention_block(self)(self.input_layernorm(x), *args, **kw)
-        return h + moe_block(self)(self.post_attention_layernorm(h))
+        h = attention_block(self)(getattr(self, pre)(x), *args, **kw)
+        return h + moe_block(self)(getattr(self, post)(h))
 
     patch_call(layer, call)
 

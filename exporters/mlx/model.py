@@ -23,6 +23,17 @@ def attention_block(layer):  # the mixer in the attention's place: LFM2's short 
     return layer.self_attn if "self_attn" in layer else layer.conv
 
 
+# what most mlx-lm models call a module or array -> what some call it (LFM2's operator_norm, ffn_norm, q_layernorm,
+# expert_bias): the fault forms find a module by its role
+ALIASES = {"input_layernorm": ("operator_norm",), "post_attention_layernorm": ("ffn_norm",),
+           "q_norm": ("q_layernorm",), "k_norm": ("k_layernorm",), "e_score_correction_bias": ("expert_bias",)}
+
+
+def named(module, name: str) -> str:
+    """The attribute of `module` that plays `name`'s role: `name`, or the first of its ALIASES it has."""
+    return next((n for n in (name, *ALIASES.get(name, ())) if hasattr(module, n)), name)
+
+
 def experts_of(moe):
     """The MoE block's routed experts (mlx-lm's SwitchGLU): `switch_mlp`, or `experts` (dots1,
     gpt_oss, llama4)."""
