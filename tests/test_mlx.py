@@ -444,6 +444,8 @@ OTHER_FAULTS = [
     ("phimoe", "sparsemixer_first_unmasked"), ("phimoe", "layernorm_as_rmsnorm"),
     ("granitemoe", "logits_scaling_missing"), ("granitemoe", "residual_multiplier_missing"),
     ("llama4", "rope_on_nope_layer"), ("llama4", "moe_interleave_wrong"), ("llama4", "router_softmax_for_sigmoid"),
+    # LFM2: the short conv's own fault; a correction bias and norms under LFM2's names (exporters/mlx/model.ALIASES)
+    ("lfm2_moe", "short_conv_taps_reversed"), ("lfm2_moe", "router_bias_ignored"), ("lfm2_moe", "rmsnorm_eps_wrong"),
 ]
 
 
