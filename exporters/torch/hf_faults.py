@@ -35,14 +35,26 @@ from oracle.backend import InputError
 # block; an expert fault picks its expert by the router's weight).
 
 
+def submodules(block, a) -> dict:
+    """A block's submodules by path, each also under its production name where the family's HF names it otherwise
+    (Family.hf_point_names: LFM2's operator_norm is input_layernorm, Kolibri-1's post_self_attn_layernorm the
+    attention's post-norm): a form names the module by its role, the production name first."""
+    from models import get_family
+    from models.mapping import renamed
+
+    names = get_family(a.family).hf_point_names or {}
+    subs = dict(block.named_modules())
+    return {**subs, **{renamed(p, names): m for p, m in subs.items()}}
+
+
 def attribute(names: tuple, value, path: str | None = None):
-    """Set the first of `names` found on a block or its submodules (`path`: that submodule only)
-    to value(old, args)."""
+    """Set the first of `names` found on a block or its submodules (`path`: that submodule only, by
+    its production name: submodules) to value(old, args)."""
     def apply(blocks, a):
         for block in blocks.values():
-            for p, m in block.named_modules():
-                if path is not None and p != path:
-                    continue
+            subs = submodules(block, a)
+            for m in (dict(block.named_modules()).values() if path is None else
+                      [subs[path]] if path in subs else []):
                 for n in names:
                     old = m.__dict__.get(n)  # a plain attribute, not a parameter, buffer or submodule
                     if isinstance(old, (bool, int, float, str)):
@@ -80,7 +92,7 @@ def output(change, paths: tuple = ("",)):
 
     def apply(blocks, a):
         for block in blocks.values():
-            subs = dict(block.named_modules())
+            subs = submodules(block, a)
             hooked = [subs[p] for p in paths if p in subs]
             if hooked:
                 for m in hooked:
@@ -141,7 +153,7 @@ FORMS = {
     "routed_scaling_twice": attribute(("routed_scaling_factor",), lambda v, a: v * v),
     "router_group_limit_ignored": lambda blocks, a: [attribute(names, lambda v, a: 1)(blocks, a)
                                                      for names in (("n_group", "num_group"), ("topk_group",))],
-    "router_bias_ignored": tensor(("e_score_correction_bias",), lambda t: t.zero_()),
+    "router_bias_ignored": tensor(("e_score_correction_bias", "expert_bias"), lambda t: t.zero_()),  # (LFM2's)
     "router_logit_bias_ignored": tensor(("bias",), lambda t: t.zero_()),
     # experts and the MoE block
     "expert_weights_off_1e-3": _one_expert_off,
