@@ -78,7 +78,7 @@ class MLXCandidate(Candidate):
     block_mode = "isolated"
 
     def __init__(self, model, dtype, device, info, array_mask: bool = False, windows: dict | None = None,
-                 chunks: dict | None = None, block_args=None):
+                 chunks: dict | None = None, block_args=None, point_names: dict | None = None):
         import mlx.core as mx
 
         self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
@@ -87,6 +87,8 @@ class MLXCandidate(Candidate):
         self.windows = windows or {}  # layer -> its sliding window (the model's own masks; a block needs it)
         self.chunks = chunks or {}  # layer -> its attention chunk (Llama 4's chunked layers)
         self.block_args = block_args  # MlxLm.block_args: what the model passes its layers beside x and the mask
+        # HF's submodule names (which mlx-lm keeps) -> the production model's, for the drill (Family.hf_point_names)
+        self.point_names = point_names
         self.routes: list = []  # (layer, indices, weights) of each MoE block's call (routing replay)
         self._record_routes()
 
@@ -227,6 +229,10 @@ class MLXCandidate(Candidate):
                 rec.add("weights", np.asarray(out[0], dtype=np.float32))
             else:  # the block's own output (as run_block returns it)
                 rec.add("output", np.asarray(out, dtype=np.float32))
+        if self.point_names:
+            from models.mapping import renamed
+
+            return rec.points.renamed(lambda n: renamed(n, self.point_names))
         return rec.points
 
     def chunk_mask(self, x, cache, chunk: int):

@@ -185,13 +185,8 @@ class HFCandidate(Candidate):
             rec.points["output"] = []
             for o in outs:
                 rec.add("output", o)
-        names = self.family.hf_point_names or {}  # HF's submodule names -> the production model's (the drill's names)
-        if names:
-            out = points.Points(rec.points.taps)
-            out.registered = [renamed(n, names) for n in rec.points.registered]
-            out.update({renamed(n, names): v for n, v in rec.points.items()})
-            return out
-        return rec.points
+        names = self.family.hf_point_names  # HF's submodule names -> the production model's (the drill's names)
+        return rec.points.renamed(lambda n: renamed(n, names)) if names else rec.points
 
     def _replay(self, layer, kind, calls):
         target = self.modules[layer, kind]

@@ -86,6 +86,14 @@ class Points(dict):
         # program on a cache miss): the drill then costs more than the block, and says so
         self.build_s = 0.0
 
+    def renamed(self, rename) -> "Points":
+        """The points under rename(path) (a backend whose model names its submodules otherwise: the family's
+        Family.hf_point_names, applied part by part, gives the production model's names the drill compares)."""
+        out = Points(self.taps)
+        out.registered, out.build_s = [rename(n) for n in self.registered], self.build_s
+        out.update({rename(n): v for n, v in self.items()})
+        return out
+
 
 class Recorder:
     """point -> its outputs, one per firing, in the order points first fire (a module fires once
