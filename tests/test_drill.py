@@ -152,6 +152,7 @@ def mlx():
     ("olmoe", "qk_norm_missing", "q_norm"),
     ("qwen3_5_moe", "gdn_state_not_carried", "recurrence"),  # mlx-lm's gated_delta_update
     ("qwen3_moe", "router_no_renorm", "weights"),  # the block's routing mirror
+    ("lfm2_moe", "rmsnorm_eps_wrong", "input_layernorm"),  # mlx-lm's operator_norm under the production name
 ])
 def test_an_mlx_fault_is_drilled_to_its_point(mlx, family, fault, point):
     r = run_check(CheckSpec(family=family, backend="mlx"), resolve("mlx").with_fault(faults.get(fault)))
