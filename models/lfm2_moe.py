@@ -56,8 +56,7 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
 
 # the trained profile's names for HF's in-memory ones (Family.hf_profile_view): the residual-stream norms and the
 # q/k norms by role, the attention's output projection (the conv mixer's out_proj is a writer under its own name)
-PROFILE = {"operator_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "q_layernorm": "q_norm",
-           "k_layernorm": "k_norm"}
+PROFILE = {k: NAMES[k] for k in ("operator_norm", "ffn_norm", "q_layernorm", "k_layernorm")}
 
 
 def profile_view(sd: dict, cfg: dict) -> dict:
@@ -65,7 +64,7 @@ def profile_view(sd: dict, cfg: dict) -> dict:
 
 
 # mlx-lm's sanitize: w1/w3/w2 -> gate/up/down_proj (dense and expert), experts stacked, conv.weight [H, K, 1]
-TO_RELEASE = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+TO_RELEASE = {NAMES[w]: w for w in ("w1", "w3", "w2")}
 
 
 def from_mlx(weights: dict, config: dict) -> dict:
