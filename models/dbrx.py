@@ -13,6 +13,7 @@ import re
 from models.args import FULL, AttentionArgs, ModelArgs, NormArgs, RopeArgs, RouterArgs
 from models.family import Family
 from models.mapping import require, rope_theta, tie_embeddings
+from models.mlx_lm import DEFAULT_ROPE, UNTIED, MlxLm
 
 TINY = dict(
     vocab_size=256, d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
@@ -127,12 +128,55 @@ def router_input(logits, weights, idx, args: ModelArgs):
     return rest.scatter(1, idx.reshape(-1, idx.shape[-1]), torch.log(w))
 
 
+MLX_EXPERT = re.compile(r"(.*\.ffn\.experts)\.(\d+)\.(w1|v1|w2)\.weight")
+
+
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's per-expert `ffn.experts.{e}.{w1,v1,w2}.weight` ([I, H], w2 [H, I]) -> the release's fused
+    `ffn.experts.mlp.{w1,v1,w2}` [E*I, H] (w2 each expert's transpose): the inverse of mlx-lm's sanitize.
+    The other names are the release's (mlx-lm keeps transformer.blocks, norm_attn_norm, router.layer)."""
+    import torch
+
+    out, experts = {}, {}
+    for k, v in weights.items():
+        if m := MLX_EXPERT.fullmatch(k):
+            experts.setdefault((m[1], m[3]), {})[int(m[2])] = v.T if m[3] == "w2" else v
+        else:
+            out[k] = v
+    for (prefix, name), per in experts.items():
+        out[f"{prefix.rsplit('.', 1)[0]}.experts.mlp.{name}"] = torch.cat([per[e] for e in range(len(per))])
+    return out
+
+
+MLX = MlxLm(
+    module="dbrx",
+    config=dict(
+        model_type="model_type", vocab_size="vocab_size", d_model="d_model", n_layers="n_layers", n_heads="n_heads",
+        ffn_config=lambda c: dict(ffn_hidden_size=c.ffn_config.ffn_hidden_size,
+                                  moe_num_experts=c.ffn_config.moe_num_experts, moe_top_k=c.ffn_config.moe_top_k),
+        attn_config=lambda c: dict(kv_n_heads=c.attn_config.kv_n_heads, clip_qkv=c.attn_config.clip_qkv,
+                                   rope_theta=rope_theta(c)),
+    ),
+    # mlx-lm's dbrx hard-codes: the clamp (mx.clip of None fails), the weights over their sum, SwiGLU experts,
+    # LayerNorm's eps 1e-5 (HF's nn.LayerNorm default, the same), its own lm_head, default RoPE
+    require=DEFAULT_ROPE + UNTIED + (
+        (lambda c: c.attn_config.clip_qkv is not None, "clip_qkv None (mlx-lm's dbrx always clamps q, k and v)"),
+        (lambda c: c.ffn_config.moe_normalize_expert_weights == 1,
+         "moe_normalize_expert_weights other than 1 (mlx-lm's dbrx divides the top-k weights by their sum)"),
+        (lambda c: (c.ffn_config.ffn_act_fn or {}).get("name", "silu") == "silu",
+         "ffn_act_fn other than silu (mlx-lm's dbrx experts are SwiGLU)"),
+    ),
+    moe="ffn",
+    # the release's fused experts are what mlx-lm's sanitize splits (its `experts.mlp` names): passed as they are
+    convert=lambda weights: weights,
+)
+
 FAMILY = Family(
     name="dbrx", model_types=("dbrx",), hf_module="dbrx", hf_class_name="DbrxForCausalLM",
     hf_config_name="DbrxConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_attention=("norm_attn_norm.attn",), hf_moe="ffn", hf_router="ffn.router.layer", hf_mlp="ffn",
     router_output=router_output, router_input=router_input, hf_profile_view=profile_view,
-    # (mlx-lm 0.32.2's dbrx model is not mapped: see the family's row in README.md)
+    mlx=MLX, from_mlx=from_mlx,
     experts="ffn_config.moe_num_experts", top_k="ffn_config.moe_top_k",
     rules=(("positive", "d_model", "n_heads", "n_layers", "ffn_config.ffn_hidden_size", "attn_config.kv_n_heads",
             "attn_config.clip_qkv", "ffn_config.moe_normalize_expert_weights"),

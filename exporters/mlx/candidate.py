@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from exporters.mlx.config import check_args
-from exporters.mlx.model import attention_block, final_norm, moe_block, route, text_model
+from exporters.mlx.model import attention_block, embedding, final_norm, moe_block, route, text_model
 from oracle.backend import Candidate
 from oracle.reports.result import GateRow
 
@@ -256,7 +256,7 @@ class MLXCandidate(Candidate):
         if kind == "logits":
             # (tied: the args say so, or the model has no head of its own, LFM2's)
             tied = getattr(tm.args, "tie_word_embeddings", False) or "lm_head" not in tm
-            head = tm.model.embed_tokens.as_linear if tied else tm.lm_head
+            head = embedding(tm).as_linear if tied else tm.lm_head
             # what mlx-lm's Model.__call__ does after the head: Granite divides by its logits_scaling
             scaling = getattr(tm, "logits_scaling", 1.0)
             return lambda x, c: self._out(head(x) / scaling if scaling != 1.0 else head(x))

@@ -157,6 +157,12 @@ def gqa_repeat_wrong(attn, a):
     nh_attr = next(n for n in ("n_heads", "num_heads", "num_attention_heads") if n in attn.__dict__)
     kv_attr = next(n for n in ("n_kv_heads", "num_key_value_heads") if n in attn.__dict__)
     nh, kvh, hd = getattr(attn, nh_attr), getattr(attn, kv_attr), a.head_dim
+    if "Wqkv" in attn:  # DBRX's fused projection (rows q, k, v): its k and v rows widened the same way
+        q, k, v = mx.split(attn.Wqkv.weight, [nh * hd, (nh + kvh) * hd])
+        k, v = (mx.tile(t.reshape(kvh, hd, -1), (nh // kvh, 1, 1)).reshape(nh * hd, -1) for t in (k, v))
+        attn.Wqkv.weight = mx.concatenate([q, k, v])
+        setattr(attn, kv_attr, nh)
+        return
     for p in (attn.k_proj, attn.v_proj):
         p.weight = mx.tile(p.weight.reshape(kvh, hd, -1), (nh // kvh, 1, 1)).reshape(nh * hd, -1)
         if "bias" in p:

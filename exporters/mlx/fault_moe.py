@@ -29,15 +29,29 @@ def softmax_after_topk(logits, k, renorm):
     return mx.softmax(v, axis=-1, precise=True), inds
 
 
+def apply_experts(ex, x, inds):
+    """Each token's selected experts on it [.., k, H]: mlx-lm's SwitchGLU (x, inds), or a list of one module per
+    expert (DBRX's) run token by token as its block runs them."""
+    if not isinstance(ex, list):
+        return ex(x, inds)
+    flat, idx = x.reshape(-1, x.shape[-1]), inds.reshape(-1, inds.shape[-1])
+    rows = [mx.stack([ex[e](xt) for e in it]) for xt, it in zip(flat, idx.tolist())]
+    return mx.stack(rows).reshape(*inds.shape, x.shape[-1])
+
+
+def _per_expert(ex) -> bool:  # DBRX: experts as a list of modules w1 (gate), v1 (up), w2 (down)
+    return isinstance(ex, list)
+
+
 def combine(moe, x, scores, inds, a, weighted=True, shared=True, shared_sigmoid=True):
     """What the family's mlx-lm MoE block computes from its routing (scores [.., k], inds [.., k]):
     the routed experts weighted and summed (Llama 4: each expert's input scaled by its weight),
     plus the shared expert(s) (Qwen's behind a sigmoid gate). One step changed by the flags."""
     ex = experts_of(moe)
     if a.router.weights_on_input:  # Llama 4 (top-1): experts(x * sigmoid score)
-        y = ex(x * scores.astype(x.dtype) if weighted else x, inds).sum(axis=-2)
+        y = apply_experts(ex, x * scores.astype(x.dtype) if weighted else x, inds).sum(axis=-2)
     else:
-        y = ex(x, inds)
+        y = apply_experts(ex, x, inds)
         y = (y * scores[..., None] if weighted else y).sum(axis=-2).astype(x.dtype)
     if shared and a.shared_expert_intermediate_size > 0:
         if "shared_expert" in moe:
@@ -112,6 +126,10 @@ def sigmoid(layer, a):
 
 def gate_up_swapped(layer, a):
     sw = experts_of(moe_block(layer))
+    if _per_expert(sw):
+        for e in sw:
+            e["w1"], e["v1"] = e["v1"], e["w1"]
+        return
     sw["gate_proj"], sw["up_proj"] = sw["up_proj"], sw["gate_proj"]
 
 
@@ -120,13 +138,21 @@ def one_expert_off(layer, a):
     moe = moe_block(layer)
     e = int(mx.argmax(mx.linalg.norm(router_linear(moe).weight, axis=1)))
     sw = experts_of(moe)
+    if _per_expert(sw):
+        for proj in (sw[e].w1, sw[e].v1, sw[e].w2):
+            proj.weight = proj.weight + 1e-3
+        return
     for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
         hit = (mx.arange(proj.weight.shape[0]) == e)[:, None, None]
         proj.weight = proj.weight + 1e-3 * hit
 
 
 def expert_index_off_by_one(layer, a):
-    sw = experts_of(moe_block(layer))
+    moe = moe_block(layer)
+    sw = experts_of(moe)
+    if _per_expert(sw):  # the block's experts[e] is expert e + 1
+        moe["experts"] = sw[1:] + sw[:1]
+        return
     n, call = sw.gate_proj.weight.shape[0], type(sw).__call__
     patch_call(sw, lambda self, x, inds: call(self, x, (inds + 1) % n))
 

@@ -31,25 +31,25 @@ from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missin
                                      no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
                                      router_logit_bias_ignored, set_gate, sigmoid, softmax_after_topk,
                                      softmax_for_sigmoid, sparsemixer_first_unmasked, stray_bf16)
-from exporters.mlx.model import attention_block, final_norm, moe_block, named, patch_call, text_model
+from exporters.mlx.model import attention_block, final_norm, get_part, moe_block, part, patch_call, text_model
 
 
 # ------------------------------------------------------------------ layer / model
 def _input_norm_eps(layer, a):
-    getattr(layer, named(layer, "input_layernorm")).eps *= 1e3
+    get_part(layer, "input_layernorm").eps *= 1e3
 
 
 def _norm_offset_missing(layer, a):  # sanitize()'s +1 on (1 + w) weights lost (conv1d-shape trap)
-    norm = getattr(layer, named(layer, "post_attention_layernorm"))
+    norm = get_part(layer, "post_attention_layernorm")
     norm.weight = norm.weight - 1.0
 
 
 def _residual_missing(layer, a):
-    pre, post = named(layer, "input_layernorm"), named(layer, "post_attention_layernorm")
+    pre, post = get_part(layer, "input_layernorm"), get_part(layer, "post_attention_layernorm")
 
     def call(self, x, *args, **kw):  # (mask, cache), or what the model passes beside them (Mistral 4's attn_scale)
-        h = attention_block(self)(getattr(self, pre)(x), *args, **kw)
-        return h + moe_block(self)(getattr(self, post)(h))
+        h = attention_block(self)(pre(x), *args, **kw)
+        return h + moe_block(self)(post(h))
 
     patch_call(layer, call)
 
@@ -59,10 +59,11 @@ def _final_norm_eps(model, a):
 
 
 def _layernorm_as_rmsnorm(layer, a):
-    ln = layer.input_layernorm
+    owner, name = part(layer, "input_layernorm")
+    ln = getattr(owner, name)
     rms = nn.RMSNorm(ln.weight.shape[0], eps=ln.eps)
     rms.weight = ln.weight
-    layer.input_layernorm = rms
+    setattr(owner, name, rms)
 
 
 def _logits_scaling_missing(model, a):
@@ -111,6 +112,7 @@ FAULTS = {
     "attention_not_causal": not_causal,
     "attention_scale_wrong": scale_wrong,
     "gqa_kv_heads_tiled": gqa_repeat_wrong,
+    "clip_qkv_missing": _set("clip_qkv", float("inf")),  # DBRX's attention clamps to ±clip_qkv (mx.clip)
     "attention_gate_no_sigmoid": output_gate_no_sigmoid,
     "gdn_state_not_carried": lambda gdn, a: gdn_forget(gdn, 1),
     "gdn_conv_state_not_carried": lambda gdn, a: gdn_forget(gdn, 0),

@@ -9,29 +9,59 @@ def text_model(model):
     return getattr(model, "language_model", model)
 
 
-def final_norm(tm):  # the text model's final norm (LFM2 names it embedding_norm)
-    return tm.model.norm if "norm" in tm.model else tm.model.embedding_norm
+def body(tm):  # the text model's decoder stack (DBRX's mlx-lm model names it transformer)
+    return tm.model if "model" in tm else tm.transformer
+
+
+def final_norm(tm):  # the text model's final norm (LFM2 names it embedding_norm, DBRX norm_f)
+    b = body(tm)
+    return next(b[n] for n in ("norm", "embedding_norm", "norm_f") if n in b)
+
+
+def embedding(tm):  # the token embedding (DBRX: wte)
+    b = body(tm)
+    return b.embed_tokens if "embed_tokens" in b else b.wte
 
 
 def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm name
-    return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp") if n in layer)
+    return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp", "ffn") if n in layer)
 
 
 def attention_block(layer):  # the mixer in the attention's place: LFM2's short conv where a layer has no attention
     if getattr(layer, "is_linear", False):
         return layer.linear_attn
+    if "norm_attn_norm" in layer:  # DBRX: the attention inside its norm, attention, residual, norm module
+        return layer.norm_attn_norm.attn
     return layer.self_attn if "self_attn" in layer else layer.conv
 
 
 # what most mlx-lm models call a module or array -> what some call it (LFM2's operator_norm, ffn_norm, q_layernorm,
-# expert_bias): the fault forms find a module by its role
-ALIASES = {"input_layernorm": ("operator_norm",), "post_attention_layernorm": ("ffn_norm",),
+# expert_bias; DBRX's norms inside its norm_attn_norm): the fault forms find a module by its role
+ALIASES = {"input_layernorm": ("operator_norm", "norm_attn_norm.norm_1"),
+           "post_attention_layernorm": ("ffn_norm", "norm_attn_norm.norm_2"),
            "q_norm": ("q_layernorm",), "k_norm": ("k_layernorm",), "e_score_correction_bias": ("expert_bias",)}
 
 
 def named(module, name: str) -> str:
-    """The attribute of `module` that plays `name`'s role: `name`, or the first of its ALIASES it has."""
-    return next((n for n in (name, *ALIASES.get(name, ())) if hasattr(module, n)), name)
+    """The attribute of `module` that plays `name`'s role: `name`, or the first of its one-level ALIASES it has."""
+    return next((n for n in (name, *ALIASES.get(name, ())) if "." not in n and hasattr(module, n)), name)
+
+
+def part(module, name: str) -> tuple:
+    """(owner, attribute) of the module under `module` that plays `name`'s role (an alias may be a path:
+    DBRX's norm_attn_norm.norm_1); (module, name) where none is there. get: getattr(*part(...))."""
+    for n in (name, *ALIASES.get(name, ())):
+        *path, attr = n.split(".")
+        owner = module
+        for p in path:
+            owner = getattr(owner, p, None)
+        if owner is not None and hasattr(owner, attr):
+            return owner, attr
+    return module, name
+
+
+def get_part(module, name: str):
+    return getattr(*part(module, name))
 
 
 def experts_of(moe):
@@ -222,6 +252,19 @@ def _route_lfm2(moe, x):  # lfm2_moe: sigmoid in x's dtype, top-k of + expert_bi
 
 
 ROUTE["Lfm2MoeSparseMoeBlock"] = _route_lfm2
+
+
+def _route_dbrx(moe, x):  # dbrx: softmax in fp32, top-k by -gates, the k weights over their L1 norm, x's dtype
+    import mlx.core as mx
+
+    gates = mx.softmax(moe.router(x).astype(mx.float32), axis=-1)
+    k = moe.num_experts_per_tok
+    inds = mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k]
+    s = mx.take_along_axis(gates, inds, axis=-1)
+    return (s / mx.linalg.norm(s, ord=1, axis=-1, keepdims=True)).astype(x.dtype), inds
+
+
+ROUTE["mlx_lm.models.dbrx.SparseMoeBlock"] = _route_dbrx
 
 
 def route(moe, x):
