@@ -6,6 +6,7 @@ times routed_scaling_factor, plus always-on shared experts. The release keeps th
 the router (mlp.e_score_correction_bias); HF reads it into the router (mlp.gate)."""
 
 from models.args import DENSE, FULL, SLIDING, SPARSE, AttentionArgs, ModelArgs, RopeArgs
+from models.checkpoint import unstack_experts
 from models.family import Family
 from models.mapping import deepseek_router, hf_args, require, rope_theta, sanitize_hf, sigmoid_routing
 from models.mlx_lm import COMMON_REQUIRE, DEFAULT_ROPE, MlxLm, const, head_dim
@@ -50,6 +51,13 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(w, args)
 
 
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names back to the release's (the inverse of its sanitize): the correction bias under mlp., the
+    stacked experts per expert."""
+    return unstack_experts({k.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"): t
+                            for k, t in weights.items()})
+
+
 MLX = MlxLm(
     module="exaone_moe",
     config=dict(
@@ -81,7 +89,7 @@ MLX = MlxLm(
 
 FAMILY = Family(
     name="exaone_moe", model_types=("exaone_moe",), hf_module="exaone_moe", hf_class_name="ExaoneMoeForCausalLM",
-    hf_config_name="ExaoneMoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
+    hf_config_name="ExaoneMoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX, from_mlx=from_mlx,
     rules=(("positive", "n_group", "topk_group", "moe_intermediate_size", "intermediate_size", "sliding_window"),
            ("at_most", "topk_group", "n_group"), ("divides", "n_group", "num_experts")),
 )

@@ -11,6 +11,7 @@ first). The release keeps the correction bias under `mlp.experts.` and names the
 
 from models.args import DENSE, FULL, SLIDING, SPARSE, AttentionArgs, ModelArgs, RouterArgs
 from models.family import Family
+from models.checkpoint import unstack_experts
 from models.mapping import hf_args, require, rope_per_type, sanitize_hf
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
 
@@ -67,6 +68,15 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(w, args)
 
 
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names back to the release's (the inverse of its sanitize): the router's gate.proj as the bare
+    mlp.gate, the correction bias under mlp.experts, the stacked experts per expert."""
+    w = {k.replace(".mlp.gate.proj.", ".mlp.gate.")
+          .replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"): t
+         for k, t in weights.items()}
+    return unstack_experts(w)
+
+
 def router_output(out, args):
     """HF's LagunaTopKRouter returns (capped logits, renormalised weights, indices); its MoE block scales the
     routed sum by moe_routed_scaling_factor, the production router scales the weights (the same products)."""
@@ -113,7 +123,7 @@ MLX = MlxLm(
 
 FAMILY = Family(
     name="laguna", model_types=("laguna",), hf_module="laguna", hf_class_name="LagunaForCausalLM",
-    hf_config_name="LagunaConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
+    hf_config_name="LagunaConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX, from_mlx=from_mlx,
     router_output=router_output, router_input=router_input,
     tiny_std={"self_attn.g_proj.weight": 0.3},  # gates that differ from softplus(0) = 0.69 by token
     rules=(("positive", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",

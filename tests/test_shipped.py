@@ -64,10 +64,9 @@ def test_dequantize_is_mlx_dequantize(bits, group_size):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(np.abs(want).max()))
 
 
-# families whose from_mlx gives back other names than the original checkpoint's (measured 2026-12-02: the key sets
-# differ at the routers' e_score_correction_bias / gate.proj), open
-MLX_NAMES_OPEN = {"exaone_moe": "from_mlx names the correction bias mlp.gate.e_score_correction_bias (release: mlp.)",
-                  "laguna": "from_mlx names the router mlp.gate.proj / mlp.gate.e_score_correction_bias (release: other names)"}
+# families whose from_mlx gives back other names than the original checkpoint's: none now (exaone_moe's and laguna's
+# routers are named back since 2026-12-02)
+MLX_NAMES_OPEN: dict = {}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(reason=MLX_NAMES_OPEN[f], strict=True))
