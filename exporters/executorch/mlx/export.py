@@ -176,8 +176,10 @@ def transform_attention(attn: Attention, theta: float) -> None:
         transform_rope(rope, theta, S)
     swap(attn, "update_cache", update_cache)
     # the causal mask and the attention together, or neither (a fault in one keeps both in torch);
-    # mlx's causal sdpa has no window, chunk or sink
-    plain = attn.window is None and attn.chunk is None and not hasattr(attn, "sinks")
+    # mlx's causal sdpa has no window, chunk or sink. Values narrower than the heads (MiMo-V2-Flash's v_head_dim)
+    # stay torch too: the op's fake kernel (executorch 1.5.1, backends/mlx/custom_ops.py) gives its output the
+    # query's shape, so the export fails ("shape '[1, T, nh * vd]' is invalid for input of size nh * hd * T")
+    plain = attn.window is None and attn.chunk is None and not hasattr(attn, "sinks") and attn.vd == attn.hd
     if plain and "mask" not in attn.__dict__ and "attend" not in attn.__dict__:
         swap(attn, "mask", mask_positions)
         swap(attn, "attend", attend)
