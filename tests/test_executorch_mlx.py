@@ -82,6 +82,19 @@ def test_transformed_model_computes_the_production_model(family):
     torch.testing.assert_close(run_sequence(transformed(src), TOKENS, 6), ref, atol=2e-5, rtol=1e-4)
 
 
+def test_attention_with_narrower_values_keeps_its_torch_attention():
+    """MiMo-V2-Flash's full layers (v_head_dim 16, head_dim 24, no window or sinks): the MLX sdpa op is not taken
+    (its fake kernel gives the query's width: the export failed), its cache write is; OLMoE's attention takes both."""
+    from models.args import FULL
+
+    for family, takes_sdpa in (("mimo_v2_flash", False), ("olmoe", True)):
+        src = model_source(CheckSpec(family=family, backend="eager"))
+        m = transformed(src)
+        full = [layer.self_attn for i, layer in enumerate(m.layers) if src.args.layer_types[i] == FULL]
+        assert full and all("update_cache" in a.__dict__ for a in full), family
+        assert all(("attend" in a.__dict__) == takes_sdpa and (a.vd == a.hd) == takes_sdpa for a in full), family
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "olmoe"])
 def test_every_fault_survives_the_transformations(family):
     """A fault injected as the backend injects it (before the transformations; in the program's
