@@ -46,6 +46,11 @@ class Family:
     # tiny checkpoints: the std of the tensors whose names end so, where TINY_STD would hide a
     # mechanism (gpt-oss's SwiGLU clamp at 7 is never reached by weights of std 0.1)
     tiny_std: dict = None
+    # config.json fields the release writes that HF's config class derives its own from or drops (MiMo-V2-Flash's
+    # hybrid_layer_pattern, swa_* and sliding_window_size, read by llama.cpp's converter): written into the tiny
+    # checkpoint's config.json over what save_pretrained wrote; they must mean the tiny config's model to HF
+    release_config: dict = None
+    release_drops: tuple = ()  # ... and the fields save_pretrained writes that the release's config.json has not
     # an HF router's output -> (logits [N, E], top-k weights [N, k], indices [N, k]) given the
     # ModelArgs (None: it returns that triple, as transformers 5's TopKRouters do)
     router_output: Callable = None

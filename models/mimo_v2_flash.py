@@ -31,6 +31,18 @@ TINY = dict(
     tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
 )
 
+# the release's own config.json fields beside HF's (HF 5.23 derives its layer_types, rope_parameters and window from
+# its defaults and sliding_window_size: sliding_window = sliding_window_size + 1, 4 here), as the release writes them
+# (its sliding_window equals sliding_window_size, 128; no rope_parameters: HF's defaults, TINY's, are the release's
+# thetas and fraction): what llama.cpp's converter reads
+RELEASE = dict(
+    hybrid_layer_pattern=[0, 1, 1], moe_layer_freq=[0, 1, 1], sliding_window=3, sliding_window_size=3,
+    swa_num_attention_heads=8, swa_num_key_value_heads=4, swa_head_dim=24, swa_v_head_dim=16,
+    rope_theta=5000000.0, swa_rope_theta=10000.0, partial_rotary_factor=PARTIAL,
+    add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
+    scoring_func="sigmoid", topk_method="noaux_tc", layernorm_epsilon=1e-5,
+)
+
 
 def to_args(c) -> ModelArgs:
     require(set(c.layer_types) <= {FULL, SLIDING}, f"mimo_v2_flash: unknown layer_types {sorted(set(c.layer_types))}")
@@ -102,7 +114,8 @@ MLX = MlxLm(
 FAMILY = Family(
     name="mimo_v2_flash", model_types=("mimo_v2_flash",), hf_module="mimo_v2_flash",
     hf_class_name="MiMoV2FlashForCausalLM", hf_config_name="MiMoV2FlashConfig", tiny_config=TINY, to_args=to_args,
-    sanitize=sanitize, mlx=MLX, experts="n_routed_experts",
+    sanitize=sanitize, mlx=MLX, experts="n_routed_experts", release_config=RELEASE,
+    release_drops=("rope_parameters",),
     rules=(*GROUPED, ("positive", "moe_intermediate_size", "intermediate_size", "v_head_dim", "sliding_window"),
            ("per_layer", "mlp_layer_types")),
 )

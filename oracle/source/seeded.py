@@ -73,14 +73,22 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
         "seed": seed,
         "std": TINY_STD,
         **({"tiny_std": family.tiny_std} if family.tiny_std else {}),
+        **({"release_config": family.release_config, "release_drops": list(family.release_drops)}
+           if family.release_config else {}),
         "format": TINY_FORMAT,
         "transformers": version("transformers"),
         **profile_recipe(weights, family),
     }
     stem = f"{family.name}-s{seed}" + ("" if weights == "normal" else f"-{weights}")
-    return cached_dir(recipe, stem, "oracle_tiny.json",
-                      lambda out: write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(),
-                                                        seed, out, family.tiny_std, rewrite))
+    def build(out):
+        write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(), seed, out, family.tiny_std,
+                              rewrite)
+        if family.release_config:  # the release's own fields, as its config.json has them
+            path = out / "config.json"
+            written = {k: v for k, v in json.loads(path.read_text()).items() if k not in family.release_drops}
+            path.write_text(json.dumps({**written, **family.release_config}, indent=2) + "\n")
+
+    return cached_dir(recipe, stem, "oracle_tiny.json", build)
 
 
 SHARD_BYTES = 5 * 10**9  # the 5 GB shards the published checkpoints use
