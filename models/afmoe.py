@@ -95,11 +95,30 @@ MLX = MlxLm(
     moe="mlp",
 )
 
+def point_view(points, args: ModelArgs):
+    """The drill's points of HF's (and mlx-lm's) attention, whose q_proj and gate_proj are apart, in the production
+    layout: gate_proj's output joined to q_proj's head by head ([.., nh, hd] each -> [.., nh * 2 hd], the production
+    q_proj's rows: each head's q, then its gate)."""
+    import copy
+
+    import numpy as np
+
+    out = copy.copy(points)  # (a Points keeps its registered paths and taps)
+    nh, hd = args.num_attention_heads, args.head_dim
+    for q in [n for n in points if n == "q_proj" or n.endswith(".q_proj")]:  # (the attention block's, a layer's)
+        g = q[: -len("q_proj")] + "gate_proj"
+        if g in points and len(points[g]) == len(points[q]):
+            out[q] = [np.concatenate([a.reshape(*a.shape[:-1], nh, hd), b.reshape(*b.shape[:-1], nh, hd)], axis=-1)
+                      .reshape(*a.shape[:-1], 2 * nh * hd) for a, b in zip(points[q], points[g])]
+    return out
+
+
 FAMILY = Family(
     name="afmoe", model_types=("afmoe",), hf_module="afmoe", hf_class_name="AfmoeForCausalLM",
     hf_config_name="AfmoeConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
     hf_router="mlp.router", hf_router_bias="mlp.expert_bias",
     hf_point_names={"pre_mlp_layernorm": "pre_feedforward_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"},
+    hf_point_view=point_view,
     rules=(("positive", "intermediate_size", "moe_intermediate_size", "sliding_window", "global_attn_every_n_layers"),
            ("within_depth", "num_dense_layers")),
 )

@@ -59,6 +59,8 @@ def _scale_shared_expert(model):
     ("qwen3_moe", "router_no_renorm", "weights"),
     # Granite divides the logits after lm_head: HF's `output` is its block output (the row's), not lm_head's
     ("granitemoe", "logits_scaling_missing", "output"),
+    # AFMoE: HF's q_proj and gate_proj joined as the production q_proj (Family.hf_point_view): q_proj agrees
+    ("afmoe", "qk_norm_missing", "q_norm"),
 ])
 def test_a_catalogue_fault_is_drilled_to_its_point(family, fault, point):
     d = _drilled(family, faults.get(fault).inject)
@@ -117,7 +119,6 @@ def test_a_backend_without_points_says_so():
 # model's (a drill alignment defect of the harness, open: the checks themselves pass every block and e2e). Each
 # is a strict expected failure with what was measured, so that fixing the alignment turns it red.
 DRILL_POINTS_OPEN = {
-    "afmoe": "self_attn.q_proj: the production q_proj holds the output gate joined head by head (HF: gate_proj apart)",
     "laguna": "mlp.experts: HF scales the routed sum by moe_routed_scaling_factor after its experts module, the "
               "production model inside the weights (ratio 1e5 at layer 1; selection, topk and weights agree)",
 }

@@ -460,6 +460,7 @@ OTHER_FAULTS = [
     # DBRX: its clamp, its experts as a list of modules, its fused Wqkv and the norms inside norm_attn_norm
     ("dbrx", "clip_qkv_missing"), ("dbrx", "expert_index_off_by_one"), ("dbrx", "gqa_kv_heads_tiled"),
     ("dbrx", "residual_missing"),
+    ("afmoe", "attention_gate_no_sigmoid"),  # (AFMoE's output gate: its own gate_proj)
 ]
 
 

@@ -168,8 +168,9 @@ class MLXBackend(Backend):
         windows = {i: a.attention.sliding_window for i, t in enumerate(a.layer_types) if t == SLIDING}
         chunks = {i: a.attention.chunk_size for i, t in enumerate(a.layer_types) if t == CHUNKED}
         mlx_lm = mapping(model.family.name)
+        view = model.family.hf_point_view
         return MLXCandidate(m, dtype, device, info, mlx_lm.array_mask, windows, chunks, mlx_lm.block_args,
-                            model.family.hf_point_names)
+                            model.family.hf_point_names, view and (lambda pts: view(pts, a)))
 
     # `oracle selftest --conversion`: mlx-lm directories at two widths and two group sizes
     shipped_formats = tuple((f"{p} g{g}", p, {"group_size": g}) for p in ("q8", "q4") for g in GROUP_SIZES)

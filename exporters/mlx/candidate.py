@@ -78,7 +78,7 @@ class MLXCandidate(Candidate):
     block_mode = "isolated"
 
     def __init__(self, model, dtype, device, info, array_mask: bool = False, windows: dict | None = None,
-                 chunks: dict | None = None, block_args=None, point_names: dict | None = None):
+                 chunks: dict | None = None, block_args=None, point_names: dict | None = None, point_view=None):
         import mlx.core as mx
 
         self.mx, self.model, self.dtype, self.device, self.info = mx, model, dtype, device, info
@@ -89,6 +89,7 @@ class MLXCandidate(Candidate):
         self.block_args = block_args  # MlxLm.block_args: what the model passes its layers beside x and the mask
         # HF's submodule names (which mlx-lm keeps) -> the production model's, for the drill (Family.hf_point_names)
         self.point_names = point_names
+        self.point_view = point_view  # then its layout (Family.hf_point_view, given the ModelArgs)
         self.routes: list = []  # (layer, indices, weights) of each MoE block's call (routing replay)
         self._record_routes()
 
@@ -229,11 +230,12 @@ class MLXCandidate(Candidate):
                 rec.add("weights", np.asarray(out[0], dtype=np.float32))
             else:  # the block's own output (as run_block returns it)
                 rec.add("output", np.asarray(out, dtype=np.float32))
+        pts = rec.points
         if self.point_names:
             from models.mapping import renamed
 
-            return rec.points.renamed(lambda n: renamed(n, self.point_names))
-        return rec.points
+            pts = pts.renamed(lambda n: renamed(n, self.point_names))
+        return self.point_view(pts) if self.point_view else pts
 
     def chunk_mask(self, x, cache, chunk: int):
         """The chunked layers' mask as mlx-lm's llama4 builds it over its ChunkedKVCache (key j visible

@@ -176,13 +176,16 @@ def gqa_repeat_wrong(attn, a):
 def output_gate_no_sigmoid(attn, a):
     """Qwen3.5's gated attention with o_proj fed output * gate instead of output *
     sigmoid(gate): mlx-lm's own __call__ runs with o_proj set aside, then the sigmoid is
-    swapped for the raw gate (the gate as Qwen3NextAttention splits it off q_proj)."""
+    swapped for the raw gate (the gate as Qwen3NextAttention splits it off q_proj; AFMoE's: its own gate_proj)."""
     call, o_proj = type(attn).__call__, attn.o_proj
 
     def fn(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)[1]
-        gate = gate.reshape(B, L, -1)
+        if "gate_proj" in self:
+            gate = self.gate_proj(x)
+        else:
+            gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)[1]
+            gate = gate.reshape(B, L, -1)
         self["o_proj"] = nn.Identity()
         try:
             gated = call(self, x, mask, cache)  # output * sigmoid(gate)

@@ -186,7 +186,8 @@ class HFCandidate(Candidate):
             for o in outs:
                 rec.add("output", o)
         names = self.family.hf_point_names  # HF's submodule names -> the production model's (the drill's names)
-        return rec.points.renamed(lambda n: renamed(n, names)) if names else rec.points
+        pts = rec.points.renamed(lambda n: renamed(n, names)) if names else rec.points
+        return self.family.hf_point_view(pts, self.args) if self.family.hf_point_view else pts
 
     def _replay(self, layer, kind, calls):
         target = self.modules[layer, kind]
