@@ -461,6 +461,8 @@ OTHER_FAULTS = [
     ("dbrx", "clip_qkv_missing"), ("dbrx", "expert_index_off_by_one"), ("dbrx", "gqa_kv_heads_tiled"),
     ("dbrx", "residual_missing"),
     ("afmoe", "attention_gate_no_sigmoid"),  # (AFMoE's output gate: its own gate_proj)
+    # AFMoE routes inline by fields of its own (expert_bias, route_scale, score_func); rope on its local layers only
+    ("afmoe", "routed_scaling_twice"), ("afmoe", "router_bias_in_weights"), ("afmoe", "rope_on_nope_layer"),
 ]
 
 

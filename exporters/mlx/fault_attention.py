@@ -309,5 +309,9 @@ def rope_on_nope_layer(model, layer: int):
     """Llama 4's no-rope layer rotated as the rope layers are (their rope, no q/k norm there: mlx-lm's
     use_qk_norm is off on that layer; its temperature tuning, for no-rope layers, then stops)."""
     attn = attention_block(model.layers[layer])
+    if hasattr(attn, "is_local_attention"):  # AFMoE: its rope only on the local (sliding) layers, by that flag
+        donor = next(attention_block(lay) for lay in model.layers if attention_block(lay).is_local_attention)
+        attn.rope, attn.is_local_attention = donor.rope, True
+        return
     donor = next(attention_block(lay) for lay in reversed(model.layers) if getattr(attention_block(lay), "use_rope", 0))
     attn.rope, attn.use_rope = donor.rope, 1

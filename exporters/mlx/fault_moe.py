@@ -172,6 +172,8 @@ def _gate(layer):
     model's are every layer's)."""
     moe = moe_block(layer)
     g = router_module(moe)
+    if g is None and hasattr(moe, "n_group"):  # a block that routes inline by fields of its own (AFMoE)
+        return moe
     if g is None and getattr(moe, "args", None) is not None and hasattr(moe.args, "n_group"):
         import copy
 
@@ -185,8 +187,8 @@ def set_gate(**fields):
         g = _gate(layer)
         if g is None:  # a block that routes inline with the fields its own (LFM2)
             g = moe_block(layer)
-        for k, v in fields.items():
-            setattr(g, k, v(a) if callable(v) else v)
+        for k, v in fields.items():  # (under the block's name for it: AFMoE's route_scale)
+            setattr(g, named(g, k), v(a) if callable(v) else v)
 
     return apply
 
@@ -200,24 +202,24 @@ def group_limit_ignored(layer, a):
 
 def bias_ignored(layer, a):
     g = _gate(layer)
-    if g is None:  # a block that routes inline, its correction bias its own (MiniMax-M2, LFM2's expert_bias)
-        g = moe_block(layer)
+    if g is None or not hasattr(g, named(g, "e_score_correction_bias")):  # a block that routes inline, its correction
+        g = moe_block(layer)  # bias its own (MiniMax-M2, LFM2's and AFMoE's expert_bias)
     bias = named(g, "e_score_correction_bias")
     setattr(g, bias, mx.zeros_like(getattr(g, bias)))
 
 
 def bias_in_weights(layer, a):
     """The gate's own choice, its weights taken from sigmoid + correction bias (not the sigmoid alone)."""
-    g = _gate(layer)
-    if g is None:  # a block that routes inline with its own correction bias (MiniMax-M2): its routing recomputed
-        moe = moe_block(layer)
-        bias = getattr(moe, named(moe, "e_score_correction_bias"))
+    g, moe = _gate(layer), moe_block(layer)
+    if g is None or g is moe:  # a block that routes inline with its own correction bias (MiniMax-M2, AFMoE): its
+        bias = getattr(moe, named(moe, "e_score_correction_bias"))  # routing recomputed (AFMoE's route_scale kept)
+        scale = getattr(moe, named(moe, "routed_scaling_factor"), 1.0)
 
         def route(logits, k, renorm):
             biased = mx.sigmoid(logits.astype(mx.float32)) + bias
             inds = mx.argpartition(-biased, kth=k - 1, axis=-1)[..., :k]
             s = mx.take_along_axis(biased, inds, axis=-1)
-            return (s / s.sum(axis=-1, keepdims=True) if renorm else s), inds
+            return (s / s.sum(axis=-1, keepdims=True) if renorm else s) * scale, inds
 
         reroute(layer, a, route)
         return
@@ -241,6 +243,9 @@ def softmax_for_sigmoid(layer, a):
     import sys
 
     g = _gate(layer)
+    if g is not None and hasattr(g, "score_func"):  # a block that reads its score function at every call (AFMoE)
+        g.score_func = "softmax"
+        return
     if g is None:
         return reroute(layer, a, lambda v, k, renorm: _scores(v, k, False))
     select = sys.modules[type(g).__module__].group_expert_select

@@ -39,7 +39,8 @@ def attention_block(layer):  # the mixer in the attention's place: LFM2's short 
 # expert_bias; DBRX's norms inside its norm_attn_norm): the fault forms find a module by its role
 ALIASES = {"input_layernorm": ("operator_norm", "norm_attn_norm.norm_1"),
            "post_attention_layernorm": ("ffn_norm", "norm_attn_norm.norm_2"),
-           "q_norm": ("q_layernorm",), "k_norm": ("k_layernorm",), "e_score_correction_bias": ("expert_bias",)}
+           "q_norm": ("q_layernorm",), "k_norm": ("k_layernorm",), "e_score_correction_bias": ("expert_bias",),
+           "routed_scaling_factor": ("route_scale",)}
 
 
 def named(module, name: str) -> str:
