@@ -121,10 +121,23 @@ MLX = MlxLm(
     ),
 )
 
+def point_view(points, args: ModelArgs):
+    """The drill's points of HF's MoE block in the production layout: HF's experts module sums the experts by the
+    unscaled weights and the block scales the sum after it; the production experts sum by the scaled weights, so
+    HF's `experts` point times moe_routed_scaling_factor is the production one (router_output's scaling, here)."""
+    import copy
+
+    out = copy.copy(points)  # (a Points keeps its registered paths and taps)
+    f = args.router.routed_scaling_factor
+    for n in [n for n in points if n == "experts" or n.endswith(".experts")]:
+        out[n] = [a * f for a in points[n]]
+    return out
+
+
 FAMILY = Family(
     name="laguna", model_types=("laguna",), hf_module="laguna", hf_class_name="LagunaForCausalLM",
     hf_config_name="LagunaConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX, from_mlx=from_mlx,
-    router_output=router_output, router_input=router_input,
+    router_output=router_output, router_input=router_input, hf_point_view=point_view,
     tiny_std={"self_attn.g_proj.weight": 0.3},  # gates that differ from softplus(0) = 0.69 by token
     rules=(("positive", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
             "sliding_window"), ("per_layer", "mlp_layer_types", "num_attention_heads_per_layer")),

@@ -118,10 +118,7 @@ def test_a_backend_without_points_says_so():
 # Families whose clean drill names a point where HF's module computes another intermediate than the production
 # model's (a drill alignment defect of the harness, open: the checks themselves pass every block and e2e). Each
 # is a strict expected failure with what was measured, so that fixing the alignment turns it red.
-DRILL_POINTS_OPEN = {
-    "laguna": "mlp.experts: HF scales the routed sum by moe_routed_scaling_factor after its experts module, the "
-              "production model inside the weights (ratio 1e5 at layer 1; selection, topk and weights agree)",
-}
+DRILL_POINTS_OPEN: dict = {}  # family -> why its clean layer's drill finds a divergence (none now)
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(reason=DRILL_POINTS_OPEN[f], strict=True))
