@@ -36,11 +36,14 @@ TINY = dict(
 # (its sliding_window equals sliding_window_size, 128; no rope_parameters: HF's defaults, TINY's, are the release's
 # thetas and fraction): what llama.cpp's converter reads
 RELEASE = dict(
-    hybrid_layer_pattern=[0, 1, 1], moe_layer_freq=[0, 1, 1], sliding_window=3, sliding_window_size=3,
-    swa_num_attention_heads=8, swa_num_key_value_heads=4, swa_head_dim=24, swa_v_head_dim=16,
-    rope_theta=5000000.0, swa_rope_theta=10000.0, partial_rotary_factor=PARTIAL,
-    add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
-    scoring_func="sigmoid", topk_method="noaux_tc", layernorm_epsilon=1e-5,
+    hybrid_layer_pattern=[int(t == SLIDING) for t in TINY["layer_types"]],
+    moe_layer_freq=[int(t == SPARSE) for t in TINY["mlp_layer_types"]],
+    sliding_window=TINY["sliding_window"] - 1, sliding_window_size=TINY["sliding_window"] - 1,
+    swa_num_attention_heads=TINY["num_attention_heads"], swa_num_key_value_heads=2 * TINY["num_key_value_heads"],
+    swa_head_dim=TINY["head_dim"], swa_v_head_dim=TINY["v_head_dim"],
+    rope_theta=TINY["rope_parameters"][FULL]["rope_theta"], swa_rope_theta=TINY["rope_parameters"][SLIDING]["rope_theta"],
+    partial_rotary_factor=PARTIAL, add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
+    scoring_func="sigmoid", topk_method="noaux_tc", layernorm_epsilon=1e-5,  # (HF's rms_norm_eps default)
 )
 
 

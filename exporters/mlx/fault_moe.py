@@ -29,18 +29,18 @@ def softmax_after_topk(logits, k, renorm):
     return mx.softmax(v, axis=-1, precise=True), inds
 
 
+def _per_expert(ex) -> bool:  # DBRX: experts as a list of modules w1 (gate), v1 (up), w2 (down)
+    return isinstance(ex, list)
+
+
 def apply_experts(ex, x, inds):
     """Each token's selected experts on it [.., k, H]: mlx-lm's SwitchGLU (x, inds), or a list of one module per
     expert (DBRX's) run token by token as its block runs them."""
-    if not isinstance(ex, list):
+    if not _per_expert(ex):
         return ex(x, inds)
     flat, idx = x.reshape(-1, x.shape[-1]), inds.reshape(-1, inds.shape[-1])
     rows = [mx.stack([ex[e](xt) for e in it]) for xt, it in zip(flat, idx.tolist())]
     return mx.stack(rows).reshape(*inds.shape, x.shape[-1])
-
-
-def _per_expert(ex) -> bool:  # DBRX: experts as a list of modules w1 (gate), v1 (up), w2 (down)
-    return isinstance(ex, list)
 
 
 def combine(moe, x, scores, inds, a, weighted=True, shared=True, shared_sigmoid=True):

@@ -73,8 +73,8 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
         "seed": seed,
         "std": TINY_STD,
         **({"tiny_std": family.tiny_std} if family.tiny_std else {}),
-        **({"release_config": family.release_config, "release_drops": list(family.release_drops)}
-           if family.release_config else {}),
+        **({"release_config": family.release_config or {}, "release_drops": list(family.release_drops)}
+           if family.release_config or family.release_drops else {}),
         "format": TINY_FORMAT,
         "transformers": version("transformers"),
         **profile_recipe(weights, family),
@@ -83,10 +83,10 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
     def build(out):
         write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(), seed, out, family.tiny_std,
                               rewrite)
-        if family.release_config:  # the release's own fields, as its config.json has them
+        if family.release_config or family.release_drops:  # the release's own fields, as its config.json has them
             path = out / "config.json"
             written = {k: v for k, v in json.loads(path.read_text()).items() if k not in family.release_drops}
-            path.write_text(json.dumps({**written, **family.release_config}, indent=2) + "\n")
+            path.write_text(json.dumps({**written, **(family.release_config or {})}, indent=2) + "\n")
 
     return cached_dir(recipe, stem, "oracle_tiny.json", build)
 
