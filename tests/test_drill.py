@@ -271,35 +271,15 @@ def test_a_point_the_backend_does_not_expose_is_counted_apart():
 # ---------------------------------------------------------------- iree-llvm-cpu (a compiled backend)
 # One faulted build per family, each fault in another block (a compile per family, not per fault);
 # each block is drilled through its points program (the block program with the points as results).
-def _q_norm_skipped(layer):  # the q/k-norm fault of one layer: its q_norm returns its input
-    def transform(model):
-        model.layers[layer].self_attn.q_norm.forward = lambda x: x
-    return transform
-
-
-def _all(*transforms):
-    def transform(model):
-        for t in transforms:
-            t(model)
-    return transform
-
-
-def _router_bias_zeroed(layer):  # one layer's correction bias lost (as a converter that drops it)
-    def transform(model):
-        with torch.no_grad():
-            model.layers[layer].mlp.gate.e_score_correction_bias.zero_()
-    return transform
-
-
 IREE_CASES = {  # family -> (faults, their transform_id, [(block, the point its drill must name)])
     # the build tests/test_iree.py makes too (tests/plugins.py, one compile): layer 2's Gated DeltaNet state
     # not carried, layer 3's RoPE theta wrong, layer 0's expert 3 and layer 1's shared expert 1% off
     "qwen3_5_moe": ("qwen35_four_faults", "QWEN35_FOUR_FAULTS",
                     [((2, "attention"), "recurrence"), ((3, "attention"), "q_rope"), ((0, "moe"), "experts"),
                      ((1, "moe"), "shared_expert.down_proj")]),
-    # a per-head q/k norm skipped in layer 1; layer 2's router without its correction bias
-    "glm4_moe": (_all(_q_norm_skipped(1), _router_bias_zeroed(2)), "tests/test_drill.py glm4_moe",
-                 [((1, "attention"), "q_norm"), ((2, "router"), "selection")]),
+    # (glm4_moe's q_norm and router-selection points were drilled here too, on a build of their own: 50 s of a
+    # cold suite on 2 cores, for points the eager and mlx drills above reach and `oracle selftest --backend
+    # iree-llvm-cpu --drill` covers; issue 76's cold budget)
 }
 
 

@@ -241,7 +241,9 @@ def test_streamed_block_replay_reads_one_layer_once_and_gives_the_same_bytes(fam
     release_held()
 
 
-@pytest.mark.parametrize("family,config", [(f, c) for f, c in TINY if f in IN_DEPTH] + REAL)
+# tiny widths only: the real width's layer-by-layer economy is test_streamed_reference_is_bitwise_the_whole_one's
+# and the memory bound's (its own L2 case here cost 25 s of a cold suite on 2 cores: issue 76's budget)
+@pytest.mark.parametrize("family,config", [(f, c) for f, c in TINY if f in IN_DEPTH])
 def test_streamed_steps_layer_by_layer_are_bitwise_the_steps_one_by_one(family, config, monkeypatch):
     """A streamed `hf` candidate's e2e steps run layer by layer (HFCandidate.teacher_forced: each layer
     loaded once and run over the prefill and every decode step with its own cache, its outputs the next

@@ -95,12 +95,13 @@ LLVM_TARGET = re.compile(rb'"llvm-cpu", "([\w-]+)", \{cpu = "([^"]*)", cpu_featu
 FEATURE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # an LLVM CPU or feature name (avx512vnni, x86-64-v3)
 
 
-def llvm_cpu_targets(data) -> list[tuple[str, str, frozenset]]:
-    """(format, cpu, the features it enables) of each llvm-cpu target named in a module's bytes."""
+def llvm_cpu_targets(data, signs: str = "+") -> list[tuple[str, str, frozenset]]:
+    """(format, cpu, the features it enables) of each llvm-cpu target named in a module's bytes (signs "+-":
+    every feature it names, enabled or disabled: LLVM's host record names each feature it knows)."""
     found = set()
     for m in LLVM_TARGET.finditer(data):
         fmt, cpu, features = (g.decode("utf-8", "replace") for g in m.groups())  # (a damaged file: any bytes)
-        found.add((fmt, cpu, frozenset(f[1:] for f in features.split(",") if f.startswith("+"))))
+        found.add((fmt, cpu, frozenset(f[1:] for f in features.split(",") if f[:1] and f[0] in signs)))
         del m  # no view of the caller's mmap left behind
     return sorted(found, key=str)
 
@@ -111,10 +112,11 @@ _TRIVIAL = """func.func @f(%a: tensor<4xf32>) -> tensor<4xf32> {
 }"""
 
 
-def host_llvm_target() -> tuple[str, str, frozenset]:
+def host_llvm_target(known: bool = False) -> tuple:
     """The llvm-cpu target iree-compile chooses for this host (`--iree-llvmcpu-target-cpu=host`,
-    the flag exporters/iree/ compiles with): read from a trivial module compiled once per host
-    CPU and compiler (cached)."""
+    the flag exporters/iree/ compiles with): (format, cpu, the features it enables), read from a trivial
+    module compiled once per host CPU and compiler (cached); `known`: and every feature name LLVM knows
+    for the host's architecture (its record names the features it disables too)."""
     from exporters.iree.program import FLAGS, host_cpu
     from oracle.cache.artifacts import cached_json, versions
 
@@ -122,14 +124,17 @@ def host_llvm_target() -> tuple[str, str, frozenset]:
         from iree.compiler import compile_str
 
         try:
-            found = llvm_cpu_targets(compile_str(_TRIVIAL, extra_args=list(FLAGS)))
+            module = compile_str(_TRIVIAL, extra_args=list(FLAGS))
         except Exception:  # noqa: BLE001 (no compiler here: the target cannot be compared, the load still is)
             return None
-        return [found[0][0], found[0][1], sorted(found[0][2])] if found else None
+        found, named = llvm_cpu_targets(module), llvm_cpu_targets(module, "+-")
+        return [found[0][0], found[0][1], sorted(found[0][2]), sorted(named[0][2])] if found else None
 
-    got = cached_json("iree-host-target", {"host_cpu": host_cpu(), "flags": FLAGS, **versions("iree-base-compiler")},
-                      compile_trivial)
-    return (got[0], got[1], frozenset(got[2])) if got else None
+    got = cached_json("iree-host-target", {"host_cpu": host_cpu(), "flags": FLAGS, "record": 2,
+                                           **versions("iree-base-compiler")}, compile_trivial)
+    if not got:
+        return None
+    return (got[0], got[1], frozenset(got[2])) + ((frozenset(got[3]),) if known else ())
 
 
 def cpu_problem(vmfb: Path) -> str | None:
@@ -140,14 +145,17 @@ def cpu_problem(vmfb: Path) -> str | None:
         targets = llvm_cpu_targets(data)
     if not targets:
         return None
-    host = host_llvm_target()
+    host = host_llvm_target(known=True)
     if host is None:
         return None
     for fmt, cpu, features in targets:
+        # bytes of a damaged file inside the record, not another CPU: a name no feature can have, or (on the
+        # host's architecture) one LLVM does not know there (a flipped letter: wbnoinvd read as wbnoinv5)
         unreadable = sorted(f for f in features | ({cpu} if cpu else set()) if not FEATURE_NAME.fullmatch(f))
-        if unreadable:  # bytes of a damaged file inside the record, not another CPU
-            return (f"damaged: its llvm-cpu target record names no CPU feature that exists ({unreadable[0]!r}): "
-                    "the file is corrupt")
+        unknown = sorted(features - host[3]) if fmt == host[0] and host[3] else []
+        if unreadable or unknown:
+            return (f"damaged: its llvm-cpu target record names no CPU feature that exists "
+                    f"({(unreadable or unknown)[0]!r}): the file is corrupt")
         if fmt != host[0]:
             return f"compiled for {fmt} ({cpu}), this host runs {host[0]}: compile it here"
         missing = sorted(features - host[2])
