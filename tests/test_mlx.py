@@ -463,6 +463,10 @@ OTHER_FAULTS = [
     ("afmoe", "attention_gate_no_sigmoid"),  # (AFMoE's output gate: its own gate_proj)
     # AFMoE routes inline by fields of its own (expert_bias, route_scale, score_func); rope on its local layers only
     ("afmoe", "routed_scaling_twice"), ("afmoe", "router_bias_in_weights"), ("afmoe", "rope_on_nope_layer"),
+    # Laguna's MoEGate wraps its linear (`proj`) beside its correction bias, softcaps, and takes its score function
+    # from a method; its block scales the routed sum (routed_scaling_factor is the block's, not the gate's)
+    ("laguna", "router_wrong_num_experts"), ("laguna", "router_bias_in_weights"),
+    ("laguna", "router_softmax_for_sigmoid"), ("laguna", "routed_scaling_missing"),
 ]
 
 

@@ -110,7 +110,9 @@ def one_expert_fewer(layer, a):
         r.bias = r.bias[:-1]
     # a block that routes inline with its own bias (MiniMax-M2), or a gate that holds one beside its weight
     # (the DeepSeek-style MoEGate, ungrouped: glm4_moe_lite): it sees one fewer too (as the torch form)
-    for holder in (moe,) if r is moe else (moe, r):
+    # (Laguna's MoEGate holds its bias beside the `proj` it wraps)
+    holders = [h for h in (moe, router_module(moe), r) if h is not None]
+    for holder in {id(h): h for h in holders}.values():
         bias = named(holder, "e_score_correction_bias")  # (LFM2's expert_bias)
         if bias in holder:
             setattr(holder, bias, getattr(holder, bias)[:-1])
@@ -184,11 +186,14 @@ def _gate(layer):
 
 def set_gate(**fields):
     def apply(layer, a):
+        moe = moe_block(layer)
         g = _gate(layer)
         if g is None:  # a block that routes inline with the fields its own (LFM2)
-            g = moe_block(layer)
+            g = moe
         for k, v in fields.items():  # (under the block's name for it: AFMoE's route_scale)
-            setattr(g, named(g, k), v(a) if callable(v) else v)
+            # a field the block holds beside its gate (Laguna's routed_scaling_factor, applied to the routed sum)
+            owner = g if hasattr(g, named(g, k)) or not hasattr(moe, named(moe, k)) else moe
+            setattr(owner, named(owner, k), v(a) if callable(v) else v)
 
     return apply
 
@@ -225,13 +230,16 @@ def bias_in_weights(layer, a):
         return
     call = type(g).__call__
 
-    def fn(self, x):
+    def fn(self, x):  # the gate's logits as its own call takes them (a bare weight, or Laguna's `proj` and softcap)
         inds, _ = call(self, x)
-        s = mx.take_along_axis(mx.sigmoid((x @ self.weight.T).astype(mx.float32)) + self.e_score_correction_bias,
-                               inds, axis=-1)
-        if self.top_k > 1 and self.norm_topk_prob:
+        logits = router_logits(moe, x).astype(mx.float32)
+        if getattr(self, "softcap", 0.0) > 0.0:
+            logits = mx.tanh(logits / self.softcap) * self.softcap
+        scores = self._routing_scores(logits) if hasattr(self, "_routing_scores") else mx.sigmoid(logits)
+        s = mx.take_along_axis(scores + self.e_score_correction_bias, inds, axis=-1)
+        if self.top_k > 1 and getattr(self, "norm_topk_prob", True):  # (Laguna's gate always renormalises)
             s = s / s.sum(axis=-1, keepdims=True)
-        return inds, s * self.routed_scaling_factor
+        return inds, s * getattr(self, "routed_scaling_factor", 1.0)  # (Laguna's block scales the routed sum)
 
     patch_call(g, fn)
 
@@ -243,6 +251,9 @@ def softmax_for_sigmoid(layer, a):
     import sys
 
     g = _gate(layer)
+    if g is not None and hasattr(g, "_routing_scores"):  # Laguna's gate: its score function a method (an unknown
+        g._routing_scores = lambda logits: mx.softmax(logits, axis=-1, precise=True)  # score_func name raises)
+        return
     if g is not None and hasattr(g, "score_func"):  # a block that reads its score function at every call (AFMoE)
         g.score_func = "softmax"
         return
