@@ -18,6 +18,9 @@ from tests.conftest import ROOT, run_cli
 
 PACKAGES = ("oracle", "models", "exporters", "goldens")
 CONFIG = ["--config", "olmoe-1b-7b-0924", "--layers", "1"]  # the smallest published MoE config
+# a short check of it (what is tested is that the installed package finds and reads the published config; the
+# default 8 + 8 tokens at its real width took 26 s cold, this 14 s, on 2 cores: issue 76's budget)
+SHORT = ["--prompt-len", "4", "--decode-tokens", "2"]
 
 
 def run_installed(target: Path, cwd: Path, *args, program=None):
@@ -91,8 +94,9 @@ def test_same_answer(installed, args):
 def test_check_on_a_published_config(installed, tmp_path):
     """The issue's command: the published config is read from the installed package."""
     _, target, _, cwd = installed
-    want = run_cli("check", *CONFIG, "--backend", "eager", "--json", str(tmp_path / "checkout.json"))
-    got = run_installed(target, cwd, "check", *CONFIG, "--backend", "eager", "--json", str(tmp_path / "installed.json"))
+    want = run_cli("check", *CONFIG, *SHORT, "--backend", "eager", "--json", str(tmp_path / "checkout.json"))
+    got = run_installed(target, cwd, "check", *CONFIG, *SHORT, "--backend", "eager", "--json",
+                        str(tmp_path / "installed.json"))
     assert (got.returncode, got.stdout) == (want.returncode, want.stdout) == (0, want.stdout), got.stderr[-2000:]
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("checkout.json", "installed.json"))
     for key in ("status", "spec", "blocks", "e2e", "gates"):  # the numbers; not timings, host, paths
