@@ -274,31 +274,37 @@ def test_index_file(sharded, data):
 
 
 # ------------------------------------------------------------------ given programs (.pte, .vmfb)
-def exported(tmp_path_factory, backend: str, runtime: str, **options) -> Path:
-    """`oracle export` of tiny OLMoE for the check's default lengths, as tests/test_given_programs.py
-    exports it (the same cached artifact)."""
+def exported(tmp_path_factory, backend: str, runtime: str, spec: dict, **options) -> tuple[Path, list]:
+    """(the directory `oracle export` writes for a check of `spec`, the check's arguments): the programs
+    tests/test_given_programs.py exports (VMFB, PTE there: the same cached artifacts, which other files build)."""
     from oracle.backend import CheckSpec
     from oracle.export import run_export
 
     pytest.importorskip(runtime)
     out = tmp_path_factory.mktemp(backend)
-    run_export(CheckSpec(family="olmoe", backend=backend, prompt_len=8, decode_tokens=8,
-                         options={"max_seq_len": 16, **options}), str(out))
-    return out
+    s = CheckSpec(backend=backend, **spec)
+    run_export(CheckSpec(backend=backend, **spec, options={"max_seq_len": s.prompt_len + s.decode_tokens, **options}),
+               str(out))
+    return out, ["--family", s.family, "--prompt-len", str(s.prompt_len), "--decode-tokens", str(s.decode_tokens)]
 
 
 @pytest.fixture(scope="module")
-def pte_dir(tmp_path_factory) -> Path:
-    return exported(tmp_path_factory, "executorch", "executorch.runtime", partitioner="portable")
+def pte_dir(tmp_path_factory) -> tuple[Path, list]:
+    from tests.test_given_programs import PTE
+
+    return exported(tmp_path_factory, "executorch", "executorch.runtime", PTE, partitioner="portable")
 
 
 @pytest.fixture(scope="module")
-def vmfb_dir(tmp_path_factory) -> Path:
-    return exported(tmp_path_factory, "iree-llvm-cpu", "iree.runtime")
+def vmfb_dir(tmp_path_factory) -> tuple[Path, list]:
+    from tests.test_given_programs import VMFB
+
+    return exported(tmp_path_factory, "iree-llvm-cpu", "iree.runtime", VMFB)
 
 
-def given_program(data, program_dir: Path, program: str, weights: str, backend: str, flag: str):
+def given_program(data, exported: tuple, program: str, weights: str, backend: str, flag: str):
     """One of the program, its weights file or its manifest damaged; `oracle check --FLAG`."""
+    program_dir, argv = exported
     target = data.draw(st.sampled_from([program, program, weights, "manifest.json"]))
     raw = (program_dir / target).read_bytes()
     if target == "manifest.json":
@@ -308,7 +314,7 @@ def given_program(data, program_dir: Path, program: str, weights: str, backend: 
     with workspace() as d:
         shutil.copytree(program_dir, d / "prog")
         (d / "prog" / target).write_bytes(bad)
-        check_ends_cleanly(d / "r.json", "--family", "olmoe", "--backend", backend, flag, d / "prog" / program)
+        check_ends_cleanly(d / "r.json", *argv, "--backend", backend, flag, d / "prog" / program)
 
 
 @GIVEN
