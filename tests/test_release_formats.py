@@ -1,0 +1,125 @@
+"""The released quantized formats (models/release_formats.py): MXFP4 and FP8 block-scaled tensors packed here by
+the test's own packers (the formats' definitions, written from the spec, not from the code under test) and read
+back by transformers' dequantizers; a malformed release is refused from its headers, naming the tensor or field."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.checkpoint import CheckpointError
+from models.release_formats import FP8, MXFP4, ReleaseFormat, dequantize, release_format, released_index
+
+CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF's expert tensor w [E, in, out] -> (blocks uint8 [E, out, in/32, 16], scales uint8 [E, out, in/32],
+    the values they define [E, in, out]): per 32 inputs a power-of-two scale (e8m0, bias 127) that puts the
+    largest |value| at or under 6, each value the nearest e2m1 (ties to the lower code), two a byte, low first."""
+    t = w.transpose(-1, -2)  # [E, out, in]
+    g = t.reshape(*t.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1).clamp_min(2.0 ** -100)
+    exp = torch.ceil(torch.log2(amax / 6.0))
+    x = g / torch.exp2(exp)[..., None]
+    codes = (x[..., None] - E2M1).abs().argmin(-1)  # [..., 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    values = (E2M1[codes] * torch.exp2(exp)[..., None]).reshape(t.shape).transpose(-1, -2)
+    return blocks, (exp + 127).to(torch.uint8), values
+
+
+def pack_fp8(w: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (float8_e4m3fn weight, float32 weight_scale_inv [out/bm, in/bn], the values they define:
+    each block's fp8 values times its scale, in fp32): the block's largest |value| mapped to 448."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows // bm, bm, cols // bn, bn)
+    scale = blocks.abs().amax((1, 3)) / 448.0
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    values = (q.float() * scale[:, None, :, None]).reshape(rows, cols)
+    return q.reshape(rows, cols), scale, values
+
+
+def test_mxfp4_reads_as_its_definition():
+    w = torch.randn(3, 64, 5, generator=torch.Generator().manual_seed(0))  # [E, in, out]
+    blocks, scales, values = pack_mxfp4(w)
+    got = dequantize(ReleaseFormat(MXFP4), {"blocks": blocks, "scales": scales})
+    assert got.dtype == torch.bfloat16 and got.shape == w.shape
+    assert torch.equal(got.float(), values)  # every e2m1 value times a power of two is exact in bf16
+    assert (got.float() - w).abs().max() < 0.5 * w.abs().max()  # and it is the weight, 4-bit coarse
+    one = dequantize(ReleaseFormat(MXFP4), {"blocks": blocks[1], "scales": scales[1]})  # one expert's
+    assert torch.equal(one.float(), values[1])
+
+
+def test_fp8_reads_as_its_definition():
+    w = torch.randn(32, 48, generator=torch.Generator().manual_seed(1))
+    q, scale, values = pack_fp8(w, 16, 16)
+    got = dequantize(ReleaseFormat(FP8, block=(16, 16), fmt="e4m3"), {"weight": q, "scale_inv": scale})
+    assert got.dtype == torch.float32 and torch.equal(got, values)
+    assert (got - w).abs().max() < 0.07 * w.abs().max()  # e4m3: 3 mantissa bits
+
+
+def test_the_published_releases_declare_their_formats():
+    gpt = json.loads((CONFIGS / "gpt-oss-20b.json").read_text())
+    ds = json.loads((CONFIGS / "deepseek-v3.json").read_text())
+    assert release_format(gpt).method == MXFP4
+    f = release_format(ds)
+    assert (f.method, f.fmt, f.block) == (FP8, "e4m3", (128, 128))
+    assert release_format({"model_type": "olmoe"}) is None
+
+
+@pytest.mark.parametrize("q,needle", [
+    ({"quant_method": "gptq"}, "quant_method 'gptq' is not a format read here"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2'"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size [128] is not two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "weight_block_size [0, 128]"),
+    ("fp8", "quantization_config is str"),
+])
+def test_an_unknown_or_malformed_quantization_config_names_the_field(q, needle):
+    with pytest.raises(CheckpointError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        release_format({"quantization_config": q})
+
+
+MX = ReleaseFormat(MXFP4)
+F8 = ReleaseFormat(FP8, block=(16, 16), fmt="e4m3")
+S = Path("model.safetensors")
+
+
+def test_a_release_index_is_the_checkpoint_it_defines():
+    raw = {"m.layers.0.mlp.experts.down_proj_blocks": (S, "U8", (4, 64, 2, 16)),
+           "m.layers.0.mlp.experts.down_proj_scales": (S, "U8", (4, 64, 2)),
+           "m.layers.0.mlp.router.weight": (S, "BF16", (4, 64))}
+    idx = released_index(raw, MX)
+    assert idx.entries == {"m.layers.0.mlp.experts.down_proj": (S, "BF16", (4, 64, 64)),
+                           "m.layers.0.mlp.router.weight": (S, "BF16", (4, 64))}
+    assert idx.parts == {"m.layers.0.mlp.experts.down_proj": {"blocks": "m.layers.0.mlp.experts.down_proj_blocks",
+                                                              "scales": "m.layers.0.mlp.experts.down_proj_scales"}}
+    raw = {"m.layers.0.self_attn.q_proj.weight": (S, "F8_E4M3", (32, 48)),
+           "m.layers.0.self_attn.q_proj.weight_scale_inv": (S, "F32", (2, 3)),
+           "m.layers.0.input_layernorm.weight": (S, "BF16", (48,))}
+    idx = released_index(raw, F8)
+    assert idx.entries["m.layers.0.self_attn.q_proj.weight"] == (S, "F32", (32, 48))
+    assert idx.entries["m.layers.0.input_layernorm.weight"] == (S, "BF16", (48,))
+    assert set(idx.parts) == {"m.layers.0.self_attn.q_proj.weight"}
+
+
+@pytest.mark.parametrize("fmt,raw,needle", [
+    (MX, {"e.gate_up_proj_blocks": (S, "U8", (4, 64, 2, 16)), "e.gate_up_proj_scales": (S, "U8", (4, 64, 3))},
+     r"tensor e.gate_up_proj_scales: U8 \[4, 64, 3\] does not fit e.gate_up_proj_blocks"),
+    (MX, {"e.gate_up_proj_blocks": (S, "U8", (4, 64, 2, 16))}, "tensor e.gate_up_proj_blocks: MXFP4 blocks without"),
+    (MX, {"e.gate_up_proj_scales": (S, "U8", (4, 64, 2))}, "tensor e.gate_up_proj_scales: MXFP4 scales without"),
+    (MX, {"e.gate_up_proj_blocks": (S, "BF16", (4, 64, 2, 16)), "e.gate_up_proj_scales": (S, "U8", (4, 64, 2))},
+     "tensor e.gate_up_proj_blocks: BF16 .* is not MXFP4 blocks"),
+    (F8, {"p.weight": (S, "F8_E4M3", (32, 40)), "p.weight_scale_inv": (S, "F32", (2, 3))},
+     r"tensor p.weight: \[32, 40\] is not divided by weight_block_size \[16, 16\]"),
+    (F8, {"p.weight": (S, "F8_E4M3", (32, 48)), "p.weight_scale_inv": (S, "F32", (2, 2))},
+     r"tensor p.weight_scale_inv: F32 \[2, 2\] does not fit p.weight \[32, 48\]"),
+    (F8, {"p.weight": (S, "F8_E4M3", (32, 48))}, "tensor p.weight: F8_E4M3 without its weight_scale_inv"),
+    (F8, {"p.weight_scale_inv": (S, "F32", (2, 3))}, "tensor p.weight_scale_inv: an FP8 scale without p.weight"),
+    (F8, {"p.weight": (S, "F8_E5M2", (32, 48)), "p.weight_scale_inv": (S, "F32", (2, 3))},
+     "tensor p.weight is F8_E5M2: config.json declares FP8 e4m3"),
+])
+def test_a_malformed_release_names_the_tensor(fmt, raw, needle):
+    with pytest.raises(CheckpointError, match=needle):
+        released_index(raw, fmt)
