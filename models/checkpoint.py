@@ -147,7 +147,38 @@ def tensor_index(model_dir: Path) -> dict[str, tuple[Path, str, tuple]]:
         absent = sorted(listed - set(out))
         if absent:
             raise CheckpointError(f"{index}: {len(absent)} tensor(s) listed but not in any shard, e.g. {absent[0]}")
-    return out
+    return released(model_dir, out)
+
+
+class ReleaseIndex(dict):
+    """tensor_index of a checkpoint released in a quantized format (models/release_formats.py): the tensors
+    the file defines, under HF's names with their dequantized dtype and shape; `released` says where each
+    packed one's parts are, `raw` is the files' own index. read_tensors dequantizes as it reads."""
+
+    def __init__(self, entries: dict, released, raw: dict):
+        super().__init__(entries)
+        self.released, self.raw = released, raw
+
+
+def released(model_dir: Path, raw: dict) -> dict:
+    """`raw` (the files' index), or the checkpoint a quantized release defines where config.json declares one
+    (its quantization_config's quant_method), checked from the headers."""
+    from models.release_formats import release_format, released_index
+
+    path = Path(model_dir) / "config.json"
+    fmt = release_format(read_config_file(path)) if path.is_file() else None
+    if fmt is None:
+        return raw
+    r = released_index(raw, fmt)
+    return ReleaseIndex(r.entries, r, raw)
+
+
+def stored_bytes(index: dict, name: str) -> int:
+    """Bytes the files hold for tensor `name` of `index` (a released tensor's packed parts)."""
+    rel = getattr(index, "released", None)
+    parts = rel.parts[name].values() if rel is not None and name in rel.parts else None
+    entries = [index.raw[p] for p in parts] if parts else [index[name]]
+    return sum(math.prod(shape) * torch_dtype(dtype).itemsize for _, dtype, shape in entries)
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -199,16 +230,25 @@ def layer_groups(index: dict) -> list[list[str]]:
 
 def read_tensors(index: dict, names: list[str]) -> dict:
     """These tensors of a checkpoint (`index`: tensor_index of it), each read once from its
-    shard's memory map."""
+    shard's memory map (a released one's parts read and dequantized: models/release_formats.py)."""
+    rel = getattr(index, "released", None)
+    wanted = {n: (rel.parts[n] if rel is not None and n in rel.parts else {None: n}) for n in names}
+    raw = index.raw if rel is not None else index
     by_shard: dict = {}
-    for n in names:
-        by_shard.setdefault(index[n][0], []).append(n)
-    out = {}
+    for parts in wanted.values():
+        for p in parts.values():
+            by_shard.setdefault(raw[p][0], []).append(p)
+    got = {}
     for shard, ns in by_shard.items():
         with open_shard(shard) as f:
             for n in ns:
-                out[n] = f.get_tensor(n)
-    return out
+                got[n] = f.get_tensor(n)
+    if rel is None:
+        return got
+    from models.release_formats import dequantize
+
+    return {n: got[parts[None]] if None in parts else dequantize(rel.format, {r: got.pop(p) for r, p in parts.items()})
+            for n, parts in wanted.items()}
 
 
 def read_weights(model_dir: Path) -> dict:

@@ -42,8 +42,9 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     import torch
 
     if any(k.endswith(("_blocks", "_scales")) for k in weights):
-        raise CheckpointError("gpt_oss: MXFP4 experts (*_blocks / *_scales, the release's layout) are not supported: "
-                              "give a checkpoint with dequantized experts (transformers' Mxfp4Config(dequantize=True))")
+        raise CheckpointError("gpt_oss: MXFP4 experts (*_blocks / *_scales, the release's layout), but config.json "
+                              "declares no quantization_config {\"quant_method\": \"mxfp4\"}: the release's config "
+                              "says how its experts are packed")
     out = {}
     for k, t in weights.items():
         k = k.replace(".mlp.router.", ".mlp.gate.")

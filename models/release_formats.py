@@ -49,10 +49,11 @@ class ReleaseFormat:
 
 
 def release_format(config: dict) -> ReleaseFormat | None:
-    """The release format config.json declares (None: not a quantized release). An unknown quant_method,
-    fmt or block size is a CheckpointError naming the field."""
+    """The release format config.json declares (None: not a quantized release, or mlx-lm's own format, whose
+    quantization_config has no quant_method: oracle/source/quantized.py). An unknown quant_method, fmt or block
+    size is a CheckpointError naming the field."""
     q = config.get("quantization_config")
-    if q is None:
+    if q is None or (isinstance(q, dict) and "quant_method" not in q):
         return None
     if not isinstance(q, dict):
         raise CheckpointError(f"config.json quantization_config is {type(q).__name__}, not an object")
@@ -177,3 +178,14 @@ def dequantize(fmt: ReleaseFormat, tensors: dict):
     w = Fp8Dequantize(None)._dequantize_one(tensors["weight"], tensors["scale_inv"], torch.float32)
     return w.to(torch.float32)
 
+
+
+def hf_loader_config(fmt: ReleaseFormat):
+    """transformers' own loader of the format, dequantizing (what `from_pretrained` of the release is given: the
+    whole-model HF reference reads the release the way transformers does)."""
+    from transformers import FineGrainedFP8Config, Mxfp4Config
+
+    skip = list(fmt.skip) or None
+    if fmt.method == MXFP4:
+        return Mxfp4Config(dequantize=True, modules_to_not_convert=skip)
+    return FineGrainedFP8Config(dequantize=True, weight_block_size=tuple(fmt.block), modules_to_not_convert=skip)

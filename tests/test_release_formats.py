@@ -67,6 +67,7 @@ def test_the_published_releases_declare_their_formats():
     f = release_format(ds)
     assert (f.method, f.fmt, f.block) == (FP8, "e4m3", (128, 128))
     assert release_format({"model_type": "olmoe"}) is None
+    assert release_format({"quantization_config": {"group_size": 64, "bits": 4}}) is None  # mlx-lm's own
 
 
 @pytest.mark.parametrize("q,needle", [

@@ -60,8 +60,13 @@ def load_hf_model(family, model_dir: Path, dtype=None, streamed: bool = False):
     try:
         if streamed:
             return load_streamed(family, Path(model_dir), dtype)
+        from models.checkpoint import read_config
+        from models.release_formats import hf_loader_config, release_format
+
+        fmt = release_format(read_config(Path(model_dir)))  # a quantized release: transformers dequantizes it
         model, info = family.hf_class().from_pretrained(
             model_dir,
+            **({"quantization_config": hf_loader_config(fmt)} if fmt else {}),
             dtype=dtype,
             attn_implementation="eager",
             experts_implementation="eager",
@@ -290,7 +295,7 @@ def layer_tensors(index: dict, names: list, counter=None) -> dict:
     of the layer read last (RECENT) not read again, and kept for the next model that reads them (tensors
     outside the decoder layers are not kept). The bytes read from disk for a decoder layer (`counter`: its
     LayerStream or LayerWeights) are added to READ and to counter.bytes."""
-    from models.checkpoint import LAYER, open_shard
+    from models.checkpoint import LAYER, read_tensors, stored_bytes
 
     m = LAYER.search(names[0]) if names else None
     layer = None if m is None else (str(index[names[0]][0].parent), int(m.group(1)))
@@ -299,14 +304,11 @@ def layer_tensors(index: dict, names: list, counter=None) -> dict:
     kept = RECENT["tensors"] if layer is not None else {}
     missing = [n for n in names if n not in kept]
     out = {n: kept[n] for n in names if n in kept}
-    with contextlib.ExitStack() as stack:
-        files = {s: stack.enter_context(open_shard(s)) for s in sorted({index[n][0] for n in missing})}
-        for n in missing:
-            out[n] = files[index[n][0]].get_tensor(n)
+    out.update(read_tensors(index, missing))  # (a released tensor's parts, dequantized)
     if layer is not None:
         kept.update({n: out[n] for n in missing})
     if counter is not None:  # a decoder layer's (the resident tensors are read once, at load)
-        got = sum(tensor_bytes(index[n]) for n in missing)
+        got = sum(stored_bytes(index, n) for n in missing)
         READ["bytes"] += got
         counter.bytes += got
     return out

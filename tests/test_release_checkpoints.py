@@ -1,0 +1,122 @@
+"""Checkpoints in the formats their releases ship (issue 77): tiny gpt-oss with MXFP4 experts and tiny DeepSeek-V3
+with FP8 block-scaled linears, packed here from HF-initialised weights by the packers of
+tests/test_release_formats.py, each beside its dequantized twin (the same model with the packed values written
+plainly, by the formats' definitions). `oracle check --model-dir` reads the release as released: the same
+reference (tokens and logits, exactly) and the same verdict as the twin's; a malformed one is exit 2 naming the
+tensor before any work."""
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models import get_family
+from oracle.backend import CheckSpec, InputError
+from oracle.check import run_check
+from oracle.reference.cached import reference_of
+from oracle.source.seeded import write_tiny_checkpoint
+from oracle.source.sources import model_source, prompt_tokens
+from tests.test_release_formats import pack_fp8, pack_mxfp4
+
+FP8_BLOCK = (8, 8)  # divides every linear of tiny DeepSeek-V3 (the release's 128 x 128 would not)
+FP8_LINEAR = ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+              "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "gate_proj.weight", "up_proj.weight",
+              "down_proj.weight")  # DeepSeek-V3's release: every attention and MLP linear (not the router, norms, head)
+
+
+def _seeded(family: str, cfg: dict, out):
+    """The family's tiny checkpoint of `cfg` (fp32, as the tiny ones are written), as HF saves it."""
+    fam = get_family(family)
+    out.mkdir(parents=True)
+    write_tiny_checkpoint(fam.hf_config(cfg), fam.hf_class(), 0, out, fam.tiny_std)
+    return load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+
+
+def _write(out, tensors: dict, cfg: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_release(tmp_path_factory):
+    """(release dir, twin dir): the experts as *_blocks / *_scales, quantization_config mxfp4."""
+    tmp = tmp_path_factory.mktemp("gpt_oss")
+    # MXFP4 packs 32 inputs a scale: the tiny config's intermediate size (48) is not a multiple of 32
+    cfg = {**get_family("gpt_oss").tiny_config, "intermediate_size": 64}
+    sd, cfg = _seeded("gpt_oss", cfg, tmp / "seeded")
+    release, twin = {}, {}
+    for k, v in sd.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales, values = pack_mxfp4(v)
+            release[k + "_blocks"], release[k + "_scales"] = blocks, scales
+            twin[k] = values
+        else:
+            release[k] = twin[k] = v
+    _write(tmp / "release", release, {**cfg, "quantization_config": {"quant_method": "mxfp4"}})
+    _write(tmp / "twin", twin, cfg)
+    return tmp / "release", tmp / "twin"
+
+
+@pytest.fixture(scope="module")
+def deepseek_release(tmp_path_factory):
+    """(release dir, twin dir): every attention and MLP linear float8_e4m3fn with weight_scale_inv per block."""
+    tmp = tmp_path_factory.mktemp("deepseek_v3")
+    sd, cfg = _seeded("deepseek_v3", get_family("deepseek_v3").tiny_config, tmp / "seeded")
+    release, twin = {}, {}
+    for k, v in sd.items():
+        if k.endswith(FP8_LINEAR) and ".layers." in k:
+            q, scale, values = pack_fp8(v, *FP8_BLOCK)
+            release[k], release[k + "_scale_inv"] = q, scale
+            twin[k] = values
+        else:
+            release[k] = twin[k] = v
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}
+    _write(tmp / "release", release, {**cfg, "quantization_config": q})
+    _write(tmp / "twin", twin, cfg)
+    return tmp / "release", tmp / "twin"
+
+
+def _same_as_twin(family, release, twin):
+    specs = [CheckSpec(family=family, backend="eager", model_dir=str(d)) for d in (release, twin)]
+    srcs = [model_source(s) for s in specs]
+    assert srcs[0].args == srcs[1].args  # the release defines the twin's model
+    refs = [reference_of(s, src, prompt_tokens(s, src.args.vocab_size)) for s, src in zip(specs, srcs)]
+    assert refs[0].tokens == refs[1].tokens
+    # the same weights, bit for bit (the prefill's logits are equal); a decode step's matrix-vector products
+    # round by where the weights sit in memory (a mapped shard's or a dequantized tensor's alignment): 1e-6 here
+    for a, b in zip(refs[0].logits, refs[1].logits):
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.as_tensor(refs[0].logits[0]), torch.as_tensor(refs[1].logits[0]))
+    for backend in ("eager", "hf"):  # the production model from the dequantized tensors; HF's loader of the format
+        rows = [run_check(replace(s, backend=backend)) for s in specs]
+        assert rows[0].status == rows[1].status == "pass", (backend, rows[0].worst, rows[0].error)
+        assert rows[0].e2e.token_exact and rows[1].e2e.token_exact
+
+
+def test_mxfp4_release_is_checked_as_released(gpt_oss_release):
+    _same_as_twin("gpt_oss", *gpt_oss_release)
+
+
+def test_fp8_release_is_checked_as_released(deepseek_release):
+    _same_as_twin("deepseek_v3", *deepseek_release)
+
+
+def test_a_malformed_release_is_refused_naming_the_tensor(deepseek_release, tmp_path):
+    release, _ = deepseek_release
+    bad = tmp_path / "bad"
+    shutil.copytree(release, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    sd[name] = sd[name][:-1]  # a scale row short
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InputError, match=rf"tensor {name}: F32 \[7, 8\] does not fit"):
+        model_source(CheckSpec(family="deepseek_v3", backend="eager", model_dir=str(bad)))
+    cfg = json.loads((release / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "bitsandbytes"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="quantization_config.quant_method 'bitsandbytes' is not a format read here"):
+        model_source(CheckSpec(family="deepseek_v3", backend="eager", model_dir=str(bad)))
