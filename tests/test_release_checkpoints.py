@@ -120,3 +120,18 @@ def test_a_malformed_release_is_refused_naming_the_tensor(deepseek_release, tmp_
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="quantization_config.quant_method 'bitsandbytes' is not a format read here"):
         model_source(CheckSpec(family="deepseek_v3", backend="eager", model_dir=str(bad)))
+
+
+@pytest.mark.parametrize("which", ["gpt_oss_release", "deepseek_release"])
+def test_the_streamed_reference_reads_a_release_a_layer_at_a_time(which, request):
+    """The streamed HF model (each decoder layer read from the release for its forward: how a release larger than
+    memory is the reference) computes what the whole one transformers' own loader dequantized does."""
+    from oracle.reference.streaming import load_hf_model
+
+    release, _ = request.getfixturevalue(which)
+    family = get_family({"gpt_oss_release": "gpt_oss", "deepseek_release": "deepseek_v3"}[which])
+    x = torch.arange(3, 11)[None]
+    with torch.no_grad():
+        whole = load_hf_model(family, release)(x).logits
+        streamed = load_hf_model(family, release, streamed=True)(x).logits
+    torch.testing.assert_close(streamed, whole, atol=1e-5, rtol=1e-5)  # (alignment, as above)
