@@ -120,6 +120,16 @@ class Run:
         return out
 
 
+def release_record(config: dict) -> dict:
+    """What the report says of a checkpoint released in a quantized format (models/release_formats.py)."""
+    from models.release_formats import release_format
+
+    fmt = release_format(config)
+    return {} if fmt is None else {"release_format": fmt.describe(), "release_read": (
+        "dequantized by the format's definition as the reference reads it (transformers' dequantizers, a tensor at "
+        "a time); the candidate is given the model the release defines")}
+
+
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,
               validate_only: bool = False) -> CheckResult:
     """_run_check; an artifact the cache cannot hold is bad input (refused with the sizes, exit 2)."""
@@ -211,7 +221,8 @@ def read_sources(run: Run) -> None:
         result.spec = spec_record(spec)
     run.spec = spec
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
-                                       "tiny": spec.model_dir is None and spec.config is None}
+                                       "tiny": spec.model_dir is None and spec.config is None,
+                                       **release_record(src.config)}
     run.timings["checkpoint_s"] = time.perf_counter() - run.t0
     plan_resources(run, src, spec)
     if spec.artifact is not None:

@@ -95,6 +95,11 @@ def _same_as_twin(family, release, twin):
         rows = [run_check(replace(s, backend=backend)) for s in specs]
         assert rows[0].status == rows[1].status == "pass", (backend, rows[0].worst, rows[0].error)
         assert rows[0].e2e.token_exact and rows[1].e2e.token_exact
+        fmt = rows[0].provenance["checkpoint"]["release_format"]
+        assert fmt.startswith(("MXFP4", "FP8")) and "release_format" not in rows[1].provenance["checkpoint"]
+        from oracle.reports.markdown import markdown
+
+        assert f"Release format: {fmt}, dequantized by the format's definition" in markdown(rows[0].to_dict())
 
 
 def test_mxfp4_release_is_checked_as_released(gpt_oss_release):

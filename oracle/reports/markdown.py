@@ -216,6 +216,9 @@ def markdown(doc: dict, top: int = 5) -> str:
         first = (doc.get("error") or "").splitlines()[:1]
         weights = _weights((doc.get("quantization") or {}).get("weights"))
         return "\n".join(lines + [f"Backend error: `{first[0] if first else ''}`", ""] + (weights + [""] if weights else []))
+    ckpt = (doc.get("provenance") or {}).get("checkpoint") or {}
+    if ckpt.get("release_format"):  # a checkpoint as released in a quantized format
+        lines += [f"Release format: {ckpt['release_format']}, {ckpt['release_read']}.", ""]
     schedule = ((doc.get("provenance") or {}).get("backend") or {}).get("schedule")
     if schedule:  # a checkpoint streamed from disk (oracle/schedule.py)
         lines += [f"Schedule: {schedule}.", ""]
