@@ -140,3 +140,18 @@ def test_the_streamed_reference_reads_a_release_a_layer_at_a_time(which, request
         whole = load_hf_model(family, release)(x).logits
         streamed = load_hf_model(family, release, streamed=True)(x).logits
     torch.testing.assert_close(streamed, whole, atol=1e-5, rtol=1e-5)  # (alignment, as above)
+
+
+@pytest.mark.parametrize("which", ["gpt_oss_release", "deepseek_release"])
+def test_the_production_weights_of_a_release_are_its_twins(which, request):
+    """What the compiled backends build from (Family.production_tensors: IREE's parameter archive, the ExecuTorch
+    and Inductor models' weights), a decoder layer at a time: the release's, dequantized as read, are the twin's bit
+    for bit."""
+    release, twin = request.getfixturevalue(which)
+    family = get_family({"gpt_oss_release": "gpt_oss", "deepseek_release": "deepseek_v3"}[which])
+    args = model_source(CheckSpec(family=family.name, backend="eager", model_dir=str(twin))).args
+    groups = [list(family.production_tensors(d, args)) for d in (release, twin)]
+    assert len(groups[0]) == len(groups[1]) == args.num_hidden_layers + 1
+    for a, b in zip(*groups):
+        assert sorted(a) == sorted(b)
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
