@@ -152,12 +152,13 @@ def tensor_index(model_dir: Path) -> dict[str, tuple[Path, str, tuple]]:
 
 class ReleaseIndex(dict):
     """tensor_index of a checkpoint released in a quantized format (models/release_formats.py): the tensors
-    the file defines, under HF's names with their dequantized dtype and shape; `released` says where each
-    packed one's parts are, `raw` is the files' own index. read_tensors dequantizes as it reads."""
+    the file defines, under HF's names with their dequantized dtype and shape; `parts` says where each packed
+    one's parts are (role -> raw name), `raw` is the files' own index, `format` the release's. read_tensors
+    dequantizes as it reads."""
 
-    def __init__(self, entries: dict, released, raw: dict):
+    def __init__(self, entries: dict, format, parts: dict, raw: dict):
         super().__init__(entries)
-        self.released, self.raw = released, raw
+        self.format, self.parts, self.raw = format, parts, raw
 
 
 def released(model_dir: Path, raw: dict) -> dict:
@@ -170,15 +171,18 @@ def released(model_dir: Path, raw: dict) -> dict:
     if fmt is None:
         return raw
     r = released_index(raw, fmt)
-    return ReleaseIndex(r.entries, r, raw)
+    return ReleaseIndex(r.entries, fmt, r.parts, raw)
+
+
+def entry_bytes(entry) -> int:
+    """Bytes of a tensor_index entry (shard, safetensors dtype, shape)."""
+    return math.prod(entry[2]) * torch_dtype(entry[1]).itemsize
 
 
 def stored_bytes(index: dict, name: str) -> int:
-    """Bytes the files hold for tensor `name` of `index` (a released tensor's packed parts)."""
-    rel = getattr(index, "released", None)
-    parts = rel.parts[name].values() if rel is not None and name in rel.parts else None
-    entries = [index.raw[p] for p in parts] if parts else [index[name]]
-    return sum(math.prod(shape) * torch_dtype(dtype).itemsize for _, dtype, shape in entries)
+    """Bytes the files hold for tensor `name` of `index` (a released tensor's: its packed parts)."""
+    parts = getattr(index, "parts", {}).get(name)
+    return sum(entry_bytes(index.raw[p]) for p in parts.values()) if parts else entry_bytes(index[name])
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -231,9 +235,9 @@ def layer_groups(index: dict) -> list[list[str]]:
 def read_tensors(index: dict, names: list[str]) -> dict:
     """These tensors of a checkpoint (`index`: tensor_index of it), each read once from its
     shard's memory map (a released one's parts read and dequantized: models/release_formats.py)."""
-    rel = getattr(index, "released", None)
-    wanted = {n: (rel.parts[n] if rel is not None and n in rel.parts else {None: n}) for n in names}
-    raw = index.raw if rel is not None else index
+    released = getattr(index, "parts", None)
+    wanted = {n: (released[n] if released is not None and n in released else {None: n}) for n in names}
+    raw = index.raw if released is not None else index
     by_shard: dict = {}
     for parts in wanted.values():
         for p in parts.values():
@@ -243,11 +247,11 @@ def read_tensors(index: dict, names: list[str]) -> dict:
         with open_shard(shard) as f:
             for n in ns:
                 got[n] = f.get_tensor(n)
-    if rel is None:
+    if released is None:
         return got
     from models.release_formats import dequantize
 
-    return {n: got[parts[None]] if None in parts else dequantize(rel.format, {r: got.pop(p) for r, p in parts.items()})
+    return {n: got[parts[None]] if None in parts else dequantize(index.format, {r: got.pop(p) for r, p in parts.items()})
             for n, parts in wanted.items()}
 
 

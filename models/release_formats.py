@@ -19,7 +19,6 @@ dequantized tensors under HF's names, with their shapes and dtypes, and where ea
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from models.checkpoint import CheckpointError
@@ -27,7 +26,6 @@ from models.checkpoint import CheckpointError
 MXFP4, FP8 = "mxfp4", "fp8"
 METHODS = (MXFP4, FP8)
 MX_BLOCK = 32  # values per e8m0 scale (MXFP4)
-MX_SUFFIXES = ("_blocks", "_scales")
 FP8_SCALE = ".weight_scale_inv"
 FP8_DTYPES = {"e4m3": "F8_E4M3"}  # `fmt` -> the weights' safetensors dtype
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -177,7 +175,6 @@ def dequantize(fmt: ReleaseFormat, tensors: dict):
 
     w = Fp8Dequantize(None)._dequantize_one(tensors["weight"], tensors["scale_inv"], torch.float32)
     return w.to(torch.float32)
-
 
 
 def hf_loader_config(fmt: ReleaseFormat):

@@ -321,11 +321,9 @@ def forget_reads() -> None:
 
 def tensor_bytes(entry) -> int:
     """Bytes of a checkpoint tensor (a tensor_index entry: shard, safetensors dtype, shape)."""
-    import math
+    from models.checkpoint import entry_bytes
 
-    from models.checkpoint import torch_dtype
-
-    return math.prod(entry[2]) * torch_dtype(entry[1]).itemsize
+    return entry_bytes(entry)
 
 
 def streamed_bytes(model) -> int | None:
