@@ -274,32 +274,29 @@ def test_index_file(sharded, data):
 
 
 # ------------------------------------------------------------------ given programs (.pte, .vmfb)
-def exported(tmp_path_factory, backend: str, runtime: str, spec: dict, **options) -> tuple[Path, list]:
+def exported(backend: str, runtime: str, name: str, spec: dict, tmp_path_factory, **options) -> tuple[Path, list]:
     """(the directory `oracle export` writes for a check of `spec`, the check's arguments): the programs
-    tests/test_given_programs.py exports (VMFB, PTE there: the same cached artifacts, which other files build)."""
+    tests/test_given_programs.py exports, by its own helper (the same cached artifacts, which other files build)."""
     from oracle.backend import CheckSpec
-    from oracle.export import run_export
+    from tests import test_given_programs as given
 
-    pytest.importorskip(runtime)
-    out = tmp_path_factory.mktemp(backend)
     s = CheckSpec(backend=backend, **spec)
-    run_export(CheckSpec(backend=backend, **spec, options={"max_seq_len": s.prompt_len + s.decode_tokens, **options}),
-               str(out))
-    return out, ["--family", s.family, "--prompt-len", str(s.prompt_len), "--decode-tokens", str(s.decode_tokens)]
+    program = given.exported(tmp_path_factory, backend, runtime, name, spec, **options)
+    return program.parent, ["--family", s.family, "--prompt-len", str(s.prompt_len), "--decode-tokens", str(s.decode_tokens)]
 
 
 @pytest.fixture(scope="module")
 def pte_dir(tmp_path_factory) -> tuple[Path, list]:
     from tests.test_given_programs import PTE
 
-    return exported(tmp_path_factory, "executorch", "executorch.runtime", PTE, partitioner="portable")
+    return exported("executorch", "executorch.runtime", "model.pte", PTE, tmp_path_factory, partitioner="portable")
 
 
 @pytest.fixture(scope="module")
 def vmfb_dir(tmp_path_factory) -> tuple[Path, list]:
     from tests.test_given_programs import VMFB
 
-    return exported(tmp_path_factory, "iree-llvm-cpu", "iree.runtime", VMFB)
+    return exported("iree-llvm-cpu", "iree.runtime", "model.vmfb", VMFB, tmp_path_factory)
 
 
 def given_program(data, exported: tuple, program: str, weights: str, backend: str, flag: str):
