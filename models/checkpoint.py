@@ -15,12 +15,9 @@ from pathlib import Path
 from safetensors import safe_open
 
 from models import moved
+from models.errors import CheckpointError  # noqa: F401  raised here; the families and exporters import it from here
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be used; the message says which file or tensor and why."""
 
 
 def read_config(model_dir: Path) -> dict:

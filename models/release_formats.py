@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.checkpoint import CheckpointError
+from models.errors import CheckpointError
 
 MXFP4, FP8 = "mxfp4", "fp8"
 METHODS = (MXFP4, FP8)
@@ -144,14 +144,14 @@ def _fp8_index(raw: dict, fmt: ReleaseFormat) -> ReleasedIndex:
         if len(shape) < 2:
             raise CheckpointError(f"tensor {name}: {want} {list(shape)} is not a matrix")
         rows, cols = shape[-2:]
-        if rows % bm or cols % bn:
-            raise CheckpointError(f"tensor {name}: {list(shape)} is not divided by weight_block_size [{bm}, {bn}] "
-                                  "(config.json quantization_config)")
         s_shard, s_dtype, s_shape = raw[scale]
-        grid = (*shape[:-2], rows // bm, cols // bn)
+        # one scale a block, the last row and column of blocks partial where the block does not divide the weight
+        # (DeepSeek-V3's kv_a_proj_with_mqa [576, 7168] has scales [5, 56]: its reference dequantizer's ceil grid)
+        grid = (*shape[:-2], -(-rows // bm), -(-cols // bn))
         if s_dtype not in SCALE_DTYPES or tuple(s_shape) != grid:
             raise CheckpointError(f"tensor {scale}: {s_dtype} {list(s_shape)} does not fit {name} {list(shape)} "
-                                  f"in [{bm}, {bn}] blocks (want a float {list(grid)})")
+                                  f"in weight_block_size [{bm}, {bn}] blocks (want a float {list(grid)}: one scale "
+                                  "a block, config.json quantization_config)")
         entries[name] = (shard, "F32", tuple(shape))
         parts[name] = {"weight": name, "scale_inv": scale}
     return ReleasedIndex(fmt, entries, parts)
@@ -173,8 +173,16 @@ def dequantize(fmt: ReleaseFormat, tensors: dict):
         return out[0] if lead else out
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    w = Fp8Dequantize(None)._dequantize_one(tensors["weight"], tensors["scale_inv"], torch.float32)
-    return w.to(torch.float32)
+    q, scale = tensors["weight"], tensors["scale_inv"]
+    bm, bn = fmt.block
+    rows, cols = q.shape[-2:]
+    # transformers' dequantizer reads the block size off the scale grid, so it needs whole blocks: a partial last
+    # row or column of blocks (the format's ceil grid) is padded with zeros for it and cut off after
+    pad = (-rows % bm, -cols % bn)
+    if any(pad):
+        q = torch.nn.functional.pad(q.view(torch.uint8), (0, pad[1], 0, pad[0])).view(q.dtype)
+    w = Fp8Dequantize(None)._dequantize_one(q, scale, torch.float32)
+    return w[..., :rows, :cols].to(torch.float32)
 
 
 def hf_loader_config(fmt: ReleaseFormat):

@@ -74,6 +74,16 @@ def test_cosine_and_rel_l2():
     assert m["cosine"] == pytest.approx(0.0) and m["rel_l2"] == pytest.approx(math.sqrt(2))
 
 
+def test_cosine_near_the_float_range_and_of_a_nonfinite_reference():
+    from oracle.verdict.metrics import cosine
+
+    big = np.array([1e300, -2e300, 3e300])
+    assert cosine(big, big) == pytest.approx(1.0)  # the plain norms overflow to inf (inf / inf is NaN)
+    assert cosine(big, -big) == pytest.approx(-1.0)
+    assert math.isnan(cosine(np.array([np.nan, 1.0]), np.array([1.0, 1.0])))
+    assert math.isnan(cosine(np.array([np.inf, 1.0]), np.array([np.inf, 1.0])))
+
+
 ROUTER = {"weight_atol": 1e-5, "min_agreement": 1.0, "tie_gap": 1e-3}
 
 

@@ -31,14 +31,16 @@ def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def pack_fp8(w: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (float8_e4m3fn weight, float32 weight_scale_inv [out/bm, in/bn], the values they define:
-    each block's fp8 values times its scale, in fp32): the block's largest |value| mapped to 448."""
+    """w [out, in] -> (float8_e4m3fn weight, float32 weight_scale_inv [ceil(out/bm), ceil(in/bn)], the values they
+    define: each block's fp8 values times its scale, in fp32): the block's largest |value| mapped to 448; where the
+    block does not divide the weight, the last row / column of blocks is the part that is there (DeepSeek's grid)."""
     rows, cols = w.shape
-    blocks = w.reshape(rows // bm, bm, cols // bn, bn)
-    scale = blocks.abs().amax((1, 3)) / 448.0
+    pr, pc = -rows % bm, -cols % bn
+    blocks = torch.nn.functional.pad(w, (0, pc, 0, pr)).reshape((rows + pr) // bm, bm, (cols + pc) // bn, bn)
+    scale = blocks.abs().amax((1, 3)).clamp_min(2.0 ** -100) / 448.0
     q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-    values = (q.float() * scale[:, None, :, None]).reshape(rows, cols)
-    return q.reshape(rows, cols), scale, values
+    values = (q.float() * scale[:, None, :, None]).reshape(rows + pr, cols + pc)[:rows, :cols]
+    return q.reshape(rows + pr, cols + pc)[:rows, :cols].contiguous(), scale, values
 
 
 def test_mxfp4_reads_as_its_definition():
@@ -58,6 +60,17 @@ def test_fp8_reads_as_its_definition():
     got = dequantize(ReleaseFormat(FP8, block=(16, 16), fmt="e4m3"), {"weight": q, "scale_inv": scale})
     assert got.dtype == torch.float32 and torch.equal(got, values)
     assert (got - w).abs().max() < 0.07 * w.abs().max()  # e4m3: 3 mantissa bits
+
+
+def test_fp8_reads_partial_blocks_as_the_release_defines_them():
+    """A block size that does not divide the weight (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in 128-row blocks):
+    one scale a block of the ceil grid, the last blocks partial. transformers' dequantizer wants whole blocks."""
+    w = torch.randn(40, 20, generator=torch.Generator().manual_seed(2))
+    q, scale, values = pack_fp8(w, 16, 16)
+    assert scale.shape == (3, 2)
+    got = dequantize(ReleaseFormat(FP8, block=(16, 16), fmt="e4m3"), {"weight": q, "scale_inv": scale})
+    assert got.shape == (40, 20) and torch.equal(got, values)
+    assert (got - w).abs().max() < 0.07 * w.abs().max()
 
 
 def test_the_published_releases_declare_their_formats():
@@ -112,8 +125,9 @@ def test_a_release_index_is_the_checkpoint_it_defines():
     (MX, {"e.gate_up_proj_scales": (S, "U8", (4, 64, 2))}, "tensor e.gate_up_proj_scales: MXFP4 scales without"),
     (MX, {"e.gate_up_proj_blocks": (S, "BF16", (4, 64, 2, 16)), "e.gate_up_proj_scales": (S, "U8", (4, 64, 2))},
      "tensor e.gate_up_proj_blocks: BF16 .* is not MXFP4 blocks"),
-    (F8, {"p.weight": (S, "F8_E4M3", (32, 40)), "p.weight_scale_inv": (S, "F32", (2, 3))},
-     r"tensor p.weight: \[32, 40\] is not divided by weight_block_size \[16, 16\]"),
+    (F8, {"p.weight": (S, "F8_E4M3", (40, 48)), "p.weight_scale_inv": (S, "F32", (2, 3))},  # the floor grid
+     r"tensor p.weight_scale_inv: F32 \[2, 3\] does not fit p.weight \[40, 48\] in weight_block_size \[16, 16\] "
+     r"blocks \(want a float \[3, 3\]"),
     (F8, {"p.weight": (S, "F8_E4M3", (32, 48)), "p.weight_scale_inv": (S, "F32", (2, 2))},
      r"tensor p.weight_scale_inv: F32 \[2, 2\] does not fit p.weight \[32, 48\]"),
     (F8, {"p.weight": (S, "F8_E4M3", (32, 48))}, "tensor p.weight: F8_E4M3 without its weight_scale_inv"),

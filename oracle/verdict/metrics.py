@@ -82,12 +82,18 @@ def tensor_metrics(ref, cand, atol: float, rtol: float) -> dict:
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
-    if na == 0.0 and nb == 0.0:
+    """Cosine similarity, NaN where either side is not finite (a NaN never passes). Each side is scaled by
+    its largest magnitude first, so values near the float64 range do not overflow the norms."""
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
+    sa, sb = (float(np.abs(x).max()) if x.size else 0.0 for x in (a, b))
+    if sa == 0.0 and sb == 0.0:
         return 1.0
-    if na == 0.0 or nb == 0.0:
+    if sa == 0.0 or sb == 0.0:
         return 0.0
-    return float(np.dot(a.ravel(), b.ravel()) / (na * nb))
+    a, b = a / sa, b / sb
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def weight_diffs(ref_w, ref_idx, cand_w, cand_idx) -> np.ndarray:
