@@ -374,6 +374,12 @@ class Backend:
         without one), or None."""
         return None
 
+    def arithmetic(self, model: ModelSource, spec: CheckSpec) -> str | None:
+        """The arithmetic the candidate computes this checkpoint in where it is not the check's precision's (an
+        oracle/verdict/arithmetic.py name: a8 where it rounds the activations of its products with quantized
+        weights to 8 bits), judged against HF with that arithmetic; None (the default): the precision's own."""
+        return None
+
     def check_given(self, model: ModelSource, spec: CheckSpec) -> None:
         """Check the program given with --pte / --vmfb (its methods and signatures), raising
         InputError with the fix; nothing by default."""

@@ -125,9 +125,10 @@ def release_record(config: dict) -> dict:
     from models.release_formats import release_format
 
     fmt = release_format(config)
-    return {} if fmt is None else {"release_format": fmt.describe(), "release_read": (
+    return {} if fmt is None else {"release_format": fmt.describe(), "release_method": fmt.method, "release_read": (
         "dequantized by the format's definition as the reference reads it (transformers' dequantizers, a tensor at "
-        "a time); the candidate is given the model the release defines")}
+        "a time); each candidate is given the release as its runtime reads it (the compiled backends the "
+        "dequantized tensors, mlx-lm and llama.cpp their own loaders and converter)")}
 
 
 def run_check(spec: CheckSpec, backend=None, progress=None, goldens: bool = True,
@@ -216,6 +217,8 @@ def read_sources(run: Run) -> None:
         spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
         result.spec = spec_record(spec)
     act = (srcs.quantization or {}).get("activations")
+    own = None if act else backend.arithmetic(src, spec)  # the candidate's own arithmetic for this checkpoint
+    act = act or own
     if act and spec.precision == "fp32":  # a runtime that rounds activations for these weights (a8: llama.cpp's
         spec = replace(spec, precision=act)  # quantized GGUFs): judged against HF with that arithmetic
         result.spec = spec_record(spec)
@@ -223,6 +226,10 @@ def read_sources(run: Run) -> None:
     result.provenance["checkpoint"] = {"dir": str(src.model_dir), "sha256": src.checkpoint_sha256,
                                        "tiny": spec.model_dir is None and spec.config is None,
                                        **release_record(src.config)}
+    if own and spec.precision == own:
+        result.provenance["checkpoint"]["arithmetic"] = (
+            f"{own}: the candidate computes its products with the release's packed weights so (its runtime's own "
+            "arithmetic for them); judged against HF computing the same way (oracle/verdict/arithmetic.py)")
     run.timings["checkpoint_s"] = time.perf_counter() - run.t0
     plan_resources(run, src, spec)
     if spec.artifact is not None:

@@ -166,6 +166,17 @@ class LlamaCppBackend(Backend):
         labels = labels_from_map(element_map(original, f"{PACKAGE} {installed_version()}"))
         return gguf_tensor_sources(Path(path), Path(ref.path), labels)
 
+    def arithmetic(self, src, spec):
+        """a8 for a release whose packed tensors the converter keeps packed (gpt-oss's MXFP4 experts: GGML's
+        MXFP4, whose dot products take the activations as Q8_0 blocks, ggml-cpu vec_dot_type), at the fp32
+        settings; None else (an FP8 release is dequantized by the converter: its GGUF is the outtype's)."""
+        from models.release_formats import MXFP4, release_format
+
+        fmt = release_format(src.config)
+        if spec.artifact is None and fmt is not None and fmt.method == MXFP4 and self.settings(spec)[0] == "f32":
+            return "a8"
+        return None
+
     def check_options(self, spec):
         if spec.artifact is not None and spec.options.get("outtype"):
             return "--gguf runs the file as given: outtype applies to the GGUF the backend converts, not to it"

@@ -25,7 +25,7 @@ from exporters.mlx.candidate import MLXCandidate
 from exporters.mlx.config import (DEFAULT_GROUP_SIZE, GROUP_SIZES, PRECISIONS, QUANT_BITS, mapping, mlx_config,
                                   mlx_module)
 from exporters.mlx.directory import RECIPES, load_directory, reference_directory, write_directory
-from exporters.mlx.load import cast, load_model, quantize
+from exporters.mlx.load import cast, load_model, quantization_table, quantize, release_quantization
 from exporters.mlx.model import text_model
 from models.args import CHUNKED, SLIDING
 from models.mlx_lm import ConfigError
@@ -159,6 +159,8 @@ class MLXBackend(Backend):
                 "config": fields, "dtype": str(dtype).split(".")[-1]}
         if quant:
             info["quantization"] = quant
+        if not spec.candidate_dir and (kept := release_quantization(model.config)):  # the release's, kept packed
+            info["release_quantization"] = {**kept, **quantization_table(m, kept["group_size"], "not packed in the release")}
         if spec.candidate_dir:
             info["loaded_from"] = f"{spec.candidate_dir} (mlx_lm.utils.load_model)"
             info["config_mismatch"] = shipped["config_mismatch"]

@@ -80,9 +80,40 @@ def load_model(src, config_fn=mlx_config):
     weights = drop_layers_from(weights, src.args.num_hidden_layers)
     m = mapping(family)
     weights = model.sanitize(m.convert(weights) if m.convert else expert_layout(family, weights))
+    release_quantize(model, weights, src.config)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     return model, fields
+
+
+# a release's quant_method -> the quantization mlx_lm.utils.load_model gives the modules whose packed tensors it
+# has (mlx-lm 0.32.2): MXFP4 stays packed (its sanitize renames *_blocks / *_scales); FP8 block-scaled is not here,
+# the families' sanitize() dequantizes it (to bf16)
+RELEASE_QUANTIZATION = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+                        "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"}}
+
+
+def release_quantization(config: dict) -> dict | None:
+    """The quantization mlx-lm keeps a release's packed modules at (RELEASE_QUANTIZATION), or None."""
+    q = config.get("quantization_config")
+    return RELEASE_QUANTIZATION.get(q.get("quant_method")) if isinstance(q, dict) else None
+
+
+def release_quantize(model, weights: dict, config: dict) -> None:
+    """What mlx_lm.utils.load_model does to a checkpoint released in a quantized format before it loads the
+    weights: the modules whose `.scales` the sanitized weights have made quantized, each with the bits, group
+    size and mode mlx-lm infers from its tensors (mlx_lm.utils.infer_quant_config)."""
+    quantization = release_quantization(config)
+    if quantization is None:
+        return
+    import mlx.nn as nn
+    from mlx_lm.utils import infer_quant_config
+
+    def packed(path, module):
+        return (hasattr(module, "to_quantized") and f"{path}.scales" in weights
+                and infer_quant_config(path, module, weights))
+
+    nn.quantize(model, **quantization, class_predicate=packed)
 
 
 def cast(model, dtype) -> None:
@@ -105,8 +136,9 @@ def quantize(model, bits: int, group_size: int) -> dict:
     return {"bits": bits, "group_size": group_size, "mode": "affine", **quantization_table(model, group_size)}
 
 
-def quantization_table(model, group_size: int) -> dict:
-    """Every weight-carrying module of an mlx model: quantized (bits, group size) or not (why)."""
+def quantization_table(model, group_size: int, left_out: str = "left out by the model's quant_predicate") -> dict:
+    """Every weight-carrying module of an mlx model: quantized (bits, group size) or not (why; `left_out`: a
+    module the quantizer could have taken)."""
     done, skipped = {}, {}
     for path, m in sorted(model.named_modules()):
         w = m.get("weight") if isinstance(m, dict) else None
@@ -119,5 +151,5 @@ def quantization_table(model, group_size: int) -> dict:
         elif w.shape[-1] % group_size:
             skipped[path] = f"input dim {w.shape[-1]} not divisible by group size {group_size}"
         else:
-            skipped[path] = "left out by the model's quant_predicate"
+            skipped[path] = left_out
     return {"quantized": done, "not_quantized": skipped}

@@ -17,9 +17,16 @@ def reference_mode(model_dir: Path) -> str:
     """How the HF reference holds the model: "whole" (from_pretrained into memory, fastest for
     small models) or "streamed" (each decoder layer read from the checkpoint for its forward:
     memory about one layer plus the embedding and the head, whatever the depth; load_streamed). Auto by the
-    model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes."""
-    from models.checkpoint import parameter_count
+    model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes.
+    A checkpoint in a released quantized format is always streamed: its tensors are read (and dequantized) by the
+    format's definition (models/release_formats.py), a layer at a time; transformers' own whole-model loader of it
+    (`load_hf_model` whole) is not the reference, since its FP8 dequantizer takes the block size from the scale
+    grid, which is wrong where the last blocks are partial (tests/test_release_checkpoints.py)."""
+    from models.checkpoint import parameter_count, read_config
+    from models.release_formats import release_format
 
+    if release_format(read_config(Path(model_dir))) is not None:
+        return "streamed"
     return mode_for(parameter_count(model_dir))
 
 

@@ -219,6 +219,8 @@ def markdown(doc: dict, top: int = 5) -> str:
     ckpt = (doc.get("provenance") or {}).get("checkpoint") or {}
     if ckpt.get("release_format"):  # a checkpoint as released in a quantized format
         lines += [f"Release format: {ckpt['release_format']}, {ckpt['release_read']}.", ""]
+        if ckpt.get("arithmetic"):
+            lines += [f"Arithmetic {ckpt['arithmetic']}.", ""]
     schedule = ((doc.get("provenance") or {}).get("backend") or {}).get("schedule")
     if schedule:  # a checkpoint streamed from disk (oracle/schedule.py)
         lines += [f"Schedule: {schedule}.", ""]

@@ -10,13 +10,16 @@ An entry: family, backend, the package whose versions have the defect and their 
 specifier set), the precisions (all when absent), `fails` (the row kinds it fails: block kinds
 such as `router` or `layer`, `e2e`, `prompts`, `gate:<name>`, or `load`: the candidate cannot load
 or aborts when loaded, its runtime's reason in the check's error), the cause, an upstream
-reference, and `on_some_inputs` (default false). Entries are validated when read: a malformed file is refused with its path.
+reference, `on_some_inputs` (default false), and `release` (the released quantized formats, quant_method, whose
+checkpoints it applies to, e.g. ["fp8"]; default: every checkpoint). Where several entries apply (a family's
+defect and a release format's), the check is judged against all of them: their `fails` together, each cause told.
+Entries are validated when read: a malformed file is refused with its path.
 """
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -38,12 +41,15 @@ class Divergence:
     reference: str
     precisions: tuple[str, ...] = ()
     on_some_inputs: bool = False  # the defect needs inputs the cause names: a pass is not stale
+    release: tuple[str, ...] = ()  # the release formats (quant_method) it applies to; () every checkpoint
 
-    def applies(self, family: str, backend: str, precision: str, versions: dict) -> bool:
+    def applies(self, family: str, backend: str, precision: str, versions: dict, release: str | None = None) -> bool:
         have = versions.get(self.package)
         if (family, backend) != (self.family, self.backend) or have is None:
             return False
         if self.precisions and precision not in self.precisions:
+            return False
+        if self.release and release not in self.release:
             return False
         try:
             return Version(have) in SpecifierSet(self.versions)
@@ -93,6 +99,7 @@ def _parse(path, text: str) -> list[Divergence]:
             raise ValueError(f"{where}: on_some_inputs must be true or false, not {fields['on_some_inputs']!r}")
         out.append(Divergence(**{**fields, "fails": tuple(fields["fails"]),
                                  "precisions": tuple(fields["precisions"] or ()),
+                                 "release": tuple(fields["release"] or ()),
                                  "on_some_inputs": bool(fields["on_some_inputs"])}))
     return out
 
@@ -112,11 +119,24 @@ def failing_parts(result) -> list[str]:
     return list(dict.fromkeys(parts))
 
 
+def applying(result, entries: list[Divergence] | None = None) -> Divergence | None:
+    """The known divergence of this check's candidate: the one entry that applies, or the entries that do as
+    one (their fails together, their causes and references each told; a pass is not stale only where every one
+    of them needs some inputs), or None."""
+    spec, versions = result.spec, result.provenance.get("versions", {})
+    release = (result.provenance.get("checkpoint") or {}).get("release_method")
+    entries = load() if entries is None else entries
+    found = [e for e in entries if e.applies(spec["family"], spec["backend"], spec["precision"], versions, release)]
+    if len(found) <= 1:
+        return found[0] if found else None
+    return replace(found[0], fails=tuple(dict.fromkeys(f for e in found for f in e.fails)),
+                   cause=" Also: ".join(e.cause for e in found), reference="; ".join(e.reference for e in found),
+                   on_some_inputs=all(e.on_some_inputs for e in found))
+
+
 def known_fails(result, entries: list[Divergence] | None = None) -> tuple[str, ...]:
     """The row kinds a known divergence of this check's candidate fails (its entry's `fails`), or ()."""
-    spec, versions = result.spec, result.provenance.get("versions", {})
-    entries = load() if entries is None else entries
-    entry = next((e for e in entries if e.applies(spec["family"], spec["backend"], spec["precision"], versions)), None)
+    entry = applying(result, entries)
     return entry.fails if entry else ()
 
 
@@ -125,9 +145,8 @@ def judge(result, entries: list[Divergence] | None = None) -> None:
     divergence did not show as said into `fail` with the reason. Sets result.expected."""
     if result.status not in (Status.PASS, Status.FAIL, Status.ERROR):
         return  # a skip is not a verdict on the candidate
-    spec, versions = result.spec, result.provenance.get("versions", {})
-    entries = load() if entries is None else entries
-    entry = next((e for e in entries if e.applies(spec["family"], spec["backend"], spec["precision"], versions)), None)
+    versions = result.provenance.get("versions", {})
+    entry = applying(result, entries)
     if result.status == Status.ERROR and (entry is None or "load" not in entry.fails
                                           or "load" not in failing_parts(result)):
         return  # a crash is not a verdict on the candidate's numbers, unless its entry is that it cannot load
