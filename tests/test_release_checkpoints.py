@@ -21,7 +21,9 @@ from oracle.source.seeded import write_tiny_checkpoint
 from oracle.source.sources import model_source, prompt_tokens
 from tests.test_release_formats import pack_fp8, pack_mxfp4
 
-FP8_BLOCK = (8, 8)  # divides every linear of tiny DeepSeek-V3 (the release's 128 x 128 would not)
+# 16 x 16: q_a_proj / kv_a_proj_with_mqa [24, 64] and q_b_proj [96, 24] end in partial blocks (as the release's
+# kv_a_proj_with_mqa [576, 7168] does in 128 x 128 ones), the others are whole blocks
+FP8_BLOCK = (16, 16)
 FP8_LINEAR = ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
               "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "gate_proj.weight", "up_proj.weight",
               "down_proj.weight")  # DeepSeek-V3's release: every attention and MLP linear (not the router, norms, head)
@@ -61,23 +63,33 @@ def gpt_oss_release(tmp_path_factory):
     return tmp / "release", tmp / "twin"
 
 
-@pytest.fixture(scope="module")
-def deepseek_release(tmp_path_factory):
+def _fp8_release(tmp, block):
     """(release dir, twin dir): every attention and MLP linear float8_e4m3fn with weight_scale_inv per block."""
-    tmp = tmp_path_factory.mktemp("deepseek_v3")
     sd, cfg = _seeded("deepseek_v3", get_family("deepseek_v3").tiny_config, tmp / "seeded")
+    cfg["scoring_func"] = "sigmoid"  # the release's config.json has it (llama.cpp's converter reads it)
     release, twin = {}, {}
     for k, v in sd.items():
         if k.endswith(FP8_LINEAR) and ".layers." in k:
-            q, scale, values = pack_fp8(v, *FP8_BLOCK)
+            q, scale, values = pack_fp8(v, *block)
             release[k], release[k + "_scale_inv"] = q, scale
             twin[k] = values
         else:
             release[k] = twin[k] = v
-    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     _write(tmp / "release", release, {**cfg, "quantization_config": q})
     _write(tmp / "twin", twin, cfg)
     return tmp / "release", tmp / "twin"
+
+
+@pytest.fixture(scope="module")
+def deepseek_release(tmp_path_factory):
+    return _fp8_release(tmp_path_factory.mktemp("deepseek_v3"), FP8_BLOCK)
+
+
+@pytest.fixture(scope="module")
+def deepseek_release_128(tmp_path_factory):
+    """The release's own block size, 128 x 128 (every tiny linear one partial block): what mlx-lm reads."""
+    return _fp8_release(tmp_path_factory.mktemp("deepseek_v3_128"), (128, 128))
 
 
 def _same_as_twin(family, release, twin):
@@ -118,7 +130,7 @@ def test_a_malformed_release_is_refused_naming_the_tensor(deepseek_release, tmp_
     name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
     sd[name] = sd[name][:-1]  # a scale row short
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(InputError, match=rf"tensor {name}: F32 \[7, 8\] does not fit"):
+    with pytest.raises(InputError, match=rf"tensor {name}: F32 \[3, 4\] does not fit"):
         model_source(CheckSpec(family="deepseek_v3", backend="eager", model_dir=str(bad)))
     cfg = json.loads((release / "config.json").read_text())
     cfg["quantization_config"]["quant_method"] = "bitsandbytes"
@@ -127,19 +139,33 @@ def test_a_malformed_release_is_refused_naming_the_tensor(deepseek_release, tmp_
         model_source(CheckSpec(family="deepseek_v3", backend="eager", model_dir=str(bad)))
 
 
-@pytest.mark.parametrize("which", ["gpt_oss_release", "deepseek_release"])
-def test_the_streamed_reference_reads_a_release_a_layer_at_a_time(which, request):
-    """The streamed HF model (each decoder layer read from the release for its forward: how a release larger than
-    memory is the reference) computes what the whole one transformers' own loader dequantized does."""
+def _whole_and_streamed(family, release):
     from oracle.reference.streaming import load_hf_model
 
-    release, _ = request.getfixturevalue(which)
-    family = get_family({"gpt_oss_release": "gpt_oss", "deepseek_release": "deepseek_v3"}[which])
     x = torch.arange(3, 11)[None]
     with torch.no_grad():
-        whole = load_hf_model(family, release)(x).logits
-        streamed = load_hf_model(family, release, streamed=True)(x).logits
+        return (load_hf_model(family, release)(x).logits,  # transformers' own loader, dequantizing
+                load_hf_model(family, release, streamed=True)(x).logits)  # the reference's reading
+
+
+@pytest.mark.parametrize("which", ["gpt_oss_release", "deepseek_release_128"])
+def test_the_streamed_reference_reads_a_release_a_layer_at_a_time(which, request):
+    """The streamed HF model (each decoder layer read from the release for its forward: how every release is the
+    reference) computes what the whole one transformers' own loader dequantized does, where its blocks are whole
+    (the scale grid says the block size)."""
+    release, _ = request.getfixturevalue(which)
+    family = get_family({"gpt_oss_release": "gpt_oss", "deepseek_release_128": "deepseek_v3"}[which])
+    whole, streamed = _whole_and_streamed(family, release)
     torch.testing.assert_close(streamed, whole, atol=1e-5, rtol=1e-5)  # (alignment, as above)
+
+
+@pytest.mark.xfail(strict=True, reason="transformers 5.23 Fp8Dequantize._dequantize_one takes the block size from the "
+                   "scale grid (rows // scale_rows): a weight whose last blocks are partial (24 rows in 16-row blocks: "
+                   "2 scale rows) is read in blocks of 12, another model than the release's; the reference reads it by "
+                   "weight_block_size (models/release_formats.py). XPASS: upstream fixed it, drop the xfail")
+def test_transformers_loader_of_partial_fp8_blocks_is_the_release(deepseek_release):
+    whole, streamed = _whole_and_streamed(get_family("deepseek_v3"), deepseek_release[0])
+    torch.testing.assert_close(whole, streamed, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("which", ["gpt_oss_release", "deepseek_release"])

@@ -52,8 +52,12 @@ def _probe_main(model_dir: str, out: str) -> None:
     import torch
     from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
 
+    from models.checkpoint import ReleaseIndex, tensor_index
+
     hparams = ModelBase.load_hparams(Path(model_dir), False)
     cls = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
+    release = tensor_index(Path(model_dir))  # a checkpoint in a released quantized format: what it defines
+    release = release if isinstance(release, ReleaseIndex) else None
     if getattr(cls, "supports_mtp_export", False):
         cls.no_mtp = True
 
@@ -73,8 +77,14 @@ def _probe_main(model_dir: str, out: str) -> None:
         """The converter on index-valued tensors (`part`: the index's low or high bits): per GGUF tensor
         its shape and runs (one tensor in memory at a time: each is run-length encoded as written)."""
         model = cls(Path(model_dir), gguf.LlamaFileType.ALL_F32, Path(out).with_suffix(".unused"), eager=True)
-        names = sorted(model.model_tensors)
-        shapes = {n: tuple(model.model_tensors[n]().shape) for n in names}
+        if release is not None:  # the converter's plain path on the tensors the release defines (its packed
+            # path writes the same GGUF tensors, of packed values: the map is of where each value goes)
+            model._is_mxfp4 = model._is_nvfp4 = False
+            model.hparams.pop("quantization_config", None)
+            names, shapes = sorted(release), {n: tuple(release[n][2]) for n in release}
+        else:
+            names = sorted(model.model_tensors)
+            shapes = {n: tuple(model.model_tensors[n]().shape) for n in names}
         offset, offsets = 0, {}
         for n in names:
             offsets[n] = offset

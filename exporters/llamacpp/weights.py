@@ -178,6 +178,10 @@ def gguf_tensor_sources(shipped_path: Path, reference_path: Path, labels=None):
         r = ref[t.name]
         unit_rows = shape[1] if len(shape) == 3 and "_exps" in t.name else (1 if len(shape) == 2 and "_exps" in t.name else 0)
         fmt = format_of(qtype.name, imatrix)
+        if r.tensor_type == t.tensor_type and qtype.name not in FLOAT_TYPES:
+            # packed in the original's own conversion too (a release's MXFP4 experts, which the converter keeps):
+            # the shipped values must be the release's, exactly (to the float32 they dequantize to)
+            fmt = Format(f"{qtype.name} (kept from the release: its values exactly)", dtype="F32")
         yield TensorSource(t.name, (labels or {}).get(t.name, t.name), shape, fmt,
                            _chunks(gguf, t, r, qtype, shape, fmt), unit_rows)
 
@@ -190,7 +194,11 @@ def _chunks(gguf, t, r, qtype, shape, fmt):
 
     def chunks():
         raw = np.asarray(t.data).reshape(rows, -1)
-        orig = np.asarray(r.data, dtype=np.float32).reshape(rows, n)  # the f32 reference conversion
+        rtype = gguf.GGMLQuantizationType(r.tensor_type)
+        if rtype.name == "F32":
+            orig = np.asarray(r.data, dtype=np.float32).reshape(rows, n)  # the f32 reference conversion
+        else:  # a release's packed tensors, which the converter keeps (MXFP4): their values
+            orig = gguf.quants.dequantize(np.asarray(r.data), rtype).astype(np.float32).reshape(rows, n)
         for a in range(0, rows, step_rows):
             part = raw[a:a + step_rows]
             if qtype.name == "F32":
