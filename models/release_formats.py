@@ -8,13 +8,19 @@ read by each format's own definition (transformers' dequantizers, which its load
   transformers.integrations.mxfp4.convert_moe_packed_tensors dequantizes (and transposes) it; every value is
   exact in bf16 and fp32.
 - FP8 block-scaled (DeepSeek-V3; `{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [bm, bn]}`): a
-  linear's `P.weight` [out, in] float8_e4m3fn beside `P.weight_scale_inv` [out / bm, in / bn] (float32): each
-  bm x bn block of the weight times its scale, in fp32 (transformers' Fp8Dequantize).
+  linear's `P.weight` [out, in] float8_e4m3fn beside `P.weight_scale_inv` [ceil(out / bm), ceil(in / bn)]
+  (float32): each bm x bn block of the weight times its scale, in fp32 (transformers' Fp8Dequantize), the last
+  row and column of blocks partial where the block does not divide the weight (DeepSeek-V3's
+  kv_a_proj_with_mqa: 576 rows).
 
 A release's index (`released_index`) is checked from the headers alone, before any work: every packed tensor
-with its scales, of the shapes the format defines, a block size that divides the weight, no scale without its
-weight, no quant_method or fmt this file does not know. What it gives is the checkpoint the file defines: the
+with its scales, of the shapes the format defines (one scale a block), no scale without its weight, no
+quant_method or fmt this file does not know. What it gives is the checkpoint the file defines: the
 dequantized tensors under HF's names, with their shapes and dtypes, and where each one's parts are.
+
+`pack` writes a tensor in a release's format (the seeded `--config` checkpoints of gpt-oss and DeepSeek-V3 are
+written so, as released): FP8 by transformers' own quantizer (Fp8Quantize), MXFP4 by the OCP MX rule (no
+library packs it on a CPU: transformers' needs triton kernels).
 """
 
 from __future__ import annotations
@@ -183,6 +189,65 @@ def dequantize(fmt: ReleaseFormat, tensors: dict):
         q = torch.nn.functional.pad(q.view(torch.uint8), (0, pad[1], 0, pad[0])).view(q.dtype)
     w = Fp8Dequantize(None)._dequantize_one(q, scale, torch.float32)
     return w[..., :rows, :cols].to(torch.float32)
+
+
+# ---------------------------------------------------------------- writing a release
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 3 low bits; bit 3 is the sign
+MX_SKIP = ("self_attn", "router", "embed_tokens", "lm_head")  # gpt-oss's modules_to_not_convert
+FP8_SKIP = (".mlp.gate.", ".router.", "norm")  # DeepSeek-V3's release: the router and the norms stay bf16
+
+
+def packs(fmt: ReleaseFormat, name: str, shape) -> bool:
+    """Whether the release holds the checkpoint tensor `name` packed: MXFP4 the experts' stacked weights
+    (`...experts.gate_up_proj` / `down_proj`, [E, in, out]), FP8 every 2-d weight of a decoder layer but the
+    router's (and whatever modules_to_not_convert names)."""
+    if fmt.skip and any(_matches(p, name) for p in fmt.skip):
+        return False
+    if fmt.method == MXFP4:
+        return (name.endswith(("experts.gate_up_proj", "experts.down_proj")) and len(shape) == 3
+                and shape[-2] % MX_BLOCK == 0 and not any(k in name for k in MX_SKIP))
+    return (name.endswith(".weight") and len(shape) == 2 and ".layers." in name
+            and not any(k in name for k in FP8_SKIP))
+
+
+def _matches(pattern: str, name: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, pattern + ".*")
+
+
+def pack(fmt: ReleaseFormat, name: str, w) -> dict:
+    """The release's tensors of checkpoint tensor `name` (`packs` true): MXFP4 {name_blocks, name_scales}, FP8
+    {name, name_scale_inv}. What they define is `dequantize` of them."""
+    import torch
+
+    if fmt.method == MXFP4:
+        t = w.float().transpose(-1, -2)  # [E, out, in]: the release's layout
+        g = t.reshape(*t.shape[:-1], -1, MX_BLOCK)
+        amax = g.abs().amax(-1)
+        # OCP MX v1.0: the shared exponent floor(log2 amax) - 2 (e2m1's largest exponent), the values rounded to
+        # the nearest e2m1 and saturated at 6; an all-zero block has the smallest scale
+        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2, torch.full_like(amax, -127))
+        exp = exp.clamp(-127, 127)
+        x = (g / torch.exp2(exp)[..., None]).clamp(-6.0, 6.0)
+        mags = torch.tensor(E2M1)
+        code = (x.abs()[..., None] - mags).abs().argmin(-1) | ((x < 0).long() << 3)
+        blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+        return {f"{name}_blocks": blocks.contiguous(), f"{name}_scales": (exp + 127).to(torch.uint8).contiguous()}
+    import types
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    bm, bn = fmt.block
+    rows, cols = w.shape
+    pad = (-rows % bm, -cols % bn)  # partial blocks: transformers' quantizer takes whole ones (zeros max nothing)
+    padded = torch.nn.functional.pad(w.float(), (0, pad[1], 0, pad[0]))
+    quantizer = Fp8Quantize(types.SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=fmt.block)))
+    out = quantizer._quantize_one(name, padded)
+    q = out[name][:rows, :cols]
+    return {name: q.contiguous(), name[: -len(".weight")] + FP8_SCALE: out[name[: -len(".weight")] + FP8_SCALE]}
 
 
 def hf_loader_config(fmt: ReleaseFormat):

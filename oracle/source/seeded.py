@@ -101,12 +101,17 @@ def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=None,
     it (HF's reverse weight conversion: per-expert names; sharded with an index), one decoder
     layer at a time: peak memory is one layer in fp32, not the model. dtype: torch's (default bf16).
     `rewrite` (a weight profile's, oracle.source.trained): applied to each layer's (and the modules outside
-    the layers') fp32 state dict before it is stored."""
+    the layers') fp32 state dict before it is stored. A config that declares a released quantized format
+    (gpt-oss's MXFP4, DeepSeek-V3's FP8: models/release_formats.py) is written in it, as released: the tensors
+    the release packs are packed from their fp32 values, the others stored in `dtype`."""
     import torch
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
+    from models.release_formats import pack, packs, release_format
+
     dtype = dtype or torch.bfloat16
+    fmt = release_format(cfg)
     hf_cfg = family.hf_config(cfg)
     with torch.device("meta"):
         model = family.hf_class()(hf_cfg)
@@ -133,9 +138,12 @@ def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=None,
         if rewrite is not None:
             rewrite(sd)
         for k, v in revert_weight_conversion(model, sd).items():
-            t = v.to(dtype) if v.is_floating_point() else v
-            pending[k] = t.contiguous()
-            size += t.numel() * t.element_size()
+            if fmt is not None and v.is_floating_point() and packs(fmt, k, v.shape):
+                parts = pack(fmt, k, v)
+            else:
+                parts = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()}
+            pending.update(parts)
+            size += sum(t.numel() * t.element_size() for t in parts.values())
         module.to("meta")  # freed
         if size >= shard_bytes:
             flush()
@@ -183,7 +191,7 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
     rewrite = profile_rewrite(family, cfg, weights, seed)
     name = Path(name).stem if name.endswith(".json") else name
     recipe = {"family": family.name, "config": cfg, "seed": seed, "dtype": dtype, "format": TINY_FORMAT,
-              "transformers": version("transformers"), **profile_recipe(weights, family)}
+              "transformers": version("transformers"), **profile_recipe(weights, family), **release_recipe(cfg)}
     stored = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[dtype]
     profile = "" if weights == "normal" else f"-{weights}"
     return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}{profile}", "oracle_seeded.json",
@@ -191,6 +199,17 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
                                                           progress=progress, rewrite=rewrite),
                       needed=lambda: config_parameters(family, cfg) * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype],
                       build_it=build)
+
+
+RELEASE_PACKING = 1  # bump when models/release_formats.py's pack() writes other bytes
+
+
+def release_recipe(cfg: dict) -> dict:
+    """What the cache key of a seeded checkpoint written in a release's format adds (nothing for a plain one)."""
+    from models.release_formats import release_format
+
+    fmt = release_format(cfg)
+    return {} if fmt is None else {"release": fmt.describe(), "release_packing": RELEASE_PACKING}
 
 
 def meta_model(family, cfg: dict):
