@@ -7,6 +7,7 @@ tensor before any work."""
 
 import json
 import shutil
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -273,3 +274,37 @@ def test_the_weight_check_finds_a_releases_mxfp4_experts_exactly(gpt_oss_release
     assert main(check) == 1
     weights = json.loads(j.read_text())["quantization"]["weights"]
     assert weights["failed"] == 1 and weights["worst"]["name"] == "blk.1.ffn_up_exps.weight"
+
+
+# ---------------------------------------------------------------- seeded checkpoints of the published releases
+
+CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
+NARROW = {  # the published configs at tiny widths: their quantization_config (the release's format) kept
+    "gpt-oss-20b": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=256,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=8, pad_token_id=None,
+                        eos_token_id=None, bos_token_id=None),
+    "deepseek-v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, vocab_size=256),
+}
+
+
+@pytest.mark.parametrize("name,family,packed", [("gpt-oss-20b", "gpt_oss", "U8"), ("deepseek-v3", "deepseek_v3", "F8_E4M3")])
+def test_a_seeded_release_config_is_written_as_released(name, family, packed, tmp_path):
+    """--config of a published config that declares its release's format writes the checkpoint in it (the path
+    --config gpt-oss-20b / deepseek-v3 take at full width), and the check reads it as released."""
+    from safetensors import safe_open
+
+    cfg = {**json.loads((CONFIGS / f"{name}.json").read_text()), **NARROW[name]}
+    path = tmp_path / f"{name}-narrow.json"
+    path.write_text(json.dumps(cfg))
+    row = run_check(CheckSpec(family=family, backend="eager", config=str(path)))
+    assert row.status == "pass" and row.e2e.token_exact, (row.error, row.worst)
+    assert row.provenance["checkpoint"]["release_format"].startswith(("MXFP4", "FP8"))
+    with safe_open(str(Path(row.provenance["checkpoint"]["dir"]) / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert sum(d == packed for d in dtypes.values()) >= 4, dtypes
+    router = "model.layers.1.mlp.router.weight" if family == "gpt_oss" else "model.layers.1.mlp.gate.weight"
+    assert dtypes[router] == "BF16" and dtypes["model.embed_tokens.weight"] == "BF16"

@@ -138,3 +138,50 @@ def test_a_release_index_is_the_checkpoint_it_defines():
 def test_a_malformed_release_names_the_tensor(fmt, raw, needle):
     with pytest.raises(CheckpointError, match=needle):
         released_index(raw, fmt)
+
+
+def test_the_production_packers_write_what_the_format_defines():
+    """models/release_formats.pack (what the seeded --config checkpoints are written with) against the formats'
+    definitions computed here: MXFP4 by the OCP MX rule (shared exponent floor(log2 amax) - 2, nearest e2m1,
+    saturated at 6), FP8 per block of the ceil grid (partial blocks included), each read back by `dequantize`."""
+    from models.release_formats import pack
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 64, 6, generator=g) * torch.logspace(-3, 1, 6)  # [E, in, out], a scale per output
+    w[0, :32, 0] = 0.0  # an all-zero block
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    parts = pack(MX, name, w)
+    assert set(parts) == {name + "_blocks", name + "_scales"}
+    got = dequantize(MX, {"blocks": parts[name + "_blocks"], "scales": parts[name + "_scales"]}).float()
+    t = w.transpose(-1, -2).reshape(2, 6, 2, 32)
+    amax = t.abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-30))) - 2)
+    x = (t / scale).clamp(-6, 6)
+    mags = E2M1[:8]
+    want = mags[(x.abs()[..., None] - mags).abs().argmin(-1)] * x.sign() * scale
+    want = torch.where(amax > 0, want, torch.zeros_like(want)).reshape(2, 6, 64).transpose(-1, -2)
+    assert torch.equal(got, want)
+    f8 = ReleaseFormat(FP8, block=(16, 16), fmt="e4m3")
+    w = torch.randn(40, 20, generator=g)
+    parts = pack(f8, "p.weight", w)
+    q, s = parts["p.weight"], parts["p.weight_scale_inv"]
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (40, 20) and s.shape == (3, 2)
+    got = dequantize(f8, {"weight": q, "scale_inv": s})
+    blocks = torch.nn.functional.pad(w, (0, 12, 0, 8)).reshape(3, 16, 2, 16)
+    assert torch.allclose(s, blocks.abs().amax((1, 3)) / 448.0, rtol=1e-6)  # the block's largest |value| at 448
+    assert torch.equal(got, (q.float() * s.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)[:, :20]))
+    assert (got - w).abs().max() < 0.07 * w.abs().max()
+
+
+def test_a_release_packs_what_its_release_packs():
+    from models.release_formats import packs
+
+    ds = release_format(json.loads((CONFIGS / "deepseek-v3.json").read_text()))
+    gpt = release_format(json.loads((CONFIGS / "gpt-oss-20b.json").read_text()))
+    assert packs(ds, "model.layers.5.self_attn.kv_a_proj_with_mqa.weight", (576, 7168))
+    assert packs(ds, "model.layers.5.mlp.experts.17.down_proj.weight", (7168, 2048))
+    assert not packs(ds, "model.layers.5.mlp.gate.weight", (256, 7168))  # the router stays bf16
+    assert not packs(ds, "model.embed_tokens.weight", (129280, 7168)) and not packs(ds, "lm_head.weight", (1, 2))
+    assert packs(gpt, "model.layers.0.mlp.experts.gate_up_proj", (32, 2880, 5760))
+    assert not packs(gpt, "model.layers.0.self_attn.q_proj.weight", (4096, 2880))  # modules_to_not_convert
+    assert not packs(gpt, "model.layers.0.mlp.experts.gate_up_proj_bias", (32, 5760))
