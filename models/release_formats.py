@@ -223,18 +223,10 @@ def pack(fmt: ReleaseFormat, name: str, w) -> dict:
     import torch
 
     if fmt.method == MXFP4:
-        t = w.float().transpose(-1, -2)  # [E, out, in]: the release's layout
-        g = t.reshape(*t.shape[:-1], -1, MX_BLOCK)
-        amax = g.abs().amax(-1)
-        # OCP MX v1.0: the shared exponent floor(log2 amax) - 2 (e2m1's largest exponent), the values rounded to
-        # the nearest e2m1 and saturated at 6; an all-zero block has the smallest scale
-        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2, torch.full_like(amax, -127))
-        exp = exp.clamp(-127, 127)
-        x = (g / torch.exp2(exp)[..., None]).clamp(-6.0, 6.0)
-        mags = torch.tensor(E2M1)
-        code = (x.abs()[..., None] - mags).abs().argmin(-1) | ((x < 0).long() << 3)
-        blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
-        return {f"{name}_blocks": blocks.contiguous(), f"{name}_scales": (exp + 127).to(torch.uint8).contiguous()}
+        parts = [_pack_mxfp4(e) for e in w.reshape(-1, *w.shape[-2:])]  # an expert at a time: bounded memory
+        blocks = torch.stack([b for b, _ in parts]).reshape(*w.shape[:-2], *parts[0][0].shape)
+        scales = torch.stack([s for _, s in parts]).reshape(*w.shape[:-2], *parts[0][1].shape)
+        return {f"{name}_blocks": blocks.contiguous(), f"{name}_scales": scales.contiguous()}
     import types
 
     from transformers import FineGrainedFP8Config
@@ -248,6 +240,22 @@ def pack(fmt: ReleaseFormat, name: str, w) -> dict:
     out = quantizer._quantize_one(name, padded)
     q = out[name][:rows, :cols]
     return {name: q.contiguous(), name[: -len(".weight")] + FP8_SCALE: out[name[: -len(".weight")] + FP8_SCALE]}
+
+
+def _pack_mxfp4(w):
+    """One expert's [in, out] -> (blocks uint8 [out, in / 32, 16], scales uint8 [out, in / 32]). OCP MX v1.0: the
+    shared exponent floor(log2 amax) - 2 (e2m1's largest exponent), each value the nearest e2m1 (a tie to the
+    smaller magnitude) saturated at 6; an all-zero block has the smallest scale."""
+    import torch
+
+    g = w.float().t().reshape(w.shape[1], -1, MX_BLOCK)  # [out, in / 32, 32]: the release's layout
+    amax = g.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2, torch.full_like(amax, -127))
+    exp = exp.clamp(-127, 127)
+    x = (g / torch.exp2(exp)[..., None]).clamp(-6.0, 6.0)
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(E2M1, E2M1[1:])])
+    code = torch.bucketize(x.abs(), mids).to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)), (exp + 127).to(torch.uint8)
 
 
 def hf_loader_config(fmt: ReleaseFormat):

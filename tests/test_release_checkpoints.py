@@ -276,6 +276,41 @@ def test_the_weight_check_finds_a_releases_mxfp4_experts_exactly(gpt_oss_release
     assert weights["failed"] == 1 and weights["worst"]["name"] == "blk.1.ffn_up_exps.weight"
 
 
+
+def test_a_shipped_mlx_directory_of_a_release_keeps_its_mxfp4_experts(gpt_oss_release, tmp_path):
+    """`oracle export --backend mlx --precision q8` of the release (mlx-lm keeps the MXFP4 experts packed and
+    quantizes the rest affine 8-bit, as mlx_lm.convert does), then `oracle check --candidate-dir` with the release
+    as the original: the experts are the release's values exactly, the rest within 8-bit affine rounding; one
+    expert block's e8m0 scale one step up fails the weight check naming the tensor."""
+    pytest.importorskip("mlx_lm")
+    from safetensors.numpy import load_file as load_np, save_file as save_np
+
+    from oracle.cli import main
+
+    release, out, j = str(gpt_oss_release[0]), tmp_path / "q8", tmp_path / "r.json"
+    assert main(["export", "--family", "gpt_oss", "--backend", "mlx", "--precision", "q8", "--model-dir", release,
+                 "--output-dir", str(out)]) == 0
+    check = ["check", "--family", "gpt_oss", "--backend", "mlx", "--model-dir", release, "--candidate-dir", str(out),
+             "--json", str(j)]
+    assert main(check) == 0
+    doc = json.loads(j.read_text())
+    q, weights = doc["quantization"], doc["quantization"]["weights"]
+    assert q["format"] == "mlx affine + mxfp4" and q["modules"]["4-bit g32 mxfp4"] == 6, q
+    kept = [w for w in weights["rows"] if w["format"].startswith("mlx mxfp4 (kept from the release")]
+    assert weights["status"] == "pass" and len(kept) == 6
+    shard = next(out.glob("model*.safetensors"))
+    sd = load_np(str(shard))
+    name = "model.layers.1.mlp.experts.up_proj.scales"
+    if name not in sd:
+        shard = next(p for p in out.glob("model*.safetensors") if name in load_np(str(p)))
+        sd = load_np(str(shard))
+    sd[name] = sd[name].copy()
+    sd[name].reshape(-1)[3] += 1
+    save_np(sd, str(shard), metadata={"format": "mlx"})
+    assert main(check) == 1
+    weights = json.loads(j.read_text())["quantization"]["weights"]
+    assert weights["failed"] == 1 and weights["worst"]["name"] == "model.layers.1.mlp.experts.up_proj.weight"
+
 # ---------------------------------------------------------------- seeded checkpoints of the published releases
 
 CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"

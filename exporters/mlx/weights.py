@@ -38,8 +38,10 @@ def directory_tensor_sources(shipped: Path, reference: Path, labels: dict | None
     q = quantization_of(read_config(shipped))
     mine, ref = tensor_index(shipped), tensor_index(reference)
     quantized = {n[: -len(".scales")] for n in mine if n.endswith(".scales")}
+    # packed in mlx-lm's conversion of the original too: a release's MXFP4 experts, which mlx-lm keeps so
+    kept = {n[: -len(".scales")] for n in ref if n.endswith(".scales")}
     names = [n for n in mine if not n.endswith((".scales", ".biases"))]
-    for n in sorted(set(ref) - set(names)):
+    for n in sorted(set(ref) - set(names) - {f"{p}.{k}" for p in kept for k in ("scales", "biases")}):
         raise CheckpointError(f"{shipped}: {n} is missing (mlx-lm's conversion of the original has it)")
     for n in sorted(names):
         if n not in ref:
@@ -47,7 +49,11 @@ def directory_tensor_sources(shipped: Path, reference: Path, labels: dict | None
         path = n.rsplit(".", 1)[0]
         shape = tuple(ref[n][2])
         units = shape[1] if len(shape) == 3 else 0  # stacked experts [E, out, in]
-        if n.endswith(".weight") and path in quantized:
+        if n.endswith(".weight") and path in quantized and path in kept and f"{path}.biases" not in mine:
+            # mxfp4 as the original's conversion has it: the shipped values must be the release's, exactly
+            fmt = Format("mlx mxfp4 (kept from the release: its values exactly)", dtype="F32")
+            yield TensorSource(n, (labels or {}).get(n) or label(n), shape, fmt, _kept_chunks(mine, ref, n, path, shape), units)
+        elif n.endswith(".weight") and path in quantized:
             spec = module_quantization(q, path) if q else None
             if spec is None:
                 raise CheckpointError(f"{path} has scales, but config.json does not quantize it")
@@ -55,7 +61,8 @@ def directory_tensor_sources(shipped: Path, reference: Path, labels: dict | None
             bits, gs = spec["bits"], spec["group_size"]
             fmt = Format(f"mlx affine {bits}-bit g{gs} ({dtype} scales)", block=gs, qmin=0, qmax=2 ** bits - 1,
                          grid_dtype=dtype, input_dtype=dtype, clip_steps=MLX_CLIP_STEPS)
-            yield TensorSource(n, (labels or {}).get(n) or label(n), shape, fmt, _quantized_chunks(mine, ref, n, path, bits, gs, shape), units)
+            yield TensorSource(n, (labels or {}).get(n) or label(n), shape, fmt,
+                               _quantized_chunks(mine, ref, n, path, bits, gs, shape, path in kept), units)
         else:
             dtype = SAFETENSORS_FLOATS.get(mine[n][1])
             if dtype is None:
@@ -79,12 +86,30 @@ def _float_chunks(mine, ref, n, shape):
     return chunks
 
 
-def _quantized_chunks(mine, ref, n, path, bits, gs, shape):
+def _mxfp4_values(index, n, path, shape):
+    """The fp32 values of an mlx mxfp4 tensor, as rows."""
+    from models.checkpoint import read_tensors
+    from oracle.source.quantized import dequantize_mxfp4
+
+    t = read_tensors(index, [n, f"{path}.scales"])
+    return _rows(dequantize_mxfp4(t[n], t[f"{path}.scales"], path), shape)
+
+
+def _kept_chunks(mine, ref, n, path, shape):
+    def chunks():
+        x, d = _mxfp4_values(ref, n, path, shape), _mxfp4_values(mine, n, path, shape)
+        step = max(1, CHUNK_ELEMENTS // x.shape[1])
+        for a in range(0, len(x), step):
+            yield Chunk(a, x[a:a + step].numpy(), d[a:a + step].numpy())
+    return chunks
+
+
+def _quantized_chunks(mine, ref, n, path, bits, gs, shape, ref_packed: bool = False):
     def chunks():
         from models.checkpoint import read_tensors
         from oracle.source.quantized import dequantize
 
-        x = _rows(read_tensors(ref, [n])[n], shape)
+        x = _mxfp4_values(ref, n, path, shape) if ref_packed else _rows(read_tensors(ref, [n])[n], shape)
         t = read_tensors(mine, [n, f"{path}.scales", f"{path}.biases"])
         words, scales, biases = (_rows(t[k], shape) for k in (n, f"{path}.scales", f"{path}.biases"))
         step = max(1, CHUNK_ELEMENTS // x.shape[1])

@@ -25,7 +25,9 @@ def known_configs() -> str:
 def published_config(name: str, layers: int | None = None) -> dict:
     """models/configs/<name>.json (or a config.json path of your own), with the depth cut to
     `layers` when given. A cut keeps the pattern's last `layers` entries of `layer_types` (a
-    hybrid model keeps both kinds)."""
+    hybrid model keeps both kinds); a dense prefix (`first_k_dense_replace`: DeepSeek-V3's first 3 layers are
+    dense) is cut with the model, so a cut within it is its first `layers` dense layers (no MoE layer: a cut
+    past it has one)."""
     path = Path(name) if name.endswith(".json") else CONFIGS_DIR / f"{name}.json"
     if not path.is_file():
         raise CheckpointError(f"--config {name}: no such published config (or .json file); "
@@ -38,4 +40,6 @@ def published_config(name: str, layers: int | None = None) -> dict:
         text["num_hidden_layers"] = layers
         if isinstance(text.get("layer_types"), list):
             text["layer_types"] = text["layer_types"][-layers:]
+        if isinstance(text.get("first_k_dense_replace"), int) and text["first_k_dense_replace"] > layers:
+            text["first_k_dense_replace"] = layers
     return cfg

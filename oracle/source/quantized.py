@@ -73,11 +73,12 @@ def summary(q: dict, modules: dict) -> dict:
     (bits, group_size) how many modules. `modules`: path -> {bits, group_size}."""
     counts: dict = {}
     for m in modules.values():
-        key = f"{m['bits']}-bit g{m['group_size']}"
+        key = f"{m['bits']}-bit g{m['group_size']}" + (f" {m['mode']}" if m.get("mode", "affine") != "affine" else "")
         counts[key] = counts.get(key, 0) + 1
     bits = sorted({m["bits"] for m in modules.values()})
     kind = "none" if not bits else f"q{bits[0]}" if len(bits) == 1 else "mixed"
-    return {"format": "mlx affine" if q else "mlx (unquantized)", "kind": kind, "bits": bits,
+    modes = sorted({m.get("mode", "affine") for m in modules.values()}) or ["affine"]
+    return {"format": f"mlx {' + '.join(modes)}" if q else "mlx (unquantized)", "kind": kind, "bits": bits,
             "group_size": q["group_size"] if q else None,
             "modules": dict(sorted(counts.items()))}
 
@@ -115,6 +116,23 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, 
     return w.reshape(*words.shape[:-1], n_in)
 
 
+MX_GROUP = 32  # mlx's mxfp4: 32 e2m1 values a uint8 e8m0 scale
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(words: torch.Tensor, scales: torch.Tensor, name: str = "") -> torch.Tensor:
+    """fp32 weights [..., in] of one tensor in mlx's mxfp4 mode: 4-bit e2m1 codes packed as `unpack` reads them
+    (eight a uint32 word, lowest bits first), times 2^(scale - 127) per group of 32."""
+    import torch
+
+    if words.dtype != torch.uint32 or scales.shape[:-1] != words.shape[:-1] or scales.shape[-1] * MX_GROUP != words.shape[-1] * 8:
+        raise CheckpointError(f"{name}: weight {words.dtype} {list(words.shape)} / scales {list(scales.shape)} are not "
+                              f"mxfp4 (uint32 words of eight e2m1 values, a uint8 scale per {MX_GROUP})")
+    codes = unpack(words, 4).reshape(*words.shape[:-1], -1, MX_GROUP)
+    w = torch.tensor(E2M1)[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return w.reshape(*words.shape[:-1], -1)
+
+
 def read_dequantized(index: dict, q: dict | None, names: list[str]) -> tuple[dict, dict]:
     """(mlx name -> fp32 tensor, path -> {bits, group_size} of each quantized module) for the
     tensors `names` of a directory (`index`: its tensor_index; a module's scales and biases are
@@ -133,9 +151,16 @@ def read_dequantized(index: dict, q: dict | None, names: list[str]) -> tuple[dic
             spec = module_quantization(q, path)
             if spec is None:
                 raise CheckpointError(f"{path}: config.json says unquantized, but it has scales")
+            scales = raw[f"{path}.scales"]
+            if f"{path}.biases" not in raw and scales.dtype == torch.uint8:
+                # mlx's mxfp4 mode, as mlx_lm.utils.infer_quant_config reads it (uint8 scales, no biases): a
+                # release's MXFP4 experts kept packed by mlx-lm (its own conversion of gpt-oss leaves them so)
+                out[n] = dequantize_mxfp4(t, scales, path)
+                modules[path] = {"bits": 4, "group_size": MX_GROUP, "mode": "mxfp4"}
+                continue
             if f"{path}.biases" not in raw:
                 raise CheckpointError(f"{path}: quantized weight without biases (affine needs both)")
-            out[n] = dequantize(t, raw[f"{path}.scales"], raw[f"{path}.biases"], spec["bits"], spec["group_size"], path)
+            out[n] = dequantize(t, scales, raw[f"{path}.biases"], spec["bits"], spec["group_size"], path)
             modules[path] = spec
         elif t.dtype == torch.uint32:
             raise CheckpointError(f"{n}: packed uint32 weights without {path}.scales")
