@@ -151,6 +151,18 @@ def test_published_configs_resolve(name):
     assert args.num_hidden_layers == 2 and args.hidden_size >= 2048 and args.num_experts >= 8
 
 
+def test_a_cut_within_a_dense_prefix_is_that_prefix():
+    """DeepSeek-V3's first 3 layers are dense: --layers 2 is its first two (dense) layers, a model HF and the
+    rules take (first_k_dense_replace 3 > 2 layers was refused); --layers 5 keeps the prefix and two MoE layers."""
+    from models import family_for_model_type
+    from oracle.source.published import published_config
+
+    two, five = published_config("deepseek-v3", layers=2), published_config("deepseek-v3", layers=5)
+    assert two["first_k_dense_replace"] == 2 and five["first_k_dense_replace"] == 3
+    fam = get_family(family_for_model_type(two["model_type"]))
+    assert fam.args(two).num_hidden_layers == 2
+
+
 def test_check_on_a_config(tmp_path, capsys):
     """--config takes a published name or a config.json; --layers cuts it; the check passes."""
     import json
