@@ -312,14 +312,13 @@ class Backend:
     precisions: tuple[str, ...] | None = None
     # the only options it accepts (`Option`s): unknown or ill-typed ones are refused before any work
     option_schema: tuple = ()
-    # False: the candidate runs no torch (provenance records no torch thread count, so a warm check
-    # of the backend never imports torch)
+    # False: the candidate runs no torch (provenance records no torch thread count: a warm check never imports it)
     runs_torch: bool = True
-    # it loads a shipped directory as the candidate (--candidate-dir). With `export` writing one, its
-    # quantized precisions (q8/q4) are checked on the directory it exports: the harness builds it
-    # (cached) and judges the candidate against HF on its weights dequantized (CheckSpec.quant_reference)
+    # it loads a shipped directory as the candidate (--candidate-dir). With `export` writing one, its quantized
+    # precisions (q8/q4) are checked on the directory it exports (built, cached), the candidate against HF on its
+    # weights dequantized (CheckSpec.quant_reference)
     loads_directory: bool = False
-    # the suffix of a program built elsewhere that it runs (--pte .pte / --vmfb .vmfb / --gguf .gguf); None: refused
+    # the suffix of a program built elsewhere it runs (--pte .pte / --vmfb .vmfb / --gguf .gguf); None: refused
     artifact_suffix: str | None = None
     # artifact_weights(original: ModelSource, path: Path, progress) -> (dir, summary): a given artifact
     # that carries weights of its own (a GGUF, quantized or not): the HF checkpoint of those weights
@@ -354,10 +353,12 @@ class Backend:
     # place of models/faults/'s (a backend that runs no production model, e.g. llama.cpp's GGUF
     # faults); with args None, every fault it has (the names `--fault` may give); None: the catalogue's
     fault_catalogue = None
+    # arithmetic(model, spec) -> str | None: the arithmetic it computes this checkpoint in where not the precision's
+    # (an oracle/verdict/arithmetic.py name, e.g. a8), judged against HF computing so; None: the precision's own
+    arithmetic = None
 
     def availability(self) -> tuple[bool, str]:
-        """(True, "") or (False, "the exact reason, e.g. 'torch is a CPU build'"): the check is then
-        skipped with that reason."""
+        """(True, "") or (False, "the exact reason, e.g. 'torch is a CPU build'"): the check is then skipped."""
         raise NotImplementedError
 
     def availability_for(self, spec: CheckSpec) -> tuple[bool, str]:
@@ -370,14 +371,7 @@ class Backend:
         raise NotImplementedError
 
     def check_options(self, spec: CheckSpec) -> str | None:
-        """What is wrong with this combination of options on this host (e.g. `--device gpu`
-        without one), or None."""
-        return None
-
-    def arithmetic(self, model: ModelSource, spec: CheckSpec) -> str | None:
-        """The arithmetic the candidate computes this checkpoint in where it is not the check's precision's (an
-        oracle/verdict/arithmetic.py name: a8 where it rounds the activations of its products with quantized
-        weights to 8 bits), judged against HF with that arithmetic; None (the default): the precision's own."""
+        """What is wrong with this combination of options on this host (`--device gpu` without one), or None."""
         return None
 
     def check_given(self, model: ModelSource, spec: CheckSpec) -> None:
@@ -416,7 +410,7 @@ class Backend:
 _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_directory", "artifact_suffix",
                        "memory_per_param", "memory_note", "export", "with_fault", "check_options", "artifact_weights",
                        "shipped_tensors", "shipped_formats", "file_faults", "apply_file_fault", "check_given", "memory_estimate", "fault_not_applicable", "fault_point",
-                       "fault_catalogue", "availability_for", "cache_namespaces"),
+                       "fault_catalogue", "availability_for", "cache_namespaces", "arithmetic"),
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "block_input", "run_block_points", "no_points", "no_routes", "last_routes",

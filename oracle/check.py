@@ -217,7 +217,7 @@ def read_sources(run: Run) -> None:
         spec = replace(spec, candidate_dir=srcs.shipped)  # the backend loads the shipped directory
         result.spec = spec_record(spec)
     act = (srcs.quantization or {}).get("activations")
-    own = None if act else backend.arithmetic(src, spec)  # the candidate's own arithmetic for this checkpoint
+    own = None if act or backend.arithmetic is None else backend.arithmetic(src, spec)  # the candidate's own
     act = act or own
     if act and spec.precision == "fp32":  # a runtime that rounds activations for these weights (a8: llama.cpp's
         spec = replace(spec, precision=act)  # quantized GGUFs): judged against HF with that arithmetic
