@@ -339,11 +339,11 @@ class HFBackend(Backend):
         embedding and head, and at most two decoder layers at a time (one in use, one being read), in fp32
         (the reference's, captured in the same process; the candidate's at bf16 are smaller): the bound
         tests/test_reference.py measures (1.04 GiB for 2.04 GiB of fp32 weights)."""
-        from oracle.reference.streaming import source_mode, streamed_memory
+        from oracle.reference.streaming import mode_for, streamed_memory
 
         if spec.precision not in self.memory_per_param:
             return None, ""
-        if source_mode(src) != "streamed":
+        if mode_for(src.parameter_count()) != "streamed":
             return super().memory_estimate(src, spec)
         return streamed_memory(src)
 

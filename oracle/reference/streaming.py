@@ -30,13 +30,6 @@ def reference_mode(model_dir: Path) -> str:
     return mode_for(parameter_count(model_dir))
 
 
-def source_mode(src) -> str:
-    """reference_mode of a ModelSource (also one whose checkpoint is not built yet: from its config)."""
-    from models.release_formats import release_format
-
-    return "streamed" if release_format(src.config) is not None else mode_for(src.parameter_count())
-
-
 def mode_for(parameters: int) -> str:
     """reference_mode of a checkpoint of this many parameters."""
     return forced_mode() or ("streamed" if 4 * parameters > STREAM_ABOVE else "whole")

@@ -132,11 +132,11 @@ def hf_at(src, spec, attention: str = "eager"):
     hooks, removed before the next one's turn), so that the memory a check needs is one model per precision
     and attention, not one per use."""
     from oracle.backend import resolve
-    from oracle.reference.streaming import source_mode
+    from oracle.reference.streaming import mode_for
 
     parameters = src.parameter_count()
     key = (str(src.model_dir), src.checkpoint_sha256, spec.precision, repr(sorted(spec.options.items())), attention,
-           source_mode(src))  # whole or streamed ($MOE_ORACLE_REFERENCE may force one)
+           mode_for(parameters))  # whole or streamed ($MOE_ORACLE_REFERENCE may force one)
     if key in SHARED:
         return SHARED[key]
     if key in KEPT:
@@ -164,15 +164,15 @@ BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}  # per parameter of HF's mo
 
 def shared_models_memory(src, spec) -> tuple[int, str]:
     """(bytes, how) the models hf_at shares in a check hold beside the candidate: for a streamed checkpoint
-    (oracle.reference.streaming.source_mode), HF at fp32 (the routing replays) and at the precision with each attention
+    (oracle.reference.streaming.mode_for), HF at fp32 (the routing replays) and at the precision with each attention
     where its limits are the precision's own error (the noise, the replays), each keeping its embedding and
     head resident (its layers are streamed, one at a time: the backend's streamed estimate counts them). In
     memory: nothing counted (HF's models there are the size the backend's estimate already scales with, one at
     a time)."""
     from oracle.verdict import thresholds
-    from oracle.reference.streaming import source_mode
+    from oracle.reference.streaming import mode_for
 
-    if spec.precision not in BYTES or source_mode(src) != "streamed":
+    if spec.precision not in BYTES or mode_for(src.parameter_count()) != "streamed":
         return 0, ""
     _, outside = src.layer_parameter_counts()
     sizes = [BYTES["fp32"]]
