@@ -256,14 +256,3 @@ def _pack_mxfp4(w):
     mids = torch.tensor([(a + b) / 2 for a, b in zip(E2M1, E2M1[1:])])
     code = torch.bucketize(x.abs(), mids).to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)
     return (code[..., 0::2] | (code[..., 1::2] << 4)), (exp + 127).to(torch.uint8)
-
-
-def hf_loader_config(fmt: ReleaseFormat):
-    """transformers' own loader of the format, dequantizing (what `from_pretrained` of the release is given: the
-    whole-model HF reference reads the release the way transformers does)."""
-    from transformers import FineGrainedFP8Config, Mxfp4Config
-
-    skip = list(fmt.skip) or None
-    if fmt.method == MXFP4:
-        return Mxfp4Config(dequantize=True, modules_to_not_convert=skip)
-    return FineGrainedFP8Config(dequantize=True, weight_block_size=tuple(fmt.block), modules_to_not_convert=skip)

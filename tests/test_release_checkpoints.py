@@ -140,24 +140,40 @@ def test_a_malformed_release_is_refused_naming_the_tensor(deepseek_release, tmp_
         model_source(CheckSpec(family="deepseek_v3", backend="eager", model_dir=str(bad)))
 
 
-def _whole_and_streamed(family, release):
-    from oracle.reference.streaming import load_hf_model
+def transformers_loader(family, release):
+    """transformers' own loader of the release, dequantizing (from_pretrained with Mxfp4Config /
+    FineGrainedFP8Config(dequantize=True)): what the reference is checked against where it is right."""
+    from transformers import FineGrainedFP8Config, Mxfp4Config
 
-    x = torch.arange(3, 11)[None]
-    with torch.no_grad():
-        return (load_hf_model(family, release)(x).logits,  # transformers' own loader, dequantizing
-                load_hf_model(family, release, streamed=True)(x).logits)  # the reference's reading
+    from models.checkpoint import read_config
+    from models.release_formats import MXFP4, release_format
+
+    fmt = release_format(read_config(release))
+    q = (Mxfp4Config(dequantize=True, modules_to_not_convert=list(fmt.skip) or None) if fmt.method == MXFP4
+         else FineGrainedFP8Config(dequantize=True, weight_block_size=fmt.block))
+    return family.hf_class().from_pretrained(release, quantization_config=q, dtype=torch.float32,
+                                             attn_implementation="eager", experts_implementation="eager")
+
+
+X = torch.arange(3, 11)[None]
 
 
 @pytest.mark.parametrize("which", ["gpt_oss_release", "deepseek_release_128"])
-def test_the_streamed_reference_reads_a_release_a_layer_at_a_time(which, request):
-    """The streamed HF model (each decoder layer read from the release for its forward: how every release is the
-    reference) computes what the whole one transformers' own loader dequantized does, where its blocks are whole
-    (the scale grid says the block size)."""
+def test_the_reference_reads_a_release_as_transformers_does(which, request):
+    """The reference's reading of a release, streamed (each decoder layer read and dequantized for its forward) and
+    whole (every layer read once and kept), computes what transformers' own loader of it does where its blocks
+    are whole (there the scale grid says the block size)."""
+    from oracle.reference.streaming import load_hf_model
+
     release, _ = request.getfixturevalue(which)
     family = get_family({"gpt_oss_release": "gpt_oss", "deepseek_release_128": "deepseek_v3"}[which])
-    whole, streamed = _whole_and_streamed(family, release)
-    torch.testing.assert_close(streamed, whole, atol=1e-5, rtol=1e-5)  # (alignment, as above)
+    with torch.no_grad():
+        theirs = transformers_loader(family, release)(X).logits
+        whole = load_hf_model(family, release)(X).logits
+        streamed = load_hf_model(family, release, streamed=True)(X).logits
+    assert not hasattr(load_hf_model(family, release), "_oracle_streams")  # whole: nothing is dropped
+    torch.testing.assert_close(whole, theirs, atol=1e-5, rtol=1e-5)  # (alignment, as above)
+    torch.testing.assert_close(streamed, whole, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.xfail(strict=True, reason="transformers 5.23 Fp8Dequantize._dequantize_one takes the block size from the "
@@ -165,8 +181,13 @@ def test_the_streamed_reference_reads_a_release_a_layer_at_a_time(which, request
                    "2 scale rows) is read in blocks of 12, another model than the release's; the reference reads it by "
                    "weight_block_size (models/release_formats.py). XPASS: upstream fixed it, drop the xfail")
 def test_transformers_loader_of_partial_fp8_blocks_is_the_release(deepseek_release):
-    whole, streamed = _whole_and_streamed(get_family("deepseek_v3"), deepseek_release[0])
-    torch.testing.assert_close(whole, streamed, atol=1e-5, rtol=1e-5)
+    from oracle.reference.streaming import load_hf_model
+
+    family = get_family("deepseek_v3")
+    with torch.no_grad():
+        theirs = transformers_loader(family, deepseek_release[0])(X).logits
+        ours = load_hf_model(family, deepseek_release[0])(X).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("which", ["gpt_oss_release", "deepseek_release"])

@@ -17,16 +17,9 @@ def reference_mode(model_dir: Path) -> str:
     """How the HF reference holds the model: "whole" (from_pretrained into memory, fastest for
     small models) or "streamed" (each decoder layer read from the checkpoint for its forward:
     memory about one layer plus the embedding and the head, whatever the depth; load_streamed). Auto by the
-    model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes.
-    A checkpoint in a released quantized format is always streamed: its tensors are read (and dequantized) by the
-    format's definition (models/release_formats.py), a layer at a time; transformers' own whole-model loader of it
-    (`load_hf_model` whole) is not the reference, since its FP8 dequantizer takes the block size from the scale
-    grid, which is wrong where the last blocks are partial (tests/test_release_checkpoints.py)."""
-    from models.checkpoint import parameter_count, read_config
-    from models.release_formats import release_format
+    model's fp32 size; $MOE_ORACLE_REFERENCE=whole|streamed forces one. Both give the same bytes."""
+    from models.checkpoint import parameter_count
 
-    if release_format(read_config(Path(model_dir))) is not None:
-        return "streamed"
     return mode_for(parameter_count(model_dir))
 
 
@@ -68,12 +61,19 @@ def load_hf_model(family, model_dir: Path, dtype=None, streamed: bool = False):
         if streamed:
             return load_streamed(family, Path(model_dir), dtype)
         from models.checkpoint import read_config
-        from models.release_formats import hf_loader_config, release_format
+        from models.release_formats import release_format
 
-        fmt = release_format(read_config(Path(model_dir)))  # a quantized release: transformers dequantizes it
+        if release_format(read_config(Path(model_dir))) is not None:
+            # a quantized release, read by the format's definition (models/release_formats.py) as the streamed
+            # model reads it, every layer kept: not transformers' own loader of it (from_pretrained with
+            # FineGrainedFP8Config(dequantize=True)), whose FP8 dequantizer takes the block size from the scale
+            # grid, wrong where the last blocks are partial (tests/test_release_checkpoints.py)
+            model = load_streamed(family, Path(model_dir), dtype)
+            for stream in model.__dict__.pop("_oracle_streams"):
+                stream.acquire()  # in use for good: never dropped
+            return model
         model, info = family.hf_class().from_pretrained(
             model_dir,
-            **({"quantization_config": hf_loader_config(fmt)} if fmt else {}),
             dtype=dtype,
             attn_implementation="eager",
             experts_implementation="eager",
