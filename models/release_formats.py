@@ -34,6 +34,7 @@ METHODS = (MXFP4, FP8)
 MX_BLOCK = 32  # values per e8m0 scale (MXFP4)
 FP8_SCALE = ".weight_scale_inv"
 FP8_DTYPES = {"e4m3": "F8_E4M3"}  # `fmt` -> the weights' safetensors dtype
+FP8_FMT_ALIASES = {"float8_e4m3fn": "e4m3"}  # MiniMax-M2's config spells it as torch's dtype
 SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -69,6 +70,7 @@ def release_format(config: dict) -> ReleaseFormat | None:
     if method == MXFP4:
         return ReleaseFormat(MXFP4, skip=skip)
     fmt = q.get("fmt", "e4m3")
+    fmt = FP8_FMT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
     if fmt not in FP8_DTYPES:
         raise CheckpointError(f"config.json quantization_config.fmt {fmt!r} is not an FP8 format read here "
                               f"(known: {', '.join(FP8_DTYPES)})")
@@ -202,19 +204,16 @@ def packs(fmt: ReleaseFormat, name: str, shape) -> bool:
     """Whether the release holds the checkpoint tensor `name` packed: MXFP4 the experts' stacked weights
     (`...experts.gate_up_proj` / `down_proj`, [E, in, out]), FP8 every 2-d weight of a decoder layer but the
     router's (and whatever modules_to_not_convert names)."""
-    if fmt.skip and any(_matches(p, name) for p in fmt.skip):
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    module = name.rsplit(".", 1)[0]  # P.weight's module P; a fused experts tensor's: the experts module
+    if fmt.skip and not should_convert_module(module, list(fmt.skip)):  # transformers' matching of the patterns
         return False
     if fmt.method == MXFP4:
         return (name.endswith(("experts.gate_up_proj", "experts.down_proj")) and len(shape) == 3
                 and shape[-2] % MX_BLOCK == 0 and not any(k in name for k in MX_SKIP))
     return (name.endswith(".weight") and len(shape) == 2 and ".layers." in name
             and not any(k in name for k in FP8_SKIP))
-
-
-def _matches(pattern: str, name: str) -> bool:
-    import fnmatch
-
-    return fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, pattern + ".*")
 
 
 def pack(fmt: ReleaseFormat, name: str, w) -> dict:

@@ -185,3 +185,11 @@ def test_a_release_packs_what_its_release_packs():
     assert packs(gpt, "model.layers.0.mlp.experts.gate_up_proj", (32, 2880, 5760))
     assert not packs(gpt, "model.layers.0.self_attn.q_proj.weight", (4096, 2880))  # modules_to_not_convert
     assert not packs(gpt, "model.layers.0.mlp.experts.gate_up_proj_bias", (32, 5760))
+    # MiniMax-M2's spelling of the format and its modules_to_not_convert (transformers' own pattern matching)
+    mm = release_format({"quantization_config": {"quant_method": "fp8", "fmt": "float8_e4m3fn",
+                                                 "weight_block_size": [128, 128],
+                                                 "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}})
+    assert mm.fmt == "e4m3"
+    assert not packs(mm, "model.layers.0.block_sparse_moe.gate.weight", (256, 3072))
+    assert packs(mm, "model.layers.0.block_sparse_moe.experts.3.w1.weight", (1536, 3072))
+    assert packs(mm, "model.layers.0.self_attn.q_proj.weight", (6144, 3072))
