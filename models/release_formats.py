@@ -197,7 +197,7 @@ def dequantize(fmt: ReleaseFormat, tensors: dict):
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 3 low bits; bit 3 is the sign
 MX_SKIP = ("self_attn", "router", "embed_tokens", "lm_head")  # gpt-oss's modules_to_not_convert
-FP8_SKIP = (".mlp.gate.", ".router.", "norm")  # DeepSeek-V3's release: the router and the norms stay bf16
+FP8_SKIP = ("gate", "router")  # the routers (a module of that name: DeepSeek's mlp.gate, MiniMax's block_sparse_moe.gate)
 
 
 def packs(fmt: ReleaseFormat, name: str, shape) -> bool:
@@ -213,7 +213,7 @@ def packs(fmt: ReleaseFormat, name: str, shape) -> bool:
         return (name.endswith(("experts.gate_up_proj", "experts.down_proj")) and len(shape) == 3
                 and shape[-2] % MX_BLOCK == 0 and not any(k in name for k in MX_SKIP))
     return (name.endswith(".weight") and len(shape) == 2 and ".layers." in name
-            and not any(k in name for k in FP8_SKIP))
+            and module.rsplit(".", 1)[-1] not in FP8_SKIP and "norm" not in module)  # (and the norms stay bf16)
 
 
 def pack(fmt: ReleaseFormat, name: str, w) -> dict:

@@ -242,6 +242,28 @@ def test_mlx_lm_reads_an_fp8_release_in_bfloat16(deepseek_release_128):
     assert row.status == "xfail" and "dequantizes an FP8 release to bfloat16" in row.expected["cause"], row.expected
 
 
+def test_mlx_lm_reads_minimax_fp8_in_bfloat16_too(tmp_path):
+    """MiniMax-M2's FP8 release through mlx-lm (its minimax sanitize dequantizes to bf16 as deepseek_v3's does):
+    the same known divergence, while the plain checkpoint passes. The release packed by the production packer
+    (models/release_formats.pack), as the seeded --config checkpoints are."""
+    pytest.importorskip("mlx_lm")
+    from models.release_formats import FP8, ReleaseFormat, pack, packs
+
+    sd, cfg = _seeded("minimax_m2", get_family("minimax_m2").tiny_config, tmp_path / "plain")
+    fmt = ReleaseFormat(FP8, block=(128, 128), fmt="e4m3")
+    release = {}
+    for k, v in sd.items():
+        release.update(pack(fmt, k, v) if v.is_floating_point() and packs(fmt, k, v.shape) else {k: v})
+    assert any(k.endswith("w1.weight_scale_inv") for k in release)
+    assert release["model.layers.0.block_sparse_moe.gate.weight"].dtype == torch.float32  # the router stays
+    q = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    _write(tmp_path / "release", release, {**cfg, "quantization_config": q})
+    plain = run_check(CheckSpec(family="minimax_m2", backend="mlx", model_dir=str(tmp_path / "plain")))
+    row = run_check(CheckSpec(family="minimax_m2", backend="mlx", model_dir=str(tmp_path / "release")))
+    assert plain.status == "pass", (plain.error, plain.worst)
+    assert row.status == "xfail" and "minimax sanitize() dequantizes an FP8 release to bfloat16" in row.expected["cause"]
+
+
 def test_llamacpp_converts_a_release_as_its_converter_does(gpt_oss_release, deepseek_release):
     """llama.cpp's converter keeps MXFP4 experts as GGML MXFP4 (whose dot products take Q8_0 activations: the check
     is judged at a8, HF computing the same way) and dequantizes FP8 by weight_block_size, partial blocks too
