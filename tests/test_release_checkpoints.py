@@ -264,6 +264,23 @@ def test_mlx_lm_reads_minimax_fp8_in_bfloat16_too(tmp_path):
     assert row.status == "xfail" and "minimax sanitize() dequantizes an FP8 release to bfloat16" in row.expected["cause"]
 
 
+def test_an_fp8_release_mlx_lm_cannot_read_is_its_error_with_the_reason(tmp_path):
+    """Qwen3-MoE's FP8 releases: mlx-lm 0.32.2's qwen3_moe sanitize() has no FP8 dequantization, so its model
+    cannot load the release: the check's error says so (not mlx's "parameters not in model")."""
+    pytest.importorskip("mlx_lm")
+    from models.release_formats import FP8, ReleaseFormat, pack, packs
+
+    sd, cfg = _seeded("qwen3_moe", get_family("qwen3_moe").tiny_config, tmp_path / "plain")
+    fmt = ReleaseFormat(FP8, block=(128, 128), fmt="e4m3")
+    release = {}
+    for k, v in sd.items():
+        release.update(pack(fmt, k, v) if v.is_floating_point() and packs(fmt, k, v.shape) else {k: v})
+    _write(tmp_path / "release", release, {**cfg, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                                         "weight_block_size": [128, 128]}})
+    row = run_check(CheckSpec(family="qwen3_moe", backend="mlx", model_dir=str(tmp_path / "release")))
+    assert row.status == "error" and "mlx-lm's qwen3_moe does not read an FP8 release" in row.error, row.error
+
+
 def test_llamacpp_converts_a_release_as_its_converter_does(gpt_oss_release, deepseek_release):
     """llama.cpp's converter keeps MXFP4 experts as GGML MXFP4 (whose dot products take Q8_0 activations: the check
     is judged at a8, HF computing the same way) and dequantizes FP8 by weight_block_size, partial blocks too

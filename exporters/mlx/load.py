@@ -80,6 +80,11 @@ def load_model(src, config_fn=mlx_config):
     weights = drop_layers_from(weights, src.args.num_hidden_layers)
     m = mapping(family)
     weights = model.sanitize(m.convert(weights) if m.convert else expert_layout(family, weights))
+    left = sorted(k for k in weights if k.endswith("_scale_inv"))
+    if left:  # an FP8 release whose mlx-lm model does not dequantize it (its sanitize() leaves the scales)
+        raise ValueError(f"mlx-lm's {m.module} does not read an FP8 release: its sanitize() keeps {len(left)} "
+                         f"weight_scale_inv tensor(s) (e.g. {left[0]}) where mlx-lm's deepseek_v3 and minimax "
+                         "dequantize them; mlx_lm.convert of this release fails the same way")
     release_quantize(model, weights, src.config)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
