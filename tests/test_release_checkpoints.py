@@ -242,24 +242,31 @@ def test_mlx_lm_reads_an_fp8_release_in_bfloat16(deepseek_release_128):
     assert row.status == "xfail" and "dequantizes an FP8 release to bfloat16" in row.expected["cause"], row.expected
 
 
-def test_mlx_lm_reads_minimax_fp8_in_bfloat16_too(tmp_path):
-    """MiniMax-M2's FP8 release through mlx-lm (its minimax sanitize dequantizes to bf16 as deepseek_v3's does):
-    the same known divergence, while the plain checkpoint passes. The release packed by the production packer
-    (models/release_formats.pack), as the seeded --config checkpoints are."""
-    pytest.importorskip("mlx_lm")
+def _packed_fp8(family: str, tmp) -> tuple[dict, object]:
+    """(the tiny checkpoint's tensors as an FP8 release in 128 x 128 blocks, by the production packer
+    (models/release_formats.pack, as the seeded --config checkpoints are), written beside its plain one: tmp / plain
+    and tmp / release)."""
     from models.release_formats import FP8, ReleaseFormat, pack, packs
 
-    sd, cfg = _seeded("minimax_m2", get_family("minimax_m2").tiny_config, tmp_path / "plain")
+    sd, cfg = _seeded(family, get_family(family).tiny_config, tmp / "plain")
     fmt = ReleaseFormat(FP8, block=(128, 128), fmt="e4m3")
     release = {}
     for k, v in sd.items():
         release.update(pack(fmt, k, v) if v.is_floating_point() and packs(fmt, k, v.shape) else {k: v})
-    assert any(k.endswith("w1.weight_scale_inv") for k in release)
-    assert release["model.layers.0.block_sparse_moe.gate.weight"].dtype == torch.float32  # the router stays
-    q = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    _write(tmp_path / "release", release, {**cfg, "quantization_config": q})
+    _write(tmp / "release", release, {**cfg, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                                     "weight_block_size": [128, 128]}})
+    return release, tmp / "release"
+
+
+def test_mlx_lm_reads_minimax_fp8_in_bfloat16_too(tmp_path):
+    """MiniMax-M2's FP8 release through mlx-lm (its minimax sanitize dequantizes to bf16 as deepseek_v3's does):
+    the same known divergence, while the plain checkpoint passes."""
+    pytest.importorskip("mlx_lm")
+    tensors, release = _packed_fp8("minimax_m2", tmp_path)
+    assert any(k.endswith("w1.weight_scale_inv") for k in tensors)
+    assert tensors["model.layers.0.block_sparse_moe.gate.weight"].dtype == torch.float32  # the router stays
     plain = run_check(CheckSpec(family="minimax_m2", backend="mlx", model_dir=str(tmp_path / "plain")))
-    row = run_check(CheckSpec(family="minimax_m2", backend="mlx", model_dir=str(tmp_path / "release")))
+    row = run_check(CheckSpec(family="minimax_m2", backend="mlx", model_dir=str(release)))
     assert plain.status == "pass", (plain.error, plain.worst)
     assert row.status == "xfail" and "minimax sanitize() dequantizes an FP8 release to bfloat16" in row.expected["cause"]
 
@@ -268,16 +275,8 @@ def test_an_fp8_release_mlx_lm_cannot_read_is_its_error_with_the_reason(tmp_path
     """Qwen3-MoE's FP8 releases: mlx-lm 0.32.2's qwen3_moe sanitize() has no FP8 dequantization, so its model
     cannot load the release: the check's error says so (not mlx's "parameters not in model")."""
     pytest.importorskip("mlx_lm")
-    from models.release_formats import FP8, ReleaseFormat, pack, packs
-
-    sd, cfg = _seeded("qwen3_moe", get_family("qwen3_moe").tiny_config, tmp_path / "plain")
-    fmt = ReleaseFormat(FP8, block=(128, 128), fmt="e4m3")
-    release = {}
-    for k, v in sd.items():
-        release.update(pack(fmt, k, v) if v.is_floating_point() and packs(fmt, k, v.shape) else {k: v})
-    _write(tmp_path / "release", release, {**cfg, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                                                         "weight_block_size": [128, 128]}})
-    row = run_check(CheckSpec(family="qwen3_moe", backend="mlx", model_dir=str(tmp_path / "release")))
+    _, release = _packed_fp8("qwen3_moe", tmp_path)
+    row = run_check(CheckSpec(family="qwen3_moe", backend="mlx", model_dir=str(release)))
     assert row.status == "error" and "mlx-lm's qwen3_moe does not read an FP8 release" in row.error, row.error
 
 
