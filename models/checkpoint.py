@@ -229,9 +229,12 @@ def layer_groups(index: dict) -> list[list[str]]:
     return [sorted(groups[k]) for k in sorted(groups, key=lambda k: (k < 0, k))]
 
 
-def read_tensors(index: dict, names: list[str]) -> dict:
+def read_tensors(index: dict, names: list[str], rows: list[int] | None = None) -> dict:
     """These tensors of a checkpoint (`index`: tensor_index of it), each read once from its
-    shard's memory map (a released one's parts read and dequantized: models/release_formats.py)."""
+    shard's memory map (a released one's parts read and dequantized: models/release_formats.py).
+    `rows`: only these indices of each tensor's first dimension (stacked experts: the chosen ones), in order."""
+    import torch
+
     released = getattr(index, "parts", None)
     wanted = {n: (released[n] if released is not None and n in released else {None: n}) for n in names}
     raw = index.raw if released is not None else index
@@ -243,7 +246,11 @@ def read_tensors(index: dict, names: list[str]) -> dict:
     for shard, ns in by_shard.items():
         with open_shard(shard) as f:
             for n in ns:
-                got[n] = f.get_tensor(n)
+                if rows is None:
+                    got[n] = f.get_tensor(n)
+                else:
+                    part = f.get_slice(n)
+                    got[n] = torch.stack([part[r] for r in rows])
     if released is None:
         return got
     from models.release_formats import dequantize

@@ -176,6 +176,25 @@ def test_the_reference_reads_a_release_as_transformers_does(which, request):
     torch.testing.assert_close(streamed, whole, atol=1e-5, rtol=1e-5)
 
 
+def test_a_decode_step_reads_only_the_chosen_experts_of_a_release(gpt_oss_release):
+    """gpt-oss's MXFP4 experts are stored stacked: a streamed decode step (one token, 2 of 8 experts) reads and
+    dequantizes only the chosen experts' rows of the packed tensors, and computes what the whole model does, bit
+    for bit; a prefill (8 tokens: 16 choices) reads the layer whole."""
+    from oracle.reference.streaming import load_hf_model, streamed_bytes
+
+    family, release = get_family("gpt_oss"), gpt_oss_release[0]
+    whole, streamed = load_hf_model(family, release), load_hf_model(family, release, streamed=True)
+    assert all(len(s.fused) == 4 and s.count == 8 for s in streamed._oracle_streams)
+    with torch.no_grad():
+        before = streamed_bytes(streamed)
+        step = streamed(torch.tensor([[5]])).logits
+        one = streamed_bytes(streamed) - before
+        prefill = streamed(X).logits
+        full = streamed_bytes(streamed) - before - one
+        assert torch.equal(step, whole(torch.tensor([[5]])).logits) and torch.equal(prefill, whole(X).logits)
+    assert one < 0.7 * full  # the attention and router read whole either way; the experts a quarter
+
+
 @pytest.mark.xfail(strict=True, reason="transformers 5.23 Fp8Dequantize._dequantize_one takes the block size from the "
                    "scale grid (rows // scale_rows): a weight whose last blocks are partial (24 rows in 16-row blocks: "
                    "2 scale rows) is read in blocks of 12, another model than the release's; the reference reads it by "

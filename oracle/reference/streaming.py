@@ -123,9 +123,22 @@ class LayerStream:
             if (m := EXPERT.search(n)) is not None:
                 self.experts.setdefault(int(m.group(1)), []).append(n)
         self.top_k, self.sparse = top_k, False
-        routed = routed_experts(layer) if self.experts and top_k else None
+        routed = routed_experts(layer) if top_k else None
         # the routed experts module's name in the layer (read_experts' stand-in takes its path)
         self.routed = next((n for n, m in layer.named_modules() if m is routed), None)
+        # a release's experts stored stacked under the module's own parameter names (gpt-oss's MXFP4
+        # experts.gate_up_proj [E, ...]): name -> parameter, where every one of the module's parameters is one (the
+        # rows a step chose are read and dequantized). Only a release's: its whole model holds them as fresh
+        # dequantized tensors too, while a plain checkpoint's are its mapped shard's, whose alignment rounds a
+        # matrix-vector product otherwise than a copy's (5e-7 on mistral4): streamed would not be whole bit for bit
+        self.fused, self.count = {}, len(self.experts)
+        if routed is not None and not self.experts and getattr(index, "parts", None):
+            own = dict(routed.named_parameters(recurse=False))
+            stacked = {f"{prefix}{self.routed}.{k}": k for k in own}
+            if own and all(n in index and tuple(index[n][2]) == tuple(own[k].shape) for n, k in stacked.items()):
+                self.fused, self.count = stacked, next(iter(own.values())).shape[0]
+        if not (self.experts or self.fused):
+            routed = None
         for m in layer.modules():
             m._oracle_stream = self
         layer.register_forward_pre_hook(self._start, with_kwargs=True)
@@ -136,13 +149,15 @@ class LayerStream:
     def _start(self, module, args, kwargs):
         x = first_tensor(args, kwargs)
         tokens = x.numel() // x.shape[-1]
-        self.acquire(sparse=bool(self.experts) and tokens * self.top_k < len(self.experts))
+        self.acquire(sparse=self.count > 0 and tokens * self.top_k < self.count)
 
     def _experts(self, module, args, kwargs):
         if self.sparse:  # the experts its tokens chose, now that the router has chosen
             idx = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
-            chosen = sorted({int(e) for e in idx.reshape(-1).tolist() if 0 <= int(e) < len(self.experts)})
-            if not self.read_experts(module, chosen):
+            chosen = sorted({int(e) for e in idx.reshape(-1).tolist() if 0 <= int(e) < self.count})
+            if self.fused:
+                self.read_rows(module, chosen)
+            elif not self.read_experts(module, chosen):
                 self.read([n for e, ns in self.experts.items() for n in ns],
                           absent={n for e, ns in self.experts.items() if e not in chosen for n in ns})
             self.sparse = False
@@ -191,6 +206,27 @@ class LayerStream:
             set_module_tensor_to_device(module, name, "cpu", value=whole, dtype=want)
         return True
 
+    def read_rows(self, module, chosen: list[int]) -> None:
+        """The chosen experts' rows of the stacked expert tensors (a release's dequantized as read) into the
+        experts module `module`, each in a tensor whose other rows are never written (memory the kernel maps
+        on first touch) and never read (HF's per-expert loop visits the experts hit). The checkpoint names
+        them as the module's own parameters: HF's loading step would copy them unchanged."""
+        import torch
+        from accelerate.utils import set_module_tensor_to_device
+
+        from models.checkpoint import read_tensors, stored_bytes
+
+        got = read_tensors(self.index, list(self.fused), rows=chosen)
+        rows = torch.tensor(chosen)
+        for n, name in self.fused.items():
+            want = self.targets.get(f"{self.routed}.{name}", got[n].dtype)
+            whole = torch.empty(tuple(self.index[n][2]), dtype=want)
+            whole[rows] = got[n].to(want)
+            set_module_tensor_to_device(module, name, "cpu", value=whole, dtype=want)
+        read = sum(stored_bytes(self.index, n) for n in self.fused) * len(chosen) // self.count
+        READ["bytes"] += read
+        self.bytes += read
+
     def read(self, names: list | None = None, absent: set = frozenset()):
         """These of the layer's tensors (default all) from the checkpoint into the model (HF's loading
         step), each in the dtype HF's model holds it in; `absent` ones given as zeros, not read."""
@@ -220,7 +256,7 @@ class LayerStream:
     def acquire(self, sparse: bool = False):
         if self.users == 0:
             self.sparse = sparse
-            self.read([n for n in self.names if not EXPERT.search(n)] if sparse else None)
+            self.read([n for n in self.names if not EXPERT.search(n) and n not in self.fused] if sparse else None)
         self.users += 1
 
     def release(self):
