@@ -138,6 +138,12 @@ def test_a_malformed_release_is_refused_naming_the_tensor(deepseek_release, tmp_
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="quantization_config.quant_method 'bitsandbytes' is not a format read here"):
         model_source(CheckSpec(family="deepseek_v3", backend="eager", model_dir=str(bad)))
+    from oracle.cli import main  # and `oracle check` says so: exit 2, before any work (no report written)
+
+    out = tmp_path / "r.json"
+    assert main(["check", "--family", "deepseek_v3", "--backend", "eager", "--model-dir", str(bad),
+                 "--json", str(out)]) == 2
+    assert not out.exists()
 
 
 def transformers_loader(family, release):
