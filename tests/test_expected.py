@@ -31,6 +31,27 @@ def test_failing_where_the_entry_says_is_an_expected_failure():
     assert r.expected["failed"] == ["router", "e2e"]
 
 
+def test_a_release_format_entry_applies_to_such_checkpoints_and_with_the_familys():
+    """An entry keyed by `release` applies only to a checkpoint in that format (provenance.checkpoint.release_method);
+    where it and the family's both apply, the check is judged against their fails together, each cause told."""
+    fp8 = Divergence(family="ernie4_5_moe", backend="mlx", package="mlx-lm", versions="<=0.32.2",
+                     fails=("attention", "moe", "layer"), cause="rounds FP8 to bf16", reference="sanitize",
+                     release=("fp8",))
+    r = result(failing=("attention", "moe", "layer"))
+    judge(r, [ENTRY, fp8])  # a plain checkpoint: the release's entry does not apply
+    assert r.status == "fail" and r.expected["verdict"].startswith("unexpected: it also fails attention")
+    r = result(failing=("router", "attention", "moe", "layer"), e2e="fail")
+    r.provenance["checkpoint"] = {"release_method": "fp8"}
+    judge(r, [ENTRY, fp8])
+    assert r.status == "xfail", r.expected
+    assert r.expected["cause"] == "drops the correction bias Also: rounds FP8 to bf16"
+    assert set(r.expected["fails"]) == {"router", "e2e", "attention", "moe", "layer"}
+    r = result()
+    r.provenance["checkpoint"] = {"release_method": "fp8"}
+    judge(r, [ENTRY, fp8])  # both apply and neither needs some inputs: a pass is stale
+    assert r.status == "fail" and r.expected["verdict"].startswith("stale")
+
+
 def test_the_kinds_a_known_divergence_fails_are_known_to_the_drill():
     """The drill (oracle/check.py drill_down) prefers a failing block of another kind: a new defect."""
     from oracle.verdict.expected import known_fails
@@ -89,6 +110,8 @@ def test_the_shipped_data_file_is_valid():
      "reference='y'\n", "not a PEP 440 specifier set"),
     ("[[divergence]]\nfamily='a'\nbackend='b'\npackage='c'\nversions='<=1'\nfails=['router']\ncause='x'\n"
      "reference='y'\non_some_inputs='sometimes'\n", "on_some_inputs must be true or false"),
+    ("[[divergence]]\nfamily='a'\nbackend='b'\npackage='c'\nversions='<=1'\nfails=['router']\ncause='x'\n"
+     "reference='y'\nrelease=['gguf']\n", "release must be a list of release formats"),
     ("[[divergence\n", "known_divergences.toml"),
 ])
 def test_a_malformed_data_file_is_refused_with_its_path(tmp_path, text, needle):

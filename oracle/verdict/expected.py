@@ -97,6 +97,11 @@ def _parse(path, text: str) -> list[Divergence]:
             raise ValueError(f"{where}: versions {fields['versions']!r} is not a PEP 440 specifier set") from None
         if not isinstance(fields["on_some_inputs"], (bool, type(None))):
             raise ValueError(f"{where}: on_some_inputs must be true or false, not {fields['on_some_inputs']!r}")
+        from models.release_formats import METHODS
+
+        release = fields["release"]
+        if release is not None and (not isinstance(release, list) or not set(release) <= set(METHODS)):
+            raise ValueError(f"{where}: release must be a list of release formats ({', '.join(METHODS)}), not {release!r}")
         out.append(Divergence(**{**fields, "fails": tuple(fields["fails"]),
                                  "precisions": tuple(fields["precisions"] or ()),
                                  "release": tuple(fields["release"] or ()),
