@@ -13,6 +13,10 @@ read by each format's own definition (transformers' dequantizers, which its load
   row and column of blocks partial where the block does not divide the weight (DeepSeek-V3's
   kv_a_proj_with_mqa: 576 rows).
 
+- compressed-tensors' float-quantized (llm-compressor's FP8; `{"quant_method": "compressed-tensors", "format":
+  "float-quantized", "config_groups": {...: {"weights": {"num_bits": 8, "type": "float", "strategy": ...}}}}`):
+  `P.weight` float8_e4m3fn times `P.weight_scale`, one for the tensor, one per output row, or one per block.
+
 A release's index (`released_index`) is checked from the headers alone, before any work: every packed tensor
 with its scales, of the shapes the format defines (one scale a block), no scale without its weight, no
 quant_method or fmt this file does not know. What it gives is the checkpoint the file defines: the
@@ -25,14 +29,19 @@ library packs it on a CPU: transformers' needs triton kernels).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from models.errors import CheckpointError
 
-MXFP4, FP8 = "mxfp4", "fp8"
-METHODS = (MXFP4, FP8)
+MXFP4, FP8, CT = "mxfp4", "fp8", "compressed-tensors"
+METHODS = (MXFP4, FP8, CT)
 MX_BLOCK = 32  # values per e8m0 scale (MXFP4)
 FP8_SCALE = ".weight_scale_inv"
+CT_SCALE = ".weight_scale"  # compressed-tensors' float-quantized: weight = its fp8 values times weight_scale
+CT_FORMATS = ("float-quantized",)
+CT_STRATEGIES = ("tensor", "channel", "block")  # one scale for the tensor, one per output row, one per block
+CT_DROPPED = (".input_scale", ".weight_zero_point")  # static activation scales, symmetric zero points: not weights
 FP8_DTYPES = {"e4m3": "F8_E4M3"}  # `fmt` -> the weights' safetensors dtype
 FP8_FMT_ALIASES = {"float8_e4m3fn": "e4m3"}  # MiniMax-M2's config spells it as torch's dtype
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -42,15 +51,24 @@ SCALE_DTYPES = ("F32", "BF16", "F16")
 class ReleaseFormat:
     """A checkpoint's quantized release format, from its config.json (`quantization_config`)."""
 
-    method: str  # MXFP4 or FP8
-    block: tuple[int, int] | None = None  # FP8: weight_block_size (rows, columns)
-    fmt: str | None = None  # FP8: the float8 format (e4m3)
-    skip: tuple[str, ...] = ()  # modules_to_not_convert: names left unquantized (informational)
+    method: str  # MXFP4, FP8 or CT
+    block: tuple[int, int] | None = None  # FP8: weight_block_size (rows, columns); CT's block strategy: its blocks
+    fmt: str | None = None  # FP8, CT: the float8 format (e4m3)
+    skip: tuple[str, ...] = ()  # modules_to_not_convert (CT: ignore): names left unquantized
+    strategy: str | None = None  # CT: the weights' scale strategy (CT_STRATEGIES)
 
     def describe(self) -> str:
         if self.method == MXFP4:
             return "MXFP4 (e2m1 values, an e8m0 scale per 32)"
+        if self.method == CT:
+            blocks = f", {self.block[0]}x{self.block[1]} blocks" if self.block else ""
+            return f"compressed-tensors float-quantized FP8 {self.fmt} ({self.strategy} weight_scale{blocks})"
         return f"FP8 {self.fmt} block-scaled ({self.block[0]}x{self.block[1]} blocks, weight_scale_inv)"
+
+    @property
+    def scale(self) -> str:
+        """FP8 / CT: the suffix of a weight's scale tensor."""
+        return CT_SCALE if self.method == CT else FP8_SCALE
 
 
 def release_format(config: dict) -> ReleaseFormat | None:
@@ -69,17 +87,48 @@ def release_format(config: dict) -> ReleaseFormat | None:
     skip = tuple(q.get("modules_to_not_convert") or ())
     if method == MXFP4:
         return ReleaseFormat(MXFP4, skip=skip)
+    if method == CT:
+        return _compressed_tensors(q)
     fmt = q.get("fmt", "e4m3")
     fmt = FP8_FMT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
     if fmt not in FP8_DTYPES:
         raise CheckpointError(f"config.json quantization_config.fmt {fmt!r} is not an FP8 format read here "
                               f"(known: {', '.join(FP8_DTYPES)})")
-    block = q.get("weight_block_size")
+    block = _blocks(q.get("weight_block_size"), "quantization_config.weight_block_size")
+    return ReleaseFormat(FP8, block=block, fmt=fmt, skip=skip)
+
+
+def _blocks(block, where: str) -> tuple[int, int]:
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise CheckpointError(f"config.json quantization_config.weight_block_size {block!r} is not two positive "
-                              "integers (rows, columns)")
-    return ReleaseFormat(FP8, block=(block[0], block[1]), fmt=fmt, skip=skip)
+        raise CheckpointError(f"config.json {where} {block!r} is not two positive integers (rows, columns)")
+    return block[0], block[1]
+
+
+def _compressed_tensors(q: dict) -> ReleaseFormat:
+    """compressed-tensors' float-quantized format (FP8 weights, one weights scheme for every config group)."""
+    form = q.get("format")
+    if form not in CT_FORMATS:
+        raise CheckpointError(f"config.json quantization_config.format {form!r} (compressed-tensors) is not a format "
+                              f"read here (known: {', '.join(CT_FORMATS)}: FP8 weights with their weight_scale)")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+        raise CheckpointError(f"config.json quantization_config.config_groups {groups!r} is not an object of "
+                              "quantization groups")
+    schemes = [g.get("weights") for g in groups.values()]
+    if any(w != schemes[0] for w in schemes):
+        raise CheckpointError("config.json quantization_config.config_groups: groups with different weights schemes "
+                              f"are not read ({', '.join(groups)})")
+    w = schemes[0]
+    if not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8:
+        raise CheckpointError(f"config.json quantization_config.config_groups.{next(iter(groups))}.weights {w!r} is "
+                              "not 8-bit float weights (type float, num_bits 8)")
+    strategy = w.get("strategy")
+    if strategy not in CT_STRATEGIES:
+        raise CheckpointError(f"config.json quantization_config.config_groups.{next(iter(groups))}.weights.strategy "
+                              f"{strategy!r} is not read here (known: {', '.join(CT_STRATEGIES)})")
+    block = _blocks(w.get("block_structure"), "quantization_config weights.block_structure") if strategy == "block" else None
+    return ReleaseFormat(CT, block=block, fmt="e4m3", skip=tuple(q.get("ignore") or ()), strategy=strategy)
 
 
 @dataclass
@@ -129,16 +178,18 @@ def _mxfp4_index(raw: dict, fmt: ReleaseFormat) -> ReleasedIndex:
 
 
 def _fp8_index(raw: dict, fmt: ReleaseFormat) -> ReleasedIndex:
+    """FP8 block-scaled and compressed-tensors' float-quantized: an fp8 `P.weight` and its scale tensor."""
     entries, parts = {}, {}
-    want = FP8_DTYPES[fmt.fmt]
-    bm, bn = fmt.block
+    want, suffix = FP8_DTYPES[fmt.fmt], fmt.scale
     for name, (shard, dtype, shape) in raw.items():
-        if name.endswith(FP8_SCALE):
-            weight = name[: -len(FP8_SCALE)] + ".weight"
+        if name.endswith(suffix):
+            weight = name[: -len(suffix)] + ".weight"
             if weight not in raw:
                 raise CheckpointError(f"tensor {name}: an FP8 scale without {weight}")
             continue
-        scale = name[: -len(".weight")] + FP8_SCALE if name.endswith(".weight") else None
+        if fmt.method == CT and name.endswith(CT_DROPPED):
+            continue  # (the activations' static scales, the weights' zero points of a symmetric scheme)
+        scale = name[: -len(".weight")] + suffix if name.endswith(".weight") else None
         if dtype != want:
             if dtype.startswith("F8_"):
                 raise CheckpointError(f"tensor {name} is {dtype}: config.json declares FP8 {fmt.fmt} ({want})")
@@ -147,22 +198,33 @@ def _fp8_index(raw: dict, fmt: ReleaseFormat) -> ReleasedIndex:
             entries[name] = (shard, dtype, shape)
             continue
         if scale not in raw:
-            raise CheckpointError(f"tensor {name}: {want} without its {FP8_SCALE.lstrip('.')} (the release's "
-                                  "per-block scales)")
+            raise CheckpointError(f"tensor {name}: {want} without its {suffix.lstrip('.')} (the release's scales)")
         if len(shape) < 2:
             raise CheckpointError(f"tensor {name}: {want} {list(shape)} is not a matrix")
-        rows, cols = shape[-2:]
         s_shard, s_dtype, s_shape = raw[scale]
-        # one scale a block, the last row and column of blocks partial where the block does not divide the weight
-        # (DeepSeek-V3's kv_a_proj_with_mqa [576, 7168] has scales [5, 56]: its reference dequantizer's ceil grid)
-        grid = (*shape[:-2], -(-rows // bm), -(-cols // bn))
-        if s_dtype not in SCALE_DTYPES or tuple(s_shape) != grid:
+        grid, how = _scale_grid(fmt, tuple(shape))
+        row = fmt.method == CT and fmt.strategy == "channel"  # (a row scale may be written [rows] or [rows, 1])
+        fits = math.prod(s_shape) == 1 if grid is None else tuple(s_shape) in ((grid, grid[:-1]) if row else (grid,))
+        if s_dtype not in SCALE_DTYPES or not fits:
             raise CheckpointError(f"tensor {scale}: {s_dtype} {list(s_shape)} does not fit {name} {list(shape)} "
-                                  f"in weight_block_size [{bm}, {bn}] blocks (want a float {list(grid)}: one scale "
-                                  "a block, config.json quantization_config)")
+                                  f"({how}: want a float {'one-element tensor' if grid is None else list(grid)}, "
+                                  "config.json quantization_config)")
         entries[name] = (shard, "F32", tuple(shape))
-        parts[name] = {"weight": name, "scale_inv": scale}
+        parts[name] = {"weight": name, "scale_inv" if fmt.method == FP8 else "scale": scale}
     return ReleasedIndex(fmt, entries, parts)
+
+
+def _scale_grid(fmt: ReleaseFormat, shape: tuple) -> tuple[tuple | None, str]:
+    """(the scale's shape for a weight of `shape`, None for a single scale; what it is)."""
+    *lead, rows, cols = shape
+    if fmt.method == CT and fmt.strategy == "tensor":
+        return None, "one scale for the tensor"
+    if fmt.method == CT and fmt.strategy == "channel":
+        return (*lead, rows, 1), "one scale per output row"
+    bm, bn = fmt.block
+    # one scale a block, the last row and column of blocks partial where the block does not divide the weight
+    # (DeepSeek-V3's kv_a_proj_with_mqa [576, 7168] has scales [5, 56]: its reference dequantizer's ceil grid)
+    return (*lead, -(-rows // bm), -(-cols // bn)), f"one scale a [{bm}, {bn}] block"
 
 
 def dequantize(fmt: ReleaseFormat, tensors: dict):
@@ -181,7 +243,11 @@ def dequantize(fmt: ReleaseFormat, tensors: dict):
         return out[0] if lead else out
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    q, scale = tensors["weight"], tensors["scale_inv"]
+    q, scale = tensors["weight"], tensors["scale_inv"] if fmt.method == FP8 else tensors["scale"]
+    if fmt.method == CT and fmt.strategy in ("tensor", "channel"):  # (no library here: compressed-tensors' own is
+        # not installed) each value times its tensor's or its row's scale, in fp32
+        s = scale.float().reshape(()) if fmt.strategy == "tensor" else scale.float().reshape(*q.shape[:-1], 1)
+        return q.float() * s
     bm, bn = fmt.block
     rows, cols = q.shape[-2:]
     # transformers' dequantizer reads the block size off the scale grid, so it needs whole blocks: a partial last

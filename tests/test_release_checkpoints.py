@@ -109,7 +109,7 @@ def _same_as_twin(family, release, twin):
         assert rows[0].status == rows[1].status == "pass", (backend, rows[0].worst, rows[0].error)
         assert rows[0].e2e.token_exact and rows[1].e2e.token_exact
         fmt = rows[0].provenance["checkpoint"]["release_format"]
-        assert fmt.startswith(("MXFP4", "FP8")) and "release_format" not in rows[1].provenance["checkpoint"]
+        assert fmt.startswith(("MXFP4", "FP8", "compressed-tensors")) and "release_format" not in rows[1].provenance["checkpoint"]
         from oracle.reports.markdown import markdown
 
         assert f"Release format: {fmt}, dequantized by the format's definition" in markdown(rows[0].to_dict())
@@ -121,6 +121,41 @@ def test_mxfp4_release_is_checked_as_released(gpt_oss_release):
 
 def test_fp8_release_is_checked_as_released(deepseek_release):
     _same_as_twin("deepseek_v3", *deepseek_release)
+
+
+@pytest.fixture(scope="module")
+def ct_release(tmp_path_factory):
+    """(release dir, twin dir): tiny Qwen3-MoE as llm-compressor's FP8 (compressed-tensors float-quantized, a scale
+    per output row: Qwen3 FP8-Dynamic releases) writes it: every decoder linear but the router float8_e4m3fn beside
+    its weight_scale [out, 1]."""
+    from tests.test_release_formats import ct_config
+
+    tmp = tmp_path_factory.mktemp("qwen3_moe_ct")
+    sd, cfg = _seeded("qwen3_moe", get_family("qwen3_moe").tiny_config, tmp / "seeded")
+    release, twin = {}, {}
+    for k, v in sd.items():
+        if ".layers." in k and k.endswith("proj.weight") and v.dim() == 2:
+            scale = v.abs().amax(1, keepdim=True).clamp_min(2.0 ** -100) / 448.0
+            q = (v / scale).to(torch.float8_e4m3fn)
+            release[k], release[k + "_scale"] = q, scale.bfloat16()
+            twin[k] = q.float() * scale.bfloat16().float()
+        else:
+            release[k] = twin[k] = v
+    _write(tmp / "release", release, {**cfg, "quantization_config": ct_config("channel")})
+    _write(tmp / "twin", twin, cfg)
+    return tmp / "release", tmp / "twin"
+
+
+def test_compressed_tensors_fp8_release_is_checked_as_released(ct_release):
+    """eager and hf as the twin; mlx-lm refuses compressed-tensors' float-quantized (its own loader's reason, the
+    check's error); llama.cpp's converter dequantizes it (per-row scales) and passes at fp32."""
+    _same_as_twin("qwen3_moe", *ct_release)
+    pytest.importorskip("mlx_lm")
+    row = run_check(CheckSpec(family="qwen3_moe", backend="mlx", model_dir=str(ct_release[0])))
+    assert row.status == "error" and "unsupported compressed-tensors format 'float-quantized'" in row.error
+    pytest.importorskip("llama_cpp")
+    row = run_check(CheckSpec(family="qwen3_moe", backend="llamacpp", model_dir=str(ct_release[0])))
+    assert row.status == "pass" and row.spec["precision"] == "fp32", (row.error, row.worst)
 
 
 def test_a_malformed_release_is_refused_naming_the_tensor(deepseek_release, tmp_path):

@@ -126,8 +126,8 @@ def test_a_release_index_is_the_checkpoint_it_defines():
     (MX, {"e.gate_up_proj_blocks": (S, "BF16", (4, 64, 2, 16)), "e.gate_up_proj_scales": (S, "U8", (4, 64, 2))},
      "tensor e.gate_up_proj_blocks: BF16 .* is not MXFP4 blocks"),
     (F8, {"p.weight": (S, "F8_E4M3", (40, 48)), "p.weight_scale_inv": (S, "F32", (2, 3))},  # the floor grid
-     r"tensor p.weight_scale_inv: F32 \[2, 3\] does not fit p.weight \[40, 48\] in weight_block_size \[16, 16\] "
-     r"blocks \(want a float \[3, 3\]"),
+     r"tensor p.weight_scale_inv: F32 \[2, 3\] does not fit p.weight \[40, 48\] \(one scale a \[16, 16\] block: "
+     r"want a float \[3, 3\]"),
     (F8, {"p.weight": (S, "F8_E4M3", (32, 48)), "p.weight_scale_inv": (S, "F32", (2, 2))},
      r"tensor p.weight_scale_inv: F32 \[2, 2\] does not fit p.weight \[32, 48\]"),
     (F8, {"p.weight": (S, "F8_E4M3", (32, 48))}, "tensor p.weight: F8_E4M3 without its weight_scale_inv"),
@@ -193,3 +193,63 @@ def test_a_release_packs_what_its_release_packs():
     assert not packs(mm, "model.layers.0.block_sparse_moe.gate.weight", (256, 3072))
     assert packs(mm, "model.layers.0.block_sparse_moe.experts.3.w1.weight", (1536, 3072))
     assert packs(mm, "model.layers.0.self_attn.q_proj.weight", (6144, 3072))
+
+
+def ct_config(strategy="channel", **weights):
+    """compressed-tensors' float-quantized quantization_config, as llm-compressor writes it."""
+    w = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False, **weights}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": w,
+                                          "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"]}
+
+
+def test_compressed_tensors_float_quantized_reads_as_its_definition():
+    """weight = its e4m3 values times weight_scale: one for the tensor, one per output row, or one per block."""
+    from models.release_formats import CT
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 20, generator=g)
+    for strategy, extra in (("tensor", {}), ("channel", {}), ("block", {"block_structure": [16, 16]})):
+        fmt = release_format({"quantization_config": ct_config(strategy, **extra)})
+        assert (fmt.method, fmt.strategy, fmt.fmt) == (CT, strategy, "e4m3") and "compressed-tensors" in fmt.describe()
+        if strategy == "block":
+            q, s, values = pack_fp8(w, 16, 16)
+        else:
+            s = (w.abs().amax() if strategy == "tensor" else w.abs().amax(1, keepdim=True)) / 448.0
+            q = (w / s).to(torch.float8_e4m3fn)
+            values = q.float() * s
+            s = s.reshape(1) if strategy == "tensor" else s
+        got = dequantize(fmt, {"weight": q, "scale": s})
+        assert got.dtype == torch.float32 and torch.equal(got, values), strategy
+        assert (got - w).abs().max() < 0.07 * w.abs().max()
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"format": "pack-quantized"}, "quantization_config.format 'pack-quantized' (compressed-tensors) is not a format"),
+    ({"config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+     "is not 8-bit float weights"),
+    ({"config_groups": {"a": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+                        "b": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+     "groups with different weights schemes are not read (a, b)"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
+     "weights.block_structure None is not two positive integers"),
+])
+def test_a_compressed_tensors_config_not_read_here_names_the_field(change, needle):
+    with pytest.raises(CheckpointError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        release_format({"quantization_config": {**ct_config(), **change}})
+
+
+def test_a_compressed_tensors_index_drops_the_activation_scales_and_checks_the_weights():
+    fmt = release_format({"quantization_config": ct_config()})
+    raw = {"m.layers.0.self_attn.q_proj.weight": (S, "F8_E4M3", (32, 48)),
+           "m.layers.0.self_attn.q_proj.weight_scale": (S, "BF16", (32, 1)),
+           "m.layers.0.self_attn.q_proj.input_scale": (S, "F32", (1,)),
+           "m.layers.0.mlp.gate.weight": (S, "BF16", (8, 48))}
+    idx = released_index(raw, fmt)
+    assert set(idx.entries) == {"m.layers.0.self_attn.q_proj.weight", "m.layers.0.mlp.gate.weight"}
+    assert idx.parts["m.layers.0.self_attn.q_proj.weight"] == {
+        "weight": "m.layers.0.self_attn.q_proj.weight", "scale": "m.layers.0.self_attn.q_proj.weight_scale"}
+    raw["m.layers.0.self_attn.q_proj.weight_scale"] = (S, "BF16", (32, 48))
+    with pytest.raises(CheckpointError, match=r"weight_scale: BF16 \[32, 48\] does not fit .*one scale per output row"):
+        released_index(raw, fmt)

@@ -80,6 +80,11 @@ def load_model(src, config_fn=mlx_config):
     weights = drop_layers_from(weights, src.args.num_hidden_layers)
     m = mapping(family)
     weights = model.sanitize(m.convert(weights) if m.convert else expert_layout(family, weights))
+    q = src.config.get("quantization_config") or {}
+    if isinstance(q, dict) and q.get("quant_method") == "compressed-tensors":  # mlx_lm.utils' own refusal
+        raise ValueError(f"mlx-lm reads compressed-tensors only in its packed formats (mlx_lm.utils."
+                         f"_compressed_tensors_quantization: 'unsupported compressed-tensors format "
+                         f"{q.get('format')!r}; dequantize to bf16 before converting')")
     left = sorted(k for k in weights if k.endswith("_scale_inv"))
     if left:  # an FP8 release whose mlx-lm model does not dequantize it (its sanitize() leaves the scales)
         raise ValueError(f"mlx-lm's {m.module} does not read an FP8 release: its sanitize() keeps {len(left)} "
