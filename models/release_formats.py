@@ -12,7 +12,6 @@ read by each format's own definition (transformers' dequantizers, which its load
   (float32): each bm x bn block of the weight times its scale, in fp32 (transformers' Fp8Dequantize), the last
   row and column of blocks partial where the block does not divide the weight (DeepSeek-V3's
   kv_a_proj_with_mqa: 576 rows).
-
 - compressed-tensors' float-quantized (llm-compressor's FP8; `{"quant_method": "compressed-tensors", "format":
   "float-quantized", "config_groups": {...: {"weights": {"num_bits": 8, "type": "float", "strategy": ...}}}}`):
   `P.weight` float8_e4m3fn times `P.weight_scale`, one for the tensor, one per output row, or one per block.
@@ -273,7 +272,8 @@ def packs(fmt: ReleaseFormat, name: str, shape) -> bool:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     module = name.rsplit(".", 1)[0]  # P.weight's module P; a fused experts tensor's: the experts module
-    if fmt.skip and not should_convert_module(module, list(fmt.skip)):  # transformers' matching of the patterns
+    # transformers' matching of the patterns (compressed-tensors' `ignore` marks a regular expression "re:")
+    if fmt.skip and not should_convert_module(module, [k.removeprefix("re:") for k in fmt.skip]):
         return False
     if fmt.method == MXFP4:
         return (name.endswith(("experts.gate_up_proj", "experts.down_proj")) and len(shape) == 3
@@ -284,8 +284,15 @@ def packs(fmt: ReleaseFormat, name: str, shape) -> bool:
 
 def pack(fmt: ReleaseFormat, name: str, w) -> dict:
     """The release's tensors of checkpoint tensor `name` (`packs` true): MXFP4 {name_blocks, name_scales}, FP8
-    {name, name_scale_inv}. What they define is `dequantize` of them."""
+    {name, name_scale_inv}, CT {name, name_scale}. What they define is `dequantize` of them."""
     import torch
+
+    scale_name = name[: -len(".weight")] + fmt.scale if fmt.method != MXFP4 else None
+    if fmt.method == CT and fmt.strategy in ("tensor", "channel"):  # the largest |value| (of the tensor, the row) at 448
+        amax = w.float().abs().amax() if fmt.strategy == "tensor" else w.float().abs().amax(-1, keepdim=True)
+        scale = amax.clamp_min(2.0 ** -100) / 448.0
+        return {name: (w.float() / scale).to(torch.float8_e4m3fn).contiguous(), scale_name: scale.reshape(
+            (1,) if fmt.strategy == "tensor" else scale.shape).contiguous()}
 
     if fmt.method == MXFP4:
         parts = [_pack_mxfp4(e) for e in w.reshape(-1, *w.shape[-2:])]  # an expert at a time: bounded memory
@@ -304,7 +311,7 @@ def pack(fmt: ReleaseFormat, name: str, w) -> dict:
     quantizer = Fp8Quantize(types.SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=fmt.block)))
     out = quantizer._quantize_one(name, padded)
     q = out[name][:rows, :cols]
-    return {name: q.contiguous(), name[: -len(".weight")] + FP8_SCALE: out[name[: -len(".weight")] + FP8_SCALE]}
+    return {name: q.contiguous(), scale_name: out[name[: -len(".weight")] + FP8_SCALE]}
 
 
 def _pack_mxfp4(w):

@@ -193,6 +193,11 @@ def test_a_release_packs_what_its_release_packs():
     assert not packs(mm, "model.layers.0.block_sparse_moe.gate.weight", (256, 3072))
     assert packs(mm, "model.layers.0.block_sparse_moe.experts.3.w1.weight", (1536, 3072))
     assert packs(mm, "model.layers.0.self_attn.q_proj.weight", (6144, 3072))
+    from models.release_formats import CT
+
+    ct = ReleaseFormat(CT, fmt="e4m3", strategy="channel", skip=("re:.*self_attn.q_proj$",))  # a regex of `ignore`
+    assert not packs(ct, "model.layers.3.self_attn.q_proj.weight", (64, 64))
+    assert packs(ct, "model.layers.3.self_attn.k_proj.weight", (32, 64))
 
 
 def ct_config(strategy="channel", **weights):
@@ -223,6 +228,12 @@ def test_compressed_tensors_float_quantized_reads_as_its_definition():
         got = dequantize(fmt, {"weight": q, "scale": s})
         assert got.dtype == torch.float32 and torch.equal(got, values), strategy
         assert (got - w).abs().max() < 0.07 * w.abs().max()
+        from models.release_formats import pack  # the production packer writes what reads back so
+
+        parts = pack(fmt, "p.weight", w)
+        assert set(parts) == {"p.weight", "p.weight_scale"} and parts["p.weight_scale"].dim() == s.dim()
+        back = dequantize(fmt, {"weight": parts["p.weight"], "scale": parts["p.weight_scale"]})
+        assert (back - w).abs().max() < 0.07 * w.abs().max()
 
 
 @pytest.mark.parametrize("change,needle", [
