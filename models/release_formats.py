@@ -209,7 +209,7 @@ def _fp8_index(raw: dict, fmt: ReleaseFormat) -> ReleasedIndex:
                                   f"({how}: want a float {'one-element tensor' if grid is None else list(grid)}, "
                                   "config.json quantization_config)")
         entries[name] = (shard, "F32", tuple(shape))
-        parts[name] = {"weight": name, "scale_inv" if fmt.method == FP8 else "scale": scale}
+        parts[name] = {"weight": name, "scale": scale}
     return ReleasedIndex(fmt, entries, parts)
 
 
@@ -242,7 +242,7 @@ def dequantize(fmt: ReleaseFormat, tensors: dict):
         return out[0] if lead else out
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    q, scale = tensors["weight"], tensors["scale_inv"] if fmt.method == FP8 else tensors["scale"]
+    q, scale = tensors["weight"], tensors["scale"]
     if fmt.method == CT and fmt.strategy in ("tensor", "channel"):  # (no library here: compressed-tensors' own is
         # not installed) each value times its tensor's or its row's scale, in fp32
         s = scale.float().reshape(()) if fmt.strategy == "tensor" else scale.float().reshape(*q.shape[:-1], 1)
@@ -260,7 +260,10 @@ def dequantize(fmt: ReleaseFormat, tensors: dict):
 
 # ---------------------------------------------------------------- writing a release
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 3 low bits; bit 3 is the sign
+PACKING = 1  # bump when pack() writes other bytes (the seeded checkpoints' cache key: oracle/source/seeded.py)
+
+# e2m1 (MXFP4's and mlx's mxfp4 values) by its 4-bit code: the magnitude in the 3 low bits, the sign in bit 3
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MX_SKIP = ("self_attn", "router", "embed_tokens", "lm_head")  # gpt-oss's modules_to_not_convert
 FP8_SKIP = ("gate", "router")  # the routers (a module of that name: DeepSeek's mlp.gate, MiniMax's block_sparse_moe.gate)
 
@@ -325,6 +328,6 @@ def _pack_mxfp4(w):
     exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2, torch.full_like(amax, -127))
     exp = exp.clamp(-127, 127)
     x = (g / torch.exp2(exp)[..., None]).clamp(-6.0, 6.0)
-    mids = torch.tensor([(a + b) / 2 for a, b in zip(E2M1, E2M1[1:])])
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(E2M1[:7], E2M1[1:8])])  # between the magnitudes
     code = torch.bucketize(x.abs(), mids).to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)
     return (code[..., 0::2] | (code[..., 1::2] << 4)), (exp + 127).to(torch.uint8)

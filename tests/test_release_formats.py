@@ -57,7 +57,7 @@ def test_mxfp4_reads_as_its_definition():
 def test_fp8_reads_as_its_definition():
     w = torch.randn(32, 48, generator=torch.Generator().manual_seed(1))
     q, scale, values = pack_fp8(w, 16, 16)
-    got = dequantize(ReleaseFormat(FP8, block=(16, 16), fmt="e4m3"), {"weight": q, "scale_inv": scale})
+    got = dequantize(ReleaseFormat(FP8, block=(16, 16), fmt="e4m3"), {"weight": q, "scale": scale})
     assert got.dtype == torch.float32 and torch.equal(got, values)
     assert (got - w).abs().max() < 0.07 * w.abs().max()  # e4m3: 3 mantissa bits
 
@@ -68,7 +68,7 @@ def test_fp8_reads_partial_blocks_as_the_release_defines_them():
     w = torch.randn(40, 20, generator=torch.Generator().manual_seed(2))
     q, scale, values = pack_fp8(w, 16, 16)
     assert scale.shape == (3, 2)
-    got = dequantize(ReleaseFormat(FP8, block=(16, 16), fmt="e4m3"), {"weight": q, "scale_inv": scale})
+    got = dequantize(ReleaseFormat(FP8, block=(16, 16), fmt="e4m3"), {"weight": q, "scale": scale})
     assert got.shape == (40, 20) and torch.equal(got, values)
     assert (got - w).abs().max() < 0.07 * w.abs().max()
 
@@ -166,7 +166,7 @@ def test_the_production_packers_write_what_the_format_defines():
     parts = pack(f8, "p.weight", w)
     q, s = parts["p.weight"], parts["p.weight_scale_inv"]
     assert q.dtype == torch.float8_e4m3fn and q.shape == (40, 20) and s.shape == (3, 2)
-    got = dequantize(f8, {"weight": q, "scale_inv": s})
+    got = dequantize(f8, {"weight": q, "scale": s})
     blocks = torch.nn.functional.pad(w, (0, 12, 0, 8)).reshape(3, 16, 2, 16)
     assert torch.allclose(s, blocks.abs().amax((1, 3)) / 448.0, rtol=1e-6)  # the block's largest |value| at 448
     assert torch.equal(got, (q.float() * s.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)[:, :20]))

@@ -29,6 +29,7 @@ from exporters.mlx.load import cast, load_model, quantization_table, quantize, r
 from exporters.mlx.model import text_model
 from models.args import CHUNKED, SLIDING
 from models.mlx_lm import ConfigError
+from models.release_formats import release_format
 from oracle.backend import Backend, Option
 
 
@@ -159,7 +160,7 @@ class MLXBackend(Backend):
                 "config": fields, "dtype": str(dtype).split(".")[-1]}
         if quant:
             info["quantization"] = quant
-        if not spec.candidate_dir and (kept := release_quantization(model.config)):  # the release's, kept packed
+        if not spec.candidate_dir and (kept := release_quantization(release_format(model.config))):  # kept packed
             info["release_quantization"] = {**kept, **quantization_table(m, kept["group_size"], "not packed in the release")}
         if spec.candidate_dir:
             info["loaded_from"] = f"{spec.candidate_dir} (mlx_lm.utils.load_model)"

@@ -12,6 +12,7 @@ from exporters.mlx.config import build_model, cached_mlx_config, mapping, mlx_co
 from models.checkpoint import CheckpointError, shard_files
 from models.mapping import drop_layers_from
 from models.mlx_lm import ConfigError
+from models.release_formats import CT, MXFP4, release_format
 
 # ---------------------------------------------------------------- weights
 EXPERT_KEY = re.compile(r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -80,40 +81,39 @@ def load_model(src, config_fn=mlx_config):
     weights = drop_layers_from(weights, src.args.num_hidden_layers)
     m = mapping(family)
     weights = model.sanitize(m.convert(weights) if m.convert else expert_layout(family, weights))
-    q = src.config.get("quantization_config") or {}
-    if isinstance(q, dict) and q.get("quant_method") == "compressed-tensors":  # mlx_lm.utils' own refusal
+    release = release_format(src.config)
+    if release is not None and release.method == CT:  # mlx_lm.utils' own refusal
         raise ValueError(f"mlx-lm reads compressed-tensors only in its packed formats (mlx_lm.utils."
                          f"_compressed_tensors_quantization: 'unsupported compressed-tensors format "
-                         f"{q.get('format')!r}; dequantize to bf16 before converting')")
+                         f"'float-quantized'; dequantize to bf16 before converting')")
     left = sorted(k for k in weights if k.endswith("_scale_inv"))
     if left:  # an FP8 release whose mlx-lm model does not dequantize it (its sanitize() leaves the scales)
         raise ValueError(f"mlx-lm's {m.module} does not read an FP8 release: its sanitize() keeps {len(left)} "
                          f"weight_scale_inv tensor(s) (e.g. {left[0]}) where mlx-lm's deepseek_v3 and minimax "
                          "dequantize them; mlx_lm.convert of this release fails the same way")
-    release_quantize(model, weights, src.config)
+    release_quantize(model, weights, release)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     return model, fields
 
 
-# a release's quant_method -> the quantization mlx_lm.utils.load_model gives the modules whose packed tensors it
-# has (mlx-lm 0.32.2): MXFP4 stays packed (its sanitize renames *_blocks / *_scales); FP8 block-scaled is not here,
-# the families' sanitize() dequantizes it (to bf16)
-RELEASE_QUANTIZATION = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
-                        "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"}}
+# a release format -> the quantization mlx_lm.utils.load_model gives the modules whose packed tensors it has
+# (mlx-lm 0.32.2): MXFP4 stays packed (its sanitize renames *_blocks / *_scales); FP8 is not here, the families'
+# sanitize() dequantizes it (to bf16)
+RELEASE_QUANTIZATION = {MXFP4: {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
 
 
-def release_quantization(config: dict) -> dict | None:
-    """The quantization mlx-lm keeps a release's packed modules at (RELEASE_QUANTIZATION), or None."""
-    q = config.get("quantization_config")
-    return RELEASE_QUANTIZATION.get(q.get("quant_method")) if isinstance(q, dict) else None
+def release_quantization(release) -> dict | None:
+    """The quantization mlx-lm keeps a release's packed modules at (RELEASE_QUANTIZATION), or None (`release`:
+    the checkpoint's models.release_formats.ReleaseFormat, or None)."""
+    return None if release is None else RELEASE_QUANTIZATION.get(release.method)
 
 
-def release_quantize(model, weights: dict, config: dict) -> None:
+def release_quantize(model, weights: dict, release) -> None:
     """What mlx_lm.utils.load_model does to a checkpoint released in a quantized format before it loads the
     weights: the modules whose `.scales` the sanitized weights have made quantized, each with the bits, group
     size and mode mlx-lm infers from its tensors (mlx_lm.utils.infer_quant_config)."""
-    quantization = release_quantization(config)
+    quantization = release_quantization(release)
     if quantization is None:
         return
     import mlx.nn as nn

@@ -117,7 +117,6 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, 
 
 
 MX_GROUP = 32  # mlx's mxfp4: 32 e2m1 values a uint8 e8m0 scale
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def dequantize_mxfp4(words: torch.Tensor, scales: torch.Tensor, name: str = "") -> torch.Tensor:
@@ -128,6 +127,8 @@ def dequantize_mxfp4(words: torch.Tensor, scales: torch.Tensor, name: str = "") 
     if words.dtype != torch.uint32 or scales.shape[:-1] != words.shape[:-1] or scales.shape[-1] * MX_GROUP != words.shape[-1] * 8:
         raise CheckpointError(f"{name}: weight {words.dtype} {list(words.shape)} / scales {list(scales.shape)} are not "
                               f"mxfp4 (uint32 words of eight e2m1 values, a uint8 scale per {MX_GROUP})")
+    from models.release_formats import E2M1
+
     codes = unpack(words, 4).reshape(*words.shape[:-1], -1, MX_GROUP)
     w = torch.tensor(E2M1)[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
     return w.reshape(*words.shape[:-1], -1)

@@ -201,15 +201,12 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
                       build_it=build)
 
 
-RELEASE_PACKING = 1  # bump when models/release_formats.py's pack() writes other bytes
-
-
 def release_recipe(cfg: dict) -> dict:
     """What the cache key of a seeded checkpoint written in a release's format adds (nothing for a plain one)."""
-    from models.release_formats import release_format
+    from models.release_formats import PACKING, release_format
 
     fmt = release_format(cfg)
-    return {} if fmt is None else {"release": fmt.describe(), "release_packing": RELEASE_PACKING}
+    return {} if fmt is None else {"release": fmt.describe(), "release_packing": PACKING}
 
 
 def meta_model(family, cfg: dict):
