@@ -10,13 +10,14 @@ from typing import Literal
 
 FULL, LINEAR = "full_attention", "linear_attention"
 CONV = "conv"  # LFM2's gated short-convolution mixer (models/layers/short_conv.py) in the attention's place
+MAMBA2 = "mamba2"  # a Mamba2 mixer (models/layers/mamba2.py: Granite 4.0-H, Nemotron-H) in the attention's place
 # attention over a window of the last `sliding_window` positions (gpt-oss, Mixtral), or within
 # fixed chunks of `chunk_size` positions (Llama 4's rope layers; AttentionArgs)
 SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
-LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV), (SPARSE, DENSE)
+LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA2), (SPARSE, DENSE)
 # the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state (a short
-# convolution's conv_state too)
+# convolution's and a Mamba2's conv_state and recurrent_state too)
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
 
 
@@ -240,6 +241,30 @@ class ShortConvArgs:
             raise ValueError(f"ShortConvArgs.kernel: {self.kernel} (a causal conv of at least 2 taps carries a state)")
 
 
+@dataclass(frozen=True)
+class Mamba2Args:
+    """The Mamba2 mixer of MAMBA2 layers: heads x head_dim = its inner width, the SSM state size, the groups B and
+    C are shared over, the conv's taps, the prefill's chunk, the time-step limits dt is clamped to, the biases."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    conv_bias: bool = True
+    proj_bias: bool = False
+
+    def __post_init__(self):
+        if self.conv_kernel < 2:
+            raise ValueError(f"Mamba2Args.conv_kernel: {self.conv_kernel} (a causal conv of at least 2 taps)")
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"Mamba2Args.n_groups: {self.n_groups} does not divide num_heads {self.num_heads}")
+        if self.chunk_size < 1:
+            raise ValueError(f"Mamba2Args.chunk_size: {self.chunk_size}")
+
+
 # ------------------------------------------------------------------ routing and experts
 @dataclass(frozen=True)
 class RouterArgs:
@@ -343,7 +368,7 @@ class ModelArgs:
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
-    layer_types: tuple[str, ...]  # per layer: FULL, LINEAR, SLIDING, CHUNKED or CONV
+    layer_types: tuple[str, ...]  # per layer: FULL, LINEAR, SLIDING, CHUNKED, CONV or MAMBA2
     rope: RopeArgs
     tie_word_embeddings: bool = False
     max_seq_len: int = 256
@@ -374,6 +399,7 @@ class ModelArgs:
     attention: AttentionArgs = AttentionArgs()
     linear_attention: LinearAttentionArgs | None = None  # the LINEAR layers'
     short_conv: ShortConvArgs | None = None  # the CONV layers'
+    mamba: Mamba2Args | None = None  # the MAMBA2 layers'
     router: RouterArgs = RouterArgs()
     experts: ExpertArgs = ExpertArgs()
     norm: NormArgs = NormArgs()
@@ -394,6 +420,8 @@ class ModelArgs:
             raise ValueError("ModelArgs.linear_attention: None, but layer_types has linear_attention layers")
         if CONV in self.layer_types and self.short_conv is None:
             raise ValueError("ModelArgs.short_conv: None, but layer_types has conv layers")
+        if MAMBA2 in self.layer_types and self.mamba is None:
+            raise ValueError("ModelArgs.mamba: None, but layer_types has mamba2 layers")
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
@@ -456,7 +484,7 @@ def block_path(a: ModelArgs, layer: int | None, kind: str) -> str:
 
 def mixer_name(layer_type: str) -> str:
     """The production decoder layer's module in the attention's place for a layer of this type (HF's name)."""
-    return {LINEAR: "linear_attn", CONV: "conv"}.get(layer_type, "self_attn")
+    return {LINEAR: "linear_attn", CONV: "conv", MAMBA2: "mamba"}.get(layer_type, "self_attn")
 
 
 def block_input_path(a: ModelArgs, layer: int | None, kind: str) -> str | None:

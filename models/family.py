@@ -105,8 +105,8 @@ class Family:
         strict dataclasses) or one HF refuses is a CheckpointError naming the field."""
         cls = getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_config_name)
         cfg = {k: v for k, v in text_config(cfg).items() if k not in ("architectures", "transformers_version")}
-        try:
-            return cls(**cfg)
+        try:  # (HF's own reading of the floats JSON has no spelling for: {"__float__": "Infinity"})
+            return cls(**cls._decode_special_floats(cfg))
         except Exception as e:  # huggingface_hub's StrictDataclassFieldValidationError, HF's own ValueErrors
             raise CheckpointError(hf_config_problem(e)) from None
 
