@@ -273,8 +273,10 @@ class MLXCandidate(Candidate):
             return router
         module = {"attention": attention_block(dec), "layer": dec}[kind]
         cache, pos = make_prompt_cache(self.model)[layer], [0]
-        # a recurrent mixer's layer takes the SSM mask (Qwen3.5's linear attention, LFM2's short conv)
-        linear = getattr(dec, "is_linear", False) or not getattr(dec, "is_attention_layer", True)
+        # a recurrent mixer's layer takes the SSM mask (Qwen3.5's linear attention, LFM2's short conv, a Mamba2 mixer:
+        # the layers whose cache holds arrays, not keys and values)
+        linear = (getattr(dec, "is_linear", False) or not getattr(dec, "is_attention_layer", True)
+                  or type(cache).__name__ == "ArraysCache")
 
         def fn(x, c):
             if c.probe or int(c.pos_array[0]) != pos[0]:

@@ -32,7 +32,7 @@ def attention_block(layer):  # the mixer in the attention's place: LFM2's short 
         return layer.linear_attn
     if "norm_attn_norm" in layer:  # DBRX: the attention inside its norm, attention, residual, norm module
         return layer.norm_attn_norm.attn
-    return layer.self_attn if "self_attn" in layer else layer.conv
+    return next(getattr(layer, n) for n in ("self_attn", "conv", "mamba") if n in layer)
 
 
 # what most mlx-lm models call a module or array -> what some call it (LFM2's operator_norm, ffn_norm, q_layernorm,
@@ -219,6 +219,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "MellumSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
          "Dots1MoE": _route_gate, "Glm4MoeLiteMoE": _route_gate, "GraniteMoeMoE": _route_router,
+         "GraniteMoeHybridMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
          "mlx_lm.models.exaone_moe.MoE": _route_gate,
