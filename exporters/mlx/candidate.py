@@ -35,16 +35,29 @@ def mlx_points(block, rec, mx):
     if logits_of is not None and hasattr(logits_of, "top_k") and rec.points.taps is not None:
         rec.points.taps.discard("logits")  # a gate that routes by itself (DeepSeek's MoEGate): no logits out
     swapped, patched = [], []
-    for _, m in block.named_modules():  # the Gated DeltaNet recurrence: mlx-lm's gated_delta_update
+    # the recurrence: mlx-lm's Gated DeltaNet (gated_delta_update) or Mamba2 scan (ssm_update: its output with the D
+    # skip), and the Mamba2 scan's discretised time step (mlx_lm.models.ssm.compute_dt)
+    for _, m in block.named_modules():
         mod = sys.modules.get(type(m).__module__)
-        fn = getattr(mod, "gated_delta_update", None)
-        if fn is not None and not any(p[0] is mod for p in patched):
+        for name in ("gated_delta_update", "ssm_update"):
+            fn = getattr(mod, name, None)
+            if fn is None or any(p[0] is mod and p[1] == name for p in patched):
+                continue
             def recurrence(*a, _fn=fn, **kw):
                 out = _fn(*a, **kw)
                 rec.add("recurrence", array(out[0]))
                 return out
-            patched.append((mod, fn))
-            mod.gated_delta_update = recurrence
+            patched.append((mod, name, fn))
+            setattr(mod, name, recurrence)
+            if name == "ssm_update" and not any(p[1] == "compute_dt" for p in patched):
+                ssm = sys.modules["mlx_lm.models.ssm"]
+
+                def compute_dt(*a, _fn=ssm.compute_dt, **kw):
+                    out = _fn(*a, **kw)
+                    rec.add("dt", array(out))
+                    return out
+                patched.append((ssm, "compute_dt", ssm.compute_dt))
+                ssm.compute_dt = compute_dt
     for path, m in block.named_modules():
         if not path or not callable(m):
             continue
@@ -70,8 +83,8 @@ def mlx_points(block, rec, mx):
     finally:
         for m, cls in swapped:
             m.__class__ = cls
-        for mod, fn in patched:
-            mod.gated_delta_update = fn
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
 
 
 class MLXCandidate(Candidate):
@@ -220,7 +233,7 @@ class MLXCandidate(Candidate):
             block = {"attention": attention_block(dec), "layer": dec}.get(kind) or moe_block(dec)
         if block is None:
             return None
-        rec = points.Recorder(taps=("q_rope", "k_rope", "logits", "recurrence")
+        rec = points.Recorder(taps=("q_rope", "k_rope", "logits", "recurrence", "dt")
                               + (("topk", "weights") if kind == "router" else ()))
         with self.mx.stream(self.device), mlx_points(block, rec, self.mx):
             outs = self.run_block(layer, kind, calls)

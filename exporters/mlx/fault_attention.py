@@ -305,6 +305,10 @@ def window_off_by_one(model, layer: int):
     patch_call(attn, fn)
 
 
+def a_theta(model) -> float:  # the rope base mlx-lm's args carry (rope_theta)
+    return float(getattr(text_model(model).args, "rope_theta", 10000.0))
+
+
 def rope_on_nope_layer(model, layer: int):
     """Llama 4's no-rope layer rotated as the rope layers are (their rope, no q/k norm there: mlx-lm's
     use_qk_norm is off on that layer; its temperature tuning, for no-rope layers, then stops)."""
@@ -313,5 +317,9 @@ def rope_on_nope_layer(model, layer: int):
         donor = next(attention_block(lay) for lay in model.layers if attention_block(lay).is_local_attention)
         attn.rope, attn.is_local_attention = donor.rope, True
         return
-    donor = next(attention_block(lay) for lay in reversed(model.layers) if getattr(attention_block(lay), "use_rope", 0))
+    donor = next((attention_block(lay) for lay in reversed(model.layers) if getattr(attention_block(lay), "use_rope", 0)),
+                 None)
+    if donor is None:  # no layer rotates (Granite 4.0-H): the family's rope, as mlx-lm builds one where it rotates
+        attn.rope, attn.use_rope = nn.RoPE(attn.head_dim, traditional=False, base=a_theta(model)), 1
+        return
     attn.rope, attn.use_rope = donor.rope, 1

@@ -53,7 +53,8 @@ def combine(moe, x, scores, inds, a, weighted=True, shared=True, shared_sigmoid=
     else:
         y = apply_experts(ex, x, inds)
         y = (y * scores[..., None] if weighted else y).sum(axis=-2).astype(x.dtype)
-    if shared and a.shared_expert_intermediate_size > 0:
+    # (Granite's shared MLP beside the block is the decoder layer's, not the block's)
+    if shared and a.shared_expert_intermediate_size > 0 and not a.shared_expert_beside:
         if "shared_expert" in moe:
             s = moe.shared_expert(x)
             if "shared_expert_gate" in moe:

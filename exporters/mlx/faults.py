@@ -26,6 +26,7 @@ from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_
                                             rope_of_the_model, rope_on_nope_layer, rope_theta_wrong,
                                             rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one,
                                             q_position_scale_missing, yarn_mscale_missing)
+from exporters.mlx.fault_mamba2 import FAULTS as MAMBA2_FAULTS
 from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missing, dense_layer_routed,
                                      expert_index_off_by_one, gate_up_swapped, group_limit_ignored, moe_layer_as_dense,
                                      no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
@@ -149,6 +150,7 @@ FAULTS = {
     "short_conv_state_not_carried": lambda sc, a: gdn_forget(sc, 0),
     "short_conv_taps_reversed": lambda sc, a: setattr(sc.conv, "weight", sc.conv.weight[:, ::-1, :]),
     "short_conv_gate_missing": _short_conv_gate_missing,
+    **MAMBA2_FAULTS,
 }
 
 
@@ -162,6 +164,9 @@ NOT_APPLICABLE = {
                          "on Apple GPUs only, where no form of it is written yet",
     "logits_cast_to_float": "a bf16 dtype fault: mlx's CPU gather_mm (the experts) is float32-only, so mlx runs "
                             "bf16 on Apple GPUs only, where no form of it is written yet",
+    "mamba2_chunk_boundary_off_by_one": "mlx-lm's Mamba2 prefill scans in steps of 256 tokens whatever the config's "
+                                        "chunk size (mlx_lm.models.ssm.ssm_attn): the config's chunk boundaries have "
+                                        "no place in it",
 }
 
 

@@ -4,7 +4,7 @@ inside it the drill should name first."""
 
 from __future__ import annotations
 
-from models.args import CONV, LINEAR, ModelArgs, has_sinks
+from models.args import CONV, LINEAR, MAMBA2, ModelArgs, has_sinks
 from models.faults.attention import (attention_multiplier_missing, clip_qkv_missing, gate_sigmoid_for_softplus,
                                      gqa_repeat_wrong, kv_groups_of_the_model, kv_off_by_one, moa_kv_interleaved,
                                      not_causal, output_gate_no_sigmoid, qk_norm_before_rope, qk_norm_flat_for_per_head,
@@ -18,6 +18,8 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
                                    shared_summed, stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
+from models.faults.mamba2 import (mamba2_chunk_boundary_off_by_one, mamba2_conv_state_not_carried, mamba2_decay_sign,
+                                  mamba2_dt_bf16, mamba2_dt_bias_dropped, mamba2_state_not_carried)
 from models.faults.short_conv import short_conv_gate_missing, short_conv_state_not_carried, short_conv_taps_reversed
 from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
                                  logits_to_float, norm_offset_missing, post_norm_misplaced, post_norm_missing,
@@ -80,6 +82,16 @@ COMMON: tuple[Fault, ...] = (
     Fault("short_conv_gate_missing", "attention", "conv", "short-conv output not gated by C", short_conv_gate_missing),
     Fault("short_conv_taps_reversed", "attention", "conv", "short-conv kernel taps in reverse order",
           short_conv_taps_reversed),
+    Fault("mamba2_state_not_carried", "attention", "mamba2", "Mamba2 scan state not carried into decode",
+          mamba2_state_not_carried),
+    Fault("mamba2_conv_state_not_carried", "attention", "mamba2", "Mamba2 conv state not carried into decode",
+          mamba2_conv_state_not_carried),
+    Fault("mamba2_decay_sign_flipped", "attention", "mamba2", "Mamba2 decay e^(+dt e^A_log): A's sign dropped",
+          mamba2_decay_sign),
+    Fault("mamba2_dt_bias_dropped", "attention", "mamba2", "Mamba2 time step without dt_bias", mamba2_dt_bias_dropped),
+    Fault("mamba2_dt_bf16", "attention", "mamba2", "Mamba2 time step rounded to bf16 in an fp32 model", mamba2_dt_bf16),
+    Fault("mamba2_chunk_boundary_off_by_one", "attention", "mamba2",
+          "Mamba2 prefill chunk's state handed on without the chunk's last token", mamba2_chunk_boundary_off_by_one),
     Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", input_norm_eps,
           lambda a: a.norm.placement != "post"),  # (post-norm layers have no input norm)
     Fault("norm_offset_missing", "layer", "last", "(1 + w) RMSNorm offset missing", norm_offset_missing,
@@ -130,7 +142,7 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
 VARIANTS: tuple[Fault, ...] = (
     Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
           sinks_dropped, lambda a: a.attention.sinks and has_sinks(a, max(i for i, t in enumerate(a.layer_types)
-                                                                          if t not in (LINEAR, CONV)))),
+                                                                          if t not in (LINEAR, CONV, MAMBA2)))),
     Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
           window_off_by_one),
     Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", clamp_missing,
@@ -241,6 +253,9 @@ POINTS: dict[str, str | tuple | None] = {
     "router_softcap_missing": "logits", "mla_cache_not_carried": "context",
     "gdn_state_not_carried": "recurrence", "gdn_chunked_prefill_differs": "recurrence",
     "gdn_conv_state_not_carried": "conv",
+    "mamba2_state_not_carried": "recurrence", "mamba2_conv_state_not_carried": "conv",
+    "mamba2_decay_sign_flipped": "decay", "mamba2_dt_bias_dropped": "dt", "mamba2_dt_bf16": "dt",
+    "mamba2_chunk_boundary_off_by_one": "recurrence",
     "short_conv_state_not_carried": "conv", "short_conv_gate_missing": "context", "short_conv_taps_reversed": "conv",
     # layer, final norm, head
     "rmsnorm_eps_wrong": "input_layernorm", "norm_offset_missing": "post_attention_layernorm",

@@ -110,7 +110,7 @@ class Mamba2(nn.Module):
         B = B.reshape(b, T, self.g, self.n).float().repeat_interleave(rep, dim=2)  # [b, T, h, n]
         C = C.reshape(b, T, self.g, self.n).float().repeat_interleave(rep, dim=2)
         dt = tap("dt", self.discretized(dt))  # [b, T, h] fp32
-        A = -self.A_log.float().exp()
+        A = self.decay_rate()  # [h]
         if taps.TAPS is not None:
             tap("decay", (dt * A).exp())
         y = tap("recurrence", self.scan(xs, dt, A, B, C) + self.D.float()[:, None] * xs)  # [b, T, h, p]
@@ -118,6 +118,9 @@ class Mamba2(nn.Module):
         y = y.reshape(b, T, self.inner)
         y = self.norm(y if T > 1 else y.to(x.dtype), z)
         return self.out_proj(y.to(x.dtype))
+
+    def decay_rate(self):  # A = -e^A_log (fp32): each head's state decays by e^(dt A) a token
+        return -self.A_log.float().exp()
 
     def discretized(self, dt):  # softplus(dt + dt_bias) within the time-step limits, fp32
         dt = F.softplus((dt + self.dt_bias.to(dt.dtype)).float())
@@ -135,6 +138,9 @@ class Mamba2(nn.Module):
             y, state = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.recurrent_state)
             y = y.squeeze(-1)[:, None]
         else:
-            y, state = ssd_chunked(xs, dt, A, B, C, self.chunk, self.recurrent_state)
+            y, state = self.chunked(xs, dt, A, B, C, self.recurrent_state)
         self.recurrent_state.copy_(state)
         return y
+
+    def chunked(self, xs, dt, A, B, C, state):  # the prefill's scan, in chunks of self.chunk tokens
+        return ssd_chunked(xs, dt, A, B, C, self.chunk, state)

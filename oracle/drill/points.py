@@ -43,6 +43,9 @@ TAPS = {
     "attention": ("q_rope", "k_rope"),
     "linear_attention": ("conv", "q_l2norm", "k_l2norm", "beta", "g", "recurrence"),
     "short_conv": ("bx", "conv"),  # the gated input B * x, the causal conv's output (rows by token)
+    # the conv's output (x | B | C after silu), the discretised time step, its decay e^(dt A), the scan's output
+    # with the D skip (before the gated norm, the module `norm`)
+    "mamba2": ("conv", "dt", "decay", "recurrence"),
     "router": ("logits", "scores", "selection", "topk", "weights"),
 }
 DRILLED = ("attention", "router", "moe", "mlp", "layer", "final_norm", "logits")
@@ -178,7 +181,7 @@ def production_taps(rec: Recorder):
 @contextlib.contextmanager
 def hf_taps(block, router, rec: Recorder, args, read_router):
     """HF's side of TAPS: its rotary function's results, its Gated DeltaNet kernel's inputs and output, its short
-    conv's (patched in the modeling file of every module of the block that has one) and, where the block holds the layer's router, the router's logits,
+    conv's, its Mamba2 conv's and scan's (patched in the modeling file of every module of the block that has one) and, where the block holds the layer's router, the router's logits,
     scores, selection scores, choice and weights."""
     import torch
 
@@ -225,9 +228,38 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
             return out
         return wrapped
 
+    def mamba2_conv(fn, mod):  # HF's causal conv of a Mamba2 mixer: its output (after the activation) only
+        def wrapped(x, *a, **kw):
+            out = fn(x, *a, **kw)
+            if inside[0]:
+                rec.add("conv", out.transpose(1, 2))
+            return out
+        return wrapped
+
+    def mamba2_scan(prefill: bool):  # HF's Mamba2 scan (the chunked prefill, or one step's update): dt, decay, output
+        def wrap(fn, mod):
+            def wrapped(*a, **kw):
+                out = fn(*a, **kw)
+                if inside[0]:
+                    dt, A = (a[1], a[2]) if prefill else (a[2], a[3])  # (x, dt, A, ...) / (state, x, dt, A, ...)
+                    dt = dt.float() + kw["dt_bias"].float() if kw.get("dt_bias") is not None else dt.float()
+                    dt = torch.nn.functional.softplus(dt) if kw.get("dt_softplus") else dt
+                    if prefill:
+                        lo, hi = kw.get("dt_limit", (0.0, float("inf")))
+                        dt = dt.clamp(lo, hi) if (lo, hi) != (0.0, float("inf")) else dt
+                    else:  # the update's per-head values come expanded over head_dim (and the state)
+                        dt, A = dt[..., 0], A[:, 0, 0]
+                    rec.add("dt", dt)
+                    rec.add("decay", (dt * A.float()).exp())
+                    rec.add("recurrence", out[0] if isinstance(out, tuple) else out)
+                return out
+            return wrapped
+        return wrap
+
     functions = {"apply_rotary_pos_emb": rotary, "torch_chunk_gated_delta_rule": delta_rule,
                  "torch_recurrent_gated_delta_rule": delta_rule, "causal_conv1d_fn": short_conv,
-                 "causal_conv1d_update": short_conv}
+                 "causal_conv1d_update": short_conv, "mamba2_chunk_scan": mamba2_scan(True),
+                 "mamba2_selective_state_update": mamba2_scan(False)}
     for m in block.modules():
         mod = sys.modules.get(type(m).__module__)
         for name, wrap in functions.items():
@@ -236,6 +268,8 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
                 continue
             if wrap is short_conv and hasattr(mod, "torch_chunk_gated_delta_rule"):
                 continue  # a Gated DeltaNet's conv: its taps are the kernel's inputs
+            if wrap is short_conv and hasattr(mod, "mamba2_chunk_scan"):
+                wrap = mamba2_conv
             patched.append((mod, name, fn))
             setattr(mod, name, wrap(fn, mod))
     if router is not None and any(m is router for m in block.modules()):
