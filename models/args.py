@@ -10,12 +10,15 @@ from typing import Literal
 
 FULL, LINEAR = "full_attention", "linear_attention"
 CONV = "conv"  # LFM2's gated short-convolution mixer (models/layers/short_conv.py) in the attention's place
+MAMBA = "mamba"  # a Mamba mixer (models/layers/mamba.py: Jamba) in the attention's place
 MAMBA2 = "mamba2"  # a Mamba2 mixer (models/layers/mamba2.py: Granite 4.0-H, Nemotron-H) in the attention's place
 # attention over a window of the last `sliding_window` positions (gpt-oss, Mixtral), or within
 # fixed chunks of `chunk_size` positions (Llama 4's rope layers; AttentionArgs)
 SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
-LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA2), (SPARSE, DENSE)
+LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA, MAMBA2), (SPARSE, DENSE)
+# the layer types whose mixer is recurrent (no softmax attention)
+RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2)
 # the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state (a short
 # convolution's and a Mamba2's conv_state and recurrent_state too)
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
@@ -242,6 +245,24 @@ class ShortConvArgs:
 
 
 @dataclass(frozen=True)
+class MambaArgs:
+    """The Mamba mixer of MAMBA layers: its inner width (channels), the SSM state size per channel, the time step's
+    rank, the conv's taps, the biases, and whether dt, B and C are RMS-normed (Jamba's)."""
+
+    inner: int
+    state_size: int
+    dt_rank: int
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    inner_norms: bool = True
+
+    def __post_init__(self):
+        if self.conv_kernel < 2:
+            raise ValueError(f"MambaArgs.conv_kernel: {self.conv_kernel} (a causal conv of at least 2 taps)")
+
+
+@dataclass(frozen=True)
 class Mamba2Args:
     """The Mamba2 mixer of MAMBA2 layers: heads x head_dim = its inner width, the SSM state size, the groups B and
     C are shared over, the conv's taps, the prefill's chunk, the time-step limits dt is clamped to, the biases."""
@@ -368,7 +389,7 @@ class ModelArgs:
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
-    layer_types: tuple[str, ...]  # per layer: FULL, LINEAR, SLIDING, CHUNKED, CONV or MAMBA2
+    layer_types: tuple[str, ...]  # per layer: FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA or MAMBA2
     rope: RopeArgs
     tie_word_embeddings: bool = False
     max_seq_len: int = 256
@@ -399,7 +420,8 @@ class ModelArgs:
     attention: AttentionArgs = AttentionArgs()
     linear_attention: LinearAttentionArgs | None = None  # the LINEAR layers'
     short_conv: ShortConvArgs | None = None  # the CONV layers'
-    mamba: Mamba2Args | None = None  # the MAMBA2 layers'
+    mamba: MambaArgs | None = None  # the MAMBA layers'
+    mamba2: Mamba2Args | None = None  # the MAMBA2 layers'
     router: RouterArgs = RouterArgs()
     experts: ExpertArgs = ExpertArgs()
     norm: NormArgs = NormArgs()
@@ -420,8 +442,10 @@ class ModelArgs:
             raise ValueError("ModelArgs.linear_attention: None, but layer_types has linear_attention layers")
         if CONV in self.layer_types and self.short_conv is None:
             raise ValueError("ModelArgs.short_conv: None, but layer_types has conv layers")
-        if MAMBA2 in self.layer_types and self.mamba is None:
-            raise ValueError("ModelArgs.mamba: None, but layer_types has mamba2 layers")
+        if MAMBA in self.layer_types and self.mamba is None:
+            raise ValueError("ModelArgs.mamba: None, but layer_types has mamba layers")
+        if MAMBA2 in self.layer_types and self.mamba2 is None:
+            raise ValueError("ModelArgs.mamba2: None, but layer_types has mamba2 layers")
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
@@ -484,7 +508,7 @@ def block_path(a: ModelArgs, layer: int | None, kind: str) -> str:
 
 def mixer_name(layer_type: str) -> str:
     """The production decoder layer's module in the attention's place for a layer of this type (HF's name)."""
-    return {LINEAR: "linear_attn", CONV: "conv", MAMBA2: "mamba"}.get(layer_type, "self_attn")
+    return {LINEAR: "linear_attn", CONV: "conv", MAMBA: "mamba", MAMBA2: "mamba"}.get(layer_type, "self_attn")
 
 
 def block_input_path(a: ModelArgs, layer: int | None, kind: str) -> str | None:

@@ -44,7 +44,7 @@ def to_args(c) -> ModelArgs:
         **a.__dict__, "family": "granitemoehybrid", "rope": rope,
         "layer_types": tuple(MAMBA2 if t == LINEAR else FULL for t in c.layer_types),
         "attention": AttentionArgs(qkv_bias=c.attention_bias, o_bias=c.attention_bias),
-        "mamba": Mamba2Args(num_heads=c.mamba_n_heads, head_dim=c.mamba_d_head, state_size=c.mamba_d_state,
+        "mamba2": Mamba2Args(num_heads=c.mamba_n_heads, head_dim=c.mamba_d_head, state_size=c.mamba_d_state,
                             n_groups=c.mamba_n_groups, conv_kernel=c.mamba_d_conv, chunk_size=c.mamba_chunk_size,
                             time_step_limit=limit, conv_bias=bool(c.mamba_conv_bias),
                             proj_bias=bool(c.mamba_proj_bias)),

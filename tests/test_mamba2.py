@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models import get_family
-from models.layers.mamba2 import Mamba2, ssd_chunked, ssd_step
+from models.layers.mamba2 import Mamba2, ssd_prefill, ssd_step
 
 hf = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
 
@@ -19,10 +19,10 @@ def _inputs(T, h=8, p=4, n=6, g=2, seed=0):
 
 
 @pytest.mark.parametrize("T,chunk", [(1, 4), (7, 4), (8, 4), (13, 6), (16, 256)])
-def test_chunked_prefill_recurrence_and_hf_are_one_scan(T, chunk):
-    """Whole chunks, a padded last chunk and one chunk longer than the prompt, from a non-zero state: the chunked
-    form is HF's mamba2_chunk_scan (same arithmetic: max |diff| at fp32 rounding), the token-by-token recurrence
-    (HF's mamba2_selective_state_update, one step) agrees within the rounding of another summation order."""
+def test_prefill_recurrence_and_hf_are_one_scan(T, chunk):
+    """HF's chunked scan (mamba2_chunk_scan: whole chunks, a padded last chunk, one chunk longer than the prompt) from
+    a non-zero state, the closed-form prefill, the token-by-token recurrence and HF's one-step update
+    (mamba2_selective_state_update) agree within fp32's rounding of other summation orders."""
     i = _inputs(T)
     h, g = i["x"].shape[2], i["B"].shape[2]
     ref, ref_state = hf.mamba2_chunk_scan(i["x"], i["dt"], i["A"], i["B"], i["C"], chunk_size=chunk, D=i["D"],
@@ -30,7 +30,7 @@ def test_chunked_prefill_recurrence_and_hf_are_one_scan(T, chunk):
                                           return_final_states=True)
     dt = torch.nn.functional.softplus(i["dt"] + i["bias"])
     B, C = (t.repeat_interleave(h // g, dim=2) for t in (i["B"], i["C"]))
-    y, state = ssd_chunked(i["x"], dt, i["A"], B, C, chunk, i["state"].clone())
+    y, state = ssd_prefill(i["x"] * dt[..., None], dt * i["A"], B, C, i["state"].clone())
     y = y + i["D"][:, None] * i["x"]
     scale = ref.abs().max()
     assert (y - ref).abs().max() <= 1e-6 * scale and (state - ref_state).abs().max() <= 1e-6 * ref_state.abs().max()

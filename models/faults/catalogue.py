@@ -4,7 +4,7 @@ inside it the drill should name first."""
 
 from __future__ import annotations
 
-from models.args import CONV, LINEAR, MAMBA2, ModelArgs, has_sinks
+from models.args import RECURRENT, ModelArgs, has_sinks
 from models.faults.attention import (attention_multiplier_missing, clip_qkv_missing, gate_sigmoid_for_softplus,
                                      gqa_repeat_wrong, kv_groups_of_the_model, kv_off_by_one, moa_kv_interleaved,
                                      not_causal, output_gate_no_sigmoid, qk_norm_before_rope, qk_norm_flat_for_per_head,
@@ -91,7 +91,7 @@ COMMON: tuple[Fault, ...] = (
     Fault("mamba2_dt_bias_dropped", "attention", "mamba2", "Mamba2 time step without dt_bias", mamba2_dt_bias_dropped),
     Fault("mamba2_dt_bf16", "attention", "mamba2", "Mamba2 time step rounded to bf16 in an fp32 model", mamba2_dt_bf16),
     Fault("mamba2_chunk_boundary_off_by_one", "attention", "mamba2",
-          "Mamba2 prefill chunk's state handed on without the chunk's last token", mamba2_chunk_boundary_off_by_one),
+          "Mamba2 prefill's decay at the chunk boundary a token late", mamba2_chunk_boundary_off_by_one),
     Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", input_norm_eps,
           lambda a: a.norm.placement != "post"),  # (post-norm layers have no input norm)
     Fault("norm_offset_missing", "layer", "last", "(1 + w) RMSNorm offset missing", norm_offset_missing,
@@ -142,7 +142,7 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
 VARIANTS: tuple[Fault, ...] = (
     Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
           sinks_dropped, lambda a: a.attention.sinks and has_sinks(a, max(i for i, t in enumerate(a.layer_types)
-                                                                          if t not in (LINEAR, CONV, MAMBA2)))),
+                                                                          if t not in RECURRENT))),
     Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
           window_off_by_one),
     Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", clamp_missing,

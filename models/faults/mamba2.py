@@ -1,13 +1,13 @@
 """Port bugs of the Mamba2 mixer: its scan state or conv state not carried into decode, the decay's sign flipped,
-the time step computed without dt_bias or rounded to bf16, the state handed from one prefill chunk to the next
-leaving out the chunk's last token (a chunk boundary off by one)."""
+the time step computed without dt_bias or rounded to bf16, a chunk boundary off by one (the decay at HF's chunk
+boundary applied a token late)."""
 
 from __future__ import annotations
 
 import torch
 
 from models.faults.fault import patch, state_not_carried
-from models.layers.mamba2 import Mamba2, ssd_chunked
+from models.layers.mamba2 import Mamba2
 
 
 def mamba2_state_not_carried(m: Mamba2, a):
@@ -35,18 +35,14 @@ def mamba2_dt_bf16(m: Mamba2, a):  # the time step rounded to bf16 in an fp32 mo
 
 
 def mamba2_chunk_boundary_off_by_one(m: Mamba2, a):
-    """Each chunk's scan starts from the state of the previous chunk without its last token (the boundary one
-    token early); the state after the prompt likewise. Chunks split at static positions (T is static per call)."""
-    def chunked(xs, dt, A, B, C, state):
-        ys, T = [], xs.shape[1]
-        for start in range(0, T, m.chunk):
-            part = slice(start, min(start + m.chunk, T))
-            y, _ = ssd_chunked(xs[:, part], dt[:, part], A, B[:, part], C[:, part], m.chunk, state)
-            ys.append(y)
-            n = part.stop - part.start
-            short = slice(part.start, part.stop - 1)  # the chunk without its last token
-            state = (ssd_chunked(xs[:, short], dt[:, short], A, B[:, short], C[:, short], m.chunk, state)[1]
-                     if n > 1 else state)
-        return torch.cat(ys, dim=1), state
+    """A chunked port's boundary off by one: the decay of the token that opens HF's second chunk (position
+    chunk_size) applied one token later, so the state handed across the boundary decays one step late (decode,
+    one token, is untouched). No branch on T, no slices at the boundary: index comparisons (a program whose one
+    prefill method takes any length holds it too; a prompt shorter than the chunk never reaches it)."""
+    def prefill(xdt, a_, B, C, state):
+        idx = torch.arange(a_.shape[1], device=a_.device)[None, :, None]  # [1, T, 1]
+        at, after = (idx == m.chunk).to(a_.dtype), (idx == m.chunk + 1).to(a_.dtype)
+        earlier = torch.cat([torch.zeros_like(a_[:, :1]), a_[:, :-1]], dim=1)  # each token's predecessor's
+        return Mamba2.prefill(m, xdt, a_ * (1 - at) + after * earlier, B, C, state)
 
-    patch(m, "chunked", chunked)
+    patch(m, "prefill", prefill)

@@ -1,11 +1,10 @@
 """Mamba2 (Granite 4.0-H's `mamba`, Nemotron-H's `mixer`): in_proj to the gate z, the conv stream x|B|C and dt; a
 causal depthwise conv (silu) carrying conv_state; the selective scan per head, a scalar decay exp(dt * A) a token,
 its state [heads, head_dim, state] in recurrent_state (fp32); the D skip; the gated group RMSNorm (y * silu(z),
-normed per group); out_proj. The prefill is the chunked SSD form HF's torch path uses (within a chunk the quadratic
-form, the state carried from chunk to chunk: a fixed number of einsums, no loop over tokens); the decode (T == 1)
-the one-step recurrence.
+normed per group); out_proj. The prefill is the SSD closed form HF's torch path computes chunk by chunk, here as one
+chunk (a fixed number of matmuls, no loop over tokens, any length); the decode (T == 1) the one-step recurrence.
 
-Shapes: b batch, T tokens, h heads, p head_dim, n state size, g groups, c chunks, l = s chunk positions."""
+Shapes: b batch, T tokens, h heads, p head_dim, n state size, g groups, l = s positions."""
 
 from __future__ import annotations
 
@@ -27,31 +26,21 @@ def segment_sum(x):  # [..., l] -> [..., l, l]: out[i, j] = x[j+1] + ... + x[i] 
     return out.masked_fill(~torch.tril(torch.ones(l, l, dtype=torch.bool, device=x.device), 0), float("-inf"))
 
 
-def ssd_chunked(x, dt, A, B, C, chunk: int, state):
-    """The Mamba2 scan over T tokens, chunk by chunk, fp32. x [b, T, h, p], dt [b, T, h] (discretised: softplus and
-    limits applied), A [h] (negative), B, C [b, T, h, n] (groups repeated to the heads), state [b, h, p, n].
-    Per token: S <- e^(dt A) S + dt x B^T; y = S C. Returns y [b, T, h, p] (without the D skip) and the new state."""
-    b, T, h, p = x.shape
-    pad = (chunk - T % chunk) % chunk  # padded tokens: dt 0, so no decay and no input
-
-    def chunks(t):  # [b, T, ...] -> [b, c, l, ...]
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(b, -1, chunk, *t.shape[2:])
-
-    xdt = chunks(x * dt[..., None])  # [b, c, l, h, p]
-    a = chunks(dt * A).permute(0, 3, 1, 2)  # [b, h, c, l]
-    B, C = chunks(B), chunks(C)  # [b, c, l, h, n]
+def ssd_prefill(xdt, a, B, C, state):
+    """The Mamba2 scan over T tokens in closed form (one chunk: the decay between any two positions from a cumulative
+    sum; no loop, no padding, so a program whose prefill takes any length holds it), fp32. xdt [b, T, h, p] (x times
+    its time step), a [b, T, h] (dt A: each token's log-decay, negative), B, C [b, T, h, n] (groups repeated to the
+    heads), state [b, h, p, n]. Per token: S <- e^a S + xdt B^T; y = S C. Returns y [b, T, h, p] (without the D skip)
+    and the new state. Batched matmuls only (IREE 3.13 does not legalize the reductions a many-operand einsum lowers
+    to). HF's chunks (chunk_size) change only the order of its sums."""
+    xdt, B, C = xdt.transpose(1, 2), B.transpose(1, 2), C.transpose(1, 2)  # [b, h, T, .]
+    a = a.transpose(1, 2)  # [b, h, T]
     a_cum = a.cumsum(-1)
-    L = segment_sum(a).exp()  # [b, h, c, l, s]: the decay from s to l within a chunk
-    y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, L, xdt)
-    to_end = (a_cum[..., -1:] - a_cum).exp()  # [b, h, c, l]: from l to the chunk's end
-    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, to_end, xdt)  # each chunk's own contribution
-    states = torch.cat([state[:, None].to(states.dtype), states], dim=1)  # [b, c+1, h, p, n]
-    across = segment_sum(F.pad(a_cum[..., -1], (1, 0))).exp()  # [b, h, c+1 (to), c+1 (from)]
-    states = torch.einsum("bhij,bjhpn->bihpn", across, states)  # the state at each chunk's start, then the last
-    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states[:, :-1], a_cum.exp())
-    y = (y_diag + y_off).reshape(b, -1, h, p)[:, :T]
-    return y, states[:, -1]
+    L = segment_sum(a).exp()  # [b, h, l, s]: the decay from s to l
+    y = ((C @ B.transpose(-1, -2)) * L) @ xdt + (C @ state.transpose(-1, -2)) * a_cum.exp()[..., None]
+    to_end = (a_cum[..., -1:] - a_cum).exp()  # [b, h, T]: from each token to the last
+    new = state * a_cum[..., -1, None, None].exp() + ((B * to_end[..., None]).transpose(-1, -2) @ xdt).transpose(-1, -2)
+    return y.transpose(1, 2), new
 
 
 def ssd_step(x, dt, A, B, C, state):
@@ -81,10 +70,10 @@ class GatedGroupRMSNorm(nn.Module):
 class Mamba2(nn.Module):
     def __init__(self, a: ModelArgs, dtype=torch.float32):
         super().__init__()
-        m = a.mamba
+        m = a.mamba2
         self.h, self.p, self.n, self.g = m.num_heads, m.head_dim, m.state_size, m.n_groups
         self.inner = self.h * self.p
-        self.K, self.chunk = m.conv_kernel, m.chunk_size
+        self.K, self.chunk = m.conv_kernel, m.chunk_size  # (HF's chunk: where a chunked port's boundaries fall)
         self.dt_min, self.dt_max = m.time_step_limit
         self.conv_dim = self.inner + 2 * self.g * self.n
         self.in_proj = nn.Linear(a.hidden_size, self.inner + self.conv_dim + self.h, bias=m.proj_bias)
@@ -138,9 +127,9 @@ class Mamba2(nn.Module):
             y, state = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.recurrent_state)
             y = y.squeeze(-1)[:, None]
         else:
-            y, state = self.chunked(xs, dt, A, B, C, self.recurrent_state)
+            y, state = self.prefill(xs * dt[..., None], dt * A, B, C, self.recurrent_state)
         self.recurrent_state.copy_(state)
         return y
 
-    def chunked(self, xs, dt, A, B, C, state):  # the prefill's scan, in chunks of self.chunk tokens
-        return ssd_chunked(xs, dt, A, B, C, self.chunk, state)
+    def prefill(self, xdt, a, B, C, state):  # the prefill's scan (xdt: x times dt; a: dt A)
+        return ssd_prefill(xdt, a, B, C, state)

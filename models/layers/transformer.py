@@ -1,4 +1,4 @@
-"""The production model: decoder layers (an attention, linear-attention, short-conv or Mamba2 mixer, an MoE or dense
+"""The production model: decoder layers (an attention, linear-attention, short-conv, Mamba or Mamba2 mixer, an MoE or dense
 MLP, their norms and residuals), the embedding and head, and the one (layer, kind) -> block map.
 
 Export-friendly: static-shape state buffers (KV cache, conv state, recurrent state),
@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.args import CONV, LINEAR, MAMBA2, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mixer_name, mlp_type
+from models.args import CONV, LINEAR, MAMBA, MAMBA2, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mixer_name, mlp_type
 from models.layers.attention import Attention
 from models.layers.gated_deltanet import GatedDeltaNet
+from models.layers.mamba import Mamba
 from models.layers.mamba2 import Mamba2
 from models.layers.mla import LatentAttention
 from models.layers.moa import MixtureOfAttention
@@ -37,6 +38,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(a, dtype)
         elif self.layer_type == CONV:
             self.conv = ShortConv(a, dtype)
+        elif self.layer_type == MAMBA:
+            self.mamba = Mamba(a, dtype)
         elif self.layer_type == MAMBA2:
             self.mamba = Mamba2(a, dtype)
         elif a.attention.kind == "mla":
