@@ -291,6 +291,10 @@ class MLXCandidate(Candidate):
         linear = (getattr(dec, "is_linear", False) or not getattr(dec, "is_attention_layer", True)
                   or type(cache).__name__ == "ArraysCache")
 
+        import inspect
+
+        takes_mask = "mask" in inspect.signature(type(module).__call__).parameters
+
         def fn(x, c):
             if c.probe or int(c.pos_array[0]) != pos[0]:
                 raise ValueError(f"{kind} of layer {layer}: call at position {int(c.pos_array[0])}, state at {pos[0]}")
@@ -301,7 +305,7 @@ class MLXCandidate(Candidate):
                 mask = create_ssm_mask(x, cache) if linear else create_attention_mask(
                     x, cache, window_size=self.windows.get(layer), return_array=self.array_mask)
             extra = self.block_args(text_model(self.model), x, cache) if self.block_args else ()
-            y = module(x, *extra, mask, cache)
+            y = module(x, *extra, mask, cache) if takes_mask else module(x, cache)  # (Jamba's mixer: no mask)
             # mlx-lm's hunyuan returns (output, k/v kept for its cross-layer attention): the output
             return self._out(y[0] if isinstance(y, tuple) else y)
 

@@ -13,9 +13,9 @@ def body(tm):  # the text model's decoder stack (DBRX's mlx-lm model names it tr
     return tm.model if "model" in tm else tm.transformer
 
 
-def final_norm(tm):  # the text model's final norm (LFM2 names it embedding_norm, DBRX norm_f)
+def final_norm(tm):  # the text model's final norm (LFM2 names it embedding_norm, DBRX norm_f, Jamba final_layernorm)
     b = body(tm)
-    return next(b[n] for n in ("norm", "embedding_norm", "norm_f") if n in b)
+    return next(b[n] for n in ("norm", "embedding_norm", "norm_f", "final_layernorm") if n in b)
 
 
 def embedding(tm):  # the token embedding (DBRX: wte)
@@ -254,6 +254,13 @@ def _route_lfm2(moe, x):  # lfm2_moe: sigmoid in x's dtype, top-k of + expert_bi
 
 
 ROUTE["Lfm2MoeSparseMoeBlock"] = _route_lfm2
+
+
+def _route_jamba(moe, x):  # jamba: the top-k of the router's logits, softmax over those k (renormalised)
+    return _softmax_of_topk(moe.router(x), moe.num_experts_per_tok)
+
+
+ROUTE["mlx_lm.models.jamba.JambaSparseMoeBlock"] = _route_jamba
 
 
 def _route_dbrx(moe, x):  # dbrx: softmax in fp32, top-k by -gates, the k weights over their L1 norm, x's dtype

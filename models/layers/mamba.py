@@ -1,11 +1,11 @@
 """Mamba (Jamba's `mamba`): in_proj to x and the gate z; a causal depthwise conv (silu) carrying conv_state; x_proj
 to the time step's low-rank input, B and C, each RMS-normed (Jamba's dt / b / c layernorms); dt = softplus(dt_proj);
 the selective scan per channel, the decay e^(dt A) with A [inner, state] per channel and state, its state
-[inner, state] in recurrent_state (fp32); the D skip; y * silu(z); out_proj. The prefill is chunked (within a chunk
-the closed form: the decay between any two positions by a cumulative sum, a fixed number of einsums; the state
-carried from chunk to chunk); the decode (T == 1) the one-step recurrence HF's torch path computes.
+[inner, state] in recurrent_state (fp32); the D skip; y * silu(z); out_proj. The prefill is the scan by doubling (a
+fixed number of steps for any length; HF's torch path loops over the tokens); the decode (T == 1) the one-step
+recurrence HF's torch path computes.
 
-Shapes: b batch, T tokens, d inner channels, n state size, l = s chunk positions."""
+Shapes: b batch, T tokens, d inner channels, n state size."""
 
 from __future__ import annotations
 
@@ -15,29 +15,29 @@ from torch import nn
 
 from models.args import ModelArgs
 from models.layers import taps
-from models.layers.mamba2 import segment_sum
 from models.layers.norms import RMSNorm
 from models.layers.state import reset_at_start
 from models.layers.taps import tap
 
-CHUNK = 16  # the prefill's chunk: [l, l, d, n] of decays at a time (Jamba's releases: d x n = 8192 x 16)
-
-
-def selective_scan(x, dt, A, B, C, state, chunk: int = CHUNK):
+def selective_scan(x, dt, A, B, C, state, max_len: int):
     """x, dt [b, T, d] (dt discretised), A [d, n] (negative), B, C [b, T, n], state [b, d, n], all fp32.
-    Per token: S <- e^(dt A) S + dt x B; y = S C. Returns y [b, T, d] (without the D skip) and the new state."""
-    ys = []
-    for start in range(0, x.shape[1], chunk):  # (static: T is fixed per call)
-        part = slice(start, start + chunk)
-        a = dt[:, part, :, None] * A  # [b, l, d, n]
-        L = segment_sum(a.permute(0, 2, 3, 1)).exp()  # [b, d, n, l, s]: the decay from s to l
-        u = (dt[:, part] * x[:, part])[..., None] * B[:, part, None, :]  # [b, l, d, n]: each token's input
-        # h_l = sum_s L[l, s] u_s + e^(cum_l) S0;  y_l = h_l . C_l
-        from_start = a.cumsum(1).exp()  # [b, l, d, n]
-        h = torch.einsum("bdnls,bsdn->bldn", L, u) + from_start * state[:, None]
-        ys.append(torch.einsum("bldn,bln->bld", h, C[:, part]))
-        state = h[:, -1]
-    return torch.cat(ys, dim=1), state
+    Per token: S <- e^(dt A) S + dt x B; y = S C. As a scan by doubling (Hillis-Steele): after step j every token
+    holds the recurrence over its last 2^j tokens, so ceil(log2(max_len)) steps cover any prompt, a fixed number of
+    steps whatever T (no loop over tokens: a program whose prefill takes any length holds it). Returns y [b, T, d]
+    (without the D skip) and the new state."""
+    T = x.shape[1]
+    decay = (dt[..., None] * A).exp()  # [b, T, d, n]
+    u = (dt * x)[..., None] * B[:, :, None, :]  # [b, T, d, n]: each token's input
+    first = (torch.arange(T, device=x.device) == 0).to(u.dtype)[None, :, None, None]
+    u = u + first * decay * state[:, None]  # the carried state enters at the first token
+    k = 1
+    while k < max(max_len, 2):
+        earlier_decay = F.pad(decay, (0, 0, 0, 0, k, 0), value=1.0)[:, :T]  # token t - k's (1 before the start)
+        earlier_u = F.pad(u, (0, 0, 0, 0, k, 0))[:, :T]
+        u, decay = u + decay * earlier_u, decay * earlier_decay
+        k *= 2
+    y = (u @ C[..., None]).squeeze(-1)  # [b, T, d]
+    return y, u[:, -1]
 
 
 def scan_step(x, dt, A, B, C, state):
@@ -51,6 +51,7 @@ class Mamba(nn.Module):
         super().__init__()
         m = a.mamba
         self.d, self.n, self.r, self.K = m.inner, m.state_size, m.dt_rank, m.conv_kernel
+        self.max_len = a.max_seq_len
         self.in_proj = nn.Linear(a.hidden_size, 2 * self.d, bias=m.proj_bias)
         self.conv1d = nn.Conv1d(self.d, self.d, self.K, groups=self.d, bias=m.conv_bias)  # HF's [d, 1, K]
         self.x_proj = nn.Linear(self.d, self.r + 2 * self.n, bias=False)
@@ -97,6 +98,6 @@ class Mamba(nn.Module):
             y, state = scan_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.recurrent_state)
             y = y[:, None]
         else:
-            y, state = selective_scan(xs, dt, A, B, C, self.recurrent_state)
+            y, state = selective_scan(xs, dt, A, B, C, self.recurrent_state, self.max_len)
         self.recurrent_state.copy_(state)
         return y

@@ -480,12 +480,14 @@ def load_streamed(family, model_dir: Path, dtype=None):
 def decoder_of(model):
     """The HF model's decoder (its `layers`, `norm`): get_decoder(), or `model` where that answers
     the CausalLM itself (transformers 5.23's Llama4ForCausalLM); a decoder that names them otherwise
-    (DBRX's `blocks`, `norm_f`; LFM2's `embedding_norm`) seen under those names (RenamedDecoder)."""
+    (DBRX's `blocks`, `norm_f`; LFM2's `embedding_norm`; Jamba's `final_layernorm`) seen under those names (RenamedDecoder)."""
     decoder = model.get_decoder()
     if hasattr(decoder, "layers") and hasattr(decoder, "norm"):
         return decoder
     if hasattr(decoder, "layers") and hasattr(decoder, "embedding_norm"):  # LFM2's final norm (after the layers)
         return RenamedDecoder(decoder, decoder.layers, decoder.embedding_norm)
+    if hasattr(decoder, "layers") and hasattr(decoder, "final_layernorm"):  # Jamba's
+        return RenamedDecoder(decoder, decoder.layers, decoder.final_layernorm)
     if hasattr(decoder, "blocks") and hasattr(decoder, "norm_f"):
         return RenamedDecoder(decoder, decoder.blocks, decoder.norm_f)
     return decoder if hasattr(decoder, "layers") else model.model
