@@ -58,6 +58,10 @@ def mlx_points(block, rec, mx):
                     return out
                 patched.append((ssm, "compute_dt", ssm.compute_dt))
                 ssm.compute_dt = compute_dt
+    names = {p[1] for p in patched}  # a tap is the backend's only where it is recorded (else: not exposed)
+    if rec.points.taps is not None:
+        rec.points.taps -= ({"dt"} if "ssm_update" not in names else set()) | (
+            {"recurrence"} if not names & {"gated_delta_update", "ssm_update"} else set())
     for path, m in block.named_modules():
         if not path or not callable(m):
             continue

@@ -26,13 +26,13 @@ from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_
                                             rope_of_the_model, rope_on_nope_layer, rope_theta_wrong,
                                             rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one,
                                             q_position_scale_missing, yarn_mscale_missing)
-from exporters.mlx.fault_mamba2 import FAULTS as MAMBA2_FAULTS
+from exporters.mlx.fault_mamba import FAULTS as MAMBA_FAULTS
 from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missing, dense_layer_routed,
                                      expert_index_off_by_one, gate_up_swapped, group_limit_ignored, moe_layer_as_dense,
                                      no_renorm, one_expert_fewer, one_expert_off, patched_combine, reroute,
                                      router_logit_bias_ignored, set_gate, sigmoid, softmax_after_topk,
                                      softmax_for_sigmoid, sparsemixer_first_unmasked, stray_bf16)
-from exporters.mlx.model import attention_block, final_norm, get_part, moe_block, part, patch_call, text_model
+from exporters.mlx.model import attention_block, call_mixer, final_norm, get_part, moe_block, part, patch_call, text_model
 
 
 # ------------------------------------------------------------------ layer / model
@@ -49,7 +49,7 @@ def _residual_missing(layer, a):
     pre, post = get_part(layer, "input_layernorm"), get_part(layer, "post_attention_layernorm")
 
     def call(self, x, *args, **kw):  # (mask, cache), or what the model passes beside them (Mistral 4's attn_scale)
-        h = attention_block(self)(pre(x), *args, **kw)
+        h = call_mixer(attention_block(self), pre(x), *args, **kw)
         return h + moe_block(self)(post(h))
 
     patch_call(layer, call)
@@ -150,7 +150,7 @@ FAULTS = {
     "short_conv_state_not_carried": lambda sc, a: gdn_forget(sc, 0),
     "short_conv_taps_reversed": lambda sc, a: setattr(sc.conv, "weight", sc.conv.weight[:, ::-1, :]),
     "short_conv_gate_missing": _short_conv_gate_missing,
-    **MAMBA2_FAULTS,
+    **MAMBA_FAULTS,
 }
 
 
@@ -176,6 +176,9 @@ NOT_APPLICABLE_ON = {
                                                 "it: the known divergence), so there is no bias to misuse",
     ("router_bias_ignored", "ernie4_5_moe"): "mlx-lm's ernie4_5_moe already ignores the correction bias (the known "
                                              "divergence): the fault is the candidate as it is",
+    ("router_softmax_after_topk", "jamba"): "mlx-lm's jamba already takes the softmax over the top-k logits (the known "
+                                            "divergence): the fault is the candidate as it is",
+    ("rope_on_nope_layer", "jamba"): "mlx-lm's jamba attention has no rotary embedding at all (no rope to misapply)",
 }
 
 

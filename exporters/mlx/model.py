@@ -38,7 +38,7 @@ def attention_block(layer):  # the mixer in the attention's place: LFM2's short 
 # what most mlx-lm models call a module or array -> what some call it (LFM2's operator_norm, ffn_norm, q_layernorm,
 # expert_bias; DBRX's norms inside its norm_attn_norm): the fault forms find a module by its role
 ALIASES = {"input_layernorm": ("operator_norm", "norm_attn_norm.norm_1"),
-           "post_attention_layernorm": ("ffn_norm", "norm_attn_norm.norm_2"),
+           "post_attention_layernorm": ("ffn_norm", "norm_attn_norm.norm_2", "pre_ff_layernorm"),
            "q_norm": ("q_layernorm",), "k_norm": ("k_layernorm",), "e_score_correction_bias": ("expert_bias",),
            "routed_scaling_factor": ("route_scale",)}
 
@@ -63,6 +63,17 @@ def part(module, name: str) -> tuple:
 
 def get_part(module, name: str):
     return getattr(*part(module, name))
+
+
+def call_mixer(mixer, x, *args, **kw):
+    """The mixer on x with what its decoder layer passes it (mask, cache), the mask left out where it takes none
+    (Jamba's Mamba mixer: __call__(x, cache))."""
+    import inspect
+
+    if "mask" not in inspect.signature(type(mixer).__call__).parameters:
+        kw.pop("mask", None)
+        args = args[1:] if args and "cache" not in kw else args
+    return mixer(x, *args, **kw)
 
 
 def experts_of(moe):

@@ -18,6 +18,8 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
                                    shared_summed, stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
+from models.faults.mamba import (mamba_conv_state_not_carried, mamba_decay_sign, mamba_dt_bias_dropped,
+                                 mamba_inner_norms_missing, mamba_state_not_carried)
 from models.faults.mamba2 import (mamba2_chunk_boundary_off_by_one, mamba2_conv_state_not_carried, mamba2_decay_sign,
                                   mamba2_dt_bf16, mamba2_dt_bias_dropped, mamba2_state_not_carried)
 from models.faults.short_conv import short_conv_gate_missing, short_conv_state_not_carried, short_conv_taps_reversed
@@ -82,6 +84,15 @@ COMMON: tuple[Fault, ...] = (
     Fault("short_conv_gate_missing", "attention", "conv", "short-conv output not gated by C", short_conv_gate_missing),
     Fault("short_conv_taps_reversed", "attention", "conv", "short-conv kernel taps in reverse order",
           short_conv_taps_reversed),
+    Fault("mamba_state_not_carried", "attention", "mamba", "Mamba scan state not carried into decode",
+          mamba_state_not_carried),
+    Fault("mamba_conv_state_not_carried", "attention", "mamba", "Mamba conv state not carried into decode",
+          mamba_conv_state_not_carried),
+    Fault("mamba_decay_sign_flipped", "attention", "mamba", "Mamba decay e^(+dt e^A_log): A's sign dropped",
+          mamba_decay_sign),
+    Fault("mamba_dt_bias_dropped", "attention", "mamba", "Mamba time step without dt_proj's bias", mamba_dt_bias_dropped),
+    Fault("mamba_inner_norms_missing", "attention", "mamba", "Jamba's RMSNorms of dt, B and C left out",
+          mamba_inner_norms_missing, lambda a: a.mamba is not None and a.mamba.inner_norms),
     Fault("mamba2_state_not_carried", "attention", "mamba2", "Mamba2 scan state not carried into decode",
           mamba2_state_not_carried),
     Fault("mamba2_conv_state_not_carried", "attention", "mamba2", "Mamba2 conv state not carried into decode",
@@ -253,6 +264,8 @@ POINTS: dict[str, str | tuple | None] = {
     "router_softcap_missing": "logits", "mla_cache_not_carried": "context",
     "gdn_state_not_carried": "recurrence", "gdn_chunked_prefill_differs": "recurrence",
     "gdn_conv_state_not_carried": "conv",
+    "mamba_state_not_carried": "recurrence", "mamba_conv_state_not_carried": "conv",
+    "mamba_decay_sign_flipped": "decay", "mamba_dt_bias_dropped": "dt", "mamba_inner_norms_missing": "dt_layernorm",
     "mamba2_state_not_carried": "recurrence", "mamba2_conv_state_not_carried": "conv",
     "mamba2_decay_sign_flipped": "decay", "mamba2_dt_bias_dropped": "dt", "mamba2_dt_bf16": "dt",
     "mamba2_chunk_boundary_off_by_one": "recurrence",

@@ -78,8 +78,8 @@ class Mamba(nn.Module):
         if taps.TAPS is not None:
             tap("decay", (dt[..., None] * A).exp().flatten(2))
         y = self.scan(xs.float(), dt, A, B.float(), C.float()) + xs.float() * self.D.float()
-        y = tap("recurrence", y)  # [b, T, d]
-        return self.out_proj((y * F.silu(z.float())).to(x.dtype))
+        y = tap("recurrence", y * F.silu(z.float()))  # [b, T, d], gated (as HF's selective scan returns it)
+        return self.out_proj(y.to(x.dtype))
 
     def decay_rate(self):  # A = -e^A_log [d, n] (fp32)
         return -self.A_log.float().exp()

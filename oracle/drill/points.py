@@ -46,6 +46,9 @@ TAPS = {
     # the conv's output (x | B | C after silu), the discretised time step, its decay e^(dt A), the scan's output
     # with the D skip (before the gated norm, the module `norm`)
     "mamba2": ("conv", "dt", "decay", "recurrence"),
+    # Mamba's: the same, its decay per channel and state (flattened), its recurrence gated by silu(z) (as HF's selective
+    # scan returns it)
+    "mamba": ("conv", "dt", "decay", "recurrence"),
     "router": ("logits", "scores", "selection", "topk", "weights"),
 }
 DRILLED = ("attention", "router", "moe", "mlp", "layer", "final_norm", "logits")
@@ -236,30 +239,38 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
             return out
         return wrapped
 
-    def mamba2_scan(prefill: bool):  # HF's Mamba2 scan (the chunked prefill, or one step's update): dt, decay, output
+    def ssm_scan(prefill: bool, mamba2: bool):  # HF's Mamba2 / Mamba scan (the prefill, or one step): dt, decay, output
         def wrap(fn, mod):
             def wrapped(*a, **kw):
                 out = fn(*a, **kw)
                 if inside[0]:
                     dt, A = (a[1], a[2]) if prefill else (a[2], a[3])  # (x, dt, A, ...) / (state, x, dt, A, ...)
-                    dt = dt.float() + kw["dt_bias"].float() if kw.get("dt_bias") is not None else dt.float()
-                    dt = torch.nn.functional.softplus(dt) if kw.get("dt_softplus") else dt
-                    if prefill:
+                    bias = kw.get("dt_bias", kw.get("delta_bias"))
+                    dt = dt.float()
+                    if bias is not None:  # (Mamba's prefill: dt [b, d, T], its bias [d])
+                        dt = dt + (bias.float()[..., None] if not mamba2 and prefill else bias.float())
+                    dt = torch.nn.functional.softplus(dt) if kw.get("dt_softplus", kw.get("delta_softplus")) else dt
+                    if mamba2 and prefill:
                         lo, hi = kw.get("dt_limit", (0.0, float("inf")))
                         dt = dt.clamp(lo, hi) if (lo, hi) != (0.0, float("inf")) else dt
-                    else:  # the update's per-head values come expanded over head_dim (and the state)
+                    elif mamba2:  # the update's per-head values come expanded over head_dim (and the state)
                         dt, A = dt[..., 0], A[:, 0, 0]
+                    elif prefill:  # Mamba: [b, d, T] -> rows by token
+                        dt = dt.transpose(1, 2)
                     rec.add("dt", dt)
-                    rec.add("decay", (dt * A.float()).exp())
-                    rec.add("recurrence", out[0] if isinstance(out, tuple) else out)
+                    # the decay e^(dt A): per head (Mamba2), per channel and state, flattened (Mamba)
+                    rec.add("decay", (dt * A.float()).exp() if mamba2 else (dt[..., None] * A.float()).exp().flatten(-2))
+                    y = out[0] if isinstance(out, tuple) else out
+                    rec.add("recurrence", y if mamba2 or not prefill else y.transpose(1, 2))
                 return out
             return wrapped
         return wrap
 
     functions = {"apply_rotary_pos_emb": rotary, "torch_chunk_gated_delta_rule": delta_rule,
                  "torch_recurrent_gated_delta_rule": delta_rule, "causal_conv1d_fn": short_conv,
-                 "causal_conv1d_update": short_conv, "mamba2_chunk_scan": mamba2_scan(True),
-                 "mamba2_selective_state_update": mamba2_scan(False)}
+                 "causal_conv1d_update": short_conv, "mamba2_chunk_scan": ssm_scan(True, True),
+                 "mamba2_selective_state_update": ssm_scan(False, True), "mamba_selective_scan": ssm_scan(True, False),
+                 "mamba_selective_state_update": ssm_scan(False, False)}
     for m in block.modules():
         mod = sys.modules.get(type(m).__module__)
         for name, wrap in functions.items():
@@ -268,8 +279,8 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
                 continue
             if wrap is short_conv and hasattr(mod, "torch_chunk_gated_delta_rule"):
                 continue  # a Gated DeltaNet's conv: its taps are the kernel's inputs
-            if wrap is short_conv and hasattr(mod, "mamba2_chunk_scan"):
-                wrap = mamba2_conv
+            if wrap is short_conv and (hasattr(mod, "mamba2_chunk_scan") or hasattr(mod, "mamba_selective_scan")):
+                wrap = mamba2_conv  # (a Mamba's too)
             patched.append((mod, name, fn))
             setattr(mod, name, wrap(fn, mod))
     if router is not None and any(m is router for m in block.modules()):

@@ -357,6 +357,8 @@ OPS = {
                                                            padding=n["padding"], dilation=n["dilation"],
                                                            groups=n["groups"])),
     "GatherMmNode": _gather_mm,
+    "TrilNode": lambda n, s: s.set(n["out"], mx().tril(s.t(n["x"]), k=n.get("k", 0))),
+    "TriuNode": lambda n, s: s.set(n["out"], mx().triu(s.t(n["x"]), k=n.get("k", 0))),
     "SortNode": lambda n, s: s.set(n["out"], mx().sort(s.t(n["x"]), axis=n["axis"])),
     "ArgsortNode": lambda n, s: s.set(n["out"], mx().argsort(s.t(n["x"]), axis=n["axis"])),
     "PartitionNode": lambda n, s: s.set(n["out"], mx().partition(s.t(n["x"]), s.i(n["kth"]), axis=n["axis"])),

@@ -1,5 +1,6 @@
-"""The seeded Mamba2 faults' forms on mlx-lm's Mamba2 mixer (granitemoehybrid's GraniteMoeHybridMamba2Mixer: its
-conv state is the cache's slot 0, its scan state slot 1; `_ssm` runs mlx_lm.models.ssm.ssm_update)."""
+"""The seeded Mamba2 and Mamba faults' forms on mlx-lm's mixers: granitemoehybrid's GraniteMoeHybridMamba2Mixer (its
+conv state the cache's slot 0, its scan state slot 1; `_ssm` runs mlx_lm.models.ssm.ssm_update) and jamba's
+JambaMambaMixer (the same slots; `ssm_step` its scan)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import mlx.core as mx
 import mlx_lm.models.ssm  # noqa: F401  (compute_dt, read from the module at each call)
 
 from exporters.mlx.fault_attention import gdn_forget
+from exporters.mlx.model import patch_call
 
 
 def _patch_ssm(mixer, fn) -> None:
@@ -65,3 +67,38 @@ def dt_bf16(mixer, a):
 FAULTS = {"mamba2_state_not_carried": state_not_carried, "mamba2_conv_state_not_carried": conv_state_not_carried,
           "mamba2_decay_sign_flipped": decay_sign_flipped, "mamba2_dt_bias_dropped": dt_bias_dropped,
           "mamba2_dt_bf16": dt_bf16}
+
+
+# ------------------------------------------------------------------ Mamba (jamba's JambaMambaMixer: __call__(x, cache))
+def _forget(mixer, slot: int) -> None:
+    """Drop the cache's conv state (slot 0) or scan state (slot 1) before every call."""
+    call = type(mixer).__call__
+
+    def fn(self, x, cache=None):
+        if cache is not None:
+            cache[slot] = None
+        return call(self, x, cache)
+
+    patch_call(mixer, fn)
+
+
+def mamba_decay_sign_flipped(mixer, a):  # its ssm_step given A = +e^A_log
+    step = type(mixer).ssm_step
+    cls = type(mixer)
+    mixer.__class__ = type(cls.__name__, (cls,), {"ssm_step": lambda self, x, A, state=None: step(self, x, -A, state),
+                                                  "__module__": cls.__module__})
+
+
+def mamba_dt_bias_dropped(mixer, a):
+    mixer.dt_proj.bias = mx.zeros_like(mixer.dt_proj.bias)
+
+
+def mamba_inner_norms_missing(mixer, a):
+    for norm in (mixer.dt_layernorm, mixer.b_layernorm, mixer.c_layernorm):
+        patch_call(norm, lambda self, x: x)
+
+
+FAULTS.update({"mamba_state_not_carried": lambda m, a: _forget(m, 1),
+               "mamba_conv_state_not_carried": lambda m, a: _forget(m, 0),
+               "mamba_decay_sign_flipped": mamba_decay_sign_flipped, "mamba_dt_bias_dropped": mamba_dt_bias_dropped,
+               "mamba_inner_norms_missing": mamba_inner_norms_missing})
