@@ -1,4 +1,4 @@
-"""The Mamba2 mixer (models/layers/mamba2.py): its chunked prefill, its one-step recurrence and HF's torch path
+"""The Mamba2 and Mamba mixers (models/layers/mamba2.py, mamba.py): the closed-form prefill, the one-step recurrence and HF's torch path
 (transformers 5.23 granitemoehybrid) compute one scan; the mixer with its state carried equals one call over
 the whole sequence; mlx-lm's gated norm ignores the groups (the known divergence)."""
 
@@ -92,3 +92,73 @@ def test_mlx_lm_gated_norm_ignores_the_groups():
         out[groups] = np.abs(np.array(theirs(mx.array(y.numpy()), mx.array(z.numpy()))) - norm(y, z).detach().numpy())
     assert out[1].max() < 1e-5
     assert out[2].max() > 1e-2
+
+
+# ------------------------------------------------------------------ Mamba (Jamba's)
+jamba = pytest.importorskip("transformers.models.jamba.modeling_jamba")
+
+
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 40])
+def test_scan_by_doubling_is_the_recurrence(T):
+    """The prefill's scan by doubling (ceil(log2(max_len)) steps) from a non-zero state equals the token-by-token
+    recurrence, at lengths below, at and above a power of two."""
+    from models.layers.mamba import scan_step, selective_scan
+
+    gen = torch.Generator().manual_seed(T)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    d, n = 6, 4
+    x, dt, A = r(1, T, d), torch.rand(1, T, d, generator=gen), -torch.rand(d, n, generator=gen) - 0.1
+    B, C, s0 = r(1, T, n), r(1, T, n), r(1, d, n)
+    y, state = selective_scan(x, dt, A, B, C, s0.clone(), max_len=64)
+    s, steps = s0.clone(), []
+    for t in range(T):
+        yt, s = scan_step(x[:, t], dt[:, t], A, B[:, t], C[:, t], s)
+        steps.append(yt)
+    steps = torch.stack(steps, 1)
+    assert (y - steps).abs().max() <= 1e-5 * steps.abs().max() and (state - s).abs().max() <= 1e-5 * s.abs().max()
+
+
+def test_the_mamba_mixer_is_jambas_in_prefill_and_carries_its_state_into_decode():
+    from models.layers.mamba import Mamba
+
+    fam = get_family("jamba")
+    c = fam.hf_config(fam.tiny_config)
+    torch.manual_seed(0)
+    ref = jamba.JambaMambaMixer(c, 0).eval()
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.3)
+    ours = Mamba(fam.args(fam.tiny_config))
+    missing = ours.load_state_dict(ref.state_dict(), strict=False)
+    assert not missing.unexpected_keys and set(missing.missing_keys) == {"conv_state", "recurrent_state"}
+    x = torch.randn(1, 11, c.hidden_size)
+    with torch.no_grad():
+        want = ref(x)  # HF's torch path without a cache: its loop over the 11 tokens
+        whole = ours(x, torch.arange(11))
+        parts = [ours(x[:, :8], torch.arange(8))] + [ours(x[:, t:t + 1], torch.tensor([t])) for t in range(8, 11)]
+    assert (whole - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (torch.cat(parts, 1) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_mlx_lm_jamba_renormalises_the_top_k_weights():
+    """mlx-lm 0.32.2's JambaSparseMoeBlock weighs the chosen experts by a softmax over their k logits, HF's
+    JambaTopKRouter by their probabilities among all the experts (goldens/known_divergences.toml). When this fails,
+    mlx-lm has fixed it: remove the entry."""
+    mx = pytest.importorskip("mlx.core")
+    mlx_jamba = pytest.importorskip("mlx_lm.models.jamba")
+    import numpy as np
+
+    c = get_family("jamba").hf_config(get_family("jamba").tiny_config)
+    router = jamba.JambaTopKRouter(c)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn_like(router.weight) * 0.05)  # a spread softmax: the top 2 of 8 far below 1
+    x = torch.randn(5, c.hidden_size)
+    _, hf_w, hf_idx = router(x)
+    logits = mx.array((x @ router.weight.detach().t()).numpy())
+    inds = np.array(mx.argpartition(-logits, kth=1, axis=-1)[..., :2])
+    theirs = np.array(mx.softmax(mx.take_along_axis(logits, mx.array(inds), axis=-1), axis=-1))
+    assert sorted(map(tuple, np.sort(inds, -1).tolist())) == sorted(map(tuple, hf_idx.sort(-1)[0].tolist()))
+    np.testing.assert_allclose(theirs.sum(-1), 1.0, rtol=1e-6)  # renormalised
+    assert (hf_w.sum(-1) < 0.9).all()  # HF's are not
+    src = __import__("inspect").getsource(mlx_jamba.JambaSparseMoeBlock.__call__)
+    assert "mx.softmax(scores" in src  # mlx-lm's own block computes it so
