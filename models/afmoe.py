@@ -95,7 +95,7 @@ MLX = MlxLm(
     moe="mlp",
 )
 
-def point_view(points, args: ModelArgs):
+def point_view(points, args: ModelArgs, layer=None):
     """The drill's points of HF's (and mlx-lm's) attention, whose q_proj and gate_proj are apart, in the production
     layout: gate_proj's output joined to q_proj's head by head ([.., nh, hd] each -> [.., nh * 2 hd], the production
     q_proj's rows: each head's q, then its gate)."""

@@ -16,7 +16,9 @@ MAMBA2 = "mamba2"  # a Mamba2 mixer (models/layers/mamba2.py: Granite 4.0-H, Nem
 # fixed chunks of `chunk_size` positions (Llama 4's rope layers; AttentionArgs)
 SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
-LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA, MAMBA2), (SPARSE, DENSE)
+# a layer without a mixer, or without an MLP: Nemotron-H's blocks each hold one of them (a mixer or an MLP)
+NONE = "none"
+LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA, MAMBA2, NONE), (SPARSE, DENSE, NONE)
 # the layer types whose mixer is recurrent (no softmax attention)
 RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2)
 # the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state (a short
@@ -327,9 +329,10 @@ class RouterArgs:
 @dataclass(frozen=True)
 class ExpertArgs:
     """The routed experts' MLP: "swiglu" silu(gate) * up; "clamped_swiglu" (gpt-oss) gate clamped
-    to <= swiglu_limit, up to [-swiglu_limit, swiglu_limit], gate * sigmoid(swiglu_alpha * gate) * (up + 1)."""
+    to <= swiglu_limit, up to [-swiglu_limit, swiglu_limit], gate * sigmoid(swiglu_alpha * gate) * (up + 1);
+    "relu2" relu(up)^2, no gate (Nemotron-H: the experts' gate_up_proj then holds their up rows alone)."""
 
-    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    activation: Literal["swiglu", "clamped_swiglu", "relu2"] = "swiglu"  # relu2: relu(up)^2, no gate (Nemotron-H)
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     bias: bool = False  # biases on the experts' projections (gpt-oss)
@@ -413,6 +416,8 @@ class ModelArgs:
     parallel_block: bool = False
     moe_bias: bool = False  # a bias added to the MoE block's output (JetMoE)
     mlp_bias: bool = False  # biases on the dense and shared-expert MLPs (ERNIE 4.5's use_bias)
+    # the dense and shared-expert MLPs' activation: "swiglu" down(silu(gate) * up), "relu2" down(relu(up)^2) (no gate)
+    mlp_activation: Literal["swiglu", "relu2"] = "swiglu"
     # an RMSNorm on the MoE block's output (routed + shared experts), before the residual add: the sparse
     # layers' mlp.post_mlp_layernorm (A.X-K1)
     moe_output_norm: bool = False
@@ -483,10 +488,12 @@ def mlp_type(a: ModelArgs, layer: int) -> str:
 
 
 def layer_kinds(a: ModelArgs, layer: int) -> tuple[str, ...]:
-    """The blocks checked in one decoder layer, in program order: the attention, then the router
-    and the experts of a sparse layer or the plain MLP of a dense one, then the whole layer."""
-    mlp = ("router", "moe") if mlp_type(a, layer) == SPARSE else ("mlp",)
-    return ("attention", *mlp, "layer")
+    """The blocks checked in one decoder layer, in program order: the attention (a layer with a mixer), then the
+    router and the experts of a sparse layer or the plain MLP of a dense one (a layer with an MLP), then the whole
+    layer."""
+    kind = mlp_type(a, layer)
+    mlp = ("router", "moe") if kind == SPARSE else ("mlp",) if kind == DENSE else ()
+    return (("attention",) if a.layer_types[layer] != NONE else ()) + mlp + ("layer",)
 
 
 def block_keys(a: ModelArgs) -> list[tuple[int | None, str]]:

@@ -79,8 +79,9 @@ class Family:
     # post_self_attn_layernorm is the production post_attention_layernorm; LFM2's feed_forward is mlp): the drill
     # compares the points both have by name; None: the same names
     hf_point_names: dict = None
-    # (the drill's points of an HF-named model, HF's or mlx-lm's, renamed by hf_point_names; ModelArgs) -> the same
-    # points in the production model's layout where a point is laid out otherwise (AFMoE's q_proj holds the gate)
+    # (the drill's points of an HF-named model, HF's or mlx-lm's, renamed by hf_point_names; ModelArgs; the layer) ->
+    # the same points in the production model's layout or names where a point is laid out or named otherwise (AFMoE's
+    # q_proj holds the gate; Nemotron-H's block names its mixer `mixer` whatever its kind)
     hf_point_view: Callable = None
 
     def __post_init__(self):

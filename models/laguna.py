@@ -121,7 +121,7 @@ MLX = MlxLm(
     ),
 )
 
-def point_view(points, args: ModelArgs):
+def point_view(points, args: ModelArgs, layer=None):
     """The drill's points of HF's MoE block in the production layout: HF's experts module sums the experts by the
     unscaled weights and the block scales the sum after it; the production experts sum by the scaled weights, so
     HF's `experts` point times moe_routed_scaling_factor is the production one (router_output's scaling, here)."""

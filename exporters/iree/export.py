@@ -267,7 +267,7 @@ def _export(model: Transformer, programs: dict[str, BlockProgram], prompt_len: i
     fxb = aot.FxProgramsBuilder(model)
     chosen = []  # routing replay (oracle/verdict/replay.py): each sparse layer's choice, returned after the logits
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: chosen.append(out[1]))
-             for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+             for layer in model.layers if isinstance(getattr(layer, "mlp", None), SparseMoE)]
 
     def forward(m, tokens, pos):
         chosen.clear()

@@ -173,7 +173,7 @@ class MLXBackend(Backend):
         mlx_lm = mapping(model.family.name)
         view = model.family.hf_point_view
         return MLXCandidate(m, dtype, device, info, mlx_lm.array_mask, windows, chunks, mlx_lm.block_args,
-                            model.family.hf_point_names, view and (lambda pts: view(pts, a)))
+                            model.family.hf_point_names, view and (lambda pts, layer=None: view(pts, a, layer)))
 
     # `oracle selftest --conversion`: mlx-lm directories at two widths and two group sizes
     shipped_formats = tuple((f"{p} g{g}", p, {"group_size": g}) for p in ("q8", "q4") for g in GROUP_SIZES)

@@ -252,7 +252,7 @@ class MLXCandidate(Candidate):
             from models.mapping import renamed
 
             pts = pts.renamed(lambda n: renamed(n, self.point_names))
-        return self.point_view(pts) if self.point_view else pts
+        return self.point_view(pts, layer) if self.point_view else pts
 
     def chunk_mask(self, x, cache, chunk: int):
         """The chunked layers' mask as mlx-lm's llama4 builds it over its ChunkedKVCache (key j visible

@@ -102,7 +102,7 @@ class TorchCandidate(Candidate):
         self.forward = model  # what prefill / decode call (a compiled candidate: the compiled model)
         # the experts each router selects (oracle/verdict/replay.py): hooks on the production routers
         self.routes = RouteLog({i: layer.mlp.gate for i, layer in enumerate(model.layers)
-                                if isinstance(layer.mlp, SparseMoE)}, lambda out: (out[1], out[0]))
+                                if isinstance(getattr(layer, "mlp", None), SparseMoE)}, lambda out: (out[1], out[0]))
 
     def last_routes(self):
         return self.routes.call()

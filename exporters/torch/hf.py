@@ -187,7 +187,7 @@ class HFCandidate(Candidate):
                 rec.add("output", o)
         names = self.family.hf_point_names  # HF's submodule names -> the production model's (the drill's names)
         pts = rec.points.renamed(lambda n: renamed(n, names)) if names else rec.points
-        return self.family.hf_point_view(pts, self.args) if self.family.hf_point_view else pts
+        return self.family.hf_point_view(pts, self.args, layer) if self.family.hf_point_view else pts
 
     def _replay(self, layer, kind, calls):
         target = self.modules[layer, kind]

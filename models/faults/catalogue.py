@@ -43,7 +43,8 @@ COMMON: tuple[Fault, ...] = (
           wrong_num_experts, lambda a: not routing.grouped(a)),
     Fault("router_sigmoid", "router", "last", "sigmoid scoring instead of softmax", sigmoid_router,
           lambda a: a.router.scoring == "softmax"),
-    Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", gate_up_swapped),
+    Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", gate_up_swapped,
+          lambda a: a.experts.activation != "relu2"),  # (relu^2 experts have no gate)
     Fault("expert_weights_off_1e-3", "moe", "last", "one (used) expert's weights off by 1e-3", one_expert_off),
     Fault("expert_index_off_by_one", "moe", "last", "expert weights gathered at index + 1", expert_index_off_by_one),
     # (sparsemixer's weights are 1 but inside its jitter band: nothing to see there)
@@ -271,7 +272,8 @@ POINTS: dict[str, str | tuple | None] = {
     "mamba2_chunk_boundary_off_by_one": "recurrence",
     "short_conv_state_not_carried": "conv", "short_conv_gate_missing": "context", "short_conv_taps_reversed": "conv",
     # layer, final norm, head
-    "rmsnorm_eps_wrong": "input_layernorm", "norm_offset_missing": "post_attention_layernorm",
+    # (rmsnorm_eps_wrong on a layer with an MLP alone, Nemotron-H's: its one norm)
+    "rmsnorm_eps_wrong": ("input_layernorm", "post_attention_layernorm"), "norm_offset_missing": "post_attention_layernorm",
     # (a parallel block has no post-attention norm: its layer's output)
     "layernorm_as_rmsnorm": "input_layernorm", "residual_missing": ("post_attention_layernorm", "output"),
     "residual_multiplier_missing": "post_attention_layernorm", "shared_mlp_missing": ("shared_mlp", "output"),

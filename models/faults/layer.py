@@ -15,8 +15,9 @@ def logits_to_float(model, a):
 
 
 # ------------------------------------------------------------------ layer / model
-def input_norm_eps(layer, a):
-    layer.input_layernorm.eps = a.rms_norm_eps * 1e3
+def input_norm_eps(layer, a):  # (a layer with an MLP alone, Nemotron-H's: its one norm)
+    (layer.input_layernorm if hasattr(layer, "input_layernorm") else layer.post_attention_layernorm).eps = \
+        a.rms_norm_eps * 1e3
 
 
 def norm_offset_missing(layer, a):
@@ -24,6 +25,10 @@ def norm_offset_missing(layer, a):
 
 
 def residual_missing(layer, a):
+    if not (layer.has_mixer and layer.has_mlp):  # one block (Nemotron-H): its output without the stream
+        patch(layer, "forward", lambda x, pos: layer.attn(layer.input_layernorm(x), pos) if layer.has_mixer
+              else layer.ffn(layer.post_attention_layernorm(x)))
+        return
     if getattr(layer, "parallel", False):  # a parallel block (Cohere): attention + MLP without the stream
         patch(layer, "forward", lambda x, pos: (lambda h: layer.attn(h, pos) + layer.ffn(h))(layer.input_layernorm(x)))
         return

@@ -23,15 +23,15 @@ def mamba2_decay_sign(m: Mamba2, a):  # A = +e^A_log: the state grows where it s
 
 
 def mamba2_dt_bias_dropped(m: Mamba2, a):
-    def discretized(dt):
+    def discretized(dt, prefill: bool = True):
         dt = torch.nn.functional.softplus(dt.float())
-        return dt.clamp(m.dt_min, m.dt_max) if m.dt_min > 0.0 or m.dt_max != float("inf") else dt
+        return dt.clamp(m.dt_min, m.dt_max) if prefill and (m.dt_min > 0.0 or m.dt_max != float("inf")) else dt
 
     patch(m, "discretized", discretized)
 
 
 def mamba2_dt_bf16(m: Mamba2, a):  # the time step rounded to bf16 in an fp32 model (a decay in the wrong dtype)
-    patch(m, "discretized", lambda dt: Mamba2.discretized(m, dt).to(torch.bfloat16).float())
+    patch(m, "discretized", lambda dt, prefill=True: Mamba2.discretized(m, dt, prefill).to(torch.bfloat16).float())
 
 
 def mamba2_chunk_boundary_off_by_one(m: Mamba2, a):

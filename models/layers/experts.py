@@ -1,5 +1,5 @@
 """Routed experts with stacked weights: gathered by index or run densely when traced, grouped
-by expert when eager; SwiGLU or the clamped SwiGLU, with or without biases."""
+by expert when eager; SwiGLU, the clamped SwiGLU or relu^2 (no gate), with or without biases."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ class Experts(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         E, H, I = a.num_experts, a.hidden_size, a.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))  # gate rows, then up rows
+        gated = 1 if a.experts.activation == "relu2" else 2  # (relu2: no gate, the up rows alone)
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, gated * I, H))  # gate rows, then up rows
         self.down_proj = nn.Parameter(torch.zeros(E, H, I))
         if a.experts.bias:
-            self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I))
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, gated * I))
             self.down_proj_bias = nn.Parameter(torch.zeros(E, H))
         self.act = a.experts.activation
         self.limit, self.alpha = a.experts.swiglu_limit, a.experts.swiglu_alpha
@@ -41,6 +42,11 @@ class Experts(nn.Module):
             return y.sum(dim=1).to(x.dtype)
         y = self.expert_mlp(x, idx)  # [N, k, H]
         return (y * w[..., None]).sum(dim=1).to(x.dtype)
+
+    def gated(self, gu, dim: int = -1):  # gate_up's output [.., 2I (or I: relu2), ..] along dim -> [.., I, ..]
+        if self.act == "relu2":
+            return F.relu(gu).square()
+        return self.activation(*gu.chunk(2, dim=dim))
 
     def activation(self, gate, up):  # [..., I] each
         if self.act == "clamped_swiglu":
@@ -58,8 +64,7 @@ class Experts(nn.Module):
         gu = (self.gate_up_proj[idx] @ xs[..., None]).squeeze(-1)  # [N, k, 2I]
         if hasattr(self, "gate_up_proj_bias"):
             gu = gu + rows(self.gate_up_proj_bias, idx)
-        gate, up = gu.chunk(2, dim=-1)
-        y = (self.down_proj[idx] @ self.activation(gate, up)[..., None]).squeeze(-1)
+        y = (self.down_proj[idx] @ self.gated(gu)[..., None]).squeeze(-1)
         return y + rows(self.down_proj_bias, idx) if hasattr(self, "down_proj_bias") else y
 
     def dense_mlp(self, x, idx, w=None):  # traced, "dense": every expert on every token, no weight copy
@@ -72,8 +77,7 @@ class Experts(nn.Module):
         gu = torch.bmm(self.gate_up_proj, xt)  # [E, 2I, N]
         if hasattr(self, "gate_up_proj_bias"):
             gu = gu + self.gate_up_proj_bias[..., None]
-        gate, up = gu.chunk(2, dim=1)  # [E, I, N] each
-        y = torch.bmm(self.down_proj, self.activation(gate, up))  # [E, H, N]
+        y = torch.bmm(self.down_proj, self.gated(gu, dim=1))  # [E, H, N]
         if hasattr(self, "down_proj_bias"):
             y = y + self.down_proj_bias[..., None]
         y = y.permute(2, 0, 1)  # [N, E, H]
@@ -90,8 +94,7 @@ class Experts(nn.Module):
             if w is not None:
                 xe = xe * w.reshape(-1)[slots, None].to(x.dtype)
             gu = F.linear(xe, self.gate_up_proj[e], self.gate_up_proj_bias[e] if bias else None)
-            gate, up = gu.chunk(2, dim=-1)  # [n_e, I] each
-            out[slots] = F.linear(self.activation(gate, up), self.down_proj[e], self.down_proj_bias[e] if bias else None)
+            out[slots] = F.linear(self.gated(gu), self.down_proj[e], self.down_proj_bias[e] if bias else None)
         return out.view(N, k, -1)
 
 

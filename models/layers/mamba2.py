@@ -98,7 +98,7 @@ class Mamba2(nn.Module):
         rep = self.h // self.g
         B = B.reshape(b, T, self.g, self.n).float().repeat_interleave(rep, dim=2)  # [b, T, h, n]
         C = C.reshape(b, T, self.g, self.n).float().repeat_interleave(rep, dim=2)
-        dt = tap("dt", self.discretized(dt))  # [b, T, h] fp32
+        dt = tap("dt", self.discretized(dt, T > 1))  # [b, T, h] fp32
         A = self.decay_rate()  # [h]
         if taps.TAPS is not None:
             tap("decay", (dt * A).exp())
@@ -111,9 +111,11 @@ class Mamba2(nn.Module):
     def decay_rate(self):  # A = -e^A_log (fp32): each head's state decays by e^(dt A) a token
         return -self.A_log.float().exp()
 
-    def discretized(self, dt):  # softplus(dt + dt_bias) within the time-step limits, fp32
+    def discretized(self, dt, prefill: bool = True):
+        """softplus(dt + dt_bias), fp32, within the time-step limits in a prefill only: HF's torch path passes its
+        dt_limit to the chunked scan, not to the one-step update (transformers 5.23 granitemoehybrid, nemotron_h)."""
         dt = F.softplus((dt + self.dt_bias.to(dt.dtype)).float())
-        if self.dt_min > 0.0 or self.dt_max != float("inf"):
+        if prefill and (self.dt_min > 0.0 or self.dt_max != float("inf")):
             dt = dt.clamp(self.dt_min, self.dt_max)
         return dt
 

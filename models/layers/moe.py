@@ -13,13 +13,18 @@ from models.layers.router import Router
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool = False):
+    """SwiGLU down(silu(gate) * up), or "relu2" down(relu(up)^2) with no gate (Nemotron-H)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, activation: str = "swiglu"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        if activation != "relu2":
+            self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x):
+        if not hasattr(self, "gate_proj"):
+            return self.down_proj(F.relu(self.up_proj(x)).square())
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -35,10 +40,10 @@ class SparseMoE(nn.Module):
         if a.shared_expert_beside:  # on the decoder layer (models.layers.transformer.DecoderLayer)
             pass
         elif a.shared_expert_intermediate_size and a.shared_expert_gated:
-            self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
+            self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias, a.mlp_activation)
             self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
         elif a.shared_expert_intermediate_size:  # always on, no gate (DeepSeek)
-            self.shared_experts = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
+            self.shared_experts = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias, a.mlp_activation)
         if a.moe_output_norm:  # the block's output normalised (A.X-K1)
             self.post_mlp_layernorm = norm(a, a.hidden_size)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.args import CONV, LINEAR, MAMBA, MAMBA2, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mixer_name, mlp_type
+from models.args import CONV, LINEAR, MAMBA, MAMBA2, NONE, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mixer_name, mlp_type
 from models.layers.attention import Attention
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.mamba import Mamba
@@ -42,18 +42,24 @@ class DecoderLayer(nn.Module):
             self.mamba = Mamba(a, dtype)
         elif self.layer_type == MAMBA2:
             self.mamba = Mamba2(a, dtype)
+        elif self.layer_type == NONE:  # (Nemotron-H: a block with an MLP alone)
+            pass
         elif a.attention.kind == "mla":
             self.self_attn = LatentAttention(a, dtype)
         elif a.attention.kind == "moa":
             self.self_attn = MixtureOfAttention(a, dtype, i)
         else:
             self.self_attn = Attention(a, dtype, i)
-        self.mlp = SparseMoE(a) if mlp_type(a, i) == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+        kind = mlp_type(a, i)
+        if kind != NONE:  # (Nemotron-H: a block with a mixer alone has none)
+            self.mlp = SparseMoE(a) if kind == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias,
+                                                               a.mlp_activation)
         self.placement = a.norm.placement  # (models.args.NormArgs)
         self.parallel = a.parallel_block  # Cohere: one input norm, no post-attention norm
-        if self.placement != "post":
+        self.has_mixer, self.has_mlp = self.layer_type != NONE, kind != NONE
+        if self.placement != "post" and self.has_mixer:
             self.input_layernorm = norm(a, a.hidden_size)
-        if not self.parallel:
+        if not self.parallel and self.has_mlp:
             self.post_attention_layernorm = norm(a, a.hidden_size)
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = norm(a, a.hidden_size)
@@ -75,6 +81,9 @@ class DecoderLayer(nn.Module):
         if self.placement != "pre":  # the blocks' outputs normed before their residual adds
             h = x + self.attention_branch(x, pos)
             return h + self.mlp_branch(h)
+        if not (self.has_mixer and self.has_mlp):  # Nemotron-H: one norm, one block, one residual
+            return x + (self.attn(self.input_layernorm(x), pos) if self.has_mixer
+                        else self.ffn(self.post_attention_layernorm(x)))
         if self.residual_multiplier != 1.0:  # Granite
             h = x + self.attn(self.input_layernorm(x), pos) * self.residual_multiplier
             return h + self.ffn(self.post_attention_layernorm(h)) * self.residual_multiplier

@@ -486,6 +486,8 @@ def decoder_of(model):
         return decoder
     if hasattr(decoder, "layers") and hasattr(decoder, "embedding_norm"):  # LFM2's final norm (after the layers)
         return RenamedDecoder(decoder, decoder.layers, decoder.embedding_norm)
+    if hasattr(decoder, "layers") and hasattr(decoder, "norm_f"):  # Nemotron-H's
+        return RenamedDecoder(decoder, decoder.layers, decoder.norm_f)
     if hasattr(decoder, "layers") and hasattr(decoder, "final_layernorm"):  # Jamba's
         return RenamedDecoder(decoder, decoder.layers, decoder.final_layernorm)
     if hasattr(decoder, "blocks") and hasattr(decoder, "norm_f"):

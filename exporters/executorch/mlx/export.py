@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.args import SPARSE, mlp_type
+from models.args import SPARSE, layer_kinds, mlp_type
 from models.layers.attention import Attention
 from models.layers.experts import Experts
 from models.layers.gated_deltanet import GatedDeltaNet
@@ -328,7 +328,7 @@ class RoutesForward(nn.Module):
         self.model = model
         self.chosen: list = []
         for layer in model.layers:
-            if isinstance(layer.mlp, SparseMoE):
+            if isinstance(getattr(layer, "mlp", None), SparseMoE):
                 layer.mlp.gate.register_forward_hook(lambda m, a, out: self.chosen.extend((out[1], out[0])))
 
     def forward(self, tokens, pos):
@@ -355,14 +355,15 @@ def export_methods(model: Transformer, check: bool, sampling: bool = False) -> d
         if check:
             blocks = [Block("final_norm", model.norm, "final_norm"), Block("logits", model.lm_head, "logits")]
             for i, layer in enumerate(model.layers):
+                kinds = layer_kinds(a, i)  # (Nemotron-H's layers: a mixer or an MLP alone)
                 mlp = "moe" if mlp_type(a, i) == SPARSE else "mlp"  # the moe method also gives the router's outputs
-                blocks += [Block(f"attention_{i}", layer.attn, "attention"), Block(f"{mlp}_{i}", layer.mlp, mlp),
-                           Block(f"layer_{i}", layer, "layer")]
+                blocks += ([Block(f"attention_{i}", layer.attn, "attention")] if "attention" in kinds else []) + (
+                    [Block(f"{mlp}_{i}", layer.mlp, mlp)] if mlp in kinds else []) + [Block(f"layer_{i}", layer, "layer")]
             for b in blocks:
                 stateful = b.kind in ("attention", "layer")
                 out[b.name] = export(b, (x, pos) if stateful else (x,),
                                    dynamic_shapes=({1: T}, {0: T}) if stateful else ({1: T},), strict=True)
-            if any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
+            if any(isinstance(getattr(layer, "mlp", None), SparseMoE) for layer in model.layers):
                 out["routes"] = export(RoutesForward(model), (torch.zeros(1, 2, dtype=torch.long), pos),
                                        dynamic_shapes=({1: T}, {0: T}), strict=True)
         if sampling:

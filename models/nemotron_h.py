@@ -1,0 +1,113 @@
+"""Nemotron-H (NVIDIA; Nemotron 3 Nano): each block one norm, one mixer, one residual, the mixer a Mamba2
+(models/layers/mamba2.py; HF's layer kind "linear_attention"), a GQA attention without any rotary embedding
+("full_attention"), an MoE ("moe": DeepSeek-V3's router, sigmoid scores plus a correction bias for the choice within
+the best groups, renormalised and scaled, relu^2 experts with no gate, an always-on relu^2 shared expert) or a dense
+relu^2 MLP ("mlp"). The production model's layer with a mixer alone or an MLP alone (layer type / MLP type "none");
+HF's block names (`norm`, `mixer`) mapped per layer by the layer's kind, in the checkpoint (sanitize) and in the
+drill (point_view). HF's Mamba2 clamps dt to time_step_min in the prefill only (its dt_limit)."""
+
+import re
+
+from models.args import (DENSE, FULL, LINEAR, MAMBA2, NONE, SPARSE, AttentionArgs, ExpertArgs, Mamba2Args, ModelArgs,
+                         RopeArgs)
+from models.family import Family
+from models.mapping import deepseek_router, hf_args, require, sigmoid_routing, strip_prefix, tie_embeddings
+from models.rules import GROUPED
+
+KINDS = {LINEAR: (MAMBA2, NONE), FULL: (FULL, NONE), "moe": (NONE, SPARSE), "mlp": (NONE, DENSE)}
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    # every block kind, an MoE last (the release: Mamba2 and MoE blocks alternating, an attention block every ~6)
+    layers_block_type=[LINEAR, "moe", FULL, "mlp", "moe"], intermediate_size=48,
+    mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=6,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+    n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+)
+
+
+def to_args(c) -> ModelArgs:
+    kinds = list(c.layers_block_type)
+    require(set(kinds) <= set(KINDS), f"nemotron_h: unknown layers_block_type {sorted(set(kinds) - set(KINDS))}")
+    require("moe" in kinds, "nemotron_h: no moe block (a dense Nemotron-H: no experts to check)")
+    require(c.moe_latent_size is None, "nemotron_h: moe_latent_size (the latent MoE projections fc1/fc2_latent_proj "
+                                       "are not implemented)")
+    require(c.mlp_hidden_act == "relu2" and c.mamba_hidden_act == "silu",
+            f"nemotron_h: mlp_hidden_act {c.mlp_hidden_act!r} / mamba_hidden_act {c.mamba_hidden_act!r} "
+            "(relu2 and silu are implemented)")
+    n = len(kinds)
+    return hf_args(
+        c, "nemotron_h", num_hidden_layers=n, rms_norm_eps=c.layer_norm_epsilon,
+        layer_types=tuple(KINDS[k][0] for k in kinds), mlp_types=tuple(KINDS[k][1] for k in kinds),
+        rope=RopeArgs(10000.0, per_layer=(0,) * n),  # (no block rotates: the base is never read)
+        attention=AttentionArgs(qkv_bias=c.attention_bias, o_bias=c.attention_bias),
+        intermediate_size=c.intermediate_size, mlp_activation="relu2", mlp_bias=bool(c.mlp_bias),
+        num_experts=c.n_routed_experts, moe_intermediate_size=c.moe_intermediate_size,
+        shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size * (c.n_shared_experts or 0),
+        shared_expert_gated=False, experts=ExpertArgs(activation="relu2"),
+        router=deepseek_router(c, **sigmoid_routing(c)),
+        mamba2=Mamba2Args(num_heads=c.mamba_num_heads, head_dim=c.mamba_head_dim, state_size=c.ssm_state_size,
+                          n_groups=c.n_groups, conv_kernel=c.conv_kernel, chunk_size=c.chunk_size,
+                          time_step_limit=(float(c.time_step_min), float("inf")),  # (HF's: time_step_limit unread)
+                          conv_bias=bool(c.use_conv_bias), proj_bias=bool(c.use_bias)),
+    )
+
+
+BLOCK = re.compile(r"^layers\.(\d+)\.(norm|mixer)\b")
+EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+
+
+def production_name(name: str, args: ModelArgs) -> str:
+    """HF's name of a block's module (layers.N.norm / layers.N.mixer..., relative to the decoder) -> the production
+    model's: the norm before the block's mixer or MLP, the mixer under its kind's name."""
+    m = BLOCK.match(name)
+    if m is None:
+        return name
+    i, part = int(m.group(1)), m.group(2)
+    mixer = args.layer_types[i] != NONE
+    new = ("input_layernorm" if mixer else "post_attention_layernorm") if part == "norm" else (
+        ("mamba" if args.layer_types[i] == MAMBA2 else "self_attn") if mixer else "mlp")
+    return f"layers.{i}.{new}" + name[m.end():]
+
+
+def sanitize(weights: dict, args: ModelArgs) -> dict:
+    """The release's (backbone.*) or HF's (model.*) names -> the production model's, per-expert up / down stacked
+    (experts.gate_up_proj holds the up rows of the relu^2 experts)."""
+    import torch
+
+    out, experts = {}, {}
+    for k, t in strip_prefix(strip_prefix(weights, "backbone."), "model.").items():
+        k = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}.get(k, k)
+        k = production_name(k, args).replace(".mlp.experts.up_proj", ".mlp.experts.gate_up_proj")
+        if m := EXPERT.match(k):
+            experts.setdefault(m.group(1), {})[int(m.group(2)), m.group(3)] = t
+        else:
+            out[k] = t
+    for prefix, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        for proj, name in (("up_proj", "gate_up_proj"), ("down_proj", "down_proj")):
+            missing = [e for e in range(n) if (e, proj) not in parts]
+            require(not missing, f"missing tensor {prefix}.{missing[0] if missing else 0}.{proj}.weight")
+            out[f"{prefix}.{name}"] = torch.stack([parts[e, proj] for e in range(n)])
+    return tie_embeddings(out, args)
+
+
+def point_view(points, args: ModelArgs, layer=None):
+    """The drill's points of HF's whole block (its norm, mixer.*) under the production names of that layer's kind;
+    a mixer's or an MLP's own points (a Mamba2's `norm` among them) as they are."""
+    if layer is None or "mixer" not in points.registered:
+        return points
+    return points.renamed(lambda n: production_name(f"layers.{layer}.{n}", args).split(".", 2)[2]
+                          if BLOCK.match(f"layers.{layer}.{n}") else n)
+
+
+FAMILY = Family(
+    name="nemotron_h", model_types=("nemotron_h",), hf_module="nemotron_h", hf_class_name="NemotronHForCausalLM",
+    hf_config_name="NemotronHConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+    hf_attention=("mixer",), hf_moe="mixer", hf_router="mixer.gate", hf_mlp="mixer", hf_point_view=point_view,
+    experts="n_routed_experts",
+    rules=(*GROUPED, ("positive", "moe_intermediate_size", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
+                      "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"),
+           ("at_least", "conv_kernel", 2), ("divides", "n_groups", "mamba_num_heads")),
+)
