@@ -18,8 +18,9 @@ KINDS = {LINEAR: (MAMBA2, NONE), FULL: (FULL, NONE), "moe": (NONE, SPARSE), "mlp
 
 TINY = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    # every block kind, an MoE last (the release: Mamba2 and MoE blocks alternating, an attention block every ~6)
-    layers_block_type=[LINEAR, "moe", FULL, "mlp", "moe"], intermediate_size=48,
+    # the release's block kinds, an MoE last (the release: Mamba2 and MoE blocks alternating, an attention block
+    # every ~6; its MoE models have no dense "mlp" block, and llama.cpp's converter reads none beside MoE blocks)
+    layers_block_type=[LINEAR, "moe", FULL, LINEAR, "moe"], intermediate_size=48,
     mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=6,
     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
     n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
@@ -102,11 +103,16 @@ def point_view(points, args: ModelArgs, layer=None):
                           if BLOCK.match(f"layers.{layer}.{n}") else n)
 
 
+# the release's config.json spells the blocks as hybrid_override_pattern (M Mamba2, * attention, E MoE, - MLP: HF reads
+# it so, llama.cpp's converter reads nothing else), with no layers_block_type
+PATTERN = {LINEAR: "M", FULL: "*", "moe": "E", "mlp": "-"}
+RELEASE = dict(hybrid_override_pattern="".join(PATTERN[k] for k in TINY["layers_block_type"]))
+
 FAMILY = Family(
     name="nemotron_h", model_types=("nemotron_h",), hf_module="nemotron_h", hf_class_name="NemotronHForCausalLM",
     hf_config_name="NemotronHConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_attention=("mixer",), hf_moe="mixer", hf_router="mixer.gate", hf_mlp="mixer", hf_point_view=point_view,
-    experts="n_routed_experts",
+    experts="n_routed_experts", release_config=RELEASE, release_drops=("layers_block_type", "time_step_limit"),
     rules=(*GROUPED, ("positive", "moe_intermediate_size", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
                       "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"),
            ("at_least", "conv_kernel", 2), ("divides", "n_groups", "mamba_num_heads")),

@@ -164,13 +164,16 @@ class Graph:
         attn_in = self.named.get(norm)
         stream = self.stream_into(norm)
         mid = self.add_onto(stream, attn_in)
-        out = self.named.get(f"l_out-{L}")
+        out = next((self.named[n.format(L)] for n in LAYER_OUTS if n.format(L) in self.named), None)
         ffn_in = self.normed(mid) if mid is not None else None
         # a parallel block (Cohere's): no norm after the first residual sum, which is the MLP's (fed attn_in)
         # output added to the stream; the layer's output adds the attention's to it
         parallel = ffn_in is None and mid is not None and out in self.nodes and mid in self.nodes[out][2]
+        # one block a layer (Nemotron-H's: a mixer or an MLP alone, its one norm named attn_norm-L): the first residual
+        # sum is the layer's output, and the block after that norm is the mixer or the MLP, whichever the layer has
+        single = mid is not None and out is not None and self.through(mid) == self.through(out)
         return {"stream": stream, "mid": mid, "out": out, "attn_in": attn_in,
-                "ffn_in": attn_in if parallel else ffn_in, "parallel": parallel}
+                "ffn_in": attn_in if parallel or single else ffn_in, "parallel": parallel, "single": single}
 
     def through(self, p):
         """`p` seen through row selections and views (the last layer keeps only the output rows)."""
@@ -197,6 +200,9 @@ class Graph:
         return None if p is None or p not in self.nodes else self.nodes[p][2][0]
 
 
+# what llama.cpp's graphs name a layer's output: l_out-L, or Nemotron-H's nemotron_h_block_out-L (its l_out-L: the MoE's
+# routed and shared experts' sum, before the residual)
+LAYER_OUTS = ("nemotron_h_block_out-{0}", "l_out-{0}")
 # what llama.cpp's graphs name a layer's norm before its attention (or the mixer in its place): attn_norm-L, or LFM2's
 # HF-style name (its graph passes "model.layers.{}.operator_norm" to cb, which appends -L and keeps the braces)
 ATTN_NORMS = ("attn_norm-{0}", "model.layers.{{}}.operator_norm-{0}")
@@ -290,7 +296,9 @@ class Runner:
         out = {}
         for L in range(self.n_layer):
             n = g.layer(L)
-            if n["parallel"]:  # the layer's output is (MLP + stream) + attention
+            if n["single"]:  # its one block, read as the attention or the MLP, whichever the layer has
+                attention = ffn = g.branch(n["out"], n["stream"], post_normed=post_normed)
+            elif n["parallel"]:  # the layer's output is (MLP + stream) + attention
                 attention = g.branch(n["out"], n["mid"])
                 ffn = g.branch(n["mid"], n["stream"], before_scale=False)
             else:
@@ -369,7 +377,8 @@ class Runner:
             if v is not None:
                 found[point] = v.reshape(x.shape[0], -1).astype(np.float32)
         n = g.layer(layer)
-        out = g.branch(n["mid"], n["stream"], before_scale=False) if n["parallel"] else g.branch(n["out"], n["mid"])
+        out = g.branch(n["mid"], n["stream"], before_scale=False) if n["parallel"] else g.branch(
+            n["out"], n["stream"] if n["single"] else n["mid"])
         if out is not None:
             found["output"] = out.reshape(x.shape[0], -1)
         return found
