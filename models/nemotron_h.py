@@ -12,6 +12,7 @@ from models.args import (DENSE, FULL, LINEAR, MAMBA2, NONE, SPARSE, AttentionArg
                          RopeArgs)
 from models.family import Family
 from models.mapping import deepseek_router, hf_args, require, sigmoid_routing, strip_prefix, tie_embeddings
+from models.mlx_lm import MlxLm, const
 from models.rules import GROUPED
 
 KINDS = {LINEAR: (MAMBA2, NONE), FULL: (FULL, NONE), "moe": (NONE, SPARSE), "mlp": (NONE, DENSE)}
@@ -108,9 +109,33 @@ def point_view(points, args: ModelArgs, layer=None):
 PATTERN = {LINEAR: "M", FULL: "*", "moe": "E", "mlp": "-"}
 RELEASE = dict(hybrid_override_pattern="".join(PATTERN[k] for k in TINY["layers_block_type"]))
 
+MLX = MlxLm(
+    module="nemotron_h",
+    config=dict(
+        model_type="model_type", vocab_size="vocab_size", hidden_size="hidden_size",
+        intermediate_size="intermediate_size", max_position_embeddings="max_position_embeddings",
+        num_attention_heads="num_attention_heads", num_key_value_heads="num_key_value_heads",
+        attention_bias="attention_bias", mamba_num_heads="mamba_num_heads", mamba_head_dim="mamba_head_dim",
+        mamba_proj_bias="mamba_proj_bias", ssm_state_size="ssm_state_size", conv_kernel="conv_kernel",
+        n_groups="n_groups", mlp_bias="mlp_bias", layer_norm_epsilon="layer_norm_epsilon", use_bias="use_bias",
+        use_conv_bias="use_conv_bias", hybrid_override_pattern=lambda c: [PATTERN[k] for k in c.layers_block_type],
+        layers_block_type=const(None), layer_types=const(None), num_hidden_layers=lambda c: len(c.layers_block_type),
+        head_dim="head_dim", moe_intermediate_size="moe_intermediate_size",
+        moe_shared_expert_intermediate_size="moe_shared_expert_intermediate_size", moe_latent_size="moe_latent_size",
+        n_group="n_group", n_routed_experts="n_routed_experts", n_shared_experts="n_shared_experts",
+        topk_group="topk_group", num_experts_per_tok="num_experts_per_tok", norm_topk_prob="norm_topk_prob",
+        routed_scaling_factor="routed_scaling_factor",
+        # HF's Mamba2 limit (time_step_min, inf), which mlx-lm applies in decode too (HF in the prefill only)
+        time_step_limit=lambda c: (float(c.time_step_min), float("inf")), time_step_min="time_step_min",
+        time_step_max="time_step_max",
+    ),
+    require=(),  # (mlx-lm's nemotron_h reads mlp_hidden_act from no field: relu^2, as to_args requires)
+    moe="mixer",
+)
+
 FAMILY = Family(
     name="nemotron_h", model_types=("nemotron_h",), hf_module="nemotron_h", hf_class_name="NemotronHForCausalLM",
-    hf_config_name="NemotronHConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+    hf_config_name="NemotronHConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
     hf_attention=("mixer",), hf_moe="mixer", hf_router="mixer.gate", hf_mlp="mixer", hf_point_view=point_view,
     experts="n_routed_experts", release_config=RELEASE, release_drops=("layers_block_type", "time_step_limit"),
     rules=(*GROUPED, ("positive", "moe_intermediate_size", "intermediate_size", "mamba_num_heads", "mamba_head_dim",

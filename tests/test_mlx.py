@@ -369,7 +369,7 @@ def test_rotary_rebuilds_the_ropes_with_explicit_frequencies(mlx, any_family):
             assert np.array_equal(np.array(r(x, offset)), np.array(rebuilt(x, offset)))
 
 
-@pytest.mark.parametrize("module", ["deepseek_v3", "glm4_moe", "dots1"])
+@pytest.mark.parametrize("module", ["deepseek_v3", "glm4_moe", "dots1", "nemotron_h"])
 def test_mlx_lm_group_choice_fills_left_out_groups_with_zero(mlx, module):
     """mlx-lm's group_expert_select sets the selection scores of the groups it leaves out to 0.0;
     HF's routers (DeepseekV3TopkRouter, Glm4MoeTopkRouter, Dots1TopkRouter) to -inf. Where a kept

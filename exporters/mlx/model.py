@@ -9,8 +9,8 @@ def text_model(model):
     return getattr(model, "language_model", model)
 
 
-def body(tm):  # the text model's decoder stack (DBRX's mlx-lm model names it transformer)
-    return tm.model if "model" in tm else tm.transformer
+def body(tm):  # the text model's decoder stack (DBRX's mlx-lm model names it transformer, Nemotron-H's backbone)
+    return next(tm[n] for n in ("model", "transformer", "backbone") if n in tm)
 
 
 def final_norm(tm):  # the text model's final norm (LFM2 names it embedding_norm, DBRX norm_f, Jamba final_layernorm)
@@ -20,11 +20,11 @@ def final_norm(tm):  # the text model's final norm (LFM2 names it embedding_norm
 
 def embedding(tm):  # the token embedding (DBRX: wte)
     b = body(tm)
-    return b.embed_tokens if "embed_tokens" in b else b.wte
+    return next(b[n] for n in ("embed_tokens", "wte", "embeddings") if n in b)
 
 
 def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm name
-    return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp", "ffn") if n in layer)
+    return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp", "ffn", "mixer") if n in layer)
 
 
 def attention_block(layer):  # the mixer in the attention's place: LFM2's short conv where a layer has no attention
@@ -32,7 +32,7 @@ def attention_block(layer):  # the mixer in the attention's place: LFM2's short 
         return layer.linear_attn
     if "norm_attn_norm" in layer:  # DBRX: the attention inside its norm, attention, residual, norm module
         return layer.norm_attn_norm.attn
-    return next(getattr(layer, n) for n in ("self_attn", "conv", "mamba") if n in layer)
+    return next(getattr(layer, n) for n in ("self_attn", "conv", "mamba", "mixer") if n in layer)
 
 
 # what most mlx-lm models call a module or array -> what some call it (LFM2's operator_norm, ffn_norm, q_layernorm,
@@ -233,7 +233,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "GraniteMoeHybridMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
-         "mlx_lm.models.exaone_moe.MoE": _route_gate,
+         "mlx_lm.models.exaone_moe.MoE": _route_gate, "NemotronHMoE": _route_gate,
          "MiniMaxSparseMoeBlock": _route_minimax, "mlx_lm.models.mimo_v2_flash.MoE": _route_gate,
          "mlx_lm.models.laguna.MoE": _route_gate_scaled,
          "mlx_lm.models.hunyuan.MoeBlock": _route_qwen2_moe, "AfmoeMoE": _route_afmoe}  # (hunyuan: softmax top-k, never renormalised)
