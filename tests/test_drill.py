@@ -213,7 +213,7 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
     taps = {n for names in TAPS.values() for n in names}
     modules = {"q_norm", "experts", "input_layernorm", "context", "output"}  # submodule paths and specials
     named = {p for v in faults.POINTS.values() if v is not None for p in (v if isinstance(v, tuple) else (v,))}
-    modules |= {"post_attention_layernorm", "shared_expert.gate_proj", "shared_experts.gate_proj"}
+    modules |= {"post_attention_layernorm", "shared_expert.gate_proj", "shared_experts.gate_proj", "shared_experts.up_proj"}
     modules |= {"post_mlp_layernorm", "shared_mlp"}  # A.X-K1's MoE output norm; Granite's shared MLP (the layer's)
     assert named <= taps | modules
 

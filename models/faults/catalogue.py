@@ -4,7 +4,7 @@ inside it the drill should name first."""
 
 from __future__ import annotations
 
-from models.args import RECURRENT, ModelArgs, has_sinks
+from models.args import NONE, RECURRENT, ModelArgs, has_sinks
 from models.faults.attention import (attention_multiplier_missing, clip_qkv_missing, gate_sigmoid_for_softplus,
                                      gqa_repeat_wrong, kv_groups_of_the_model, kv_off_by_one, moa_kv_interleaved,
                                      not_causal, output_gate_no_sigmoid, qk_norm_before_rope, qk_norm_flat_for_per_head,
@@ -154,7 +154,7 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
 VARIANTS: tuple[Fault, ...] = (
     Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
           sinks_dropped, lambda a: a.attention.sinks and has_sinks(a, max(i for i, t in enumerate(a.layer_types)
-                                                                          if t not in RECURRENT))),
+                                                                          if t not in RECURRENT and t != NONE))),
     Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
           window_off_by_one),
     Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", clamp_missing,
@@ -247,7 +247,8 @@ POINTS: dict[str, str | tuple | None] = {
     "stray_bf16_downcast": "output", "shared_expert_gate_no_sigmoid": "output",
     # the shared expert never runs: its first projection, which HF computes (an always-on one: DeepSeek's
     # shared_experts); where the module is gone from the candidate, the block's output
-    "shared_expert_missing": ("shared_expert.gate_proj", "shared_experts.gate_proj", "output"),
+    # (relu^2 shared experts, Nemotron-H's, have no gate: their up projection comes first)
+    "shared_expert_missing": ("shared_expert.gate_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "output"),
     "moe_output_upcast": None, "dense_layer_routed": "output",
     # the norm's own output (its input without the shared experts, or not normalised at all)
     "moe_output_norm_missing": "post_mlp_layernorm", "moe_output_norm_before_shared": "post_mlp_layernorm",

@@ -12,7 +12,7 @@ import types
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from models.args import CONV, DENSE, MAMBA, MAMBA2, LINEAR, RECURRENT, SLIDING, SPARSE, ModelArgs, heads, mlp_type
+from models.args import CONV, DENSE, MAMBA, MAMBA2, NONE, LINEAR, RECURRENT, SLIDING, SPARSE, ModelArgs, heads, mlp_type
 from models.layers.transformer import Transformer
 
 
@@ -84,7 +84,7 @@ class Fault:
 def _targets(a: ModelArgs, target: str) -> list[int]:
     """The layers a target names (its fault goes to the last)."""
     rotates = a.rope.rotates
-    attends = lambda t: t not in RECURRENT  # noqa: E731  (a softmax-attention layer, of any kind)
+    attends = lambda t: t not in RECURRENT and t != NONE  # noqa: E731  (a softmax-attention layer, of any kind)
     pick = {"full": lambda i, t: attends(t), "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
             "conv": lambda i, t: t == CONV, "mamba": lambda i, t: t == MAMBA,
             "mamba2": lambda i, t: t == MAMBA2,

@@ -266,6 +266,13 @@ def _floor_divide(n, s):
         s.set(n["out"], m.array(np.floor_divide(np.array(a), np.array(b))).astype(a.dtype))
 
 
+def _pad(n, s):  # pad_width: (before, after) per axis, first axis first; "constant" or "edge"
+    w = s.ints(n["pad_width"])
+    pairs = [(w[i], w[i + 1]) for i in range(0, len(w), 2)]
+    s.set(n["out"], mx().pad(s.t(n["x"]), pairs, mode=n.get("mode", "constant"),
+                             constant_values=n.get("constant_value", 0.0)))
+
+
 def _metal_kernel(n, s):
     raise NotImplementedError(f"MetalKernelNode {n.get('name')!r} needs Metal ([metal_kernel] No Metal back-end "
                               "on this host): lower the program with the scan fallback (use_custom_kernel=False)")
@@ -357,6 +364,7 @@ OPS = {
                                                            padding=n["padding"], dilation=n["dilation"],
                                                            groups=n["groups"])),
     "GatherMmNode": _gather_mm,
+    "PadNode": _pad,
     "TrilNode": lambda n, s: s.set(n["out"], mx().tril(s.t(n["x"]), k=n.get("k", 0))),
     "TriuNode": lambda n, s: s.set(n["out"], mx().triu(s.t(n["x"]), k=n.get("k", 0))),
     "SortNode": lambda n, s: s.set(n["out"], mx().sort(s.t(n["x"]), axis=n["axis"])),
