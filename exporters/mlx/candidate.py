@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from exporters.mlx.config import check_args
-from exporters.mlx.model import attention_block, embedding, final_norm, moe_block, route, text_model
+from exporters.mlx.model import attention_block, cache_index, embedding, final_norm, moe_block, route, text_model
 from oracle.backend import Candidate
 from oracle.reports.result import GateRow
 
@@ -289,11 +289,8 @@ class MLXCandidate(Candidate):
 
             return router
         module = {"attention": attention_block(dec), "layer": dec}[kind]
-        caches = make_prompt_cache(self.model)
-        if len(caches) < len(self.model.layers):  # a cache for the mixers only (Nemotron-H's: none for an MoE block)
-            has = [getattr(lay, "block_type", None) in ("M", "*") for lay in self.model.layers]
-            caches = [caches[sum(has[:i])] if has[i] else None for i in range(len(has))]
-        cache, pos = caches[layer], [0]
+        i = cache_index(self.model, layer)  # (Nemotron-H: a cache for its mixers only)
+        cache, pos = make_prompt_cache(self.model)[i] if i is not None else None, [0]
         # a recurrent mixer's layer takes the SSM mask (Qwen3.5's linear attention, LFM2's short conv, a Mamba2 mixer:
         # the layers whose cache holds arrays, not keys and values)
         linear = (getattr(dec, "is_linear", False) or not getattr(dec, "is_attention_layer", True)

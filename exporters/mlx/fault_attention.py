@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from exporters.mlx.model import attention_block, named, patch_call, text_model
+from exporters.mlx.model import attention_block, cache_index, named, patch_call, text_model
 
 
 # ------------------------------------------------------------------ full attention
@@ -209,7 +209,8 @@ def kv_off_by_one(model, layer: int):
                                             mx.concatenate([head[1], values[..., :-1, :]], axis=2))
 
     make = getattr(model, "make_cache", None) or (lambda: [KVCache() for _ in model.layers])  # mlx-lm's default
-    model.make_cache = lambda: [OffByOne() if i == layer else c for i, c in enumerate(make())]
+    at = cache_index(model, layer)  # (Nemotron-H: its mixers' caches only)
+    model.make_cache = lambda: [OffByOne() if i == at else c for i, c in enumerate(make())]
 
 
 # ------------------------------------------------------------------ Gated DeltaNet

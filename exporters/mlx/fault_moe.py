@@ -7,7 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from exporters.mlx.model import (experts_of, moe_block, named, patch_call, router_linear, router_logits, router_module,
+from exporters.mlx.model import (experts_of, expert_projections, moe_block, named, patch_call, router_linear,
+                                 router_logits, router_module,
                                  route as mlx_route)
 
 
@@ -145,7 +146,7 @@ def one_expert_off(layer, a):
         for proj in (sw[e].w1, sw[e].v1, sw[e].w2):
             proj.weight = proj.weight + 1e-3
         return
-    for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
+    for proj in expert_projections(sw):
         hit = (mx.arange(proj.weight.shape[0]) == e)[:, None, None]
         proj.weight = proj.weight + 1e-3 * hit
 
@@ -156,7 +157,7 @@ def expert_index_off_by_one(layer, a):
     if _per_expert(sw):  # the block's experts[e] is expert e + 1
         moe["experts"] = sw[1:] + sw[:1]
         return
-    n, call = sw.gate_proj.weight.shape[0], type(sw).__call__
+    n, call = expert_projections(sw)[0].weight.shape[0], type(sw).__call__
     patch_call(sw, lambda self, x, inds: call(self, x, (inds + 1) % n))
 
 

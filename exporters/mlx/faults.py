@@ -46,6 +46,13 @@ def _norm_offset_missing(layer, a):  # sanitize()'s +1 on (1 + w) weights lost (
 
 
 def _residual_missing(layer, a):
+    if "mixer" in layer and "norm" in layer:  # Nemotron-H's block: its one mixer's output without the stream
+        def block(self, x, mask=None, cache=None):
+            h = self.norm(x)
+            return self.mixer(h, mask=mask, cache=cache) if self.block_type in ("M", "*") else self.mixer(h)
+
+        patch_call(layer, block)
+        return
     pre, post = get_part(layer, "input_layernorm"), get_part(layer, "post_attention_layernorm")
 
     def call(self, x, *args, **kw):  # (mask, cache), or what the model passes beside them (Mistral 4's attn_scale)
@@ -179,6 +186,8 @@ NOT_APPLICABLE_ON = {
     ("router_softmax_after_topk", "jamba"): "mlx-lm's jamba already takes the softmax over the top-k logits (the known "
                                             "divergence): the fault is the candidate as it is",
     ("rope_on_nope_layer", "jamba"): "mlx-lm's jamba attention has no rotary embedding at all (no rope to misapply)",
+    ("rope_on_nope_layer", "nemotron_h"): "mlx-lm's nemotron_h attention has no rotary embedding at all (no rope to "
+                                          "misapply)",
 }
 
 

@@ -37,8 +37,8 @@ def attention_block(layer):  # the mixer in the attention's place: LFM2's short 
 
 # what most mlx-lm models call a module or array -> what some call it (LFM2's operator_norm, ffn_norm, q_layernorm,
 # expert_bias; DBRX's norms inside its norm_attn_norm): the fault forms find a module by its role
-ALIASES = {"input_layernorm": ("operator_norm", "norm_attn_norm.norm_1"),
-           "post_attention_layernorm": ("ffn_norm", "norm_attn_norm.norm_2", "pre_ff_layernorm"),
+ALIASES = {"input_layernorm": ("operator_norm", "norm_attn_norm.norm_1", "norm"),  # (Nemotron-H's block: one norm)
+           "post_attention_layernorm": ("ffn_norm", "norm_attn_norm.norm_2", "pre_ff_layernorm", "norm"),
            "q_norm": ("q_layernorm",), "k_norm": ("k_layernorm",), "e_score_correction_bias": ("expert_bias",),
            "routed_scaling_factor": ("route_scale",)}
 
@@ -63,6 +63,20 @@ def part(module, name: str) -> tuple:
 
 def get_part(module, name: str):
     return getattr(*part(module, name))
+
+
+def cache_index(model, layer: int):
+    """Where layer `layer`'s cache sits in the model's make_cache() list (None: it has none): its index, or, where
+    only the mixers have one (Nemotron-H: its MoE blocks none), its place among the layers that have one."""
+    layers = model.layers
+    has = [getattr(lay, "block_type", "M") in ("M", "*") for lay in layers]
+    if all(has):
+        return layer
+    return sum(has[:layer]) if has[layer] else None
+
+
+def expert_projections(sw) -> list:  # a SwitchGLU's gate, up, down; a SwitchMLP's (no gate: Nemotron-H's) fc1, fc2
+    return [getattr(sw, n) for n in ("gate_proj", "up_proj", "down_proj", "fc1", "fc2") if n in sw]
 
 
 def call_mixer(mixer, x, *args, **kw):
