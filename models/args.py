@@ -11,6 +11,7 @@ from typing import Literal
 FULL, LINEAR = "full_attention", "linear_attention"
 CONV = "conv"  # LFM2's gated short-convolution mixer (models/layers/short_conv.py) in the attention's place
 MAMBA = "mamba"  # a Mamba mixer (models/layers/mamba.py: Jamba) in the attention's place
+LIGHTNING = "lightning"  # MiniMax-Text-01's lightning attention (models/layers/lightning.py), its module self_attn
 MAMBA2 = "mamba2"  # a Mamba2 mixer (models/layers/mamba2.py: Granite 4.0-H, Nemotron-H) in the attention's place
 # attention over a window of the last `sliding_window` positions (gpt-oss, Mixtral), or within
 # fixed chunks of `chunk_size` positions (Llama 4's rope layers; AttentionArgs)
@@ -18,9 +19,9 @@ SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
 # a layer without a mixer, or without an MLP: Nemotron-H's blocks each hold one of them (a mixer or an MLP)
 NONE = "none"
-LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA, MAMBA2, NONE), (SPARSE, DENSE, NONE)
+LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA, MAMBA2, LIGHTNING, NONE), (SPARSE, DENSE, NONE)
 # the layer types whose mixer is recurrent (no softmax attention)
-RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2)
+RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2, LIGHTNING)
 # the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state (a short
 # convolution's and a Mamba2's conv_state and recurrent_state too)
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
@@ -375,6 +376,16 @@ class Multipliers:
     logits_scaling: float = 1.0
 
 
+@dataclass(frozen=True)
+class ResidualFactors:
+    """MiniMax-Text-01's residuals, taken from the normed input: h = alpha * norm(x) + beta * block(norm(x)), with
+    (alpha, beta) for the attention (the full and the lightning layers' own) and for the MLP."""
+
+    full: tuple[float, float] = (1.0, 1.0)
+    linear: tuple[float, float] = (1.0, 1.0)
+    mlp: tuple[float, float] = (1.0, 1.0)
+
+
 # ------------------------------------------------------------------ the model
 @dataclass(frozen=True)
 class ModelArgs:
@@ -431,6 +442,7 @@ class ModelArgs:
     experts: ExpertArgs = ExpertArgs()
     norm: NormArgs = NormArgs()
     multipliers: Multipliers = Multipliers()
+    residual_factors: ResidualFactors | None = None  # MiniMax-Text-01's (None: x + block(norm(x)))
     # per layer: its q heads / kv heads where a layer's are not num_attention_heads / num_key_value_heads
     # (Laguna's num_attention_heads_per_layer, MiMo-V2-Flash's doubled kv heads on its SLIDING layers); ()
     layer_heads: tuple[int, ...] = ()

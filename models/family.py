@@ -46,6 +46,12 @@ class Family:
     # tiny checkpoints: the std of the tensors whose names end so, where TINY_STD would hide a
     # mechanism (gpt-oss's SwiGLU clamp at 7 is never reached by weights of std 0.1)
     tiny_std: dict = None
+    # ... and the tensors (name endings) kept as HF's init computes them, not drawn: buffers derived from the config
+    # that save_pretrained writes (MiniMax's lightning decays)
+    tiny_derived: tuple = ()
+    # HF's model called with explicit position_ids in decode: its cache does not count the tokens it holds (MiniMax's
+    # reports 0 seen, its first layer lightning: HF's own decode would rotate every step at position 0)
+    hf_position_ids: bool = False
     # config.json fields the release writes that HF's config class derives its own from or drops (MiMo-V2-Flash's
     # hybrid_layer_pattern, swa_* and sliding_window_size, read by llama.cpp's converter): written into the tiny
     # checkpoint's config.json over what save_pretrained wrote; they must mean the tiny config's model to HF

@@ -19,7 +19,7 @@ from exporters.torch.candidate import device_availability, device_info, device_o
 from oracle.backend import Backend, Candidate, InputError
 from models.mapping import renamed
 from oracle.drill import points
-from oracle.reference.run import block_modules, call_router, model_args, normalize_output, router_reader
+from oracle.reference.run import block_modules, call_router, model_args, normalize_output, hf_positions, router_reader
 from oracle.reference.streaming import decoder_of, hold, load_hf_model, materialized, reference_mode, release_held
 from oracle.schedule import LAYER_BY_LAYER, Ahead
 from oracle.verdict.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
@@ -134,10 +134,12 @@ class HFCandidate(Candidate):
         h2 = module.register_forward_hook(post, with_kwargs=True)
         try:
             with self._only_layer(layer):
-                cache = None
+                cache, start = None, 0
                 for c, t in enumerate(ids):
                     self.routes.reset()
-                    out = self.model(input_ids=self._ids([t]), past_key_values=cache, use_cache=True)
+                    out = self.model(input_ids=self._ids([t]), past_key_values=cache, use_cache=True,
+                                     **hf_positions(self.model, start, len(t)))
+                    start += len(t)
                     cache = out.past_key_values
                     if routes is not None:
                         routes[c].update(self.routes.call())
@@ -153,7 +155,8 @@ class HFCandidate(Candidate):
     @in_arithmetic
     def decode(self, token, pos):
         self.routes.reset()
-        out = self.model(input_ids=self._ids([[token]]), past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=self._ids([[token]]), past_key_values=self.cache, use_cache=True,
+                         **hf_positions(self.model, pos, 1))
         self.cache = out.past_key_values
         return out.logits[0, -1].cpu()
 
@@ -209,7 +212,8 @@ class HFCandidate(Candidate):
         try:
             cache = None
             for c in calls:
-                out = self.model(input_ids=self._ids([c.tokens]), past_key_values=cache, use_cache=True)
+                out = self.model(input_ids=self._ids([c.tokens]), past_key_values=cache, use_cache=True,
+                                 **hf_positions(self.model, int(c.pos_array[0]), len(c.tokens)))
                 cache = out.past_key_values
                 if kind == "logits":  # the model's logits (the reference's logits block), not the head's
                     outputs[-1] = out.logits.detach().cpu()

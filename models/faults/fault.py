@@ -12,7 +12,7 @@ import types
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from models.args import CONV, DENSE, MAMBA, MAMBA2, NONE, LINEAR, RECURRENT, SLIDING, SPARSE, ModelArgs, heads, mlp_type
+from models.args import CONV, DENSE, LIGHTNING, MAMBA, MAMBA2, NONE, LINEAR, RECURRENT, SLIDING, SPARSE, ModelArgs, heads, mlp_type
 from models.layers.transformer import Transformer
 
 
@@ -86,7 +86,7 @@ def _targets(a: ModelArgs, target: str) -> list[int]:
     rotates = a.rope.rotates
     attends = lambda t: t not in RECURRENT and t != NONE  # noqa: E731  (a softmax-attention layer, of any kind)
     pick = {"full": lambda i, t: attends(t), "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
-            "conv": lambda i, t: t == CONV, "mamba": lambda i, t: t == MAMBA,
+            "conv": lambda i, t: t == CONV, "mamba": lambda i, t: t == MAMBA, "lightning": lambda i, t: t == LIGHTNING,
             "mamba2": lambda i, t: t == MAMBA2,
             "rope": lambda i, t: attends(t) and rotates(i), "nope": lambda i, t: attends(t) and not rotates(i),
             "sparse": lambda i, t: mlp_type(a, i) == SPARSE,

@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.args import CONV, LINEAR, MAMBA, MAMBA2, NONE, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mixer_name, mlp_type
+from models.args import CONV, LIGHTNING, LINEAR, MAMBA, MAMBA2, NONE, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mixer_name, mlp_type
 from models.layers.attention import Attention
 from models.layers.gated_deltanet import GatedDeltaNet
+from models.layers.lightning import Lightning
 from models.layers.mamba import Mamba
 from models.layers.mamba2 import Mamba2
 from models.layers.mla import LatentAttention
@@ -44,6 +45,8 @@ class DecoderLayer(nn.Module):
             self.mamba = Mamba2(a, dtype)
         elif self.layer_type == NONE:  # (Nemotron-H: a block with an MLP alone)
             pass
+        elif self.layer_type == LIGHTNING:
+            self.self_attn = Lightning(a, i, dtype)
         elif a.attention.kind == "mla":
             self.self_attn = LatentAttention(a, dtype)
         elif a.attention.kind == "moa":
@@ -66,6 +69,8 @@ class DecoderLayer(nn.Module):
         if self.placement != "pre":
             self.post_feedforward_layernorm = norm(a, a.hidden_size)
         self.residual_multiplier = a.multipliers.residual
+        rf = a.residual_factors  # MiniMax-Text-01: (alpha, beta) of the attention's and of the MLP's residual
+        self.factors = None if rf is None else (rf.linear if self.layer_type == LIGHTNING else rf.full) + rf.mlp
         self.shared_mlp = None  # Granite's shared MLP beside the MoE block (ModelArgs.shared_expert_beside)
         if a.shared_expert_beside and a.shared_expert_intermediate_size and mlp_type(a, i) == SPARSE:
             self.shared_mlp = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
@@ -81,6 +86,11 @@ class DecoderLayer(nn.Module):
         if self.placement != "pre":  # the blocks' outputs normed before their residual adds
             h = x + self.attention_branch(x, pos)
             return h + self.mlp_branch(h)
+        if self.factors is not None:  # MiniMax-Text-01: each residual the normed input, both scaled
+            a_attn, b_attn, a_mlp, b_mlp = self.factors
+            h = self.input_layernorm(x)
+            h = self.post_attention_layernorm(h * a_attn + self.attn(h, pos) * b_attn)
+            return h * a_mlp + self.ffn(h) * b_mlp
         if not (self.has_mixer and self.has_mlp):  # Nemotron-H: one norm, one block, one residual
             return x + (self.attn(self.input_layernorm(x), pos) if self.has_mixer
                         else self.ffn(self.post_attention_layernorm(x)))

@@ -209,6 +209,20 @@ def check_selection(layer: int, choice: np.ndarray, idx: np.ndarray, k: int) -> 
                            "this model")
 
 
+def hf_positions(model, start: int, n: int) -> dict:
+    """The position_ids HF's model is called with for n tokens from `start`: none (HF counts them from its cache),
+    or explicit where the family's HF cache does not count what it holds (Family.hf_position_ids: MiniMax's cache
+    reports 0 tokens seen, its first layer being lightning attention, so each decode step would sit at position 0)."""
+    import torch
+
+    from models import family_for_model_type, get_family
+
+    name = family_for_model_type(getattr(model.config, "model_type", ""))
+    if name is None or not get_family(name).hf_position_ids:
+        return {}
+    return {"position_ids": torch.arange(start, start + n, device=model.device)[None]}
+
+
 def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):
     """Prefill the prompt, then n_decode single-token steps feeding back the argmax.
     Returns (tokens, positions per call, logits per call)."""
@@ -224,7 +238,8 @@ def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):
         for step in range(n_decode):
             tokens.append(int(logits[-1][-1].argmax()))
             pos = len(tokens) - 1
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True,
+                        **hf_positions(model, pos, 1))
             positions.append(torch.tensor([pos]))
             logits.append(out.logits[0].float())
             if on_call:

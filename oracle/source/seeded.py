@@ -34,11 +34,11 @@ def _draw(name: str, shape, gen, std: dict | None = None):
 
 
 def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict | None = None,
-                          rewrite=None) -> None:
-    """Instantiate the HF model and overwrite every tensor deterministically from `seed`.
-    Norm weights keep the identity HF initialises them to (1 for w * x, 0 for (1 + w) * x)
-    plus the noise. `rewrite` (a weight profile's, oracle.source.trained): applied to the state dict
-    before it is saved."""
+                          rewrite=None, derived: tuple = ()) -> None:
+    """Instantiate the HF model and overwrite every tensor deterministically from `seed`, but those whose names end
+    with one of `derived` (buffers HF computes from the config: Family.tiny_derived). Norm weights keep the identity
+    HF initialises them to (1 for w * x, 0 for (1 + w) * x) plus the noise. `rewrite` (a weight profile's,
+    oracle.source.trained): applied to the state dict before it is saved."""
     import torch
 
     torch.manual_seed(seed)
@@ -48,7 +48,7 @@ def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict |
     with torch.no_grad():
         for name in sorted(sd):
             t = sd[name]
-            if not torch.is_floating_point(t):
+            if not torch.is_floating_point(t) or (derived and name.endswith(derived)):
                 continue
             w = _draw(name, t.shape, gen, std)
             if "norm" in name and name.endswith("weight"):
@@ -73,6 +73,7 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
         "seed": seed,
         "std": TINY_STD,
         **({"tiny_std": family.tiny_std} if family.tiny_std else {}),
+        **({"tiny_derived": list(family.tiny_derived)} if family.tiny_derived else {}),
         **({"release_config": family.release_config or {}, "release_drops": list(family.release_drops)}
            if family.release_config or family.release_drops else {}),
         "format": TINY_FORMAT,
@@ -82,7 +83,7 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
     stem = f"{family.name}-s{seed}" + ("" if weights == "normal" else f"-{weights}")
     def build(out):
         write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(), seed, out, family.tiny_std,
-                              rewrite)
+                              rewrite, family.tiny_derived)
         if family.release_config or family.release_drops:  # the release's own fields, as its config.json has them
             path = out / "config.json"
             written = {k: v for k, v in json.loads(path.read_text()).items() if k not in family.release_drops}
