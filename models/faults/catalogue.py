@@ -18,6 +18,8 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
                                    shared_summed, stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
+from models.faults.lightning import (lightning_gate_no_sigmoid, lightning_slope_layer_factor_missing,
+                                     lightning_state_not_carried)
 from models.faults.mamba import (mamba_conv_state_not_carried, mamba_decay_sign, mamba_dt_bias_dropped,
                                  mamba_inner_norms_missing, mamba_state_not_carried)
 from models.faults.mamba2 import (mamba2_chunk_boundary_off_by_one, mamba2_conv_state_not_carried, mamba2_decay_sign,
@@ -85,6 +87,13 @@ COMMON: tuple[Fault, ...] = (
     Fault("short_conv_gate_missing", "attention", "conv", "short-conv output not gated by C", short_conv_gate_missing),
     Fault("short_conv_taps_reversed", "attention", "conv", "short-conv kernel taps in reverse order",
           short_conv_taps_reversed),
+    Fault("lightning_state_not_carried", "attention", "lightning", "lightning attention state not carried into decode",
+          lightning_state_not_carried),
+    # (a slope of the last layer: its factor is 1e-5, so the fault is the first layer's slope, far from it)
+    Fault("lightning_slope_layer_factor_missing", "attention", "lightning",
+          "lightning attention slopes without their per-layer factor", lightning_slope_layer_factor_missing),
+    Fault("lightning_gate_no_sigmoid", "attention", "lightning", "lightning attention output gate without sigmoid",
+          lightning_gate_no_sigmoid),
     Fault("mamba_state_not_carried", "attention", "mamba", "Mamba scan state not carried into decode",
           mamba_state_not_carried),
     Fault("mamba_conv_state_not_carried", "attention", "mamba", "Mamba conv state not carried into decode",
@@ -266,6 +275,9 @@ POINTS: dict[str, str | tuple | None] = {
     "router_softcap_missing": "logits", "mla_cache_not_carried": "context",
     "gdn_state_not_carried": "recurrence", "gdn_chunked_prefill_differs": "recurrence",
     "gdn_conv_state_not_carried": "conv",
+    # (HF's lightning attention computes its scan inline: the first point after it is its norm)
+    "lightning_state_not_carried": ("recurrence", "norm"), "lightning_slope_layer_factor_missing": ("recurrence", "norm"),
+    "lightning_gate_no_sigmoid": "context",
     "mamba_state_not_carried": "recurrence", "mamba_conv_state_not_carried": "conv",
     "mamba_decay_sign_flipped": "decay", "mamba_dt_bias_dropped": "dt", "mamba_inner_norms_missing": "dt_layernorm",
     "mamba2_state_not_carried": "recurrence", "mamba2_conv_state_not_carried": "conv",
