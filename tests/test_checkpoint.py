@@ -33,7 +33,7 @@ def _fuse(weights):
 FUSED_ONLY = ("gpt_oss", "granitemoe", "llama4",
               # ... and Granite's kin (input_linear / output_linear), DBRX's w1/v1/w2 over the experts, JetMoE's,
               # Qwen3-VL-MoE's gate_up_proj [E, H, 2I] as the release stores them
-              "granitemoeshared", "granitemoe_swa", "dbrx", "jetmoe", "qwen3_vl_moe",
+              "granitemoeshared", "granitemoe_swa", "granitemoehybrid", "dbrx", "jetmoe", "qwen3_vl_moe",
               # ... or per expert only: ERNIE-4.5-VL's one list of text then vision experts of two widths (no fused
               # form of it exists: transformers splits it into text_moe / vision_moe on load)
               "ernie4_5_vl_moe",

@@ -215,7 +215,7 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
     named = {p for v in faults.POINTS.values() if v is not None for p in (v if isinstance(v, tuple) else (v,))}
     modules |= {"post_attention_layernorm", "shared_expert.gate_proj", "shared_experts.gate_proj", "shared_experts.up_proj"}
     modules |= {"post_mlp_layernorm", "shared_mlp"}  # A.X-K1's MoE output norm; Granite's shared MLP (the layer's)
-    modules |= {"dt_layernorm"}  # Jamba's RMSNorm of the time step's input (its Mamba mixer's)
+    modules |= {"dt_layernorm", "norm"}  # Jamba's RMSNorm of the time step's input; lightning attention's norm
     assert named <= taps | modules
 
 

@@ -67,7 +67,7 @@ WINDOW_FAILURES = {"mimo_v2_flash": ("sliding_window_size", "sliding_window_size
 # ... and those whose known divergence bites on some tokens, the tiny checkpoint's among them (seed 0)
 ON_SOME_TOKENS = {"solar_open": "group_expert_select"}
 # ... and those that choose HF's experts with other weights
-OTHER_WEIGHTS = {"hunyuan_v1_moe": "never renormalises the top-k"}
+OTHER_WEIGHTS = {"hunyuan_v1_moe": "never renormalises the top-k", "jamba": "renormalised to sum 1"}
 # ... and those whose latent attention's low-rank norms take rms_norm_eps (HF: 1e-6): the tiny config's 1e-5
 LOW_RANK_NORM_EPS = ("glm4_moe_lite",)
 
@@ -152,13 +152,15 @@ def test_a_divergence_on_some_tokens_is_its_expected_failure(family_name):
         assert 0.5 < row.metrics["topk_agreement"] < 1.0
 
 
-def test_mlx_lm_hunyuan_without_renormalisation(tmp_path):
+@pytest.mark.parametrize("family_name", OTHER_WEIGHTS)
+def test_mlx_lm_models_weighing_hfs_experts_otherwise(family_name):
     """HunYuan: mlx-lm's MoeBlock weights the chosen experts by their plain softmax probabilities, HF's gate
-    renormalises them. The same experts are chosen (top-k agreement 1), the weights differ, and only the
-    rows those weights feed fail (the known divergence's expected failure)."""
-    r = run_check(CheckSpec(family="hunyuan_v1_moe", backend="mlx"))
+    renormalises them; Jamba the other way round. The same experts are chosen (top-k agreement 1), the weights
+    differ, and only the rows those weights feed fail (the known divergence's expected failure): Jamba's Mamba
+    blocks pass."""
+    r = run_check(CheckSpec(family=family_name, backend="mlx"))
     assert r.status == "xfail", (r.status, r.error, r.worst)
-    assert OTHER_WEIGHTS["hunyuan_v1_moe"] in r.expected["cause"]
+    assert OTHER_WEIGHTS[family_name] in r.expected["cause"]
     failed = [row for row in r.blocks if row.status != "pass"]
     assert failed and {row.kind for row in failed} <= {"router", "moe", "layer"}
     assert all(row.metrics["topk_agreement"] == 1.0 for row in failed if row.kind == "router")
