@@ -133,10 +133,34 @@ MLX = MlxLm(
     moe="mixer",
 )
 
+def profile_view(sd: dict, cfg: dict) -> dict:
+    """HF's tensors under the names the trained profile reads (Family.hf_profile_view): the norm before a mixer or an
+    MLP by its role, an attention mixer as self_attn, a Mamba2 as linear_attn (its out_proj writes the stream), an
+    MoE's mixer kept (Family.hf_router: mixer.gate), the embedding and the final norm by their usual names."""
+    args = FAMILY.args(cfg)
+    out = {}
+    for k, t in sd.items():
+        base = k[len("backbone."):] if k.startswith("backbone.") else k[len("model."):] if k.startswith("model.") else k
+        base = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}.get(base, base)
+        m = BLOCK.match(base)
+        if m is not None:
+            i = int(m.group(1))
+            role = args.layer_types[i] if m.group(2) == "mixer" else None
+            if m.group(2) == "norm":
+                base = production_name(base, args)
+            elif role == MAMBA2:
+                base = f"layers.{i}.linear_attn" + base[m.end():]
+            elif role == FULL:
+                base = f"layers.{i}.self_attn" + base[m.end():]
+        out[("model." + base) if base != k or not k.startswith("lm_head") else k] = t
+    return out
+
+
 FAMILY = Family(
     name="nemotron_h", model_types=("nemotron_h",), hf_module="nemotron_h", hf_class_name="NemotronHForCausalLM",
     hf_config_name="NemotronHConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
     hf_attention=("mixer",), hf_moe="mixer", hf_router="mixer.gate", hf_mlp="mixer", hf_point_view=point_view,
+    hf_profile_view=profile_view,
     experts="n_routed_experts", release_config=RELEASE, release_drops=("layers_block_type", "time_step_limit"),
     rules=(*GROUPED, ("positive", "moe_intermediate_size", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
                       "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"),
