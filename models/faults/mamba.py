@@ -10,6 +10,8 @@ from models.faults.fault import patch, state_not_carried
 from models.layers.mamba import Mamba
 
 
+# (Mamba's and Mamba2's: the two mixers carry their state through the same methods, scan and conv, and take their
+# decay rate from decay_rate)
 def mamba_state_not_carried(m: Mamba, a):
     state_not_carried(m, "scan", "recurrent_state")
 

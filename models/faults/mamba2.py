@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from models.faults.fault import patch, state_not_carried
+from models.faults.fault import patch
+from models.faults.mamba import mamba_conv_state_not_carried, mamba_decay_sign, mamba_state_not_carried
 from models.layers.mamba2 import Mamba2
 
 
-def mamba2_state_not_carried(m: Mamba2, a):
-    state_not_carried(m, "scan", "recurrent_state")
-
-
-def mamba2_conv_state_not_carried(m: Mamba2, a):
-    state_not_carried(m, "conv", "conv_state")
-
-
-def mamba2_decay_sign(m: Mamba2, a):  # A = +e^A_log: the state grows where it should decay
-    patch(m, "decay_rate", lambda: m.A_log.float().exp())
+# the state, conv state and decay faults: Mamba's (models/faults/mamba.py), the same methods
+mamba2_state_not_carried, mamba2_conv_state_not_carried, mamba2_decay_sign = (
+    mamba_state_not_carried, mamba_conv_state_not_carried, mamba_decay_sign)
 
 
 def mamba2_dt_bias_dropped(m: Mamba2, a):
