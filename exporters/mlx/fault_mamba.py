@@ -10,13 +10,7 @@ import mlx.core as mx
 import mlx_lm.models.ssm  # noqa: F401  (compute_dt, read from the module at each call)
 
 from exporters.mlx.fault_attention import gdn_forget
-from exporters.mlx.model import patch_call
-
-
-def _patch_ssm(mixer, fn) -> None:
-    """Override `_ssm` of this one mixer (a subclass keeping the class's name and module)."""
-    cls = type(mixer)
-    mixer.__class__ = type(cls.__name__, (cls,), {"_ssm": fn, "__module__": cls.__module__})
+from exporters.mlx.model import patch_call, patch_method
 
 
 def state_not_carried(mixer, a):
@@ -47,7 +41,7 @@ def decay_sign_flipped(mixer, a):
             cache[1] = state
         return mx.stack(ys, axis=1).reshape(b, T, h * p)
 
-    _patch_ssm(mixer, _ssm)
+    patch_method(mixer, "_ssm", _ssm)
 
 
 def dt_bias_dropped(mixer, a):
@@ -61,7 +55,7 @@ def dt_bf16(mixer, a):
     def _ssm(self, x, B, C, dt, cache, mask):
         return ssm(self, x, B, C, dt.astype(mx.bfloat16).astype(dt.dtype), cache, mask)
 
-    _patch_ssm(mixer, _ssm)
+    patch_method(mixer, "_ssm", _ssm)
 
 
 FAULTS = {"mamba2_state_not_carried": state_not_carried, "mamba2_conv_state_not_carried": conv_state_not_carried,
@@ -84,9 +78,7 @@ def _forget(mixer, slot: int) -> None:
 
 def mamba_decay_sign_flipped(mixer, a):  # its ssm_step given A = +e^A_log
     step = type(mixer).ssm_step
-    cls = type(mixer)
-    mixer.__class__ = type(cls.__name__, (cls,), {"ssm_step": lambda self, x, A, state=None: step(self, x, -A, state),
-                                                  "__module__": cls.__module__})
+    patch_method(mixer, "ssm_step", lambda self, x, A, state=None: step(self, x, -A, state))
 
 
 def mamba_dt_bias_dropped(mixer, a):

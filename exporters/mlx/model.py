@@ -319,5 +319,10 @@ def route(moe, x):
 def patch_call(module, fn) -> None:
     """Override `__call__` of this one instance (Python looks it up on the type). The subclass keeps
     the class's name and module (exporters.mlx.model.route finds its routing mirror through the MRO)."""
+    patch_method(module, "__call__", fn)
+
+
+def patch_method(module, name: str, fn) -> None:
+    """Override the method `name` of this one instance, through a subclass keeping the class's name and module."""
     cls = type(module)
-    module.__class__ = type(cls.__name__, (cls,), {"__call__": fn, "__module__": cls.__module__})
+    module.__class__ = type(cls.__name__, (cls,), {name: fn, "__module__": cls.__module__})
