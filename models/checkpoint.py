@@ -350,12 +350,13 @@ def load_state(model, weights: dict, dtype) -> None:
 
 
 # mlx-lm names -> HF names
-SWITCH = re.compile(r"(.*)\.(?:switch_mlp|experts)\.(gate_proj|up_proj|down_proj)\.weight")
+SWITCH = re.compile(r"(.*)\.(?:switch_mlp|experts)\.(gate_proj|up_proj|down_proj|fc1|fc2)\.weight")
 
 
 def unstack_experts(weights: dict, names: dict | None = None) -> dict:
     """mlx-lm's stacked experts `P.switch_mlp.{gate,up,down}_proj.weight` [E, out, in] (dots1's:
-    `P.experts.*`) -> HF's per-expert `P.experts.{e}.<name>.weight` (names: mlx projection -> HF name)."""
+    `P.experts.*`; Nemotron-H's ungated `P.switch_mlp.{fc1,fc2}.weight`) -> HF's per-expert
+    `P.experts.{e}.<name>.weight` (names: mlx projection -> HF name)."""
     out = {}
     for k, v in weights.items():
         m = SWITCH.fullmatch(k)
@@ -365,6 +366,12 @@ def unstack_experts(weights: dict, names: dict | None = None) -> dict:
         for e in range(v.shape[0]):
             out[f"{m[1]}.experts.{e}.{(names or {}).get(m[2], m[2])}.weight"] = v[e]
     return out
+
+
+def conv1d_from_mlx(weights: dict) -> dict:
+    """mlx-lm's depthwise conv1d kernels [C, K, 1] (its sanitize moves HF's axis) -> HF's [C, 1, K]."""
+    return {k: v.moveaxis(2, 1) if k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[-1] == 1 else v
+            for k, v in weights.items()}
 
 
 # the seeded checkpoints, the identity and the cache's files were here before 2026-12 (oracle/source/,

@@ -7,7 +7,8 @@ from models.args import FULL, LINEAR, MAMBA2, AttentionArgs, Mamba2Args, ModelAr
 from models.family import Family
 from models.granitemoeshared import sanitize
 from models.granitemoeshared import to_args as granitemoeshared_args
-from models.granitemoe import from_mlx
+from models.checkpoint import conv1d_from_mlx
+from models.granitemoe import from_mlx as granitemoe_from_mlx
 from models.mapping import require
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
 
@@ -49,6 +50,11 @@ def to_args(c) -> ModelArgs:
                             time_step_limit=limit, conv_bias=bool(c.mamba_conv_bias),
                             proj_bias=bool(c.mamba_proj_bias)),
     })
+
+
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names and layouts -> the release's: input_linear / output_linear (granitemoe's), conv1d [C, 1, K]."""
+    return conv1d_from_mlx(granitemoe_from_mlx(weights, config))
 
 
 # the release's config.json spells the layer kinds as before transformers 5 ("mamba", "attention": HF reads them so,

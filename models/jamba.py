@@ -8,7 +8,7 @@ import math
 
 from models.args import DENSE, FULL, MAMBA, SPARSE, MambaArgs, ModelArgs, RopeArgs, RouterArgs
 from models.family import Family
-from models.checkpoint import unstack_experts
+from models.checkpoint import conv1d_from_mlx, unstack_experts
 from models.mapping import hf_args, renamed, require, sanitize_hf
 from models.mlx_lm import COMMON_REQUIRE, MlxLm, const
 
@@ -60,12 +60,7 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
 
 def from_mlx(weights: dict, config: dict) -> dict:
     """mlx-lm's names and layouts -> the release's: per-expert experts.{e}.*, conv1d [d, 1, K]."""
-    out = {}
-    for k, v in unstack_experts(weights).items():
-        if k.endswith(".conv1d.weight") and v.ndim == 3 and v.shape[-1] == 1:
-            v = v.moveaxis(2, 1)
-        out[k] = v
-    return out
+    return conv1d_from_mlx(unstack_experts(weights))
 
 
 MLX = MlxLm(

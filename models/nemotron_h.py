@@ -10,6 +10,7 @@ import re
 
 from models.args import (DENSE, FULL, LINEAR, MAMBA2, NONE, SPARSE, AttentionArgs, ExpertArgs, Mamba2Args, ModelArgs,
                          RopeArgs)
+from models.checkpoint import conv1d_from_mlx, unstack_experts
 from models.family import Family
 from models.mapping import deepseek_router, hf_args, require, sigmoid_routing, strip_prefix, tie_embeddings
 from models.mlx_lm import MlxLm, const
@@ -133,6 +134,13 @@ MLX = MlxLm(
     moe="mixer",
 )
 
+
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names and layouts -> the release's: switch_mlp.fc1 / fc2 [E, out, in] back to per-expert up_proj /
+    down_proj, conv1d [C, 1, K]."""
+    return conv1d_from_mlx(unstack_experts(weights, {"fc1": "up_proj", "fc2": "down_proj"}))
+
+
 def profile_view(sd: dict, cfg: dict) -> dict:
     """HF's tensors under the names the trained profile reads (Family.hf_profile_view): the norm before a mixer or an
     MLP by its role, an attention mixer as self_attn, a Mamba2 as linear_attn (its out_proj writes the stream), an
@@ -158,7 +166,7 @@ def profile_view(sd: dict, cfg: dict) -> dict:
 
 FAMILY = Family(
     name="nemotron_h", model_types=("nemotron_h",), hf_module="nemotron_h", hf_class_name="NemotronHForCausalLM",
-    hf_config_name="NemotronHConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
+    hf_config_name="NemotronHConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX, from_mlx=from_mlx,
     hf_attention=("mixer",), hf_moe="mixer", hf_router="mixer.gate", hf_mlp="mixer", hf_point_view=point_view,
     hf_profile_view=profile_view,
     experts="n_routed_experts", release_config=RELEASE, release_drops=("layers_block_type", "time_step_limit"),

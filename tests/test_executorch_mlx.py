@@ -434,6 +434,30 @@ def test_conv1d_node_depthwise(B, L, K, seed):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@SMALL
+@given(st.integers(1, 4), st.integers(1, 6), st.lists(st.integers(0, 3), min_size=4, max_size=4),
+       st.sampled_from([0.0, -1.5]), seeds)
+def test_pad_node_follows_torch_pad(B, L, widths, value, seed):
+    """pad_width lists (before, after) per axis, first axis first (torch's F.pad: last axis first)."""
+    x = randn((B, L, 3), seed)
+    a, b, c, d = widths
+    got, _ = run_node("PadNode", [x], x=T0, out=OUT, pad_width=[lit(0), lit(0), lit(a), lit(b), lit(c), lit(d)],
+                      mode="constant", constant_value=value)
+    torch.testing.assert_close(got, F.pad(x, (c, d, a, b), value=value))
+    got, _ = run_node("PadNode", [x], x=T0, out=OUT, pad_width=[lit(0), lit(0), lit(a), lit(b), lit(0), lit(0)],
+                      mode="edge")
+    torch.testing.assert_close(got, F.pad(x.transpose(1, 2), (a, b), mode="replicate").transpose(1, 2))
+
+
+@SMALL
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(-3, 3), seeds)
+def test_tril_and_triu_nodes(n, m, k, seed):
+    x = randn((2, n, m), seed)
+    torch.testing.assert_close(run_node("TrilNode", [x], x=T0, out=OUT, k=k)[0], torch.tril(x, k))
+    torch.testing.assert_close(run_node("TriuNode", [x], x=T0, out=OUT, k=k)[0], torch.triu(x, k))
+    torch.testing.assert_close(run_node("TrilNode", [x], x=T0, out=OUT)[0], torch.tril(x))  # k defaults to 0
+
+
 def test_metal_kernel_node_says_to_use_the_scan_fallback():
     with pytest.raises(NotImplementedError, match="scan fallback"):
         run_node("MetalKernelNode", [], name="gated_delta_step")
@@ -498,7 +522,7 @@ def test_every_supported_node_type_has_a_test():
         "SumNode", "MeanNode", "MaxNode", "MinNode", "ClipNode", "BitwiseAndNode", "BitwiseXorNode", "SoftmaxNode", "CumsumNode", "ArgmaxNode", "SortNode", "ArgsortNode",
         "PartitionNode", "ArgPartitionNode", "AddmmNode", "GatherMmNode", "AsTypeNode", "FullNode", "FullLikeNode",
         "ARangeNode", "ItemIntNode", "NoopNode", "RMSNormNode", "LayerNormNode", "RopeNode", "SdpaNode", "Conv1DNode",
-        "MetalKernelNode"}
+        "MetalKernelNode", "PadNode", "TrilNode", "TriuNode"}
     assert set(OPS) <= tested, sorted(set(OPS) - tested)
 
 

@@ -323,6 +323,12 @@ def patch_call(module, fn) -> None:
 
 
 def patch_method(module, name: str, fn) -> None:
-    """Override the method `name` of this one instance, through a subclass keeping the class's name and module."""
+    """Override the method `name` of this one instance, through a subclass keeping the class's name and module.
+    The override shows the original's signature (functools.wraps): callers that read it to choose the call's form
+    (whether a block takes a mask: exporters/mlx/candidate.py, call_mixer) call the faulted module as the clean one."""
+    import functools
+
     cls = type(module)
+    if (original := getattr(cls, name, None)) is not None:
+        fn = functools.wraps(original)(fn)
     module.__class__ = type(cls.__name__, (cls,), {name: fn, "__module__": cls.__module__})
