@@ -1,5 +1,5 @@
 # make check: set up .venv (first use) and run the main job on the tiny default.
-# make test:  set up .venv (first use) and run the whole test suite.
+# make test:  set up .venv (first use) and run the test suite's quick tier; make test-deep: its deep tier.
 PYTHON ?= python3
 # a CUDA machine passes e.g. TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?=
@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: check test setup clean
+.PHONY: check test test-deep setup clean
 
 # no .pyc at set-up (pip --no-compile): each module's is written by the first process that imports it, a
 # quarter of the venv's 20,800 files (measured: the suite reads 5,233); compiling them all at set-up took
@@ -37,9 +37,15 @@ check: $(STAMP)
 # cache (oracle/cache/artifacts.py: one build per entry across processes). Measured on 2 cores:
 # 10.0 min of pytest by file, 13.3 min with work stealing (fixtures built twice). TEST_JOBS=0: serial.
 # The files in collection order, the longest first (tests/conftest.py LONGEST_FIRST), not xdist's by count.
+# `make test` is the quick tier (within 15 minutes cold on 2 cores); `make test-deep` the deep tier (tests/depth.py
+# DEEP: second proofs of paths the quick tier proves, long scenarios), run nightly (.github/workflows/oracle-nightly.yml)
 TEST_JOBS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+	$(PYTEST) -m "not deep"
+
+test-deep: $(STAMP)
+	$(PYTEST) -m deep
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

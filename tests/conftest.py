@@ -50,9 +50,21 @@ LONGEST_FIRST = ("test_executorch.py", "test_executorch_mlx.py", "test_cuda.py",
                  "test_mlx.py", "test_iree_params.py")
 
 
+def deep_key(item) -> str | None:
+    """The key of tests/depth.py's DEEP that names this test: the case (file::name[id]) or the whole test."""
+    from tests.depth import DEEP
+
+    case = f"{item.path.name}::{item.name}"
+    whole = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+    return case if case in DEEP else whole if whole in DEEP else None
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order is kept
+    for item in items:  # the deep tier (tests/depth.py): `make test` deselects it, `make test-deep` runs it
+        if deep_key(item) is not None:
+            item.add_marker(pytest.mark.deep)
 
 
 def warm_check_imports(family: str, backend: str, *modules: str) -> list[bool]:

@@ -15,3 +15,64 @@ IN_DEPTH = ("qwen3_5_moe", "qwen3_moe", "olmoe", "qwen2_moe", "mixtral", "deepse
             "ernie4_5_moe", "glm4_moe", "gpt_oss", "granitemoe", "llama4", "phimoe", "qwen3_next")
 assert set(IN_DEPTH) <= set(FAMILY_NAMES), set(IN_DEPTH) - set(FAMILY_NAMES)
 BREADTH = tuple(f for f in FAMILY_NAMES if f not in IN_DEPTH)
+
+# The deep tier: `make test` runs the suite without these (`-m "not deep"`), `make test-deep` runs only these, and so
+# does the nightly workflow (.github/workflows/oracle-nightly.yml, job deep-tests). Each is a second proof of a path
+# the quick tier already proves with a cheaper case, or a long scenario (real widths, repeated processes, byte-for-byte
+# repeat builds), measured at 15-72 s apiece on a cold 2-core suite (docs/benchmarks.md, 2026-12-07: the suite at
+# 15 min 3 s of pytest on the faster of this project's two hosts, 22 min on the slower, against a 15-minute budget).
+# Keyed by the test's node id under tests/ (a parametrised case with its id); the value says what in the quick tier
+# proves the same code path. tests/test_suite_order.py keeps every key pointing at a test that exists.
+DEEP = {
+    # the MLX delegate's Qwen3.5 bf16 program (the Gated DeltaNet's lowering, 72 s): the quick tier lowers and runs
+    # olmoe through the delegate (fp32 and bf16) with the AsType gate (test_a_stray_cast_in_the_transformations_...)
+    "test_executorch_mlx.py::test_qwen35_bf16_is_its_known_divergence": "olmoe's delegate programs",
+    "test_executorch_mlx.py::test_qwen35_bf16_astype_gate_and_structural_golden": "olmoe's delegate programs, "
+                                                                                  "the stray-cast gate test",
+    "test_executorch_mlx.py::test_qwen35_program_can_take_another_checkpoints_weights":
+        "tests/test_executorch_weights.py's delegate program with another seed's weights",
+    "test_executorch_mlx.py::test_the_cli_reports_the_gate_rows": "the gate rows of olmoe's delegate programs",
+    # byte-for-byte programs from methods lowered before (28 + 31 s): the quick tier takes a lowered partition from
+    # the cache with the same bytes (test_a_partition_lowered_before_is_taken_from_the_cache_with_the_same_bytes)
+    "test_executorch_mlx.py::test_methods_lowered_before_are_taken_and_the_program_is_the_same":
+        "test_executorch.py::test_a_partition_lowered_before_is_taken_from_the_cache_with_the_same_bytes",
+    "test_executorch.py::test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same":
+        "test_executorch.py::test_a_partition_lowered_before_is_taken_from_the_cache_with_the_same_bytes",
+    # a portable program with the fused sampler (38 s): the quick tier runs the sampler through the MLX delegate's
+    # olmoe program (test_executorch_mlx.py::test_sampling_rows_pass_through_the_lowered_sampler) and exports it
+    # for ExecuTorch (test_export_sample_fuses_the_sampler)
+    "test_executorch.py::test_sampling_rows_pass_through_the_runtime": "the delegate's sampler rows, the export",
+    # fuzzed bytes of a given .pte (36 s): the quick tier fuzzes a given .vmfb through the same validation
+    # (test_vmfb_bytes) and refuses damaged .pte files case by case (tests/test_given_programs.py)
+    "test_fuzz_inputs.py::test_pte_bytes": "test_vmfb_bytes, test_given_programs.py's damaged .pte cases",
+    # the installed wheel checking a published config (54 s): the quick tier checks the installed package's answers
+    # and data files (the other tests of tests/test_installed.py) and a published config from the checkout
+    # (tests/test_shipped.py::test_export_and_check_a_published_config_as_the_readme_says)
+    "test_installed.py::test_check_on_a_published_config": "test_installed.py's other tests, test_shipped.py",
+    # Inductor on the CPU, the clean compiled model at bf16 (47 s): the quick tier compiles a faulted one and
+    # localises the fault (test_cuda.py::test_a_fault_in_the_compiled_model_is_localised)
+    "test_cuda.py::test_inductor_at_bf16_on_qwen3_moe_chose_another_expert_at_a_tie":
+        "test_cuda.py::test_a_fault_in_the_compiled_model_is_localised",
+    # the streamed reference at a published config's real width (42 s): the quick tier proves it bitwise on every
+    # family's tiny checkpoint and bounds its memory at real width (test_streamed_reference_memory_stays_under_...)
+    "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[olmoe-1b-7b-0924-L2]":
+        "the tiny cases of the same test, the memory-bound test",
+    # one converter child for several conversions, byte for byte a fresh process's GGUF (41 s): the quick tier
+    # converts every llama.cpp family through that child (tests/test_llamacpp.py)
+    "test_llamacpp.py::test_one_converter_process_converts_one_checkpoint_after_another":
+        "every conversion of tests/test_llamacpp.py goes through the same child",
+    # Qwen3.5's IREE report byte for byte (38 s): the quick tier compares olmoe's ExecuTorch and qwen2_moe's IREE
+    # reports, and drills Qwen3.5's IREE program (test_drill.py)
+    "test_baselines.py::test_report_is_unchanged[qwen3_5_moe-iree-llvm-cpu-fp32]":
+        "the other baselines, test_drill.py's IREE qwen3_5_moe",
+    # the GGUF conversion catalogue at Q8_0 (34 s): the quick tier runs the mlx one (q4 g64) and finds a scaled
+    # expert in an f32 and a Q8_0 GGUF by name (test_one_expert_scaled_in_a_gguf_fails_naming_the_tensor)
+    "test_conversion.py::test_conversion_selftest_on_one_family[llamacpp-Q8_0]":
+        "the mlx case, test_one_expert_scaled_in_a_gguf_fails_naming_the_tensor",
+    # the GPU session's table over a real matrix run (30 s): the quick tier dry-runs every command of the session
+    # (test_dry_run_checks_every_command_within_the_budget, test_dry_run_catches_a_bad_command)
+    "test_gpu_session.py::test_the_table_reads_real_matrix_reports_and_a_cut_step": "the dry-run tests",
+    # the matrix in fresh interpreters, macOS's way (16 s): the quick tier runs it in warm forked workers, in
+    # parallel and serially to the same rows (test_parallel_run_equals_serial)
+    "test_matrix.py::test_cold_processes_report_the_same": "test_parallel_run_equals_serial (warm workers)",
+}

@@ -303,7 +303,7 @@ def test_nightly_workflow_is_valid():
     assert r.returncode == 0, r.stdout + r.stderr
     text = (ROOT / ".github/workflows/oracle-nightly.yml").read_text()
     for needle in ("--shard ${{ matrix.shard }}/6", "macos-14", "executorch-cuda", "--require", "report diff",
-                   'selftest --backend ${{ matrix.backend }} --shard "$shard"'):
+                   'selftest --backend ${{ matrix.backend }} --shard "$shard"', "make test-deep"):
         assert needle in text
     # every Linux backend that takes faults has its self-test, its shards covering every family once
     import yaml

@@ -48,3 +48,22 @@ def test_the_four_files_pass_in_one_process_after_a_foreign_tests_package(tmp_pa
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
     assert " passed" in tail and "No module named 'tests" not in tail, tail
+
+
+def test_every_deep_key_names_a_test_of_the_suite():
+    """tests/depth.py's DEEP (the tests `make test` leaves to `make test-deep`) names tests that exist: a renamed or
+    removed test would otherwise leave its key behind, and a new test under the old name would leave the quick tier
+    silently. A case key ([id]) names a parametrised test."""
+    import ast
+
+    from tests.depth import DEEP
+
+    assert DEEP
+    for key in DEEP:
+        file, name = key.split("::")
+        func, case = name.split("[")[0], "[" in name
+        tree = ast.parse((ROOT / "tests" / file).read_text())
+        defs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert func in defs and func.startswith("test_"), key
+        if case:
+            assert any("parametrize" in ast.unparse(d) for d in defs[func].decorator_list), key
