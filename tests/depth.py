@@ -49,10 +49,22 @@ DEEP = {
     # and data files (the other tests of tests/test_installed.py) and a published config from the checkout
     # (tests/test_shipped.py::test_export_and_check_a_published_config_as_the_readme_says)
     "test_installed.py::test_check_on_a_published_config": "test_installed.py's other tests, test_shipped.py",
-    # Inductor on the CPU, the clean compiled model at bf16 (47 s): the quick tier compiles a faulted one and
-    # localises the fault (test_cuda.py::test_a_fault_in_the_compiled_model_is_localised)
+    # Inductor's C++ kernels on the CPU, the cuda backend's stand-in where no GPU is (47-49 s a compile): the quick
+    # tier runs the backend's device path on the CPU eagerly (test_the_controls_device_path_on_the_cpu) and its
+    # refusals; the compiled path is the GPU's (test_on_the_gpu, the nightly's cuda job) and the deep tier's
     "test_cuda.py::test_inductor_at_bf16_on_qwen3_moe_chose_another_expert_at_a_tie":
-        "test_cuda.py::test_a_fault_in_the_compiled_model_is_localised",
+        "test_the_controls_device_path_on_the_cpu; on a GPU, test_on_the_gpu",
+    "test_cuda.py::test_a_fault_in_the_compiled_model_is_localised":
+        "test_the_controls_device_path_on_the_cpu; on a GPU, test_on_the_gpu",
+    # Qwen3.5's IREE points program, four faults drilled (71 s): the quick tier drills the catalogue's faults on
+    # eager and mlx (test_a_catalogue_fault_is_drilled_to_its_point, test_an_mlx_fault_is_drilled_to_its_point)
+    # and runs Qwen3.5's IREE program clean and with four faults (test_iree.py)
+    "test_drill.py::test_iree_drills_each_fault_to_its_point[qwen3_5_moe]":
+        "the eager and mlx drills, test_iree.py::test_faults_survive_export_and_fail_exactly_their_blocks",
+    # a faulted IREE program through the self-test (27 s): the quick tier runs the self-test on mlx (the same
+    # test's other case) and faulted IREE programs (test_iree.py::test_faults_survive_export_and_fail_...)
+    "test_selftest.py::test_selftest_subset_on_compiled_backends[iree-llvm-cpu-qwen2_moe-fault_names1]":
+        "the mlx case, test_iree.py::test_faults_survive_export_and_fail_exactly_their_blocks",
     # the streamed reference at a published config's real width (42 s): the quick tier proves it bitwise on every
     # family's tiny checkpoint and bounds its memory at real width (test_streamed_reference_memory_stays_under_...)
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[olmoe-1b-7b-0924-L2]":
@@ -62,9 +74,9 @@ DEEP = {
     "test_llamacpp.py::test_one_converter_process_converts_one_checkpoint_after_another":
         "every conversion of tests/test_llamacpp.py goes through the same child",
     # Qwen3.5's IREE report byte for byte (38 s): the quick tier compares olmoe's ExecuTorch and qwen2_moe's IREE
-    # reports, and drills Qwen3.5's IREE program (test_drill.py)
+    # reports, and checks Qwen3.5's IREE program (test_iree.py::test_qwen3_5_moe_passes)
     "test_baselines.py::test_report_is_unchanged[qwen3_5_moe-iree-llvm-cpu-fp32]":
-        "the other baselines, test_drill.py's IREE qwen3_5_moe",
+        "the other baselines, test_iree.py::test_qwen3_5_moe_passes",
     # the GGUF conversion catalogue at Q8_0 (34 s): the quick tier runs the mlx one (q4 g64) and finds a scaled
     # expert in an f32 and a Q8_0 GGUF by name (test_one_expert_scaled_in_a_gguf_fails_naming_the_tensor)
     "test_conversion.py::test_conversion_selftest_on_one_family[llamacpp-Q8_0]":
