@@ -13,15 +13,17 @@ CONV = "conv"  # LFM2's gated short-convolution mixer (models/layers/short_conv.
 MAMBA = "mamba"  # a Mamba mixer (models/layers/mamba.py: Jamba) in the attention's place
 LIGHTNING = "lightning"  # MiniMax-Text-01's lightning attention (models/layers/lightning.py), its module self_attn
 MAMBA2 = "mamba2"  # a Mamba2 mixer (models/layers/mamba2.py: Granite 4.0-H, Nemotron-H) in the attention's place
+KDA = "kda"  # Kimi delta attention (models/layers/kda.py: Kimi-Linear), its module self_attn
 # attention over a window of the last `sliding_window` positions (gpt-oss, Mixtral), or within
 # fixed chunks of `chunk_size` positions (Llama 4's rope layers; AttentionArgs)
 SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
 # a layer without a mixer, or without an MLP: Nemotron-H's blocks each hold one of them (a mixer or an MLP)
 NONE = "none"
-LAYER_TYPES, MLP_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA, MAMBA2, LIGHTNING, NONE), (SPARSE, DENSE, NONE)
+LAYER_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA, MAMBA2, LIGHTNING, KDA, NONE)
+MLP_TYPES = (SPARSE, DENSE, NONE)
 # the layer types whose mixer is recurrent (no softmax attention)
-RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2, LIGHTNING)
+RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2, LIGHTNING, KDA)
 # the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state (a short
 # convolution's and a Mamba2's conv_state and recurrent_state too)
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
@@ -289,6 +291,20 @@ class Mamba2Args:
             raise ValueError(f"Mamba2Args.chunk_size: {self.chunk_size}")
 
 
+@dataclass(frozen=True)
+class KDAArgs:
+    """Kimi delta attention of KDA layers (Kimi-Linear): heads x head_dim for q, k and v alike (the low-rank forget
+    and output gates go through head_dim too), the short conv's taps on q, k and v."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self):
+        if self.conv_kernel < 2:
+            raise ValueError(f"KDAArgs.conv_kernel: {self.conv_kernel} (a causal conv of at least 2 taps)")
+
+
 # ------------------------------------------------------------------ routing and experts
 @dataclass(frozen=True)
 class RouterArgs:
@@ -403,7 +419,7 @@ class ModelArgs:
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
-    layer_types: tuple[str, ...]  # per layer: FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA or MAMBA2
+    layer_types: tuple[str, ...]  # per layer: one of LAYER_TYPES
     rope: RopeArgs
     tie_word_embeddings: bool = False
     max_seq_len: int = 256
@@ -438,6 +454,7 @@ class ModelArgs:
     short_conv: ShortConvArgs | None = None  # the CONV layers'
     mamba: MambaArgs | None = None  # the MAMBA layers'
     mamba2: Mamba2Args | None = None  # the MAMBA2 layers'
+    kda: KDAArgs | None = None  # the KDA layers'
     router: RouterArgs = RouterArgs()
     experts: ExpertArgs = ExpertArgs()
     norm: NormArgs = NormArgs()
@@ -463,6 +480,8 @@ class ModelArgs:
             raise ValueError("ModelArgs.mamba: None, but layer_types has mamba layers")
         if MAMBA2 in self.layer_types and self.mamba2 is None:
             raise ValueError("ModelArgs.mamba2: None, but layer_types has mamba2 layers")
+        if KDA in self.layer_types and self.kda is None:
+            raise ValueError("ModelArgs.kda: None, but layer_types has kda layers")
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:

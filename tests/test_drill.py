@@ -216,6 +216,7 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
     modules |= {"post_attention_layernorm", "shared_expert.gate_proj", "shared_experts.gate_proj", "shared_experts.up_proj"}
     modules |= {"post_mlp_layernorm", "shared_mlp"}  # A.X-K1's MoE output norm; Granite's shared MLP (the layer's)
     modules |= {"dt_layernorm", "norm"}  # Jamba's RMSNorm of the time step's input; lightning attention's norm
+    modules |= {"forget_gate", "o_norm"}  # Kimi delta attention's per-channel decay and its gated output norm
     assert named <= taps | modules
 
 

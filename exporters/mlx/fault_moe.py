@@ -98,6 +98,8 @@ def no_renorm(layer, a):
         gate.norm_topk_prob = False
     elif hasattr(moe_block(layer), "norm_topk_prob"):  # Qwen3's block reads its flag at every call
         moe_block(layer).norm_topk_prob = False
+    elif (g := _gate(layer)) is not None and hasattr(g, "moe_renormalize"):  # Kimi-Linear's block: its args' flag
+        g.moe_renormalize = False
     else:
         reroute(layer, a, lambda v, k, renorm: _scores(v, k, False))
 
@@ -178,7 +180,9 @@ def _gate(layer):
     g = router_module(moe)
     if g is None and hasattr(moe, "n_group"):  # a block that routes inline by fields of its own (AFMoE)
         return moe
-    if g is None and getattr(moe, "args", None) is not None and hasattr(moe.args, "n_group"):
+    # (Kimi-Linear's args name it num_expert_group)
+    if g is None and getattr(moe, "args", None) is not None and (hasattr(moe.args, "n_group")
+                                                                 or hasattr(moe.args, "num_expert_group")):
         import copy
 
         moe.args = copy.copy(moe.args)
@@ -218,9 +222,13 @@ def bias_ignored(layer, a):
 def bias_in_weights(layer, a):
     """The gate's own choice, its weights taken from sigmoid + correction bias (not the sigmoid alone)."""
     g, moe = _gate(layer), moe_block(layer)
-    if g is None or g is moe:  # a block that routes inline with its own correction bias (MiniMax-M2, AFMoE): its
-        bias = getattr(moe, named(moe, "e_score_correction_bias"))  # routing recomputed (AFMoE's route_scale kept)
-        scale = getattr(moe, named(moe, "routed_scaling_factor"), 1.0)
+    if g is None or g is moe or not callable(g):  # a block that routes inline with its own correction bias
+        # (MiniMax-M2, AFMoE; Kimi-Linear's, its routing fields in its args): its routing recomputed (AFMoE's
+        # route_scale, Kimi-Linear's routed_scaling_factor kept)
+        bias = getattr(moe, named(moe, "e_score_correction_bias"))
+        scale = getattr(moe, named(moe, "routed_scaling_factor"), None)
+        if scale is None:
+            scale = getattr(g, "routed_scaling_factor", 1.0) if g is not None else 1.0
 
         def route(logits, k, renorm):
             biased = mx.sigmoid(logits.astype(mx.float32)) + bias
@@ -258,6 +266,9 @@ def softmax_for_sigmoid(layer, a):
         return
     if g is not None and hasattr(g, "score_func"):  # a block that reads its score function at every call (AFMoE)
         g.score_func = "softmax"
+        return
+    if g is not None and hasattr(g, "moe_router_activation_func"):  # Kimi-Linear's block: its args name it
+        g.moe_router_activation_func = "softmax"
         return
     if g is None:
         return reroute(layer, a, lambda v, k, renorm: _scores(v, k, False))

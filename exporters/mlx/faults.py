@@ -188,6 +188,8 @@ NOT_APPLICABLE_ON = {
     ("rope_on_nope_layer", "jamba"): "mlx-lm's jamba attention has no rotary embedding at all (no rope to misapply)",
     ("rope_on_nope_layer", "nemotron_h"): "mlx-lm's nemotron_h attention has no rotary embedding at all (no rope to "
                                           "misapply)",
+    ("rope_on_nope_layer", "kimi_linear"): "mlx-lm's kimi_linear latent attention has no rotary embedding at all (no "
+                                           "rope to misapply)",
 }
 
 

@@ -28,7 +28,7 @@ def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm n
 
 
 def attention_block(layer):  # the mixer in the attention's place: LFM2's short conv where a layer has no attention
-    if getattr(layer, "is_linear", False):
+    if getattr(layer, "is_linear", False) and "linear_attn" in layer:  # (Kimi-Linear's KDA layers: self_attn)
         return layer.linear_attn
     if "norm_attn_norm" in layer:  # DBRX: the attention inside its norm, attention, residual, norm module
         return layer.norm_attn_norm.attn
@@ -299,6 +299,19 @@ def _route_dbrx(moe, x):  # dbrx: softmax in fp32, top-k by -gates, the k weight
 
 
 ROUTE["mlx_lm.models.dbrx.SparseMoeBlock"] = _route_dbrx
+
+
+def _route_kimi(moe, x):  # kimi_linear: mlx-lm's own selection (sigmoid, + correction bias, groups, renorm, scale)
+    from mlx_lm.models.kimi_linear import _group_expert_select
+
+    a = moe.args
+    inds, scores = _group_expert_select(moe.gate(x), moe.e_score_correction_bias, a.num_experts_per_token,
+                                        a.num_expert_group, a.topk_group, a.routed_scaling_factor, a.moe_renormalize,
+                                        a.moe_router_activation_func)
+    return scores, inds
+
+
+ROUTE["mlx_lm.models.kimi_linear.KimiSparseMoE"] = _route_kimi
 
 
 def route(moe, x):

@@ -18,6 +18,8 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
                                    shared_summed, stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
+from models.faults.kda import (kda_conv_state_not_carried, kda_decay_per_head, kda_decay_sign,
+                               kda_output_gate_no_sigmoid, kda_state_not_carried)
 from models.faults.lightning import (lightning_gate_no_sigmoid, lightning_slope_layer_factor_missing,
                                      lightning_state_not_carried)
 from models.faults.mamba import (mamba_conv_state_not_carried, mamba_decay_sign, mamba_dt_bias_dropped,
@@ -94,6 +96,16 @@ COMMON: tuple[Fault, ...] = (
           "lightning attention slopes without their per-layer factor", lightning_slope_layer_factor_missing),
     Fault("lightning_gate_no_sigmoid", "attention", "lightning", "lightning attention output gate without sigmoid",
           lightning_gate_no_sigmoid),
+    Fault("kda_state_not_carried", "attention", "kda", "Kimi delta attention recurrent state not carried into decode",
+          kda_state_not_carried),
+    Fault("kda_conv_state_not_carried", "attention", "kda", "Kimi delta attention conv state not carried into decode",
+          kda_conv_state_not_carried),
+    Fault("kda_decay_sign_flipped", "attention", "kda", "Kimi delta attention decay e^(+e^A_log softplus): its sign "
+          "dropped", kda_decay_sign),
+    Fault("kda_decay_per_head", "attention", "kda", "Kimi delta attention decay one per head (its channels' mean) "
+          "instead of one per channel", kda_decay_per_head),
+    Fault("kda_output_gate_no_sigmoid", "attention", "kda", "Kimi delta attention output gate without its sigmoid",
+          kda_output_gate_no_sigmoid),
     Fault("mamba_state_not_carried", "attention", "mamba", "Mamba scan state not carried into decode",
           mamba_state_not_carried),
     Fault("mamba_conv_state_not_carried", "attention", "mamba", "Mamba conv state not carried into decode",
@@ -264,7 +276,8 @@ POINTS: dict[str, str | tuple | None] = {
     # attention
     # (MLA's rotation has no tap: the attention's context there)
     "rope_theta_wrong": ("q_rope", "context"), "rope_interleaved": "q_rope", "rotary_fraction_wrong": "q_rope",
-    "yarn_mscale_missing": ("q_rope", "context"), "q_position_scale_missing": "context", "rope_on_nope_layer": "q_rope",
+    "yarn_mscale_missing": ("q_rope", "context"), "q_position_scale_missing": "context",
+    "rope_on_nope_layer": ("q_rope", "context"),  # (Kimi-Linear's NoPE MLA: the context)
     "clip_qkv_missing": "q_rope", "qk_norm_missing": "q_norm", "qk_norm_before_rope": ("q_norm", "q_rope"),
     "qk_norm_per_head_for_flat": "q_norm", "qk_norm_flat_for_per_head": "q_norm",
     "kv_cache_write_off_by_one": "context", "attention_not_causal": "context", "attention_scale_wrong": "context",
@@ -278,6 +291,10 @@ POINTS: dict[str, str | tuple | None] = {
     # (HF's lightning attention computes its scan inline: the first point after it is its norm)
     "lightning_state_not_carried": ("recurrence", "norm"), "lightning_slope_layer_factor_missing": ("recurrence", "norm"),
     "lightning_gate_no_sigmoid": "context",
+    # (the forget gate is HF's module: its output, the per-channel log decay, before the `g` tap; the output gate's
+    # sigmoid is inside HF's gated norm, o_norm)
+    "kda_state_not_carried": "recurrence", "kda_conv_state_not_carried": "conv", "kda_decay_sign_flipped": "forget_gate",
+    "kda_decay_per_head": "forget_gate", "kda_output_gate_no_sigmoid": "o_norm",
     "mamba_state_not_carried": "recurrence", "mamba_conv_state_not_carried": "conv",
     "mamba_decay_sign_flipped": "decay", "mamba_dt_bias_dropped": "dt", "mamba_inner_norms_missing": "dt_layernorm",
     "mamba2_state_not_carried": "recurrence", "mamba2_conv_state_not_carried": "conv",

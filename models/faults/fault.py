@@ -12,7 +12,8 @@ import types
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from models.args import CONV, DENSE, LIGHTNING, MAMBA, MAMBA2, NONE, LINEAR, RECURRENT, SLIDING, SPARSE, ModelArgs, heads, mlp_type
+from models.args import (CONV, DENSE, KDA, LIGHTNING, MAMBA, MAMBA2, NONE, LINEAR, RECURRENT, SLIDING, SPARSE, ModelArgs,
+                         heads, mlp_type)
 from models.layers.transformer import Transformer
 
 
@@ -22,7 +23,8 @@ class Fault:
     kind: str  # the block kind the oracle must name
     # which layer: full (last softmax-attention layer: full, sliding or chunked), rope (last that rotates),
     # nope (last that does not), sliding (last sliding-window), linear (last Gated DeltaNet), conv (last short conv),
-    # mamba (last Mamba), mamba2 (last Mamba2), ownrope (last
+    # mamba (last Mamba), mamba2 (last Mamba2), lightning (last lightning attention), kda (last Kimi delta
+    # attention), ownrope (last
     # whose rope is its own: per type or per layer), ownheads (last whose q heads per kv head are its own),
     # dense (first dense), last, model; first, first_<target> and last_sparse (a fault of a hyper-parameter
     # every layer reads shows first in the first layer it touches: exporters/llamacpp/faults.py)
@@ -87,7 +89,7 @@ def _targets(a: ModelArgs, target: str) -> list[int]:
     attends = lambda t: t not in RECURRENT and t != NONE  # noqa: E731  (a softmax-attention layer, of any kind)
     pick = {"full": lambda i, t: attends(t), "linear": lambda i, t: t == LINEAR, "sliding": lambda i, t: t == SLIDING,
             "conv": lambda i, t: t == CONV, "mamba": lambda i, t: t == MAMBA, "lightning": lambda i, t: t == LIGHTNING,
-            "mamba2": lambda i, t: t == MAMBA2,
+            "mamba2": lambda i, t: t == MAMBA2, "kda": lambda i, t: t == KDA,
             "rope": lambda i, t: attends(t) and rotates(i), "nope": lambda i, t: attends(t) and not rotates(i),
             "sparse": lambda i, t: mlp_type(a, i) == SPARSE,
             "ownrope": lambda i, t: attends(t) and a.rope.own(i, t),

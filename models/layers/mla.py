@@ -16,9 +16,10 @@ class LatentAttention(nn.Module):
     normalised kv latent [kv_lora_rank] and one rotary key shared by every head [qk_rope]
     (latent_cache [B, S, r], rope_key_cache [B, S, dr]); keys and values are expanded from the
     latent by kv_b_proj at every call. q.k runs over qk_nope + qk_rope dims per head; the
-    values have v_head_dim. The low-rank norms use eps 1e-6 (HF's, not rms_norm_eps)."""
+    values have v_head_dim. The low-rank norms use eps 1e-6 (HF's, not rms_norm_eps). A layer that does not rotate
+    (RopeArgs.per_layer: Kimi-Linear's NoPE MLA) keeps the qk_rope dims of q and of the shared key unrotated."""
 
-    def __init__(self, a: ModelArgs, dtype=torch.float32):
+    def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
         m, bias = a.attention.mla, a.attention.qkv_bias
         self.nh, self.r = a.num_attention_heads, m.kv_lora_rank
@@ -35,6 +36,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.attention.o_bias)
         self.rope = Rope(self.dr, a.rope, partial=1.0)
+        self.use_rope = a.rope.rotates(layer)
         self.scale = qk**-0.5
         at = a.attention  # Mistral 4's query scale by position (beta, period); None: none
         self.q_position = (at.q_position_beta, at.q_position_period) if at.q_position_beta else None
@@ -58,8 +60,9 @@ class LatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
         q_nope, q_rot = self.split_q(q.view(B, T, self.nh, self.dn + self.dr).transpose(1, 2))
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.r, self.dr], dim=-1)
-        k_rot = self.rope(k_rot.view(B, 1, T, self.dr), pos)[:, 0]
-        q = torch.cat((q_nope, self.rope(q_rot, pos)), dim=-1)
+        if self.use_rope:
+            k_rot, q_rot = self.rope(k_rot.view(B, 1, T, self.dr), pos)[:, 0], self.rope(q_rot, pos)
+        q = torch.cat((q_nope, q_rot), dim=-1)
         if self.q_position is not None:  # 1 + beta * log(1 + floor(pos / period)) [T], every head and dim
             beta, period = self.q_position
             q = q * (1.0 + beta * torch.log1p(torch.floor(pos.float() / period)))[:, None].to(q.dtype)

@@ -1,5 +1,6 @@
-"""The production model: decoder layers (an attention, linear-attention, short-conv, Mamba or Mamba2 mixer, an MoE or dense
-MLP, their norms and residuals), the embedding and head, and the one (layer, kind) -> block map.
+"""The production model: decoder layers (an attention, linear-attention, short-conv, Mamba, Mamba2, lightning or Kimi
+delta attention mixer, an MoE or dense MLP, their norms and residuals), the embedding and head, and the one
+(layer, kind) -> block map.
 
 Export-friendly: static-shape state buffers (KV cache, conv state, recurrent state),
 no data-dependent Python control flow, positions passed explicitly. One forward
@@ -18,9 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.args import CONV, LIGHTNING, LINEAR, MAMBA, MAMBA2, NONE, SPARSE, STATE_BUFFERS, ModelArgs, block_path, mixer_name, mlp_type
+from models.args import (CONV, KDA, LIGHTNING, LINEAR, MAMBA, MAMBA2, NONE, SPARSE, STATE_BUFFERS, ModelArgs, block_path,
+                         mixer_name, mlp_type)
 from models.layers.attention import Attention
 from models.layers.gated_deltanet import GatedDeltaNet
+from models.layers.kda import KimiDeltaAttention
 from models.layers.lightning import Lightning
 from models.layers.mamba import Mamba
 from models.layers.mamba2 import Mamba2
@@ -47,8 +50,10 @@ class DecoderLayer(nn.Module):
             pass
         elif self.layer_type == LIGHTNING:
             self.self_attn = Lightning(a, i, dtype)
+        elif self.layer_type == KDA:
+            self.self_attn = KimiDeltaAttention(a, dtype)
         elif a.attention.kind == "mla":
-            self.self_attn = LatentAttention(a, dtype)
+            self.self_attn = LatentAttention(a, dtype, i)
         elif a.attention.kind == "moa":
             self.self_attn = MixtureOfAttention(a, dtype, i)
         else:

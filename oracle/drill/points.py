@@ -42,6 +42,8 @@ from oracle.reports.result import Status, place
 TAPS = {
     "attention": ("q_rope", "k_rope"),
     "linear_attention": ("conv", "q_l2norm", "k_l2norm", "beta", "g", "recurrence"),
+    # Kimi delta attention's: the Gated DeltaNet's (g per channel: [.., heads, head_dim])
+    "kda": ("conv", "q_l2norm", "k_l2norm", "beta", "g", "recurrence"),
     "short_conv": ("bx", "conv"),  # the gated input B * x, the causal conv's output (rows by token)
     # the conv's output (x | B | C after silu), the discretised time step, its decay e^(dt A), the scan's output
     # with the D skip (before the gated norm, the module `norm`)
@@ -183,9 +185,10 @@ def production_taps(rec: Recorder):
 
 @contextlib.contextmanager
 def hf_taps(block, router, rec: Recorder, args, read_router):
-    """HF's side of TAPS: its rotary function's results, its Gated DeltaNet kernel's inputs and output, its short
-    conv's, its Mamba2 conv's and scan's (patched in the modeling file of every module of the block that has one) and, where the block holds the layer's router, the router's logits,
-    scores, selection scores, choice and weights."""
+    """HF's side of TAPS: its rotary function's results, its Gated DeltaNet (and Kimi delta attention) kernel's inputs
+    and output, its short conv's, its Mamba2 conv's and scan's (patched in the modeling file of every module of the
+    block that has one) and, where the block holds the layer's router, the router's logits, scores, selection scores,
+    choice and weights."""
     import torch
 
     from models.layers import routing
@@ -204,7 +207,7 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
             return q, k
         return wrapped
 
-    def delta_rule(fn, mod):  # HF's Gated DeltaNet kernel: its inputs are the conv's q, k, v, g and beta
+    def delta_rule(fn, mod):  # HF's Gated DeltaNet (or KDA) kernel: its inputs are the conv's q, k, v, g and beta
         def wrapped(query, key, value, *a, **kw):
             out = fn(query, key, value, *a, **kw)
             if inside[0]:
@@ -267,7 +270,8 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
         return wrap
 
     functions = {"apply_rotary_pos_emb": rotary, "torch_chunk_gated_delta_rule": delta_rule,
-                 "torch_recurrent_gated_delta_rule": delta_rule, "causal_conv1d_fn": short_conv,
+                 "torch_recurrent_gated_delta_rule": delta_rule, "chunk_kimi_delta_attention": delta_rule,
+                 "recurrent_kimi_delta_attention": delta_rule, "causal_conv1d_fn": short_conv,
                  "causal_conv1d_update": short_conv, "mamba2_chunk_scan": ssm_scan(True, True),
                  "mamba2_selective_state_update": ssm_scan(False, True), "mamba_selective_scan": ssm_scan(True, False),
                  "mamba_selective_state_update": ssm_scan(False, False)}
@@ -277,8 +281,9 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
             fn = getattr(mod, name, None)
             if fn is None or any(p[0] is mod and p[1] == name for p in patched):
                 continue
-            if wrap is short_conv and hasattr(mod, "torch_chunk_gated_delta_rule"):
-                continue  # a Gated DeltaNet's conv: its taps are the kernel's inputs
+            if wrap is short_conv and (hasattr(mod, "torch_chunk_gated_delta_rule")
+                                       or hasattr(mod, "chunk_kimi_delta_attention")):
+                continue  # a Gated DeltaNet's (a KDA's) conv: its taps are the kernel's inputs
             if wrap is short_conv and (hasattr(mod, "mamba2_chunk_scan") or hasattr(mod, "mamba_selective_scan")):
                 wrap = mamba2_conv  # (a Mamba's too)
             patched.append((mod, name, fn))
