@@ -57,6 +57,10 @@ class Family:
     # checkpoint's config.json over what save_pretrained wrote; they must mean the tiny config's model to HF
     release_config: dict = None
     release_drops: tuple = ()  # ... and the fields save_pretrained writes that the release's config.json has not
+    # the release's tensor names where save_pretrained writes others: (tensors by name) -> the same under the release's
+    # names (Kimi-Linear's dense MLP: `mlp` in the release, `block_sparse_moe` from transformers 5.23's reversed rename),
+    # applied to every seeded checkpoint as it is written: what llama.cpp's converter and mlx-lm read is the release
+    release_names: Callable = None
     # an HF router's output -> (logits [N, E], top-k weights [N, k], indices [N, k]) given the
     # ModelArgs (None: it returns that triple, as transformers 5's TopKRouters do)
     router_output: Callable = None

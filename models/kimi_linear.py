@@ -8,6 +8,7 @@ w1 / w3 / w2, q/k/v_conv1d (HF concatenates them into one conv1d), the forget ga
 A_log on the attention (HF: under forget_gate)."""
 
 import re
+from types import SimpleNamespace
 
 from models.args import DENSE, FULL, KDA, LINEAR, SPARSE, KDAArgs, ModelArgs, RopeArgs
 from models.checkpoint import stack_experts, unstack_experts
@@ -110,20 +111,28 @@ def linear_attn_config(c) -> dict:
 DENSE_MLP = re.compile(r"(.*\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)")
 
 
-def to_mlx(weights: dict) -> dict:
-    """What mlx-lm's sanitize() takes: the release's layout, but a dense layer's MLP under `mlp` (transformers 5.23's
-    save_pretrained names it block_sparse_moe too: its rename of the release's MoE blocks, reversed, takes every
-    layer's `mlp`; the release and mlx-lm name a dense layer's MLP mlp)."""
+def release_names(weights: dict) -> dict:
+    """The release's layout (what mlx-lm's sanitize() and llama.cpp's converter take): a dense layer's MLP under `mlp`
+    (transformers 5.23's save_pretrained names it block_sparse_moe too: its rename of the release's MoE blocks,
+    reversed, takes every layer's `mlp`; the release, mlx-lm and llama.cpp name a dense layer's MLP mlp). The seeded
+    checkpoints are written so (Family.release_names); an HF-saved directory given to mlx is read so too."""
     return {DENSE_MLP.sub(r"\1.mlp.\2", k): v for k, v in weights.items()}
 
+
+# the release's config.json fields beside HF's (llama.cpp's converter reads the layer kinds and the conv from
+# linear_attn_config, the dense layers from first_k_dense_replace, the router's sigmoid from
+# moe_router_activation_func; HF reads them to the tiny config's model, or not at all)
+RELEASE = dict(linear_attn_config=linear_attn_config(SimpleNamespace(**TINY)),
+               first_k_dense_replace=TINY["mlp_layer_types"].count(DENSE), mla_use_nope=True,
+               moe_router_activation_func="sigmoid", use_grouped_topk=True, moe_layer_freq=1)
 
 MLX_NAMES = re.compile(r"(.*\.layers\.\d+)\.(?:(mlp)\.(.*)|self_attn\.([qkv])_conv\.conv\.weight)")
 
 
 def from_mlx(weights: dict, config: dict) -> dict:
-    """mlx-lm's names and layouts -> the release's as save_pretrained writes them: experts.{e}.w1 / w3 / w2 and every
-    layer's MLP under block_sparse_moe, the correction bias under the gate, q/k/v_conv1d [C, 1, K] (mlx-lm's
-    [C, K, 1]), kv_b_proj from mlx-lm's two halves of it."""
+    """mlx-lm's names and layouts -> the release's: experts.{e}.w1 / w3 / w2 and a sparse layer's MLP under
+    block_sparse_moe (a dense layer's under mlp), the correction bias under the gate, q/k/v_conv1d [C, 1, K]
+    (mlx-lm's [C, K, 1]), kv_b_proj from mlx-lm's two halves of it."""
     out = {}
     for k, v in mla_from_mlx(unstack_experts(weights, {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
                              config).items():
@@ -134,7 +143,7 @@ def from_mlx(weights: dict, config: dict) -> dict:
         elif m is not None:
             k, v = f"{m[1]}.self_attn.{m[4]}_conv1d.weight", v.moveaxis(2, 1)
         out[k] = v
-    return out
+    return release_names(out)
 
 
 MLX = MlxLm(
@@ -164,13 +173,13 @@ MLX = MlxLm(
         (lambda c: c.num_experts_per_tok <= c.topk_group * (c.num_local_experts // c.n_group),
          "num_experts_per_token > the experts of the kept groups (mlx-lm masks groups with 0, HF with -inf)"),
     ),
-    convert=to_mlx, array_mask=True,
+    convert=release_names, array_mask=True,
 )
 
 FAMILY = Family(
     name="kimi_linear", model_types=("kimi_linear",), hf_module="kimi_linear", hf_class_name="KimiLinearForCausalLM",
     hf_config_name="KimiLinearConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
-    from_mlx=from_mlx, experts="num_experts", top_k="num_experts_per_token",
+    from_mlx=from_mlx, release_names=release_names, release_config=RELEASE, experts="num_experts", top_k="num_experts_per_token",
     rules=(("positive", "linear_num_heads", "linear_head_dim", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
             "v_head_dim", "moe_intermediate_size", "intermediate_size", "num_expert_group", "topk_group"),
            ("at_least", "linear_conv_kernel_dim", 2), ("per_layer", "mlp_layer_types"),

@@ -256,3 +256,37 @@ def test_granitemoe_swa_with_a_shared_mlp_passes(tmp_path):
     assert model.layers[0].shared_mlp.up_proj.weight.abs().sum() > 0  # the checkpoint's weights, not zeros
     r = run_check(spec)
     assert r.status == "pass" and r.e2e.token_exact, r.worst
+
+
+def test_a_seeded_checkpoint_takes_the_releases_tensor_names_where_save_pretrained_writes_others():
+    """Kimi-Linear's dense layer: transformers 5.23's save_pretrained names its MLP block_sparse_moe (its rename of the
+    release's MoE blocks, reversed, takes every `mlp`), the release (and mlx-lm, llama.cpp's converter) `mlp`: the tiny
+    checkpoint is written as released (Family.release_names), with the release's config fields, and HF reads it back
+    as the same model (the production model built from it equals HF's state, tensor for tensor)."""
+    import json
+
+    from safetensors import safe_open
+
+    from models import get_family
+    from oracle.source.seeded import tiny_checkpoint
+
+    family = get_family("kimi_linear")
+    d = tiny_checkpoint(family, 0)
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # the dense layer
+    assert not any(n.startswith("model.layers.0.block_sparse_moe.") for n in names)
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in names  # a sparse one, as released
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["linear_attn_config"]["kda_layers"] == [1, 3, 4] and cfg["first_k_dense_replace"] == 1
+    hf = family.hf_class().from_pretrained(d)
+    sd = hf.state_dict()
+    assert torch.equal(sd["model.layers.0.mlp.gate_proj.weight"],
+                       family.build(cfg, {n: t for n, t in _read(d).items()}).state_dict()["layers.0.mlp.gate_proj.weight"]
+                       .to(sd["model.layers.0.mlp.gate_proj.weight"].dtype))
+
+
+def _read(d):
+    from safetensors.torch import load_file
+
+    return load_file(str(d / "model.safetensors"))

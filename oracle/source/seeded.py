@@ -76,6 +76,7 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
         **({"tiny_derived": list(family.tiny_derived)} if family.tiny_derived else {}),
         **({"release_config": family.release_config or {}, "release_drops": list(family.release_drops)}
            if family.release_config or family.release_drops else {}),
+        **({"release_names": True} if family.release_names else {}),
         "format": TINY_FORMAT,
         "transformers": version("transformers"),
         **profile_recipe(weights, family),
@@ -88,8 +89,28 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
             path = out / "config.json"
             written = {k: v for k, v in json.loads(path.read_text()).items() if k not in family.release_drops}
             path.write_text(json.dumps({**written, **(family.release_config or {})}, indent=2) + "\n")
+        if family.release_names:  # the release's tensor names where save_pretrained wrote others
+            rename_tensors(out, family.release_names)
 
     return cached_dir(recipe, stem, "oracle_tiny.json", build)
+
+
+def rename_tensors(out: Path, names) -> None:
+    """Every safetensors file of the checkpoint directory `out` (and its index) with its tensors renamed by `names`
+    (tensors by name -> the same tensors by their new names)."""
+    from safetensors.torch import load_file, save_file
+
+    index = out / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        renamed = names(tensors)
+        save_file({k: v.contiguous() for k, v in renamed.items()}, str(path), metadata={"format": "pt"})
+        for old, new in zip(tensors, names(dict.fromkeys(tensors))):  # the names alone, in the same order
+            weight_map[new] = weight_map.pop(old, path.name)
+    if index.exists():
+        doc = json.loads(index.read_text())
+        index.write_text(json.dumps({**doc, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
 
 
 SHARD_BYTES = 5 * 10**9  # the 5 GB shards the published checkpoints use
@@ -138,7 +159,8 @@ def write_seeded_checkpoint(family, cfg: dict, seed: int, out: Path, dtype=None,
         sd = {name_prefix + k: v for k, v in module.state_dict().items()}
         if rewrite is not None:
             rewrite(sd)
-        for k, v in revert_weight_conversion(model, sd).items():
+        reverted = revert_weight_conversion(model, sd)
+        for k, v in (family.release_names(reverted) if family.release_names else reverted).items():
             if fmt is not None and v.is_floating_point() and packs(fmt, k, v.shape):
                 parts = pack(fmt, k, v)
             else:
@@ -192,7 +214,8 @@ def config_checkpoint(family, name: str, layers: int | None, seed: int, dtype: s
     rewrite = profile_rewrite(family, cfg, weights, seed)
     name = Path(name).stem if name.endswith(".json") else name
     recipe = {"family": family.name, "config": cfg, "seed": seed, "dtype": dtype, "format": TINY_FORMAT,
-              "transformers": version("transformers"), **profile_recipe(weights, family), **release_recipe(cfg)}
+              "transformers": version("transformers"), **profile_recipe(weights, family), **release_recipe(cfg),
+              **({"release_names": True} if family.release_names else {})}
     stored = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[dtype]
     profile = "" if weights == "normal" else f"-{weights}"
     return cached_dir(recipe, f"{name}-L{layers or 'all'}-s{seed}-{dtype}{profile}", "oracle_seeded.json",
