@@ -158,6 +158,8 @@ def _merged(cfg: dict, config: dict) -> dict:
     ("granitemoe_swa", {"layer_rope_theta": [10000.0, 10000.0, 10000.0]}, "layer_rope_theta"),
     # llama.cpp's lfm2moe never scales the experts' weights by routed_scaling_factor (its short-conv layers pass)
     ("lfm2_moe", {"routed_scaling_factor": 1.0}, "expert_weights_scale"),
+    # llama.cpp's Kimi delta attention l2-normalises q and k with rms_norm_eps under the root (HF's: a fixed 1e-6)
+    ("kimi_linear", {"rms_norm_eps": 1e-6}, "sqrt(sum(x^2) + rms_norm_eps)"),
 ])
 def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, cause):
     """The tiny checkpoint fails where its entry says (xfail); with the cause removed from config.json
