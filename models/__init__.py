@@ -31,7 +31,6 @@ FAMILY_NAMES = tuple(n for n in CORE if n in _FILES) + tuple(n for n in _FILES i
 UNSUPPORTED = {
     "deepseek_v32": "DeepSeek sparse attention (the lightning indexer)",
     # issue 78's families not built yet (the mechanism is missing, not a tool)
-    "bailing_hybrid": "Kimi delta attention beside MLA with a head gate",
     "longcat_flash": "zero-computation experts and shortcut-connected MoE",
     # issue 76's families not built yet (each can be built here: the mechanism is missing, not a tool)
     "beam": "the position-dependent query scale (1 + p/2048)^0.1 of its NoPE layers, the head gate with a bias, "

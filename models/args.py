@@ -293,16 +293,27 @@ class Mamba2Args:
 
 @dataclass(frozen=True)
 class KDAArgs:
-    """Kimi delta attention of KDA layers (Kimi-Linear): heads x head_dim for q, k and v alike (the low-rank forget
-    and output gates go through head_dim too), the short conv's taps on q, k and v."""
+    """Kimi delta attention of KDA layers (Kimi-Linear, Bailing-hybrid): heads x head_dim for q, k and v alike, the
+    short conv's taps on q, k and v, and how its gates are made."""
 
     num_heads: int
     head_dim: int
     conv_kernel: int = 4
+    # the forget and output gates' projections: low-rank through head_dim (Kimi-Linear's f_a_proj / f_b_proj,
+    # g_a_proj / g_b_proj), or one full-rank projection each (Bailing-hybrid's f_proj, g_proj)
+    low_rank_gates: bool = True
+    # the forget gate bounded: g = lower_bound * sigmoid(e^A_log * (f + dt_bias)) (Bailing-hybrid's kda_safe_gate with
+    # its kda_lower_bound, negative); 0: unbounded, g = -e^A_log * softplus(f + dt_bias) (Kimi-Linear's)
+    lower_bound: float = 0.0
+    # the log decay rounded to the model's dtype before the recurrence (Bailing-hybrid's forget gate returns it in the
+    # hidden states' dtype; Kimi-Linear's keeps fp32)
+    decay_in_model_dtype: bool = False
 
     def __post_init__(self):
         if self.conv_kernel < 2:
             raise ValueError(f"KDAArgs.conv_kernel: {self.conv_kernel} (a causal conv of at least 2 taps)")
+        if self.lower_bound > 0:
+            raise ValueError(f"KDAArgs.lower_bound: {self.lower_bound} (a log decay's bound: negative, or 0 for none)")
 
 
 # ------------------------------------------------------------------ routing and experts

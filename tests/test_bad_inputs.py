@@ -298,8 +298,8 @@ CASES = [
     Case("family-missing-tiny", ["check", "--backend", "eager"], 2,
          "--family is required with the tiny checkpoint (or give --model-dir / --config)"),
     Case("family-unknown-model-type", ["check", "--backend", "eager", "--model-dir", "{ckpt}"], 2,
-         "no family reads model_type 'bailing_hybrid': not supported yet, missing Kimi delta attention",
-         lambda d: (d / "config.json").write_text('{"model_type": "bailing_hybrid"}')),
+         "no family reads model_type 'longcat_flash': not supported yet, missing zero-computation experts",
+         lambda d: (d / "config.json").write_text('{"model_type": "longcat_flash"}')),
     # candidate faults: that row fails (or errors), everything else is still measured
     Case("router-k-minus-1", check(backend="tests.plugins:ROUTER_K_MINUS_1"), 1,
          "call 0: weights shape [8, 1] vs reference [8, 2]", report=True,

@@ -1,7 +1,9 @@
 """Kimi delta attention (models/layers/kda.py): the parallel prefill, the one-step recurrence and HF's torch path
 (transformers 5.23 kimi_linear: chunk_kimi_delta_attention in chunks of 64, recurrent_kimi_delta_attention) compute one
 gated delta rule with a per-channel decay; the production mixer is HF's KimiLinearDeltaAttention on the same weights,
-prefill then decode with its conv and recurrent state carried (HF's through its cache)."""
+prefill then decode with its conv and recurrent state carried (HF's through its cache). Bailing-hybrid's (transformers
+5.23 bailing_hybrid): its KDA mixer (full-rank gates, the bounded decay) and its latent attention's head gate against
+HF's modules the same way."""
 
 import pytest
 import torch
@@ -111,3 +113,103 @@ def test_a_call_at_position_0_starts_a_new_sequence():
         first = ours(x, torch.arange(6))
         again = ours(x, torch.arange(6))
     assert torch.equal(first, again)
+
+
+# ------------------------------------------------------------------ Bailing-hybrid: full-rank gates, the bounded decay,
+# and its latent attention's head gate
+def _bailing():
+    hb = pytest.importorskip("transformers.models.bailing_hybrid.modeling_bailing_hybrid")
+    fam = get_family("bailing_hybrid")
+    c = fam.hf_config(fam.tiny_config)
+    c._attn_implementation = "eager"
+    return hb, c, fam.args(fam.tiny_config, max_seq_len=128)
+
+
+def _random_(module, std=0.3, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for prm in module.parameters():
+            prm.copy_(torch.randn_like(prm) * std)
+    return module.eval()
+
+
+@pytest.mark.parametrize("T", [11, 80])  # within HF's first chunk of 64, and across it
+def test_bailing_mixer_is_hfs_with_its_state_carried(T):
+    """HF's BailingHybridDeltaAttention (f_proj and g_proj full-rank, the forget gate bounded: kda_lower_bound *
+    sigmoid(e^A_log (f + dt_bias)), in (-1, 0) with the tiny config's bound) and the production mixer (KDAArgs
+    low_rank_gates False, lower_bound -1) on the same random weights: HF's prefill of T - 3 tokens then 3 decode steps
+    through its cache, against the production mixer the same way and prefilled whole, within 2e-5 of the output's
+    largest value (as Kimi-Linear's above; measured 1.2e-6 at T 80, 3.7e-7 at T 11; the states 3.1e-7 of their
+    largest). The decay is the bounded one: the same mixer with Kimi-Linear's unbounded decay (the seeded fault
+    kda_gate_bound_dropped) is off by 0.56-0.62 of the output's largest value."""
+    from transformers.cache_utils import DynamicCache
+
+    from models.faults.kda import kda_gate_bound_dropped
+
+    hb, c, args = _bailing()
+    assert args.kda.lower_bound == -1.0 and not args.kda.low_rank_gates
+    ref = _random_(hb.BailingHybridDeltaAttention(c, 0))
+    ours = KimiDeltaAttention(args)
+    state = {k: (v.reshape(1, 1, -1, 1) if k.endswith("A_log") else v) for k, v in ref.state_dict().items()}
+    missing = ours.load_state_dict(state, strict=False)
+    assert not missing.unexpected_keys and set(missing.missing_keys) == {"conv_state", "recurrent_state"}
+    x = torch.randn(1, T, c.hidden_size, generator=torch.Generator().manual_seed(1))
+    P = T - 3
+    with torch.no_grad():
+        cache = DynamicCache(config=c)
+        want = torch.cat([ref(x[:, :P], cache_params=cache)] + [ref(x[:, t:t + 1], cache_params=cache)
+                                                                for t in range(P, T)], 1)
+        g = ref.forget_gate(x)
+        whole = ours(x, torch.arange(T))
+        parts = [ours(x[:, :P], torch.arange(P))] + [ours(x[:, t:t + 1], torch.tensor([t])) for t in range(P, T)]
+        hf_state = cache.get_recurrent_state(0, state_idx=0)
+        state, conv_state = ours.recurrent_state.clone(), ours.conv_state.clone()
+        kda_gate_bound_dropped(ours, args)
+        unbounded = ours(x, torch.arange(T))
+    assert -1.0 <= float(g.min()) and float(g.max()) <= 0.0 and float(g.min()) < -0.5
+    scale = want.abs().max()
+    assert (whole - want).abs().max() <= 2e-5 * scale
+    assert (torch.cat(parts, 1) - want).abs().max() <= 2e-5 * scale
+    assert (state - hf_state).abs().max() <= 1e-5 * hf_state.abs().max()
+    assert torch.equal(conv_state, cache.get_conv_state(0, state_idx=0)[..., 1:])
+    assert (unbounded - want).abs().max() > 0.05 * scale
+
+
+def test_bailing_latent_attention_head_gate_is_hfs():
+    """HF's BailingHybridAttention (DeepSeek's MLA with q_proj directly, interleaved rotary pairs, and each head's
+    output times sigmoid(g_proj(x)), one gate per head) and the production LatentAttention with its head gate
+    (AttentionArgs.gate_act "sigmoid", gate_width "head") on the same random weights: a prefill of 9 tokens then 2
+    decode steps through HF's cache, within 1e-5 of the output's largest value (fp32 rounding of other summation
+    orders: the production model expands the keys from its latent cache at every call; measured 1.6e-7). Without the
+    gate's sigmoid (the seeded fault mla_head_gate_no_activation) it is off by 1.9 times that value."""
+    from transformers.cache_utils import DynamicCache
+
+    from models.faults.mla import mla_head_gate_no_activation
+    from models.layers.mla import LatentAttention
+
+    hb, c, args = _bailing()
+    layer = c.layer_types.index("full_attention")
+    ref = _random_(hb.BailingHybridAttention(c, layer), std=0.2)
+    ours = LatentAttention(args, layer=layer)
+    missing = ours.load_state_dict(ref.state_dict(), strict=False)
+    assert not missing.unexpected_keys and set(missing.missing_keys) == {"latent_cache", "rope_key_cache"}
+    rotary = hb.BailingHybridRotaryEmbedding(c)
+    T, P = 11, 9
+    x = torch.randn(1, T, c.hidden_size, generator=torch.Generator().manual_seed(3))
+
+    def hf_call(xs, start, cache):
+        n = xs.shape[1]
+        pos = torch.arange(start, start + n)[None]
+        mask = torch.full((n, start + n), float("-inf")).triu(start + 1)[None, None]
+        return ref(xs, rotary(xs, pos), mask, past_key_values=cache)[0]
+
+    with torch.no_grad():
+        cache = DynamicCache(config=c)
+        want = torch.cat([hf_call(x[:, :P], 0, cache)] + [hf_call(x[:, t:t + 1], t, cache) for t in range(P, T)], 1)
+        got = torch.cat([ours(x[:, :P], torch.arange(P))] + [ours(x[:, t:t + 1], torch.tensor([t]))
+                                                             for t in range(P, T)], 1)
+        mla_head_gate_no_activation(ours, args)
+        ungated = ours(x, torch.arange(T))
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-5 * scale
+    assert (ungated - want).abs().max() > 0.05 * scale

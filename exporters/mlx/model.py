@@ -20,7 +20,7 @@ def final_norm(tm):  # the text model's final norm (LFM2 names it embedding_norm
 
 def embedding(tm):  # the token embedding (DBRX: wte)
     b = body(tm)
-    return next(b[n] for n in ("embed_tokens", "wte", "embeddings") if n in b)
+    return next(b[n] for n in ("embed_tokens", "wte", "embeddings", "word_embeddings") if n in b)  # (Bailing's)
 
 
 def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm name
@@ -32,7 +32,8 @@ def attention_block(layer):  # the mixer in the attention's place: LFM2's short 
         return layer.linear_attn
     if "norm_attn_norm" in layer:  # DBRX: the attention inside its norm, attention, residual, norm module
         return layer.norm_attn_norm.attn
-    return next(getattr(layer, n) for n in ("self_attn", "conv", "mamba", "mixer") if n in layer)
+    # (Bailing's layers name either mixer `attention`)
+    return next(getattr(layer, n) for n in ("self_attn", "attention", "conv", "mamba", "mixer") if n in layer)
 
 
 # what most mlx-lm models call a module or array -> what some call it (LFM2's operator_norm, ffn_norm, q_layernorm,
@@ -249,7 +250,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
          "mlx_lm.models.exaone_moe.MoE": _route_gate, "NemotronHMoE": _route_gate,
          "MiniMaxSparseMoeBlock": _route_minimax, "mlx_lm.models.mimo_v2_flash.MoE": _route_gate,
-         "mlx_lm.models.laguna.MoE": _route_gate_scaled,
+         "mlx_lm.models.laguna.MoE": _route_gate_scaled, "mlx_lm.models.bailing_moe_v3.BailingSparseMoE": _route_gate,
          "mlx_lm.models.hunyuan.MoeBlock": _route_qwen2_moe, "AfmoeMoE": _route_afmoe}  # (hunyuan: softmax top-k, never renormalised)
 
 

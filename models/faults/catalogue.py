@@ -18,7 +18,7 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
                                    shared_summed, stray_bf16, weights_not_applied)
 from models.faults.fault import Fault
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
-from models.faults.kda import (kda_conv_state_not_carried, kda_decay_per_head, kda_decay_sign,
+from models.faults.kda import (kda_conv_state_not_carried, kda_decay_per_head, kda_decay_sign, kda_gate_bound_dropped,
                                kda_output_gate_no_sigmoid, kda_state_not_carried)
 from models.faults.lightning import (lightning_gate_no_sigmoid, lightning_slope_layer_factor_missing,
                                      lightning_state_not_carried)
@@ -30,7 +30,8 @@ from models.faults.short_conv import short_conv_gate_missing, short_conv_state_n
 from models.faults.layer import (final_norm_eps, input_norm_eps, layernorm_as_rmsnorm, logits_scaling_missing,
                                  logits_to_float, norm_offset_missing, post_norm_misplaced, post_norm_missing,
                                  residual_missing, residual_multiplier_missing)
-from models.faults.mla import mla_cache_not_carried, mla_rope_nope_swapped, q_position_scale_missing, yarn_mscale_missing
+from models.faults.mla import (mla_cache_not_carried, mla_head_gate_no_activation, mla_rope_nope_swapped,
+                               q_position_scale_missing, yarn_mscale_missing)
 from models.faults.router import (bias_in_weights, is_scaled, is_sigmoid, no_renorm, rerouted,
                                   router_logit_bias_ignored, second_expert_unmasked, sigmoid_router, softcap_missing,
                                   softmax_after_topk, wrong_num_experts)
@@ -106,6 +107,9 @@ COMMON: tuple[Fault, ...] = (
           "instead of one per channel", kda_decay_per_head),
     Fault("kda_output_gate_no_sigmoid", "attention", "kda", "Kimi delta attention output gate without its sigmoid",
           kda_output_gate_no_sigmoid),
+    Fault("kda_gate_bound_dropped", "attention", "kda", "Kimi delta attention's bounded forget gate "
+          "(lower_bound * sigmoid) computed as the unbounded -e^A_log softplus", kda_gate_bound_dropped,
+          lambda a: a.kda is not None and a.kda.lower_bound != 0),
     Fault("mamba_state_not_carried", "attention", "mamba", "Mamba scan state not carried into decode",
           mamba_state_not_carried),
     Fault("mamba_conv_state_not_carried", "attention", "mamba", "Mamba conv state not carried into decode",
@@ -161,6 +165,8 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
           mla_rope_nope_swapped, attention=("mla",)),
     Fault("mla_cache_not_carried", "attention", "full", "MLA: compressed KV cache not carried across calls",
           mla_cache_not_carried, attention=("mla",)),
+    Fault("mla_head_gate_no_activation", "attention", "full", "MLA: the head gate applied without its activation "
+          "(sigmoid)", mla_head_gate_no_activation, lambda a: a.attention.gate_act != "none", attention=("mla",)),
     Fault("q_position_scale_missing", "attention", "full", "the position-dependent query scale "
           "(1 + beta log(1 + floor(pos / period)), Mistral 4's llama_4_scaling_beta) left out", q_position_scale_missing,
           lambda a: bool(a.attention.q_position_beta), attention=("mla",)),
@@ -295,6 +301,8 @@ POINTS: dict[str, str | tuple | None] = {
     # sigmoid is inside HF's gated norm, o_norm)
     "kda_state_not_carried": "recurrence", "kda_conv_state_not_carried": "conv", "kda_decay_sign_flipped": "forget_gate",
     "kda_decay_per_head": "forget_gate", "kda_output_gate_no_sigmoid": "o_norm",
+    "kda_gate_bound_dropped": "forget_gate",
+    "mla_head_gate_no_activation": "context",  # (the gate's projection agrees: its activation is inline)
     "mamba_state_not_carried": "recurrence", "mamba_conv_state_not_carried": "conv",
     "mamba_decay_sign_flipped": "decay", "mamba_dt_bias_dropped": "dt", "mamba_inner_norms_missing": "dt_layernorm",
     "mamba2_state_not_carried": "recurrence", "mamba2_conv_state_not_carried": "conv",

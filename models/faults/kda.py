@@ -1,6 +1,7 @@
 """Port bugs of Kimi delta attention (Kimi-Linear's): its recurrent state or conv state not carried into decode, the
 decay's sign dropped (e^(+e^A_log softplus(.)): the state grows), the decay one per head where KDA's is one per channel
-(a Gated DeltaNet port: the head's channels averaged), the output gate without its sigmoid."""
+(a Gated DeltaNet port: the head's channels averaged), the output gate without its sigmoid, the bounded forget gate
+(Bailing-hybrid's safe gate) computed as Kimi-Linear's unbounded one."""
 
 from __future__ import annotations
 
@@ -29,3 +30,9 @@ def kda_decay_per_head(m: KimiDeltaAttention, a):
 
 def kda_output_gate_no_sigmoid(m: KimiDeltaAttention, a):
     patch(m.o_norm, "activation", lambda gate: gate)
+
+
+def kda_gate_bound_dropped(m: KimiDeltaAttention, a):
+    """The bounded forget gate, lower_bound * sigmoid(e^A_log (f + dt_bias)), computed as Kimi-Linear's unbounded
+    -e^A_log softplus(f + dt_bias) (a port of Kimi's KDA that ignores kda_safe_gate)."""
+    m.forget_gate.lower_bound = 0.0

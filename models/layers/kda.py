@@ -3,10 +3,12 @@ decay per channel (per key dimension) instead of per head.
 
 q, k, v: their projections through one causal depthwise conv (silu) over q | k | v, its state in conv_state; q and k
 l2-normed (HF's l2norm, eps 1e-6 under the root), q scaled by dk^-1/2. The decay's log per channel
-g = -e^A_log (per head) * softplus(f_b_proj(f_a_proj(x)) + dt_bias (per channel)) (the forget gate, low-rank through
-head_dim); beta = sigmoid(b_proj(x)) per head. Per token: S <- diag(e^g) S; u = beta (v - S^T k); S <- S + k u^T;
-o = S^T q, the state S [h, dk, dv] in recurrent_state (fp32 at every precision, as HF keeps it). The output RMSNorm per
-head, gated by sigmoid(g_b_proj(g_a_proj(x))), then o_proj.
+g = -e^A_log (per head) * softplus(f + dt_bias (per channel)) (the forget gate; Kimi-Linear's f = f_b_proj(f_a_proj(x)),
+low-rank through head_dim), or bounded, g = lower_bound * sigmoid(e^A_log * (f + dt_bias)) (Bailing-hybrid's safe gate,
+f = f_proj(x) full-rank: KDAArgs); beta = sigmoid(b_proj(x)) per head. Per token: S <- diag(e^g) S;
+u = beta (v - S^T k); S <- S + k u^T; o = S^T q, the state S [h, dk, dv] in recurrent_state (fp32 at every precision,
+as HF keeps it). The output RMSNorm per head, gated by sigmoid(g_b_proj(g_a_proj(x))) (Bailing-hybrid's: g_proj(x)),
+then o_proj.
 
 The prefill in parallel form over the whole prompt (HF's torch fallback computes the same within chunks of 64, the
 chunks one after another): the decay between every two tokens per channel, e^(G_t - G_s) [T, T, dk] (exp of a sum of
@@ -74,21 +76,34 @@ def kda_step(q, k, v, g, beta, state):
 
 
 class ForgetGate(nn.Module):
-    """The per-channel log decay g = -e^A_log * softplus(f_b_proj(f_a_proj(x)) + dt_bias) [B, T, h, d], fp32:
-    A_log per head (HF's [1, 1, h, 1]), dt_bias per channel [h d]."""
+    """The per-channel log decay [B, T, h, d], fp32: -e^A_log * softplus(f + dt_bias), or
+    lower_bound * sigmoid(e^A_log * (f + dt_bias)) where the gate is bounded (KDAArgs.lower_bound); f the low-rank
+    f_b_proj(f_a_proj(x)) or the full-rank f_proj(x) (KDAArgs.low_rank_gates); A_log per head (HF's Kimi-Linear
+    layout [1, 1, h, 1]), dt_bias per channel [h d]. Rounded to x's dtype where HF's is (KDAArgs.decay_in_model_dtype;
+    the recurrence takes it in fp32)."""
 
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.h, self.d = a.kda.num_heads, a.kda.head_dim
-        self.f_a_proj = nn.Linear(a.hidden_size, self.d, bias=False)
-        self.f_b_proj = nn.Linear(self.d, self.h * self.d, bias=False)
+        k = a.kda
+        self.h, self.d = k.num_heads, k.head_dim
+        if k.low_rank_gates:
+            self.f_a_proj = nn.Linear(a.hidden_size, self.d, bias=False)
+            self.f_b_proj = nn.Linear(self.d, self.h * self.d, bias=False)
+        else:
+            self.f_proj = nn.Linear(a.hidden_size, self.h * self.d, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(self.h * self.d))
         self.A_log = nn.Parameter(torch.zeros(1, 1, self.h, 1))
+        self.lower_bound, self.in_model_dtype = k.lower_bound, k.decay_in_model_dtype
 
     def forward(self, x):  # x [B, T, H]
         B, T, _ = x.shape
-        u = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(B, T, self.h, self.d)
-        return self.decay_rate() * torch.where(u > 20.0, u, torch.log(1.0 + torch.exp(u)))  # HF's softplus
+        f = self.f_b_proj(self.f_a_proj(x)) if hasattr(self, "f_b_proj") else self.f_proj(x)
+        u = (f.float() + self.dt_bias.float()).view(B, T, self.h, self.d)
+        if self.lower_bound:  # HF's: lower_bound * sigmoid(e^A_log * u), in (lower_bound, 0)
+            g = self.lower_bound * torch.sigmoid(-self.decay_rate() * u)
+        else:  # (HF Kimi-Linear's softplus; Bailing's unbounded gate takes F.softplus: within an ulp of it)
+            g = self.decay_rate() * torch.where(u > 20.0, u, torch.log(1.0 + torch.exp(u)))
+        return g.to(x.dtype) if self.in_model_dtype else g
 
     def decay_rate(self):  # -e^A_log [1, 1, h, 1]: the log decay per unit of time step, negative
         return -self.A_log.float().exp()
@@ -126,8 +141,11 @@ class KimiDeltaAttention(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.K, groups=self.conv_dim, bias=False)
         self.forget_gate = ForgetGate(a)
         self.b_proj = nn.Linear(a.hidden_size, self.h, bias=False)
-        self.g_a_proj = nn.Linear(a.hidden_size, self.d, bias=False)
-        self.g_b_proj = nn.Linear(self.d, inner, bias=False)
+        if a.kda.low_rank_gates:
+            self.g_a_proj = nn.Linear(a.hidden_size, self.d, bias=False)
+            self.g_b_proj = nn.Linear(self.d, inner, bias=False)
+        else:
+            self.g_proj = nn.Linear(a.hidden_size, inner, bias=False)
         self.o_norm = OutputNorm(self.d, a.rms_norm_eps)
         self.o_proj = nn.Linear(inner, a.hidden_size, bias=False)
         self.register_buffer("conv_state", torch.zeros(1, self.conv_dim, self.K - 1, dtype=dtype))
@@ -144,10 +162,13 @@ class KimiDeltaAttention(nn.Module):
         q = tap("q_l2norm", l2norm(q)).transpose(1, 2) * self.d**-0.5  # [B, h, T, d]
         k = tap("k_l2norm", l2norm(k)).transpose(1, 2)
         g = tap("g", self.forget_gate(x)).transpose(1, 2)  # [B, h, T, d]
+        if g.dtype != torch.float32:  # (a decay in the model's dtype: the recurrence in fp32)
+            g = g.float()
         # [B, h, T] (HF: the sigmoid at the model dtype, then fp32)
         beta = tap("beta", torch.sigmoid(self.b_proj(x)).float()).transpose(1, 2)
         o = tap("recurrence", self.delta_rule(q, k, v.transpose(1, 2), g, beta).transpose(1, 2)).to(x.dtype)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.h, self.d)
+        gate = (self.g_b_proj(self.g_a_proj(x)) if hasattr(self, "g_b_proj") else self.g_proj(x)).view(B, T, self.h,
+                                                                                                       self.d)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
 
     def conv(self, qkv):  # [B, C, T] -> silu(causal depthwise conv) [B, C, T], carrying conv_state

@@ -4,6 +4,7 @@ cached, queries through an optional low-rank projection."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.args import ModelArgs
@@ -17,7 +18,9 @@ class LatentAttention(nn.Module):
     (latent_cache [B, S, r], rope_key_cache [B, S, dr]); keys and values are expanded from the
     latent by kv_b_proj at every call. q.k runs over qk_nope + qk_rope dims per head; the
     values have v_head_dim. The low-rank norms use eps 1e-6 (HF's, not rms_norm_eps). A layer that does not rotate
-    (RopeArgs.per_layer: Kimi-Linear's NoPE MLA) keeps the qk_rope dims of q and of the shared key unrotated."""
+    (RopeArgs.per_layer: Kimi-Linear's NoPE MLA) keeps the qk_rope dims of q and of the shared key unrotated. A head
+    gate (AttentionArgs.gate_act, gate_width "head": Bailing-hybrid's g_proj) scales each head's output by the
+    activation (fp32, then the model's dtype) of its own projection of the attention's input, before o_proj."""
 
     def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
@@ -35,6 +38,11 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
         self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.attention.o_bias)
+        if a.attention.gate_act != "none":  # one gate per head from the attention's input
+            if a.attention.gate_width != "head":
+                raise ValueError(f"LatentAttention: a gate of width {a.attention.gate_width!r} (MLA's: one per head)")
+            self.gate_act = a.attention.gate_act
+            self.g_proj = nn.Linear(a.hidden_size, self.nh, bias=False)
         self.rope = Rope(self.dr, a.rope, partial=1.0)
         self.use_rope = a.rope.rotates(layer)
         self.scale = qk**-0.5
@@ -51,7 +59,11 @@ class LatentAttention(nn.Module):
     def forward(self, x, pos):  # x [B, T, H], pos [T]
         q, latent, k_rot = self.project(x, pos)
         latents, rope_keys = self.update_cache(latent, k_rot, pos)
-        return self.attend(q, latents, rope_keys, pos)
+        return self.attend(q, latents, rope_keys, pos, self.head_gate(x) if hasattr(self, "g_proj") else None)
+
+    def head_gate(self, x):  # [B, T, nh]: the activation of g_proj(x) in fp32, in x's dtype (HF's)
+        g = self.g_proj(x).float()
+        return (F.softplus(g) if self.gate_act == "softplus" else torch.sigmoid(g)).to(x.dtype)
 
     def project(self, x, pos):
         """q [B, nh, T, dn + dr] (its rotary part rotated), the normalised latent [B, T, r] and
@@ -76,7 +88,8 @@ class LatentAttention(nn.Module):
         self.rope_key_cache[:, pos] = k_rot
         return self.latent_cache, self.rope_key_cache
 
-    def attend(self, q, latents, rope_keys, pos):  # keys and values expanded from every cached latent
+    def attend(self, q, latents, rope_keys, pos, gate=None):  # keys and values expanded from every cached latent
+        """The context of every head, times its gate [B, T, nh] where there is one, through o_proj."""
         B, S = q.shape[0], latents.shape[1]
         kv = self.kv_b_proj(latents).view(B, S, self.nh, self.dn + self.dv).transpose(1, 2)
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)  # [B, nh, S, dn], [B, nh, S, dv]
@@ -85,4 +98,7 @@ class LatentAttention(nn.Module):
         visible = self.cache_pos[None, :] <= pos[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return self.o_proj((probs @ v).transpose(1, 2).reshape(B, q.shape[2], self.nh * self.dv))
+        context = (probs @ v).transpose(1, 2)  # [B, T, nh, dv]
+        if gate is not None:
+            context = context * gate[..., None]
+        return self.o_proj(context.reshape(B, q.shape[2], self.nh * self.dv))
