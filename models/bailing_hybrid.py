@@ -179,11 +179,20 @@ MLX = MlxLm(
     convert=release_names, array_mask=True,
 )
 
+# the release's config.json: the architecture BailingMoeV3ForCausalLM beside model_type bailing_hybrid (mlx-lm's loader
+# picks bailing_moe_v3 by that pair, llama.cpp's converter registers that name; HF reads model_type), head_dim the KDA
+# heads' width (HF's save_pretrained writes qk_rope_head_dim there, and reads it back as linear_head_dim), and the
+# fields llama.cpp's converter requires of it (no_kda_lora, head-wise gates, the shared expert's width)
+RELEASE = dict(architectures=["BailingMoeV3ForCausalLM"], head_dim=TINY["head_dim"], no_kda_lora=True,
+               gated_attention_proj_granularity_type="head_wise",
+               moe_shared_expert_intermediate_size=TINY["moe_intermediate_size"] * TINY["num_shared_experts"],
+               norm_topk_prob=TINY["moe_renormalize"])
+
 FAMILY = Family(
     name="bailing_hybrid", model_types=("bailing_hybrid",), hf_module="bailing_hybrid",
     hf_class_name="BailingHybridForCausalLM", hf_config_name="BailingHybridConfig", tiny_config=TINY,
     to_args=to_args, sanitize=sanitize, mlx=MLX, from_mlx=from_mlx, experts="num_experts",
-    top_k="num_experts_per_token", hf_profile_view=profile_view, release_names=release_names,
+    top_k="num_experts_per_token", hf_profile_view=profile_view, release_names=release_names, release_config=RELEASE,
     rules=(("positive", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
             "moe_intermediate_size", "intermediate_size", "num_expert_group", "topk_group", "layer_group_size"),
            ("at_least", "short_conv_kernel_size", 2), ("per_layer", "mlp_layer_types"),
