@@ -15,6 +15,7 @@ from models.args import DENSE, FULL, KDA, LINEAR, MLA, SPARSE, AttentionArgs, KD
 from models.checkpoint import conv1d_from_mlx, unstack_experts
 from models.deepseek_v3 import from_mlx as mla_from_mlx
 from models.family import Family
+from models.kimi_linear import joined_convs
 from models.mapping import deepseek_router, drop_layers_from, hf_args, require, rope_of, rope_theta_any, sanitize_hf
 from models.mapping import sigmoid_routing
 from models.mlx_lm import COMMON_REQUIRE, YARN_REQUIRE, MlxLm, const, yarn_scaling
@@ -73,15 +74,12 @@ RELEASE_NAMES = ((re.compile(r"^model\.word_embeddings\."), "model.embed_tokens.
                  (re.compile(r"\.self_attn\.(f_proj\.|dt_bias$|A_log$)"), r".self_attn.forget_gate.\1"),
                  (re.compile(r"\.self_attn\.dense\."), ".self_attn.o_proj."),
                  (re.compile(r"\.mlp\.gate\.expert_bias$"), ".mlp.gate.e_score_correction_bias"))
-CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
 def sanitize(weights: dict, args: ModelArgs) -> dict:
     """The release's layout (or HF's own, or what save_pretrained writes) -> the production model's: the names above,
     q/k/v_conv1d concatenated into conv1d [3 h d, 1, K], A_log [h] as [1, 1, h, 1], the MTP layer dropped, per-expert
     tensors stacked."""
-    import torch
-
     renamed = {}
     for k, t in drop_layers_from(weights, args.num_hidden_layers).items():
         for pattern, name in RELEASE_NAMES:
@@ -91,18 +89,7 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
         elif k.endswith(".forget_gate.dt_bias"):
             t = t.reshape(-1)
         renamed[k] = t
-    out = {}
-    for k, t in renamed.items():
-        if k.endswith(f".{CONVS[0]}.weight"):
-            p = k[: -len(f"{CONVS[0]}.weight")]
-            parts = [renamed.get(f"{p}{c}.weight") for c in CONVS]
-            if any(x is None for x in parts):
-                raise KeyError(f"{p}k_conv1d.weight / v_conv1d.weight (beside {k})")
-            k, t = p + "conv1d.weight", torch.cat(parts)
-        elif k.endswith((f".{CONVS[1]}.weight", f".{CONVS[2]}.weight")):
-            continue
-        out[k] = t
-    return sanitize_hf(out, args)
+    return sanitize_hf(joined_convs(renamed), args)
 
 
 def profile_view(sd: dict, cfg: dict) -> dict:

@@ -67,21 +67,13 @@ FORGET = re.compile(r"(.*\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bia
 CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
-def sanitize(weights: dict, args: ModelArgs) -> dict:
-    """The release's layout (HF's save_pretrained writes it) or HF's own: block_sparse_moe -> mlp (save_pretrained
-    names the dense layers' MLP so too), per-expert w1 / w3 / w2 stacked, q/k/v_conv1d concatenated into conv1d
-    [3 h d, 1, K], the forget gate's tensors under forget_gate (dt_bias [h d], A_log [1, 1, h, 1])."""
+def joined_convs(weights: dict) -> dict:
+    """The release's three short convs (P.q_conv1d, P.k_conv1d, P.v_conv1d [h d, 1, K]) as the production model's one
+    conv over q | k | v (P.conv1d [3 h d, 1, K]); a KeyError names the ones missing beside a q_conv1d."""
     import torch
 
     out = {}
     for k, t in weights.items():
-        k = k.replace(".block_sparse_moe.", ".mlp.")
-        if (m := FORGET.fullmatch(k)) is not None:
-            k = f"{m[1]}.forget_gate.{m[2]}"
-        if k.endswith(".forget_gate.dt_bias"):
-            t = t.reshape(-1)
-        elif k.endswith(".forget_gate.A_log"):
-            t = t.reshape(1, 1, -1, 1)
         if k.endswith(f".{CONVS[0]}.weight"):
             p = k[: -len(f"{CONVS[0]}.weight")]
             parts = [weights.get(f"{p}{c}.weight") for c in CONVS]
@@ -91,7 +83,24 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
         elif k.endswith((f".{CONVS[1]}.weight", f".{CONVS[2]}.weight")):
             continue
         out[k] = t
-    out = stack_experts(out, r"(.*\.mlp\.experts)\.(\d+)\.(w1|w3|w2)\.weight", ("w1", "w3", "w2"))
+    return out
+
+
+def sanitize(weights: dict, args: ModelArgs) -> dict:
+    """The release's layout (HF's save_pretrained writes it) or HF's own: block_sparse_moe -> mlp (save_pretrained
+    names the dense layers' MLP so too), per-expert w1 / w3 / w2 stacked, q/k/v_conv1d concatenated into conv1d
+    [3 h d, 1, K], the forget gate's tensors under forget_gate (dt_bias [h d], A_log [1, 1, h, 1])."""
+    out = {}
+    for k, t in weights.items():
+        k = k.replace(".block_sparse_moe.", ".mlp.")
+        if (m := FORGET.fullmatch(k)) is not None:
+            k = f"{m[1]}.forget_gate.{m[2]}"
+        if k.endswith(".forget_gate.dt_bias"):
+            t = t.reshape(-1)
+        elif k.endswith(".forget_gate.A_log"):
+            t = t.reshape(1, 1, -1, 1)
+        out[k] = t
+    out = stack_experts(joined_convs(out), r"(.*\.mlp\.experts)\.(\d+)\.(w1|w3|w2)\.weight", ("w1", "w3", "w2"))
     return sanitize_hf(out, args)
 
 
