@@ -247,7 +247,7 @@ def mla_rope_nope_swapped(attn, a):
     """q's rotary part taken from the front of each head instead of the back: the q projection's rows
     of each head rotated by the rope width, so mlx-lm's split [nope | rope] gets [rope | nope]."""
     p = attn.q_proj if "q_proj" in attn else attn.q_b_proj
-    nh, d = attn.num_heads, attn.q_head_dim
+    nh, d = attn.num_heads, head_width(attn)
     p.weight = mx.roll(p.weight.reshape(nh, d, -1), -attn.qk_rope_head_dim, axis=1).reshape(nh * d, -1)
 
 
@@ -268,8 +268,12 @@ def mla_cache_not_carried(attn, a):
     patch_call(attn, fn)
 
 
+def head_width(attn) -> int:  # q's width per head, nope + rope (mlx-lm's DeepSeek: q_head_dim; Bailing's: qk_head_dim)
+    return attn.q_head_dim if hasattr(attn, "q_head_dim") else attn.qk_head_dim
+
+
 def yarn_mscale_missing(attn, a):
-    attn.scale = attn.q_head_dim ** -0.5
+    attn.scale = head_width(attn) ** -0.5
 
 
 def q_position_scale_missing(attn, a):

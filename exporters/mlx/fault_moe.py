@@ -4,6 +4,8 @@ set."""
 
 from __future__ import annotations
 
+import inspect
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -246,7 +248,7 @@ def bias_in_weights(layer, a):
         if getattr(self, "softcap", 0.0) > 0.0:
             logits = mx.tanh(logits / self.softcap) * self.softcap
         scores = self._routing_scores(logits) if hasattr(self, "_routing_scores") else mx.sigmoid(logits)
-        s = mx.take_along_axis(scores + self.e_score_correction_bias, inds, axis=-1)
+        s = mx.take_along_axis(scores + getattr(self, named(self, "e_score_correction_bias")), inds, axis=-1)
         if self.top_k > 1 and getattr(self, "norm_topk_prob", True):  # (Laguna's gate always renormalises)
             s = s / s.sum(axis=-1, keepdims=True)
         return inds, s * getattr(self, "routed_scaling_factor", 1.0)  # (Laguna's block scales the routed sum)
@@ -272,12 +274,15 @@ def softmax_for_sigmoid(layer, a):
         return
     if g is None:
         return reroute(layer, a, lambda v, k, renorm: _scores(v, k, False))
-    select = sys.modules[type(g).__module__].group_expert_select
+    module = sys.modules[type(g).__module__]
+    # (Bailing's: _group_expert_select, which always renormalises and takes no norm_topk_prob)
+    select = getattr(module, "group_expert_select", None) or module._group_expert_select
+    renorm = (getattr(g, "norm_topk_prob", True),) if "norm_topk_prob" in inspect.signature(select).parameters else ()
 
     def fn(self, x):
         p = mx.softmax((x @ self.weight.T).astype(mx.float32), axis=-1, precise=True)
-        return select(mx.log(p) - mx.log1p(-p), self.e_score_correction_bias, self.top_k, self.n_group,
-                      self.topk_group, self.routed_scaling_factor, self.norm_topk_prob)
+        return select(mx.log(p) - mx.log1p(-p), getattr(self, named(self, "e_score_correction_bias")), self.top_k,
+                      self.n_group, self.topk_group, self.routed_scaling_factor, *renorm)
 
     patch_call(g, fn)
 
