@@ -26,6 +26,7 @@ from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_
                                             rope_of_the_model, rope_on_nope_layer, rope_theta_wrong,
                                             rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one,
                                             q_position_scale_missing, yarn_mscale_missing)
+from exporters.mlx.fault_kda import FAULTS as KDA_FAULTS
 from exporters.mlx.fault_mamba import FAULTS as MAMBA_FAULTS
 from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missing, dense_layer_routed,
                                      expert_index_off_by_one, gate_up_swapped, group_limit_ignored, moe_layer_as_dense,
@@ -158,6 +159,7 @@ FAULTS = {
     "short_conv_taps_reversed": lambda sc, a: setattr(sc.conv, "weight", sc.conv.weight[:, ::-1, :]),
     "short_conv_gate_missing": _short_conv_gate_missing,
     **MAMBA_FAULTS,
+    **KDA_FAULTS,  # kimi_linear's KimiDeltaAttention, bailing_moe_v3's BailingKDA
 }
 
 
