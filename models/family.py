@@ -61,6 +61,10 @@ class Family:
     # names (Kimi-Linear's dense MLP: `mlp` in the release, `block_sparse_moe` from transformers 5.23's reversed rename),
     # applied to every seeded checkpoint as it is written: what llama.cpp's converter and mlx-lm read is the release
     release_names: Callable = None
+    # (a published config's text section, layers) -> the same cut to its last `layers` layers where the family keeps
+    # the depth in fields the generic cut (num_hidden_layers, layer_types, first_k_dense_replace: oracle/source/
+    # published.py) does not know: Kimi-Linear's 1-based linear_attn_config.kda_layers / full_attn_layers
+    cut_layers: Callable = None
     # an HF router's output -> (logits [N, E], top-k weights [N, k], indices [N, k]) given the
     # ModelArgs (None: it returns that triple, as transformers 5's TopKRouters do)
     router_output: Callable = None

@@ -128,6 +128,18 @@ def release_names(weights: dict) -> dict:
     return {DENSE_MLP.sub(r"\1.mlp.\2", k): v for k, v in weights.items()}
 
 
+def cut_layers(text: dict, layers: int) -> None:
+    """A published config cut to its last `layers` layers (Family.cut_layers): the release's linear_attn_config lists
+    its KDA and full-attention layers 1-based (HF derives layer_types from them), renumbered for the layers kept."""
+    lac = text.get("linear_attn_config")
+    if not isinstance(lac, dict):
+        return
+    lists = [k for k in ("kda_layers", "full_attn_layers") if isinstance(lac.get(k), list)]
+    n = max((i for k in lists for i in lac[k]), default=0)  # the published depth: its last layer, 1-based
+    for k in lists:
+        lac[k] = [i - (n - layers) for i in lac[k] if i > n - layers]
+
+
 # the release's config.json fields beside HF's (llama.cpp's converter reads the layer kinds and the conv from
 # linear_attn_config, the dense layers from first_k_dense_replace, the router's sigmoid from
 # moe_router_activation_func; HF reads them to the tiny config's model, or not at all)
@@ -188,7 +200,8 @@ MLX = MlxLm(
 FAMILY = Family(
     name="kimi_linear", model_types=("kimi_linear",), hf_module="kimi_linear", hf_class_name="KimiLinearForCausalLM",
     hf_config_name="KimiLinearConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
-    from_mlx=from_mlx, release_names=release_names, release_config=RELEASE, experts="num_experts", top_k="num_experts_per_token",
+    from_mlx=from_mlx, release_names=release_names, release_config=RELEASE, cut_layers=cut_layers,
+    experts="num_experts", top_k="num_experts_per_token",
     rules=(("positive", "linear_num_heads", "linear_head_dim", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
             "v_head_dim", "moe_intermediate_size", "intermediate_size", "num_expert_group", "topk_group"),
            ("at_least", "linear_conv_kernel_dim", 2), ("per_layer", "mlp_layer_types"),

@@ -163,6 +163,26 @@ def test_a_cut_within_a_dense_prefix_is_that_prefix():
     assert fam.args(two).num_hidden_layers == 2
 
 
+def test_a_cut_renumbers_a_familys_own_layer_lists():
+    """Kimi-Linear's release lists its KDA and full-attention layers 1-based in linear_attn_config (HF derives
+    layer_types from them): a cut to the last N layers renumbers them (Family.cut_layers), or HF's config class
+    indexes a layer the cut removed (IndexError, measured before it). The last 2 of 27: a KDA layer, then the full
+    attention of layer 27; the last 5: 23 to 27."""
+    from models import family_for_model_type
+    from oracle.source.published import published_config
+
+    whole = published_config("kimi-linear-48b-a3b-instruct")["linear_attn_config"]
+    assert max(whole["kda_layers"] + whole["full_attn_layers"]) == 27
+    two, five = (published_config("kimi-linear-48b-a3b-instruct", layers=n) for n in (2, 5))
+    assert (two["linear_attn_config"]["kda_layers"], two["linear_attn_config"]["full_attn_layers"]) == ([1], [2])
+    kept = {i - 22 for i in whole["full_attn_layers"] if i > 22}
+    assert set(five["linear_attn_config"]["full_attn_layers"]) == kept
+    assert sorted(five["linear_attn_config"]["kda_layers"] + five["linear_attn_config"]["full_attn_layers"]) == [1, 2, 3, 4, 5]
+    fam = get_family(family_for_model_type(two["model_type"]))
+    args = fam.args(two)
+    assert args.num_hidden_layers == 2 and args.layer_types == ("kda", "full_attention")
+
+
 def test_check_on_a_config(tmp_path, capsys):
     """--config takes a published name or a config.json; --layers cuts it; the check passes."""
     import json

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models import family_for_model_type, get_family
 from models.checkpoint import CheckpointError, read_config_file
 from models.family import text_section
 
@@ -27,7 +28,7 @@ def published_config(name: str, layers: int | None = None) -> dict:
     `layers` when given. A cut keeps the pattern's last `layers` entries of `layer_types` (a
     hybrid model keeps both kinds); a dense prefix (`first_k_dense_replace`: DeepSeek-V3's first 3 layers are
     dense) is cut with the model, so a cut within it is its first `layers` dense layers (no MoE layer: a cut
-    past it has one)."""
+    past it has one); a family whose depth lives in fields of its own cuts them too (Family.cut_layers)."""
     path = Path(name) if name.endswith(".json") else CONFIGS_DIR / f"{name}.json"
     if not path.is_file():
         raise CheckpointError(f"--config {name}: no such published config (or .json file); "
@@ -42,4 +43,7 @@ def published_config(name: str, layers: int | None = None) -> dict:
             text["layer_types"] = text["layer_types"][-layers:]
         if isinstance(text.get("first_k_dense_replace"), int) and text["first_k_dense_replace"] > layers:
             text["first_k_dense_replace"] = layers
+        family = family_for_model_type(text.get("model_type") or cfg.get("model_type", ""))
+        if family is not None and get_family(family).cut_layers is not None:  # depth kept in fields of its own
+            get_family(family).cut_layers(text, layers)
     return cfg
