@@ -3,7 +3,7 @@ per-head q/k norm), (1 + w) RMSNorm, softmax top-k routing with renormalisation 
 sigmoid-gated shared expert."""
 
 from models.args import FULL, LINEAR, AttentionArgs, LinearAttentionArgs, ModelArgs, NormArgs, RopeArgs, RouterArgs
-from models.checkpoint import unstack_experts
+from models.checkpoint import conv1d_from_mlx, unstack_experts
 from models.family import Family
 from models.mapping import hf_args, require, rope_theta, sanitize_hf
 from models.mlx_lm import COMMON_REQUIRE, ConfigError, MlxLm, const
@@ -69,10 +69,8 @@ def from_mlx_names(weights: dict, base: str) -> dict:
             k = k[len("language_model."):]
         if k.endswith(OFFSET_NORMS) and v.ndim == 1:
             v = v - 1.0
-        if k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[-1] == 1:
-            v = v.moveaxis(2, 1)
         out[k] = v
-    return out
+    return conv1d_from_mlx(out)
 
 
 def _rope_parameters(c):

@@ -214,13 +214,15 @@ def kv_off_by_one(model, layer: int):
 
 
 # ------------------------------------------------------------------ Gated DeltaNet
-def gdn_forget(gdn, slot: int):
-    """Drop the cache's conv state (slot 0) or recurrent state (slot 1) before every call."""
+def gdn_forget(gdn, *slots: int):
+    """Drop the cache's states in `slots` before every call (a Gated DeltaNet's conv state 0 or recurrent state 1;
+    Kimi delta attention's q, k, v conv states 0, 1, 2 or recurrent state 3)."""
     call = type(gdn).__call__
 
     def fn(self, x, mask=None, cache=None):
         if cache is not None:
-            cache[slot] = None
+            for slot in slots:
+                cache[slot] = None
         return call(self, x, mask, cache)
 
     patch_call(gdn, fn)

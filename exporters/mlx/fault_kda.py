@@ -14,28 +14,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm.models.gated_delta  # noqa: F401  (compute_g, compute_lower_bound_g: swapped in the module for a call)
 
+from exporters.mlx.fault_attention import gdn_forget
 from exporters.mlx.model import patch_call
 
 
-def _forget(mixer, *slots: int) -> None:
-    """Drop the cache's states in `slots` before every call (the conv states 0, 1, 2; the recurrent state 3)."""
-    call = type(mixer).__call__
-
-    def fn(self, x, mask=None, cache=None):
-        if cache is not None:
-            for slot in slots:
-                cache[slot] = None
-        return call(self, x, mask, cache)
-
-    patch_call(mixer, fn)
-
-
 def state_not_carried(mixer, a):
-    _forget(mixer, 3)
+    gdn_forget(mixer, 3)
 
 
 def conv_state_not_carried(mixer, a):
-    _forget(mixer, 0, 1, 2)
+    gdn_forget(mixer, 0, 1, 2)
 
 
 def _decay(mixer, log_decay) -> None:

@@ -44,6 +44,7 @@ def published_config(name: str, layers: int | None = None) -> dict:
         if isinstance(text.get("first_k_dense_replace"), int) and text["first_k_dense_replace"] > layers:
             text["first_k_dense_replace"] = layers
         family = family_for_model_type(text.get("model_type") or cfg.get("model_type", ""))
-        if family is not None and get_family(family).cut_layers is not None:  # depth kept in fields of its own
-            get_family(family).cut_layers(text, layers)
+        cut = get_family(family).cut_layers if family is not None else None
+        if cut is not None:  # the depth kept in fields of the family's own
+            cut(text, layers)
     return cfg

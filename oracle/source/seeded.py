@@ -100,14 +100,12 @@ def rename_tensors(out: Path, names) -> None:
     (tensors by name -> the same tensors by their new names)."""
     from safetensors.torch import load_file, save_file
 
-    index = out / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    weight_map = {}  # each new name -> the file that holds it
     for path in sorted(out.glob("*.safetensors")):
-        tensors = load_file(str(path))
-        renamed = names(tensors)
+        renamed = names(load_file(str(path)))
         save_file({k: v.contiguous() for k, v in renamed.items()}, str(path), metadata={"format": "pt"})
-        for old, new in zip(tensors, names(dict.fromkeys(tensors))):  # the names alone, in the same order
-            weight_map[new] = weight_map.pop(old, path.name)
+        weight_map.update(dict.fromkeys(renamed, path.name))
+    index = out / "model.safetensors.index.json"
     if index.exists():
         doc = json.loads(index.read_text())
         index.write_text(json.dumps({**doc, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
