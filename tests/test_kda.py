@@ -10,6 +10,7 @@ import torch
 
 from models import get_family
 from models.layers.kda import KimiDeltaAttention, kda_prefill, kda_step
+from tests.mixers import randomised, same_weights
 
 hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
@@ -69,13 +70,9 @@ def _mixers():
     fam = get_family("kimi_linear")
     c = fam.hf_config(fam.tiny_config)
     torch.manual_seed(0)
-    ref = hf.KimiLinearDeltaAttention(c, 0).eval()
-    with torch.no_grad():
-        for prm in ref.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
-    ours = KimiDeltaAttention(fam.args(fam.tiny_config, max_seq_len=128))
-    missing = ours.load_state_dict(ref.state_dict(), strict=False)
-    assert not missing.unexpected_keys and set(missing.missing_keys) == {"conv_state", "recurrent_state"}
+    ref = randomised(hf.KimiLinearDeltaAttention(c, 0))
+    ours = same_weights(ref, KimiDeltaAttention(fam.args(fam.tiny_config, max_seq_len=128)),
+                        {"conv_state", "recurrent_state"})
     return ref, ours, c
 
 
@@ -127,10 +124,7 @@ def _bailing():
 
 def _random_(module, std=0.3, seed=0):
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for prm in module.parameters():
-            prm.copy_(torch.randn_like(prm) * std)
-    return module.eval()
+    return randomised(module, std)
 
 
 @pytest.mark.parametrize("T", [11, 80])  # within HF's first chunk of 64, and across it
@@ -190,9 +184,7 @@ def test_bailing_latent_attention_head_gate_is_hfs():
     hb, c, args = _bailing()
     layer = c.layer_types.index("full_attention")
     ref = _random_(hb.BailingHybridAttention(c, layer), std=0.2)
-    ours = LatentAttention(args, layer=layer)
-    missing = ours.load_state_dict(ref.state_dict(), strict=False)
-    assert not missing.unexpected_keys and set(missing.missing_keys) == {"latent_cache", "rope_key_cache"}
+    ours = same_weights(ref, LatentAttention(args, layer=layer), {"latent_cache", "rope_key_cache"})
     rotary = hb.BailingHybridRotaryEmbedding(c)
     T, P = 11, 9
     x = torch.randn(1, T, c.hidden_size, generator=torch.Generator().manual_seed(3))

@@ -7,6 +7,7 @@ import torch
 
 from models import get_family
 from models.layers.lightning import Lightning
+from tests.mixers import randomised, same_weights
 
 hf = pytest.importorskip("transformers.models.minimax.modeling_minimax")
 
@@ -15,15 +16,9 @@ def _pair(layer: int):
     fam = get_family("minimax")
     c = fam.hf_config(fam.tiny_config)
     torch.manual_seed(layer)
-    ref = hf.MiniMaxLightningAttention(c, layer).eval()
-    with torch.no_grad():
-        for prm in ref.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
-    ours = Lightning(fam.args(fam.tiny_config), layer)
-    missing = ours.load_state_dict({k: v for k, v in ref.state_dict().items()
-                                    if not k.endswith(("slope_rate", "query_decay", "key_decay", "diagonal_decay"))},
-                                   strict=False)
-    assert not missing.unexpected_keys and set(missing.missing_keys) == {"recurrent_state"}
+    ref = randomised(hf.MiniMaxLightningAttention(c, layer))
+    ours = same_weights(ref, Lightning(fam.args(fam.tiny_config), layer), {"recurrent_state"},
+                        skip=("slope_rate", "query_decay", "key_decay", "diagonal_decay"))  # (buffers HF derives)
     return ref, ours, c
 
 

@@ -7,6 +7,7 @@ import torch
 
 from models import get_family
 from models.layers.mamba2 import Mamba2, ssd_prefill, ssd_step
+from tests.mixers import randomised, same_weights
 
 hf = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
 
@@ -54,13 +55,8 @@ def _mixers(**config):
     cfg = {**fam.tiny_config, **config}
     c = fam.hf_config(cfg)
     torch.manual_seed(0)
-    ref = hf.GraniteMoeHybridMambaLayer(c, 0).eval()
-    with torch.no_grad():
-        for prm in ref.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
-    ours = Mamba2(fam.args(cfg))
-    missing = ours.load_state_dict(ref.state_dict(), strict=False)
-    assert not missing.unexpected_keys and set(missing.missing_keys) == {"conv_state", "recurrent_state"}
+    ref = randomised(hf.GraniteMoeHybridMambaLayer(c, 0))
+    ours = same_weights(ref, Mamba2(fam.args(cfg)), {"conv_state", "recurrent_state"})
     return ref, ours, c
 
 
@@ -124,13 +120,8 @@ def test_the_mamba_mixer_is_jambas_in_prefill_and_carries_its_state_into_decode(
     fam = get_family("jamba")
     c = fam.hf_config(fam.tiny_config)
     torch.manual_seed(0)
-    ref = jamba.JambaMambaMixer(c, 0).eval()
-    with torch.no_grad():
-        for prm in ref.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
-    ours = Mamba(fam.args(fam.tiny_config))
-    missing = ours.load_state_dict(ref.state_dict(), strict=False)
-    assert not missing.unexpected_keys and set(missing.missing_keys) == {"conv_state", "recurrent_state"}
+    ref = randomised(jamba.JambaMambaMixer(c, 0))
+    ours = same_weights(ref, Mamba(fam.args(fam.tiny_config)), {"conv_state", "recurrent_state"})
     x = torch.randn(1, 11, c.hidden_size)
     with torch.no_grad():
         want = ref(x)  # HF's torch path without a cache: its loop over the 11 tokens
