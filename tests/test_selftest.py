@@ -205,9 +205,33 @@ def test_list_says_what_would_run_and_what_not_and_runs_nothing(cli):
     assert r.returncode == 2 and "unknown fault 'nope'" in r.stderr
 
 
+def test_noise_ratio_requires_a_fault_where_detection_is_guaranteed():
+    """A fault is required at bf16 where its fp32 error, less the clean candidate's own bf16 error on the
+    block, exceeds the block's limit: then the faulted error exceeds it whatever the rounding's signs
+    (triangle inequality). The numbers are nemotron_h's layer-4 MoE row, seed 0 (measured 2026-12-07):
+    the fault alone 1.04x the limit, the candidate's own 0.38x, and the faulted bf16 run 0.87x: missed."""
+    from types import SimpleNamespace
+
+    from oracle.reports.result import BlockRow, Status
+    from oracle.selftest.judge import noise_ratio
+
+    lim = {"max_abs": 0.04907, "rel_l2": 0.01437}
+    run = lambda m, st=Status.PASS: SimpleNamespace(status=st, blocks=[BlockRow(4, "moe", st, "isolated", m, lim, 0.0)])  # noqa: E731
+    fault32, faulted, clean = (run({"max_abs": 0.05098, "rel_l2": 0.00731}, Status.FAIL),
+                               run({"max_abs": 0.04282, "rel_l2": 0.00887}), run({"max_abs": 0.01885, "rel_l2": 0.00558}))
+    where = {"layer": 4, "kind": "moe"}
+    assert noise_ratio(fault32, faulted, where) == pytest.approx(0.05098 / 0.04907)  # the fault alone: 1.04
+    assert noise_ratio(fault32, faulted, where, clean) == pytest.approx((0.05098 - 0.01885) / 0.04907)  # 0.65
+    # a fault of 3x the limit stays required (2.6x after the candidate's own error)
+    big = run({"max_abs": 3 * 0.04907, "rel_l2": 0.001}, Status.FAIL)
+    assert noise_ratio(big, faulted, where, clean) > 1
+    # no comparable row (the fp32 candidate crashed): required
+    assert noise_ratio(SimpleNamespace(status=Status.ERROR, blocks=[]), faulted, where, clean) == float("inf")
+
+
 def test_selftest_at_bf16_states_which_faults_are_above_its_noise(cli, tmp_path):
-    """At bf16 each fault's fp32 error on its block, over that block's bf16 limit (HF bf16's own
-    error there), says whether bf16 can see it: a scale error of 1e-3 on expert weights is below
+    """At bf16 each fault's fp32 error on its block, less the clean candidate's own bf16 error there,
+    over that block's bf16 limit (HF bf16's own error there), says whether bf16 can see it: a scale error of 1e-3 on expert weights is below
     bf16's rounding (measured 0.38x on olmoe), stated and not required; a wrong rope theta is
     9.6x above it and must be caught and localised; the dtype fault runs at bf16 as always."""
     j = tmp_path / "st.json"

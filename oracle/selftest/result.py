@@ -38,8 +38,9 @@ class FaultRow:
     localized: bool
     worst: dict | None  # layer, kind, metric, value, limit, ratio
     seconds: float
-    # at a noise-relative precision: the fault's fp32 error on its block over that block's limit at
-    # the precision (> 1: above the precision's own error, so it must be detected); None at fp32
+    # at a noise-relative precision: the fault's fp32 error on its block, less the clean candidate's own
+    # error there at the precision, over that block's limit at the precision (> 1: detection guaranteed,
+    # so it must be detected: oracle/selftest/judge.noise_ratio); None at fp32
     noise_ratio: float | None = None
     # False: the faulted candidate computed exactly what the clean one did (every row's numbers and
     # every token the same): the fault never reached it, so it is neither detected nor missed

@@ -6,8 +6,9 @@ every family unmodified over several seeds and requires a pass (no false alarms)
 
 At a precision judged against its own measured error (bf16: oracle/verdict/noise.py), a fault too small
 to tell from that error cannot be required: each fault also runs at fp32, and its error on the
-block it targets, in units of that block's limit at the precision (`noise_ratio`), says whether it
-is above the precision's noise (> 1). The faults below it are stated, not required; every fault
+block it targets, less the unfaulted candidate's own error there at the precision, in units of that
+block's limit at the precision (`noise_ratio`), says whether it is above the precision's noise (> 1:
+detection guaranteed whatever the rounding's signs, oracle/selftest/judge.py). The faults below it are stated, not required; every fault
 above it must be detected, and 90 % of them localised.
 
 A family with a known divergence (goldens/known_divergences.toml) fails some rows without any fault.
@@ -445,7 +446,7 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                     and w["value"] is not None
                 above = None
                 if relative and fault.precision == "fp32":  # how far the fault is above the precision's noise
-                    above = noise_ratio(checks.run(replace(spec, precision="fp32"), variant, name), r, expected)
+                    above = noise_ratio(checks.run(replace(spec, precision="fp32"), variant, name), r, expected, base_run)
                 # detected: the check failed, or (a family failing as its known divergence says) a row
                 # failed by a measurement that passes without the fault
                 # (every failing row an error: the faulted candidate crashed, counted apart)
