@@ -164,12 +164,29 @@ def profile_view(sd: dict, cfg: dict) -> dict:
     return out
 
 
+def cut_layers(text: dict, layers: int) -> None:
+    """A published config cut to `layers` layers (Family.cut_layers): the depth is the release's
+    hybrid_override_pattern (HF ignores num_hidden_layers beside it). The layers kept are the last window of
+    `layers` consecutive ones that holds an attention block, as the generic cut keeps the last ones: transformers
+    5.23's NemotronH cache cannot run a model without one (get_seq_length "can only be called on Attention
+    layers"), and the release's last two layers are a Mamba2 and an MoE block."""
+    for key in ("hybrid_override_pattern", "layers_block_type"):
+        kinds = text.get(key)
+        if not isinstance(kinds, (str, list)) or len(kinds) <= layers:
+            continue
+        attention = PATTERN[FULL] if isinstance(kinds, str) else FULL
+        last = max((i for i, k in enumerate(kinds) if k == attention), default=len(kinds) - 1)
+        start = min(len(kinds) - layers, last)
+        text[key] = kinds[start:start + layers]
+
+
 FAMILY = Family(
     name="nemotron_h", model_types=("nemotron_h",), hf_module="nemotron_h", hf_class_name="NemotronHForCausalLM",
     hf_config_name="NemotronHConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX, from_mlx=from_mlx,
     hf_attention=("mixer",), hf_moe="mixer", hf_router="mixer.gate", hf_mlp="mixer", hf_point_view=point_view,
     hf_profile_view=profile_view,
     experts="n_routed_experts", release_config=RELEASE, release_drops=("layers_block_type", "time_step_limit"),
+    cut_layers=cut_layers,
     rules=(*GROUPED, ("positive", "moe_intermediate_size", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
                       "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"),
            ("at_least", "conv_kernel", 2), ("divides", "n_groups", "mamba_num_heads")),

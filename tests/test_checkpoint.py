@@ -183,6 +183,24 @@ def test_a_cut_renumbers_a_familys_own_layer_lists():
     assert args.num_hidden_layers == 2 and args.layer_types == ("kda", "full_attention")
 
 
+def test_a_nemotron_h_cut_keeps_an_attention_block():
+    """Nemotron-H's release spells its depth as hybrid_override_pattern (HF ignores num_hidden_layers beside it):
+    the cut slices the pattern, keeping the last window of N layers that holds an attention block (the release
+    ends in Mamba2 + MoE, and transformers 5.23's NemotronH cache cannot run without attention)."""
+    from models import family_for_model_type
+    from oracle.source.published import published_config
+
+    name = "nvidia-nemotron-3-nano-30b-a3b-bf16"
+    whole = published_config(name)["hybrid_override_pattern"]
+    assert len(whole) == 52 and whole.endswith("ME")
+    two, three = (published_config(name, layers=n)["hybrid_override_pattern"] for n in (2, 3))
+    last = whole.rindex("*")
+    assert (two, three) == (whole[last:last + 2], whole[last:last + 3]) == ("*E", "*EM")
+    cfg = published_config(name, layers=3)
+    args = get_family(family_for_model_type(cfg["model_type"])).args(cfg)
+    assert args.num_hidden_layers == 3 and len(set(args.layer_types)) >= 2
+
+
 def test_check_on_a_config(tmp_path, capsys):
     """--config takes a published name or a config.json; --layers cuts it; the check passes."""
     import json
