@@ -130,7 +130,10 @@ MLX = MlxLm(
         time_step_limit=lambda c: (float(c.time_step_min), float("inf")), time_step_min="time_step_min",
         time_step_max="time_step_max",
     ),
-    require=(),  # (mlx-lm's nemotron_h reads mlp_hidden_act from no field: relu^2, as to_args requires)
+    # (mlx-lm's nemotron_h reads mlp_hidden_act from no field: relu^2, as to_args requires)
+    require=((lambda c: LINEAR in c.layers_block_type,
+              "no Mamba2 layer (mlx-lm 0.32.2's NemotronHModel takes its ssm mask from cache[ssm_idx], the first "
+              "Mamba2 layer's, and raises IndexError past its caches without one)"),),
     moe="mixer",
 )
 

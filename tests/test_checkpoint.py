@@ -38,8 +38,8 @@ FUSED_ONLY = ("gpt_oss", "granitemoe", "llama4",
               # form of it exists: transformers splits it into text_moe / vision_moe on load)
               "ernie4_5_vl_moe",
               # ... and Mistral 4, which transformers 5.23's conversion mapping leaves out: its experts.gate_up_proj
-              # [E, 2I, H] as HF holds them is the one form HF writes and reads
-              "mistral4")
+              # [E, 2I, H] as HF holds them is the one form HF writes and reads; so is Gemma 4's
+              "mistral4", "gemma4")
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f not in FUSED_ONLY])
@@ -199,6 +199,13 @@ def test_a_nemotron_h_cut_keeps_an_attention_block():
     cfg = published_config(name, layers=3)
     args = get_family(family_for_model_type(cfg["model_type"])).args(cfg)
     assert args.num_hidden_layers == 3 and len(set(args.layer_types)) >= 2
+    # mlx-lm's NemotronHModel indexes its caches by the first Mamba2 layer (IndexError without one): refused
+    pytest.importorskip("mlx_lm")
+    from exporters.mlx.config import ConfigError, mlx_config
+
+    assert mlx_config("nemotron_h", cfg)["hybrid_override_pattern"] == list("*EM")
+    with pytest.raises(ConfigError, match="no Mamba2 layer .*IndexError"):
+        mlx_config("nemotron_h", published_config(name, layers=2))
 
 
 def test_check_on_a_config(tmp_path, capsys):
