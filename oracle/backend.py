@@ -280,6 +280,15 @@ class Candidate:
         call's tokens), or None where it does not report them (`no_routes` says why)."""
         return None
 
+    # sparse attention (oracle/verdict/selection.py): which keys its indexers selected, per layer and query
+    no_selections = "the backend does not report which keys its sparse attention's indexers selected"
+
+    def last_selections(self) -> dict | None:
+        """{layer: int indices [T, k]} of the keys each sparse-attention indexer selected in its last prefill
+        or decode call (T that call's queries; key indices are sequence positions), or None where it does
+        not report them (`no_selections` says why). Asked only of models with indexers."""
+        return None
+
     def block_routes(self) -> list | None:
         """[{layer: indices [T, k]} per call] of its last run_block (a block with a router inside: the
         layer), or None where it does not report them."""
@@ -414,6 +423,7 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "block_input", "run_block_points", "no_points", "no_routes", "last_routes",
+                         "no_selections", "last_selections",
                          "block_routes", "ahead", "teacher_forced")}
 
 

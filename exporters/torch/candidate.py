@@ -15,6 +15,7 @@ from models.layers.transformer import Transformer, block_fn, reset_state
 from oracle.backend import Candidate, Option
 from oracle.drill import points
 from oracle.verdict.replay import RouteLog
+from oracle.verdict.selection import SelectionLog, indexers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -71,9 +72,10 @@ def host(out):
 
 def reset_routes(cand) -> None:
     """Start a call's record of the experts chosen (a plugin borrowing these methods may have none)."""
-    log = cand.__dict__.get("routes")
-    if log is not None:
-        log.reset()
+    for name in ("routes", "selections"):
+        log = cand.__dict__.get(name)
+        if log is not None:
+            log.reset()
 
 
 def settle_routes(cand) -> None:
@@ -103,9 +105,14 @@ class TorchCandidate(Candidate):
         # the experts each router selects (oracle/verdict/replay.py): hooks on the production routers
         self.routes = RouteLog({i: layer.mlp.gate for i, layer in enumerate(model.layers)
                                 if isinstance(getattr(layer, "mlp", None), SparseMoE)}, lambda out: (out[1], out[0]))
+        # the keys each sparse-attention indexer selects (oracle/verdict/selection.py)
+        self.selections = SelectionLog(indexers(model.layers))
 
     def last_routes(self):
         return self.routes.call()
+
+    def last_selections(self):
+        return {layer: i for layer, (i, _) in self.selections.call().items()}
 
     def block_routes(self):
         return self.routes.calls()

@@ -24,6 +24,7 @@ from oracle.reference.streaming import decoder_of, hold, load_hf_model, material
 from oracle.schedule import LAYER_BY_LAYER, Ahead
 from oracle.verdict.arithmetic import PRECISIONS as arithmetic_precisions, arithmetic
 from oracle.verdict.replay import RouteLog
+from oracle.verdict.selection import SelectionLog, indexers
 
 # fp64: HF's exact answer for fp32's own measured error (oracle/verdict/noise.py exact_for), not a user precision;
 # a8, abf16, af16: fp32 with the activations of every weight product rounded (oracle/verdict/arithmetic.py:
@@ -61,6 +62,9 @@ class HFCandidate(Candidate):
         self.routes = RouteLog({layer: m for (layer, kind), m in self.modules.items() if kind == "router"},
                                lambda out: normalize_output("router", out, router_output=self.read_router)[1::-1])
 
+        # the keys each sparse-attention indexer selects (oracle/verdict/selection.py)
+        self.selections = SelectionLog(indexers(decoder_of(model).layers))
+
     @property
     def streamed(self) -> bool:
         """Its decoder layers are read from the checkpoint for each forward (oracle/reference.load_streamed)."""
@@ -72,6 +76,9 @@ class HFCandidate(Candidate):
     def block_routes(self):
         return self.routes.calls()
 
+    def last_selections(self):
+        return {layer: i for layer, (i, _) in self.selections.call().items()}
+
     @property
     def _router_items(self) -> int:
         return 3 if self.keep_router_logits else 2
@@ -81,6 +88,7 @@ class HFCandidate(Candidate):
     def prefill(self, tokens):
         release_held()  # a layer its block rows kept: this run loads each layer itself
         self.routes.reset()
+        self.selections.reset()
         out = self.model(input_ids=self._ids([tokens]), use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0].cpu()
@@ -155,6 +163,7 @@ class HFCandidate(Candidate):
     @in_arithmetic
     def decode(self, token, pos):
         self.routes.reset()
+        self.selections.reset()
         out = self.model(input_ids=self._ids([[token]]), past_key_values=self.cache, use_cache=True,
                          **hf_positions(self.model, pos, 1))
         self.cache = out.past_key_values
@@ -166,6 +175,7 @@ class HFCandidate(Candidate):
         if (kept := self.kept.block((layer, kind), calls, self.routes)) is not None:  # computed ahead (the first ask)
             return kept
         self.routes.reset()
+        self.selections.reset()
         probes = [c for c in calls if c.probe]  # stateless single-token probes: call the module
         calls = [c for c in calls if not c.probe]
         with self._only_layer(layer), materialized(self.modules[layer, kind]):  # a streamed model: one load

@@ -59,6 +59,10 @@ class Reference:
     # masks, routing.weight_gap): a near tie there changes the weights, not the experts
     weight_gaps: dict = field(default_factory=dict)
     coverage: dict = field(default_factory=dict)  # layer -> experts routed to by the sequence
+    # sparse attention (oracle/verdict/selection.py): layer -> [keys its indexer selected [T, k] per call],
+    # and the scores it ranked [T, keys] per call; empty for a model without indexers
+    index_selected: dict = field(default_factory=dict)
+    index_scores: dict = field(default_factory=dict)
 
     def block_keys(self) -> list[tuple[int | None, str]]:
         return list(self.inputs)
@@ -223,9 +227,9 @@ def hf_positions(model, start: int, n: int) -> dict:
     return {"position_ids": torch.arange(start, start + n, device=model.device)[None]}
 
 
-def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):
-    """Prefill the prompt, then n_decode single-token steps feeding back the argmax.
-    Returns (tokens, positions per call, logits per call)."""
+def greedy_run(model, prompt: list[int], n_decode: int, on_call=None, on_prefill=None):
+    """Prefill the prompt, then n_decode single-token steps feeding back the argmax (`on_prefill()` after
+    the prefill, `on_call(step)` after each step). Returns (tokens, positions per call, logits per call)."""
     import torch
 
     tokens = list(prompt)
@@ -235,6 +239,8 @@ def greedy_run(model, prompt: list[int], n_decode: int, on_call=None):
         out = model(input_ids=ids, use_cache=True)
         positions.append(torch.arange(len(prompt)))
         logits.append(out.logits[0].float())
+        if on_prefill:
+            on_prefill()
         for step in range(n_decode):
             tokens.append(int(logits[-1][-1].argmax()))
             pos = len(tokens) - 1
@@ -271,12 +277,26 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
         return fn
 
     handles = [m.register_forward_hook(hook(k), with_kwargs=True) for k, m in modules.items()]
+    from oracle.verdict.selection import SelectionLog, indexers
+
+    selections = SelectionLog(indexers(decoder_of(model).layers))
+    calls = []
+
+    def on_step(step):  # each decode step's selections (the prefill's: before the first step)
+        calls.append(selections.call())
+        selections.reset()
+        if on_call:
+            on_call(step)
+
     try:
         with probing_in_prefill(model, modules, args, reader, quiet) as probes:
-            tokens, positions, logits = greedy_run(model, prompt, n_decode, on_call)
+            tokens, positions, logits = greedy_run(model, prompt, n_decode, on_step,
+                                                   on_prefill=lambda: (calls.append(selections.call()),
+                                                                       selections.reset()))
     finally:
         for h in handles:
             h.remove()
+        selections.remove()
     positions = [p.numpy() for p in positions]
     ref = Reference(tokens=tokens, prompt_len=len(prompt), positions=positions, logits=[lg.numpy() for lg in logits])
     for key in modules:
@@ -304,6 +324,10 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
     for (layer, kind), router in modules.items():
         if kind == "router":
             add_probes(ref, layer, int(router_weight(router).shape[0]), *probes[layer])
+    for layer in sorted({layer for c in calls for layer in c}):
+        if all(layer in c and c[layer][1] is not None for c in calls) and len(calls) == len(positions):
+            ref.index_selected[layer] = [c[layer][0] for c in calls]
+            ref.index_scores[layer] = [c[layer][1].astype(np.float32) for c in calls]
     return ref
 
 

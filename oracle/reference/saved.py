@@ -41,12 +41,16 @@ def save(ref: Reference, path: Path) -> None:
     for layer, alts in ref.group_alternatives.items():
         for i, g in enumerate(alts):
             tensors[f"galt.{layer}.{i}"] = g
+    for layer, calls in ref.index_selected.items():
+        for i, (sel, sc) in enumerate(zip(calls, ref.index_scores[layer])):
+            tensors[f"isel.{layer}.{i}"], tensors[f"iscore.{layer}.{i}"] = sel, sc
     meta = {"tokens": ref.tokens, "prompt_len": ref.prompt_len, "calls": len(ref.positions), "blocks": blocks,
             "router_layers": {str(k): len(v) for k, v in ref.router_probs.items()},
             "group_gap_layers": {str(k): len(v) for k, v in ref.group_gaps.items()},
             "weight_gap_layers": {str(k): len(v) for k, v in ref.weight_gaps.items()},
             "group_alternative_layers": {str(k): len(v) for k, v in ref.group_alternatives.items()},
-            "coverage": {str(k): v for k, v in ref.coverage.items()}}
+            "coverage": {str(k): v for k, v in ref.coverage.items()},
+            "indexer_layers": {str(k): len(v) for k, v in ref.index_selected.items()}}
     save_arrays(tensors, meta, path)
 
 
@@ -103,6 +107,10 @@ def _reference_of(meta: dict, t: dict) -> Reference:
     ref.group_alternatives = {int(k): [t[f"galt.{k}.{i}"] for i in range(m)]
                               for k, m in meta.get("group_alternative_layers", {}).items()}
     ref.coverage = {int(k): v for k, v in meta["coverage"].items()}
+    ref.index_selected = {int(k): [t[f"isel.{k}.{i}"] for i in range(m)]
+                          for k, m in meta.get("indexer_layers", {}).items()}
+    ref.index_scores = {int(k): [t[f"iscore.{k}.{i}"] for i in range(m)]
+                        for k, m in meta.get("indexer_layers", {}).items()}
     return ref
 
 

@@ -134,9 +134,12 @@ def _e2e(e: dict | None) -> list[str]:
 
 
 def _routing(r: dict | None) -> list[str]:
-    """The e2e routing replay (oracle/verdict/replay.py): what the candidate's routers chose, judged."""
-    if not r:
-        return []
+    """The e2e routing replay (oracle/verdict/replay.py): what the candidate's routers and indexers chose."""
+    return _experts(r) + _indexer(r.get("indexer")) if r else []
+
+
+def _experts(r: dict) -> list[str]:
+    """What the candidate's routers chose, judged."""
     if not r["recorded"]:
         return [f"Routing: not recorded ({r['why']}): the steps are judged against the reference's own routing"]
     diffs = r["differences"]
@@ -163,6 +166,33 @@ def _routing(r: dict | None) -> list[str]:
     if r.get("plain"):
         worst = max(p["max_abs"] for p in r["plain"])
         lines.append(f"Against the plain reference (no routing aligned) the logits differ by up to {_fmt(worst)}.")
+    return lines
+
+
+def _indexer(r: dict | None) -> list[str]:
+    """Sparse attention's key selection (oracle/verdict/selection.py), judged like the routers' experts."""
+    if not r:
+        return []
+    if not r["recorded"]:
+        return [f"Indexer: not recorded ({r['why']})"]
+    diffs = r["differences"]
+    if not diffs:
+        return [f"Indexer: the candidate's indexers selected the reference's keys for every query of every step "
+                f"({len(r['layers'])} sparse-attention layer(s))"]
+    quant = f", {r['quantization']} from the quantized weights" if r.get("quantization") else ""
+    lines = [f"Indexer: {len(diffs)} query position(s) where the candidate selected other keys: {r['ties']} tie(s) "
+             f"within the bound{quant}, {r['divergences']} indexer divergence(s)"
+             + (f", {r['follows']} downstream of one" if r.get("follows") else ""), "",
+             "| step | layer | position | keys only the reference kept | keys only the candidate kept | gap | tie bound "
+             "| verdict |", "|---|---|---|---|---|---|---|---|"]
+    for d in diffs[:12]:
+        only_ref = sorted(set(d["reference"]) - set(d["candidate"]))
+        only_cand = sorted(set(d["candidate"]) - set(d["reference"]))
+        verdict = "**divergence**" if d["verdict"] == "divergence" else d["verdict"]
+        lines.append(f"| {d['call']} | {d['layer']} | {d['position']} | {only_ref} | {only_cand} | {_fmt(d['gap'])} | "
+                     f"{_fmt(d['bound'])} | {verdict} |")
+    if len(diffs) > 12:
+        lines.append(f"... and {len(diffs) - 12} more (the JSON lists every one)")
     return lines
 
 

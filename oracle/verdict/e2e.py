@@ -15,6 +15,7 @@ from oracle.verdict.noise import aligner, attentions, exact_for, keep, measuring
 from oracle.reports.result import E2E, GateRow, Status
 from oracle.verdict.compare import shape_text, dtype_name, expected_dtype, reduction_length
 from oracle.verdict.replay import differences, plan_of
+from oracle.verdict.selection import index_record
 from oracle.reference.cached import reference_of
 
 
@@ -31,12 +32,13 @@ def _step_logits(raw, k: int, ref_rows: int, vocab: int) -> np.ndarray:
     return out
 
 
-def candidate_steps(ref, cand) -> tuple[list, list, str | None]:
+def candidate_steps(ref, cand, selections: list | None = None) -> tuple[list, list, str | None]:
     """The candidate's raw answers: its prefill of the reference's prompt, then each decode step
     fed the reference's next token (teacher forcing), and at each step the experts its routers
     selected (Candidate.last_routes; None where it does not report them). A raise ends the run: its
     state is unknown, the later steps are not run (the error names the step). A candidate that runs
-    every step at once (Candidate.teacher_forced: a streamed model, layer by layer) answers them so."""
+    every step at once (Candidate.teacher_forced: a streamed model, layer by layer) answers them so.
+    `selections` (a list, for a model with sparse attention) receives each step's Candidate.last_selections."""
     P, answers, routes = ref.prompt_len, [], []
     try:
         at_once = cand.teacher_forced(ref.tokens, P, len(ref.logits))
@@ -53,6 +55,11 @@ def candidate_steps(ref, cand) -> tuple[list, list, str | None]:
             routes.append(cand.last_routes())
         except Exception:  # noqa: BLE001 - not reported this step: the routing is then not known
             routes.append(None)
+        if selections is not None:
+            try:
+                selections.append(cand.last_selections())
+            except Exception:  # noqa: BLE001 - not reported this step: the selection is then not known
+                selections.append(None)
     return answers, routes, None
 
 
@@ -190,7 +197,8 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     judged; the plain comparison is kept beside (`routing.plain`). No step is excused.
     Returns (E2E, the logits dtype gate or None)."""
     lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend), reduction)
-    answers, routes, error = candidate_steps(ref, cand)
+    selections = [] if getattr(ref, "index_selected", None) else None
+    answers, routes, error = candidate_steps(ref, cand, selections)
     reported = bool(routes) and all(r is not None for r in routes)
     rule = thresholds.exact(spec.precision)
     exact_once = _once(exact) if exact is not None else None
@@ -240,7 +248,9 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     e2e.routing = routing_record(ref, routes, reported, cand, diffs, aligned, answers)
     if why_not:
         e2e.routing["not_aligned"] = f"{why_not}: the steps judged against the plain reference"
-    if e2e.routing.get("divergences") and e2e.status == Status.PASS:
+    if (indexer := index_record(ref, selections, cand, spec, noise)) is not None:  # sparse attention's key selection
+        e2e.routing["indexer"] = indexer
+    if (e2e.routing.get("divergences") or (indexer or {}).get("divergences")) and e2e.status == Status.PASS:
         e2e.status = Status.FAIL
     if collect is not None:
         collect.extend(rows)

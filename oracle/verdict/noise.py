@@ -53,6 +53,8 @@ class Noise:
     # layer -> [the margin of the group choice [T] per e2e call] (group-limited routers): a candidate's
     # experts of a group HF left out are judged on it
     e2e_group_gaps: dict = field(default_factory=dict)
+    # layer -> [the scores its sparse-attention indexer ranked [T, keys] per e2e call] (oracle/verdict/selection.py)
+    e2e_index_scores: dict = field(default_factory=dict)
 
 
 def score_error(ref_scores: list, noise_scores: list, n: int | None = None) -> np.ndarray:
@@ -297,10 +299,17 @@ def measuring(ref, src, spec, blocks: bool = True, plan: dict | None = None, att
         with e2e([]):
             noise.logits = [a.float().numpy().reshape(-1, a.shape[-1]) for a in steps.finish()[0]]
     else:
+        def indexed():  # the scores each sparse-attention indexer ranked in the call just run
+            for layer, (_, sc) in hf.selections.call().items():
+                if sc is not None:
+                    noise.e2e_index_scores.setdefault(layer, []).append(sc.astype(np.float32))
+
         with e2e(list(routers)):
             noise.logits.append(hf.prefill(ref.tokens[:P]).float().numpy())
+            indexed()
             for k in range(1, n):
                 noise.logits.append(hf.decode(ref.tokens[P + k - 1], P + k - 1).float().numpy()[None])
+                indexed()
     return noise
 
 
@@ -316,7 +325,8 @@ def _save(noise: Noise, path: Path) -> None:
             else:
                 t[f"o.{layer}.{kind}.{i}"] = o
     for prefix, table in (("s", noise.scores), ("e", noise.e2e_scores), ("c", noise.e2e_selected),
-                          ("ew", noise.e2e_weights), ("eg", noise.e2e_weight_gaps), ("gg", noise.e2e_group_gaps)):
+                          ("ew", noise.e2e_weights), ("eg", noise.e2e_weight_gaps), ("gg", noise.e2e_group_gaps),
+                          ("ix", noise.e2e_index_scores)):
         meta[prefix] = {str(layer): len(s) for layer, s in table.items()}
         for layer, s in table.items():
             for i, a in enumerate(s):
@@ -342,6 +352,7 @@ def _load(path: Path) -> Noise | None:
         noise.e2e_weights = {int(k): [t[f"ew.{k}.{i}"] for i in range(n)] for k, n in meta["ew"].items()}
         noise.e2e_weight_gaps = {int(k): [t[f"eg.{k}.{i}"] for i in range(n)] for k, n in meta["eg"].items()}
         noise.e2e_group_gaps = {int(k): [t[f"gg.{k}.{i}"] for i in range(n)] for k, n in meta["gg"].items()}
+        noise.e2e_index_scores = {int(k): [t[f"ix.{k}.{i}"] for i in range(n)] for k, n in meta.get("ix", {}).items()}
         noise.logits = [t[f"l.{k}"] for k in range(meta["steps"])]
         return noise
     except (OSError, ValueError, KeyError, TypeError):

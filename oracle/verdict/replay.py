@@ -175,15 +175,16 @@ class Difference:
     # earlier choices forced chooses so too: a consequence of those, not a choice of its own)
     verdict: str
     # what differs: "experts", or "weights" (the same experts, weighted by another discrete decision:
-    # sparsemixer's masks; `gap` is then that decision's margin)
+    # sparsemixer's masks; `gap` is then that decision's margin), or "keys" (a sparse-attention indexer's:
+    # oracle/verdict/selection.py)
     what: str = "experts"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def text(self) -> str:
-        what = (f"experts {self.candidate} for the reference's {self.reference}" if self.what == "experts"
-                else f"the weights of experts {self.reference} decided otherwise")
+        what = (f"the weights of experts {self.reference} decided otherwise" if self.what == "weights"
+                else f"{self.what} {self.candidate} for the reference's {self.reference}")
         return f"layer {self.layer} position {self.position}: {what}, gap {self.gap:.3g} vs tie bound {self.bound:.3g}: {self.verdict}"
 
 
