@@ -218,8 +218,7 @@ class Candidate:
     sample_prefill = None
     sample_decode = None
     sample_logits = None
-    # the sampler's order: top-p applied to the tempered distribution (True) or the untempered one
-    top_p_after_temperature: bool = True
+    top_p_after_temperature: bool = True  # the sampler's order: top-p on the tempered distribution, or the untempered
 
     def prefill(self, tokens: list[int]):
         """Logits [T or 1, V] of a new sequence (state reset); the last row is the last token's."""
@@ -269,29 +268,24 @@ class Candidate:
         no points (the drill says so, with `no_points`)."""
         return None
 
-    # why run_block_points gives None, for the drill's n/a
-    no_points = "the backend exposes no points inside its blocks"
-
-    # routing replay (oracle/verdict/replay.py): which experts its routers selected, per MoE layer and token
+    no_points = "the backend exposes no points inside its blocks"  # why run_block_points gives None (the drill's n/a)
+    # routing replay (oracle/verdict/replay.py, oracle/verdict/selection.py): what its routers and indexers chose
     no_routes = "the backend does not report which experts its routers selected"
-
-    def last_routes(self) -> dict | None:
-        """{layer: int indices [T, k]} its routers selected in its last prefill or decode call (T that
-        call's tokens), or None where it does not report them (`no_routes` says why)."""
-        return None
-
-    # sparse attention (oracle/verdict/selection.py): which keys its indexers selected, per layer and query
     no_selections = "the backend does not report which keys its sparse attention's indexers selected"
 
+    def last_routes(self) -> dict | None:
+        """{layer: int indices [T, k]} its routers selected in its last prefill or decode call (T that call's
+        tokens), or None where it does not report them (`no_routes` says why)."""
+        return None
+
     def last_selections(self) -> dict | None:
-        """{layer: int indices [T, k]} of the keys each sparse-attention indexer selected in its last prefill
-        or decode call (T that call's queries; key indices are sequence positions), or None where it does
-        not report them (`no_selections` says why). Asked only of models with indexers."""
+        """{layer: key indices [T, k]} each sparse-attention indexer kept in its last prefill or decode call,
+        or None where not reported (`no_selections` says why)."""
         return None
 
     def block_routes(self) -> list | None:
-        """[{layer: indices [T, k]} per call] of its last run_block (a block with a router inside: the
-        layer), or None where it does not report them."""
+        """[{layer: indices [T, k]} per call] of its last run_block (a block with a router inside: the layer),
+        or None where it does not report them."""
         return None
 
     def gates(self) -> list:
@@ -317,12 +311,9 @@ class Backend:
     are injected) and `transform_id` (part of every artifact cache key); the harness never reads them."""
 
     name: str
-    # the precisions it supports; None: every precision the harness knows
-    precisions: tuple[str, ...] | None = None
-    # the only options it accepts (`Option`s): unknown or ill-typed ones are refused before any work
-    option_schema: tuple = ()
-    # False: the candidate runs no torch (provenance records no torch thread count: a warm check never imports it)
-    runs_torch: bool = True
+    precisions: tuple[str, ...] | None = None  # the precisions it supports; None: every precision the harness knows
+    option_schema: tuple = ()  # the only options it accepts (`Option`s): others are refused before any work
+    runs_torch: bool = True  # False: it runs no torch (provenance records no torch thread count: never imported)
     # it loads a shipped directory as the candidate (--candidate-dir). With `export` writing one, its quantized
     # precisions (q8/q4) are checked on the directory it exports (built, cached), the candidate against HF on its
     # weights dequantized (CheckSpec.quant_reference)
@@ -423,8 +414,7 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "block_input", "run_block_points", "no_points", "no_routes", "last_routes",
-                         "no_selections", "last_selections",
-                         "block_routes", "ahead", "teacher_forced")}
+                         "no_selections", "last_selections", "block_routes", "ahead", "teacher_forced")}
 
 
 class _Duck:

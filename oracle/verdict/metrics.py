@@ -190,3 +190,15 @@ def score_resolution(ref_scores, precision: str) -> np.ndarray:
     top = np.where(np.isfinite(r), np.abs(r), 0.0).max(axis=-1)
     with np.errstate(divide="ignore"):
         return np.where(top > 0, 2.0 ** (np.floor(np.log2(np.where(top > 0, top, 1.0))) - (bits - 1)), 0.0)
+
+
+def row_error(ref, got) -> np.ndarray:
+    """Per row (the last axis is the row's values): the largest absolute difference, over the values
+    finite in both (a group left out is -inf in both); inf where the finite entries differ (another group
+    chosen: no gap is safe)."""
+    r = np.asarray(ref, np.float64).reshape(-1, np.shape(ref)[-1])
+    h = np.asarray(got, np.float64).reshape(r.shape)
+    both = np.isfinite(r) & np.isfinite(h)
+    with np.errstate(invalid="ignore"):  # -inf - -inf where a group is left out: masked by `both`
+        err = np.where(both, np.abs(h - r), 0.0).max(axis=-1, initial=0.0)
+    return np.where((np.isfinite(r) != np.isfinite(h)).any(axis=-1), np.inf, err)

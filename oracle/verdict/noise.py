@@ -31,7 +31,7 @@ import numpy as np
 
 from oracle.cache.store import cache_root
 from oracle.backend import hf_spec
-from oracle.verdict.metrics import rounding  # noqa: F401  (re-exported: the precision's storage)
+from oracle.verdict.metrics import rounding, row_error  # noqa: F401  (re-exported: the precision's storage; a metric)
 
 
 @dataclass
@@ -71,18 +71,6 @@ def attentions(family) -> tuple[str, ...]:
     """The attention implementations HF offers for the family (eager always; sdpa where its model class
     supports it: gpt_oss's sinks do not)."""
     return tuple(a for a in ATTENTIONS if a == "eager" or getattr(family.hf_class(), f"_supports_{a}", False))
-
-
-def row_error(ref, got) -> np.ndarray:
-    """Per row (the last axis is the row's values): the largest absolute difference, over the values
-    finite in both (a group left out is -inf in both); inf where the finite entries differ (another group
-    chosen: no gap is safe)."""
-    r = np.asarray(ref, np.float64).reshape(-1, np.shape(ref)[-1])
-    h = np.asarray(got, np.float64).reshape(r.shape)
-    both = np.isfinite(r) & np.isfinite(h)
-    with np.errstate(invalid="ignore"):  # -inf - -inf where a group is left out: masked by `both`
-        err = np.where(both, np.abs(h - r), 0.0).max(axis=-1, initial=0.0)
-    return np.where((np.isfinite(r) != np.isfinite(h)).any(axis=-1), np.inf, err)
 
 
 def worse(ref, a, b) -> np.ndarray:

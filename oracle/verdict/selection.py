@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle.verdict import thresholds
-from oracle.verdict.metrics import score_resolution
+from oracle.verdict.metrics import row_error, score_resolution
 from oracle.verdict.replay import Difference
 
 NAME = "indexer"  # the role's module name, in HF's models and the production model
@@ -111,14 +111,12 @@ def tie_bounds(scores: np.ndarray, precision: str, family: str, backend: str, me
     a bf16 score carries the rounding of every layer before it (measured on deepseek_v32's tiny checkpoint,
     seeds 0-4, a 16-token prefill: HF bf16's scores 0.6-380 bf16 ulps of the largest from HF fp32's, growing
     with depth)."""
-    from oracle.verdict.noise import score_error
-
     table = _limits(precision, NAME, family, backend)
     at = precision if precision in ("fp32", "bf16", "fp16") else "bf16"
     floor = table["tie_ulps"] * score_resolution(scores, at)
     if measured is None or np.shape(measured) != np.shape(scores):
         return floor
-    err = score_error([scores], [np.where(measured > MASKED, measured, -np.inf)])
+    err = row_error(scores, np.where(measured > MASKED, measured, -np.inf))
     finite = err[np.isfinite(err)]
     median = float(np.median(finite)) if finite.size else 0.0
     factor = _limits(precision, "router", family, backend).get("tie_factor") or (
