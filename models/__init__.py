@@ -29,7 +29,6 @@ FAMILY_NAMES = tuple(n for n in CORE if n in _FILES) + tuple(n for n in _FILES i
 
 # Families transformers has but the harness cannot yet reproduce, and the missing feature.
 UNSUPPORTED = {
-    "deepseek_v32": "DeepSeek sparse attention (the lightning indexer)",
     # issue 78's families not built yet (the mechanism is missing, not a tool)
     "longcat_flash": "zero-computation experts and shortcut-connected MoE",
     # issue 76's families not built yet (each can be built here: the mechanism is missing, not a tool)

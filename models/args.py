@@ -26,7 +26,9 @@ MLP_TYPES = (SPARSE, DENSE, NONE)
 RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2, LIGHTNING, KDA)
 # the KV cache (MLA: the compressed latent and the shared rotary key), the Gated DeltaNet state (a short
 # convolution's and a Mamba2's conv_state and recurrent_state too)
-STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state")
+# DeepSeek sparse attention's indexer: its key cache and (a layer whose selection later layers share) its selection
+STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state",
+                 "index_key_cache", "index_selection")
 
 
 def check_kinds(obj) -> None:
@@ -104,7 +106,8 @@ class Llama3Scaling:
     original_max_position_embeddings: int
 
 
-SCALINGS = {"default": type(None), "yarn": YaRN, "longrope": LongRoPE, "llama3": Llama3Scaling}
+# "proportional" (Gemma 4): rotate-half over the whole head, its first partial_rotary_factor of frequency slots rotating
+SCALINGS = {"default": type(None), "yarn": YaRN, "longrope": LongRoPE, "llama3": Llama3Scaling, "proportional": type(None)}
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class RopeArgs:
     (`scaling`: None for default RoPE), the rotated fraction of each head, and how it rotates."""
 
     theta: float
-    kind: Literal["default", "yarn", "longrope", "llama3"] = "default"
+    kind: Literal["default", "yarn", "longrope", "llama3", "proportional"] = "default"
     scaling: YaRN | LongRoPE | Llama3Scaling | None = None
     partial_rotary_factor: float = 1.0
     interleave: bool = False  # rotary pairs (x0, x1), (x2, x3) ... instead of rotate-half
@@ -180,6 +183,21 @@ class MLA:
 
 
 @dataclass(frozen=True)
+class DSA:
+    """DeepSeek sparse attention (models/layers/dsa.py): a lightning indexer (index_n_heads heads of
+    index_head_dim, its rotary part the MLA's qk_rope_head_dim) picks the index_topk keys each query attends to.
+    rope_interleave: the indexer's rotation on interleaved pairs (GLM-5) or half-split (DeepSeek-V3.2, where the
+    MLA's own is interleaved). shared, per layer: True where the layer has no indexer and attends to the keys the
+    previous full layer chose (GLM-5's indexer_types "shared"); () none."""
+
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    rope_interleave: bool = False
+    shared: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
 class AttentionArgs:
     """The softmax attention layers: "gqa" (q/k/v projections, num_key_value_heads shared heads),
     "mla" (its dimensions in `mla`) or "moa" (JetMoE's mixture of attention heads: routed query and
@@ -215,6 +233,9 @@ class AttentionArgs:
     # rotation, times 1 + q_position_beta * log(1 + floor(pos / q_position_period)); 0: none (MLA layers only)
     q_position_beta: float = 0.0
     q_position_period: float = 1.0
+    dsa: DSA | None = None  # DeepSeek sparse attention on the MLA layers (kind "mla" only)
+    k_eq_v: bool = False  # FULL layers: v is k's projection, no v_proj (Gemma 4's attention_k_eq_v)
+    v_norm: bool = False  # v RMS-normed per head, no gain (Gemma 4)
 
     def __post_init__(self):
         check_kinds(self)
@@ -223,6 +244,9 @@ class AttentionArgs:
         if self.q_position_beta and (self.kind != "mla" or not self.q_position_period > 0):
             raise ValueError(f"AttentionArgs.q_position_beta {self.q_position_beta} needs kind 'mla' (not "
                              f"{self.kind!r}) and a positive q_position_period (got {self.q_position_period})")
+        if self.dsa is not None and (self.kind != "mla" or not self.mla.q_lora_rank):
+            raise ValueError("AttentionArgs.dsa needs kind 'mla' with a q_lora_rank "
+                             "(the indexer's queries are its q_resid)")
 
 
 @dataclass(frozen=True)
@@ -349,6 +373,8 @@ class RouterArgs:
     # what the choice ranks (the correction bias added to it): the scores (DeepSeek-V3), or the fp32 logits
     # themselves (Kolibri-1: top-k of logits + bias, the weights the sigmoid of the chosen logits)
     choice_on: Literal["scores", "logits"] = "scores"
+    input_norm: bool = False  # the input RMS-normed, times a learned `scale` [H] and H^-0.5 (Gemma 4)
+    per_expert_scale: bool = False  # Gemma 4: the top-k weights times a learned scale per expert, in its MoE block
 
     def __post_init__(self):
         check_kinds(self)
@@ -358,9 +384,9 @@ class RouterArgs:
 class ExpertArgs:
     """The routed experts' MLP: "swiglu" silu(gate) * up; "clamped_swiglu" (gpt-oss) gate clamped
     to <= swiglu_limit, up to [-swiglu_limit, swiglu_limit], gate * sigmoid(swiglu_alpha * gate) * (up + 1);
-    "relu2" relu(up)^2, no gate (Nemotron-H: the experts' gate_up_proj then holds their up rows alone)."""
+    "relu2" relu(up)^2, no gate (Nemotron-H: its gate_up_proj holds the up rows alone); "geglu" gelu_tanh(gate) * up."""
 
-    activation: Literal["swiglu", "clamped_swiglu", "relu2"] = "swiglu"  # relu2: relu(up)^2, no gate (Nemotron-H)
+    activation: Literal["swiglu", "clamped_swiglu", "relu2", "geglu"] = "swiglu"  # relu2: relu(up)^2, no gate (Nemotron-H)
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     bias: bool = False  # biases on the experts' projections (gpt-oss)
@@ -401,6 +427,7 @@ class Multipliers:
     residual: float = 1.0
     attention: float = 0.0
     logits_scaling: float = 1.0
+    logit_softcap: float = 0.0  # the logits capped, tanh(logits / c) * c (Gemma 4's final_logit_softcapping); 0: none
 
 
 @dataclass(frozen=True)
@@ -455,7 +482,7 @@ class ModelArgs:
     moe_bias: bool = False  # a bias added to the MoE block's output (JetMoE)
     mlp_bias: bool = False  # biases on the dense and shared-expert MLPs (ERNIE 4.5's use_bias)
     # the dense and shared-expert MLPs' activation: "swiglu" down(silu(gate) * up), "relu2" down(relu(up)^2) (no gate)
-    mlp_activation: Literal["swiglu", "relu2"] = "swiglu"
+    mlp_activation: Literal["swiglu", "relu2", "geglu"] = "swiglu"
     # an RMSNorm on the MoE block's output (routed + shared experts), before the residual add: the sparse
     # layers' mlp.post_mlp_layernorm (A.X-K1)
     moe_output_norm: bool = False
@@ -475,6 +502,9 @@ class ModelArgs:
     # (Laguna's num_attention_heads_per_layer, MiMo-V2-Flash's doubled kv heads on its SLIDING layers); ()
     layer_heads: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
+    layer_head_dim: tuple[int, ...] = ()  # per layer: its heads' width where not head_dim (Gemma 4's full layers); ()
+    moe_beside_mlp: bool = False  # Gemma 4: a sparse layer's MoE (models/layers/moe_beside.py) beside a dense_mlp
+    layer_scalar: bool = False  # Gemma 4: each layer's output times a learned scalar
 
     def __post_init__(self):
         check_kinds(self)
@@ -483,16 +513,10 @@ class ModelArgs:
             unknown = [v for v in values if v not in allowed]
             if unknown:
                 raise ValueError(f"ModelArgs.{name}: {unknown[0]!r} is not one of {', '.join(map(repr, allowed))}")
-        if LINEAR in self.layer_types and self.linear_attention is None:
-            raise ValueError("ModelArgs.linear_attention: None, but layer_types has linear_attention layers")
-        if CONV in self.layer_types and self.short_conv is None:
-            raise ValueError("ModelArgs.short_conv: None, but layer_types has conv layers")
-        if MAMBA in self.layer_types and self.mamba is None:
-            raise ValueError("ModelArgs.mamba: None, but layer_types has mamba layers")
-        if MAMBA2 in self.layer_types and self.mamba2 is None:
-            raise ValueError("ModelArgs.mamba2: None, but layer_types has mamba2 layers")
-        if KDA in self.layer_types and self.kda is None:
-            raise ValueError("ModelArgs.kda: None, but layer_types has kda layers")
+        for kind, group in ((LINEAR, "linear_attention"), (CONV, "short_conv"), (MAMBA, "mamba"), (MAMBA2, "mamba2"),
+                            (KDA, "kda")):  # a mixer's layers need its group
+            if kind in self.layer_types and getattr(self, group) is None:
+                raise ValueError(f"ModelArgs.{group}: None, but layer_types has {kind} layers")
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
@@ -504,6 +528,8 @@ def kept_fp32(a: ModelArgs, name: str) -> bool:
     """Is the production model's parameter `name` (state-dict name) stored in fp32 whatever the
     model's dtype (a.router.fp32_params of a router: layers.{i}.mlp.gate.<param>)?"""
     module, _, leaf = name.rpartition(".")
+    if a.attention.dsa is not None and module.endswith(".indexer.weights_proj"):  # HF: _keep_in_fp32_modules
+        return True
     return leaf in a.router.fp32_params and module.endswith(".mlp.gate")
 
 
@@ -534,7 +560,7 @@ def layer_kinds(a: ModelArgs, layer: int) -> tuple[str, ...]:
     router and the experts of a sparse layer or the plain MLP of a dense one (a layer with an MLP), then the whole
     layer."""
     kind = mlp_type(a, layer)
-    mlp = ("router", "moe") if kind == SPARSE else ("mlp",) if kind == DENSE else ()
+    mlp = (("mlp",) if a.moe_beside_mlp else ()) + ("router", "moe") if kind == SPARSE else ("mlp",) if kind == DENSE else ()
     return (("attention",) if a.layer_types[layer] != NONE else ()) + mlp + ("layer",)
 
 
@@ -550,8 +576,8 @@ def block_path(a: ModelArgs, layer: int | None, kind: str) -> str:
         return {"final_norm": "norm", "logits": "lm_head"}[kind]
     if kind not in layer_kinds(a, layer):
         raise KeyError(f"layer {layer} has no {kind} block (its blocks: {', '.join(layer_kinds(a, layer))})")
-    attn = mixer_name(a.layer_types[layer])
-    return f"layers.{layer}" + {"attention": f".{attn}", "router": ".mlp.gate", "moe": ".mlp", "mlp": ".mlp",
+    attn, dense = mixer_name(a.layer_types[layer]), ".dense_mlp" if a.moe_beside_mlp and mlp_type(a, layer) == SPARSE else ".mlp"
+    return f"layers.{layer}" + {"attention": f".{attn}", "router": ".mlp.gate", "moe": ".mlp", "mlp": dense,
                                 "layer": ""}[kind]
 
 
@@ -568,7 +594,7 @@ def block_input_path(a: ModelArgs, layer: int | None, kind: str) -> str | None:
         return None
     block_path(a, layer, kind)  # a block the layer has
     placement = a.norm.placement
-    if placement == "post":  # no norm before the blocks: fed the stream
+    if placement == "post" or (a.moe_beside_mlp and kind in ("router", "moe")):  # fed the stream (Gemma 4's MoE too)
         return None
     if kind == "attention" or a.parallel_block:  # (a parallel block: one input norm for both)
         return f"layers.{layer}.input_layernorm"

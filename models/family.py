@@ -97,6 +97,10 @@ class Family:
     # the same points in the production model's layout or names where a point is laid out or named otherwise (AFMoE's
     # q_proj holds the gate; Nemotron-H's block names its mixer `mixer` whatever its kind)
     hf_point_view: Callable = None
+    # () -> the reference class where HF's decoder layer has no module for a block the harness checks: HF's CausalLM
+    # with its layers' own modules regrouped under one more (Gemma 4's MoE block: models/gemma4.py), the same
+    # computation in the same order (tested equal to HF's own); None: HF's class as it is
+    hf_reference: Callable = None
 
     def __post_init__(self):
         if self.from_mlx is None:
@@ -111,6 +115,8 @@ class Family:
                 "mlp": (self.hf_mlp,)}[kind]
 
     def hf_class(self):
+        if self.hf_reference is not None:
+            return self.hf_reference()
         if self.text_tower is not None:
             return causal_lm(self.hf_module, self.text_tower)
         return getattr(importlib.import_module(f"transformers.models.{self.hf_module}"), self.hf_class_name)

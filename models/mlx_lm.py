@@ -57,6 +57,9 @@ class MlxLm:
     # (mlx-lm's model, x [B, T, H], the block's cache) -> the arguments its attention and decoder layer take
     # between x and the mask, which its model computes once for every layer (Mistral 4's attn_scale); None: none
     block_args: Callable | None = None
+    # (mlx-lm's model) -> None: its decoder layers' modules regrouped where mlx-lm has no one module for a block the
+    # harness checks (Gemma 4's MoE block beside its MLP: models.gemma4.mlx_regroup); None: as mlx-lm builds them
+    regroup: Callable | None = None
 
     @property
     def composite(self) -> bool:

@@ -55,7 +55,10 @@ def field_value(c, name: str):
     """A config field by its config.json name ("rope_parameters.rope_theta": a key of a dict
     field); _MISSING where absent, None where HF leaves it unset."""
     head, _, rest = name.partition(".")
-    v = getattr(c, head, _MISSING)
+    try:
+        v = getattr(c, head, _MISSING)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: a heterogeneous config's per-layer
+        v = c._getattr_without_heterogeneous_validation(head, _MISSING)  # field (Gemma 4's head_dim): as stated
     if rest:
         v = v.get(rest, _MISSING) if isinstance(v, dict) else _MISSING
     return v

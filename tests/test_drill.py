@@ -217,6 +217,7 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
     modules |= {"post_mlp_layernorm", "shared_mlp"}  # A.X-K1's MoE output norm; Granite's shared MLP (the layer's)
     modules |= {"dt_layernorm", "norm"}  # Jamba's RMSNorm of the time step's input; lightning attention's norm
     modules |= {"forget_gate", "o_norm"}  # Kimi delta attention's per-channel decay and its gated output norm
+    modules |= {"indexer"}  # DeepSeek sparse attention's indexer: its choice (oracle.drill.points.chosen_keys)
     assert named <= taps | modules
 
 

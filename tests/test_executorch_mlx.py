@@ -162,6 +162,14 @@ def test_unary_nodes(shape, seed, name):
     torch.testing.assert_close(got, UNARY[name](x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_node_is_torch_s(approximate):
+    """The delegate's GeluNode (aten.gelu, Gemma 4's GeGLU: "tanh") computes torch's gelu of the same form."""
+    x = torch.linspace(-6, 6, 97)
+    got, _ = run_node("GeluNode", [x], x=T0, out=OUT, approximate=approximate)
+    torch.testing.assert_close(got, F.gelu(x, approximate=approximate), atol=1e-6, rtol=1e-5)
+
+
 BINARY = {"AddNode": torch.add, "SubtractNode": torch.sub, "MultiplyNode": torch.mul, "DivideNode": torch.div,
           "MaximumNode": torch.maximum, "MinimumNode": torch.minimum, "LogAddExpNode": torch.logaddexp,
           "PowerNode": torch.pow, "RemainderNode": torch.remainder,
@@ -522,7 +530,7 @@ def test_every_supported_node_type_has_a_test():
         "SumNode", "MeanNode", "MaxNode", "MinNode", "ClipNode", "BitwiseAndNode", "BitwiseXorNode", "SoftmaxNode", "CumsumNode", "ArgmaxNode", "SortNode", "ArgsortNode",
         "PartitionNode", "ArgPartitionNode", "AddmmNode", "GatherMmNode", "AsTypeNode", "FullNode", "FullLikeNode",
         "ARangeNode", "ItemIntNode", "NoopNode", "RMSNormNode", "LayerNormNode", "RopeNode", "SdpaNode", "Conv1DNode",
-        "MetalKernelNode", "PadNode", "TrilNode", "TriuNode"}
+        "MetalKernelNode", "PadNode", "TrilNode", "TriuNode", "GeluNode"}
     assert set(OPS) <= tested, sorted(set(OPS) - tested)
 
 

@@ -71,16 +71,29 @@ OTHER_WEIGHTS = {"hunyuan_v1_moe": "never renormalises the top-k", "jamba": "ren
 # ... and those whose latent attention's low-rank norms take rms_norm_eps (HF: 1e-6): the tiny config's 1e-5; the
 # seed whose tiny checkpoint fails a row by it (Kimi-Linear's at seeds 0 and 1 stays within the limit, 0.78x, 0.63x)
 LOW_RANK_NORM_EPS = {"glm4_moe_lite": 0, "kimi_linear": 2}
+# ... and those whose tiny checkpoint has what their mlx-lm model cannot do (the refusal's words): GLM-5's shared
+# indexer layers (mlx-lm's glm_moe_dsa runs an indexer on every layer)
+REFUSED_TINY = {"glm_moe_dsa": "indexer_types 'shared'"}
 
 
 @pytest.mark.parametrize("new_family", [f for f in OTHERS if f in MLX_FAMILIES and f not in EXPECTED_FAILURES
                                         and f not in ON_SOME_TOKENS and f not in OTHER_WEIGHTS
-                                        and f not in LOW_RANK_NORM_EPS and f not in WINDOW_FAILURES])
+                                        and f not in LOW_RANK_NORM_EPS and f not in WINDOW_FAILURES
+                                        and f not in REFUSED_TINY])
 def test_other_families_pass_fp32(new_family):
     """mlx-lm's own model of each other family against HF: every block and e2e."""
     r = run_check(CheckSpec(family=new_family, backend="mlx"))
     assert r.status == "pass", (r.error, r.worst)
     assert r.e2e.token_exact and all(row.status == "pass" for row in r.blocks)
+
+
+@pytest.mark.parametrize("family_name", sorted(REFUSED_TINY))
+def test_what_the_mlx_lm_model_cannot_do_is_refused(mlx, family_name):
+    """A tiny checkpoint with what the family's mlx-lm model hard-codes otherwise is refused before any work, naming
+    it (models.mlx_lm.MlxLm.require)."""
+    cfg = read_config(tiny_checkpoint(get_family(family_name), 0))
+    with pytest.raises(mlx.ConfigError, match=REFUSED_TINY[family_name]):
+        mlx.mlx_config(family_name, cfg)
 
 
 @pytest.mark.parametrize("family_name", NO_MLX_LM)
@@ -285,7 +298,8 @@ def test_a_family_without_an_mlx_lm_model_is_refused_at_the_cli(family_name, cli
     assert f"{family_name}: no mlx-lm model is mapped for this family" in r.stderr
 
 
-@pytest.mark.parametrize("any_family", MLX_FAMILIES)
+# (Gemma 4's MoE block norms its experts' sum: its mirror is checked against mlx-lm's router, tests/test_gemma4.py)
+@pytest.mark.parametrize("any_family", [f for f in MLX_FAMILIES if f != "gemma4" and f not in REFUSED_TINY])
 def test_router_mirror_is_what_the_block_applies(mlx, any_family):
     """exporters.mlx.model.route mirrors each mlx-lm MoE block's routing: run the block itself with
     its experts replaced by one-hot rows, so its own weighted sum returns the weights it
@@ -456,6 +470,9 @@ OTHER_FAULTS = [
     ("deepseek_v2", "mla_rope_nope_swapped"), ("deepseek_v2", "dense_layer_routed"),
     ("deepseek_v2", "router_group_limit_ignored"), ("deepseek_v3", "mla_cache_not_carried"),
     ("deepseek_v3", "router_softmax_for_sigmoid"), ("deepseek_v3", "yarn_mscale_missing"),
+    # DeepSeek sparse attention's, on mlx-lm's Indexer (exporters/mlx/fault_dsa.py), and MLA's cache in its CacheList
+    ("deepseek_v32", "dsa_index_cache_not_carried"), ("deepseek_v32", "dsa_rope_interleave_swapped"),
+    ("deepseek_v32", "mla_cache_not_carried"),
     ("dots1", "router_bias_ignored"), ("glm4_moe", "router_bias_in_weights"), ("glm4_moe", "routed_scaling_twice"),
     ("gpt_oss", "sliding_window_off_by_one"), ("gpt_oss", "attention_sinks_dropped"),
     ("gpt_oss", "swiglu_clamp_missing"), ("gpt_oss", "router_logit_bias_ignored"),

@@ -45,6 +45,10 @@ def test_forced_selection_in_hf_is_the_production_models(family):
 
     def gate(x, _n=[0]):  # the production router with the forced experts, weights by the family's routing
         w, idx = plain(x)
+        if hasattr(moe.gate, "scale"):  # the router's input normed and scaled first (Gemma 4's RouterArgs.input_norm)
+            from models.layers.norms import l2_rms
+
+            x = l2_rms(x, moe.gate.eps) * moe.gate.scale * moe.gate.root
         logits = torch.nn.functional.linear(x.float(), moe.gate.weight.float(),
                                             getattr(moe.gate, "bias", None))
         if a.router.logit_softcap:  # the capped logits the router's forward routes by (Laguna's)

@@ -38,6 +38,7 @@ the two methods, the taps, the probe methods, the cache key and the runtime cand
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import shutil
 import tempfile
@@ -144,7 +145,17 @@ class ExecutorchBackend(Backend):
         return "XNNPACK + portable kernels" if opts["partitioner"] == "xnnpack" else "portable kernels"
 
     def lower(self, methods: dict, model: Transformer, opts: dict):
-        return lower_cpu(methods, model, xnnpack=opts["partitioner"] == "xnnpack", sample=bool(opts.get("sample")))
+        names = list(methods)
+        try:
+            return lower_cpu(methods, model, xnnpack=opts["partitioner"] == "xnnpack", sample=bool(opts.get("sample")))
+        except AssertionError as e:  # XNNPACK's partitioner: a partition its fuser refuses (a program it cannot build)
+            if "dependency cycles" not in str(e):
+                raise
+            from oracle.backend import InputError
+
+            raise InputError(f"ExecuTorch {importlib.metadata.version('executorch')}'s XnnpackPartitioner cannot "
+                             f"partition this program (torch.fx fuse_as_graphmodule: {e}; methods "
+                             f"{', '.join(names)}): refused, not lowered without it") from None
 
     def quantize(self, model: Transformer, opts: dict) -> None:
         quantize_linears(model, opts)

@@ -75,8 +75,11 @@ def add_taps(ep, args) -> list[list]:
     def rule(key, path):
         inside = select_by_module_path(path)  # the nodes whose value leaves the block
 
-        def select(n):  # not in-place state writes or asserts (nothing uses their value)
-            if n.users and str(n.target) != "aten._assert_tensor_metadata.default" and inside(n):
+        def select(n):  # not in-place state writes or asserts (nothing uses their value: but a later layer may read
+            # a state write's result, GLM-5's shared DSA layer the full layer's index_selection: in-place ops are skipped)
+            target = str(n.target)
+            in_place = target.startswith("aten.") and target.split(".")[1].endswith("_")
+            if n.users and target != "aten._assert_tensor_metadata.default" and not in_place and inside(n):
                 hit[n.name] = key
                 return True
             return False

@@ -74,7 +74,7 @@ class IreeCandidate(Candidate):
         for key, (p, inputs, state) in blocks.items():
             weights = [rt.parameter_index_entry_as_numpy_ndarray(entries[x]) if isinstance(x, str) else x
                        for x in inputs]
-            self.which[key] = (p, weights, [np.zeros(s, np.float32) for s in state])
+            self.which[key] = (p, weights, [np.zeros(s, d) for s, d in state])
 
     def context(self):
         """A fresh runtime context for the program: its globals (the model's state) initialised."""
@@ -189,5 +189,8 @@ def parse_plan(plan: dict) -> tuple[dict, dict]:
     for b in plan["blocks"]:
         inputs = [x if isinstance(x, str) else np.array(x["values"], dtype=x["dtype"]).reshape(x["shape"])
                   for x in b["inputs"]]
-        which[b["layer"], b["kind"]] = (programs[b["program"]], inputs, [tuple(s) for s in b["state"]])
+        dtypes = b.get("state_dtypes") or ["float32"] * len(b["state"])  # (float state: a plan of before)
+        which[b["layer"], b["kind"]] = (programs[b["program"]], inputs,
+                                        [(tuple(s), "float32" if d in ("float32", "bfloat16") else d)
+                                         for s, d in zip(b["state"], dtypes)])
     return programs, which

@@ -122,7 +122,9 @@ def plan_of(model: Transformer) -> dict:
                 inputs.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                                "values": t.detach().reshape(-1).tolist()})
         blocks.append({"layer": layer, "kind": kind, "program": p.name, "inputs": inputs,
-                       "state": [list(tensors[n].shape) for n in p.state]})
+                       "state": [list(tensors[n].shape) for n in p.state],
+                       # (a state buffer not of floats: DSA's chosen keys, int64)
+                       "state_dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in p.state]})
     return {"programs": [{"name": p.name, "kind": p.kind, "weights": p.weights, "state": p.state,
                           "fingerprint": p.fingerprint} for p in programs.values()],
             "blocks": blocks, "parameters": len(names)}

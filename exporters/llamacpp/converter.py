@@ -184,6 +184,15 @@ def _convert(model_dir: str, out: str, outtype: str) -> dict:
                 w.add_token_types([gguf.TokenType.NORMAL] * n)
 
             model.set_vocab = synthetic_vocab
+            if any(c.__name__ == "Gemma3Model" for c in cls.__mro__):
+                # Gemma 3's and 4's classes trim the embedding to the size of tokenizer.json's vocabulary: the
+                # checkpoint seen through a directory of links with a tokenizer.json of the synthetic vocabulary's size
+                seen = Path(tempfile.mkdtemp(prefix="synthetic-vocab-"))
+                for f in Path(model_dir).iterdir():
+                    (seen / f.name).symlink_to(f.resolve())
+                (seen / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"<t{i}>": i for i in range(n)}},
+                                                                "added_tokens": []}))
+                model.dir_model = seen
         model.write()
     return {"architecture": arch, "gguf_arch": model.model_arch_name if hasattr(model, "model_arch_name")
             else str(model.model_arch), "synthetic_vocab": not tokenizer}

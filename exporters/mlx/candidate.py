@@ -9,7 +9,8 @@ import sys
 import numpy as np
 
 from exporters.mlx.config import check_args
-from exporters.mlx.model import attention_block, cache_index, embedding, final_norm, moe_block, route, text_model
+from exporters.mlx.model import (attention_block, cache_index, dense_block, embedding, final_norm, moe_block, route,
+                                 text_model)
 from oracle.backend import Candidate
 from oracle.reports.result import GateRow
 
@@ -234,7 +235,7 @@ class MLXCandidate(Candidate):
             block = final_norm(tm) if kind == "final_norm" else tm.lm_head if "lm_head" in tm else None
         else:
             dec = self.model.layers[layer]
-            block = {"attention": attention_block(dec), "layer": dec}.get(kind) or moe_block(dec)
+            block = {"attention": attention_block(dec), "layer": dec, "mlp": dense_block(dec)}.get(kind) or moe_block(dec)
         if block is None:
             return None
         rec = points.Recorder(taps=("q_rope", "k_rope", "logits", "recurrence", "dt")
@@ -276,12 +277,18 @@ class MLXCandidate(Candidate):
             # (tied: the args say so, or the model has no head of its own, LFM2's)
             tied = getattr(tm.args, "tie_word_embeddings", False) or "lm_head" not in tm
             head = embedding(tm).as_linear if tied else tm.lm_head
-            # what mlx-lm's Model.__call__ does after the head: Granite divides by its logits_scaling
-            scaling = getattr(tm, "logits_scaling", 1.0)
-            return lambda x, c: self._out(head(x) / scaling if scaling != 1.0 else head(x))
+            # what mlx-lm's Model.__call__ does after the head: Granite divides by its logits_scaling, Gemma caps them
+            scaling, cap = getattr(tm, "logits_scaling", 1.0), getattr(tm, "final_logit_softcapping", None)
+
+            def logits(x, c):
+                y = head(x) / scaling if scaling != 1.0 else head(x)
+                return self._out(self.mx.tanh(y / cap) * cap if cap else y)
+
+            return logits
         dec = self.model.layers[layer]
-        if kind in ("moe", "mlp"):  # a sparse layer's MoE block, or a dense layer's MLP
-            return lambda x, c: self._out(moe_block(dec)(x))
+        if kind in ("moe", "mlp"):  # a sparse layer's MoE block, or a dense layer's MLP (or one beside the MoE block)
+            block = moe_block(dec) if kind == "moe" else dense_block(dec)
+            return lambda x, c: self._out(block(x))
         if kind == "router":
             def router(x, c):
                 w, idx = route(moe_block(dec), x)

@@ -109,6 +109,8 @@ def load_directory(path, family: str, dtype, reference_config: dict):
 
     model, config = mlx_load(Path(path), lazy=True)
     cast(model, dtype)
+    if (regroup := mapping(family).regroup) is not None:  # (MlxLm.regroup: Gemma 4's MoE block as one module)
+        regroup(model)
     want = mlx_config(family, reference_config)
     got = text_model(model).args
     mismatch = {}

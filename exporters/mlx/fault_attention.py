@@ -156,14 +156,15 @@ def gqa_repeat_wrong(attn, a):
     to one kv head per query head, in tiled order."""
     nh_attr = next(n for n in ("n_heads", "num_heads", "num_attention_heads") if n in attn.__dict__)
     kv_attr = next(n for n in ("n_kv_heads", "num_key_value_heads") if n in attn.__dict__)
-    nh, kvh, hd = getattr(attn, nh_attr), getattr(attn, kv_attr), a.head_dim
+    # (a layer's own head width: Gemma 4's full layers)
+    nh, kvh, hd = getattr(attn, nh_attr), getattr(attn, kv_attr), attn.head_dim if a.layer_head_dim else a.head_dim
     if "Wqkv" in attn:  # DBRX's fused projection (rows q, k, v): its k and v rows widened the same way
         q, k, v = mx.split(attn.Wqkv.weight, [nh * hd, (nh + kvh) * hd])
         k, v = (mx.tile(t.reshape(kvh, hd, -1), (nh // kvh, 1, 1)).reshape(nh * hd, -1) for t in (k, v))
         attn.Wqkv.weight = mx.concatenate([q, k, v])
         setattr(attn, kv_attr, nh)
         return
-    for p in (attn.k_proj, attn.v_proj):
+    for p in (attn.k_proj, *([attn.v_proj] if "v_proj" in attn else [])):  # (Gemma 4's k = v layers: v is k's)
         p.weight = mx.tile(p.weight.reshape(kvh, hd, -1), (nh // kvh, 1, 1)).reshape(nh * hd, -1)
         if "bias" in p:
             p.bias = mx.tile(p.bias.reshape(kvh, hd), (nh // kvh, 1)).reshape(-1)
@@ -263,6 +264,8 @@ def mla_cache_not_carried(attn, a):
 
     def fn(self, x, *args, **kw):  # (mask, cache), or with what the model passes beside them (Mistral 4's attn_scale)
         cache = signature.bind(self, x, *args, **kw).arguments.get("cache")
+        if cache is not None and hasattr(cache, "caches"):  # DeepSeek-V3.2's CacheList: the latent's is the first
+            cache = cache[0]
         if cache is not None and cache.keys is not None:
             cache.keys, cache.values = mx.zeros_like(cache.keys), mx.zeros_like(cache.values)
         return call(self, x, *args, **kw)

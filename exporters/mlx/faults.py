@@ -26,6 +26,9 @@ from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_
                                             rope_of_the_model, rope_on_nope_layer, rope_theta_wrong,
                                             rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one,
                                             q_position_scale_missing, yarn_mscale_missing)
+from exporters.mlx.fault_dsa import FAULTS as DSA_FAULTS
+from exporters.mlx.fault_gemma4 import FAULTS as GEMMA4_FAULTS
+from exporters.mlx.fault_gemma4 import ON_GEMMA4
 from exporters.mlx.fault_kda import FAULTS as KDA_FAULTS
 from exporters.mlx.fault_mamba import FAULTS as MAMBA_FAULTS
 from exporters.mlx.fault_moe import (bias_ignored, bias_in_weights, clamp_missing, dense_layer_routed,
@@ -160,7 +163,12 @@ FAULTS = {
     "short_conv_gate_missing": _short_conv_gate_missing,
     **MAMBA_FAULTS,
     **KDA_FAULTS,  # kimi_linear's KimiDeltaAttention, bailing_moe_v3's BailingKDA
+    **DSA_FAULTS,  # deepseek_v32's (and glm_moe_dsa's) Indexer
+    **GEMMA4_FAULTS,  # gemma4_text's (its MoE block regrouped: models.gemma4.mlx_regroup)
 }
+# ... and a common fault's own form on one family's mlx-lm model, where the common form reads a block that model does
+# not have: (fault, mlx-lm module) -> transform
+FORMS_ON = {**{(name, "gemma4_text"): form for name, form in ON_GEMMA4.items()}}
 
 
 # transforms taking (model, layer index): what they change is also outside the layer (its cache, a donor rope)
@@ -203,20 +211,21 @@ def not_applicable(fault, module: str) -> str | None:
 
 def inject(fault, model, args) -> None:
     """Apply `fault` to the loaded mlx-lm model where models/faults/ expects it (fault.layer(args))."""
-    why = NOT_APPLICABLE_ON.get((fault.name, type(model).__module__.rsplit(".", 1)[-1]))
+    module = type(model).__module__.rsplit(".", 1)[-1]
+    why = NOT_APPLICABLE_ON.get((fault.name, module))
     if why:  # refused for this family's mlx-lm model (the selftest lists it as not applicable)
         from oracle.backend import InputError
 
         raise InputError(f"{fault.name}: {why}")
-    i = fault.layer(args)
+    i, form = fault.layer(args), FORMS_ON.get((fault.name, module), FAULTS[fault.name])
     if fault.name in MODEL_LEVEL:
-        FAULTS[fault.name](model, i)
+        form(model, i)
     elif i is None:
-        FAULTS[fault.name](model, args)
+        form(model, args)
     elif fault.kind == "attention":
-        FAULTS[fault.name](attention_block(model.layers[i]), args)
+        form(attention_block(model.layers[i]), args)
     else:
-        FAULTS[fault.name](model.layers[i], args)
+        form(model.layers[i], args)
 
 
 # ------------------------------------------------------------------ a quantized runtime's faults

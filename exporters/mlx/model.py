@@ -24,7 +24,14 @@ def embedding(tm):  # the token embedding (DBRX: wte)
 
 
 def moe_block(layer):  # the layer's MoE block (or dense MLP) under its mlx-lm name
+    regrouped = layer.__dict__.get("oracle_moe")  # (an MoE block beside a dense MLP, regrouped: MlxLm.regroup)
+    if regrouped is not None:
+        return regrouped
     return next(getattr(layer, n) for n in ("block_sparse_moe", "feed_forward", "mlp", "ffn", "mixer") if n in layer)
+
+
+def dense_block(layer):  # the layer's dense MLP: beside an MoE block (Gemma 4's `mlp`), or in the MoE block's place
+    return layer.mlp if "oracle_moe" in layer.__dict__ else moe_block(layer)
 
 
 def attention_block(layer):  # the mixer in the attention's place: LFM2's short conv where a layer has no attention
@@ -94,7 +101,8 @@ def call_mixer(mixer, x, *args, **kw):
 def experts_of(moe):
     """The MoE block's routed experts (mlx-lm's SwitchGLU): `switch_mlp`, or `experts` (dots1,
     gpt_oss, llama4)."""
-    return moe["switch_mlp"] if "switch_mlp" in moe else moe["experts"]
+    ex = moe["switch_mlp"] if "switch_mlp" in moe else moe["experts"]
+    return ex["switch_glu"] if "switch_glu" in ex else ex  # (gemma4_text's Experts hold theirs as switch_glu)
 
 
 def router_module(moe):
@@ -245,6 +253,7 @@ ROUTE = {"OlmoeSparseMoeBlock": _route_olmoe, "Qwen2MoeSparseMoeBlock": _route_q
          "MellumSparseMoeBlock": _route_qwen3,
          "MixtralSparseMoeBlock": _route_mixtral, "DeepseekV3MoE": _route_gate, "DeepseekV2MoE": _route_gate,
          "Dots1MoE": _route_gate, "Glm4MoeLiteMoE": _route_gate, "GraniteMoeMoE": _route_router,
+         "DeepseekV32MoE": _route_gate,
          "GraniteMoeHybridMoE": _route_router,
          "PhiMoESparseMoeBlock": _route_sparsemixer, "Ernie4_5_MoeMLP": _route_ernie,
          "mlx_lm.models.gpt_oss.MLPBlock": _route_router_topk, "mlx_lm.models.llama4.MoE": _route_sigmoid_top, "mlx_lm.models.glm4_moe.MoE": _route_gate,
@@ -313,6 +322,21 @@ def _route_kimi(moe, x):  # kimi_linear: mlx-lm's own selection (sigmoid, + corr
 
 
 ROUTE["mlx_lm.models.kimi_linear.KimiSparseMoE"] = _route_kimi
+
+
+def _route_gemma4(moe, x):  # gemma4_text (its MoE block regrouped: models.gemma4.mlx_regroup): mlx-lm's Router
+    # (rms_norm(x) * scale * hidden^-0.5, the top-k logits, softmax over them) without its last step, the weights times
+    # per_expert_scale, which the block applies (models/layers/moe_beside.py: the routing's weights are the router's)
+    import mlx.core as mx
+
+    r = moe.router
+    logits = r.proj(mx.fast.rms_norm(x, r.scale * r._root_size, r.eps))
+    k = r.config.top_k_experts
+    inds = mx.argpartition(logits, kth=-k, axis=-1)[..., -k:]
+    return mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1), inds
+
+
+ROUTE["Gemma4MoEBlock"] = _route_gemma4
 
 
 def route(moe, x):

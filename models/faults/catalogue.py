@@ -16,7 +16,11 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
                                    moe_output_norm_before_shared, moe_output_norm_missing, moe_output_upcast,
                                    one_expert_off, shared_beside_missing, shared_gate_no_sigmoid, shared_missing,
                                    shared_summed, stray_bf16, weights_not_applied)
+from models.faults.dsa import (dsa_index_cache_not_carried, dsa_index_heads_rolled, dsa_rope_interleave_swapped,
+                               dsa_topk_off_by_one)
 from models.faults.fault import Fault
+from models.faults.gemma4 import GEMMA4
+from models.faults.gemma4 import POINTS as GEMMA4_POINTS
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
 from models.faults.kda import (kda_conv_state_not_carried, kda_decay_per_head, kda_decay_sign, kda_gate_bound_dropped,
                                kda_output_gate_no_sigmoid, kda_state_not_carried)
@@ -36,6 +40,10 @@ from models.faults.router import (bias_in_weights, is_scaled, is_sigmoid, no_ren
                                   router_logit_bias_ignored, second_expert_unmasked, sigmoid_router, softcap_missing,
                                   softmax_after_topk, wrong_num_experts)
 from models.layers import routing
+
+def _dsa(a: ModelArgs) -> bool:  # a DeepSeek sparse attention model
+    return a.attention.dsa is not None
+
 
 # every MoE family's mechanisms: softmax top-k routing, SwiGLU experts, GQA attention with rope and
 # q/k norms, RMSNorm, KV and recurrent state, Gated DeltaNet, dtypes
@@ -130,7 +138,9 @@ COMMON: tuple[Fault, ...] = (
     Fault("mamba2_chunk_boundary_off_by_one", "attention", "mamba2",
           "Mamba2 prefill's decay at the chunk boundary a token late", mamba2_chunk_boundary_off_by_one),
     Fault("rmsnorm_eps_wrong", "layer", "last", "input RMSNorm eps 1000x too large", input_norm_eps,
-          lambda a: a.norm.placement != "post"),  # (post-norm layers have no input norm)
+          # (post-norm layers have no input norm; with q, k and v each RMS-normed (Gemma 4's v_norm) the attention
+          # does not see its input's scale, all the eps changes)
+          lambda a: a.norm.placement != "post" and not a.attention.v_norm),
     Fault("norm_offset_missing", "layer", "last", "(1 + w) RMSNorm offset missing", norm_offset_missing,
           lambda a: a.norm.offset),
     Fault("residual_missing", "layer", "last", "attention residual connection dropped", residual_missing),
@@ -173,6 +183,15 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
     Fault("yarn_mscale_missing", "attention", "full", "YaRN mscale missing from the softmax scale",
           yarn_mscale_missing, lambda a: a.rope.kind == "yarn" and bool(a.rope.scaling.mscale_all_dim),
           attention=("mla",)),
+    # DeepSeek sparse attention's indexer (models/faults/dsa.py)
+    Fault("dsa_index_heads_rolled", "attention", "full", "DSA: the indexer's head weights (weights_proj) on the "
+          "wrong heads (rolled by one)", dsa_index_heads_rolled, _dsa, attention=("mla",)),
+    Fault("dsa_topk_off_by_one", "attention", "full", "DSA: the indexer chooses index_topk - 1 keys",
+          dsa_topk_off_by_one, _dsa, attention=("mla",)),
+    Fault("dsa_index_cache_not_carried", "attention", "full", "DSA: the indexer's key cache not carried into decode",
+          dsa_index_cache_not_carried, _dsa, attention=("mla",)),
+    Fault("dsa_rope_interleave_swapped", "attention", "full", "DSA: the indexer's rotation on the other pairs "
+          "(interleaved for half-split, or back)", dsa_rope_interleave_swapped, _dsa, attention=("mla",)),
 )
 
 
@@ -239,7 +258,7 @@ VARIANTS: tuple[Fault, ...] = (
 )
 
 
-CATALOGUE: tuple[Fault, ...] = COMMON + BIASED_ROUTING_AND_MLA + VARIANTS
+CATALOGUE: tuple[Fault, ...] = COMMON + BIASED_ROUTING_AND_MLA + VARIANTS + GEMMA4  # (Gemma 4's: models/faults/gemma4.py)
 
 
 def get(name: str) -> Fault:
@@ -303,6 +322,10 @@ POINTS: dict[str, str | tuple | None] = {
     "kda_decay_per_head": "forget_gate", "kda_output_gate_no_sigmoid": "o_norm",
     "kda_gate_bound_dropped": "forget_gate",
     "mla_head_gate_no_activation": "context",  # (the gate's projection agrees: its activation is inline)
+    # the keys the indexer chose (its output; its projections agree)
+    "dsa_index_heads_rolled": "indexer", "dsa_topk_off_by_one": "indexer", "dsa_index_cache_not_carried": "indexer",
+    # (the rotation: q_rope where HF's indexer rotates with the function the drill reads, DeepSeek-V3.2's half-split)
+    "dsa_rope_interleave_swapped": ("q_rope", "indexer"),
     "mamba_state_not_carried": "recurrence", "mamba_conv_state_not_carried": "conv",
     "mamba_decay_sign_flipped": "decay", "mamba_dt_bias_dropped": "dt", "mamba_inner_norms_missing": "dt_layernorm",
     "mamba2_state_not_carried": "recurrence", "mamba2_conv_state_not_carried": "conv",
@@ -312,8 +335,10 @@ POINTS: dict[str, str | tuple | None] = {
     # layer, final norm, head
     # (rmsnorm_eps_wrong on a layer with an MLP alone, Nemotron-H's: its one norm)
     "rmsnorm_eps_wrong": ("input_layernorm", "post_attention_layernorm"), "norm_offset_missing": "post_attention_layernorm",
-    # (a parallel block has no post-attention norm: its layer's output)
-    "layernorm_as_rmsnorm": "input_layernorm", "residual_missing": ("post_attention_layernorm", "output"),
+    "layernorm_as_rmsnorm": "input_layernorm",
+    # (a parallel block has no post-attention norm: its layer's output; sandwich norms: the attention's post-norm is
+    # before the residual sum, whose first point is the MLP's pre-norm)
+    "residual_missing": ("post_attention_layernorm", "output", "pre_feedforward_layernorm"),
     "residual_multiplier_missing": "post_attention_layernorm", "shared_mlp_missing": ("shared_mlp", "output"),
     "shared_expert_summed": "output", "moe_bias_missing": "output",
     # (the attention experts' outputs have no output projection named o_proj: the block's output)
@@ -321,4 +346,5 @@ POINTS: dict[str, str | tuple | None] = {
     # the post-norm computed on another value than HF's (post: before the attention, on the stream)
     "post_norm_misplaced": "post_attention_layernorm", "post_norm_missing": "post_attention_layernorm",
     "final_norm_eps_wrong": "output", "logits_cast_to_float": None, "logits_scaling_missing": "output",
+    **GEMMA4_POINTS,
 }

@@ -23,11 +23,11 @@ def mla_cache_not_carried(attn: LatentAttention, a):
     point to a buffer that exists`, and a cache write of the fault's own is not the delegate's KV
     cache op, so the MLX delegate refused it: a crash or a refusal where the port's bug computes
     wrong numbers.)"""
-    def attend(q, latents, rope_keys, pos, gate=None):  # latents [B, S, r], rope_keys [B, S, dr]
+    def attend(q, latents, rope_keys, pos, gate=None, selected=None):  # latents [B, S, r], rope_keys [B, S, dr]
         # this call's run (narrowed by torch.where: IREE 3.13 does not legalize aten.__and__ on i1)
         written = torch.where(attn.cache_pos >= pos[0], attn.cache_pos <= pos[-1], False)[None, :, None]
         return LatentAttention.attend(attn, q, latents * written.to(latents.dtype),
-                                      rope_keys * written.to(rope_keys.dtype), pos, gate)
+                                      rope_keys * written.to(rope_keys.dtype), pos, gate, selected)
 
     patch(attn, "attend", attend)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.args import CHUNKED, SLIDING, ModelArgs, has_sinks, heads
+from models.args import CHUNKED, FULL, SLIDING, ModelArgs, has_sinks, heads
 from models.layers.norms import l2_rms, rms_norm
 from models.layers.rope import Rope
 from models.layers.taps import tap
@@ -18,18 +18,23 @@ class Attention(nn.Module):
     the last `sliding_window` (SLIDING) or those in the same `chunk_size` chunk (CHUNKED: AttentionArgs);
     with rope or not (RopeArgs.per_layer), and optionally a learned sink logit per head. A layer's own
     head counts (ModelArgs.layer_heads / layer_kv_heads) and rope (RopeArgs.of_layer: per type, per layer);
-    value heads of their own width, scaled (AttentionArgs.v_head_dim, value_scale)."""
+    value heads of their own width, scaled (AttentionArgs.v_head_dim, value_scale); a layer's own head width
+    (ModelArgs.layer_head_dim); Gemma 4's values: k's projection on FULL layers (k_eq_v), RMS-normed (v_norm)."""
 
     def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
-        (self.nh, self.kvh), self.hd = heads(a, layer), a.head_dim
+        (self.nh, self.kvh), self.hd = heads(a, layer), a.layer_head_dim[layer] if a.layer_head_dim else a.head_dim
         at = a.attention
+        kind = a.layer_types[layer]
+        self.k_eq_v = at.k_eq_v and kind == FULL  # Gemma 4: v is k's projection (before k's norm and rotation)
+        self.v_norm = at.v_norm  # Gemma 4: v RMS-normed per head, no gain
         self.vd, self.value_scale = at.v_head_dim or self.hd, at.value_scale
         self.gated = at.output_gate
         q_out = self.nh * self.hd * (2 if self.gated else 1)
         self.q_proj = nn.Linear(a.hidden_size, q_out, bias=at.qkv_bias)
         self.k_proj = nn.Linear(a.hidden_size, self.kvh * self.hd, bias=at.qkv_bias)
-        self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.vd, bias=at.qkv_bias)
+        if not self.k_eq_v:
+            self.v_proj = nn.Linear(a.hidden_size, self.kvh * self.vd, bias=at.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.vd, a.hidden_size, bias=at.o_bias)
         self.qk_norm, self.qk_norm_after_rope = at.qk_norm, at.qk_norm_after_rope
         self.clip = at.clip_qkv  # read at every call: a seeded fault drops it (models/faults/)
@@ -40,7 +45,6 @@ class Attention(nn.Module):
             self.q_norm = rms_norm(a, self.nh * self.hd)
             self.k_norm = rms_norm(a, self.kvh * self.hd)
         self.use_rope = a.rope.rotates(layer)
-        kind = a.layer_types[layer]
         self.rope = Rope(self.hd, a.rope.of_layer(layer, kind))
         self.scale = a.multipliers.attention or self.hd**-0.5
         self.eps = a.rms_norm_eps
@@ -84,7 +88,8 @@ class Attention(nn.Module):
         if self.gated:
             q, gate = q.view(B, T, self.nh, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.nh * self.hd)
-        k, v = self.k_proj(x), self.v_proj(x)
+        k = self.k_proj(x)
+        v = k if self.k_eq_v else self.v_proj(x)
         if self.clip is not None:  # DBRX: the fused Wqkv's output clamped, q, k and v alike
             q, k, v = (t.clamp(min=-self.clip, max=self.clip) for t in (q, k, v))
         if self.qk_norm == "flat":
@@ -105,7 +110,8 @@ class Attention(nn.Module):
             floor_scale, attn_scale = self.temperature
             t = torch.log(torch.floor((pos.float() + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0  # [T]
             q = (q * t[:, None]).to(q.dtype)
-        v = v.view(B, T, self.kvh, self.vd).transpose(1, 2)
+        v = v.view(B, T, self.kvh, self.vd)
+        v = (l2_rms(v, self.eps) if self.v_norm else v).transpose(1, 2)
         return q, k, (v * self.value_scale if self.value_scale != 1.0 else v), gate
 
     def update_cache(self, k, v, pos):

@@ -1,5 +1,5 @@
 """Routed experts with stacked weights: gathered by index or run densely when traced, grouped
-by expert when eager; SwiGLU, the clamped SwiGLU or relu^2 (no gate), with or without biases."""
+by expert when eager; SwiGLU, GeGLU, the clamped SwiGLU or relu^2 (no gate), with or without biases."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ class Experts(nn.Module):
             gate = gate.clamp(max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)
             return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+        if self.act == "geglu":  # Gemma 4
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
 
     def expert_mlp(self, x, idx, w=None):  # x [N, H], idx [N, k] (w [N, k]: scale the input) -> [N, k, H]

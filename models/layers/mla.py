@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.args import ModelArgs
+from models.layers.dsa import Indexer, chosen_mask, has_indexer, shared_selection
 from models.layers.norms import RMSNorm
 from models.layers.rope import Rope, yarn_mscale
 
@@ -20,7 +21,9 @@ class LatentAttention(nn.Module):
     values have v_head_dim. The low-rank norms use eps 1e-6 (HF's, not rms_norm_eps). A layer that does not rotate
     (RopeArgs.per_layer: Kimi-Linear's NoPE MLA) keeps the qk_rope dims of q and of the shared key unrotated. A head
     gate (AttentionArgs.gate_act, gate_width "head": Bailing-hybrid's g_proj) scales each head's output by the
-    activation (fp32, then the model's dtype) of its own projection of the attention's input, before o_proj."""
+    activation (fp32, then the model's dtype) of its own projection of the attention's input, before o_proj.
+    DeepSeek sparse attention (AttentionArgs.dsa, models/layers/dsa.py): each query attends only to the keys its
+    layer's `indexer` chooses (or, a shared layer, the previous full layer's: `source`, linked by the model)."""
 
     def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
@@ -55,21 +58,34 @@ class LatentAttention(nn.Module):
         self.register_buffer("latent_cache", torch.zeros(1, S, self.r, dtype=dtype))
         self.register_buffer("rope_key_cache", torch.zeros(1, S, self.dr, dtype=dtype))
         self.register_buffer("cache_pos", torch.arange(S), persistent=False)
+        self.dsa = a.attention.dsa is not None
+        if has_indexer(a, layer):
+            self.indexer = Indexer(a, dtype, layer)
+        self.source = None  # a shared DSA layer's: the indexer whose choice it reads (set by link_sources)
 
     def forward(self, x, pos):  # x [B, T, H], pos [T]
-        q, latent, k_rot = self.project(x, pos)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if hasattr(self, "q_b_proj") else None
+        q, latent, k_rot = self.project(x, pos, q_resid)
         latents, rope_keys = self.update_cache(latent, k_rot, pos)
-        return self.attend(q, latents, rope_keys, pos, self.head_gate(x) if hasattr(self, "g_proj") else None)
+        selected = self.select(x, q_resid, pos) if self.dsa else None
+        return self.attend(q, latents, rope_keys, pos, self.head_gate(x) if hasattr(self, "g_proj") else None, selected)
+
+    def select(self, x, q_resid, pos):  # [B, T, S] bool: the keys DSA's indexer chose for each query
+        chosen = self.indexer(x, q_resid, pos) if hasattr(self, "indexer") else shared_selection(self.source, pos)
+        return chosen_mask(chosen, self.cache_pos)
 
     def head_gate(self, x):  # [B, T, nh]: the activation of g_proj(x) in fp32, in x's dtype (HF's)
         g = self.g_proj(x).float()
         return (F.softplus(g) if self.gate_act == "softplus" else torch.sigmoid(g)).to(x.dtype)
 
-    def project(self, x, pos):
+    def project(self, x, pos, q_resid=None):
         """q [B, nh, T, dn + dr] (its rotary part rotated), the normalised latent [B, T, r] and
-        the rotated shared key [B, T, dr]."""
+        the rotated shared key [B, T, dr]. q_resid: q_a_layernorm(q_a_proj(x)) where the caller has it."""
         B, T, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        if hasattr(self, "q_b_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_resid is None else q_resid)
+        else:
+            q = self.q_proj(x)
         q_nope, q_rot = self.split_q(q.view(B, T, self.nh, self.dn + self.dr).transpose(1, 2))
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.r, self.dr], dim=-1)
         if self.use_rope:
@@ -88,14 +104,17 @@ class LatentAttention(nn.Module):
         self.rope_key_cache[:, pos] = k_rot
         return self.latent_cache, self.rope_key_cache
 
-    def attend(self, q, latents, rope_keys, pos, gate=None):  # keys and values expanded from every cached latent
-        """The context of every head, times its gate [B, T, nh] where there is one, through o_proj."""
+    def attend(self, q, latents, rope_keys, pos, gate=None, selected=None):  # keys, values from every cached latent
+        """The context of every head, times its gate [B, T, nh] where there is one, through o_proj; `selected`
+        [B, T, S] (DSA): the keys each query may attend to, the others masked."""
         B, S = q.shape[0], latents.shape[1]
         kv = self.kv_b_proj(latents).view(B, S, self.nh, self.dn + self.dv).transpose(1, 2)
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)  # [B, nh, S, dn], [B, nh, S, dv]
         k = torch.cat((k_nope, rope_keys[:, None].expand(B, self.nh, S, self.dr)), dim=-1)
         scores = (q @ k.transpose(2, 3)) * self.scale  # [B, nh, T, S]
         visible = self.cache_pos[None, :] <= pos[:, None]
+        if selected is not None:  # (torch.where: IREE 3.13 does not legalize aten.__and__ on i1)
+            visible = torch.where(selected, visible, False)[:, None]  # [B, 1, T, S]
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         context = (probs @ v).transpose(1, 2)  # [B, T, nh, dv]

@@ -13,7 +13,8 @@ from models.layers.router import Router
 
 
 class MLP(nn.Module):
-    """SwiGLU down(silu(gate) * up), or "relu2" down(relu(up)^2) with no gate (Nemotron-H)."""
+    """SwiGLU down(silu(gate) * up), "geglu" down(gelu_tanh(gate) * up) (Gemma 4), or "relu2" down(relu(up)^2) with
+    no gate (Nemotron-H)."""
 
     def __init__(self, hidden: int, inter: int, bias: bool = False, activation: str = "swiglu"):
         super().__init__()
@@ -21,10 +22,13 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.geglu = activation == "geglu"
 
     def forward(self, x):
         if not hasattr(self, "gate_proj"):
             return self.down_proj(F.relu(self.up_proj(x)).square())
+        if self.geglu:  # Gemma 4: gelu (tanh approximation) gating
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

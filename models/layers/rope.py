@@ -21,7 +21,8 @@ class Rope(nn.Module):
     them, or `partial`). r.interleave: the rotary pairs are (x0, x1), (x2, x3) ... (DeepSeek): the
     head is de-interleaved first (even dims, then odd), which rotates the same pairs; q.k is
     unchanged by that order. r.kind: the frequencies of YaRN (and its cos/sin attention factor),
-    of Llama 3's scaling, or LongRoPE's (and its cos/sin scale). r.fp32: cos/sin kept in fp32 and
+    of Llama 3's scaling, or LongRoPE's (and its cos/sin scale); "proportional" (Gemma 4): rotate-half over the
+    whole head with only the first partial_rotary_factor of its frequencies nonzero. r.fp32: cos/sin kept in fp32 and
     the rotation computed in fp32, cast back to x's dtype once; else cos/sin cast to x's dtype and
     the rotation in it."""
 
@@ -30,6 +31,10 @@ class Rope(nn.Module):
         self.rotary_dim = int(head_dim * (r.partial_rotary_factor if partial is None else partial))
         self.interleave, self.fp32, self.theta = r.interleave, r.fp32, r.theta
         inv = 1.0 / (r.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        if r.kind == "proportional":  # Gemma 4: the whole head, its first slots at theta^(-2i/head_dim), the rest 0
+            angles, self.rotary_dim = int(r.partial_rotary_factor * head_dim // 2), head_dim
+            inv = torch.cat((1.0 / (r.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head_dim)),
+                             torch.zeros(head_dim // 2 - angles)))
         self.factor, self.longrope = 1.0, None
         if r.kind == "yarn":
             inv, self.factor = yarn_frequencies(inv, self.rotary_dim, r.theta, r.scaling)

@@ -9,6 +9,7 @@ from torch import nn
 
 from models.args import ModelArgs
 from models.layers import routing
+from models.layers.norms import l2_rms
 from models.layers.taps import tap
 
 
@@ -26,6 +27,11 @@ class Router(nn.Module):
             self.bias = nn.Parameter(torch.zeros(a.num_experts))
         if r.correction_bias:  # selection only (DeepSeek-V3's e_score_correction_bias)
             self.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts))
+        if r.input_norm:  # Gemma 4: the input RMS-normed (no gain), times scale and H^-0.5
+            self.scale = nn.Parameter(torch.ones(a.hidden_size))
+            self.eps, self.root = a.rms_norm_eps, a.hidden_size**-0.5
+        if r.per_expert_scale:  # Gemma 4: held here, applied by its MoE block (models/layers/moe_beside.py)
+            self.per_expert_scale = nn.Parameter(torch.ones(a.num_experts))
         self.top_k, self.norm_topk = a.num_experts_per_tok, r.norm_topk_prob
         self.cast = r.weights_in_model_dtype
         self.softcap = r.logit_softcap
@@ -35,6 +41,8 @@ class Router(nn.Module):
 
     def forward(self, x):  # x [N, H] -> weights [N, k], indices [N, k]
         bias = getattr(self, "bias", None)
+        if hasattr(self, "scale"):
+            x = self.normed(x)
         if self.args.router.fp32:
             logits = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
         else:
@@ -43,6 +51,9 @@ class Router(nn.Module):
             logits = torch.tanh(logits.float() / self.softcap) * self.softcap
         w, idx = self.route(tap("logits", logits))
         return (w.to(logits.dtype) if self.cast else w), idx
+
+    def normed(self, x):  # Gemma 4's router input (HF's Gemma4TextRouter: the norm in fp32, rounded, then the scales)
+        return l2_rms(x, self.eps) * self.scale * self.root
 
     def route(self, logits):  # [N, E] -> fp32 top-k weights, indices
         if self.softmax_only:

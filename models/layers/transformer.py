@@ -22,6 +22,7 @@ from torch import nn
 from models.args import (CONV, KDA, LIGHTNING, LINEAR, MAMBA, MAMBA2, NONE, SPARSE, STATE_BUFFERS, ModelArgs, block_path,
                          mixer_name, mlp_type)
 from models.layers.attention import Attention
+from models.layers.dsa import link_sources
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.kda import KimiDeltaAttention
 from models.layers.lightning import Lightning
@@ -30,6 +31,7 @@ from models.layers.mamba2 import Mamba2
 from models.layers.mla import LatentAttention
 from models.layers.moa import MixtureOfAttention
 from models.layers.moe import MLP, SparseMoE
+from models.layers.moe_beside import MoEBeside, add_dense_beside, feed_forward
 from models.layers.norms import norm
 from models.layers.short_conv import ShortConv
 
@@ -59,9 +61,14 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(a, dtype, i)
         kind = mlp_type(a, i)
+        self.beside = a.moe_beside_mlp and kind == SPARSE  # Gemma 4: a dense MLP beside the MoE block
         if kind != NONE:  # (Nemotron-H: a block with a mixer alone has none)
-            self.mlp = SparseMoE(a) if kind == SPARSE else MLP(a.hidden_size, a.intermediate_size, a.mlp_bias,
-                                                               a.mlp_activation)
+            self.mlp = (MoEBeside(a) if self.beside else SparseMoE(a)) if kind == SPARSE else MLP(
+                a.hidden_size, a.intermediate_size, a.mlp_bias, a.mlp_activation)
+        if self.beside:
+            add_dense_beside(self, a)
+        if a.layer_scalar:  # Gemma 4: the layer's output times a learned scalar
+            self.layer_scalar = nn.Parameter(torch.ones(1))
         self.placement = a.norm.placement  # (models.args.NormArgs)
         self.parallel = a.parallel_block  # Cohere: one input norm, no post-attention norm
         self.has_mixer, self.has_mlp = self.layer_type != NONE, kind != NONE
@@ -85,6 +92,10 @@ class DecoderLayer(nn.Module):
         return getattr(self, mixer_name(self.layer_type))
 
     def forward(self, x, pos):
+        y = self.stream(x, pos)
+        return y * self.layer_scalar if hasattr(self, "layer_scalar") else y
+
+    def stream(self, x, pos):  # the stream after the layer's blocks
         if self.parallel:  # Cohere: attention and MLP on the same normed input, both onto the residual
             h = self.input_layernorm(x)
             return x + self.attn(h, pos) + self.ffn(h)
@@ -116,7 +127,9 @@ class DecoderLayer(nn.Module):
         return y * self.residual_multiplier if self.residual_multiplier != 1.0 else y
 
     def mlp_branch(self, h):
-        """Likewise for its MLP (or MoE) on the stream h."""
+        """Likewise for its MLP (or MoE) on the stream h (Gemma 4's: the dense MLP's and the MoE block's, normed)."""
+        if self.beside:
+            return feed_forward(self, h)
         y = self.post_feedforward_layernorm(self.mlp(h if self.placement == "post" else self.pre_feedforward_layernorm(h)))
         return y * self.residual_multiplier if self.residual_multiplier != 1.0 else y
 
@@ -130,6 +143,8 @@ class Transformer(nn.Module):
         # weights come from the checkpoint: no init (normal_ on meta imports torch._dynamo, 2 s)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(a, i, dtype) for i in range(a.num_hidden_layers))
+        if a.attention.dsa is not None and a.attention.dsa.shared:  # GLM-5: shared layers read a full layer's choice
+            link_sources(self.layers)
         self.norm = norm(a, a.hidden_size)
         self.lm_head = LMHead(a)
 
@@ -143,15 +158,17 @@ class Transformer(nn.Module):
 
 
 class LMHead(nn.Linear):
-    """The output projection (with PhiMoE's bias; Granite divides the logits by logits_scaling)."""
+    """The output projection (with PhiMoE's bias; Granite divides the logits by logits_scaling; Gemma 4 caps them)."""
 
     def __init__(self, a: ModelArgs):
         super().__init__(a.hidden_size, a.vocab_size, bias=a.lm_head_bias)
         self.logits_scaling = a.multipliers.logits_scaling
+        self.softcap = a.multipliers.logit_softcap  # Gemma 4's final_logit_softcapping (0: none)
 
     def forward(self, x):
         y = super().forward(x)
-        return y / self.logits_scaling if self.logits_scaling != 1.0 else y
+        y = y / self.logits_scaling if self.logits_scaling != 1.0 else y
+        return torch.tanh(y / self.softcap) * self.softcap if self.softcap else y
 
 
 def reset_state(module: nn.Module) -> None:

@@ -160,6 +160,9 @@ def hooks(block, rec: Recorder, kind: str | None = None):
         if not path:
             continue
         rec.points.registered.append(path)
+        if path.rsplit(".", 1)[-1] == "indexer":  # sparse attention's choice: its visible keys (chosen_keys)
+            handles += chosen_keys(m, rec, path)
+            continue
         handles.append(m.register_forward_hook(lambda mod, a, out, p=path: rec.add(p, out)))
         if path.rsplit(".", 1)[-1] in ("o_proj", "out_proj"):
             handles.append(m.register_forward_pre_hook(lambda mod, a: rec.add("context", a[0] if a else None)))
@@ -168,6 +171,35 @@ def hooks(block, rec: Recorder, kind: str | None = None):
     finally:
         for h in handles:
             h.remove()
+
+
+def chosen_keys(indexer, rec: Recorder, path: str) -> list:
+    """Hooks recording a sparse-attention indexer's choice (oracle/verdict/selection.py) as the point `path`: per query
+    the keys it chose that it can see, sorted, the masked ones as -1 (with fewer visible keys than k a top-k also
+    returns masked keys, in an order of its own: HF's over the keys seen, a static cache's over all of its)."""
+    from oracle.verdict.selection import MASKED, SelectionLog
+
+    if rec.keep:  # a program being traced (the production model's indexer: forward(x, q_resid, pos)), in its graph
+        import torch
+
+        def traced(mod, a, out):
+            rec.add(path, torch.sort(torch.where(out <= a[-1][:, None], out, -1), dim=-1).values)
+
+        return [indexer.register_forward_hook(traced)]
+    log = SelectionLog({0: indexer})
+
+    def record(mod, a, out):
+        _, idx, scores = log.entries[-1]
+        if scores is None:  # (no top-k seen: the choice as it is)
+            rec.add(path, idx.astype(np.float32))
+            return
+        seen = np.take_along_axis(scores, np.clip(idx, 0, scores.shape[-1] - 1), axis=-1) > MASKED
+        rec.add(path, np.sort(np.where(seen, idx, -1), axis=-1).astype(np.float32))
+
+    class Log:  # (a handle: removing it removes the log's hooks)
+        remove = staticmethod(log.remove)
+
+    return [Log(), indexer.register_forward_hook(record)]
 
 
 @contextlib.contextmanager
@@ -198,9 +230,19 @@ def hf_taps(block, router, rec: Recorder, args, read_router):
     inside = [False]  # HF's isolation replays the whole model: record only while the block runs
     handles.append(block.register_forward_pre_hook(lambda mod, a: inside.__setitem__(0, True)))
     handles.append(block.register_forward_hook(lambda mod, a, out: inside.__setitem__(0, False)))
+    turn = [0]  # a rotary function of one tensor (Gemma 4's): called for q, then for k
+    handles.append(block.register_forward_pre_hook(lambda mod, a: turn.__setitem__(0, 0)))
+
     def rotary(fn, mod):
         def wrapped(*a, **kw):
-            q, k = fn(*a, **kw)
+            out = fn(*a, **kw)
+            if torch.is_tensor(out):  # [B, T, h, hd] where unsqueezed at 2: as the production's [B, h, T, hd]
+                if inside[0]:
+                    rec.add(("q_rope", "k_rope")[min(turn[0], 1)],
+                            out.transpose(1, 2) if kw.get("unsqueeze_dim", 1) == 2 else out)
+                    turn[0] += 1
+                return out
+            q, k = out
             if inside[0]:
                 rec.add("q_rope", q)
                 rec.add("k_rope", k)

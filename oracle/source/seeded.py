@@ -19,7 +19,7 @@ TINY_FORMAT = 2  # bump when the tiny-weight recipe changes (invalidates the cac
 
 
 def _draw(name: str, shape, gen, std: dict | None = None):
-    """One tiny weight, N(0, TINY_STD) (or the family's `tiny_std` for names ending so), except
+    """One tiny weight, N(0, TINY_STD) (or the family's `tiny_std` for names ending so: a std, or (mean, std)), except
     the Gated DeltaNet decay parameters: drawn so the recurrent state is remembered across tokens
     (per-token decay 0.85-0.98); a decay near 0 would hide a state that is not carried."""
     import torch
@@ -27,6 +27,8 @@ def _draw(name: str, shape, gen, std: dict | None = None):
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(0.05, 0.5, generator=gen).log()
     sd = next((v for k, v in (std or {}).items() if name.endswith(k)), TINY_STD)
+    if isinstance(sd, tuple):  # (mean, std): a scale whose identity is 1 (Gemma 4's router and layer scales)
+        return sd[0] + torch.randn(shape, generator=gen) * sd[1]
     noise = torch.randn(shape, generator=gen) * sd
     if name.endswith("dt_bias"):
         return noise - 1.0

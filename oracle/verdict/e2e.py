@@ -248,7 +248,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     e2e.routing = routing_record(ref, routes, reported, cand, diffs, aligned, answers)
     if why_not:
         e2e.routing["not_aligned"] = f"{why_not}: the steps judged against the plain reference"
-    if (indexer := index_record(ref, selections, cand, spec, noise)) is not None:  # sparse attention's key selection
+    if (indexer := index_record(ref, selections, cand, spec, noise, diffs)) is not None:  # sparse attention's key selection
         e2e.routing["indexer"] = indexer
     if (e2e.routing.get("divergences") or (indexer or {}).get("divergences")) and e2e.status == Status.PASS:
         e2e.status = Status.FAIL

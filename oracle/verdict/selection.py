@@ -137,7 +137,7 @@ def visible(idx, scores: np.ndarray) -> list[set]:
 
 
 def index_differences(ref_selected: dict, ref_scores: dict, selections: list, positions: list, spec,
-                      measured: dict | None = None) -> list:
+                      measured: dict | None = None, upstream: list = ()) -> list:
     """Every (step, layer, position) where the candidate's indexer kept other visible keys than the
     reference's, with the reference's score gap between the keys exchanged (the best it kept that the
     candidate dropped minus the worst the candidate kept instead; a key lost with none in its place: inf)
@@ -167,22 +167,25 @@ def index_differences(ref_selected: dict, ref_scores: dict, selections: list, po
         for d in out:
             if d.verdict == "divergence":
                 d.verdict = "quantization"
-    return follows(sorted(out, key=lambda d: (d.call, d.position, d.layer)))
+    return follows(sorted(out, key=lambda d: (d.call, d.position, d.layer)), upstream)
 
 
-def follows(diffs: list) -> list:
-    """A divergence downstream of another is `follows`, a consequence and not a choice of its own (no replay
-    forces HF's indexers to the candidate's keys): one at a later layer whose query saw what the other changed
-    (the other at an earlier call, or at this call and a position at or before its own). The first stays."""
-    first = [d for d in diffs if d.verdict == "divergence"]
-    for d in first:
-        if any(e.layer < d.layer and (e.call < d.call or (e.call == d.call and e.position <= d.position))
-               for e in first if e.verdict == "divergence"):
+def follows(diffs: list, upstream: list = ()) -> list:
+    """A divergence downstream of another difference is `follows`, a consequence and not a choice of its own (no
+    replay forces HF's indexers to the candidate's keys): one at a later layer whose query saw what the other
+    changed (the other at an earlier call, or at this call and a position at or before its own), the other any
+    indexer difference here or any router difference (`upstream`: the e2e row's, ties included: an expert tie in
+    layer 1 moves every index score after it; measured, deepseek_v32 bf16 seed 1). The first stays."""
+    before = [*diffs, *upstream]
+    for d in diffs:
+        if d.verdict == "divergence" and any(
+                e is not d and e.layer < d.layer and (e.call < d.call or (e.call == d.call and e.position <= d.position))
+                for e in before):
             d.verdict = "follows"
     return diffs
 
 
-def index_record(ref, selections: list, cand, spec, noise=None) -> dict | None:
+def index_record(ref, selections: list, cand, spec, noise=None, upstream: list = ()) -> dict | None:
     """The e2e row's `indexer` section, or None for a model without indexers: whether the candidate's
     selections were recorded (and why not), each difference with its gap, bound and verdict."""
     if not getattr(ref, "index_selected", None):
@@ -190,7 +193,7 @@ def index_record(ref, selections: list, cand, spec, noise=None) -> dict | None:
     if not selections or any(s is None for s in selections):
         return {"recorded": False, "why": cand.no_selections, "differences": [], "ties": 0, "divergences": 0}
     diffs = index_differences(ref.index_selected, ref.index_scores, selections, ref.positions, spec,
-                              getattr(noise, "e2e_index_scores", None))
+                              getattr(noise, "e2e_index_scores", None), upstream)
     return {"recorded": True, "layers": sorted(ref.index_selected), "differences": [d.as_dict() for d in diffs],
             "ties": sum(d.verdict == "tie" for d in diffs),
             "divergences": sum(d.verdict == "divergence" for d in diffs),

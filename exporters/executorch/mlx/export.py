@@ -171,8 +171,9 @@ def transform_attention(attn: Attention, theta: float) -> None:
     S = attn.k_cache.shape[2]
     # mlx's rope op: rotate-half with plain frequencies (interleaved pairs, YaRN's cos/sin factor
     # or LongRoPE's scale stay the production model's torch code)
-    rope = attn.rope
-    if "forward" not in rope.__dict__ and not rope.interleave and rope.factor == 1.0 and rope.longrope is None:
+    rope = attn.rope  # (and Gemma 4's proportional RoPE, whose unrotated slots have frequency 0)
+    if ("forward" not in rope.__dict__ and not rope.interleave and rope.factor == 1.0 and rope.longrope is None
+            and bool((rope.inv_freq > 0).all())):
         transform_rope(rope, theta, S)
     swap(attn, "update_cache", update_cache)
     # the causal mask and the attention together, or neither (a fault in one keeps both in torch);
@@ -196,7 +197,19 @@ def update_latent_cache(self, latent, k_rot, pos):
     return self.latent_cache[:, 0], self.rope_key_cache[:, 0]
 
 
+def update_index_cache(self, k, pos):
+    """DeepSeek sparse attention's indexer key cache write (models/layers/dsa.py) in the delegate's KV cache op, the
+    keys [B, T, d] into a cache held as one head [B, 1, S, d] (as MLA's latent cache: index_put is not lowered)."""
+    start = start_of(pos, self.index_key_cache.shape[2])
+    torch.ops.mlx.kv_cache_update(self.index_key_cache, k[:, None], start)
+    return self.index_key_cache[:, 0]
+
+
 def transform_latent_attention(attn: LatentAttention) -> None:
+    ix = getattr(attn, "indexer", None)
+    if ix is not None and "update_cache" not in ix.__dict__:  # (a seeded fault's own cache write: kept as it is)
+        ix.index_key_cache = ix.index_key_cache[:, None].clone()
+        swap(ix, "update_cache", update_index_cache)
     if "update_cache" in attn.__dict__:  # a seeded fault's own cache write: kept as it is
         return
     for name in ("latent_cache", "rope_key_cache"):  # [B, S, d] -> [B, 1, S, d], the op's layout

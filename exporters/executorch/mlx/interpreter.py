@@ -137,6 +137,14 @@ def _unary(fn):
     return lambda n, s: s.set(n["out"], fn(mx())(s.t(n["x"])))
 
 
+def _gelu(n, s):
+    """aten.gelu as the delegate emits it (`approximate` "none" or "tanh"): mlx's own gelu and gelu_approx (the
+    runtime's source is not in the wheel; its node names torch's two forms, which these compute)."""
+    import mlx.nn as nn
+
+    s.set(n["out"], (nn.gelu_approx if n["approximate"] == "tanh" else nn.gelu)(s.t(n["x"])))
+
+
 def _int_op(fn):
     return lambda n, s: s.values.__setitem__(n["out"]["vid"], fn(s.i(n["a"]), s.i(n["b"])))
 
@@ -322,6 +330,7 @@ OPS = {
     "LogicalNotNode": _unary(lambda m: m.logical_not),
     "WhereNode": lambda n, s: s.set(n["out"], mx().where(s.t(n["condition"]), s.t(n["x"]), s.t(n["y"]))),
     "SiluNode": lambda n, s: s.set(n["out"], (lambda x: x * mx().sigmoid(x))(s.t(n["x"]))),
+    "GeluNode": _gelu,
     "SigmoidNode": _unary(lambda m: m.sigmoid),
     "TanhNode": _unary(lambda m: m.tanh),
     "ExpNode": _unary(lambda m: m.exp),
