@@ -18,8 +18,7 @@ KDA = "kda"  # Kimi delta attention (models/layers/kda.py: Kimi-Linear), its mod
 # fixed chunks of `chunk_size` positions (Llama 4's rope layers; AttentionArgs)
 SLIDING, CHUNKED = "sliding_attention", "chunked_attention"
 SPARSE, DENSE = "sparse", "dense"  # a layer's MLP: router + experts, or one plain MLP
-# a layer without a mixer, or without an MLP: Nemotron-H's blocks each hold one of them (a mixer or an MLP)
-NONE = "none"
+NONE = "none"  # a layer without a mixer, or without an MLP: Nemotron-H's blocks each hold one (a mixer or an MLP)
 LAYER_TYPES = (FULL, LINEAR, SLIDING, CHUNKED, CONV, MAMBA, MAMBA2, LIGHTNING, KDA, NONE)
 MLP_TYPES = (SPARSE, DENSE, NONE)
 # the layer types whose mixer is recurrent (no softmax attention)

@@ -182,7 +182,9 @@ def _indexer(r: dict | None) -> list[str]:
     quant = f", {r['quantization']} from the quantized weights" if r.get("quantization") else ""
     lines = [f"Indexer: {len(diffs)} query position(s) where the candidate selected other keys: {r['ties']} tie(s) "
              f"within the bound{quant}, {r['divergences']} indexer divergence(s)"
-             + (f", {r['follows']} downstream of one" if r.get("follows") else ""), "",
+             + (f", {r['follows']} downstream of one" if r.get("follows") else "")
+             + ("; the steps judged against HF fp32 with the candidate's keys (and experts) forced" if r.get("forced")
+                else ""), "",
              "| step | layer | position | keys only the reference kept | keys only the candidate kept | gap | tie bound "
              "| verdict |", "|---|---|---|---|---|---|---|---|"]
     for d in diffs[:12]:

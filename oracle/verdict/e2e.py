@@ -15,7 +15,7 @@ from oracle.verdict.noise import aligner, attentions, exact_for, keep, measuring
 from oracle.reports.result import E2E, GateRow, Status
 from oracle.verdict.compare import shape_text, dtype_name, expected_dtype, reduction_length
 from oracle.verdict.replay import differences, plan_of
-from oracle.verdict.selection import index_record
+from oracle.verdict.selection import index_differences, index_record, key_plan
 from oracle.reference.cached import reference_of
 
 
@@ -205,12 +205,16 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     plain = what_chose(ref) if reported else None
     diffs = routing_differences(plain, None, routes, ref.positions, spec) if reported else []
     target, target_noise, target_exact = Aligned(ref.tokens, ref.prompt_len, ref.logits), noise, exact_once
-    aligned, why_not = bool(diffs) and align is not None, None
+    # sparse attention: where the candidate kept other keys anywhere, its keys are forced on HF too (selection.py)
+    keys = (key_plan(ref, selections) if selections and all(x is not None for x in selections)
+            and index_differences(ref.index_selected, ref.index_scores, selections, ref.positions, spec) else {})
+    aligned, why_not = bool(diffs or keys) and align is not None, None
     if aligned and any(len(d.candidate) != len(d.reference) for d in diffs):
         aligned, why_not = False, "the candidate chose another number of experts: HF cannot be forced to it"
     if aligned:  # HF with the candidate's choice forced: what it then chooses, layer by layer, is what the
         # candidate's choice is judged against (a choice downstream of an earlier flip follows from it)
-        plan = {layer: replay_plan(ref, routes, diffs, layer) for layer in sorted(ref.router_probs)}
+        plan = {layer: replay_plan(ref, routes, diffs, layer) for layer in sorted(ref.router_probs)} if reported else {}
+        plan.update(keys)
         try:
             fp32, at, fp64 = align(plan)
         except Exception as e:  # noqa: BLE001 - judged against the plain reference, and said
@@ -249,7 +253,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     if why_not:
         e2e.routing["not_aligned"] = f"{why_not}: the steps judged against the plain reference"
     if (indexer := index_record(ref, selections, cand, spec, noise, diffs)) is not None:  # sparse attention's key selection
-        e2e.routing["indexer"] = indexer
+        e2e.routing["indexer"] = {**indexer, "forced": bool(aligned and keys)}
     if (e2e.routing.get("divergences") or (indexer or {}).get("divergences")) and e2e.status == Status.PASS:
         e2e.status = Status.FAIL
     if collect is not None:

@@ -220,6 +220,7 @@ def measuring(ref, src, spec, blocks: bool = True, plan: dict | None = None, att
     from oracle.reference.streaming import decoder_of, materialized
     from oracle.reference.run import normalize_output, model_args, selection_scores, weight_gap
     from oracle.verdict.replay import forced, reference_routes
+    from oracle.verdict.selection import forced_keys
 
     hf = hf_at(src, replace(spec, options={}), attention)
     hf.keep_router_logits = True
@@ -264,7 +265,8 @@ def measuring(ref, src, spec, blocks: bool = True, plan: dict | None = None, att
         handles = [routers[layer].register_forward_hook(record(layer), with_kwargs=True) for layer in layers
                    if layer in routers]
         try:
-            with forced(hf, {layer: plan[layer] for layer in layers if layer in plan}):
+            with forced(hf, {layer: plan[layer] for layer in layers if layer in plan}), \
+                    forced_keys(decoder_of(hf.model).layers, {k: v for k, v in plan.items() if isinstance(k, str)}):
                 yield
         finally:
             for h in handles:

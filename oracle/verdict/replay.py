@@ -148,7 +148,7 @@ def digest(plan: dict) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for layer in sorted(plan):
+    for layer in sorted(plan, key=lambda k: (isinstance(k, str), str(k) if isinstance(k, str) else k)):
         for a in plan[layer]:
             if isinstance(a, Choice):
                 h.update(np.ascontiguousarray(a.experts, np.int64).tobytes() + b"w"

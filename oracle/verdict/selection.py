@@ -21,6 +21,8 @@ precision on the same call (tie_bounds).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from oracle.verdict import thresholds
@@ -101,6 +103,61 @@ def _limits(precision: str, kind: str, family: str, backend: str) -> dict:
         return thresholds.limits(precision, kind, family, backend)
     except KeyError:
         return thresholds.limits("fp32", kind, family, backend)
+
+
+PLAN = "keys."  # a routing plan's entries for indexers: "keys.<layer>" -> [the keys to keep [T, k] per call]
+
+
+def key_plan(ref, selections: list) -> dict:
+    """The candidate's key selection as a forcing plan (forced_keys): "keys.<layer>" -> per e2e call the keys it
+    kept that the query can see (by the reference's scores), each row padded with its first, or None where the
+    candidate did not report the call."""
+    out = {}
+    for layer, scores in ref.index_scores.items():
+        calls = []
+        for c, sc in enumerate(scores):
+            sel = (selections[c] or {}).get(layer) if c < len(selections) else None
+            if sel is None:
+                calls.append(None)
+                continue
+            k = np.asarray(sel).shape[-1]
+            rows = [sorted(r) or [int(p)] for r, p in zip(visible(sel, np.asarray(sc, np.float64)), ref.positions[c])]
+            calls.append(np.array([r + [r[0]] * (k - len(r)) for r in rows], np.int64))
+        out[f"{PLAN}{layer}"] = calls
+    return out
+
+
+@contextlib.contextmanager
+def forced_keys(layers, plan: dict):
+    """A model's indexers (over its decoder `layers`) made to keep the keys of `plan`'s "keys.<layer>" entries, one
+    per call of the layer's indexer, in order (None: its own choice): its output replaced by them, cut or padded
+    (with the row's first) to its own k. Where nothing else differs, HF then attends where the candidate did: the
+    routing replay's aligned reference (oracle/verdict/e2e.py)."""
+    import torch
+
+    counts: dict = {}
+
+    def hook(layer, calls):
+        def fn(mod, args, out):
+            n = counts.get(layer, 0)
+            counts[layer] = n + 1
+            if n >= len(calls) or calls[n] is None:
+                return None
+            want = torch.as_tensor(calls[n]).reshape(*out.shape[:-1], -1)
+            k = out.shape[-1]
+            want = want[..., :k] if want.shape[-1] >= k else torch.cat(
+                [want, want[..., :1].expand(*want.shape[:-1], k - want.shape[-1])], dim=-1)
+            return want.to(device=out.device, dtype=out.dtype)
+        return fn
+
+    mods = indexers(layers)
+    handles = [mods[int(key[len(PLAN):])].register_forward_hook(hook(key, calls)) for key, calls in plan.items()
+               if isinstance(key, str) and key.startswith(PLAN) and int(key[len(PLAN):]) in mods]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def tie_bounds(scores: np.ndarray, precision: str, family: str, backend: str, measured=None) -> np.ndarray:
