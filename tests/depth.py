@@ -24,6 +24,8 @@ BREADTH = tuple(f for f in FAMILY_NAMES if f not in IN_DEPTH)
 # Keyed by the test's node id under tests/ (a parametrised case with its id); the value says what in the quick tier
 # proves the same code path. tests/test_suite_order.py keeps every key pointing at a test that exists.
 DEEP = {
+    # gemma4's whole llamacpp check (14-28 s): the quick tier reads its cause and its rows' inputs off llama.cpp's graph
+    "test_llamacpp.py::test_gemma4_check_is_its_known_divergence": "test_llamacpp.py::test_gemma4_gelu_is_ggml_fp16_table",
     # the MLX delegate's Qwen3.5 bf16 program (the Gated DeltaNet's lowering, 72 s): the quick tier lowers and runs
     # olmoe through the delegate (fp32 and bf16) with the AsType gate (test_a_stray_cast_in_the_transformations_...)
     "test_executorch_mlx.py::test_qwen35_bf16_is_its_known_divergence": "olmoe's delegate programs",

@@ -184,6 +184,69 @@ def test_known_divergences_are_their_causes(llamacpp, tmp_path, family, config, 
     assert fixed.status == "pass", (fixed.error, fixed.worst)
 
 
+def _gelu_fp16_table(x):
+    """ggml-cpu's GELU (GGML_GELU_FP16, ggml-cpu/vec.h ggml_vec_geglu_f32): 0 at or below -10, x at or above 10, else
+    its table: the tanh GELU of x rounded to fp16, the result rounded to fp16."""
+    t = torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, t))
+
+
+def test_gemma4_gelu_is_ggml_fp16_table(llamacpp):
+    """gemma4's known divergence on llamacpp: read off llama.cpp's graph (tiny checkpoint, seed 0), both GeGLUs (the
+    dense MLP's ffn_geglu-0, the experts' ffn_moe_geglu-0) are the fp16 table's GELU of llama.cpp's own gate times
+    its up, bit for bit, and rel 3e-4 from torch's tanh GELU; HF's Gemma 4 with that GELU put in gives llama.cpp's
+    layer 0 output to rel 3e-7 (without it 2e-4: the layer row's 69x its limit)."""
+    from oracle.source.sources import model_source
+
+    spec = CheckSpec(family="gemma4", backend="llamacpp")
+    src = model_source(spec)
+    toks = [5, 17, 200, 3, 99, 42, 7, 128, 61, 250]
+    cand = llamacpp.BACKEND.load(src, spec)
+    try:
+        t = {k: torch.tensor(v) for k, v in cand._call("tensors", toks, list(range(len(toks))), [
+            "ffn_gate-0", "ffn_up-0", "ffn_geglu-0", "ffn_moe_gate_up-0", "ffn_moe_geglu-0", "l_out-0", "attn_out-0",
+            "ffn_norm_1-0", "ffn_moe-0"]).items()}
+        rows = cand._call("blocks", toks, list(range(len(toks))), None, True)
+    finally:
+        cand.close()
+    # the rows' reading of a MoE block fed the stream beside a dense MLP (Runner.stream_fed): the router's and the
+    # block's input is the stream (the experts' pre-norm output gave top-k agreement 0.667), the block's output the
+    # experts' sum post-normed, the dense MLP's input its own norm's output
+    for key, name in (((0, "input:ffn"), "attn_out-0"), ((0, "moe_normed"), "ffn_moe-0"),
+                      ((0, "input:mlp"), "ffn_norm_1-0")):
+        assert torch.equal(torch.tensor(rows[key]).reshape(t[name].shape), t[name]), key
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    gate_up = t["ffn_moe_gate_up-0"]
+    n = gate_up.shape[-1] // 2
+    for geglu, gate, up in ((t["ffn_geglu-0"], t["ffn_gate-0"], t["ffn_up-0"]),
+                            (t["ffn_moe_geglu-0"], gate_up[..., :n], gate_up[..., n:])):
+        assert torch.equal(geglu, _gelu_fp16_table(gate) * up)
+        assert rel(geglu, torch.nn.functional.gelu(gate, approximate="tanh") * up) > 1e-4
+    import transformers
+
+    class TableGelu(torch.nn.Module):
+        def forward(self, x):
+            return _gelu_fp16_table(x)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src.model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        exact = hf(torch.tensor([toks]), output_hidden_states=True).hidden_states[1][0]
+        for layer in hf.model.layers:
+            layer.mlp.act_fn, layer.experts.act_fn = TableGelu(), TableGelu()
+        table = hf(torch.tensor([toks]), output_hidden_states=True).hidden_states[1][0]
+    assert rel(t["l_out-0"], table) < 2e-6 and rel(t["l_out-0"], exact) > 5e-5
+
+
+def test_gemma4_check_is_its_known_divergence(llamacpp):
+    """The check: an xfail whose routers pass, read on the stream they are fed, its dense MLPs and MoE blocks each
+    a row, failing by the GELU alone (test_gemma4_gelu_is_ggml_fp16_table)."""
+    r = check("gemma4")
+    assert r.status == "xfail" and "GGML_GELU_FP16" in r.expected["cause"], (r.status, r.worst)
+    by_kind = {k: [b for b in r.blocks if b.kind == k] for k in ("attention", "router", "mlp", "moe")}
+    assert all(b.status == "pass" for k in ("attention", "router") for b in by_kind[k])
+    assert all(b.status == "fail" for k in ("mlp", "moe") for b in by_kind[k]) and by_kind["mlp"] and by_kind["moe"]
+
+
 @pytest.fixture(scope="module")
 def shipped(llamacpp, tmp_path_factory):
     """olmoe's GGUFs made by llama.cpp's own tools: the converter at f32, then llama_model_quantize."""

@@ -210,6 +210,10 @@ class LlamaCppBackend(Backend):
             raise LoadError(f"{e} ({made} from this checkpoint)") from None
         if src.args.shared_expert_beside:  # HF's MoE block is the routed experts alone (Granite's shared_mlp beside)
             cand.moe_tensor = "experts"
+        if src.args.moe_beside_mlp:  # a MoE block beside a dense MLP, fed the stream itself, its norms its own
+            # (Gemma 4's, models.args.block_input_path): its rows read that stream and the experts' sum post-normed
+            cand._call("set_stream_fed", True)
+            cand.moe_tensor = "moe_normed"
         cand.info["load_s"] = round(time.perf_counter() - t, 3)
         return cand
 

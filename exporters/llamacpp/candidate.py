@@ -108,6 +108,8 @@ class LlamaCppCandidate(Candidate):
         seq = [c for c in calls if not c.probe]
         rows = self.sequence(seq) if seq else []
         name = (layer, "input:attention" if kind == "attention" else "input:ffn")
+        if kind == "mlp" and rows and all((layer, "input:mlp") in r for r in rows):  # a dense MLP beside a MoE block
+            name = (layer, "input:mlp")
         if not rows or any(name not in r for r in rows):
             return None
         return [r[name] for r in rows]

@@ -156,16 +156,17 @@ class Graph:
                 return p
         return None
 
-    def layer(self, L: int) -> dict:
+    def layer(self, L: int, stream_fed: bool = False) -> dict:
         """Layer L's nodes (pointers): its input `stream`, the residual sum after its attention
         `mid`, its output `out` (l_out-L), its attention's input `attn_in` (attn_norm-L), its
-        experts' or MLP's input `ffn_in` (the norm of `mid`)."""
+        experts' or MLP's input `ffn_in` (the norm of `mid`; `stream_fed`: `mid` itself, a MoE block whose router
+        and experts' norms are its own, beside a dense MLP: Gemma 4's, models.args.block_input_path)."""
         norm = next((n.format(L) for n in ATTN_NORMS if n.format(L) in self.named), f"attn_norm-{L}")
         attn_in = self.named.get(norm)
         stream = self.stream_into(norm)
         mid = self.add_onto(stream, attn_in)
         out = next((self.named[n.format(L)] for n in LAYER_OUTS if n.format(L) in self.named), None)
-        ffn_in = self.normed(mid) if mid is not None else None
+        ffn_in = mid if stream_fed else self.normed(mid) if mid is not None else None
         # a parallel block (Cohere's): no norm after the first residual sum, which is the MLP's (fed attn_in)
         # output added to the stream; the layer's output adds the attention's to it
         parallel = ffn_in is None and mid is not None and out in self.nodes and mid in self.nodes[out][2]
@@ -190,6 +191,26 @@ class Graph:
                     and self.nodes[srcs[0]][2] and self.through(self.nodes[srcs[0]][2][0]) == self.through(stream):
                 return p
         return None
+
+    def dense_beside(self, mid, experts):
+        """A MoE block fed the stream `mid` beside a dense MLP (Runner.stream_fed), `experts` its routed experts' sum
+        (pointers): (its output, the experts' sum post-normed; the dense MLP's output, the other operand of the ADD of
+        that, before its post-norm; the dense MLP's input, the norm of `mid` no MUL_MAT_ID reads)."""
+        moe = self.normed(experts)
+        dense = self.branch(self.add_onto(moe, moe), moe, post_normed=True) if moe is not None else None
+
+        def norm_of_mid(p):  # a MUL of an RMS_NORM of `mid` (a norm times its weight)
+            _, op, srcs = self.nodes[p]
+            n = srcs[0] if op == "MUL" and srcs else None
+            return n in self.nodes and self.nodes[n][1] == "RMS_NORM" and self.through(self.nodes[n][2][0]) == \
+                self.through(mid)
+
+        def read_by_experts(p):
+            return any(self.nodes[q][1] == "MUL_MAT_ID" and any(self.through(x) == p for x in self.nodes[q][2])
+                       for q in self.order)
+
+        into = [p for p in self.order if norm_of_mid(p) and not read_by_experts(p)]
+        return self.values.get(moe), dense, self.values.get(into[0]) if len(into) == 1 else None
 
     def stream_into(self, norm: str):
         """The pointer of the stream a norm named `norm` normalises (the RMS_NORM/NORM under it)."""
@@ -236,6 +257,7 @@ class Runner:
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.n_layer = L.llama_model_n_layer(self.model)
         self.ffn_inputs = {}  # layer -> the graph's name of its experts' input (probe)
+        self.stream_fed = False  # the MoE block reads the stream itself (Graph.layer; set_stream_fed)
         g = self.record([0], [0])  # ggml_tensor's layout as Graph reads it: the name where ggml_get_name finds it
         p = next(iter(g.nodes), None)
         if p is None or ctypes.cast(p, ctypes.POINTER(_Tensor)).contents.name.decode() != g.nodes[p][0]:
@@ -261,6 +283,18 @@ class Runner:
             return out.reshape(rows, self.n_vocab).copy()
         finally:
             L.llama_batch_free(batch)
+
+    def set_stream_fed(self, on: bool) -> None:
+        """The MoE blocks read the stream after the attention itself, their norms their own (Gemma 4's: the router
+        RMS-normalises the stream, the experts read it through their own pre-norm, beside a dense MLP): their input is
+        that stream, and their output the post-norm of the routed experts' sum (`moe_normed`)."""
+        self.stream_fed, self.ffn_inputs = bool(on), {}
+
+    def tensors(self, tokens, pos, names) -> dict:
+        """name -> value of the named f32/i32 tensors `names` of one recorded decode (what a test reads off the
+        graph to show a divergence's cause)."""
+        g = self.record(tokens, pos)
+        return {n: g.value(n) for n in names if g.value(n) is not None}
 
     def routed(self, tokens, pos, logits_all: bool) -> tuple:
         """(logits, {layer: (indices [T, k], weights [T, k])}): a decode with only the routers' choices read
@@ -295,7 +329,7 @@ class Runner:
                                "the expert probes' inputs cannot be written")
         out = {}
         for L in range(self.n_layer):
-            n = g.layer(L)
+            n = g.layer(L, self.stream_fed)
             if n["single"]:  # its one block, read as the attention or the MLP, whichever the layer has
                 attention = ffn = g.branch(n["out"], n["stream"], post_normed=post_normed)
             elif n["parallel"]:  # the layer's output is (MLP + stream) + attention
@@ -314,6 +348,11 @@ class Runner:
                            ((L, "router"), router_of(g, L))):
                 if v is not None:
                     out[key] = v
+            if self.stream_fed and f"ffn_moe_out-{L}" in g.named:  # the MoE block and the dense MLP beside it
+                beside = g.dense_beside(n["mid"], g.named[f"ffn_moe_out-{L}"])
+                for key, v in zip(((L, "moe_normed"), (L, "ffn"), (L, "input:mlp")), beside):
+                    if v is not None:
+                        out[key] = v
         for key, name in (((None, "final_norm"), "result_norm"), ((None, "logits"), "result_output")):
             if g.value(name) is not None:
                 out[key] = g.value(name)
@@ -336,7 +375,7 @@ class Runner:
         """The graph's name of layer L's experts' input (Graph.layer's `ffn_in`, found in a one-token run)."""
         if layer not in self.ffn_inputs:
             g = self.record([0], [0])
-            p = g.layer(layer)["ffn_in"]
+            p = g.layer(layer, self.stream_fed)["ffn_in"]
             name = None if p is None else g.nodes[p][0]
             if name is None or sum(g.nodes[q][0] == name for q in g.order) != 1:
                 raise RuntimeError(f"layer {layer}'s experts' input is not one named node of llama.cpp's graph "
@@ -376,7 +415,7 @@ class Runner:
                 (v for n in names if (v := g.value(f"{n}-{layer}")) is not None), None)
             if v is not None:
                 found[point] = v.reshape(x.shape[0], -1).astype(np.float32)
-        n = g.layer(layer)
+        n = g.layer(layer, self.stream_fed)
         out = g.branch(n["mid"], n["stream"], before_scale=False) if n["parallel"] else g.branch(
             n["out"], n["stream"] if n["single"] else n["mid"])
         if out is not None:
