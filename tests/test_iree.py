@@ -130,6 +130,19 @@ def test_qwen3_5_moe_passes():
     assert programs["attention1"] == ["3.attention"]  # full attention
 
 
+def test_glm5_shared_dsa_layer_rows_are_na_with_the_reason():
+    """GLM-5's shared DSA layer attends to the keys the full layer before it chose: state its isolated block
+    program does not hold (measured before: its attention and layer rows at rel_l2 1.5, every other row within
+    1e-6). Those two rows are n/a with that reason; the rest pass, and e2e (the whole model's prefill and decode,
+    which carry the choice) passes."""
+    r, _ = _timed_check(_spec("glm_moe_dsa"))
+    assert r.status == "pass", r.status
+    na = {(b.layer, b.kind): b.detail for b in r.blocks if b.status == "n/a"}
+    assert set(na) == {(1, "attention"), (1, "layer")}
+    assert all("shared layer" in why for why in na.values())
+    assert r.e2e.status == "pass" and all(b.status == "pass" for b in r.blocks if (b.layer, b.kind) not in na)
+
+
 def test_prefill_starts_a_new_sequence(qwen2_runs):
     src = model_source(_spec("qwen2_moe"))
     cand = BACKEND.load(src, _spec("qwen2_moe"))  # cached by qwen2_runs

@@ -350,6 +350,11 @@ class IreeBackend(Backend):
         from models.args import SPARSE, mlp_type
 
         cand.sparse_layers = tuple(i for i in range(src.args.num_hidden_layers) if mlp_type(src.args, i) == SPARSE)
+        dsa = src.args.attention.dsa
+        cand.not_isolated = {  # GLM-5's shared DSA layers read another layer's indexer choice (models/layers/dsa.py)
+            (i, kind): "a DSA shared layer attends to the keys an earlier layer's indexer chose, state its block "
+                       "program does not hold (the whole model's prefill and decode carry it: the e2e row)"
+            for i, shared in enumerate(dsa.shared if dsa is not None else ()) if shared for kind in ("attention", "layer")}
         if spec.artifact:
             cand.no_points = ("a program given with --vmfb: a points program would be this exporter's block, "
                               "not the given program's")

@@ -124,7 +124,12 @@ class IreeCandidate(Candidate):
         """The structural golden: the op histogram of the MLIR that went into iree-compile."""
         return {"mlir_ops": self.ops} if self.ops else {}
 
+    # (layer, kind) -> why its block program cannot be run isolated (its row n/a with that reason)
+    not_isolated: dict = {}
+
     def run_block(self, layer, kind, calls):
+        if (layer, kind) in self.not_isolated:
+            return None
         p, weights, state = self.which[layer, kind]
         outs = []
         for c in calls:

@@ -298,8 +298,9 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
             errors.append(f"{key[0]} {key[1]}: {reason}")
             rows[key] = invalid_row(key, mode, lim, detail, reason, Status.ERROR)
             continue
-        if outs is None:
-            rows[key] = BlockRow(key[0], key[1], Status.NA, mode, {}, {}, 0.0, "not isolated by backend")
+        if outs is None:  # a backend may say why (e.g. exporters/iree's not_isolated)
+            why = (getattr(cand, "not_isolated", None) or {}).get(key, "not isolated by backend")
+            rows[key] = BlockRow(key[0], key[1], Status.NA, mode, {}, {}, 0.0, why)
             continue
         outputs[key] = outs
         if key[1] in ("moe", "layer") and not insitu.is_in_situ(mode):
