@@ -200,8 +200,7 @@ class ModelSource:
 
 
 class Candidate:
-    """What `Backend.load` returns: the model built (or loaded) by the backend, run by the harness.
-    Subclass it; override the three required methods and whichever optional members apply."""
+    """What `Backend.load` returns, run by the harness: override the three required methods and the optional ones that apply."""
 
     # provenance: the executor etc.; info["artifacts"]: a list of oracle.cache.artifacts.Artifact.as_dict()
     # (name, path, sha256, cached, build_s), info["host"]: host facts (e.g. the target CPU)
@@ -269,6 +268,7 @@ class Candidate:
         return None
 
     no_points = "the backend exposes no points inside its blocks"  # why run_block_points gives None (the drill's n/a)
+    not_isolated: dict = {}  # (layer, kind) -> why run_block gives None for it (that row's n/a); else a generic reason
     # routing replay (oracle/verdict/replay.py, oracle/verdict/selection.py): what its routers and indexers chose
     no_routes = "the backend does not report which experts its routers selected"
     no_selections = "the backend does not report which keys its sparse attention's indexers selected"
@@ -414,7 +414,7 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "block_input", "run_block_points", "no_points", "no_routes", "last_routes",
-                         "no_selections", "last_selections", "block_routes", "ahead", "teacher_forced")}
+                         "no_selections", "last_selections", "block_routes", "ahead", "teacher_forced", "not_isolated")}
 
 
 class _Duck:

@@ -299,7 +299,7 @@ def block_rows(ref, cand, spec: CheckSpec, args, progress, noise=None,
             rows[key] = invalid_row(key, mode, lim, detail, reason, Status.ERROR)
             continue
         if outs is None:  # a backend may say why (e.g. exporters/iree's not_isolated)
-            why = (getattr(cand, "not_isolated", None) or {}).get(key, "not isolated by backend")
+            why = cand.not_isolated.get(key, "not isolated by backend")
             rows[key] = BlockRow(key[0], key[1], Status.NA, mode, {}, {}, 0.0, why)
             continue
         outputs[key] = outs
