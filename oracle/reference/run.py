@@ -282,17 +282,15 @@ def capture(model, family, prompt: list[int], n_decode: int, on_call=None) -> Re
     selections = SelectionLog(indexers(decoder_of(model).layers))
     calls = []
 
-    def on_step(step):  # each decode step's selections (the prefill's: before the first step)
-        calls.append(selections.call())
-        selections.reset()
+    def on_step(step):  # each decode step's selections (the prefill's: on_prefill)
+        calls.append(selections.take())
         if on_call:
             on_call(step)
 
     try:
         with probing_in_prefill(model, modules, args, reader, quiet) as probes:
             tokens, positions, logits = greedy_run(model, prompt, n_decode, on_step,
-                                                   on_prefill=lambda: (calls.append(selections.call()),
-                                                                       selections.reset()))
+                                                   on_prefill=lambda: calls.append(selections.take()))
     finally:
         for h in handles:
             h.remove()

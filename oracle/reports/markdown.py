@@ -155,12 +155,7 @@ def _experts(r: dict) -> list[str]:
                 "plain comparison beside" if r["aligned"] else ""), "",
              "| step | layer | position | differs in | reference experts | candidate experts | gap | tie bound | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for d in diffs[:12]:
-        verdict = "**divergence**" if d["verdict"] == "divergence" else d["verdict"]
-        lines.append(f"| {d['call']} | {d['layer']} | {d['position']} | {d.get('what', 'experts')} | {d['reference']} | "
-                     f"{d['candidate']} | {_fmt(d['gap'])} | {_fmt(d['bound'])} | {verdict} |")
-    if len(diffs) > 12:
-        lines.append(f"... and {len(diffs) - 12} more (the JSON lists every one)")
+    lines += _difference_rows(diffs, lambda d: [d.get("what", "experts"), d["reference"], d["candidate"]])
     if r.get("not_aligned"):
         lines.append(f"Not replayed: {r['not_aligned']}.")
     if r.get("plain"):
@@ -187,12 +182,18 @@ def _indexer(r: dict | None) -> list[str]:
                 else ""), "",
              "| step | layer | position | keys only the reference kept | keys only the candidate kept | gap | tie bound "
              "| verdict |", "|---|---|---|---|---|---|---|---|"]
+    return lines + _difference_rows(diffs, lambda d: [sorted(set(d["reference"]) - set(d["candidate"])),
+                                                      sorted(set(d["candidate"]) - set(d["reference"]))])
+
+
+def _difference_rows(diffs: list, middle) -> list[str]:
+    """A table row per routing or key difference (the first 12): step, layer, position, `middle(d)`'s cells,
+    gap, tie bound, verdict; then how many more the JSON lists."""
+    lines = []
     for d in diffs[:12]:
-        only_ref = sorted(set(d["reference"]) - set(d["candidate"]))
-        only_cand = sorted(set(d["candidate"]) - set(d["reference"]))
         verdict = "**divergence**" if d["verdict"] == "divergence" else d["verdict"]
-        lines.append(f"| {d['call']} | {d['layer']} | {d['position']} | {only_ref} | {only_cand} | {_fmt(d['gap'])} | "
-                     f"{_fmt(d['bound'])} | {verdict} |")
+        cells = [d["call"], d["layer"], d["position"], *middle(d), _fmt(d["gap"]), _fmt(d["bound"]), verdict]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if len(diffs) > 12:
         lines.append(f"... and {len(diffs) - 12} more (the JSON lists every one)")
     return lines

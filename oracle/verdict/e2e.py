@@ -15,7 +15,7 @@ from oracle.verdict.noise import aligner, attentions, exact_for, keep, measuring
 from oracle.reports.result import E2E, GateRow, Status
 from oracle.verdict.compare import shape_text, dtype_name, expected_dtype, reduction_length
 from oracle.verdict.replay import differences, plan_of
-from oracle.verdict.selection import index_differences, index_record, key_plan
+from oracle.verdict.selection import differs, index_record, key_plan
 from oracle.reference.cached import reference_of
 
 
@@ -206,8 +206,7 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     diffs = routing_differences(plain, None, routes, ref.positions, spec) if reported else []
     target, target_noise, target_exact = Aligned(ref.tokens, ref.prompt_len, ref.logits), noise, exact_once
     # sparse attention: where the candidate kept other keys anywhere, its keys are forced on HF too (selection.py)
-    keys = (key_plan(ref, selections) if selections and all(x is not None for x in selections)
-            and index_differences(ref.index_selected, ref.index_scores, selections, ref.positions, spec) else {})
+    keys = key_plan(ref, selections) if differs(ref, selections) else {}
     aligned, why_not = bool(diffs or keys) and align is not None, None
     if aligned and any(len(d.candidate) != len(d.reference) for d in diffs):
         aligned, why_not = False, "the candidate chose another number of experts: HF cannot be forced to it"

@@ -92,6 +92,12 @@ class SelectionLog:
         """{layer: (indices [T, k], scores [T, keys] or None)} of one model call."""
         return {layer: (i, s) for layer, i, s in self.entries}
 
+    def take(self) -> dict:
+        """call(), the entries then cleared for the next call."""
+        out = self.call()
+        self.reset()
+        return out
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
@@ -191,6 +197,18 @@ def visible(idx, scores: np.ndarray) -> list[set]:
     inside = np.clip(idx, 0, scores.shape[-1] - 1)
     seen = (idx >= 0) & (idx < scores.shape[-1]) & (np.take_along_axis(scores, inside, axis=-1) > MASKED)
     return [set(row[ok].tolist()) for row, ok in zip(idx, seen)]
+
+
+def differs(ref, selections: list) -> bool:
+    """Whether the candidate kept other visible keys than the reference anywhere (every call reported)."""
+    if not selections or any(x is None for x in selections):
+        return False
+    for layer, scores in ref.index_scores.items():
+        for c, mine in enumerate(selections[:len(scores)]):
+            sc = np.asarray(scores[c], np.float64)
+            if layer in mine and visible(mine[layer], sc) != visible(ref.index_selected[layer][c], sc):
+                return True
+    return False
 
 
 def index_differences(ref_selected: dict, ref_scores: dict, selections: list, positions: list, spec,
