@@ -3,12 +3,19 @@ plain data, no torch (a warm check of a backend that runs no torch reads it from
 
 from __future__ import annotations
 
-import functools
 import typing
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Literal
 
+from models.kinds import check_kinds  # noqa: F401  (models.args.check_kinds, as before)
 from models.mixer_args import KDAArgs, LinearAttentionArgs, Mamba2Args, MambaArgs, ShortConvArgs  # noqa: F401
+from models.block_sparse_args import BlockSparse  # noqa: F401
+from models.hyper_args import HyperArgs  # noqa: F401
+from models.compressed_args import CompressedArgs  # noqa: F401
+from models.muse_args import MuseArgs  # noqa: F401
+from models.zaya_args import ZayaArgs  # noqa: F401
+from models.inkling_args import InklingArgs  # noqa: F401
+from models.qwen4_args import GatedResidualArgs, PLEArgs, QSAArgs  # noqa: F401
 
 FULL, LINEAR = "full_attention", "linear_attention"
 CONV = "conv"  # LFM2's gated short-convolution mixer (models/layers/short_conv.py) in the attention's place
@@ -29,22 +36,8 @@ RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2, LIGHTNING, KDA)
 # convolution's and a Mamba2's conv_state and recurrent_state too)
 # DeepSeek sparse attention's indexer: its key cache and (a layer whose selection later layers share) its selection
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state",
-                 "index_key_cache", "index_selection")
-
-
-def check_kinds(obj) -> None:
-    """ValueError naming the field when a Literal-typed field of the dataclass `obj` holds a value
-    outside its Literal (an unknown kind is refused when the args are built, never read as another)."""
-    for name, allowed in _kinds(type(obj)).items():
-        value = getattr(obj, name)
-        if value not in allowed:
-            raise ValueError(f"{type(obj).__name__}.{name}: {value!r} is not one of {', '.join(map(repr, allowed))}")
-
-
-@functools.cache
-def _kinds(cls) -> dict:
-    hints = typing.get_type_hints(cls)
-    return {f.name: typing.get_args(hints[f.name]) for f in fields(cls) if typing.get_origin(hints[f.name]) is Literal}
+                 "index_key_cache", "index_selection", "ngram_context", "compress_kv", "compress_gate",
+                 "call_tokens")
 
 
 def from_json(cls, d: dict):
@@ -196,6 +189,10 @@ class DSA:
     index_n_heads: int
     rope_interleave: bool = False
     shared: tuple[bool, ...] = ()
+    weights_fp32: bool = True  # weights_proj kept in fp32 (HF's _keep_in_fp32_modules; dots3 keeps none)
+    rope_last: bool = False  # the rotation on the last qk_rope_head_dim dims of q and k (HY-V4), not the first
+    k_norm_eps: float = 1e-6  # the keys' LayerNorm eps (HY-V4: rms_norm_eps)
+    k_norm_fp32: bool = False  # the keys' LayerNorm in fp32, its weights kept fp32 (HY-V4's _keep_in_fp32_modules)
 
 
 @dataclass(frozen=True)
@@ -205,7 +202,7 @@ class AttentionArgs:
     output projections over shared kv heads, num_experts / num_experts_per_tok of the model's), and their
     options."""
 
-    kind: Literal["gqa", "mla", "moa"] = "gqa"
+    kind: Literal["gqa", "mla", "moa", "compressed", "relative"] = "gqa"  # relative: Inkling's (relative_logits.py)
     mla: MLA | None = None
     # q/k RMSNorm: per head (Qwen3), over the whole projection (OLMoE), or weightless after the
     # rotation (Llama 4's "l2", rope layers only)
@@ -234,9 +231,14 @@ class AttentionArgs:
     # rotation, times 1 + q_position_beta * log(1 + floor(pos / q_position_period)); 0: none (MLA layers only)
     q_position_beta: float = 0.0
     q_position_period: float = 1.0
-    dsa: DSA | None = None  # DeepSeek sparse attention on the MLA layers (kind "mla" only)
+    dsa: DSA | None = None  # DeepSeek sparse attention on the MLA layers (kind "mla" only; not on SLIDING layers)
+    mla_sliding: MLA | None = None  # the SLIDING layers' MLA dimensions where not mla's (dots3)
+    mla_scaled: bool = False  # dots3's MLA: latents scaled, rotary key normed, sliding layers (models/layers/mla_scaled.py)
+    block_sparse: BlockSparse | None = None  # MiniMax-M3's block-sparse attention on its layers (kind "gqa")
+    compressed: CompressedArgs | None = None  # DeepSeek-V4's attention (kind "compressed": models/layers/compressed_attention.py)
     k_eq_v: bool = False  # FULL layers: v is k's projection, no v_proj (Gemma 4's attention_k_eq_v)
     v_norm: bool = False  # v RMS-normed per head, no gain (Gemma 4)
+    keep_window: int = 0  # Doge's dynamic mask attention (models/layers/dynamic_mask.py): keys kept per query; 0: none
 
     def __post_init__(self):
         check_kinds(self)
@@ -259,7 +261,7 @@ class RouterArgs:
     of the group's best two, DeepSeek-V3; "max": V2); the weights are the selected experts' scores
     (renormalised if norm_topk_prob, then times routed_scaling_factor)."""
 
-    scoring: Literal["softmax", "sigmoid", "sparsemixer"] = "softmax"
+    scoring: Literal["softmax", "sigmoid", "sparsemixer", "sqrtsoftplus"] = "softmax"  # sqrtsoftplus: DeepSeek-V4's
     norm_topk_prob: bool = False
     norm_topk_min: float = 0.0  # renormalise top-k weights by max(sum, norm_topk_min) (ERNIE 4.5)
     # what norm_topk_prob renormalises by: 1, the weights' sum; else their p-norm (DBRX's moe_normalize_expert_weights)
@@ -270,6 +272,7 @@ class RouterArgs:
     n_group: int = 1
     topk_group: int = 1
     group_score: Literal["top2", "max"] = "top2"
+    group_mask_zero: bool = False  # the groups left out scored 0 for the choice, not -inf (A.X-K2's router)
     routed_scaling_factor: float = 1.0
     fp32: bool = False  # the logits in fp32 whatever the model's dtype
     # the router's parameters kept in fp32 at a reduced precision ("weight",
@@ -284,6 +287,7 @@ class RouterArgs:
     # themselves (Kolibri-1: top-k of logits + bias, the weights the sigmoid of the chosen logits)
     choice_on: Literal["scores", "logits"] = "scores"
     input_norm: bool = False  # the input RMS-normed, times a learned `scale` [H] and H^-0.5 (Gemma 4)
+    hash_layers: tuple[bool, ...] = ()  # per layer: experts chosen by a frozen tid2eid[token] table (DeepSeek-V4's hash_moe)
     per_expert_scale: bool = False  # Gemma 4: the top-k weights times a learned scale per expert, in its MoE block
 
     def __post_init__(self):
@@ -294,9 +298,10 @@ class RouterArgs:
 class ExpertArgs:
     """The routed experts' MLP: "swiglu" silu(gate) * up; "clamped_swiglu" (gpt-oss) gate clamped
     to <= swiglu_limit, up to [-swiglu_limit, swiglu_limit], gate * sigmoid(swiglu_alpha * gate) * (up + 1);
-    "relu2" relu(up)^2, no gate (Nemotron-H: its gate_up_proj holds the up rows alone); "geglu" gelu_tanh(gate) * up."""
+    "relu2" relu(up)^2, no gate (Nemotron-H: its gate_up_proj holds the up rows alone); "geglu" gelu_tanh(gate) * up;
+    "cswiglu" silu(gate clamped to <= swiglu_limit) * up clamped to [-swiglu_limit, swiglu_limit] (HY-V4, GLM-5.3)."""
 
-    activation: Literal["swiglu", "clamped_swiglu", "relu2", "geglu"] = "swiglu"  # relu2: relu(up)^2, no gate (Nemotron-H)
+    activation: Literal["swiglu", "clamped_swiglu", "relu2", "geglu", "cswiglu"] = "swiglu"  # relu2: relu(up)^2, no gate (Nemotron-H)
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     bias: bool = False  # biases on the experts' projections (gpt-oss)
@@ -322,6 +327,7 @@ class NormArgs:
     # (post_attention_layernorm, post_feedforward_layernorm: OLMo 2, FlexOlmo); "sandwich" both
     # (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm)
     placement: Literal["pre", "post", "sandwich"] = "pre"
+    gate_rank: int = 0  # A.X-K2: input (and sparse layers' post-attention) norms gated (models/layers/gated_norm.py)
 
     def __post_init__(self):
         check_kinds(self)
@@ -392,7 +398,7 @@ class ModelArgs:
     moe_bias: bool = False  # a bias added to the MoE block's output (JetMoE)
     mlp_bias: bool = False  # biases on the dense and shared-expert MLPs (ERNIE 4.5's use_bias)
     # the dense and shared-expert MLPs' activation: "swiglu" down(silu(gate) * up), "relu2" down(relu(up)^2) (no gate)
-    mlp_activation: Literal["swiglu", "relu2", "geglu"] = "swiglu"
+    mlp_activation: Literal["swiglu", "relu2", "geglu", "clamped_swiglu", "cswiglu"] = "swiglu"  # clamped: the experts' (MiniMax-M3; cswiglu DeepSeek-V4)
     # an RMSNorm on the MoE block's output (routed + shared experts), before the residual add: the sparse
     # layers' mlp.post_mlp_layernorm (A.X-K1)
     moe_output_norm: bool = False
@@ -415,6 +421,15 @@ class ModelArgs:
     layer_head_dim: tuple[int, ...] = ()  # per layer: its heads' width where not head_dim (Gemma 4's full layers); ()
     moe_beside_mlp: bool = False  # Gemma 4: a sparse layer's MoE (models/layers/moe_beside.py) beside a dense_mlp
     layer_scalar: bool = False  # Gemma 4: each layer's output times a learned scalar
+    product_key_moe: bool = False  # Doge's MoE: product-key embedding experts beside a dense MLP (product_key_moe.py)
+    residual_scales: bool = False  # Doge: each residual times a learned per-channel scale (input_residual, ...)
+    hyper: HyperArgs | None = None  # hyper-connections: the residual as N streams (models/layers/hyper.py)
+    muse: MuseArgs | None = None  # Muse Spark's residual gates, norms, attention and projected experts (models/layers/muse.py)
+    zaya: ZayaArgs | None = None  # ZAYA's CCA attention and MLP router with cross-layer state (models/layers/cca.py)
+    inkling: InklingArgs | None = None  # Inkling's blocks (models/layers/inkling.py); None: none
+    qsa: QSAArgs | None = None  # Qwen4-Exp's QSA sparse attention on the FULL layers (models/layers/qsa.py)
+    gated_residual: GatedResidualArgs | None = None  # Qwen4-Exp's gated residual streams (models/layers/gated_residual.py)
+    ple: PLEArgs | None = None  # Qwen4-Exp's per-layer n-gram embeddings (models/layers/ple.py)
 
     def __post_init__(self):
         check_kinds(self)
@@ -438,7 +453,18 @@ def kept_fp32(a: ModelArgs, name: str) -> bool:
     """Is the production model's parameter `name` (state-dict name) stored in fp32 whatever the
     model's dtype (a.router.fp32_params of a router: layers.{i}.mlp.gate.<param>)?"""
     module, _, leaf = name.rpartition(".")
-    if a.attention.dsa is not None and module.endswith(".indexer.weights_proj"):  # HF: _keep_in_fp32_modules
+    if a.attention.dsa is not None and a.attention.dsa.weights_fp32 and module.endswith(".indexer.weights_proj"):
+        return True
+    if a.attention.dsa is not None and a.attention.dsa.k_norm_fp32 and module.endswith(".indexer.k_norm"):
+        return True
+    if a.hyper is not None and leaf in a.hyper.fp32_params and module.endswith(("_hc", "hc_head")):
+        return True
+    if a.muse is not None and module.endswith("_residual_gate"):  # Muse Spark's gates (_keep_in_fp32_modules_strict)
+        return True
+    if a.inkling is not None and module.endswith("_sconv.conv1d"):  # Inkling's short convs: HF keeps them in fp32
+        return True
+    if a.attention.compressed is not None and (leaf in ("sinks", "position_bias", "tid2eid") or module.rpartition(".")[2] in (
+            "q_a_norm", "kv_norm", "input_layernorm", "post_attention_layernorm", "norm")):  # DeepSeek-V4 (HF's strict list)
         return True
     return leaf in a.router.fp32_params and module.endswith(".mlp.gate")
 
@@ -471,6 +497,8 @@ def layer_kinds(a: ModelArgs, layer: int) -> tuple[str, ...]:
     layer."""
     kind = mlp_type(a, layer)
     mlp = (("mlp",) if a.moe_beside_mlp else ()) + ("router", "moe") if kind == SPARSE else ("mlp",) if kind == DENSE else ()
+    if a.router.hash_layers and a.router.hash_layers[layer]:  # DeepSeek-V4: no learned choice (tid2eid[token]) to judge
+        mlp = ("moe",)
     return (("attention",) if a.layer_types[layer] != NONE else ()) + mlp + ("layer",)
 
 

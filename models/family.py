@@ -101,6 +101,10 @@ class Family:
     # with its layers' own modules regrouped under one more (Gemma 4's MoE block: models/gemma4.py), the same
     # computation in the same order (tested equal to HF's own); None: HF's class as it is
     hf_reference: Callable = None
+    # why the reference's output at a position depends on the other tokens of its call, so that no correct port is
+    # invariant under chunking or batching (Doge's router: HF's view over the call's tokens); the chunked and batched
+    # invariance rows are then n/a with it (oracle/verdict/invariance.py); None: the reference is causal per sequence
+    tokens_mixed: str | None = None
 
     def __post_init__(self):
         if self.from_mlx is None:

@@ -288,7 +288,7 @@ def point_view(points, args: ModelArgs, layer=None):
 
 
 FAMILY = Family(
-    name="gemma4", model_types=("gemma4_text",), hf_module="gemma4", hf_class_name="Gemma4ForCausalLM",
+    name="gemma4", model_types=("gemma4_text", "gemma4"), hf_module="gemma4", hf_class_name="Gemma4ForCausalLM",
     hf_config_name="Gemma4TextConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
     hf_router="router", hf_moe="moe", hf_mlp="mlp", hf_reference=reference, hf_point_view=point_view, mlx=MLX,
     from_mlx=from_mlx,

@@ -151,6 +151,9 @@ class CheckSpec:
     # the drill-down inside blocks (oracle/drill/points.py): "auto" the worst failing block of a failing
     # check, where the backend exposes its points; "all" every block; "off" none
     drill: str = "auto"
+    # the invariance rows (oracle/verdict/invariance.py): "on" runs repeat, chunked and batched after e2e; "off" none
+    invariance: str = "on"
+    require_deterministic: bool = False  # the repeat row fails on any difference, not only beyond the limit
 
 
 def hf_spec(spec: CheckSpec, precision: str | None = None) -> CheckSpec:
@@ -288,6 +291,24 @@ class Candidate:
         or None where it does not report them."""
         return None
 
+    # the invariance rows (oracle/verdict/invariance.py): what a serving engine runs other than one sequence
+    # prefilled at once; without these, `chunked` runs the prompt token by token through decode alone
+    # None where `extend` prefills a chunk after the first; else why not (the chunked row's n/a for that path)
+    no_chunks: str | None = "the backend prefills a sequence from its start only (no chunk after a first)"
+    no_batch = "the backend runs one sequence at a time"
+
+    def extend(self, tokens: list[int], pos: int):
+        """Logits [n or 1, V] of `tokens` appended to the current sequence at positions pos.. (its state
+        carried): a prefill in chunks, after a prefill of the first. A backend that has it sets `no_chunks` to
+        None; the default has none."""
+        return None
+
+    def batch(self, prompts: list[list[int]]):
+        """The prefill of several new sequences in one batch, padded as the backend pads: ([logits [T_i or 1,
+        V] per prompt], [{layer: indices [T_i, k]} per prompt] or None where routes are not reported). None
+        (the default): the backend does not batch (`no_batch` says why)."""
+        return None
+
     def gates(self) -> list:
         """The backend's own gate rows (oracle.reports.result.GateRow, e.g. cast counts); none by default."""
         return []
@@ -414,7 +435,8 @@ _OPTIONAL = {Backend: ("precisions", "option_schema", "runs_torch", "loads_direc
              Candidate: ("info", "block_mode", "block_modes", "sample_prefill", "sample_decode",
                          "sample_logits", "top_p_after_temperature", "gates", "structures", "host_sampler",
                          "block_input", "run_block_points", "no_points", "no_routes", "last_routes",
-                         "no_selections", "last_selections", "block_routes", "ahead", "teacher_forced", "not_isolated")}
+                         "no_selections", "last_selections", "block_routes", "ahead", "teacher_forced", "not_isolated",
+                         "no_chunks", "no_batch", "extend", "batch")}
 
 
 class _Duck:
@@ -543,58 +565,5 @@ def resolve(name: str) -> Backend:
     return as_backend(obj)
 
 
-GIB = 1 << 30
-# what a check holds besides the backend's model: interpreter and imports (~0.6 GiB), the
-# reference's captures, the runtime's own allocations (fits every measurement: docs/benchmarks.md)
-BASE_MEMORY = 2 * GIB
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still take: the kernel's MemAvailable, capped by a cgroup (v2 or
-    v1) limit when there is one; None where neither can be read (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            cap = int(Path(limit).read_text().strip()) - int(Path(usage).read_text().strip())
-        except (OSError, ValueError):  # "max": no limit
-            continue
-        if cap < 1 << 60:
-            avail = min(avail, max(cap, 0))
-    return avail
-
-
-def memory_plan(backend, src: ModelSource, spec: CheckSpec, beside: tuple[int, str] = (0, "")) -> tuple[int | None, str]:
-    """(peak bytes, how they are made up) of a check of this model on this backend: its estimate
-    (`memory_estimate(src, spec)`: by default its `memory_per_param` at this precision times the checkpoint's
-    parameters) + what the harness holds `beside` it ((bytes, how): oracle.verdict.noise.shared_models_memory) +
-    BASE_MEMORY; (None, "") where the backend makes no estimate."""
-    need, how = backend.memory_estimate(src, spec)
-    if need is None:
-        return None, ""
-    extra, what = beside
-    return (need + extra + BASE_MEMORY,
-            f"{how}{f', + {what}' if extra else ''}, + {BASE_MEMORY / GIB:g} GiB")
-
-
-def memory_refusal(backend, src: ModelSource, spec: CheckSpec, beside: tuple[int, str] = (0, "")) -> str | None:
-    """Why this check cannot hold this model here (memory_plan above the available memory), or None.
-    $MOE_ORACLE_MEMORY_CHECK=off skips it (e.g. with swap the kernel does not count)."""
-    import os
-
-    if os.environ.get("MOE_ORACLE_MEMORY_CHECK", "on") == "off":
-        return None
-    need, how = memory_plan(backend, src, spec, beside)
-    if need is None:
-        return None
-    avail = available_memory()
-    if avail is None or need <= avail:
-        return None
-    return (f"{spec.backend} --precision {spec.precision} would need about {need / GIB:.1f} GiB for this "
-            f"checkpoint ({how}) and {avail / GIB:.1f} GiB is available: use a machine "
-            f"with more memory, a lower precision, or --layers N to check a cut of the model "
-            f"(MOE_ORACLE_MEMORY_CHECK=off to try anyway)")
+# the memory a check needs and what the host has (oracle/memory.py), where callers have read them
+from oracle.memory import BASE_MEMORY, GIB, available_memory, memory_plan, memory_refusal  # noqa: E402,F401

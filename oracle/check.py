@@ -25,6 +25,7 @@ from oracle.schedule import lockstep
 from oracle.verdict.compare import aligning, block_rows, reduction_length, reference_margins
 from oracle.verdict.conversion import check_tensors
 from oracle.verdict.e2e import ReplayAhead, prompt_set, run_e2e
+from oracle.verdict.invariance import ROWS as INVARIANCE_ROWS, InvarianceRow, invariance_rows, ordinary
 from oracle.verdict.quantization import quantization_rows
 from oracle.reference.streaming import READ, forget_reads, release_held
 from oracle.reference.cached import reference_of, saved_reference
@@ -80,7 +81,8 @@ def spec_record(spec: CheckSpec) -> dict:
     so a check against a moved reference reports the same bytes as one captured in-process; the
     weight profile and the quantization reference only where they are not the default (a report of
     the defaults stays as before they existed)."""
-    defaults = {"weights": "normal", "quant_reference": "dequantized", "drill": "auto"}
+    defaults = {"weights": "normal", "quant_reference": "dequantized", "drill": "auto", "invariance": "on",
+                "require_deterministic": False}
     return {k: v for k, v in asdict(spec).items() if k != "reference" and not (k in defaults and v == defaults[k])}
 
 
@@ -479,11 +481,16 @@ def run_candidate(run: Run, goldens: bool) -> None:
     run.stage = "e2e"
     run.progress("e2e")
     rows = []  # every e2e step's (step, reference rows, candidate rows), for the prompt set's distribution
+    kept = {}  # the e2e path's raw answers, for the invariance rows
     result.e2e, dtype_gate = run.timed("e2e", lambda: run_e2e(ref, cand, spec, reduction_length(src.args), rows,
                                                               run.noise, exact=lambda: exact_for(ref, src, spec, run.prompt),
-                                                              align=aligner(ref, src, spec, run.prompt)))
+                                                              align=aligner(ref, src, spec, run.prompt), keep=kept))
     if dtype_gate:
         result.gates.append(dtype_gate)
+    if spec.invariance == "on":
+        run.stage = "invariance"
+        run.progress("invariance")
+        result.invariance = run.timed("invariance", lambda: invariance_section(run, cand, kept))
     drill_down(run)
     if run.prompts:
         run.stage = "prompts"
@@ -503,6 +510,24 @@ def run_candidate(run: Run, goldens: bool) -> None:
         run.stage = "goldens"
         tok = golden_files.token_gate(spec, result.e2e.candidate_tokens)
         result.gates += ([tok] if tok else []) + golden_files.structure_gates(spec, result.structures)
+
+
+def invariance_section(run: Run, cand, kept: dict) -> list[dict]:
+    """The repeat, chunked and batched rows (oracle/verdict/invariance.py), against the e2e path's answers;
+    n/a, each with the reason, where that path did not answer every step."""
+    ref, spec = run.ref, run.spec
+    answers = kept.get("answers") or []
+    if kept.get("error") or len(answers) < len(ref.logits):
+        why = f"the e2e path did not answer every step ({kept.get('error') or 'no answers'})"
+        return [InvarianceRow(name, Status.NA, why).as_dict() for name in INVARIANCE_ROWS]
+    diverged = {(d["call"], d["layer"], d["position"]) for d in (run.result.e2e.routing or {}).get("differences", [])
+                if d.get("verdict") == "divergence"}
+    lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend),
+                              reduction_length(run.src.args))
+    rows = invariance_rows(ref, cand, spec, ordinary(ref, answers, kept.get("routes") or []), diverged,
+                           run.noise if thresholds.noise_relative(spec.precision) else None, lim,
+                           spec.require_deterministic)
+    return [r.as_dict() for r in rows]
 
 
 def drill_down(run: Run) -> None:
@@ -545,7 +570,8 @@ def verdict(run: Run) -> CheckResult:
               or any(g.status in (Status.FAIL, Status.ERROR) for g in result.gates)
               or (result.quantization or {}).get("rows", {}).get("status") in (Status.FAIL, Status.ERROR)
               or ((result.quantization or {}).get("weights") or {}).get("status") in (Status.FAIL, Status.ERROR)
-              or (result.prompts or {}).get("status") == Status.FAIL)
+              or (result.prompts or {}).get("status") == Status.FAIL
+              or any(r["status"] in (Status.FAIL, Status.ERROR) for r in result.invariance or []))
     result.status = Status.ERROR if result.error else Status.FAIL if failed else Status.PASS
     expected.judge(result)  # a known candidate defect: fails as its entry says -> xfail; passes -> stale
     run.timings["total_s"] = time.perf_counter() - run.t0

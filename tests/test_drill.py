@@ -218,6 +218,7 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
     modules |= {"dt_layernorm", "norm"}  # Jamba's RMSNorm of the time step's input; lightning attention's norm
     modules |= {"forget_gate", "o_norm"}  # Kimi delta attention's per-channel decay and its gated output norm
     modules |= {"indexer"}  # DeepSeek sparse attention's indexer: its choice (oracle.drill.points.chosen_keys)
+    modules |= {"q_gate_proj", "q_b_proj", "kv_b_proj", "k_rope_only_layernorm"}  # MLA's projections (A.X-K2, dots3)
     # Gemma 4's layer: its dense MLP beside the MoE block (HF's `mlp`, the production `dense_mlp`), that MLP's
     # pre-norm, and its router's (HF's mlp.gate in the regrouped reference: models/layers/moe_beside.py)
     modules |= {"mlp", "dense_mlp", "pre_feedforward_layernorm", "mlp.gate"}

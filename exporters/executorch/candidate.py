@@ -57,11 +57,20 @@ class ExecutorchCandidate(Candidate):
         self.routes = self._routes(name, outs)
         return outs[0][0]
 
+    no_chunks = None  # extend: a chunk after the first
+
+    def extend(self, tokens, pos):
+        """The prefill method on a chunk after the first (its positions from `pos`, the state carried)."""
+        name, outs = self.run(tokens, torch.arange(pos, pos + len(tokens)))
+        self.routes = self._routes(name, outs)
+        return outs[0][0] if name == "prefill" else outs[0][0, -1:]
+
     def decode(self, token, pos):
         name, outs = self.run([token], [pos])
         self.routes = self._routes(name, outs)
         return outs[0][0, -1]
 
+    no_batch = "the .pte's prefill and decode are exported for one sequence (batch 1)"
     routes = None
     no_routes = "a program without the routers' taps (a production .pte) does not report its routers' choices"
 

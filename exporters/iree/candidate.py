@@ -90,12 +90,17 @@ class IreeCandidate(Candidate):
             self._blocks = self.context()
         return self._blocks
 
+    no_batch = "model.vmfb is compiled for one sequence (batch 1)"
+    no_chunks = "model.vmfb's prefill is compiled for the prompt's length: a chunk after the first token runs through decode"
+
     def prefill(self, tokens):
-        if len(tokens) != self.prompt_len:
+        if len(tokens) not in (self.prompt_len, 1):
             raise ValueError(f"model.vmfb's prefill is compiled for {self.prompt_len} tokens, got {len(tokens)}")
         self.seq = self._blocks = None  # released before the next is made (the peak: one context);
         gc.collect()  # a SystemContext and its BoundModules refer to each other: freed by the collector
         self.seq = self.context()  # a new sequence: fresh state
+        if len(tokens) == 1 and self.prompt_len != 1:  # a one-token sequence: the decode program on fresh state
+            return self.decode(tokens[0], 0)[None]
         out = _host(self.seq.prefill(np.array([tokens], np.int64), np.arange(len(tokens), dtype=np.int64)))
         self.routes = self._routes(out[1:])
         return out[0][0]

@@ -79,6 +79,15 @@ class LlamaCppCandidate(Candidate):
         return logits
 
     routes: dict = {}
+    no_chunks = None  # extend: llama_decode of the chunk at its positions, the KV cache carried
+
+    def extend(self, tokens, pos):
+        logits, self.routes = self._call("routed", list(tokens), list(range(pos, pos + len(tokens))), True)
+        return logits
+
+    def batch(self, prompts):
+        """The prompts in one llama_decode, each its own sequence (llama.cpp's batch API: no padding)."""
+        return self._call("batch", [list(p) for p in prompts])
 
     def last_routes(self):
         return self.routes

@@ -245,13 +245,9 @@ class Runner:
         self.model = L.llama_model_load_from_file(str(gguf).encode(), mp)
         if not self.model:
             raise LoadError(f"llama.cpp cannot load the GGUF: {log_tail()}")
-        cp = L.llama_context_default_params()
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.type_k = cp.type_v = KV_TYPES[kv]
-        cp.flash_attn_type = FLASH_ATTN[flash_attn]
-        cp.cb_eval, cp.cb_eval_user_data = self._cb, None
-        self.ctx = L.llama_init_from_model(self.model, cp)
+        self.settings = (n_ctx, threads, KV_TYPES[kv], FLASH_ATTN[flash_attn])
+        self.ctx = self.context()
+        self.batch_ctx = None  # (sequences, context) of the invariance row's batch (made when first asked)
         if not self.ctx:
             raise LoadError(f"llama.cpp cannot make a context for the GGUF: {log_tail()}")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
@@ -262,6 +258,56 @@ class Runner:
         p = next(iter(g.nodes), None)
         if p is None or ctypes.cast(p, ctypes.POINTER(_Tensor)).contents.name.decode() != g.nodes[p][0]:
             raise RuntimeError("this llama.cpp's ggml_tensor layout is not the one exporters/llamacpp/ reads")
+
+    def context(self, sequences: int = 1, n_ctx: int | None = None):
+        """A llama.cpp context of the model with this runner's settings, for `sequences` sequences at once (more
+        than one: one KV cache the sequences share, kv_unified, so a batch keeps its tokens' order)."""
+        L = self.L
+        ctx, threads, kv, fa = self.settings
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx or ctx
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.type_k = cp.type_v = kv
+        cp.flash_attn_type = fa
+        cp.cb_eval, cp.cb_eval_user_data = self._cb, None
+        if sequences > 1:
+            cp.n_seq_max, cp.kv_unified = sequences, True
+        return L.llama_init_from_model(self.model, cp)
+
+    def batch(self, prompts: list) -> tuple:
+        """([logits [T_i, V] per prompt], [{layer: (indices, weights)} per prompt]): the prompts prefilled in one
+        llama_decode, each its own sequence (seq_id), on a context made for that many sequences."""
+        L = self.L
+        n = sum(map(len, prompts))
+        size = max(self.settings[0], n)
+        if self.batch_ctx is None or self.batch_ctx[0] != (len(prompts), size):
+            ctx = self.context(len(prompts), size)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp cannot make a context for {len(prompts)} sequences: {log_tail()}")
+            self.batch_ctx = ((len(prompts), size), ctx)
+        ctx = self.batch_ctx[1]
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        batch = L.llama_batch_init(n, 0, 1)
+        self.graph = Graph(record=True, only=("ffn_moe_topk", "ffn_moe_weights"))
+        try:
+            batch.n_tokens = n
+            i = 0
+            for seq, p in enumerate(prompts):
+                for t, tok in enumerate(p):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(tok), t, 1
+                    batch.seq_id[i][0], batch.logits[i] = seq, True
+                    i += 1
+            rc = L.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}: {log_tail()}")
+            out = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n * self.n_vocab,)).reshape(n, self.n_vocab).copy()
+            routes = {layer: (r[1], r[0]) for layer in range(self.n_layer) if (r := router_of(self.graph, layer)) is not None}
+        finally:
+            self.graph = Graph(record=False)
+            L.llama_batch_free(batch)
+        starts = np.cumsum([0, *map(len, prompts)])
+        return ([out[a:b] for a, b in zip(starts, starts[1:])],
+                [{layer: (i[a:b], w[a:b]) for layer, (i, w) in routes.items()} for a, b in zip(starts, starts[1:])])
 
     def decode(self, tokens, pos, logits_all: bool) -> np.ndarray:
         L = self.L

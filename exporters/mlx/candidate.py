@@ -168,6 +168,32 @@ class MLXCandidate(Candidate):
         self.routes.clear()
         return self._out(self._prefill(tokens))
 
+    no_chunks = None  # extend: a chunk after the first
+
+    def extend(self, tokens, pos):
+        """mlx-lm's model on the next chunk of the sequence, its cache carried (as mlx_lm.generate prefills a long
+        prompt in prefill_step_size chunks)."""
+        if pos != self.pos:
+            raise ValueError(f"a chunk at position {pos}, but the cache holds {self.pos} tokens")
+        self.routes.clear()
+        with self.mx.stream(self.device):
+            self.pos += len(tokens)
+            return self._out(self.model(self.mx.array([tokens]), cache=self.cache)[0])
+
+    def batch(self, prompts):
+        """The prompts right-padded to the longest, in one call on a fresh cache of that batch (causal masks:
+        a prompt's rows never see the padding after it); the next prefill starts a new cache."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.routes.clear()
+        B, T = len(prompts), max(map(len, prompts))
+        with self.mx.stream(self.device):
+            out = self.model(self.mx.array([p + [0] * (T - len(p)) for p in prompts]), cache=make_prompt_cache(self.model))
+            logits = [self._out(out[b, :len(p)]) for b, p in enumerate(prompts)]
+        self.cache, self.pos = None, 0
+        return logits, [{layer: (i.reshape(B, T, -1)[b, :len(p)], w.reshape(B, T, -1)[b, :len(p)])
+                         for layer, i, w in self.routes} for b, p in enumerate(prompts)]
+
     def decode(self, token, pos):
         self.routes.clear()
         return self._out(self._decode(token, pos))

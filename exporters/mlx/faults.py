@@ -27,6 +27,7 @@ from exporters.mlx.fault_attention import (gdn_chunked_prefill, gdn_forget, gqa_
                                             rotary_fraction_wrong, scale_wrong, sinks_dropped, window_off_by_one,
                                             q_position_scale_missing, yarn_mscale_missing)
 from exporters.mlx.fault_dsa import FAULTS as DSA_FAULTS
+from exporters.mlx.fault_block_sparse import FAULTS as BLOCK_SPARSE_FAULTS
 from exporters.mlx.fault_gemma4 import FAULTS as GEMMA4_FAULTS
 from exporters.mlx.fault_gemma4 import ON_GEMMA4
 from exporters.mlx.fault_kda import FAULTS as KDA_FAULTS
@@ -164,6 +165,7 @@ FAULTS = {
     **MAMBA_FAULTS,
     **KDA_FAULTS,  # kimi_linear's KimiDeltaAttention, bailing_moe_v3's BailingKDA
     **DSA_FAULTS,  # deepseek_v32's (and glm_moe_dsa's) Indexer
+    **BLOCK_SPARSE_FAULTS,  # minimax_m3_vl's Attention (its indexer inline)
     **GEMMA4_FAULTS,  # gemma4_text's (its MoE block regrouped: models.gemma4.mlx_regroup)
 }
 # ... and a common fault's own form on one family's mlx-lm model, where the common form reads a block that model does

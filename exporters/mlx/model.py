@@ -339,6 +339,19 @@ def _route_gemma4(moe, x):  # gemma4_text (its MoE block regrouped: models.gemma
 ROUTE["Gemma4MoEBlock"] = _route_gemma4
 
 
+def _route_minimax_m3(moe, x):  # minimax_m3_vl: gate logits in x's dtype, fp32 sigmoid, top-k of + bias, renorm, scale
+    import mlx.core as mx
+
+    orig = mx.sigmoid(moe.gate(x).astype(mx.float32))
+    k = moe.num_experts_per_tok
+    inds = mx.argpartition(-(orig + moe.e_score_correction_bias), kth=k - 1, axis=-1)[..., :k]
+    s = mx.take_along_axis(orig, inds, axis=-1)
+    return (s / (mx.sum(s, axis=-1, keepdims=True) + 1e-20) * moe.routed_scaling_factor).astype(x.dtype), inds
+
+
+ROUTE["mlx_lm.models.minimax_m3_vl.SparseMoeBlock"] = _route_minimax_m3
+
+
 def route(moe, x):
     """(weights [.., k], indices [.., k]) as the mlx-lm MoE block computes them. A seeded
     fault that changes routing sets `oracle_route` on the block (its patched __call__ uses

@@ -8,7 +8,8 @@ import contextlib
 
 import torch
 
-from models.args import STATE_BUFFERS
+from models.args import STATE_BUFFERS, layer_kinds
+from models.layers.hash_router import feed_tokens
 from models.layers.moe import SparseMoE
 from models.layers.sampling import Sampler, check_args
 from models.layers.transformer import Transformer, block_fn, reset_state
@@ -85,6 +86,24 @@ def settle_routes(cand) -> None:
         log.settle()
 
 
+@contextlib.contextmanager
+def batched_state(model: torch.nn.Module, batch: int):
+    """Every state buffer of `model` ([1, ...]) replaced by zeros of `batch` sequences while inside; put back after."""
+    swapped = []
+    try:
+        for mod in model.modules():
+            for name, buf in list(mod._buffers.items()):
+                if buf is not None and name in STATE_BUFFERS:
+                    if buf.shape[0] != 1:
+                        raise ValueError(f"state buffer {name} {list(buf.shape)} has no batch dimension of 1")
+                    swapped.append((mod, name, buf))
+                    mod._buffers[name] = torch.zeros((batch, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+        yield
+    finally:
+        for mod, name, buf in swapped:
+            mod._buffers[name] = buf
+
+
 def _device(cand) -> torch.device:
     return cand.__dict__.get("device", torch.device("cpu"))
 
@@ -103,8 +122,10 @@ class TorchCandidate(Candidate):
         self.info = info or {"executor": f"torch {torch.__version__} eager"}
         self.forward = model  # what prefill / decode call (a compiled candidate: the compiled model)
         # the experts each router selects (oracle/verdict/replay.py): hooks on the production routers
+        # (a layer whose routing is a block the harness checks: not DeepSeek-V4's hash layers, tid2eid[token])
         self.routes = RouteLog({i: layer.mlp.gate for i, layer in enumerate(model.layers)
-                                if isinstance(getattr(layer, "mlp", None), SparseMoE)}, lambda out: (out[1], out[0]))
+                                if isinstance(getattr(layer, "mlp", None), SparseMoE)
+                                and "router" in layer_kinds(model.args, i)}, lambda out: (out[1], out[0]))
         # the keys each sparse-attention indexer selects (oracle/verdict/selection.py)
         self.selections = SelectionLog(indexers(model.layers))
 
@@ -136,6 +157,33 @@ class TorchCandidate(Candidate):
         dev = _device(self)
         return _forward(self)(torch.tensor([[token]], device=dev), torch.tensor([pos], device=dev))[0, -1].cpu()
 
+    no_chunks = None  # extend: a chunk after the first
+
+    @torch.no_grad()
+    def extend(self, tokens, pos):
+        reset_routes(self)
+        dev = _device(self)
+        return _forward(self)(torch.tensor([tokens], device=dev), torch.arange(pos, pos + len(tokens), device=dev))[0].cpu()
+
+    no_batch = "the production model's state (KV cache, conv and recurrent state) holds one sequence"
+
+    @torch.no_grad()
+    def batch(self, prompts):
+        """The prompts right-padded to the longest, in one forward with every state buffer widened to the batch
+        (causal: a prompt's rows never see the padding after it); the state is reset by the next prefill."""
+        if not isinstance(self, TorchCandidate) or self.forward is not self.model:
+            return None  # a compiled forward (cuda) traced for one sequence
+        reset_routes(self)
+        dev, T = _device(self), max(map(len, prompts))
+        ids = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=dev)
+        with batched_state(self.model, len(prompts)):
+            logits = self.model(ids, torch.arange(T, device=dev)).cpu()
+        routes = {layer: (i.reshape(len(prompts), T, -1), w.reshape(len(prompts), T, -1))
+                  for layer, (i, w) in self.routes.call().items()}
+        return ([logits[b, :len(p)] for b, p in enumerate(prompts)],
+                [{layer: (i[b, :len(p)], w[b, :len(p)]) for layer, (i, w) in routes.items()}
+                 for b, p in enumerate(prompts)])
+
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
         module, fn = self.block(layer, kind) if isinstance(self, TorchCandidate) else block_fn(self.model, layer, kind)
@@ -144,6 +192,8 @@ class TorchCandidate(Candidate):
         dev = _device(self)
         outs = []
         for c in calls:
+            if c.tokens:  # a block that reads the call's token ids (DeepSeek-V4's hash routers) gets them
+                feed_tokens(module, torch.tensor([list(c.tokens)], device=dev))
             outs.append(host(fn(c.x.to(dev, self.dtype), c.pos.to(dev))))
             settle_routes(self)
         return outs

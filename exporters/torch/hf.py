@@ -161,6 +161,41 @@ class HFCandidate(Candidate):
 
     @torch.no_grad()
     @in_arithmetic
+    def extend(self, tokens, pos):
+        if self.streamed:
+            return None
+        self.routes.reset()
+        self.selections.reset()
+        out = self.model(input_ids=self._ids([tokens]), past_key_values=self.cache, use_cache=True,
+                         **hf_positions(self.model, pos, len(tokens)))
+        self.cache = out.past_key_values
+        return out.logits[0].cpu()
+
+    @property
+    def no_chunks(self):
+        return "a streamed model's prefill reads its layers for the whole prompt at once" if self.streamed else None
+    no_batch = "a streamed model runs one sequence"
+
+    @torch.no_grad()
+    @in_arithmetic
+    def batch(self, prompts):
+        """The prompts right-padded to the longest with an attention mask (HF's padding), no cache."""
+        if self.streamed:
+            return None
+        self.routes.reset()
+        self.selections.reset()
+        T = max(map(len, prompts))
+        ids = self._ids([p + [0] * (T - len(p)) for p in prompts])
+        mask = self._ids([[1] * len(p) + [0] * (T - len(p)) for p in prompts])
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.cpu()
+        routes = {layer: (i.reshape(len(prompts), T, -1), w.reshape(len(prompts), T, -1))
+                  for layer, (i, w) in self.routes.call().items()}
+        return ([logits[b, :len(p)] for b, p in enumerate(prompts)],
+                [{layer: (i[b, :len(p)], w[b, :len(p)]) for layer, (i, w) in routes.items()}
+                 for b, p in enumerate(prompts)])
+
+    @torch.no_grad()
+    @in_arithmetic
     def decode(self, token, pos):
         self.routes.reset()
         self.selections.reset()

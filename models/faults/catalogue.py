@@ -18,9 +18,28 @@ from models.faults.experts import (clamp_missing, dense_layer_routed, expert_ind
                                    shared_summed, stray_bf16, weights_not_applied)
 from models.faults.dsa import (dsa_index_cache_not_carried, dsa_index_heads_rolled, dsa_rope_interleave_swapped,
                                dsa_topk_off_by_one)
+from models.faults.dsa2 import DSA2
+from models.faults.dsa2 import POINTS as DSA2_POINTS
+from models.faults.block_sparse import BLOCK_SPARSE
+from models.faults.block_sparse import POINTS as BLOCK_SPARSE_POINTS
+from models.faults.doge import DOGE
+from models.faults.doge import POINTS as DOGE_POINTS
 from models.faults.fault import Fault
+from models.faults.invariance import INVARIANCE
+from models.faults.invariance import POINTS as INVARIANCE_POINTS
 from models.faults.gemma4 import GEMMA4
+from models.faults.hyper import HYPER
+from models.faults.deepseek_v4 import DEEPSEEK_V4
+from models.faults.deepseek_v4 import POINTS as DEEPSEEK_V4_POINTS
+from models.faults.hyper import POINTS as HYPER_POINTS
 from models.faults.gemma4 import POINTS as GEMMA4_POINTS
+from models.faults.muse_spark import MUSE_SPARK
+from models.faults.muse_spark import POINTS as MUSE_SPARK_POINTS
+from models.faults.inkling import INKLING
+from models.faults.inkling import NOT_FOR as NOT_FOR_INKLING
+from models.faults.inkling import POINTS as INKLING_POINTS
+from models.faults.qsa import QWEN4
+from models.faults.qsa import POINTS as QWEN4_POINTS
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
 from models.faults.kda import (kda_conv_state_not_carried, kda_decay_per_head, kda_decay_sign, kda_gate_bound_dropped,
                                kda_output_gate_no_sigmoid, kda_state_not_carried)
@@ -56,10 +75,13 @@ COMMON: tuple[Fault, ...] = (
           wrong_num_experts, lambda a: not routing.grouped(a)),
     Fault("router_sigmoid", "router", "last", "sigmoid scoring instead of softmax", sigmoid_router,
           lambda a: a.router.scoring == "softmax"),
+    # (relu^2 experts have no gate; Doge's one-neuron embedding experts (product_key_moe) no stacked projections)
     Fault("expert_gate_up_swapped", "moe", "last", "expert gate and up projections swapped", gate_up_swapped,
-          lambda a: a.experts.activation != "relu2"),  # (relu^2 experts have no gate)
-    Fault("expert_weights_off_1e-3", "moe", "last", "one (used) expert's weights off by 1e-3", one_expert_off),
-    Fault("expert_index_off_by_one", "moe", "last", "expert weights gathered at index + 1", expert_index_off_by_one),
+          lambda a: a.experts.activation != "relu2" and not a.product_key_moe),
+    Fault("expert_weights_off_1e-3", "moe", "last", "one (used) expert's weights off by 1e-3", one_expert_off,
+          lambda a: not a.product_key_moe),
+    Fault("expert_index_off_by_one", "moe", "last", "expert weights gathered at index + 1", expert_index_off_by_one,
+          lambda a: not a.product_key_moe),
     # (sparsemixer's weights are 1 but inside its jitter band: nothing to see there)
     Fault("expert_weights_not_applied", "moe", "last", "expert outputs summed without routing weights",
           weights_not_applied, lambda a: a.router.scoring != "sparsemixer"),
@@ -84,7 +106,9 @@ COMMON: tuple[Fault, ...] = (
     Fault("attention_not_causal", "attention", "full", "attention mask not causal", not_causal),
     Fault("attention_scale_wrong", "attention", "full", "softmax scale 1/d instead of 1/sqrt(d)", scale_wrong),
     Fault("gqa_kv_heads_tiled", "attention", "full", "kv heads tiled instead of repeated for GQA",
-          gqa_repeat_wrong, lambda a: a.num_attention_heads != a.num_key_value_heads),
+          # (one kv head: tiled is repeated; Doge's dynamic mask attends through its own attend_biased)
+          gqa_repeat_wrong, lambda a: a.num_attention_heads != a.num_key_value_heads and a.num_key_value_heads > 1
+          and not a.attention.keep_window),
     Fault("attention_gate_no_sigmoid", "attention", "full", "attention output gate without sigmoid",
           output_gate_no_sigmoid, lambda a: a.attention.output_gate),
     Fault("gdn_state_not_carried", "attention", "linear", "Gated DeltaNet recurrent state not carried",
@@ -200,11 +224,12 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
 VARIANTS: tuple[Fault, ...] = (
     Fault("attention_sinks_dropped", "attention", "full", "attention sinks left out of the softmax",
           sinks_dropped, lambda a: a.attention.sinks and has_sinks(a, max(i for i, t in enumerate(a.layer_types)
-                                                                          if t not in RECURRENT and t != NONE))),
+                                                                          if t not in RECURRENT and t != NONE)),
+          attention=("gqa", "mla")),  # (HY-V4's latent attention has them)
     Fault("sliding_window_off_by_one", "attention", "sliding", "sliding window one position too wide",
           window_off_by_one),
     Fault("swiglu_clamp_missing", "moe", "last", "the experts' SwiGLU without its clamp", clamp_missing,
-          lambda a: a.experts.activation == "clamped_swiglu"),
+          lambda a: a.experts.activation in ("clamped_swiglu", "cswiglu")),
     Fault("router_logit_bias_ignored", "router", "last", "the router's bias left out of its logits",
           router_logit_bias_ignored, lambda a: a.router.logit_bias),
     Fault("sparsemixer_first_unmasked", "router", "last", "sparsemixer's second expert chosen without masking the first",
@@ -235,7 +260,7 @@ VARIANTS: tuple[Fault, ...] = (
     # per-layer ropes and head counts (Mellum, GraniteMoE-SWA, MiMo-V2-Flash, Laguna)
     Fault("rope_of_the_model_on_own_layer", "attention", "ownrope",
           "the model's rope (the full layers' theta, the global theta) on a layer with its own (per type or per layer)",
-          rope_of_the_model),
+          rope_of_the_model, lambda a: a.attention.kind != "compressed"),  # (DeepSeek-V4's: dsv4_sliding_rope_compress)
     Fault("kv_groups_of_the_model", "attention", "ownheads",
           "a layer with its own head counts grouping its q heads by the model's num_attention_heads / num_key_value_heads",
           kv_groups_of_the_model),
@@ -258,7 +283,8 @@ VARIANTS: tuple[Fault, ...] = (
 )
 
 
-CATALOGUE: tuple[Fault, ...] = COMMON + BIASED_ROUTING_AND_MLA + VARIANTS + GEMMA4  # (Gemma 4's: models/faults/gemma4.py)
+# (Gemma 4's: models/faults/gemma4.py; A.X-K2's and dots3's: models/faults/dsa2.py)
+CATALOGUE: tuple[Fault, ...] = COMMON + BIASED_ROUTING_AND_MLA + VARIANTS + GEMMA4 + DSA2 + BLOCK_SPARSE + DOGE + INKLING + MUSE_SPARK + HYPER + INVARIANCE + DEEPSEEK_V4 + QWEN4
 
 
 def get(name: str) -> Fault:
@@ -269,7 +295,8 @@ def get(name: str) -> Fault:
 
 
 def applicable(a: ModelArgs) -> list[Fault]:
-    return [f for f in CATALOGUE if f.is_applicable(a)]
+    # (Inkling's router and attention do not run the code of NOT_FOR_INKLING's faults: models/faults/inkling.py)
+    return [f for f in CATALOGUE if f.is_applicable(a) and not (a.inkling is not None and f.name in NOT_FOR_INKLING)]
 
 
 # The point inside its block each fault breaks (oracle/drill/points.py): what the drill-down should name
@@ -347,4 +374,13 @@ POINTS: dict[str, str | tuple | None] = {
     "post_norm_misplaced": "post_attention_layernorm", "post_norm_missing": "post_attention_layernorm",
     "final_norm_eps_wrong": "output", "logits_cast_to_float": None, "logits_scaling_missing": "output",
     **GEMMA4_POINTS,
+    **HYPER_POINTS,
+    **DEEPSEEK_V4_POINTS,
+    **INKLING_POINTS,
+    **DSA2_POINTS,
+    **BLOCK_SPARSE_POINTS,
+    **DOGE_POINTS,
+    **MUSE_SPARK_POINTS,
+    **INVARIANCE_POINTS,
+    **QWEN4_POINTS,
 }

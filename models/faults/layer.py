@@ -25,6 +25,14 @@ def norm_offset_missing(layer, a):
 
 
 def residual_missing(layer, a):
+    if hasattr(layer, "attn_hyper_connection"):  # Qwen4-Exp's gated residual: the attention's streams not added back
+        hc = layer.attn_hyper_connection
+        patch(hc, "forward", lambda streams: (lambda m, s, w: (m, s * 0, w))(*type(hc).forward(hc, streams)))
+        return
+    if getattr(layer, "hyper", False):  # hyper-connections (models/layers/hyper.py): the attention's streams not added back
+        hc = layer.attn_hc
+        patch(hc, "mix", lambda post, comb, out, streams: type(hc).mix(hc, post, comb, out, streams * 0))
+        return
     if not (layer.has_mixer and layer.has_mlp):  # one block (Nemotron-H): its output without the stream
         patch(layer, "forward", lambda x, pos: layer.attn(layer.input_layernorm(x), pos) if layer.has_mixer
               else layer.ffn(layer.post_attention_layernorm(x)))

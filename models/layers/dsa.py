@@ -59,7 +59,8 @@ class Indexer(nn.Module):
         self.nh, self.hd, self.dr = d.index_n_heads, d.index_head_dim, m.qk_rope_head_dim
         self.wq_b = nn.Linear(m.q_lora_rank, self.nh * self.hd, bias=False)
         self.wk = nn.Linear(a.hidden_size, self.hd, bias=False)
-        self.k_norm = nn.LayerNorm(self.hd, eps=1e-6)
+        self.k_norm = nn.LayerNorm(self.hd, eps=d.k_norm_eps)
+        self.rope_last, self.k_norm_fp32 = d.rope_last, d.k_norm_fp32  # (HY-V4's)
         self.weights_proj = nn.Linear(a.hidden_size, self.nh, bias=False)  # fp32 (models.args.kept_fp32)
         # the MLA's frequencies (and YaRN's cos/sin factor) on the first qk_rope_head_dim dims, in the indexer's order
         self.rope = Rope(self.dr, replace(a.rope, interleave=d.rope_interleave), partial=1.0)
@@ -75,16 +76,29 @@ class Indexer(nn.Module):
         B, T, _ = x.shape
         # the rotated parts are the drill's q_rope / k_rope in HF's layout ([B, T, nh, dr], [B, T, 1, dr]): HF's indexer
         # rotates with apply_rotary_pos_emb, the function the drill reads (its MLA's interleaved rotation is not read)
-        q = tap("q_rope", self.rope(self.wq_b(q_resid).view(B, T, self.nh, self.hd).transpose(1, 2), pos),
-                lambda t: t[..., : self.dr].transpose(1, 2))  # [B, nh, T, hd]
-        k = tap("k_rope", self.rope(self.k_norm(self.wk(x))[:, None], pos)[:, 0], lambda t: t[..., None, : self.dr])
+        q = tap("q_rope", self.rotate(self.wq_b(q_resid).view(B, T, self.nh, self.hd).transpose(1, 2), pos),
+                lambda t: self.rotary(t).transpose(1, 2))  # [B, nh, T, hd]
+        k = tap("k_rope", self.rotate(self.key(x)[:, None], pos)[:, 0], lambda t: self.rotary(t)[..., None, :])
         keys = self.update_cache(k, pos)  # [1, S, hd]
         scores = self.index_scores(x, q, keys)
         visible = self.cache_pos[None, :] <= pos[:, None]  # [T, S]
         chosen = self.choose(scores.masked_fill(~visible, float("-inf")))
         if hasattr(self, "index_selection"):
-            self.index_selection[:, pos] = chosen[:1]
+            self.index_selection[:, pos] = chosen  # (every sequence's: a batch widens the buffer, batched_state)
         return chosen
+
+    def key(self, x):  # [B, T, hd]: LayerNorm(wk(x)) (HY-V4: the norm in fp32, DSA.k_norm_fp32)
+        if self.k_norm_fp32:
+            return self.k_norm(self.wk(x).to(self.k_norm.weight.dtype)).to(x.dtype)
+        return self.k_norm(self.wk(x))
+
+    def rotate(self, t, pos):  # the rotary part rotated: the first dr dims, or the last (HY-V4: DSA.rope_last)
+        if not self.rope_last:
+            return self.rope(t, pos)
+        return torch.cat((t[..., : -self.dr], self.rope(t[..., -self.dr :], pos)), dim=-1)
+
+    def rotary(self, t):  # the rotary part of a rotated q or k
+        return t[..., -self.dr :] if self.rope_last else t[..., : self.dr]
 
     def update_cache(self, k, pos):
         self.index_key_cache[:, pos] = k

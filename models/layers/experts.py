@@ -53,6 +53,8 @@ class Experts(nn.Module):
             gate = gate.clamp(max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)
             return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+        if self.act == "cswiglu":  # HY-V4, GLM-5.3: silu of the clamped gate, no alpha, no + 1
+            return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
         if self.act == "geglu":  # Gemma 4
             return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up

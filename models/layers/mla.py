@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.args import ModelArgs
+from models.args import ModelArgs, has_sinks
 from models.layers.dsa import Indexer, chosen_mask, has_indexer, shared_selection
 from models.layers.norms import RMSNorm
 from models.layers.rope import Rope, yarn_mscale
@@ -41,11 +41,12 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
         self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.attention.o_bias)
-        if a.attention.gate_act != "none":  # one gate per head from the attention's input
-            if a.attention.gate_width != "head":
-                raise ValueError(f"LatentAttention: a gate of width {a.attention.gate_width!r} (MLA's: one per head)")
+        if a.attention.gate_act != "none":  # one gate per head (or per value channel: HY-V4) from the attention's input
             self.gate_act = a.attention.gate_act
-            self.g_proj = nn.Linear(a.hidden_size, self.nh, bias=False)
+            self.g_proj = nn.Linear(a.hidden_size, self.nh * (self.dv if a.attention.gate_width == "element" else 1),
+                                    bias=False)
+        if has_sinks(a, layer):  # a learned logit per head in the softmax, its probability dropped (HY-V4)
+            self.sinks = nn.Parameter(torch.zeros(self.nh))
         self.rope = Rope(self.dr, a.rope, partial=1.0)
         self.use_rope = a.rope.rotates(layer)
         self.scale = qk**-0.5
@@ -76,7 +77,7 @@ class LatentAttention(nn.Module):
 
     def head_gate(self, x):  # [B, T, nh]: the activation of g_proj(x) in fp32, in x's dtype (HF's)
         g = self.g_proj(x).float()
-        return (F.softplus(g) if self.gate_act == "softplus" else torch.sigmoid(g)).to(x.dtype)
+        return (F.softplus(g) if self.gate_act == "softplus" else torch.sigmoid(g)).to(x.dtype)  # (or [B, T, nh*dv])
 
     def project(self, x, pos, q_resid=None):
         """q [B, nh, T, dn + dr] (its rotary part rotated), the normalised latent [B, T, r] and
@@ -112,12 +113,21 @@ class LatentAttention(nn.Module):
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)  # [B, nh, S, dn], [B, nh, S, dv]
         k = torch.cat((k_nope, rope_keys[:, None].expand(B, self.nh, S, self.dr)), dim=-1)
         scores = (q @ k.transpose(2, 3)) * self.scale  # [B, nh, T, S]
-        visible = self.cache_pos[None, :] <= pos[:, None]
+        visible = self.visible(pos)  # [T, S]
         if selected is not None:  # (torch.where: IREE 3.13 does not legalize aten.__and__ on i1)
             visible = torch.where(selected, visible, False)[:, None]  # [B, 1, T, S]
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        context = (probs @ v).transpose(1, 2)  # [B, T, nh, dv]
+        if hasattr(self, "sinks"):  # one more logit per head, whose probability is dropped
+            sink = self.sinks.to(scores.dtype)[None, :, None, None].expand(B, -1, scores.shape[2], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.output((probs @ v).transpose(1, 2), gate)  # [B, T, nh, dv]
+
+    def visible(self, pos):  # [T, S] bool: the cached keys each query may see (causal; a sliding layer: mla_scaled.py)
+        return self.cache_pos[None, :] <= pos[:, None]
+
+    def output(self, context, gate=None):  # the heads' context [B, T, nh, dv] times their gate [B, T, nh], o_proj'd
         if gate is not None:
-            context = context * gate[..., None]
-        return self.o_proj(context.reshape(B, q.shape[2], self.nh * self.dv))
+            context = context * gate.reshape(*context.shape[:3], -1)  # per head, or per channel (HY-V4)
+        return self.o_proj(context.flatten(2))

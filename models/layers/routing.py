@@ -20,6 +20,8 @@ def scores(logits, a: ModelArgs):
         return torch.sigmoid(logits.float())
     if a.router.scoring == "sparsemixer":
         return logits.float()
+    if a.router.scoring == "sqrtsoftplus":  # DeepSeek-V4: in the logits' dtype, as HF's SqrtSoftplusActivation
+        return torch.nn.functional.softplus(logits).sqrt().float()
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
@@ -56,9 +58,9 @@ def selection(probs, bias, a: ModelArgs):
 
 
 def outside_groups_masked(choice, keep, a: ModelArgs):
-    """[N, E] scores, -inf in the groups `keep` [N, G] (bool) leaves out."""
+    """[N, E] scores, -inf in the groups `keep` [N, G] (bool) leaves out (0: RouterArgs.group_mask_zero)."""
     keep = keep[:, :, None].expand(-1, -1, a.num_experts // a.router.n_group).reshape(choice.shape)
-    return choice.masked_fill(~keep, float("-inf"))
+    return choice.masked_fill(~keep, 0.0 if a.router.group_mask_zero else float("-inf"))
 
 
 def grouped(a: ModelArgs) -> bool:

@@ -19,20 +19,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.args import (CONV, KDA, LIGHTNING, LINEAR, MAMBA, MAMBA2, NONE, SPARSE, STATE_BUFFERS, ModelArgs, block_path,
+from models.args import (CONV, FULL, KDA, LIGHTNING, LINEAR, MAMBA, MAMBA2, NONE, SPARSE, STATE_BUFFERS, ModelArgs, block_path,
                          mixer_name, mlp_type)
 from models.layers.attention import Attention
+from models.layers.block_sparse import BlockSparseAttention, is_block_sparse
+from models.layers.compressed_attention import CompressedAttention
 from models.layers.dsa import link_sources
+from models.layers.dynamic_mask import DynamicMaskAttention
+from models.layers.gated_norm import add_gated_norms
+from models.layers.gated_residual import GatedResidual, gated_forward, gated_layer, gated_stream
 from models.layers.gated_deltanet import GatedDeltaNet
+from models.layers.hash_router import HashRouter, feed_tokens
+from models.layers.hyper import HyperHead, add_hyper, expand, hyper_stream
+from models.layers.inkling import NormedEmbedding, inkling_blocks
+from models.layers.relative_logits import RelativeAttention
 from models.layers.kda import KimiDeltaAttention
 from models.layers.lightning import Lightning
 from models.layers.mamba import Mamba
 from models.layers.mamba2 import Mamba2
 from models.layers.mla import LatentAttention
+from models.layers.mla_gated import GatedLatentAttention
+from models.layers.mla_scaled import ScaledLatentAttention
 from models.layers.moa import MixtureOfAttention
-from models.layers.moe import MLP, SparseMoE
+from models.layers.moe import MLP, SparseMoE, clamp_of
 from models.layers.moe_beside import MoEBeside, add_dense_beside, feed_forward
+from models.layers.muse import WeightlessNorm, muse_layer
 from models.layers.norms import norm
+from models.layers.ple import PLE
+from models.layers.qsa import QSAAttention
+from models.layers.product_key_moe import ProductKeyMoE
 from models.layers.short_conv import ShortConv
 
 
@@ -54,19 +69,31 @@ class DecoderLayer(nn.Module):
             self.self_attn = Lightning(a, i, dtype)
         elif self.layer_type == KDA:
             self.self_attn = KimiDeltaAttention(a, dtype)
-        elif a.attention.kind == "mla":
-            self.self_attn = LatentAttention(a, dtype, i)
+        elif a.attention.kind == "mla":  # (A.X-K2's fused q/gate projection: mla_gated.py; dots3's: mla_scaled.py)
+            self.self_attn = (GatedLatentAttention if a.attention.output_gate else ScaledLatentAttention
+                              if a.attention.mla_scaled else LatentAttention)(a, dtype, i)
         elif a.attention.kind == "moa":
             self.self_attn = MixtureOfAttention(a, dtype, i)
+        elif a.attention.kind == "compressed":  # DeepSeek-V4
+            self.self_attn = CompressedAttention(a, dtype, i)
+        elif a.attention.kind == "relative":  # Inkling: relative logits, no rope
+            self.self_attn = RelativeAttention(a, dtype, i)
         else:
-            self.self_attn = Attention(a, dtype, i)
+            self.self_attn = (BlockSparseAttention if is_block_sparse(a, i) else
+                              DynamicMaskAttention if a.attention.keep_window else Attention)(a, dtype, i)
         kind = mlp_type(a, i)
         self.beside = a.moe_beside_mlp and kind == SPARSE  # Gemma 4: a dense MLP beside the MoE block
         if kind != NONE:  # (Nemotron-H: a block with a mixer alone has none)
-            self.mlp = (MoEBeside(a) if self.beside else SparseMoE(a)) if kind == SPARSE else MLP(
-                a.hidden_size, a.intermediate_size, a.mlp_bias, a.mlp_activation)
+            sparse = MoEBeside if self.beside else ProductKeyMoE if a.product_key_moe else SparseMoE  # (Doge's)
+            self.mlp = sparse(a) if kind == SPARSE else MLP(
+                a.hidden_size, a.intermediate_size, a.mlp_bias, a.mlp_activation, clamp_of(a))
         if self.beside:
             add_dense_beside(self, a)
+        if a.router.hash_layers and a.router.hash_layers[i]:  # DeepSeek-V4's hash_moe: experts by token id
+            self.mlp.gate = HashRouter(a)
+        if a.residual_scales:  # Doge: each residual times a learned per-channel scale
+            self.input_residual = nn.Parameter(torch.ones(a.hidden_size))
+            self.post_attention_residual = nn.Parameter(torch.ones(a.hidden_size))
         if a.layer_scalar:  # Gemma 4: the layer's output times a learned scalar
             self.layer_scalar = nn.Parameter(torch.ones(1))
         self.placement = a.norm.placement  # (models.args.NormArgs)
@@ -80,12 +107,27 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm(a, a.hidden_size)
         if self.placement != "pre":
             self.post_feedforward_layernorm = norm(a, a.hidden_size)
+        if a.norm.gate_rank:  # A.X-K2: gated input and post-attention norms
+            add_gated_norms(self, a, i)
         self.residual_multiplier = a.multipliers.residual
         rf = a.residual_factors  # MiniMax-Text-01: (alpha, beta) of the attention's and of the MLP's residual
         self.factors = None if rf is None else (rf.linear if self.layer_type == LIGHTNING else rf.full) + rf.mlp
         self.shared_mlp = None  # Granite's shared MLP beside the MoE block (ModelArgs.shared_expert_beside)
+        self.hyper = a.hyper is not None  # hyper-connections: the stream is N streams [B, T, N, H]
+        if self.hyper:
+            add_hyper(self, a.hyper, a.hidden_size)
         if a.shared_expert_beside and a.shared_expert_intermediate_size and mlp_type(a, i) == SPARSE:
             self.shared_mlp = MLP(a.hidden_size, a.shared_expert_intermediate_size, a.mlp_bias)
+        if a.inkling is not None:  # Inkling: its attention and MoE, a short conv on each block's output
+            inkling_blocks(self, a, i, dtype)
+        if a.muse is not None:  # Muse Spark: its attention, MoE, norms and residual gates (models/layers/muse.py)
+            muse_layer(self, a, i, dtype)
+        if a.qsa is not None and self.layer_type == FULL:  # Qwen4-Exp: QSA sparse attention (models/layers/qsa.py)
+            self.self_attn = QSAAttention(a, dtype, i)
+        if a.gated_residual is not None:  # Qwen4-Exp: gated residual streams, per-layer embeddings on some layers
+            gated_layer(self, a)
+            if a.ple is not None and i in a.ple.layers:
+                self.ple = PLE(a, a.ple.layers.index(i), dtype)
 
     @property
     def attn(self) -> nn.Module:
@@ -96,9 +138,16 @@ class DecoderLayer(nn.Module):
         return y * self.layer_scalar if hasattr(self, "layer_scalar") else y
 
     def stream(self, x, pos):  # the stream after the layer's blocks
+        if hasattr(self, "attn_hyper_connection"):  # Qwen4-Exp (models/layers/gated_residual.py)
+            return gated_stream(self, x, pos)
+        if self.hyper:  # DeepSeek-V4, HY-V4, GLM-5.3: each block between a collapse and an expansion of the streams
+            return hyper_stream(self, x, pos)
         if self.parallel:  # Cohere: attention and MLP on the same normed input, both onto the residual
             h = self.input_layernorm(x)
             return x + self.attn(h, pos) + self.ffn(h)
+        if hasattr(self, "post_attention_residual_gate"):  # Muse Spark: gated residual adds (models/layers/muse.py)
+            h = self.post_attention_residual_gate(x, self.attention_branch(x, pos))
+            return self.post_feedforward_residual_gate(h, self.mlp_branch(h))
         if self.placement != "pre":  # the blocks' outputs normed before their residual adds
             h = x + self.attention_branch(x, pos)
             return h + self.mlp_branch(h)
@@ -113,6 +162,12 @@ class DecoderLayer(nn.Module):
         if self.residual_multiplier != 1.0:  # Granite
             h = x + self.attn(self.input_layernorm(x), pos) * self.residual_multiplier
             return h + self.ffn(self.post_attention_layernorm(h)) * self.residual_multiplier
+        if hasattr(self, "attn_sconv"):  # Inkling: each block's output through its short conv before its residual
+            h = x + self.attn_sconv(self.attn(self.input_layernorm(x), pos), pos)
+            return h + self.mlp_sconv(self.ffn(self.post_attention_layernorm(h)), pos)
+        if hasattr(self, "input_residual"):  # Doge: the residuals scaled per channel
+            h = self.input_residual * x + self.attn(self.input_layernorm(x), pos)
+            return self.post_attention_residual * h + self.ffn(self.post_attention_layernorm(h))
         h = x + self.attn(self.input_layernorm(x), pos)
         return h + self.ffn(self.post_attention_layernorm(h))
 
@@ -142,18 +197,36 @@ class Transformer(nn.Module):
         self.args = a
         # weights come from the checkpoint: no init (normal_ on meta imports torch._dynamo, 2 s)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
+        if a.inkling is not None:  # Inkling: the embeddings RMS-normed
+            self.embed_tokens = NormedEmbedding(a)
         self.layers = nn.ModuleList(DecoderLayer(a, i, dtype) for i in range(a.num_hidden_layers))
         if a.attention.dsa is not None and a.attention.dsa.shared:  # GLM-5: shared layers read a full layer's choice
             link_sources(self.layers)
-        self.norm = norm(a, a.hidden_size)
+        if a.hyper is not None:  # the streams collapsed before the final norm
+            self.hc_head = HyperHead(a.hyper, a.hidden_size)
+        if a.muse is not None:  # Muse Spark: the embeddings weightless-normed
+            self.embed_norm = WeightlessNorm(a.rms_norm_eps)
+        self.norm = norm(a, a.hidden_size) if a.gated_residual is None else GatedResidual(a, combine=False)
         self.lm_head = LMHead(a)
 
     def forward(self, tokens, pos):
+        if self.args.router.hash_layers:  # DeepSeek-V4: the hash routers read the call's token ids
+            feed_tokens(self, tokens)
+        if self.args.gated_residual is not None:  # Qwen4-Exp: N streams, per-layer embeddings before some layers
+            return gated_forward(self, tokens, pos)
         x = self.embed_tokens(tokens)
+        if hasattr(self, "embed_norm"):
+            x = self.embed_norm(x)
         if self.args.multipliers.embedding != 1.0:  # Granite
             x = x * self.args.multipliers.embedding
+        if self.args.hyper is not None:
+            x = expand(self.args.hyper, x)
         for layer in self.layers:
             x = layer(x, pos)
+        if self.args.hyper is not None:
+            x = self.hc_head(x)
+        if self.args.inkling is not None:  # Inkling: the final norm's output divided by its muP width multiplier
+            return self.lm_head(self.norm(x) / self.args.inkling.head_divisor)
         return self.lm_head(self.norm(x))
 
 

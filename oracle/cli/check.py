@@ -60,6 +60,11 @@ def add(sub) -> None:
                    help="the points inside blocks, compared one by one (the first that diverges): auto (default) the "
                    "worst failing block of a failing check, all: every block, off: none; backends without points "
                    "say n/a")
+    c.add_argument("--invariance", choices=["on", "off"], default="on",
+                   help="the invariance rows after e2e (default on): the run repeated, the prompt prefilled in chunks "
+                   "and token by token, and batched with another prompt, each against the same backend's e2e path")
+    c.add_argument("--require-deterministic", action="store_true",
+                   help="the repeat row fails on any difference between two runs (default: beyond the precision's limit)")
     c.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; >= 0)")
     c.add_argument("--top-p", type=float, default=0.9, help="sampling top-p (default 0.9; in (0, 1])")
     backend_options(c)
@@ -130,7 +135,11 @@ def cmd_check(a, argv: list[str]) -> int:
                      decode_tokens=a.decode_tokens, seed=a.seed, model_dir=a.model_dir, config=a.config,
                      layers=a.layers, weights=a.weights, candidate_dir=a.candidate_dir,
                      quant_reference=a.quant_reference, reference=a.reference,
-                     prompts=read_prompts(a), artifact=a.pte or a.vmfb or a.gguf, options=options, drill=a.drill)
+                     prompts=read_prompts(a), artifact=a.pte or a.vmfb or a.gguf, options=options, drill=a.drill,
+                     invariance=a.invariance, require_deterministic=a.require_deterministic)
+    if a.require_deterministic and a.invariance == "off":
+        print("oracle: error: --require-deterministic needs the invariance rows (--invariance on)", file=sys.stderr)
+        return EXIT["bad_input"]
     prog, update = progress_reporter()
     try:
         backend = validate(spec)

@@ -183,6 +183,12 @@ def chosen_keys(indexer, rec: Recorder, path: str) -> list:
         import torch
 
         def traced(mod, a, out):
+            if out.dim() == 4:  # a choice per head [B, heads, T, k] (-1: none): selection.per_query's rows
+                H = out.shape[1]
+                heads = torch.arange(H, device=out.device)[None, :, None, None]
+                rows = torch.where(out >= 0, out * H + heads, -1).transpose(1, 2).flatten(-2)
+                rec.add(path, torch.sort(rows, dim=-1).values)
+                return
             rec.add(path, torch.sort(torch.where(out <= a[-1][:, None], out, -1), dim=-1).values)
 
         return [indexer.register_forward_hook(traced)]

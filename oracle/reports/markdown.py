@@ -237,6 +237,29 @@ def _shipped(q: dict) -> list[str]:
     return lines
 
 
+def _invariance(rows: list | None) -> list[str]:
+    """The invariance rows (oracle/verdict/invariance.py): each against the same backend's e2e path."""
+    if not rows:
+        return []
+    out = ["", "Invariance (against this backend's own e2e path):", "", "| row | status | max_abs | ratio | where | detail |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        w = r.get("where") or {}
+        where = f"step {w['step']} position {w['position']} ({w['run']})" if w and r.get("max_abs") else ""
+        rt = r.get("routing") or {}
+        if rt.get("first_divergence"):
+            d = rt["first_divergence"]
+            where += f"; router divergence layer {d['layer']} position {d['position']} ({d['run']})"
+        elif rt.get("first_difference"):
+            d = rt["first_difference"]
+            where += f"; routing differs first at layer {d['layer']} position {d['position']} ({d['run']})"
+        same = " (bit-identical)" if r.get("identical") else ""
+        num = lambda x: "" if x is None else _fmt(x)  # noqa: E731
+        out.append(f"| {r['name']} | {r['status']}{same} | {num(r.get('max_abs'))} | {num(r.get('ratio'))} | "
+                   f"{where} | {r.get('detail', '')} |")
+    return out + [""]
+
+
 def markdown(doc: dict, top: int = 5) -> str:
     spec = doc["spec"]
     icon = {Status.PASS: "✅", Status.FAIL: "❌", Status.XFAIL: "⚠️", Status.SKIPPED: "⏭️", Status.ERROR: "💥"}.get(doc["status"], "")
@@ -303,6 +326,7 @@ def markdown(doc: dict, top: int = 5) -> str:
         if pp:
             lines.append(f"Perplexity of the prompts' own next tokens: candidate {_fmt(pp['candidate'])}, reference "
                          f"{_fmt(pp['reference'])}, ratio {pp['ratio']:.6f} ({pp['positions']} positions)")
+    lines += _invariance(doc.get("invariance"))
     for g in doc.get("gates", []):
         lines.append(f"Gate {g['name']}: {g['status']} ({_fmt(g['value'])} vs limit {_fmt(g['limit'])})"
                      + (f" {g['message']}" if g.get("message") else ""))

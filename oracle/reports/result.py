@@ -109,6 +109,9 @@ class CheckResult:
     expected: dict | None = None
     # the drill-down inside blocks (oracle/drill/points.py): {"blocks": [Drill.as_dict()], "error"?}
     drill: dict | None = None
+    # what a serving engine runs otherwise (oracle/verdict/invariance.py): the repeat, chunked and batched rows
+    # (InvarianceRow.as_dict()), each against the same backend's e2e path; None where not run (--invariance off)
+    invariance: list | None = None
     schema: str = SCHEMA
 
     def to_dict(self) -> dict:

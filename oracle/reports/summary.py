@@ -41,6 +41,8 @@ def row_of(doc: dict, json_name: str | None) -> dict:
         "e2e": None if not e else {"status": e["status"], "token_exact": e["token_exact"],
                                    "max_abs": max((_num(s["max_abs"]) for s in e["steps"]), default=0.0)},
         "gates": [{"name": g["name"], "status": g["status"]} for g in doc.get("gates", [])],
+        # the invariance rows (oracle/verdict/invariance.py): name -> status
+        "invariance": {x["name"]: x["status"] for x in doc.get("invariance") or []},
         "json": json_name,
         # drilled blocks (oracle/drill/points.py): block -> the first point that diverges (None: every point agrees)
         **({"drill": {f"{'model' if d['layer'] is None else d['layer']}.{d['kind']}": d["first_divergence"]
@@ -124,14 +126,16 @@ def markdown(summary: dict) -> str:
     lines = [f"### {icon} oracle matrix: {c[Status.PASS]} pass, {c[Status.FAIL]} fail, {c[Status.ERROR]} error, "
              f"{c[Status.SKIPPED]} skipped" + (f", {c[Status.XFAIL]} expected failure(s)" if c.get(Status.XFAIL) else ""), ""]
     lines += grid_markdown(summary)
-    lines += ["| check | status | worst block | e2e |", "|---|---|---|---|"]
+    lines += ["| check | status | worst block | e2e | repeat / chunked / batched |", "|---|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: (-RANK[r["status"]], r["id"])):
         w = r["worst"]
         worst = "" if not w else f"{place(w['layer'])} {w['kind']} ({_g(w['ratio'])}x limit)"
         e = r["e2e"]
         e2e = "" if not e else f"{e['status']}{'' if e['token_exact'] else ', tokens differ'}"
         note = f" ({r['reason']})" if r["status"] in (Status.SKIPPED, Status.ERROR, Status.XFAIL) and r["reason"] else ""
-        lines.append(f"| {r['family']} / {r['backend']} / {r['precision']} | {r['status']}{note} | {worst} | {e2e} |")
+        inv = r.get("invariance") or {}
+        rows = " / ".join(inv.get(n, "-") for n in ("repeat", "chunked", "batched")) if inv else ""
+        lines.append(f"| {r['family']} / {r['backend']} / {r['precision']} | {r['status']}{note} | {worst} | {e2e} | {rows} |")
     return "\n".join(lines) + "\n"
 
 
@@ -165,7 +169,7 @@ def diff(baseline: dict, current: dict, factor: float = 4.0, floor: float = 0.05
     limit is not news)."""
     base = {r["id"]: r for r in baseline["rows"]}
     cur = {r["id"]: r for r in current["rows"]}
-    status_changes, grown, new_skips, regressions, points = [], [], [], [], []
+    status_changes, grown, new_skips, regressions, points, rows_changed = [], [], [], [], [], []
     for cid, r in cur.items():
         b = base.get(cid)
         if b is None:
@@ -179,6 +183,12 @@ def diff(baseline: dict, current: dict, factor: float = 4.0, floor: float = 0.05
                 new_skips.append({"id": cid, "reason": r["reason"]})
             elif RANK[r["status"]] > RANK[b["status"]]:
                 regressions.append(cid)
+        for name, now in (r.get("invariance") or {}).items():  # an invariance row that changed its verdict
+            was = (b.get("invariance") or {}).get(name)
+            if was is not None and was != now:
+                rows_changed.append({"id": cid, "row": name, "from": was, "to": now})
+                if now in (Status.FAIL, Status.ERROR) and was not in (Status.FAIL, Status.ERROR):
+                    regressions.append(cid)
         for blk, point in (r.get("drill") or {}).items():  # the drill names another point inside a block
             if blk in (b.get("drill") or {}) and b["drill"][blk] != point:
                 points.append({"id": cid, "block": blk, "from": b["drill"][blk], "to": point})
@@ -193,11 +203,13 @@ def diff(baseline: dict, current: dict, factor: float = 4.0, floor: float = 0.05
     status_changes.sort(key=lambda c: (-RANK.get(c["to"], 0), c["id"]))
     grown.sort(key=lambda g: -g["to"])
     return {"status_changes": status_changes, "grown_blocks": grown, "new_skips": new_skips,
-            "regressed": sorted(set(regressions)), "factor": factor, "drill_changes": points}
+            "regressed": sorted(set(regressions)), "factor": factor, "drill_changes": points,
+            "invariance_changes": rows_changed}
 
 
 def diff_markdown(d: dict) -> str:
-    if not (d["status_changes"] or d["grown_blocks"] or d["new_skips"] or d.get("drill_changes")):
+    if not (d["status_changes"] or d["grown_blocks"] or d["new_skips"] or d.get("drill_changes")
+            or d.get("invariance_changes")):
         return "### ✅ oracle: no change against the baseline\n"
     head = "❌ oracle: regressions" if d["regressed"] else "ℹ️ oracle: changes (no regression)"
     lines = [f"### {head} against the baseline", ""]
@@ -220,6 +232,12 @@ def diff_markdown(d: dict) -> str:
                   "|---|---|---|---|"]
         for p in d["drill_changes"]:
             lines.append(f"| {p['id']} | {p['block']} | {p['from'] or 'none'} | {p['to'] or 'none'} |")
+        lines.append("")
+    if d.get("invariance_changes"):
+        lines += ["Invariance rows that changed (repeat, chunked, batched):", "", "| check | row | was | now |",
+                  "|---|---|---|---|"]
+        for c in d["invariance_changes"]:
+            lines.append(f"| {c['id']} | {c['row']} | {c['from']} | {c['to']} |")
         lines.append("")
     if d["new_skips"]:
         lines.append("New skips: " + "; ".join(f"`{s['id']}` ({s['reason']})" for s in d["new_skips"]))

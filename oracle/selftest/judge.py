@@ -18,14 +18,49 @@ def same_numbers(a, b) -> bool:
         return False
     rows = lambda r: {(x.layer, x.kind): (x.status, x.metrics) for x in r.blocks}  # noqa: E731
     e2e = lambda r: None if r.e2e is None else (r.e2e.candidate_tokens, [s.get("max_abs") for s in r.e2e.steps])  # noqa: E731
-    return rows(a) == rows(b) and e2e(a) == e2e(b)
+    inv = lambda r: [(x["name"], x["status"], x.get("max_abs")) for x in r.invariance or []]  # noqa: E731
+    return rows(a) == rows(b) and e2e(a) == e2e(b) and inv(a) == inv(b)
 
 
 def measured_failure(r) -> bool:
-    """Whether a check failed by a measurement (a block or e2e row that failed), not only by rows whose
-    candidate raised (status error: a crash, not a detection). Gates are not counted: a candidate that
+    """Whether a check failed by a measurement (a block, e2e or invariance row that failed), not only by rows
+    whose candidate raised (status error: a crash, not a detection). Gates are not counted: a candidate that
     raised has no tokens, and its golden-tokens gate fails for that alone."""
-    return any(x.status == Status.FAIL for x in [*r.blocks, *([r.e2e] if r.e2e is not None else [])])
+    return (any(x.status == Status.FAIL for x in [*r.blocks, *([r.e2e] if r.e2e is not None else [])])
+            or any(x["status"] == Status.FAIL for x in r.invariance or []))
+
+
+INVARIANCE = "invariance."  # a fault's kind that names an invariance row (models/faults/invariance.py)
+
+
+def invariance_row(r, kind: str) -> dict | None:
+    """The invariance row a fault of kind `invariance.<row>` names, in check r."""
+    name = kind.removeprefix(INVARIANCE)
+    return next((x for x in r.invariance or [] if x["name"] == name), None)
+
+
+def invariance_localised(faulted, clean, kind: str) -> dict | None:
+    """The worst_summary-like record of the invariance row an invariance fault names, where that row fails in
+    the faulted check and not in the clean one; else None."""
+    row, base = invariance_row(faulted, kind), invariance_row(clean, kind)
+    if row is None or row["status"] != Status.FAIL or (base is not None and base["status"] == Status.FAIL):
+        return None
+    return {"layer": None, "kind": kind, "metric": "ratio", "value": row.get("ratio"), "limit": 1.0,
+            "ratio": row.get("ratio")}
+
+
+def invariance_unjudgeable(clean, fault) -> str | None:
+    """Why an invariance fault cannot be caught on this backend (its row, or the run it needs, is n/a in
+    the clean check), or None."""
+    row = invariance_row(clean, fault.kind)
+    if row is None:
+        return "the check ran no invariance rows"
+    if row["status"] == Status.NA:
+        return f"its row is n/a: {row.get('detail')}"
+    if fault.name == "chunk_forgets_cache" and not any("+" in x.get("run", "") and x["status"] != Status.NA
+                                                       for x in row.get("runs", [])):
+        return f"the chunked row has no chunk after a first longer than a token: {row.get('detail')}"
+    return None
 
 
 def new_rows(faulted, clean) -> list:

@@ -37,8 +37,8 @@ from models.faults import catalogue as faults
 from oracle.backend import GIB, CheckSpec, InputError, MemoryRefusal, available_memory
 from oracle.check import resident_bytes, run_check
 from oracle.reports.result import Status, place
-from oracle.selftest.judge import (error_of, measured_failure, new_rows, new_worst, noise_ratio, point_exposed, raised,
-                                   same_numbers, worst_summary)
+from oracle.selftest.judge import (INVARIANCE, error_of, invariance_localised, invariance_unjudgeable, measured_failure,
+                                   new_rows, new_worst, noise_ratio, point_exposed, raised, same_numbers, worst_summary)
 from oracle.selftest.result import AlarmRow, FaultRow, SelftestResult, resumable
 from oracle.source.sources import model_source
 from oracle.source.validation import validate
@@ -435,15 +435,22 @@ def run_selftest(backend_name: str, families=None, seeds=(0, 1, 2), fault_names=
                     continue
                 expected = {"layer": fault.layer(args), "kind": fault.kind}
                 base_run = clean_at(at)
+                if fault.kind.startswith(INVARIANCE) and (why_not := invariance_unjudgeable(base_run, fault)):
+                    add(res.not_applicable, {"family": family, "fault": fault.name, "why": why_not})
+                    continue
                 # the targeted block fails without the fault: the family's known divergence is there
                 masked = base_run.status == Status.XFAIL and any(
                     (b.layer, b.kind) == (expected["layer"], expected["kind"]) and b.status in (Status.FAIL, Status.ERROR)
                     for b in base_run.blocks)
                 w = worst_summary(new_worst(r, base_run))
                 # localised: the worst row is the fault's block and holds a measured value (a null is a
-                # malformed output the containment reports, not a place)
+                # malformed output the containment reports, not a place); an invariance fault: its row fails
                 localized = bool(w) and (w["layer"], w["kind"]) == (expected["layer"], expected["kind"]) \
                     and w["value"] is not None
+                if fault.kind.startswith(INVARIANCE):
+                    expected["layer"] = None
+                    w = invariance_localised(r, base_run, fault.kind) or w
+                    localized = w is not None and w["kind"] == fault.kind
                 above = None
                 if relative and fault.precision == "fp32":  # how far the fault is above the precision's noise
                     above = noise_ratio(checks.run(replace(spec, precision="fp32"), variant, name), r, expected, base_run)

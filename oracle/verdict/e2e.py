@@ -181,7 +181,8 @@ class ReplayAhead:
             keep(key, noise)  # under the whole plan's key, where run_e2e's replay asks
 
 
-def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None, exact=None, align=None):
+def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, noise=None, exact=None, align=None,
+            keep: dict | None = None):
     """The candidate's prefill and decode steps, fed the reference's tokens, judged. `collect` (a
     list) receives (step, reference rows, candidate rows) for each step the candidate answered.
     `noise` (oracle/verdict/noise.py, reduced precisions): each step is judged against HF's own logits
@@ -194,11 +195,13 @@ def run_e2e(ref, cand, spec, reduction: int = 0, collect: list | None = None, no
     compared with the reference's; each difference is a tie or a router divergence (which fails), and
     where any differs, `align(plan)` (plan: layer -> [indices per step]) gives (HF fp32, HF at the
     precision, fp64's callable) with the candidate's selection forced, against which the steps are
-    judged; the plain comparison is kept beside (`routing.plain`). No step is excused.
-    Returns (E2E, the logits dtype gate or None)."""
+    judged; the plain comparison is kept beside (`routing.plain`). No step is excused. `keep` (a dict) receives
+    the candidate's raw answers, routes and error. Returns (E2E, the logits dtype gate or None)."""
     lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend), reduction)
     selections = [] if getattr(ref, "index_selected", None) else None
     answers, routes, error = candidate_steps(ref, cand, selections)
+    if keep is not None:  # the path's raw answers, for the invariance rows (oracle/verdict/invariance.py)
+        keep.update(answers=answers, routes=routes, error=error)
     reported = bool(routes) and all(r is not None for r in routes)
     rule = thresholds.exact(spec.precision)
     exact_once = _once(exact) if exact is not None else None

@@ -81,7 +81,10 @@ class SelectionLog:
             idx = out[0] if isinstance(out, tuple) else out
             idx = idx.detach().cpu().numpy().astype(np.int64)
             scores = None if self.scores is None else self.scores.detach().float().cpu().numpy()
-            idx = idx.reshape(-1, idx.shape[-1])
+            if idx.ndim == 4:  # one choice per head [B, heads, T, k]: one row per query (per_query)
+                idx, scores = per_query(idx, scores)
+            # (rows counted, not -1: an indexer with nothing to choose yet returns k = 0, HF DeepSeek-V4's first token)
+            idx = idx.reshape(int(np.prod(idx.shape[:-1])), idx.shape[-1])
             self.entries.append((layer, idx, None if scores is None else scores.reshape(idx.shape[0], -1)))
         return fn
 
@@ -101,6 +104,31 @@ class SelectionLog:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def per_query(idx: np.ndarray, scores: np.ndarray | None) -> tuple:
+    """An indexer whose heads each choose ([B, heads, T, k], with its scores [B, heads, T, keys]: MiniMax-M3's block
+    indexer, one choice of blocks per kv head) as one row per query: [B, T, heads · k] entries key · heads + head
+    (-1, no key, kept) into the scores laid out [B, T, keys · heads]. The numbering does not depend on how many keys
+    a side scores (a static cache's or HF's growing one), so both sides' rows compare as sets of (key, head)."""
+    B, H, T, k = idx.shape
+    rows = np.where(idx >= 0, idx * H + np.arange(H)[None, :, None, None], -1).transpose(0, 2, 1, 3)
+    if scores is not None:
+        scores = np.asarray(scores).reshape(B, H, T, -1).transpose(0, 2, 3, 1).reshape(B, T, -1)
+    return rows.reshape(B, T, H * k), scores
+
+
+def per_head(rows: np.ndarray, heads: int, k: int) -> np.ndarray:
+    """per_query's rows [B, T, m] back as one choice per head [B, heads, T, k]: each head's keys (each once, by
+    number), -1 filling (a head given fewer than k) or cut to k."""
+    B, T, _ = rows.shape
+    out = np.full((B, heads, T, k), -1, np.int64)
+    for b in range(B):
+        for t in range(T):
+            for h in range(heads):
+                mine = sorted({int(e) // heads for e in rows[b, t] if e >= 0 and e % heads == h})[:k]
+                out[b, h, t, :len(mine)] = mine
+    return out
 
 
 def _limits(precision: str, kind: str, family: str, backend: str) -> dict:
@@ -149,8 +177,11 @@ def forced_keys(layers, plan: dict):
             counts[layer] = n + 1
             if n >= len(calls) or calls[n] is None:
                 return None
-            want = torch.as_tensor(calls[n]).reshape(*out.shape[:-1], -1)
             k = out.shape[-1]
+            if out.dim() == 4:  # a choice per head (per_query's rows): each head's own keys
+                rows = np.asarray(calls[n]).reshape(out.shape[0], out.shape[2], -1)
+                return torch.as_tensor(per_head(rows, out.shape[1], k)).to(device=out.device, dtype=out.dtype)
+            want = torch.as_tensor(calls[n]).reshape(*out.shape[:-1], -1)
             want = want[..., :k] if want.shape[-1] >= k else torch.cat(
                 [want, want[..., :1].expand(*want.shape[:-1], k - want.shape[-1])], dim=-1)
             return want.to(device=out.device, dtype=out.dtype)

@@ -189,6 +189,7 @@ class MlxCandidate(Candidate):
     """forward (prefill / decode) and the block methods of the check's program."""
 
     block_mode = "isolated"
+    no_batch = "the delegate's program is exported for one sequence (batch 1)"
 
     def __init__(self, program, info: dict, dtype, production_hist: dict, family: str, tiny: bool,
                  sparse_layers: tuple = ()):

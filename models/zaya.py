@@ -1,0 +1,58 @@
+"""ZAYA (zaya, Zyphra's ZAYA1): compressed convolutional attention (CCA: q and k through two causal convolutions plus
+a residual path, the values half from the current token and half from the previous one, q and k l2-normed to
+sqrt(head_dim) with a learned key scale per kv head; models/layers/cca.py) with partial rotary per layer type
+("hybrid" full, "hybrid_sliding" sliding-window layers); an MLP router whose down-projection of the hidden state is
+carried to the next layer's router (the cross-layer state, scaled there), softmax over the experts and one skip expert
+(no computation, weight 0), the choice on the probabilities plus balancing biases (fp32), top-1; Qwen3-MoE's experts;
+each residual add scaled with biases on both sides (ZayaResidualScaling), the stream kept in fp32; the embeddings
+scaled with a bias; a tied head (optionally biased). Mechanisms: models/layers/cca.py, models/layers/zaya_router.py
+(ModelArgs.zaya)."""
+
+from __future__ import annotations
+
+from models.args import FULL, SLIDING, AttentionArgs, ModelArgs, RopeArgs, RouterArgs, ZayaArgs
+from models.mapping import hf_args, require
+
+TYPES = {"hybrid": FULL, "hybrid_sliding": SLIDING}
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=8, num_experts_per_tok=1, moe_intermediate_size=32, router_hidden_size=32, cca_time0=2, cca_time1=2,
+    # a full layer, a sliding-window one (the window shorter than the prompts), a full one
+    layer_types=["hybrid", "hybrid_sliding", "hybrid"], sliding_window=4, max_position_embeddings=256,
+    # the release's partial rotary on half of each head, the tiny thetas low enough to rotate the tiny head's few
+    # frequencies across a prompt
+    rope_parameters={"hybrid": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                     "hybrid_sliding": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5}},
+    tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+)
+
+
+def rope(c) -> RopeArgs:
+    """The "hybrid" layers' rope as the model's, the "hybrid_sliding" layers' as its `sliding` where it differs."""
+    rp = c.rope_parameters
+
+    def of(kind: str) -> RopeArgs:
+        p = rp.get(kind) or rp.get("hybrid")
+        require(p.get("rope_type", "default") == "default", f"zaya: rope_type {p.get('rope_type')!r} (default only)")
+        return RopeArgs(float(p["rope_theta"]), partial_rotary_factor=float(p.get("partial_rotary_factor", 1.0)))
+
+    full, sliding = of("hybrid"), of("hybrid_sliding")
+    return full if sliding == full else RopeArgs(full.theta, partial_rotary_factor=full.partial_rotary_factor,
+                                                 sliding=sliding)
+
+
+def to_args(c) -> ModelArgs:
+    require(c.hidden_act == "silu", f"zaya: hidden_act {c.hidden_act!r} (the experts are SwiGLU)")
+    require(not c.attention_bias, "zaya: attention_bias (the release has none; CCA's first delayed value would be "
+                                  "v_proj_delayed's bias)")
+    require(set(c.layer_types) <= set(TYPES), f"zaya: unknown layer_types {sorted(set(c.layer_types))}")
+    return hf_args(
+        c, "zaya", layer_types=tuple(TYPES[t] for t in c.layer_types), rope=rope(c),
+        attention=AttentionArgs(sliding_window=c.sliding_window),
+        num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size,
+        # softmax over the experts and the skip expert; the choice on the probabilities plus the balancing biases
+        # (fp32, HF's buffer), the weight the chosen probability (not renormalised)
+        router=RouterArgs(correction_bias=True), lm_head_bias=c.lm_head_bias,
+        zaya=ZayaArgs(cca_time0=c.cca_time0, cca_time1=c.cca_time1, router_hidden_size=c.router_hidden_size),
+    )
