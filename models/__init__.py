@@ -35,7 +35,6 @@ UNSUPPORTED = {
     "glm5_next": "GLM-5-Next's text model: KDA beside NoPE MLA with DSA, and mHC hyper-connections",
     "mistral_large4": "Mistral-Large-4's text model: DSA with KV sharing and NoPE layers, the log-position q scale",
     "inkling2": "Inkling2's L2 clips, dynamic short convolution, block attention residuals and softcapped SwiGLU",
-    "zaya": "ZAYA's CCA attention (convolved q/k, delayed v) and its MLP router with cross-layer state",
     # issue 76's families not built yet (each can be built here: the mechanism is missing, not a tool)
     "beam": "the position-dependent query scale (1 + p/2048)^0.1 of its NoPE layers, the head gate with a bias, "
             "depth-scaled residuals",

@@ -37,7 +37,7 @@ RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2, LIGHTNING, KDA)
 # DeepSeek sparse attention's indexer: its key cache and (a layer whose selection later layers share) its selection
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state",
                  "index_key_cache", "index_selection", "ngram_context", "compress_kv", "compress_gate",
-                 "call_tokens")
+                 "call_tokens", "router_state")
 
 
 def from_json(cls, d: dict):

@@ -10,8 +10,11 @@ scaled with a bias; a tied head (optionally biased). Mechanisms: models/layers/c
 
 from __future__ import annotations
 
+import functools
+
 from models.args import FULL, SLIDING, AttentionArgs, ModelArgs, RopeArgs, RouterArgs, ZayaArgs
-from models.mapping import hf_args, require
+from models.family import Family
+from models.mapping import hf_args, require, sanitize_hf
 
 TYPES = {"hybrid": FULL, "hybrid_sliding": SLIDING}
 
@@ -56,3 +59,59 @@ def to_args(c) -> ModelArgs:
         router=RouterArgs(correction_bias=True), lm_head_bias=c.lm_head_bias,
         zaya=ZayaArgs(cca_time0=c.cca_time0, cca_time1=c.cca_time1, router_hidden_size=c.router_hidden_size),
     )
+
+
+def sanitize(weights: dict, args: ModelArgs) -> dict:
+    """HF's names are the release's and the production model's (models/layers/cca.py, zaya_router.py): `model.`
+    stripped, the tied head."""
+    return sanitize_hf(weights, args)
+
+
+def router_output(out, args: ModelArgs):
+    """HF's ZayaRouter returns (logits [N, E + 1], the chosen probability [N, k], indices [N, k], its state) with the
+    skip expert masked to index 0 at weight 0 for its experts' one-hot: the skip expert is a choice, restored as index
+    E (a chosen probability is never 0 otherwise: a softmax's)."""
+    logits, weights, idx = out[:3]
+    return logits, weights, idx.masked_fill((weights == 0) & (idx == 0), args.num_experts)
+
+
+def router_input(out, weights, idx, args: ModelArgs):
+    """router_output's inverse: HF's output with the given choice, the skip expert masked as HF masks it."""
+    skip = idx == args.num_experts
+    return out[0], weights.masked_fill(skip, 0), idx.masked_fill(skip, 0), *out[3:]
+
+
+# the router's output projection drawn wide (the probabilities of its MLP's logits at std 0.1 differ by ~0.02: the
+# balancing biases would make every choice), the balancing biases (HF's fp32 buffer, the choice only) at 0.02: both
+# decide, and every expert and the skip expert are chosen on some tokens; the scales around 1
+TINY_STD = {"out_proj.weight": 1.0, "balancing_biases": 0.02, "residual_scale": (1.0, 0.2), "hidden_states_scale": (1.0, 0.2),
+            "router_states_scale": (1.0, 0.3), "input_hidden_states_scale": (1.0, 0.2), "qk_norm.temp": (1.0, 0.3)}
+
+@functools.cache
+def reference():
+    """HF's ZayaForCausalLM keeping the checkpoint's skip-expert balancing bias. **HF 5.23 bug, measured:** its
+    _init_weights, which from_pretrained runs on every module after loading, writes balancing_biases[-1] = -1.0 outside
+    the guarded init functions (`# trf-ignore: TRF012`), over the value loaded: the model HF runs is not the
+    checkpoint's (the tiny checkpoint's logits 0.10 max abs apart from the checkpoint's model, seed 0; the production
+    model reads the checkpoint). Here a loaded bias is put back after HF's init; a fresh model keeps HF's -1.0."""
+    from transformers.models.zaya import modeling_zaya as z
+
+    class ZayaForCausalLM(z.ZayaForCausalLM):
+        def _initialize_missing_keys(self, *args, **kwargs):
+            routers = [m for m in self.modules() if isinstance(m, z.ZayaRouter)]
+            loaded = [r.balancing_biases.detach().clone() for r in routers]
+            super()._initialize_missing_keys(*args, **kwargs)
+            for r, bias in zip(routers, loaded):
+                if getattr(r.balancing_biases, "_is_hf_initialized", False):  # (loaded, not missing)
+                    r.balancing_biases.copy_(bias)
+
+    ZayaForCausalLM.__module__ = z.__name__  # (its architectures entry and class are HF's)
+    ZayaForCausalLM.__qualname__ = "ZayaForCausalLM"
+    return ZayaForCausalLM
+
+
+FAMILY = Family(
+    name="zaya", model_types=("zaya",), hf_module="zaya", hf_class_name="ZayaForCausalLM", hf_config_name="ZayaConfig",
+    tiny_config=TINY, to_args=to_args, sanitize=sanitize, tiny_std=TINY_STD, router_output=router_output,
+    router_input=router_input, hf_router_bias="mlp.gate.balancing_biases", hf_reference=reference,
+)

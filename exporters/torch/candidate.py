@@ -12,7 +12,7 @@ from models.args import STATE_BUFFERS, layer_kinds
 from models.layers.hash_router import feed_tokens
 from models.layers.moe import SparseMoE
 from models.layers.sampling import Sampler, check_args
-from models.layers.transformer import Transformer, block_fn, reset_state
+from models.layers.transformer import Transformer, alone, block_fn, reset_state
 from oracle.backend import Candidate, Option
 from oracle.drill import points
 from oracle.verdict.replay import RouteLog
@@ -194,7 +194,8 @@ class TorchCandidate(Candidate):
         for c in calls:
             if c.tokens:  # a block that reads the call's token ids (DeepSeek-V4's hash routers) gets them
                 feed_tokens(module, torch.tensor([list(c.tokens)], device=dev))
-            outs.append(host(fn(c.x.to(dev, self.dtype), c.pos.to(dev))))
+            with alone(module) if c.probe else contextlib.nullcontext():  # (a probe: no other layer's state)
+                outs.append(host(fn(c.x.to(dev, self.dtype), c.pos.to(dev))))
             settle_routes(self)
         return outs
 

@@ -49,6 +49,7 @@ from models.layers.ple import PLE
 from models.layers.qsa import QSAAttention
 from models.layers.product_key_moe import ProductKeyMoE
 from models.layers.short_conv import ShortConv
+from models.layers.zaya_router import alone, link_routers, zaya_layer, zaya_stream  # noqa: F401  (alone: a probe)
 
 
 class DecoderLayer(nn.Module):
@@ -128,6 +129,8 @@ class DecoderLayer(nn.Module):
             gated_layer(self, a)
             if a.ple is not None and i in a.ple.layers:
                 self.ple = PLE(a, a.ple.layers.index(i), dtype)
+        if a.zaya is not None:  # ZAYA: CCA attention, its router's cross-layer state, scaled residuals
+            zaya_layer(self, a, i, dtype)
 
     @property
     def attn(self) -> nn.Module:
@@ -140,6 +143,8 @@ class DecoderLayer(nn.Module):
     def stream(self, x, pos):  # the stream after the layer's blocks
         if hasattr(self, "attn_hyper_connection"):  # Qwen4-Exp (models/layers/gated_residual.py)
             return gated_stream(self, x, pos)
+        if hasattr(self, "post_mlp_residual_scale"):  # ZAYA (models/layers/zaya_router.py)
+            return zaya_stream(self, x, pos)
         if self.hyper:  # DeepSeek-V4, HY-V4, GLM-5.3: each block between a collapse and an expansion of the streams
             return hyper_stream(self, x, pos)
         if self.parallel:  # Cohere: attention and MLP on the same normed input, both onto the residual
@@ -202,6 +207,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a, i, dtype) for i in range(a.num_hidden_layers))
         if a.attention.dsa is not None and a.attention.dsa.shared:  # GLM-5: shared layers read a full layer's choice
             link_sources(self.layers)
+        if a.zaya is not None:  # ZAYA: the embeddings scaled with a bias; each router reads the previous one's state
+            self.input_hidden_states_scale = nn.Parameter(torch.ones(a.hidden_size))
+            self.input_hidden_states_bias = nn.Parameter(torch.zeros(a.hidden_size))
+            link_routers(self.layers)
         if a.hyper is not None:  # the streams collapsed before the final norm
             self.hc_head = HyperHead(a.hyper, a.hidden_size)
         if a.muse is not None:  # Muse Spark: the embeddings weightless-normed
@@ -217,6 +226,8 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         if hasattr(self, "embed_norm"):
             x = self.embed_norm(x)
+        if self.args.zaya is not None:
+            x = (x + self.input_hidden_states_bias) * self.input_hidden_states_scale
         if self.args.multipliers.embedding != 1.0:  # Granite
             x = x * self.args.multipliers.embedding
         if self.args.hyper is not None:
@@ -257,6 +268,7 @@ def block_fn(model: Transformer, layer: int | None, kind: str):
     module = model.get_submodule(block_path(model.args, layer, kind))
     if kind in ("attention", "layer"):
         return module, module
+    at = (lambda pos: (pos,)) if getattr(module, "takes_pos", False) else (lambda pos: ())  # (ZAYA's: its state)
     if kind == "router":
-        return module, lambda x, pos: module(x.reshape(-1, x.shape[-1]))
-    return module, lambda x, pos: module(x)
+        return module, lambda x, pos: module(x.reshape(-1, x.shape[-1]), *at(pos))
+    return module, lambda x, pos: module(x, *at(pos))

@@ -4,19 +4,24 @@
     logits = out_proj(gelu(fc2(gelu(fc1(RMSNorm(r))))))      E + 1 classes: the experts and the skip expert
     p      = softmax(logits);  choice = top-1 of p (fp32) + balancing_biases;  weight = p[choice], 0 for the skip expert
 
-r is the cross-layer state: each router keeps it per position in `router_state` [1, S, R] (a static buffer, written at
+r is the cross-layer state: each router keeps it per position in `router_state` [B, S, R] (a state buffer, written at
 the call's positions) and the next layer's router reads it there (`link_routers`: the same positions of the same call,
-or, for a block run alone, those its previous layer's block wrote on the reference's inputs). The router returns the
-real choice (the skip expert as index E, weight 0: what the routes record); its MoE block runs expert 0 at weight 0
-there, as HF's masked index does."""
+or, for a block run alone, those its previous layer's block wrote on the reference's inputs; an expert probe, a block
+run `alone`, reads none and writes none, as HF's probe calls its router with no state). The router returns the real
+choice (the skip expert as index E, weight 0: what the routes record); its MoE block (ZayaMoE) runs expert 0 at weight
+0 there, as HF's masked index does. Both take the call's positions (`takes_pos`: models.layers.transformer.block_fn)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.args import ModelArgs
+from models.layers.experts import Experts
+from models.layers.moe import SparseMoE
 from models.layers.norms import RMSNorm
 from models.layers.taps import tap
 
@@ -34,7 +39,9 @@ class RouterMLP(nn.Module):
 
 
 class ZayaRouter(nn.Module):
-    """x [N, H] at positions pos [N] -> weights [N, 1], indices [N, 1] (the skip expert: index E, weight 0)."""
+    """x [B*T, H] at positions pos [T] -> weights [B*T, k], indices [B*T, k] (the skip expert: index E, weight 0)."""
+
+    takes_pos = True
 
     def __init__(self, a: ModelArgs, layer: int, dtype=torch.float32):
         super().__init__()
@@ -48,14 +55,19 @@ class ZayaRouter(nn.Module):
         self.balancing_biases = nn.Parameter(torch.zeros(E + 1))  # (HF's fp32 buffer, the choice only)
         self.register_buffer("router_state", torch.zeros(1, a.max_seq_len, R, dtype=dtype))
         self.passed = True  # read at every call: a seeded fault leaves the previous layer's state out
+        self.scaled = True  # ... a seeded fault adds it unscaled
         self.skip_weighted = False  # ... a seeded fault gives the skip expert its probability as a weight
+        self.alone = False  # an expert probe (`alone`): no state read or written
         self._source = ()  # the previous layer's router (link_routers), not a submodule
 
     def forward(self, x, pos):
         r = self.down_proj(x)
-        if self.use_eda and self.passed and self._source:
-            r = r + self._source[0].router_state[0, pos] * self.router_states_scale
-        self.router_state[0, pos] = r
+        B, R = self.router_state.shape[0], r.shape[-1]  # (B: a batch widens the state, batched_state)
+        if self.use_eda and self.passed and self._source and not self.alone:
+            prev = self._source[0].router_state[:, pos].reshape(-1, R)
+            r = r + (prev * self.router_states_scale if self.scaled else prev)
+        if not self.alone:
+            self.router_state[:, pos] = r.reshape(B, -1, R)
         logits = tap("logits", self.router_mlp(r))
         probs = tap("scores", torch.softmax(logits, dim=-1))
         choice = tap("selection", probs.float() + self.balancing_biases.float())
@@ -64,6 +76,56 @@ class ZayaRouter(nn.Module):
         if not self.skip_weighted:
             w = w.masked_fill(idx == self.skip, 0.0)
         return tap("weights", w), idx.clone()
+
+
+class ZayaMoE(SparseMoE):
+    """ZAYA's MoE block, a SparseMoE (its router at `gate`: what the backends record a selection from): its router
+    (with the cross-layer state, at the call's positions) and Qwen3-MoE's experts, the skip expert run as expert 0 at
+    weight 0 (HF's masked index). x [B, T, H], pos [T] -> [B, T, H]."""
+
+    takes_pos = True
+
+    def __init__(self, a: ModelArgs, layer: int, dtype=torch.float32):
+        nn.Module.__init__(self)  # (not SparseMoE's: its router is ZAYA's, no shared expert)
+        self.gate = ZayaRouter(a, layer, dtype)
+        self.experts = Experts(a)
+        self.E = a.num_experts
+
+    def forward(self, x, pos):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, idx = self.gate(x, pos)
+        return self.experts(x, idx.masked_fill(idx == self.E, 0), w).view(shape)
+
+
+@contextlib.contextmanager
+def alone(module: nn.Module):
+    """Every ZAYA router under `module` run alone while inside (an expert probe: HF's calls its router with no
+    previous layer's state; nothing written for the next layer)."""
+    routers = [m for m in module.modules() if isinstance(m, ZayaRouter)]
+    for r in routers:
+        r.alone = True
+    try:
+        yield
+    finally:
+        for r in routers:
+            r.alone = False
+
+
+def zaya_layer(layer: nn.Module, a: ModelArgs, i: int, dtype=torch.float32) -> None:
+    """Give a production DecoderLayer (models/layers/transformer.py) ZAYA's attention, MoE block and residual scalings."""
+    from models.layers.cca import CCAAttention
+
+    layer.self_attn = CCAAttention(a, dtype, i)
+    layer.mlp = ZayaMoE(a, i, dtype)
+    layer.post_attention_residual_scale = ResidualScaling(a.hidden_size)
+    layer.post_mlp_residual_scale = ResidualScaling(a.hidden_size)
+
+
+def zaya_stream(layer: nn.Module, x, pos):
+    """The stream after a ZAYA layer: each block's output and the residual scaled (with biases) and summed."""
+    h = layer.post_attention_residual_scale(layer.self_attn(layer.input_layernorm(x), pos), x)
+    return layer.post_mlp_residual_scale(layer.mlp(layer.post_attention_layernorm(h), pos), h)
 
 
 def link_routers(layers) -> None:

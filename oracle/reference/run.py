@@ -155,7 +155,8 @@ def call_router(router, x):
     # reads [B, T, H], LFM2's [N, H]; three dims before any call)
     if ROUTER_RANK[router] == 3:
         x = x.reshape(1, -1, x.shape[-1])
-    return router(x, getattr(holder, name))
+    # (a bias the router holds itself under another name: ZAYA's balancing_biases; its second input is other state)
+    return router(x) if holder is router else router(x, getattr(holder, name))
 
 
 def router_weight(router):
