@@ -87,6 +87,25 @@ def router_input(out, weights, idx, args: ModelArgs):
 TINY_STD = {"out_proj.weight": 1.0, "balancing_biases": 0.02, "residual_scale": (1.0, 0.2), "hidden_states_scale": (1.0, 0.2),
             "router_states_scale": (1.0, 0.3), "input_hidden_states_scale": (1.0, 0.2), "qk_norm.temp": (1.0, 0.3)}
 
+def point_view(points, args: ModelArgs, layer=None):
+    """The drill's points of HF's CCA (Family.hf_point_view): its two convolutions' outputs are channels-first [B, C, L]
+    with L the call's tokens plus the carried inputs still in the second's window (rows the drill cannot line up by
+    token): the second's, trimmed to the call's tokens by its conv, is the `conv` point [B, T, C] (the production
+    model's tap), the first's left out (inside the same composition on both sides)."""
+    import copy
+
+    import numpy as np
+
+    out = copy.copy(points)
+    out.clear()
+    for name, values in points.items():
+        if name.endswith("qkv_proj.conv_qk_grouped"):
+            out["conv"] = [np.swapaxes(np.asarray(v), 1, 2) for v in values]
+        elif not name.endswith("qkv_proj.conv_qk_depthwise"):
+            out[name] = values
+    return out
+
+
 @functools.cache
 def reference():
     """HF's ZayaForCausalLM keeping the checkpoint's skip-expert balancing bias. **HF 5.23 bug, measured:** its
@@ -114,4 +133,5 @@ FAMILY = Family(
     name="zaya", model_types=("zaya",), hf_module="zaya", hf_class_name="ZayaForCausalLM", hf_config_name="ZayaConfig",
     tiny_config=TINY, to_args=to_args, sanitize=sanitize, tiny_std=TINY_STD, router_output=router_output,
     router_input=router_input, hf_router_bias="mlp.gate.balancing_biases", hf_reference=reference,
+    hf_point_view=point_view,
 )

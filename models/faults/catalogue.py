@@ -40,6 +40,9 @@ from models.faults.inkling import NOT_FOR as NOT_FOR_INKLING
 from models.faults.inkling import POINTS as INKLING_POINTS
 from models.faults.qsa import QWEN4
 from models.faults.qsa import POINTS as QWEN4_POINTS
+from models.faults.zaya import NOT_FOR as NOT_FOR_ZAYA
+from models.faults.zaya import POINTS as ZAYA_POINTS
+from models.faults.zaya import ZAYA
 from models.faults.gated_deltanet import gdn_chunked_prefill, gdn_conv_state_not_carried, gdn_state_not_carried
 from models.faults.kda import (kda_conv_state_not_carried, kda_decay_per_head, kda_decay_sign, kda_gate_bound_dropped,
                                kda_output_gate_no_sigmoid, kda_state_not_carried)
@@ -284,7 +287,7 @@ VARIANTS: tuple[Fault, ...] = (
 
 
 # (Gemma 4's: models/faults/gemma4.py; A.X-K2's and dots3's: models/faults/dsa2.py)
-CATALOGUE: tuple[Fault, ...] = COMMON + BIASED_ROUTING_AND_MLA + VARIANTS + GEMMA4 + DSA2 + BLOCK_SPARSE + DOGE + INKLING + MUSE_SPARK + HYPER + INVARIANCE + DEEPSEEK_V4 + QWEN4
+CATALOGUE: tuple[Fault, ...] = COMMON + BIASED_ROUTING_AND_MLA + VARIANTS + GEMMA4 + DSA2 + BLOCK_SPARSE + DOGE + INKLING + MUSE_SPARK + HYPER + INVARIANCE + DEEPSEEK_V4 + QWEN4 + ZAYA
 
 
 def get(name: str) -> Fault:
@@ -295,8 +298,10 @@ def get(name: str) -> Fault:
 
 
 def applicable(a: ModelArgs) -> list[Fault]:
-    # (Inkling's router and attention do not run the code of NOT_FOR_INKLING's faults: models/faults/inkling.py)
-    return [f for f in CATALOGUE if f.is_applicable(a) and not (a.inkling is not None and f.name in NOT_FOR_INKLING)]
+    # (Inkling's router and attention do not run the code of NOT_FOR_INKLING's faults: models/faults/inkling.py; ZAYA's
+    # router NOT_FOR_ZAYA's: models/faults/zaya.py)
+    return [f for f in CATALOGUE if f.is_applicable(a) and not (a.inkling is not None and f.name in NOT_FOR_INKLING)
+            and not (a.zaya is not None and f.name in NOT_FOR_ZAYA)]
 
 
 # The point inside its block each fault breaks (oracle/drill/points.py): what the drill-down should name
@@ -383,4 +388,5 @@ POINTS: dict[str, str | tuple | None] = {
     **MUSE_SPARK_POINTS,
     **INVARIANCE_POINTS,
     **QWEN4_POINTS,
+    **ZAYA_POINTS,
 }
