@@ -32,7 +32,6 @@ UNSUPPORTED = {
     # issue 78's families not built yet (the mechanism is missing, not a tool)
     "longcat_flash": "zero-computation experts and shortcut-connected MoE",
     # issue 79's families not built yet (each entry leaves when its family's file lands)
-    "glm5_next": "GLM-5-Next's text model: KDA beside NoPE MLA with DSA, and mHC hyper-connections",
     "mistral_large4": "Mistral-Large-4's text model: DSA with KV sharing and NoPE layers, the log-position q scale",
     "inkling2": "Inkling2's L2 clips, dynamic short convolution, block attention residuals and softcapped SwiGLU",
     # issue 76's families not built yet (each can be built here: the mechanism is missing, not a tool)

@@ -37,7 +37,7 @@ RECURRENT = (LINEAR, CONV, MAMBA, MAMBA2, LIGHTNING, KDA)
 # DeepSeek sparse attention's indexer: its key cache and (a layer whose selection later layers share) its selection
 STATE_BUFFERS = ("k_cache", "v_cache", "latent_cache", "rope_key_cache", "conv_state", "recurrent_state",
                  "index_key_cache", "index_selection", "ngram_context", "compress_kv", "compress_gate",
-                 "call_tokens", "router_state")
+                 "call_tokens", "router_state", "index_gate_cache")
 
 
 def from_json(cls, d: dict):
@@ -174,6 +174,7 @@ class MLA:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int = 0  # 0: q_proj directly
+    norm_eps: float = 1e-6  # the q and kv latents' RMSNorm eps (DeepSeek's 1e-6; GLM-5.3's rms_norm_eps)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,10 @@ class DSA:
     rope_last: bool = False  # the rotation on the last qk_rope_head_dim dims of q and k (HY-V4), not the first
     k_norm_eps: float = 1e-6  # the keys' LayerNorm eps (HY-V4: rms_norm_eps)
     k_norm_fp32: bool = False  # the keys' LayerNorm in fp32, its weights kept fp32 (HY-V4's _keep_in_fp32_modules)
+    # GLM-5.3's k-pool indexer (models/layers/dsa_pool.py): pools of `kpool` keys scored and chosen (index_topk / kpool
+    # of them), each pool's key a learned softmax mix of its keys; kpool_tail: the incomplete last pool always kept
+    kpool: int = 0
+    kpool_tail: bool = True
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,9 @@ class Family:
     experts: str = "num_experts"
     top_k: str = "num_experts_per_tok"
     rules: tuple = ()
+    # COMMON_RULES' "positive" fields the family's HF config sets to 0 by design (GLM-5.3's head_dim: HF's "the rotary
+    # dims", 0 on its NoPE attention), left out of those rules
+    not_positive: tuple = ()
     # how HF's fused experts.gate_up_proj holds gate and up (its forward splits them, the module does
     # not say how): "rows" [E, 2I, H] gate rows then up (transformers 5's chunk(2)), "columns"
     # [E, H, 2I] gate columns then up, "interleaved" [E, H, 2I] gate in the even columns, up in the odd
@@ -140,7 +143,9 @@ class Family:
         `raw`: the file's values, whose types HF's class checks after) breaks: COMMON_RULES, the
         experts' rules and the family's own (`rules`)."""
         experts = (("positive", self.experts, self.top_k), ("at_most", self.top_k, self.experts))
-        for rule in COMMON_RULES + experts + self.rules:
+        common = tuple(r if r[0] != "positive" else (r[0], *(f for f in r[1:] if f not in self.not_positive))
+                       for r in COMMON_RULES)
+        for rule in common + experts + self.rules:
             problem = broken_rule(c, rule, raw)
             if problem:
                 raise CheckpointError(problem)

@@ -9,6 +9,7 @@ from torch import nn
 
 from models.args import ModelArgs, has_sinks
 from models.layers.dsa import Indexer, chosen_mask, has_indexer, shared_selection
+from models.layers.dsa_pool import PooledIndexer
 from models.layers.norms import RMSNorm
 from models.layers.rope import Rope, yarn_mscale
 
@@ -18,12 +19,13 @@ class LatentAttention(nn.Module):
     normalised kv latent [kv_lora_rank] and one rotary key shared by every head [qk_rope]
     (latent_cache [B, S, r], rope_key_cache [B, S, dr]); keys and values are expanded from the
     latent by kv_b_proj at every call. q.k runs over qk_nope + qk_rope dims per head; the
-    values have v_head_dim. The low-rank norms use eps 1e-6 (HF's, not rms_norm_eps). A layer that does not rotate
-    (RopeArgs.per_layer: Kimi-Linear's NoPE MLA) keeps the qk_rope dims of q and of the shared key unrotated. A head
+    values have v_head_dim. The low-rank norms use eps MLA.norm_eps (HF's 1e-6; GLM-5.3's rms_norm_eps). A layer
+    that does not rotate (RopeArgs.per_layer: Kimi-Linear's NoPE MLA; GLM-5.3's has no qk_rope dims) keeps the qk_rope dims of q and of the shared key unrotated. A head
     gate (AttentionArgs.gate_act, gate_width "head": Bailing-hybrid's g_proj) scales each head's output by the
     activation (fp32, then the model's dtype) of its own projection of the attention's input, before o_proj.
     DeepSeek sparse attention (AttentionArgs.dsa, models/layers/dsa.py): each query attends only to the keys its
-    layer's `indexer` chooses (or, a shared layer, the previous full layer's: `source`, linked by the model)."""
+    layer's `indexer` chooses (or, a shared layer, the previous full layer's: `source`, linked by the model); GLM-5.3's
+    indexer chooses pools of keys (DSA.kpool: models/layers/dsa_pool.py)."""
 
     def __init__(self, a: ModelArgs, dtype=torch.float32, layer: int = 0):
         super().__init__()
@@ -33,12 +35,12 @@ class LatentAttention(nn.Module):
         qk = self.dn + self.dr
         if m.q_lora_rank:
             self.q_a_proj = nn.Linear(a.hidden_size, m.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.norm_eps)
             self.q_b_proj = nn.Linear(m.q_lora_rank, self.nh * qk, bias=False)
         else:
             self.q_proj = nn.Linear(a.hidden_size, self.nh * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, self.r + self.dr, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
+        self.kv_a_layernorm = RMSNorm(self.r, m.norm_eps)
         self.kv_b_proj = nn.Linear(self.r, self.nh * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=a.attention.o_bias)
         if a.attention.gate_act != "none":  # one gate per head (or per value channel: HY-V4) from the attention's input
@@ -61,7 +63,7 @@ class LatentAttention(nn.Module):
         self.register_buffer("cache_pos", torch.arange(S), persistent=False)
         self.dsa = a.attention.dsa is not None
         if has_indexer(a, layer):
-            self.indexer = Indexer(a, dtype, layer)
+            self.indexer = (PooledIndexer if a.attention.dsa.kpool else Indexer)(a, dtype, layer)
         self.source = None  # a shared DSA layer's: the indexer whose choice it reads (set by link_sources)
 
     def forward(self, x, pos):  # x [B, T, H], pos [T]

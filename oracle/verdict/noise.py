@@ -177,10 +177,11 @@ def _key(spec, src, prompt, routes: str = "reference", attention: str = "eager")
     from oracle.backend import builtin_source
     from oracle.cache.artifacts import key_of, versions
     from oracle.reference.run import capture_code
-    from oracle.verdict import replay
+    from oracle.verdict import replay, selection
 
-    # the code that measures: the reference's capture, the hf candidate, the routing replay and this file
-    code = hashlib.sha256(capture_code() + b"".join(Path(f).read_bytes() for f in (builtin_source("hf"), replay.__file__))
+    # the code that measures: the reference's capture, the hf candidate, the routing and key replays and this file
+    files = (builtin_source("hf"), replay.__file__, selection.__file__)
+    code = hashlib.sha256(capture_code() + b"".join(Path(f).read_bytes() for f in files)
                           + Path(__file__).read_bytes()).hexdigest()
     return key_of({"family": spec.family, "sha": src.checkpoint_sha256, "prompt": list(prompt),
                    "n": spec.decode_tokens, "precision": spec.precision, "code": code, "routes": routes,

@@ -12,6 +12,9 @@ What is recorded, on both sides, is found by role: a decoder layer's submodule n
 forward returns the selected key indices [B, S, k] (HF's DeepseekV32Indexer and its descendants, the
 production model's models/layers/dsa.py). The scores it ranks are read off the input of the last `topk`
 it calls (a TorchFunctionMode active during its forward): HF's own numbers, no second implementation.
+An indexer whose output is not as wide as that top-k's choice chose groups of keys (GLM-5.3's pools,
+models/layers/dsa_pool.py: the keys of the pools chosen, plus others always kept): what it chose is then
+the top-k's own indices, the columns of the scores it ranked.
 
 The tie bound: at least `tie_ulps` (thresholds.toml [<precision>.indexer]) units in the last place, at the
 precision's storage, of the query's largest score (oracle.verdict.metrics.score_resolution); at a precision
@@ -55,12 +58,13 @@ class SelectionLog:
         class LastTopk(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
+                out = func(*args, **kwargs)
                 if func in (torch.topk, torch.Tensor.topk) and args:
-                    log.scores = args[0]
-                return func(*args, **kwargs)
+                    log.scores, log.top = args[0], out[1]
+                return out
 
         self.entries: list = []
-        self.scores = None
+        self.scores = self.top = None
         self.mode = None
         self.handles = []
         for layer, m in modules.items():
@@ -69,7 +73,7 @@ class SelectionLog:
         self._mode_type = LastTopk
 
     def _enter(self, mod, args):
-        self.scores = None
+        self.scores = self.top = None
         self.mode = self._mode_type()
         self.mode.__enter__()
 
@@ -79,6 +83,8 @@ class SelectionLog:
                 self.mode.__exit__(None, None, None)
                 self.mode = None
             idx = out[0] if isinstance(out, tuple) else out
+            if self.top is not None and idx.dim() == 3 and idx.shape[-1] != self.top.shape[-1]:
+                idx = self.top  # a grouped choice (GLM-5.3's pools): the groups its top-k chose, the scores' columns
             idx = idx.detach().cpu().numpy().astype(np.int64)
             scores = None if self.scores is None else self.scores.detach().float().cpu().numpy()
             if idx.ndim == 4:  # one choice per head [B, heads, T, k]: one row per query (per_query)
@@ -166,30 +172,66 @@ def forced_keys(layers, plan: dict):
     """A model's indexers (over its decoder `layers`) made to keep the keys of `plan`'s "keys.<layer>" entries, one
     per call of the layer's indexer, in order (None: its own choice): its output replaced by them, cut or padded
     (with the row's first) to its own k. Where nothing else differs, HF then attends where the candidate did: the
-    routing replay's aligned reference (oracle/verdict/e2e.py)."""
+    routing replay's aligned reference (oracle/verdict/e2e.py). The top-k an indexer calls on its [B, T, n] scores
+    is given those entries too: a grouped choice (SelectionLog: the groups chosen, the keys of its output derived
+    from them) keeps its output, made from the groups forced."""
     import torch
+    from torch.overrides import TorchFunctionMode
 
     counts: dict = {}
+    active: dict = {}  # layer -> the Forced mode of its call in progress
+
+    def fit(want, k):  # rows cut or padded with their first to k
+        return want[..., :k] if want.shape[-1] >= k else torch.cat(
+            [want, want[..., :1].expand(*want.shape[:-1], k - want.shape[-1])], dim=-1)
+
+    class Forced(TorchFunctionMode):
+        def __init__(self, rows):
+            super().__init__()
+            self.rows, self.k = rows, None
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.topk, torch.Tensor.topk) and args and args[0].dim() == 3:
+                idx = fit(torch.as_tensor(self.rows).reshape(*args[0].shape[:-1], -1), out[1].shape[-1])
+                idx = idx.to(device=out[1].device, dtype=out[1].dtype)
+                self.k = idx.shape[-1]
+                return type(out)((torch.gather(args[0], -1, idx), idx))
+            return out
+
+    def enter(layer, calls):
+        def fn(mod, args):
+            n = counts.get(layer, 0)
+            active[layer] = None
+            if n < len(calls) and calls[n] is not None:
+                active[layer] = Forced(calls[n])
+                active[layer].__enter__()
+        return fn
 
     def hook(layer, calls):
         def fn(mod, args, out):
             n = counts.get(layer, 0)
             counts[layer] = n + 1
+            forced = active.pop(layer, None)
+            if forced is not None:
+                forced.__exit__(None, None, None)
             if n >= len(calls) or calls[n] is None:
                 return None
             k = out.shape[-1]
             if out.dim() == 4:  # a choice per head (per_query's rows): each head's own keys
                 rows = np.asarray(calls[n]).reshape(out.shape[0], out.shape[2], -1)
                 return torch.as_tensor(per_head(rows, out.shape[1], k)).to(device=out.device, dtype=out.dtype)
-            want = torch.as_tensor(calls[n]).reshape(*out.shape[:-1], -1)
-            want = want[..., :k] if want.shape[-1] >= k else torch.cat(
-                [want, want[..., :1].expand(*want.shape[:-1], k - want.shape[-1])], dim=-1)
-            return want.to(device=out.device, dtype=out.dtype)
+            if forced is not None and forced.k is not None and forced.k != k:  # a grouped choice: made from them
+                return None
+            return fit(torch.as_tensor(calls[n]).reshape(*out.shape[:-1], -1), k).to(device=out.device,
+                                                                                     dtype=out.dtype)
         return fn
 
     mods = indexers(layers)
-    handles = [mods[int(key[len(PLAN):])].register_forward_hook(hook(key, calls)) for key, calls in plan.items()
-               if isinstance(key, str) and key.startswith(PLAN) and int(key[len(PLAN):]) in mods]
+    chosen = [(mods[int(key[len(PLAN):])], key, calls) for key, calls in plan.items()
+              if isinstance(key, str) and key.startswith(PLAN) and int(key[len(PLAN):]) in mods]
+    handles = [h for m, key, calls in chosen for h in (m.register_forward_pre_hook(enter(key, calls)),
+                                                        m.register_forward_hook(hook(key, calls)))]
     try:
         yield
     finally:
