@@ -100,6 +100,45 @@ def test_mlir_ops_counts_ops_not_resource_names():
                                            "util.global.load": 1}
 
 
+def test_an_op_iree_cannot_lower_is_refused_by_name(tmp_path):
+    """Inkling's router weights exp(lp - logsumexp(lp)) (HF's): iree-compile 3.13 has no lowering of
+    aten.logsumexp and says only that it fails to legalize its constants; the refusal names the op."""
+    from iree.turbine import aot
+
+    from oracle.backend import InputError
+
+    class Lse(torch.nn.Module):
+        def forward(self, x):
+            return torch.exp(x - torch.logsumexp(x, dim=-1, keepdim=True))
+
+    with pytest.raises(InputError, match=r"cannot lower torch\.aten\.logsumexp \(torch\.logsumexp\)"):
+        iree_export.compile_to(aot.export(Lse(), args=(torch.zeros(2, 8),)), tmp_path / "m.vmfb")
+    # another compile failure is the compiler's error, unchanged (test_compile_failure_is_an_error_...)
+    assert iree_export.refuse_unlowered("failed to legalize operation", {"torch.aten.exp": 1}) is None
+
+
+def test_hyper_connection_layer_programs_take_their_rows_shape():
+    """A decoder layer on N residual streams is traced on its rows' input (hyper-connections [1, T*N, H], Qwen4-Exp's
+    gated residual [1, T, N*H]) at T positions, where [1, T, H] failed the export (deepseek_v4, hy_v4, qwen4_exp)."""
+    from models import get_family
+    from models.layers.transformer import Transformer
+
+    for family, shape in (("deepseek_v4", lambda a: (1, 3 * a.hyper.streams, a.hidden_size)),
+                          ("qwen4_exp", lambda a: (1, 3, a.gated_residual.streams * a.hidden_size))):
+        fam = get_family(family)
+        model = Transformer(fam.args(dict(fam.tiny_config, model_type=fam.model_types[0])))
+        model.load_state_dict({k: torch.randn_like(t) * 0.1 if t.is_floating_point() else t
+                               for k, t in model.state_dict().items()})
+        x, pos = iree_export.block_input(model, "layer", 3)
+        assert tuple(x.shape) == shape(model.args) and pos.tolist() == [0, 1, 2]
+        assert tuple(iree_export.block_input(model, "attention", 3)[0].shape) == (1, 3, model.args.hidden_size)
+        if model.args.gated_residual is not None:  # its final norm mixes the streams
+            x_norm = iree_export.block_input(model, "final_norm", 3)[0]
+            assert model.norm(x_norm).shape == (1, 3, model.args.hidden_size)
+        out = model.layers[0](x, pos)  # the layer runs on it (what the export traces)
+        assert out.numel() == x.numel()
+
+
 def test_warm_check_imports_neither_torch_nor_transformers():
     """Its candidate runs no torch (`runs_torch = False`), and a warm check reads the reference
     (numpy), the checkpoint's resolved args, the prompt and the backend's own plan from the caches:

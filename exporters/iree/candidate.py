@@ -138,7 +138,7 @@ class IreeCandidate(Candidate):
         p, weights, state = self.which[layer, kind]
         outs = []
         for c in calls:
-            entry = f"block_{p.name}_t{c.x_array.shape[1]}"
+            entry = f"block_{p.name}_t{len(c.pos_array)}"  # (a layer on N streams: x holds T*N rows)
             if entry not in self.blocks.vm_module.function_names:
                 raise ValueError(f"model.vmfb has no {entry} (compiled for T = {self.prompt_len} and 1)")
             x, pos = np.ascontiguousarray(c.x_array, np.float32), c.pos_array.astype(np.int64)
@@ -160,12 +160,12 @@ class IreeCandidate(Candidate):
         from oracle.drill.points import from_outputs
 
         p, weights, state = self.which[layer, kind]
-        vmfb, meta = self.points_program(p.name, sorted({c.x_array.shape[1] for c in calls}))
+        vmfb, meta = self.points_program(p.name, sorted({len(c.pos_array) for c in calls}))
         module = self.rt.SystemContext(vm_modules=[self.rt.VmModule.copy_buffer(self.config.vm_instance, vmfb)],
                                        config=self.config).modules.module
         fired, values = [], []
         for c in calls:
-            T = c.x_array.shape[1]
+            T = len(c.pos_array)
             x, pos = np.ascontiguousarray(c.x_array, np.float32), c.pos_array.astype(np.int64)
             res = module[f"points_{p.name}_t{T}"](*weights, *state, x, pos)
             res = res if isinstance(res, (list, tuple)) else [res]

@@ -284,18 +284,32 @@ def _export(model: Transformer, programs: dict[str, BlockProgram], prompt_len: i
         for h in hooks:
             h.remove()
     blocks = aot.FxProgramsBuilder(nn.Module())  # weights are inputs: nothing to lift
-    dtype, hidden = model.embed_tokens.weight.dtype, model.args.hidden_size
     for p in programs.values():
         for T in sorted({prompt_len, 1}):
-            export_block(blocks, p, f"block_{p.name}_t{T}", torch.zeros(1, T, hidden, dtype=dtype))
+            export_block(blocks, p, f"block_{p.name}_t{T}", block_input(model, p.kind, T))
     both = aot.FxPrograms()
     both.programs.update(fxb.programs)
     both.programs.update(blocks.programs)
     return aot.export(both)
 
 
-def export_block(builder, p: BlockProgram, name: str, x: torch.Tensor, call: nn.Module | None = None) -> None:
-    """Block program `p` at x's length into `builder` as entry point `name` (`call`: see BlockProgram.entry)."""
+def block_input(model: Transformer, kind: str, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, pos) a block of `kind` is called with at T positions: x [1, T, H], except a decoder layer's on a
+    residual widened to N streams, which is its rows' input as the reference records it: hyper-connections'
+    [1, T*N, H] (models/layers/hyper.py), Qwen4-Exp's gated residual [1, T, N*H] (models/layers/gated_residual.py: its
+    final norm's input too)."""
+    a = model.args
+    rows, width = T, a.hidden_size
+    if kind == "layer" and a.hyper is not None:
+        rows = T * a.hyper.streams
+    elif kind in ("layer", "final_norm") and a.gated_residual is not None:  # (its final norm mixes the streams)
+        width = a.hidden_size * a.gated_residual.streams
+    return torch.zeros(1, rows, width, dtype=model.embed_tokens.weight.dtype), torch.arange(T)
+
+
+def export_block(builder, p: BlockProgram, name: str, example: tuple, call: nn.Module | None = None) -> None:
+    """Block program `p` on `example` (x, pos: block_input) into `builder` as entry point `name` (`call`: see
+    BlockProgram.entry)."""
     tensors = block_tensors(p.call)
     # example inputs: only their shapes and dtypes are traced (fake tensors), so uninitialised
     # memory the export never touches (no copy of the block's weights: at a cache miss the
@@ -307,7 +321,7 @@ def export_block(builder, p: BlockProgram, name: str, x: torch.Tensor, call: nn.
     # tensors in the block's modules (torch 2.13): put the real ones back afterwards
     saved = [(m, dict(m._parameters), dict(m._buffers)) for m in p.call.modules()]
     try:
-        builder.export_program(p.entry(call), name=name, strict=False, args=(weights, state, x, torch.arange(x.shape[1])))
+        builder.export_program(p.entry(call), name=name, strict=False, args=(weights, state, *example))
     finally:
         for m, params, buffers in saved:
             m._parameters.update(params)
@@ -327,9 +341,9 @@ def build_points(model: Transformer, program: str, lengths: list[int], path: Pat
     p = block_programs(model)[0][program]
     call = PointsCall(p.call.m, p.call.fn, p.kind)
     builder = aot.FxProgramsBuilder(nn.Module())
-    dtype, hidden, fired = model.embed_tokens.weight.dtype, model.args.hidden_size, {}
+    fired = {}
     for T in lengths:
-        export_block(builder, p, f"points_{program}_t{T}", torch.zeros(1, T, hidden, dtype=dtype), call)
+        export_block(builder, p, f"points_{program}_t{T}", block_input(model, p.kind, T), call)
         fired[T] = call.fired
     compile_to(aot.export(builder), path)
     path.with_name("points.json").write_text(json.dumps({"fired": fired, "registered": call.registered}))
@@ -345,8 +359,31 @@ def compile_to(exported, path: Path) -> None:
         exported.mlir_module.write_bytecode(f)
     path.with_name(OPS_FILE).write_text(histogram_text(mlir_ops(str(exported.mlir_module)),
                                                        "ops of the input MLIR (torch dialect), all entry points"))
-    iree.compiler.compile_file(str(mlir), output_file=str(path), extra_args=list(FLAGS))
+    try:
+        iree.compiler.compile_file(str(mlir), output_file=str(path), extra_args=list(FLAGS))
+    except iree.compiler.CompilerToolError as e:
+        refuse_unlowered(str(e), mlir_ops(str(exported.mlir_module)))
+        raise
     mlir.unlink()
+
+
+# torch ops the installed iree-compile has no lowering for (measured: iree-base-compiler 3.13.0), which it reports
+# only as a failure to legalize their operands' constants: a program holding one is refused with its name
+UNLOWERED = {"torch.aten.logsumexp": "torch.logsumexp"}
+
+
+def refuse_unlowered(error: str, ops: dict) -> None:
+    """InputError naming the op iree-compile cannot lower, where its `error` is a failure to legalize and the
+    program holds one of UNLOWERED (`ops`: mlir_ops of the torch-dialect module); else nothing."""
+    import importlib.metadata
+
+    from oracle.backend import InputError
+
+    found = [op for op in UNLOWERED if op in ops]
+    if found and "failed to legalize operation" in error:
+        raise InputError(f"iree-compile (iree-base-compiler {importlib.metadata.version('iree-base-compiler')}) cannot "
+                         f"lower {', '.join(f'{op} ({UNLOWERED[op]})' for op in found)}: it has no conversion of "
+                         "it to linalg (the compile fails to legalize its operands); refused, not compiled without it")
 
 
 
