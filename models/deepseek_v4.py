@@ -22,6 +22,7 @@ from models.args import (FULL, SLIDING, AttentionArgs, CompressedArgs, ExpertArg
                          RopeArgs, RouterArgs, YaRN)
 from models.family import Family
 from models.mapping import drop_layers_from, hf_args, require, sanitize_hf, strip_prefix
+from models.mlx_lm import MlxLm
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
@@ -32,7 +33,11 @@ TINY = dict(
     scoring_func="sqrtsoftplus", swiglu_limit=1.0, max_position_embeddings=256,
     # HCA first (with the hash routing), CSA last: the seeded faults of each reach a layer by position (first, last)
     layer_types=[HCA, SWA, CSA], mlp_layer_types=["hash_moe", "moe", "moe"],
-    compress_rates={CSA: 2, HCA: 4}, sliding_window=4, index_topk=2, index_n_heads=4, index_head_dim=16,
+    compress_rates={CSA: 2, HCA: 4}, sliding_window=4, index_topk=2, index_head_dim=16,
+    # 16 index heads: an entry's score is rarely relu'd to an exact 0 by every head (with 4, seed 0's layer 2 scored two
+    # entries 0 at position 7, a tie for the second pick that iree-compile's topk broke the other way); fp32 gaps
+    # between the 2nd and 3rd entry at least 3.2e-3 over 16 positions, seeds 0-2
+    index_n_heads=16,
     rope_theta=10000.0, compress_rope_theta=160000.0,
     # YaRN on the compressed layers' rope, as the release has it (factor 16 over 65536 positions), scaled down
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
@@ -119,8 +124,17 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(drop_layers_from(weights, args.num_hidden_layers), args)
 
 
+# mlx-lm 0.32.2 has no DeepSeek-V4: its deepseek_v41 (model_type deepseek_v41_text, DeepSeek-V4.1) routes every layer by
+# its scores (no hash-routed layers: HF's mlp_layer_types "hash_moe", tid2eid) and fake-quantises the attention's KV to
+# FP8 and the indexer's queries and keys to FP4 (_fake_quant_fp8 / _fake_quant_fp4), which HF's DeepSeek-V4 does not
+MLX = MlxLm(module="deepseek_v41", config={}, require=(
+    (lambda c: False, "DeepSeek-V4's architecture, which mlx-lm 0.32.2 has no model of: its deepseek_v41 (DeepSeek-V4.1) "
+                      "has no hash-routed layers (tid2eid) and fake-quantises the KV to FP8 and the indexer to FP4, "
+                      "which HF's DeepSeek-V4 does not"),
+))
+
 FAMILY = Family(
     name="deepseek_v4", model_types=("deepseek_v4",), hf_module="deepseek_v4", hf_class_name="DeepseekV4ForCausalLM",
-    hf_config_name="DeepseekV4Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
+    hf_config_name="DeepseekV4Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
     experts="n_routed_experts",
 )
