@@ -520,11 +520,13 @@ def invariance_section(run: Run, cand, kept: dict) -> list[dict]:
     if kept.get("error") or len(answers) < len(ref.logits):
         why = f"the e2e path did not answer every step ({kept.get('error') or 'no answers'})"
         return [InvarianceRow(name, Status.NA, why).as_dict() for name in INVARIANCE_ROWS]
-    diverged = {(d["call"], d["layer"], d["position"]) for d in (run.result.e2e.routing or {}).get("differences", [])
-                if d.get("verdict") == "divergence"}
+    # every routing difference the e2e row judged, with the experts chosen there: a path that chose the same is
+    # held to that row's verdict (after routing replay, against the measured noise), not judged again
+    judged = {(d["call"], d["layer"], d["position"]): sorted(d["candidate"])
+              for d in (run.result.e2e.routing or {}).get("differences", []) if d.get("what", "experts") == "experts"}
     lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend),
                               reduction_length(run.src.args))
-    rows = invariance_rows(ref, cand, spec, ordinary(ref, answers, kept.get("routes") or []), diverged,
+    rows = invariance_rows(ref, cand, spec, ordinary(ref, answers, kept.get("routes") or []), judged,
                            run.noise if thresholds.noise_relative(spec.precision) else None, lim,
                            spec.require_deterministic)
     return [r.as_dict() for r in rows]

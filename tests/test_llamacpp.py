@@ -57,6 +57,12 @@ def test_converted_gguf_passes_at_fp32(llamacpp, family):
     assert r.provenance["backend"]["gguf"]["outtype"] == "f32" and r.provenance["backend"]["gguf"]["kv"] == "f32"
     assert max(s["max_abs"] for s in r.e2e.steps) < 1e-4
     assert "graph_tensors" in r.structures and "ffn_moe_topk" in r.structures["graph_tensors"]
+    # the invariance rows (oracle/verdict/invariance.py): llama.cpp chunks (llama_decode at the positions after a
+    # first) and batches (a second context, one sequence id per prompt), each within the e2e limit of its own path
+    rows = {row["name"]: row for row in r.invariance}
+    assert list(rows) == ["repeat", "chunked", "batched"] and all(row["status"] == "pass" for row in rows.values())
+    assert [run["run"] for run in rows["chunked"]["runs"]] == ["3+5", "1 x 8"]
+    assert rows["batched"]["ratio"] < 1 and rows["batched"]["routing"].get("divergences", 0) == 0
 
 
 def test_converter_refusal_names_the_converters_reason(llamacpp, cli):

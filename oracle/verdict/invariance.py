@@ -194,16 +194,20 @@ def routes_compared(path: Path) -> bool:
     return any(r is not None for r in path.routes)
 
 
-def route_verdict(ref, base_divergences: set, other: Path, spec, noise=None) -> dict:
+def route_verdict(ref, base_judged: dict, other: Path, spec, noise=None) -> dict:
     """The other path's router choices judged against the reference's (ties within the measured bound,
-    else divergences, as the e2e row judges them): the divergences the ordinary path does not have."""
+    else divergences, as the e2e row judges them): the divergences that are this path's own. A place where it
+    chose what the ordinary path chose (`base_judged`: {(call, layer, position): the experts}, every difference
+    the e2e row judged, by its own rule: after routing replay, against the measured noise) is that row's verdict,
+    not judged twice."""
     from oracle.verdict.e2e import routing_differences, what_chose
 
     if not routes_compared(other) or not ref.router_probs:
         return {}
     n = len(other.routes)
     diffs = routing_differences(what_chose(ref), noise, [r or {} for r in other.routes], ref.positions[:n], spec)
-    new = [d for d in diffs if d.verdict == "divergence" and (d.call, d.layer, d.position) not in base_divergences]
+    new = [d for d in diffs if d.verdict == "divergence"
+           and base_judged.get((d.call, d.layer, d.position)) != sorted(d.candidate)]
     out = {"divergences": len(new)}
     if new:
         d = new[0]
@@ -212,7 +216,7 @@ def route_verdict(ref, base_divergences: set, other: Path, spec, noise=None) -> 
     return out
 
 
-def judge_path(name: str, ref, base: Path, runs: list, lim: dict, spec, noise=None, base_divergences=frozenset(),
+def judge_path(name: str, ref, base: Path, runs: list, lim: dict, spec, noise=None, base_judged=None,
                require_identical: bool = False, detail: str = "") -> InvarianceRow:
     """A row over one or more runs of another path ([(run name, Path)]): the worst of them."""
     row = InvarianceRow(name, Status.PASS, detail, identical=True)
@@ -223,7 +227,7 @@ def judge_path(name: str, ref, base: Path, runs: list, lim: dict, spec, noise=No
             row.runs.append({"run": run_name, "status": Status.NA, "why": c["why"]})
             continue
         first, n = first_route_difference(base, path, ref.positions)
-        verdict = route_verdict(ref, base_divergences, path, spec, noise)
+        verdict = route_verdict(ref, base_judged or {}, path, spec, noise)
         same = c["identical"] and n == 0
         status = c["status"]
         if verdict.get("divergences") or (require_identical and not same):
@@ -275,14 +279,14 @@ def tokens_mixed(family: str) -> str | None:
         return None
 
 
-def invariance_rows(ref, cand, spec, base: Path, base_divergences: set, noise=None, lim: dict | None = None,
+def invariance_rows(ref, cand, spec, base: Path, base_judged: dict, noise=None, lim: dict | None = None,
                     require_deterministic: bool = False) -> list[InvarianceRow]:
     """The three rows of a check whose e2e row answered every step (`base`: that path)."""
     from oracle.verdict.e2e import candidate_steps
 
     lim = lim or thresholds.limits(spec.precision, "e2e", spec.family, spec.backend)
     P, judge = ref.prompt_len, dict(ref=ref, base=base, lim=lim, spec=spec, noise=noise,
-                                    base_divergences=base_divergences)
+                                    base_judged=base_judged)
     rows = []
 
     def repeat():
