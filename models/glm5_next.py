@@ -16,9 +16,13 @@ hyper-connections.
 - Clamped SwiGLU on every MLP (experts, shared expert, dense layers: swiglu_limit); DeepSeek-V3 routing (sigmoid plus
   a correction bias, group-limited, renormalised, routed_scaling_factor); dense layers by mlp_layer_types.
 
-The tiny config: KDA, indexed (full), indexed (shared), KDA, indexed (full: the DSA faults go to the last layer's own
-indexer); pools of 2, index_topk 4 (2 pools) below the default prompt's 8 tokens (4 pools at its end); 4 streams with
-the mHC bases and scales drawn wide (tiny_std); swiglu_limit 0.5, reached by weights of std 0.1."""
+The tiny config: KDA, indexed (full), indexed (shared), indexed (full: the DSA faults go to the last indexed layer's
+own indexer), KDA last as the release's (its input norm's eps matters there: a NoPE latent attention through
+q_lora_rank renormalises every projection of its input, so a wrong input-norm eps barely moves it); pools of 2,
+index_topk 4 (2 pools) below the default prompt's 8 tokens (4 pools at its end); 4 streams with the mHC bases and
+scales drawn wide (tiny_std); swiglu_limit 0.5, reached by weights of std 0.1. The config.json carries the release's
+own fields beside HF's (llama.cpp's converter reads them): linear_attn_config, mla_use_nope, first_k_dense_replace,
+scoring_func, topk_method."""
 
 import re
 from dataclasses import replace
@@ -36,7 +40,7 @@ TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
     num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
     n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-    layer_types=[LINEAR, INDEXED, INDEXED, LINEAR, INDEXED], indexer_types=["full", "full", "shared", "full", "full"],
+    layer_types=[LINEAR, INDEXED, INDEXED, INDEXED, LINEAR], indexer_types=["full", "full", "shared", "full", "full"],
     mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"],
     q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=24,
     index_topk=4, index_kpool=2, index_head_dim=32, index_n_heads=16,
@@ -116,6 +120,18 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return tie_embeddings(stack_hf_experts(joined_convs(out)), args)
 
 
+def release_fields(c) -> dict:
+    """The release's config.json fields beside HF's (what llama.cpp's converter reads; HF derives its own)."""
+    kinds = c["layer_types"]
+    return dict(linear_attn_config=dict(num_heads=c["linear_num_heads"], head_dim=c["linear_head_dim"],
+                                        short_conv_kernel_size=c["linear_conv_kernel_dim"],
+                                        gate_lower_bound=c["linear_lower_bound"],
+                                        kda_layers=[i for i, t in enumerate(kinds) if t == LINEAR],
+                                        full_attn_layers=[i for i, t in enumerate(kinds) if t != LINEAR]),
+                mla_use_nope=True, first_k_dense_replace=c["mlp_layer_types"].count("dense"), scoring_func="sigmoid",
+                topk_method="noaux_tc")
+
+
 TOWER = TextTower(model="Glm5NextTextModel", composite="glm5_next",
                   architecture="Glm5NextForConditionalGeneration", composite_config="Glm5NextConfig")
 
@@ -123,6 +139,7 @@ FAMILY = Family(
     name="glm5_next", model_types=("glm5_next", "glm5_next_text"), hf_module="glm5_next",
     hf_class_name="Glm5NextTextModel", hf_config_name="Glm5NextTextConfig", tiny_config=TINY, to_args=to_args,
     sanitize=sanitize, text_tower=TOWER, experts="n_routed_experts", tiny_std=TINY_STD, not_positive=("head_dim",),
+    release_config=release_fields(TINY),
     rules=(("positive", "linear_num_heads", "linear_head_dim", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
             "q_lora_rank", "index_kpool", "index_topk", "moe_intermediate_size", "intermediate_size"),
            ("at_least", "linear_conv_kernel_dim", 2), ("per_layer", "mlp_layer_types", "layer_types", "indexer_types")),

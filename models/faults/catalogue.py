@@ -67,6 +67,10 @@ def _dsa(a: ModelArgs) -> bool:  # a DeepSeek sparse attention model
     return a.attention.dsa is not None
 
 
+def _rotary_dims(a: ModelArgs) -> bool:  # not an MLA without rotary dims (GLM-5.3's qk_rope_head_dim 0: nothing rotates)
+    return a.attention.mla is None or a.attention.mla.qk_rope_head_dim > 0
+
+
 # every MoE family's mechanisms: softmax top-k routing, SwiGLU experts, GQA attention with rope and
 # q/k norms, RMSNorm, KV and recurrent state, Gated DeltaNet, dtypes
 COMMON: tuple[Fault, ...] = (
@@ -199,7 +203,7 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
     Fault("dense_layer_routed", "mlp", "dense", "a dense layer's MLP treated as routed (scaled by routed_scaling_factor)",
           dense_layer_routed, is_scaled),
     Fault("mla_rope_nope_swapped", "attention", "full", "MLA: q's rope and no-rope parts swapped",
-          mla_rope_nope_swapped, attention=("mla",)),
+          mla_rope_nope_swapped, _rotary_dims, attention=("mla",)),
     Fault("mla_cache_not_carried", "attention", "full", "MLA: compressed KV cache not carried across calls",
           mla_cache_not_carried, attention=("mla",)),
     Fault("mla_head_gate_no_activation", "attention", "full", "MLA: the head gate applied without its activation "
@@ -218,7 +222,8 @@ BIASED_ROUTING_AND_MLA: tuple[Fault, ...] = (
     Fault("dsa_index_cache_not_carried", "attention", "full", "DSA: the indexer's key cache not carried into decode",
           dsa_index_cache_not_carried, _dsa, attention=("mla",)),
     Fault("dsa_rope_interleave_swapped", "attention", "full", "DSA: the indexer's rotation on the other pairs "
-          "(interleaved for half-split, or back)", dsa_rope_interleave_swapped, _dsa, attention=("mla",)),
+          "(interleaved for half-split, or back)", dsa_rope_interleave_swapped,
+          lambda a: _dsa(a) and _rotary_dims(a), attention=("mla",)),
 )
 
 
@@ -248,7 +253,8 @@ VARIANTS: tuple[Fault, ...] = (
           and a.multipliers.attention != a.head_dim**-0.5),
     Fault("logits_scaling_missing", "logits", "model", "logits not divided by logits_scaling",
           logits_scaling_missing, lambda a: a.multipliers.logits_scaling != 1.0),
-    Fault("rope_on_nope_layer", "attention", "nope", "rope applied on a no-rope layer", rope_on_nope_layer),
+    Fault("rope_on_nope_layer", "attention", "nope", "rope applied on a no-rope layer", rope_on_nope_layer,
+          _rotary_dims),
     Fault("clip_qkv_missing", "attention", "full", "clip_qkv left out (q, k and v not clamped)", clip_qkv_missing,
           lambda a: a.attention.clip_qkv is not None),
     Fault("shared_expert_summed", "moe", "last", "the shared expert summed with the routed experts (not averaged)",
@@ -370,7 +376,8 @@ POINTS: dict[str, str | tuple | None] = {
     "layernorm_as_rmsnorm": "input_layernorm",
     # (a parallel block has no post-attention norm: its layer's output; sandwich norms: the attention's post-norm is
     # before the residual sum, whose first point is the MLP's pre-norm)
-    "residual_missing": ("post_attention_layernorm", "output", "pre_feedforward_layernorm"),
+    # (ZAYA's scaled residual add: its module's output)
+    "residual_missing": ("post_attention_layernorm", "output", "pre_feedforward_layernorm", "post_attention_residual_scale"),
     "residual_multiplier_missing": "post_attention_layernorm", "shared_mlp_missing": ("shared_mlp", "output"),
     "shared_expert_summed": "output", "moe_bias_missing": "output",
     # (the attention experts' outputs have no output projection named o_proj: the block's output)
