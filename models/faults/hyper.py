@@ -68,8 +68,10 @@ def hc_magnitude_constant(layer, a):
 HYPER: tuple[Fault, ...] = (
     Fault("hc_pre_post_swapped", "layer", "last", "hyper-connections: the block's input collapsed with the expansion's "
           "weights (post) and its output expanded with the collapse's (pre)", hc_pre_post_swapped, _hc),
+    # (with two streams Sinkhorn's doubly stochastic comb is [[a, 1-a], [1-a, a]], symmetric: its transpose is the
+    # same mix, nothing to catch; DeepSeek-V4's tiny config has 2, GLM-5.3's 4)
     Fault("hc_comb_transposed", "layer", "last", "mHC: the streams mixed by comb where HF mixes them by comb^T",
-          hc_comb_transposed, _mhc),
+          hc_comb_transposed, lambda a: _mhc(a) and a.hyper.streams > 2),
     Fault("hc_sinkhorn_cut", "layer", "last", "mHC: the Sinkhorn-Knopp projection cut to one column normalisation",
           hc_sinkhorn_cut, lambda a: _mhc(a) and a.hyper.sinkhorn_iters > 1),
     Fault("hc_projection_unnormed", "layer", "last", "hyper-connections: the flattened streams projected without "
