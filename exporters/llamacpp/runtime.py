@@ -167,6 +167,8 @@ class Graph:
         mid = self.add_onto(stream, attn_in)
         out = next((self.named[n.format(L)] for n in LAYER_OUTS if n.format(L) in self.named), None)
         ffn_in = mid if stream_fed else self.normed(mid) if mid is not None else None
+        if mid is None and ffn_in is None and not stream_fed:  # no residual sum (hyper-connections, GLM-5.3's mHC):
+            ffn_in = self.named.get(f"ffn_norm-{L}")  # the experts' input as llama.cpp names it
         # a parallel block (Cohere's): no norm after the first residual sum, which is the MLP's (fed attn_in)
         # output added to the stream; the layer's output adds the attention's to it
         parallel = ffn_in is None and mid is not None and out in self.nodes and mid in self.nodes[out][2]
