@@ -102,10 +102,21 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(drop_layers_from(weights, args.num_hidden_layers), args)
 
 
+# the release's own config.json fields, which transformers 5.23's save_pretrained folds into per_layer_config and a
+# rope_parameters keyed by layer type (HF reads them back to the same model): llama.cpp's converter reads these (its
+# gating check, the sliding layers' MLA geometry, its rope bases from rope_theta / swa_rope_theta where rope_parameters
+# has no full_attention entry, and the latents' rescale, which HF always applies and the converter folds into the norms
+# only when told)
+RELEASE = dict(
+    scoring_func="sigmoid", topk_method="noaux_tc", apply_mla_qkv_lora_rescale=True,
+    sliding_window_size=TINY["sliding_window"], rope_theta=TINY["rope_theta"], swa_rope_theta=TINY["swa_rope_theta"],
+    **{k: v for k, v in TINY.items() if k.startswith("swa_") and k != "swa_rope_theta"},
+)
+
 FAMILY = Family(
     name="dots3_note", model_types=("dots3_note_text",), hf_module="dots3_note", hf_class_name="Dots3NoteForCausalLM",
     hf_config_name="Dots3NoteTextConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize,
-    experts="n_routed_experts",
+    experts="n_routed_experts", release_config=RELEASE, release_drops=("rope_parameters",),
     rules=(*GROUPED, ("positive", "moe_intermediate_size", "intermediate_size", "shared_experts_intermediate_size"),
            ("per_layer", "mlp_layer_types"), ("positive", "sliding_window", "index_topk", "index_head_dim",
                                                "index_n_heads")),
