@@ -107,17 +107,20 @@ def test_prefill_and_decode_share_the_state(olmoe_check):
 
 @needs_executorch
 def test_probe_methods_run_one_moe_block_on_given_inputs(olmoe_check):
-    """The expert-coverage probes: the layer's MoE block alone, fed the caller's inputs, more
-    of them than one call of the probe method takes (8 rows), each layer with its own weights
-    (the probe methods share the weights file with prefill by name: layers never collide)."""
+    """The expert-coverage probes: the layer's MoE block alone, fed the caller's inputs, each input run alone (as the
+    reference calls it: Doge's router mixes the rows of one call), one of them more rows than one call of the probe
+    method takes (8 rows), each layer with its own weights (the probe methods share the weights file with prefill by
+    name: layers never collide)."""
     cand, eager = candidate(CheckSpec(family="olmoe", backend="executorch"))
     x = torch.randn(11, 1, 1, 64, generator=torch.Generator().manual_seed(0))
     calls = [BlockCall(x[i].numpy(), np.array([0]), [], probe=True) for i in range(11)]
+    whole = BlockCall(x.reshape(1, 11, 64).numpy(), np.arange(11), [], probe=True)
     for layer in range(len(eager.layers)):
         moe, router = cand.run_block(layer, "moe", calls), cand.run_block(layer, "router", calls)
         mlp = eager.layers[layer].mlp
         with torch.no_grad():
             assert torch.allclose(torch.cat(moe, dim=1), mlp(x.reshape(1, 11, 64)), atol=1e-5)
+            assert torch.allclose(cand.run_block(layer, "moe", [whole])[0], mlp(x.reshape(1, 11, 64)), atol=1e-5)
             w, idx = mlp.gate(x.reshape(11, 64))
         assert torch.equal(torch.cat([i for _, i in router]), idx)
         assert torch.allclose(torch.cat([w for w, _ in router]), w, atol=1e-6)

@@ -114,15 +114,12 @@ class ExecutorchCandidate(Candidate):
 
     def probe(self, layer: int, xs: list) -> list[tuple]:
         """(moe, weights, indices) per input ([..., H] each), from the layer's probe method."""
-        xs = [torch.as_tensor(x).reshape(-1, x.shape[-1]) for x in xs]
-        x = torch.cat(xs).to(self.dtype)
-        runs = [[o.clone() for o in self.method(f"probe_{layer}").execute([x[i:i + self.probe_rows]])]
-                for i in range(0, x.shape[0], self.probe_rows)]  # clone: the next call reuses the memory
-        moe, w, idx = (torch.cat([r[j] for r in runs], dim=d) for j, d in ((0, 1), (1, 0), (2, 0)))
-        out, n = [], 0
-        for t in (x.shape[0] for x in xs):
-            out.append((moe[:, n:n + t], w[n:n + t], idx[n:n + t]))
-            n += t
+        out = []
+        for x in xs:  # each input alone, as the reference calls it (Doge's router mixes the rows of one call)
+            x = torch.as_tensor(x).reshape(-1, x.shape[-1]).to(self.dtype)
+            runs = [[o.clone() for o in self.method(f"probe_{layer}").execute([x[i:i + self.probe_rows]])]
+                    for i in range(0, x.shape[0], self.probe_rows)]  # clone: the next call reuses the memory
+            out.append(tuple(torch.cat([r[j] for r in runs], dim=d) for j, d in ((0, 1), (1, 0), (2, 0))))
         return out
 
     def block_input(self, layer, kind, calls):

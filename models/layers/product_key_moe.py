@@ -36,7 +36,10 @@ def num_keys(num_experts: int) -> int:
 def product_logits(lin, K: int):
     """[N, 2K] router_gate outputs -> [N, K * K] expert logits, expert i * K + j scored lx[i] + ly[j] (HF's view)."""
     N = lin.shape[0]
-    lx, ly = lin.reshape(2, N, K).unbind(0)  # (HF: .view(2, bsz * seq_len, -1))
+    # HF's .view(2, bsz * seq_len, -1), as the two halves of the flat memory: reshape(2, N, K) of [N, 2K] makes
+    # torch.export guard on N's parity (its view algorithm), which a dynamic prefill length violates (ExecuTorch)
+    flat = lin.reshape(-1)
+    lx, ly = flat[: N * K].reshape(N, K), flat[N * K :].reshape(N, K)
     return (lx[:, :, None] + ly[:, None, :]).reshape(N, K * K)
 
 
