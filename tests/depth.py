@@ -26,6 +26,9 @@ BREADTH = tuple(f for f in FAMILY_NAMES if f not in IN_DEPTH)
 DEEP = {
     # gemma4's whole llamacpp check (14-28 s): the quick tier reads its cause and its rows' inputs off llama.cpp's graph
     "test_llamacpp.py::test_gemma4_check_is_its_known_divergence": "test_llamacpp.py::test_gemma4_gelu_is_ggml_fp16_table",
+    # hy_v4's llamacpp divergence read off llama.cpp's graph (its conversion and HF's model twice, 25-47 s): the quick tier
+    # reads a divergence's cause off llama.cpp's graph the same way for gemma4
+    "test_llamacpp.py::test_hy_v4_rotates_consecutive_pairs": "test_llamacpp.py::test_gemma4_gelu_is_ggml_fp16_table",
     # the MLX delegate's Qwen3.5 bf16 program (the Gated DeltaNet's lowering, 72 s): the quick tier lowers and runs
     # olmoe through the delegate (fp32 and bf16) with the AsType gate (test_a_stray_cast_in_the_transformations_...)
     "test_executorch_mlx.py::test_qwen35_bf16_is_its_known_divergence": "olmoe's delegate programs",

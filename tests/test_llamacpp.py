@@ -243,6 +243,50 @@ def test_gemma4_gelu_is_ggml_fp16_table(llamacpp):
     assert rel(t["l_out-0"], table) < 2e-6 and rel(t["l_out-0"], exact) > 5e-5
 
 
+def test_hy_v4_rotates_consecutive_pairs(llamacpp):
+    """hy_v4's known divergence on llamacpp: read off llama.cpp's graph (tiny checkpoint, seed 0), layer 0's attention
+    input is HF's and its output is not (rel 0.22); HF's HY-V4 with its rotations (the latent attention's and the
+    indexer's) on consecutive pairs instead of rotate_half gives llama.cpp's output at every position."""
+    import transformers
+    from transformers.models.hy_v4 import modeling_hy_v4
+
+    from oracle.source.sources import model_source
+
+    spec = CheckSpec(family="hy_v4", backend="llamacpp")
+    src = model_source(spec)
+    toks = [172, 47, 117, 192, 67, 251, 195, 3]
+    cand = llamacpp.BACKEND.load(src, spec)
+    try:
+        t = {k: torch.tensor(v) for k, v in cand._call("tensors", toks, list(range(len(toks))),
+                                                       ["attn_norm-0", "attn_out-0"]).items()}
+    finally:
+        cand.close()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src.model_dir, dtype=torch.float32).eval()
+    rec = {}
+    hf.model.layers[0].self_attn.register_forward_hook(
+        lambda m, a, kw, o: rec.update(x=kw["hidden_states"][0], out=o[0][0]), with_kwargs=True)
+
+    def pairs(x, cos, sin):  # consecutive pairs (x0, x1), (x2, x3), ... rotated by HF's frequencies
+        c, s = (v[..., : x.shape[-1] // 2].repeat_interleave(2, -1) for v in (cos, sin))
+        return x * c + torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2) * s
+
+    def rotate_pairs(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return pairs(q, cos, sin), pairs(k, cos, sin)
+
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    with torch.no_grad():
+        hf(torch.tensor([toks]))
+        half = rec["out"].clone()
+        assert rel(t["attn_norm-0"].reshape(rec["x"].shape), rec["x"]) < 1e-6  # the same input
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(modeling_hy_v4, "apply_rotary_pos_emb", rotate_pairs)
+            hf(torch.tensor([toks]))
+    out = t["attn_out-0"].reshape(half.shape)
+    assert rel(out, half) > 0.1
+    assert max(rel(out[p], rec["out"][p]) for p in range(len(toks))) < 3e-5
+
+
 def test_gemma4_check_is_its_known_divergence(llamacpp):
     """The check: an xfail whose routers pass, read on the stream they are fed, its dense MLPs and MoE blocks each
     a row, failing by the GELU alone (test_gemma4_gelu_is_ggml_fp16_table)."""
