@@ -104,7 +104,8 @@ class LatentAttention(nn.Module):
 
     def update_cache(self, latent, k_rot, pos):
         self.latent_cache[:, pos] = latent
-        self.rope_key_cache[:, pos] = k_rot
+        if self.dr:  # (GLM-5.3's NoPE latent attention has no rotary dims: IREE refuses a zero-width scatter)
+            self.rope_key_cache[:, pos] = k_rot
         return self.latent_cache, self.rope_key_cache
 
     def attend(self, q, latents, rope_keys, pos, gate=None, selected=None):  # keys, values from every cached latent
