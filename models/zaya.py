@@ -84,8 +84,8 @@ def router_input(out, weights, idx, args: ModelArgs):
 # the router's output projection drawn wide (the probabilities of its MLP's logits at std 0.1 differ by ~0.02: the
 # balancing biases would make every choice), the balancing biases (HF's fp32 buffer, the choice only) at 0.02: both
 # decide, and every expert and the skip expert are chosen on some tokens; the scales around 1
-TINY_STD = {"out_proj.weight": 1.0, "balancing_biases": 0.02, "residual_scale": (1.0, 0.2), "hidden_states_scale": (1.0, 0.2),
-            "router_states_scale": (1.0, 0.3), "input_hidden_states_scale": (1.0, 0.2), "qk_norm.temp": (1.0, 0.3)}
+TINY_STD = {"out_proj.weight": 1.0, "balancing_biases": 0.02, "residual_scale": (1.0, 0.2),
+            "hidden_states_scale": (1.0, 0.2), "router_states_scale": (1.0, 0.3), "qk_norm.temp": (1.0, 0.3)}
 
 def point_view(points, args: ModelArgs, layer=None):
     """The drill's points of HF's CCA (Family.hf_point_view): its two convolutions' outputs are channels-first [B, C, L]

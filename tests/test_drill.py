@@ -222,6 +222,8 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
     # Gemma 4's layer: its dense MLP beside the MoE block (HF's `mlp`, the production `dense_mlp`), that MLP's
     # pre-norm, and its router's (HF's mlp.gate in the regrouped reference: models/layers/moe_beside.py)
     modules |= {"mlp", "dense_mlp", "pre_feedforward_layernorm", "mlp.gate"}
+    # ZAYA: its router MLP's norm (the first reader of the cross-layer state), its scaled residual add's module
+    modules |= {"router_mlp.norm", "post_attention_residual_scale"}
     assert named <= taps | modules
 
 

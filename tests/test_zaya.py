@@ -97,7 +97,7 @@ def test_router_is_hf_s_with_the_cross_layer_state(setup):
         w, idx = ours(x[0], torch.arange(8))
         _, w_alone_ref, idx_alone_ref, _ = ref(x[:, :1])
         written = ours.router_state.clone()
-        with alone(ours):
+        with alone(ours):  # (a probe)
             w_alone, idx_alone = ours(x[0, :1], torch.tensor([0]))
     skip = idx == c.num_experts
     assert skip.any() and not skip.all()

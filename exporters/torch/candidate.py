@@ -187,14 +187,15 @@ class TorchCandidate(Candidate):
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
         module, fn = self.block(layer, kind) if isinstance(self, TorchCandidate) else block_fn(self.model, layer, kind)
-        reset_state(module)
+        reset_state(module, keep_routers=kind == "layer")  # (ZAYA: a layer's router state is its router row's)
         reset_routes(self)
         dev = _device(self)
         outs = []
         for c in calls:
             if c.tokens:  # a block that reads the call's token ids (DeepSeek-V4's hash routers) gets them
                 feed_tokens(module, torch.tensor([list(c.tokens)], device=dev))
-            with alone(module) if c.probe else contextlib.nullcontext():  # (a probe: no other layer's state)
+            # (a probe: no other layer's state; a layer: its router's state left as its router row wrote it)
+            with alone(module, c.probe) if c.probe or kind == "layer" else contextlib.nullcontext():
                 outs.append(host(fn(c.x.to(dev, self.dtype), c.pos.to(dev))))
             settle_routes(self)
         return outs

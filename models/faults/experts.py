@@ -27,7 +27,9 @@ def one_expert_off(layer, a):
     """One expert's weights off by 1e-3, applied to the weights (static, so it exports).
     The expert is the one with the largest router row norm: the most often routed to."""
     ex: Experts = layer.mlp.experts
-    e = int(layer.mlp.gate.weight.norm(dim=1).argmax())
+    gate = layer.mlp.gate  # (ZAYA's router is an MLP: its output projection's rows, the skip expert's left out)
+    rows = gate.weight if hasattr(gate, "weight") else gate.router_mlp.out_proj.weight[: a.num_experts]
+    e = int(rows.norm(dim=1).argmax())
     with torch.no_grad():
         ex.gate_up_proj[e] += 1e-3
         ex.down_proj[e] += 1e-3
@@ -56,7 +58,7 @@ def shared_missing(layer, a):
 def stray_bf16(layer, a):
     moe = layer.mlp
     fwd = type(moe).forward
-    patch(moe, "forward", lambda x: fwd(moe, x).to(torch.bfloat16).to(x.dtype))
+    patch(moe, "forward", lambda x, *pos: fwd(moe, x, *pos).to(torch.bfloat16).to(x.dtype))  # (pos: ZAYA's)
 
 
 def moe_output_upcast(layer, a):
@@ -64,7 +66,7 @@ def moe_output_upcast(layer, a):
     kernels' fp32 accumulators, wrong elsewhere): the block's output dtype changes."""
     moe = layer.mlp
     fwd = type(moe).forward
-    patch(moe, "forward", lambda x: fwd(moe, x).float())
+    patch(moe, "forward", lambda x, *pos: fwd(moe, x, *pos).float())  # (pos: ZAYA's MoE block takes positions)
 
 
 def has_shared(a):  # a shared expert inside the MoE block

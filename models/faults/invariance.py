@@ -36,15 +36,15 @@ def capacity_across_batch(layer, a):
     gate = moe.gate
     E = a.num_experts
 
-    def moe_forward(x):
+    def moe_forward(x, *pos):  # (pos: ZAYA's MoE block and router take the call's positions)
         gate.batch = x.shape[0]
-        return type(moe).forward(moe, x)
+        return type(moe).forward(moe, x, *pos)
 
-    def gate_forward(x):
-        w, idx = type(gate).forward(gate, x)
+    def gate_forward(x, *pos):
+        w, idx = type(gate).forward(gate, x, *pos)
         if getattr(gate, "batch", 1) == 1:
             return w, idx
-        hits = F.one_hot(idx, E)  # [N, k, E]
+        hits = F.one_hot(idx, E + 1)[..., :E]  # [N, k, E] (index E: ZAYA's skip expert, no capacity)
         seen = hits.flatten(0, 1).cumsum(0).view_as(hits)  # each (token, slot)'s place in its expert's queue
         cap = math.ceil(idx.numel() / E)
         kept = (seen * hits).sum(-1) <= cap

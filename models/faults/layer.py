@@ -33,6 +33,10 @@ def residual_missing(layer, a):
         hc = layer.attn_hc
         patch(hc, "mix", lambda post, comb, out, streams: type(hc).mix(hc, post, comb, out, streams * 0))
         return
+    if hasattr(layer, "post_attention_residual_scale"):  # ZAYA's scaled residual add: the stream's term dropped
+        rs = layer.post_attention_residual_scale
+        patch(rs, "forward", lambda h, residual: (h + rs.hidden_states_bias) * rs.hidden_states_scale)
+        return
     if not (layer.has_mixer and layer.has_mlp):  # one block (Nemotron-H): its output without the stream
         patch(layer, "forward", lambda x, pos: layer.attn(layer.input_layernorm(x), pos) if layer.has_mixer
               else layer.ffn(layer.post_attention_layernorm(x)))

@@ -54,7 +54,7 @@ ZAYA: tuple[Fault, ...] = (
 )
 
 # the drill's first diverging point (oracle/drill/points.py)
-POINTS = {"cca_value_not_delayed": "context", "cca_state_not_carried": "context",
+POINTS = {"cca_value_not_delayed": "context", "cca_state_not_carried": "conv",
           "zaya_router_state_not_passed": "router_mlp.norm", "zaya_router_state_unscaled": "router_mlp.norm",
           "zaya_skip_expert_weighted": "weights"}
 

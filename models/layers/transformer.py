@@ -255,10 +255,12 @@ class LMHead(nn.Linear):
         return torch.tanh(y / self.softcap) * self.softcap if self.softcap else y
 
 
-def reset_state(module: nn.Module) -> None:
-    """Zero every state buffer under `module` (KV cache, conv and recurrent state)."""
+def reset_state(module: nn.Module, keep_routers: bool = False) -> None:
+    """Zero every state buffer under `module` (KV cache, conv and recurrent state); `keep_routers`: not the routers'
+    cross-layer state (ZAYA's router_state: a decoder layer run alone leaves its router row's, `alone`)."""
     for name, buf in module.named_buffers():
-        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
+        last = name.rsplit(".", 1)[-1]
+        if last in STATE_BUFFERS and not (keep_routers and last == "router_state"):
             buf.zero_()
 
 

@@ -7,9 +7,10 @@
 r is the cross-layer state: each router keeps it per position in `router_state` [B, S, R] (a state buffer, written at
 the call's positions) and the next layer's router reads it there (`link_routers`: the same positions of the same call,
 or, for a block run alone, those its previous layer's block wrote on the reference's inputs; an expert probe, a block
-run `alone`, reads none and writes none, as HF's probe calls its router with no state). The router returns the real
-choice (the skip expert as index E, weight 0: what the routes record); its MoE block (ZayaMoE) runs expert 0 at weight
-0 there, as HF's masked index does. Both take the call's positions (`takes_pos`: models.layers.transformer.block_fn)."""
+run `alone` or without positions, reads none and writes none, as HF's probe calls its router with no state). The
+router returns the real choice (the skip expert as index E, weight 0: what the routes record); its MoE block (ZayaMoE)
+runs expert 0 at weight 0 there, as HF's masked index does. Both take the call's positions (`takes_pos`:
+models.layers.transformer.block_fn)."""
 
 from __future__ import annotations
 
@@ -57,17 +58,21 @@ class ZayaRouter(nn.Module):
         self.passed = True  # read at every call: a seeded fault leaves the previous layer's state out
         self.scaled = True  # ... a seeded fault adds it unscaled
         self.skip_weighted = False  # ... a seeded fault gives the skip expert its probability as a weight
-        self.alone = False  # an expert probe (`alone`): no state read or written
+        self.reads, self.writes = True, True  # while run `alone`: False, or "fill" (a layer run alone)
         self._source = ()  # the previous layer's router (link_routers), not a submodule
 
-    def forward(self, x, pos):
+    def forward(self, x, pos=None):  # (no positions: alone, as an expert probe program calls it)
         r = self.down_proj(x)
         B, R = self.router_state.shape[0], r.shape[-1]  # (B: a batch widens the state, batched_state)
-        if self.use_eda and self.passed and self._source and not self.alone:
+        if self.use_eda and self.passed and self._source and self.reads and pos is not None:
             prev = self._source[0].router_state[:, pos].reshape(-1, R)
             r = r + (prev * self.router_states_scale if self.scaled else prev)
-        if not self.alone:
-            self.router_state[:, pos] = r.reshape(B, -1, R)
+        if self.writes and pos is not None:
+            new = r.reshape(B, -1, R)
+            if self.writes == "fill":  # (only where its router row has not written)
+                old = self.router_state[:, pos]
+                new = torch.where((old != 0).any(-1, keepdim=True), old, new)
+            self.router_state[:, pos] = new
         logits = tap("logits", self.router_mlp(r))
         probs = tap("scores", torch.softmax(logits, dim=-1))
         choice = tap("selection", probs.float() + self.balancing_biases.float())
@@ -91,7 +96,7 @@ class ZayaMoE(SparseMoE):
         self.experts = Experts(a)
         self.E = a.num_experts
 
-    def forward(self, x, pos):
+    def forward(self, x, pos=None):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, idx = self.gate(x, pos)
@@ -99,21 +104,25 @@ class ZayaMoE(SparseMoE):
 
 
 @contextlib.contextmanager
-def alone(module: nn.Module):
-    """Every ZAYA router under `module` run alone while inside (an expert probe: HF's calls its router with no
-    previous layer's state; nothing written for the next layer)."""
+def alone(module: nn.Module, probe: bool = True):
+    """Every ZAYA router under `module`, a block run by itself, while inside: an expert probe (`probe`) reads no
+    cross-layer state and writes none (HF's probe calls its router with no state); a decoder layer reads the state its
+    previous layer's router row wrote on the reference's inputs, and writes its own only where this layer's router row
+    has not (the next layer's blocks read the router row's, not one this layer's own attention's error moved; a layer
+    drilled alone still leaves one)."""
     routers = [m for m in module.modules() if isinstance(m, ZayaRouter)]
     for r in routers:
-        r.alone = True
+        r.reads, r.writes = not probe, False if probe else "fill"
     try:
         yield
     finally:
         for r in routers:
-            r.alone = False
+            r.reads = r.writes = True
 
 
 def zaya_layer(layer: nn.Module, a: ModelArgs, i: int, dtype=torch.float32) -> None:
-    """Give a production DecoderLayer (models/layers/transformer.py) ZAYA's attention, MoE block and residual scalings."""
+    """Give a production DecoderLayer (models/layers/transformer.py) ZAYA's attention, MoE block and residual
+    scalings."""
     from models.layers.cca import CCAAttention
 
     layer.self_attn = CCAAttention(a, dtype, i)

@@ -156,6 +156,7 @@ def hooks(block, rec: Recorder, kind: str | None = None):
             rec.add("output", normalize_output(kind, out, keep_dtype=True))
 
     handles = [block.register_forward_hook(output)]
+    context = False  # one output projection's input: the block's first (ZAYA's layer: not its router MLP's out_proj)
     for path, m in block.named_modules():
         if not path:
             continue
@@ -164,7 +165,8 @@ def hooks(block, rec: Recorder, kind: str | None = None):
             handles += chosen_keys(m, rec, path)
             continue
         handles.append(m.register_forward_hook(lambda mod, a, out, p=path: rec.add(p, out)))
-        if path.rsplit(".", 1)[-1] in ("o_proj", "out_proj"):
+        if path.rsplit(".", 1)[-1] in ("o_proj", "out_proj") and not context:
+            context = True
             handles.append(m.register_forward_pre_hook(lambda mod, a: rec.add("context", a[0] if a else None)))
     try:
         yield
