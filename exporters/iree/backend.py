@@ -355,6 +355,11 @@ class IreeBackend(Backend):
             (i, kind): "a DSA shared layer attends to the keys an earlier layer's indexer chose, state its block "
                        "program does not hold (the whole model's prefill and decode carry it: the e2e row)"
             for i, shared in enumerate(dsa.shared if dsa is not None else ()) if shared for kind in ("attention", "layer")}
+        if src.args.zaya is not None:  # ZAYA's routers after the first read the previous one's state (zaya_router.py)
+            cand.not_isolated.update({
+                (i, kind): "a ZAYA router after the first adds the previous layer's router state, which its block "
+                           "program does not hold (the whole model's prefill and decode carry it: the e2e row)"
+                for i in range(1, src.args.num_hidden_layers) for kind in ("router", "moe", "layer")})
         if spec.artifact:
             cand.no_points = ("a program given with --vmfb: a points program would be this exporter's block, "
                               "not the given program's")
