@@ -128,9 +128,9 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
 # its scores (no hash-routed layers: HF's mlp_layer_types "hash_moe", tid2eid) and fake-quantises the attention's KV to
 # FP8 and the indexer's queries and keys to FP4 (_fake_quant_fp8 / _fake_quant_fp4), which HF's DeepSeek-V4 does not
 MLX = MlxLm(module="deepseek_v41", config={}, require=(
-    (lambda c: False, "DeepSeek-V4's architecture, which mlx-lm 0.32.2 has no model of: its deepseek_v41 (DeepSeek-V4.1) "
-                      "has no hash-routed layers (tid2eid) and fake-quantises the KV to FP8 and the indexer to FP4, "
-                      "which HF's DeepSeek-V4 does not"),
+    (lambda c: False, "DeepSeek-V4's architecture, which mlx-lm 0.32.2 has no model of: its deepseek_v41 "
+                      "(DeepSeek-V4.1) has no hash-routed layers (tid2eid) and fake-quantises the KV to FP8 and the "
+                      "indexer to FP4, which HF's DeepSeek-V4 does not"),
 ))
 
 FAMILY = Family(

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from exporters.iree.program import FLAGS, OPS_FILE, PARAM_SCOPE, PARAMS_INFO, mlir_ops
+from exporters.shared.blocks import block_rows
 from exporters.shared.identity import fingerprint
 from models.args import STATE_BUFFERS, block_keys
 from models.layers.moe import SparseMoE
@@ -294,17 +295,10 @@ def _export(model: Transformer, programs: dict[str, BlockProgram], prompt_len: i
 
 
 def block_input(model: Transformer, kind: str, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, pos) a block of `kind` is called with at T positions: x [1, T, H], except a decoder layer's on a
-    residual widened to N streams, which is its rows' input as the reference records it: hyper-connections'
-    [1, T*N, H] (models/layers/hyper.py), Qwen4-Exp's gated residual [1, T, N*H] (models/layers/gated_residual.py: its
-    final norm's input too)."""
-    a = model.args
-    rows, width = T, a.hidden_size
-    if kind == "layer" and a.hyper is not None:
-        rows = T * a.hyper.streams
-    elif kind in ("layer", "final_norm") and a.gated_residual is not None:  # (its final norm mixes the streams)
-        width = a.hidden_size * a.gated_residual.streams
-    return torch.zeros(1, rows, width, dtype=model.embed_tokens.weight.dtype), torch.arange(T)
+    """(x, pos) a block of `kind` is called with at T positions (exporters.shared.blocks.block_rows: a decoder layer
+    on N residual streams takes N rows a position, or rows N times as wide)."""
+    rows, width = block_rows(model.args, kind)
+    return torch.zeros(1, T * rows, width, dtype=model.embed_tokens.weight.dtype), torch.arange(T)
 
 
 def export_block(builder, p: BlockProgram, name: str, example: tuple, call: nn.Module | None = None) -> None:

@@ -51,7 +51,7 @@ KIND = "executorch-mlx"
 # built before a change there was reused, and a golden frozen from it: measured), this exporter
 # (production_model) and the export; a fault's own code is in the key's transform_id (Fault.id)
 SOURCES = ("models/layers/", "exporters/executorch/mlx/backend.py", "exporters/executorch/mlx/export.py",
-           "exporters/executorch/rebind.py")
+           "exporters/executorch/rebind.py", "exporters/shared/blocks.py")
 EXECUTORS = ("auto", "interpreter", "runtime")
 
 

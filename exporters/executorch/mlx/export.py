@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exporters.shared.blocks import block_rows
 from models.args import SPARSE, layer_kinds, mlp_type
 from models.layers.attention import Attention
 from models.layers.experts import Experts
@@ -181,6 +182,10 @@ def transform_attention(attn: Attention, theta: float) -> None:
     # stay torch too: the op's fake kernel (executorch 1.5.1, backends/mlx/custom_ops.py) gives its output the
     # query's shape, so the export fails ("shape '[1, T, nh * vd]' is invalid for input of size nh * hd * T")
     plain = attn.window is None and attn.chunk is None and not hasattr(attn, "sinks") and attn.vd == attn.hd
+    # and the attention's own forward: a subclass's narrows the causal mask (the keys a sparse attention's indexer
+    # kept: MiniMax-M3's block-sparse, Qwen4-Exp's QSA) or reads it as a bool (Doge's dynamic mask), which the causal
+    # sdpa would drop or break
+    plain = plain and type(attn).forward is Attention.forward
     if plain and "mask" not in attn.__dict__ and "attend" not in attn.__dict__:
         swap(attn, "mask", mask_positions)
         swap(attn, "attend", attend)
@@ -361,7 +366,7 @@ def export_methods(model: Transformer, check: bool, sampling: bool = False) -> d
     a = model.args
     S, dtype = a.max_seq_len, model.embed_tokens.weight.dtype
     T = Dim("T", min=1, max=S - 1)
-    x, pos = torch.zeros(1, 2, a.hidden_size, dtype=dtype), torch.arange(2)
+    pos = torch.arange(2)
     with torch.no_grad():
         out = {"forward": export(model, (torch.zeros(1, 2, dtype=torch.long), pos),
                                  dynamic_shapes=({1: T}, {0: T}), strict=True)}
@@ -374,8 +379,10 @@ def export_methods(model: Transformer, check: bool, sampling: bool = False) -> d
                     [Block(f"{mlp}_{i}", layer.mlp, mlp)] if mlp in kinds else []) + [Block(f"layer_{i}", layer, "layer")]
             for b in blocks:
                 stateful = b.kind in ("attention", "layer")
-                out[b.name] = export(b, (x, pos) if stateful else (x,),
-                                   dynamic_shapes=({1: T}, {0: T}) if stateful else ({1: T},), strict=True)
+                rows, width = block_rows(a, b.kind)  # (a layer on N residual streams: N rows a position, or N*H wide)
+                xb, n = torch.zeros(1, 2 * rows, width, dtype=dtype), T if rows == 1 else rows * T
+                out[b.name] = export(b, (xb, pos) if stateful else (xb,),
+                                     dynamic_shapes=({1: n}, {0: T}) if stateful else ({1: n},), strict=True)
             if any(isinstance(getattr(layer, "mlp", None), SparseMoE) for layer in model.layers):
                 out["routes"] = export(RoutesForward(model), (torch.zeros(1, 2, dtype=torch.long), pos),
                                        dynamic_shapes=({1: T}, {0: T}), strict=True)
@@ -401,7 +408,7 @@ def export_points(model: Transformer, layer, kind: str) -> tuple[dict, dict]:
 
     a, dtype = model.args, model.embed_tokens.weight.dtype
     call = PointsCall(*block_fn(model, layer, kind), kind)
-    x, pos = torch.zeros(1, 2, a.hidden_size, dtype=dtype), torch.arange(2)
+    pos = torch.arange(2)
     T = Dim("T", min=1, max=a.max_seq_len - 1)
     with torch.no_grad():
         call(x, pos)  # eagerly, for the names (the export runs a copy of the module) ...
