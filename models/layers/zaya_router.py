@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.args import ModelArgs
+from models.layers import routing
 from models.layers.experts import Experts
 from models.layers.moe import SparseMoE
 from models.layers.norms import RMSNorm
@@ -77,7 +78,7 @@ class ZayaRouter(nn.Module):
         probs = tap("scores", torch.softmax(logits, dim=-1))
         choice = tap("selection", probs.float() + self.balancing_biases.float())
         idx = tap("topk", torch.topk(choice, self.top_k, dim=-1).indices)
-        w = probs.gather(1, idx)
+        w = routing.pick(probs, idx)  # (no gather: the MLX delegate takes none)
         if not self.skip_weighted:
             w = w.masked_fill(idx == self.skip, 0.0)
         return tap("weights", w), idx.clone()
