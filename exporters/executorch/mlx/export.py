@@ -408,13 +408,14 @@ def export_points(model: Transformer, layer, kind: str) -> tuple[dict, dict]:
 
     a, dtype = model.args, model.embed_tokens.weight.dtype
     call = PointsCall(*block_fn(model, layer, kind), kind)
-    pos = torch.arange(2)
+    rows, width = block_rows(a, kind)  # (a layer on N residual streams: N rows a position, or N*H wide)
+    x, pos = torch.zeros(1, 2 * rows, width, dtype=dtype), torch.arange(2)
     T = Dim("T", min=1, max=a.max_seq_len - 1)
     with torch.no_grad():
         call(x, pos)  # eagerly, for the names (the export runs a copy of the module) ...
         reset_state(call.m)  # ... its state written back to zeros: the program's initial state
         with call.recording():
-            ep = export(call, (x, pos), dynamic_shapes=({1: T}, {0: T}), strict=True)
+            ep = export(call, (x, pos), dynamic_shapes=({1: T if rows == 1 else rows * T}, {0: T}), strict=True)
     return {"points": ep}, {"fired": list(call.fired), "registered": list(call.registered)}
 
 
