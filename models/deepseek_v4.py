@@ -21,7 +21,7 @@ import re
 from models.args import (FULL, SLIDING, AttentionArgs, CompressedArgs, ExpertArgs, HyperArgs, ModelArgs, NormArgs,
                          RopeArgs, RouterArgs, YaRN)
 from models.family import Family
-from models.mapping import drop_layers_from, hf_args, require, sanitize_hf, strip_prefix
+from models.mapping import points_without, drop_layers_from, hf_args, require, sanitize_hf, strip_prefix
 from models.mlx_lm import MlxLm
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -133,8 +133,17 @@ MLX = MlxLm(module="deepseek_v41", config={}, require=(
                       "indexer to FP4, which HF's DeepSeek-V4 does not"),
 ))
 
+
+def point_view(points, args: ModelArgs, layer=None):
+    """HF's points less those laid out otherwise: its rope taps (HF rotates the whole head, the production model its
+    trailing qk_rope_head_dim dims alone) and the CSA indexer's scores over the entries made (the production's over
+    its cache's length)."""
+    return points_without(points, lambda n: n in ("q_rope", "k_rope") or n.endswith("indexer.scorer"))
+
+
 FAMILY = Family(
     name="deepseek_v4", model_types=("deepseek_v4",), hf_module="deepseek_v4", hf_class_name="DeepseekV4ForCausalLM",
     hf_config_name="DeepseekV4Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
+    hf_point_view=point_view,
     experts="n_routed_experts",
 )

@@ -27,7 +27,7 @@ from models.deepseek_v32 import DSA_RULES
 from models.family import Family
 from models.glm4_moe_lite import mlp_types
 from models.glm_moe_dsa import shared_layers
-from models.mapping import deepseek_router, hf_args, mla, require, rope_of, sanitize_hf, sigmoid_routing
+from models.mapping import points_without, deepseek_router, hf_args, mla, require, rope_of, sanitize_hf, sigmoid_routing
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -106,8 +106,17 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
     return sanitize_hf(weights, args)
 
 
+
+def point_view(points, args: ModelArgs, layer=None):
+    """HF's points less its rope taps: HF's latent attention and its indexer both rotate through the tapped function,
+    the production attention through its own (the indexer's alone are tapped: 9 against HF's 18, none on a shared
+    layer)."""
+    return points_without(points, lambda n: n in ("q_rope", "k_rope"))
+
+
 FAMILY = Family(
     name="hy_v4", model_types=("hy_v4",), hf_module="hy_v4", hf_class_name="HYV4ForCausalLM",
     hf_config_name="HYV4Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize, experts="n_routed_experts",
+    hf_point_view=point_view,
     tiny_std=TINY_STD, release_names=release_names, rules=(*DSA_RULES, ("per_layer", "indexer_types")),
 )

@@ -15,7 +15,7 @@ mlx-lm 0.32.2 and llama.cpp's converter have no Inkling."""
 
 from models.args import FULL, SLIDING, AttentionArgs, InklingArgs, ModelArgs, RopeArgs, RouterArgs
 from models.family import Family
-from models.mapping import hf_args, require, sanitize_hf
+from models.mapping import points_without, hf_args, require, sanitize_hf
 
 HF_TYPES = {"hybrid": FULL, "hybrid_sliding": SLIDING}
 
@@ -81,8 +81,17 @@ def router_input(out, weights, idx, args: ModelArgs):
     return out[0], weights, idx, out[3]
 
 
+
+def point_view(points, args: ModelArgs, layer=None):
+    """HF's points less those laid out otherwise: its short convolutions' `bx` / `conv` taps (the production residual
+    conv computes them inline), the relative logits over the keys seen (the production's over the cache's length) and
+    the router's logits over the routed experts (the production's with the shared experts' rows after them)."""
+    return points_without(points, lambda n: n in ("bx", "conv", "logits") or n.endswith("rel_logits_proj"))
+
+
 FAMILY = Family(
     name="inkling", model_types=("inkling_text",), hf_module="inkling", hf_class_name="InklingForCausalLM",
     hf_config_name="InklingTextConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, tiny_std=TINY_STD,
+    hf_point_view=point_view,
     router_output=router_output, router_input=router_input, experts="n_routed_experts",
 )

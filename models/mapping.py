@@ -172,3 +172,15 @@ def drop_layers_from(weights: dict, n: int) -> dict:
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise CheckpointError(message)
+
+
+def points_without(points, drop) -> object:
+    """The drill's points of HF's model (Family.hf_point_view) less those `drop(name)` names: points HF computes in
+    a layout or a place the production model does not (another tap, another length), which the drill would report
+    as a divergence of the candidate's; the block's other points, and its row, still compare."""
+    import copy
+
+    out = copy.copy(points)  # (a Points keeps its registered paths and taps)
+    for name in [n for n in points if drop(n)]:
+        out.pop(name, None)
+    return out

@@ -17,7 +17,7 @@ import functools
 from models.args import FULL, LINEAR, AttentionArgs, GatedResidualArgs, ModelArgs, NormArgs, PLEArgs, QSAArgs, \
     RopeArgs, RouterArgs
 from models.family import Family
-from models.mapping import hf_args, require, rope_theta, sanitize_hf
+from models.mapping import points_without, hf_args, require, rope_theta, sanitize_hf
 from models.qwen3_5_moe import gated_deltanet
 from models.rules import GATED_DELTANET
 
@@ -193,10 +193,17 @@ def seen_keys(attention_mask):
     return visible[:, 0].sum(dim=-1)
 
 
+
+def point_view(points, args: ModelArgs, layer=None):
+    """HF's points less its per-layer embeddings' (`ple.*`): HF computes them inside the layer, the production model
+    in the model, which holds the tokens (gated_forward); the layer row's input carries them on both sides."""
+    return points_without(points, lambda n: n == "ple" or n.startswith("ple."))
+
+
 FAMILY = Family(
     # the text-only config, or the multimodal release's composite one (its text_config is read)
     name="qwen4_exp", model_types=("qwen4_exp_text", "qwen4_exp"), hf_module="qwen4_exp",
     hf_class_name="Qwen4ExpForCausalLM", hf_config_name="Qwen4ExpTextConfig", tiny_config=TINY, to_args=to_args,
-    sanitize=sanitize, hf_reference=reference,
+    sanitize=sanitize, hf_reference=reference, hf_point_view=point_view,
     rules=(("positive", "moe_intermediate_size", "hc_count", "hc_lowrank"), *GATED_DELTANET),
 )

@@ -224,6 +224,10 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
     modules |= {"mlp", "dense_mlp", "pre_feedforward_layernorm", "mlp.gate"}
     # ZAYA: its router MLP's norm (the first reader of the cross-layer state), its scaled residual add's module
     modules |= {"router_mlp.norm", "post_attention_residual_scale"}
+    # Muse Spark: its residual gate, input-scaled post-feedforward norm and the experts' projected-input norm; Qwen4-Exp:
+    # the gated residual streams' mix modules around each block (models/layers/gated_residual.py)
+    modules |= {"post_attention_residual_gate", "post_feedforward_layernorm", "pre_expert_norm"}
+    modules |= {"attn_hyper_connection", "mlp_hyper_connection"}
     assert named <= taps | modules
 
 
