@@ -145,5 +145,5 @@ FAMILY = Family(
     name="deepseek_v4", model_types=("deepseek_v4",), hf_module="deepseek_v4", hf_class_name="DeepseekV4ForCausalLM",
     hf_config_name="DeepseekV4Config", tiny_config=TINY, to_args=to_args, sanitize=sanitize, mlx=MLX,
     hf_point_view=point_view,
-    experts="n_routed_experts",
+    experts="n_routed_experts", tiny_ids={"tid2eid": "n_routed_experts"},  # (the hash table drawn)
 )

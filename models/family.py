@@ -49,6 +49,9 @@ class Family:
     # ... and the tensors (name endings) kept as HF's init computes them, not drawn: buffers derived from the config
     # that save_pretrained writes (MiniMax's lightning decays)
     tiny_derived: tuple = ()
+    # ... and the integer tables (name endings) drawn, not left at HF's init: each row k distinct ids below the config
+    # attribute named (DeepSeek-V4's hash-routing table tid2eid [vocab, k], all 0 at init: every token expert 0 twice)
+    tiny_ids: dict = None
     # HF's model called with explicit position_ids in decode: its cache does not count the tokens it holds (MiniMax's
     # reports 0 seen, its first layer lightning: HF's own decode would rotate every step at position 0)
     hf_position_ids: bool = False

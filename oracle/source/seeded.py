@@ -36,10 +36,11 @@ def _draw(name: str, shape, gen, std: dict | None = None):
 
 
 def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict | None = None,
-                          rewrite=None, derived: tuple = ()) -> None:
+                          rewrite=None, derived: tuple = (), ids: dict | None = None) -> None:
     """Instantiate the HF model and overwrite every tensor deterministically from `seed`, but those whose names end
     with one of `derived` (buffers HF computes from the config: Family.tiny_derived). Norm weights keep the identity
-    HF initialises them to (1 for w * x, 0 for (1 + w) * x) plus the noise. `rewrite` (a weight profile's,
+    HF initialises them to (1 for w * x, 0 for (1 + w) * x) plus the noise. Integer tables whose names end with a key of
+    `ids` (Family.tiny_ids): each row distinct ids below the config's attribute that key names. `rewrite` (a weight profile's,
     oracle.source.trained): applied to the state dict before it is saved."""
     import torch
 
@@ -50,6 +51,11 @@ def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict |
     with torch.no_grad():
         for name in sorted(sd):
             t = sd[name]
+            bound = next((getattr(hf_config, v) for k, v in (ids or {}).items() if name.endswith(k)), None)
+            if bound is not None and not torch.is_floating_point(t):  # distinct ids per row, drawn
+                rows = torch.rand(t.shape[:-1].numel(), bound, generator=gen).argsort(-1)[:, : t.shape[-1]]
+                t.copy_(rows.reshape(t.shape))
+                continue
             if not torch.is_floating_point(t) or (derived and name.endswith(derived)):
                 continue
             w = _draw(name, t.shape, gen, std)
@@ -76,6 +82,7 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
         "std": TINY_STD,
         **({"tiny_std": family.tiny_std} if family.tiny_std else {}),
         **({"tiny_derived": list(family.tiny_derived)} if family.tiny_derived else {}),
+        **({"tiny_ids": family.tiny_ids} if family.tiny_ids else {}),
         **({"release_config": family.release_config or {}, "release_drops": list(family.release_drops)}
            if family.release_config or family.release_drops else {}),
         **({"release_names": True} if family.release_names else {}),
@@ -86,7 +93,7 @@ def tiny_checkpoint(family, seed: int, weights: str = "normal") -> Path:
     stem = f"{family.name}-s{seed}" + ("" if weights == "normal" else f"-{weights}")
     def build(out):
         write_tiny_checkpoint(family.hf_config(family.tiny_config), family.hf_class(), seed, out, family.tiny_std,
-                              rewrite, family.tiny_derived)
+                              rewrite, family.tiny_derived, family.tiny_ids)
         if family.release_config or family.release_drops:  # the release's own fields, as its config.json has them
             path = out / "config.json"
             written = {k: v for k, v in json.loads(path.read_text()).items() if k not in family.release_drops}
