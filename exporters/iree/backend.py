@@ -59,7 +59,7 @@ def code_digest() -> str:
     (exporters/torch/candidate.py), this backend's modules and the program identity. A fault's own code is in
     the key's transform_id (models/faults/fault.py: Fault.id)."""
     return source_digest("models/layers/", "models/args.py", "exporters/torch/candidate.py", "exporters/iree/",
-                         "exporters/shared/identity.py")
+                         "exporters/shared/identity.py", "exporters/shared/blocks.py")
 
 
 @functools.cache
