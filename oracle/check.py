@@ -526,7 +526,12 @@ def invariance_section(run: Run, cand, kept: dict) -> list[dict]:
               for d in (run.result.e2e.routing or {}).get("differences", []) if d.get("what", "experts") == "experts"}
     lim = thresholds.at_width(thresholds.limits(spec.precision, "e2e", spec.family, spec.backend),
                               reduction_length(run.src.args))
-    rows = invariance_rows(ref, cand, spec, ordinary(ref, answers, kept.get("routes") or []), judged,
+    try:
+        base = ordinary(ref, answers, kept.get("routes") or [])
+    except ValueError as e:  # answers the e2e row judged malformed (another width than the vocabulary's): no path
+        why = f"the e2e path's answers are not logits rows of the vocabulary ({e})"
+        return [InvarianceRow(name, Status.NA, why).as_dict() for name in INVARIANCE_ROWS]
+    rows = invariance_rows(ref, cand, spec, base, judged,
                            run.noise if thresholds.noise_relative(spec.precision) else None, lim,
                            spec.require_deterministic)
     return [r.as_dict() for r in rows]

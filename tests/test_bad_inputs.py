@@ -413,9 +413,9 @@ def test_unreadable_shard_is_bad_input(ckpt, tmp_path):
 def test_model_too_big_for_the_memory_is_refused(ckpt, tmp_path, capsys, monkeypatch):
     """A backend that would need more memory than there is refuses with exit 2 and its
     estimate, before the reference or any build: never an out-of-memory kill mid-build."""
-    import oracle.backend
+    import oracle.memory
 
-    monkeypatch.setattr(oracle.backend, "available_memory", lambda: 100 << 20)
+    monkeypatch.setattr(oracle.memory, "available_memory", lambda: 100 << 20)
     report = tmp_path / "out" / "r.json"
     code, out, err = run_main(["check", "--family", "olmoe", "--backend", "executorch", "--model-dir", str(ckpt),
                                "--json", str(report)], capsys)

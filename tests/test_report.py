@@ -39,7 +39,9 @@ def test_markdown_names_the_fault():
     # the drill-down of the failing block (oracle/drill/points.py) names the point inside it, in bold
     assert "Drill: layer 1 attention: first divergence at `q_rope`" in md and "| **`q_rope`** | fail |" in md
     drill = [line for line in md.splitlines() if line.startswith("| `") or line.startswith("| **`")]
-    assert len(md.splitlines()) - len(drill) < 30  # compact besides the drill's points table (one row per point)
+    # compact besides the drill's points table (one row per point); 39, was 30: the invariance section (its title, a
+    # table of the three rows, the blank lines around them) added 8 lines
+    assert len(md.splitlines()) - len(drill) < 39
 
 
 def test_nonfinite_json_is_valid():

@@ -187,6 +187,6 @@ def test_a_streamed_check_plans_its_memory_and_cache_before_it_starts(monkeypatc
     assert run_check(spec).status == "pass"
     written = size_of(tmp_path / "references") + size_of(tmp_path / "noise")
     assert written <= plan["cache_bytes"] <= 3 * written, (written, plan["cache_bytes"])
-    monkeypatch.setattr("oracle.backend.available_memory", lambda: plan["memory_bytes"] - 1)
+    monkeypatch.setattr("oracle.memory.available_memory", lambda: plan["memory_bytes"] - 1)
     with pytest.raises(InputError, match=r"would need about .* beside it"):
         run_check(spec, validate_only=True)

@@ -255,7 +255,7 @@ def test_a_directory_check_is_planned_on_the_original_before_the_directory_is_wr
     r = run_check(spec, backend, validate_only=True)
     assert r.provenance["checkpoint"] == {"quantized_directory": "planned"} and r.provenance["plan"]["memory_bytes"]
     assert not written and not (tmp_path / "artifacts").exists()
-    monkeypatch.setattr("oracle.backend.available_memory", lambda: r.provenance["plan"]["memory_bytes"] - 1)
+    monkeypatch.setattr("oracle.memory.available_memory", lambda: r.provenance["plan"]["memory_bytes"] - 1)
     with pytest.raises(InputError, match="mlx --precision q4 would need about"):
         run_check(spec, backend)
     assert not written

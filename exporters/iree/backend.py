@@ -360,6 +360,10 @@ class IreeBackend(Backend):
                 (i, kind): "a ZAYA router after the first adds the previous layer's router state, which its block "
                            "program does not hold (the whole model's prefill and decode carry it: the e2e row)"
                 for i in range(1, src.args.num_hidden_layers) for kind in ("router", "moe", "layer")})
+        cand.not_isolated.update({  # DeepSeek-V4's hash layers: experts by the call's token ids (hash_router.py)
+            (i, kind): "a hash-routed layer chooses its experts by the call's token ids, which its block program does "
+                       "not take (the whole model's prefill and decode carry them: the e2e row)"
+            for i, hashed in enumerate(src.args.router.hash_layers) if hashed for kind in ("moe", "layer")})
         if spec.artifact:
             cand.no_points = ("a program given with --vmfb: a points program would be this exporter's block, "
                               "not the given program's")
