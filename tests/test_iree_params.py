@@ -339,7 +339,10 @@ def test_the_faults_that_run_the_clean_program_are_those_in_the_weights_alone():
 
     weights_alone = {"expert_gate_up_swapped", "expert_weights_off_1e-3",
                      "moe_bias_missing",  # (JetMoE's MoE output bias zeroed: a weight value)
-                     "short_conv_taps_reversed"}  # (LFM2's conv kernel flipped in place: a weight value)
+                     "short_conv_taps_reversed",  # (LFM2's conv kernel flipped in place: a weight value)
+                     "dsv4_sinks_dropped",  # (DeepSeek-V4's sink logits set to -inf in place: a weight value)
+                     "input_residual_dropped",  # (Doge's residual scale set to 1 in place: a weight value)
+                     "mlp_global_scale_missing"}  # (Inkling's MLP global scale set to 1 in place: a weight value)
     for family in FAMILY_NAMES:
         spec = CheckSpec(family=family, backend=NAME)
         src = model_source(spec)
