@@ -78,16 +78,11 @@ def test_pooled_attention_is_hfs():
 def _tiny_pair(seed: int = 0):
     """HF's text tower (the reference's CausalLM) and the production model on the weights the seeded checkpoint draws."""
     from models.layers.transformer import Transformer
-    from oracle.source.seeded import _draw
+    from oracle.source.seeded import draw_weights
 
     _, c, _ = _setup()
     hf = FAMILY.hf_class()(c).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in sorted(hf.state_dict().items()):
-            if torch.is_floating_point(t):
-                t.copy_(_draw(name, t.shape, gen, FAMILY.tiny_std) + (t.mean() if "norm" in name and
-                                                                       name.endswith("weight") else 0))
+    draw_weights(hf, seed, c, FAMILY.tiny_std)  # (the seeded checkpoint's weights, in memory)
     a = FAMILY.args(c.to_dict(), 32)
     ours = Transformer(a).eval()
     missing = ours.load_state_dict(FAMILY.sanitize(hf.state_dict(), a), strict=False)

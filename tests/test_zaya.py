@@ -119,18 +119,13 @@ def _tiny_pair(seed=0, fault=None):
     from models.faults.catalogue import get
     from models.layers.transformer import Transformer
     from models.zaya import FAMILY, TINY
-    from oracle.source.seeded import _draw
+    from oracle.source.seeded import draw_weights
 
     c = ZayaConfig(**TINY)
     c._attn_implementation = "eager"
     torch.manual_seed(seed)
     hf = FAMILY.hf_class()(c).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in sorted(hf.state_dict().items()):
-            if torch.is_floating_point(t):
-                t.copy_(_draw(name, t.shape, gen, FAMILY.tiny_std) + (t.mean() if "norm" in name and
-                                                                       name.endswith("weight") else 0))
+    draw_weights(hf, seed, c, FAMILY.tiny_std)  # (the seeded checkpoint's weights, in memory)
     a = FAMILY.args(c.to_dict(), 32)
     ours = Transformer(a).eval()
     missing = ours.load_state_dict(FAMILY.sanitize(hf.state_dict(), a), strict=False)

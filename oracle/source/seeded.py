@@ -35,17 +35,13 @@ def _draw(name: str, shape, gen, std: dict | None = None):
     return noise
 
 
-def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict | None = None,
-                          rewrite=None, derived: tuple = (), ids: dict | None = None) -> None:
-    """Instantiate the HF model and overwrite every tensor deterministically from `seed`, but those whose names end
-    with one of `derived` (buffers HF computes from the config: Family.tiny_derived). Norm weights keep the identity
-    HF initialises them to (1 for w * x, 0 for (1 + w) * x) plus the noise. Integer tables whose names end with a key of
-    `ids` (Family.tiny_ids): each row distinct ids below the config's attribute that key names. `rewrite` (a weight profile's,
-    oracle.source.trained): applied to the state dict before it is saved."""
+def draw_weights(model, seed: int, hf_config, std: dict | None = None, derived: tuple = (), ids: dict | None = None):
+    """Overwrite every tensor of the HF `model` deterministically from `seed`, but those whose names end with one of
+    `derived` (buffers HF computes from the config: Family.tiny_derived); its state dict. Norm weights keep the
+    identity HF initialises them to (1 for w * x, 0 for (1 + w) * x) plus the noise. Integer tables whose names end
+    with a key of `ids` (Family.tiny_ids): each row distinct ids below the `hf_config` attribute that key names."""
     import torch
 
-    torch.manual_seed(seed)
-    model = hf_class(hf_config)
     gen = torch.Generator().manual_seed(seed)
     sd = model.state_dict()
     with torch.no_grad():
@@ -62,6 +58,18 @@ def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict |
             if "norm" in name and name.endswith("weight"):
                 w = w + t.mean()  # HF's identity init: all ones or all zeros
             t.copy_(w)
+    return sd
+
+
+def write_tiny_checkpoint(hf_config, hf_class, seed: int, out: Path, std: dict | None = None,
+                          rewrite=None, derived: tuple = (), ids: dict | None = None) -> None:
+    """The HF model with its weights drawn from `seed` (draw_weights), saved at `out`. `rewrite` (a weight profile's,
+    oracle.source.trained): applied to the state dict before it is saved."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = hf_class(hf_config)
+    sd = draw_weights(model, seed, hf_config, std, derived, ids)
     if rewrite is not None:
         rewrite(sd)
     model.save_pretrained(out, safe_serialization=True)
