@@ -255,7 +255,7 @@ def judge_path(name: str, ref, base: Path, runs: list, lim: dict, spec, noise=No
     return row
 
 
-def _attempt(name: str, fn):
+def _attempt(fn):
     """(Path, None), or (None, the error) where the backend raised on this path."""
     try:
         return fn(), None
@@ -295,7 +295,7 @@ def invariance_rows(ref, cand, spec, base: Path, base_judged: dict, noise=None, 
             raise RuntimeError(error)
         return ordinary(ref, answers, routes)
 
-    path, err = _attempt("repeat", repeat)
+    path, err = _attempt(repeat)
     rows.append(InvarianceRow("repeat", Status.ERROR, err) if err else
                 judge_path("repeat", runs=[("again", path)], require_identical=require_deterministic,
                            detail="the e2e run again in the same process", **judge))
@@ -310,14 +310,14 @@ def invariance_rows(ref, cand, spec, base: Path, base_judged: dict, noise=None, 
     if len(sizes) > 1 and cand.no_chunks is not None:
         notes.append(f"chunks {'+'.join(map(str, sizes))}: n/a ({cand.no_chunks})")
     elif len(sizes) > 1:
-        path, err = _attempt("chunks", lambda: chunked_run(cand, ref, sizes))
+        path, err = _attempt(lambda: chunked_run(cand, ref, sizes))
         if path is None and err is None:
             notes.append(f"chunks {'+'.join(map(str, sizes))}: n/a (the backend's extend gave no logits)")
         elif err is not None:
             notes.append(f"chunks {'+'.join(map(str, sizes))}: error ({err})")
         else:
             runs.append(("+".join(map(str, sizes)), path))
-    path, err = _attempt("tokens", lambda: chunked_run(cand, ref, [1] * P))
+    path, err = _attempt(lambda: chunked_run(cand, ref, [1] * P))
     if err is not None:
         notes.append(f"token by token: error ({err})")
     else:
@@ -330,7 +330,7 @@ def invariance_rows(ref, cand, spec, base: Path, base_judged: dict, noise=None, 
     rows.append(row)
 
     mate = other_prompt(ref, ref.logits[0].shape[-1], spec.seed)
-    path, err = _attempt("batched", lambda: batched_run(cand, ref, mate))
+    path, err = _attempt(lambda: batched_run(cand, ref, mate))
     if err is not None:
         rows.append(InvarianceRow("batched", Status.ERROR, err))
     elif path is None:
