@@ -5,9 +5,9 @@ streams, each block between a mix and an injection, a last mix as the final norm
 some Gated DeltaNet layers (models/layers/ple.py).
 
 HF's reference is regrouped (`reference`): its QSA indexer returns the blocks it chose (HF's returns the attention's
-mask; the attention builds that mask from the choice), and a layer's per-layer embeddings are added to its input by a
-forward pre-hook (HF adds them inside the layer's forward): the layer row's input is then the streams its blocks read,
-as the production layer's is (the model, which holds the tokens, adds them: gated_forward). The text model's final mix
+mask; the attention builds that mask from the choice). A layer's per-layer embeddings are added inside the layer on
+both sides (the production layer reads the call's token ids from `call_tokens`, which the model or the block row's
+caller writes: models/layers/hash_router.py feed_tokens), so its layer row covers them. The text model's final mix
 is its `norm`. The same computation in the same order (tests/test_qwen4_exp.py: HF's own logits)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 from models.args import FULL, LINEAR, AttentionArgs, GatedResidualArgs, ModelArgs, NormArgs, PLEArgs, QSAArgs, \
     RopeArgs, RouterArgs
 from models.family import Family
-from models.mapping import points_without, hf_args, require, rope_theta, sanitize_hf
+from models.mapping import hf_args, require, rope_theta, sanitize_hf
 from models.qwen3_5_moe import gated_deltanet
 from models.rules import GATED_DELTANET
 
@@ -148,36 +148,12 @@ def reference():
         attn_output = attn_output.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
         return self.o_proj(attn_output), attn_weights
 
-    def layer_forward(self, hidden_states, position_embeddings, attention_mask=None, conv_mask=None,
-                      past_key_values=None, ple_input_ids=None, **kwargs):
-        # HF 5.23's Qwen4ExpTextDecoderLayer.forward without its per-layer embeddings (add_ple's)
-        hidden_states, hyper_input, injection_weights = self.attn_hyper_connection(hidden_states)
-        if self.layer_type == "linear_attention":
-            hidden_states = self.linear_attn(hidden_states, cache_params=past_key_values, attention_mask=conv_mask,
-                                             **kwargs)
-        else:
-            hidden_states, _ = self.self_attn(hidden_states, position_embeddings, attention_mask=attention_mask,
-                                              past_key_values=past_key_values, **kwargs)
-        hidden_states = hyper_input + (hidden_states.unsqueeze(-2) * injection_weights.unsqueeze(-1)).flatten(-2)
-        hidden_states, hyper_input, injection_weights = self.mlp_hyper_connection(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        return hyper_input + (hidden_states.unsqueeze(-2) * injection_weights.unsqueeze(-1)).flatten(-2)
-
-    def add_ple(layer, args, kwargs):
-        hidden_states = args[0] if args else kwargs.pop("hidden_states")
-        hidden_states = hidden_states + layer.ple(hidden_states, kwargs.get("ple_input_ids"),
-                                                  kwargs.get("past_key_values"), conv_mask=kwargs.get("conv_mask"))
-        return (hidden_states, *args[1:]), kwargs
-
     class Qwen4ExpForCausalLM(q.Qwen4ExpForCausalLM):
         def __init__(self, config):
             super().__init__(config)
             text = self.model
             text.__dict__["norm"] = text.hyper_connection_mixer  # (not registered: the state dict is HF's)
             for layer in text.layers:
-                layer.forward = layer_forward.__get__(layer)
-                if layer.ple is not None:
-                    layer.register_forward_pre_hook(add_ple, with_kwargs=True)
                 if layer.layer_type != "linear_attention":
                     layer.self_attn.forward = attention_forward.__get__(layer.self_attn)
                     layer.self_attn.indexer.forward = indexer_forward.__get__(layer.self_attn.indexer)
@@ -193,17 +169,10 @@ def seen_keys(attention_mask):
     return visible[:, 0].sum(dim=-1)
 
 
-
-def point_view(points, args: ModelArgs, layer=None):
-    """HF's points less its per-layer embeddings' (`ple.*`): HF computes them inside the layer, the production model
-    in the model, which holds the tokens (gated_forward); the layer row's input carries them on both sides."""
-    return points_without(points, lambda n: n == "ple" or n.startswith("ple."))
-
-
 FAMILY = Family(
     # the text-only config, or the multimodal release's composite one (its text_config is read)
     name="qwen4_exp", model_types=("qwen4_exp_text", "qwen4_exp"), hf_module="qwen4_exp",
     hf_class_name="Qwen4ExpForCausalLM", hf_config_name="Qwen4ExpTextConfig", tiny_config=TINY, to_args=to_args,
-    sanitize=sanitize, hf_reference=reference, hf_point_view=point_view,
+    sanitize=sanitize, hf_reference=reference,
     rules=(("positive", "moe_intermediate_size", "hc_count", "hc_lowrank"), *GATED_DELTANET),
 )

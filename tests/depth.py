@@ -106,15 +106,9 @@ _STREAMED = "the streamed reference (layer by layer from the shards) not yet car
 _TOWER = "the released composite model (its small vision/audio towers) not yet in tests/test_text_tower.py's RELEASED"
 _MLX_REFUSED = "mlx refuses the family by name (deepseek_v4: mlx-lm's deepseek_v41 is V4.1; muse_spark: Metal-only kernels)"
 OPEN = {
-    "test_executorch_mlx.py::test_transformed_model_computes_the_production_model[qwen4_exp]":
-        "the MLX transformations rewrite an RMSNorm subclass with its own forward (Qwen4-Exp's per-group norm) as a "
-        "plain RMSNorm: a real exporter defect (the guard type(norm).forward is RMSNorm.forward, not yet verified)",
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[glm5_next-None]": _STREAMED,
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[qwen4_exp-None]": _STREAMED,
     "test_reference.py::test_streamed_model_holds_every_tensor_as_the_whole_one_does[qwen4_exp]": _STREAMED,
-    "test_faults.py::test_catalogue[qwen4_exp-ngram_hash_off_by_one]":
-        "detected by the e2e row only: the per-layer embeddings are added by the model on both sides (the regrouped "
-        "reference and the production model), so no block row covers them and the layer-0 row cannot localise it",
     "test_mlx.py::test_other_families_pass_fp32[deepseek_v4]": _MLX_REFUSED,
     "test_mlx.py::test_other_families_pass_fp32[muse_spark]": _MLX_REFUSED,
     "test_mlx.py::test_router_mirror_is_what_the_block_applies[deepseek_v4]": _MLX_REFUSED,

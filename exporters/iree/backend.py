@@ -348,6 +348,7 @@ class IreeBackend(Backend):
             raise InputError(f"--vmfb {b.vmfb}: the IREE runtime cannot run it ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:300]})") from None
         from models.args import SPARSE, mlp_type
+        from models.layers.hash_router import token_blocks
 
         cand.sparse_layers = tuple(i for i in range(src.args.num_hidden_layers) if mlp_type(src.args, i) == SPARSE)
         dsa = src.args.attention.dsa
@@ -360,10 +361,9 @@ class IreeBackend(Backend):
                 (i, kind): "a ZAYA router after the first adds the previous layer's router state, which its block "
                            "program does not hold (the whole model's prefill and decode carry it: the e2e row)"
                 for i in range(1, src.args.num_hidden_layers) for kind in ("router", "moe", "layer")})
-        cand.not_isolated.update({  # DeepSeek-V4's hash layers: experts by the call's token ids (hash_router.py)
-            (i, kind): "a hash-routed layer chooses its experts by the call's token ids, which its block program does "
-                       "not take (the whole model's prefill and decode carry them: the e2e row)"
-            for i, hashed in enumerate(src.args.router.hash_layers) if hashed for kind in ("moe", "layer")})
+        cand.not_isolated.update({  # DeepSeek-V4's hash layers, Qwen4-Exp's n-gram embeddings (hash_router.py)
+            key: f"{why}, which its block program does not take (the whole model's prefill and decode carry them: "
+                 "the e2e row)" for key, why in token_blocks(src.args).items()})
         if spec.artifact:
             cand.no_points = ("a program given with --vmfb: a points program would be this exporter's block, "
                               "not the given program's")

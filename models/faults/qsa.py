@@ -128,5 +128,5 @@ POINTS = {
     "qsa_key_from_query_slot": "indexer", "qsa_topk_off_by_one": "indexer", "qsa_index_cache_not_carried": "indexer",
     "qsa_block_rope_at_last": "indexer", "qsa_scores_without_relu": "indexer",
     "gated_residual_gate_missing": "mlp_hyper_connection", "gated_residual_mix_before_norm": "attn_hyper_connection",
-    "ngram_hash_off_by_one": "output",
+    "ngram_hash_off_by_one": "ple.ple_embedding.ngram_embedding",  # (the lookup the wrong ids index)
 }

@@ -5,8 +5,8 @@ Before each block (the mixer, the MoE) its `*_hyper_connection` mixes the stream
 RMSNorm of each stream (one (1 + w) gain over the N * H features, the norm per stream), w = sigmoid(up(silu(down(x_n) /
 N))) [N * H], the input the mean over the streams of w * x_n; the block's output y [H] is added to stream s times
 2 sigmoid(inject(x_n)_s / N). The model's last mix (no injection) gives the final hidden state: the production model's
-`norm`. A layer with per-layer embeddings (models/layers/ple.py) adds them to the streams first: the model does that
-(it holds the tokens), the layer's forward is its two blocks (HF's reference regrouped alike: models/qwen4_exp.py)."""
+`norm`. A layer with per-layer embeddings (models/layers/ple.py) adds them to the streams first, inside the layer as
+HF's does, from the call's token ids the model (or a block's caller) wrote into their `call_tokens` (feed_tokens)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,10 @@ def gated_layer(layer: nn.Module, a: ModelArgs) -> None:
 
 
 def gated_stream(layer: nn.Module, streams, pos):
-    """The layer's streams after its mixer and its MoE block, each between a mix and an injection."""
+    """The layer's streams after its per-layer embeddings (models/layers/ple.py: the call's token ids from
+    call_tokens), its mixer and its MoE block, each block between a mix and an injection."""
+    if hasattr(layer, "ple"):
+        streams = streams + layer.ple(streams, None, pos)
     x, streams, w = layer.attn_hyper_connection(streams)
     streams = injected(streams, layer.attn(x, pos), w)
     x, streams, w = layer.mlp_hyper_connection(streams)
@@ -94,11 +97,9 @@ def gated_stream(layer: nn.Module, streams, pos):
 
 
 def gated_forward(model: nn.Module, tokens, pos):
-    """The production model's forward on gated residuals: the embedding repeated into N streams, each layer's
-    per-layer embeddings (models/layers/ple.py) added before it, the final mix (`norm`) and the head."""
+    """The production model's forward on gated residuals: the embedding repeated into N streams, the layers (a layer's
+    per-layer embeddings read the token ids the model wrote: feed_tokens), the final mix (`norm`) and the head."""
     x = model.embed_tokens(tokens).repeat(1, 1, model.args.gated_residual.streams)
     for layer in model.layers:
-        if hasattr(layer, "ple"):
-            x = x + layer.ple(x, tokens, pos)
         x = layer(x, pos)
     return model.lm_head(model.norm(x))

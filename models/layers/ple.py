@@ -70,9 +70,13 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("sizes", torch.tensor(sizes), persistent=False)
         self.register_buffer("offsets", torch.tensor(offsets), persistent=False)
         self.register_buffer("ngram_context", torch.zeros(1, self.n - 1, dtype=torch.int64))
+        # the call's token ids [B, T] at [:, :T], written by the model (or a block's caller: feed_tokens) before the
+        # call, as DeepSeek-V4's hash routers read them: the layer's own input stays HF's (the streams alone)
+        self.register_buffer("call_tokens", torch.zeros(1, a.max_seq_len, dtype=torch.int64), persistent=False)
 
-    def forward(self, tokens, pos):  # tokens [B, T] -> [B, T, embed_dim]
-        T = tokens.shape[1]
+    def forward(self, tokens, pos):  # tokens [B, T] (None: call_tokens[:, :len(pos)]) -> [B, T, embed_dim]
+        if tokens is None:
+            tokens = self.call_tokens[:, : pos.shape[0]]
         start = (pos[0] == 0).to(torch.int64)  # a new sequence: the context is eos
         ctx = self.ngram_context * (1 - start) + self.eos * start
         hist = torch.cat([ctx.expand(tokens.shape[0], -1), tokens.long()], dim=-1)  # [B, n - 1 + T]
@@ -101,7 +105,8 @@ class NGramEmbedding(nn.Module):
 
 
 class PLE(nn.Module):
-    """(streams [B, T, N * H], tokens [B, T], pos [T]) -> what the layer's per-layer embeddings add to the streams."""
+    """(streams [B, T, N * H], tokens [B, T] or None, pos [T]) -> what the layer's per-layer embeddings add to the
+    streams (inside the layer, before its blocks, as HF's Qwen4ExpTextDecoderLayer adds them)."""
 
     def __init__(self, a: ModelArgs, index: int, dtype=torch.float32):
         super().__init__()
@@ -119,7 +124,7 @@ class PLE(nn.Module):
         self.L = (p.conv_kernel - 1) * self.dilation
         self.register_buffer("conv_state", torch.zeros(1, C, self.L, dtype=dtype))
 
-    def forward(self, streams, tokens, pos):
+    def forward(self, streams, tokens, pos):  # tokens None: the ids the caller wrote (feed_tokens)
         e = self.ple_embedding(tokens, pos)
         key = self.norm_key(self.key_proj(e)).unflatten(-1, (self.n, self.h))
         query = self.norm_query(streams).unflatten(-1, (self.n, self.h))

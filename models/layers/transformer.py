@@ -219,8 +219,8 @@ class Transformer(nn.Module):
         self.lm_head = LMHead(a)
 
     def forward(self, tokens, pos):
-        if self.args.router.hash_layers:  # DeepSeek-V4: the hash routers read the call's token ids
-            feed_tokens(self, tokens)
+        if self.args.router.hash_layers or self.args.ple is not None:  # the call's token ids, read inside layers
+            feed_tokens(self, tokens)  # (DeepSeek-V4's hash routers, Qwen4-Exp's per-layer n-gram embeddings)
         if self.args.gated_residual is not None:  # Qwen4-Exp: N streams, per-layer embeddings before some layers
             return gated_forward(self, tokens, pos)
         x = self.embed_tokens(tokens)
