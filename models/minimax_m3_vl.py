@@ -11,8 +11,11 @@ The tiny config makes the sparsity bite: blocks of 2 keys, 2 of them kept (the q
 the fifth position on each query attends to 4 of its keys or fewer; two indexer heads over two kv heads of two q
 heads each (a choice per group)."""
 
+import re
+
 from models.args import DENSE, FULL, SPARSE, AttentionArgs, BlockSparse, ExpertArgs, ModelArgs, NormArgs, RopeArgs, RouterArgs
 from models.family import Family
+from models.checkpoint import stack_experts
 from models.mapping import hf_args, require, rope_theta, sanitize_hf
 from models.mlx_lm import DEFAULT_ROPE, MlxLm, const, head_dim, rope_parameters
 
@@ -71,16 +74,59 @@ def to_args(c) -> ModelArgs:
     )
 
 
+# the release's names (MiniMaxM3SparseForCausalLM's: what llama.cpp's converter and mlx-lm read) -> HF's
+RELEASE_NAMES = ((r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
+                 (r"\.block_sparse_moe\.", ".mlp."), (r"\.self_attn\.index_", ".self_attn.indexer."))
+
+
 def sanitize(weights: dict, args: ModelArgs) -> dict:
-    """HF's fused gate_up_proj of the dense and shared MLPs [2I, H] (gate rows, then up) -> gate_proj / up_proj."""
+    """The release's layout (the seeded checkpoints': per-expert w1 / w3 / w2 under block_sparse_moe, the correction
+    bias on the block, the indexer's index_* on the attention, gate_proj / up_proj apart) or HF's own (fused
+    experts.gate_up_proj, the dense and shared MLPs' gate_up_proj [2I, H]: gate rows, then up) -> the production
+    model's."""
     out = {}
     for k, t in weights.items():
+        for pattern, to in RELEASE_NAMES:
+            k = re.sub(pattern, to, k)
         if k.endswith(".gate_up_proj.weight"):
             p = k[: -len("gate_up_proj.weight")]
             out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = (x.contiguous() for x in t.chunk(2, dim=0))
         else:
             out[k] = t
+    out = stack_experts(out, r"(.*\.mlp\.experts)\.(\d+)\.(w1|w3|w2)\.weight", ("w1", "w3", "w2"))
     return sanitize_hf(out, args)
+
+
+def reference():
+    """HF's MiniMaxM3VLForCausalLM reading and writing the release's layout: transformers 5.23 registers the release's
+    conversion (conversion_mapping "minimax_m3_vl": block_sparse_moe with per-expert w1 / w3 / w2, index_* on the
+    attention, gate_proj / up_proj apart) for the composite model_type alone, not for this text model's
+    (minimax_m3_vl_text), whose save_pretrained would write HF's fused names, which llama.cpp's converter does not
+    read. Registered for this class (as models.text_tower does for a text tower): save_pretrained writes the release's
+    layout, from_pretrained reads it (and HF's own names, which no conversion pattern matches) to the same model."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    # the composite's own renames (^language_model., the vision tower's, the projector's) left out: they would write
+    # this model's lm_head as language_model.lm_head
+    layers = [t for t in get_checkpoint_conversion_mapping("minimax_m3_vl")
+              if not any(p.startswith("^") for p in t.source_patterns)]
+    register_checkpoint_conversion_mapping("MiniMaxM3VLForCausalLM", layers, overwrite=True)
+    return MiniMaxM3VLForCausalLM
+
+
+def release_fields(c: dict) -> dict:
+    """The release's config.json fields beside HF's flat ones (llama.cpp's converter reads these: the architecture,
+    the shared experts' count, the router's scoring, the dense layers from moe_layer_freq, the indexer from
+    sparse_attention_config; HF's MiniMaxM3VLTextConfig reads them to the same values as the flat fields)."""
+    return dict(model_type="minimax_m3", architectures=["MiniMaxM3SparseForCausalLM"], n_shared_experts=1, scoring_func="sigmoid",
+                use_routing_bias=True, moe_layer_freq=[int(t == SPARSE) for t in c["mlp_layer_types"]],
+                sparse_attention_config=dict(
+                    use_sparse_attention=True, sparse_num_index_heads=c["index_n_heads"],
+                    sparse_index_dim=c["index_head_dim"], sparse_block_size=c["index_block_size"],
+                    sparse_topk_blocks=c["index_topk_blocks"], sparse_local_block=c["index_local_blocks"],
+                    sparse_score_type="max", sparse_init_block=0,
+                    sparse_attention_freq=[int(t == SPARSE_ATTN) for t in c["layer_types"]]))
 
 
 def router_output(out, args):
@@ -107,8 +153,9 @@ def point_view(points, args: ModelArgs, layer=None):
 
 
 def to_mlx(weights: dict) -> dict:
-    """The checkpoint's arrays under the names mlx-lm's minimax_m3_vl sanitize() takes (the release's, as HF's
-    conversion mapping reads them): language_model.model.* and language_model.lm_head, the MoE block
+    """The checkpoint's arrays (the release's layout, the seeded checkpoints', pass as they are; HF's own names are
+    renamed) under the names mlx-lm's minimax_m3_vl sanitize() takes (the release's, as HF's conversion mapping reads
+    them): language_model.model.* and language_model.lm_head, the MoE block
     block_sparse_moe with its correction bias on the block, the experts fused (switch_mlp.gate_up_proj, split by its
     sanitize), the indexer's tensors index_{q,k}_{proj,norm} on the attention, the dense MLP's gate/up split."""
     import mlx.core as mx
@@ -158,10 +205,11 @@ MLX = MlxLm(
 )
 
 FAMILY = Family(
-    name="minimax_m3_vl", model_types=("minimax_m3_vl_text",), hf_module="minimax_m3_vl",
+    name="minimax_m3_vl", model_types=("minimax_m3_vl_text", "minimax_m3"), hf_module="minimax_m3_vl",
     hf_class_name="MiniMaxM3VLForCausalLM", hf_config_name="MiniMaxM3VLTextConfig", tiny_config=TINY,
     to_args=to_args, sanitize=sanitize, router_output=router_output, router_input=router_input,
-    hf_point_view=point_view, mlx=MLX, experts="num_local_experts",
+    hf_point_view=point_view, mlx=MLX, experts="num_local_experts", hf_reference=reference,
+    release_config=release_fields(TINY),
     # gate values beyond the clamp at 7 (as gpt_oss's), the experts' outputs kept near the stream's scale (with down_proj
     # at 0.1 the stream reaches RMS ~9 and a 1000x norm eps moves nothing: rmsnorm_eps_wrong, final_norm_eps_wrong missed)
     tiny_std={"experts.gate_up_proj": 0.5, "experts.down_proj": 0.02},
