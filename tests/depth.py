@@ -100,7 +100,9 @@ DEEP = {
 # take it out of here), keyed by node id under tests/ as DEEP is, the value what is known of its cause. The families'
 # own checks (eager, hf and the backends the README's table lists) pass; these are the suite's breadth tests.
 _LAYOUTS = "the family's checkpoint layouts (fused vs per-expert, or a shipped unquantized directory) not yet mapped"
-_PROFILE = "the trained weight profile's names or statistics for the family's tensors not yet mapped"
+_PROFILE = ("the trained profile's roles not yet mapped onto the family's tensor names (no Family.hf_profile_view): "
+            "axk2's fused q_gate_proj and gated norms, DeepSeek-V4's o_b_proj / q_b_proj, Doge's router_gate, ZAYA's "
+            "MLP router and CCA q/k; Muse Spark's stored norm gains not all positive (their offset not read)")
 _FORCED = "HF's forced selection (routing replay's router hooks) not yet wired for the family's router"
 _STREAMED = "the streamed reference (layer by layer from the shards) not yet carrying the family's model-level state"
 _TOWER = "the released composite model (its small vision/audio towers) not yet in tests/test_text_tower.py's RELEASED"
@@ -125,6 +127,4 @@ OPEN = {
     "test_text_tower.py::test_reference_is_the_released_model_on_text[muse_spark]": _TOWER,
     **{f"test_weights.py::test_profile_statistics_in_the_checkpoint[{f}]": _PROFILE
        for f in ("axk2", "deepseek_v4", "doge", "muse_spark", "zaya")},
-    **{f"test_weights.py::test_hf_reference_is_finite_and_not_degenerate[{f}]": _PROFILE
-       for f in ("inkling", "muse_spark", "qwen4_exp")},
 }

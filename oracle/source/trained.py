@@ -34,7 +34,9 @@ import math
 import re
 
 PROFILES = ("normal", "trained")
-TRAINED_FORMAT = 1  # bump when the recipe below changes (part of the cache key of trained checkpoints)
+# bump when the recipe below changes (part of the cache key of trained checkpoints). 2: a norm of the embeddings
+# (Inkling's embed_tokens.embed_norm) gets a residual norm's gains, no longer the final norm's
+TRAINED_FORMAT = 2
 
 OUTLIER_DIMS, OUTLIER_SCALE = 3, 20.0
 MASSIVE_DIMS, MASSIVE_SHARE, MASSIVE_SCALE = 2, 0.1, 300.0
@@ -139,6 +141,8 @@ def rewrite(sd: dict, seed: int, norm_offset: bool, router: str) -> None:
                 rows = torch.tensor(massive_rows(seed, t.shape[0]))
                 for d, s in zip(massive, signs[OUTLIER_DIMS:]):
                     t[rows, d] = s * MASSIVE_SCALE * median
+            elif name.endswith("norm.weight") and t.ndim == 1 and "embed_tokens." in name:  # the embeddings' norm
+                t.copy_(stored(lognormal(name, t)[0]))  # (as a layer's: the outlier and massive dims reach the layers)
             elif name.endswith("norm.weight") and t.ndim == 1:  # the final norm
                 g, outlier, massive = lognormal(name, t)
                 g[outlier] /= OUTLIER_SCALE
