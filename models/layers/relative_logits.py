@@ -29,9 +29,12 @@ class RelativeLogits(nn.Module):
         rel = (r @ self.proj).transpose(1, 2)  # [B, nh, T, extent]
         distance = q_pos[:, None] - k_pos[None, :]  # [T, S]
         index = (distance + self.shift).clamp(0, self.extent - 1).expand(*rel.shape[:2], -1, -1)
-        bias = rel.gather(-1, index)
+        bias = self.pick(rel, index)
         outside = (distance < 0) | (distance >= self.extent) if self.bounded else distance < 0
         return bias.masked_fill(outside, 0.0)
+
+    def pick(self, rel, index):  # rel [B, nh, T, extent] at index [B, nh, T, S] along the last dim (an exporter's
+        return rel.gather(-1, index)  # own op form overrides it: the MLX delegate takes no gather)
 
 
 class RelativeAttention(nn.Module):
@@ -67,20 +70,23 @@ class RelativeAttention(nn.Module):
         r = self.r_proj(x).view(B, T, self.nh, -1)
         q = self.q_norm(q.view(B, T, self.nh, self.hd)).transpose(1, 2)
         k = self.k_norm(k.view(B, T, self.kvh, self.hd)).transpose(1, 2)
-        self.k_cache[:, :, pos] = k
-        self.v_cache[:, :, pos] = v.view(B, T, self.kvh, self.hd).transpose(1, 2)
+        kc, vc = self.update_cache(k, v.view(B, T, self.kvh, self.hd).transpose(1, 2), pos)
         bias = self.rel_logits_proj(r, pos, self.cache_pos)  # [B, nh, T, S]
         if self.log_floor:  # (HF: in fp32)
             tau = 1.0 + self.log_alpha * torch.log(((pos + 1).float() / self.log_floor).clamp(min=1.0))
             tau = tau.view(1, 1, -1, 1)
             q, bias = (q.float() * tau).to(q.dtype), (bias.float() * tau).to(bias.dtype)
         rep = self.nh // self.kvh
-        kc = self.k_cache.repeat_interleave(rep, dim=1)
-        vc = self.v_cache.repeat_interleave(rep, dim=1)
+        kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
         scores = (q @ kc.transpose(2, 3)) * self.scale + bias
         scores = scores.masked_fill(~self.mask(pos), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return self.o_proj((probs @ vc).transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def update_cache(self, k, v, pos):  # k, v [B, kvh, T, hd] -> the caches [B, kvh, S, hd]
+        self.k_cache[:, :, pos] = k
+        self.v_cache[:, :, pos] = v
+        return self.k_cache, self.v_cache
 
     def mask(self, pos):  # [T, S]: causal, within the window on SLIDING layers
         visible = self.cache_pos[None, :] <= pos[:, None]

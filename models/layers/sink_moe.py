@@ -40,7 +40,7 @@ class SinkRouter(nn.Module):
 
     def weights(self, logits, idx):  # fp32 [N, k + n_shared]: the chosen routed experts', then the shared ones'
         rs, gs = self.args.router.routed_scaling_factor, self.global_scale.float()  # (route_scale; HF's order)
-        chosen = logits[:, : self.E].gather(-1, idx)
+        chosen = routing.pick(logits[:, : self.E], idx)  # (no gather: the MLX delegate takes none; exact)
         if not self.sink:  # (the fault: the shared experts outside the normalisation, each weighted 1)
             lp = F.logsigmoid(chosen)
             w = torch.exp(lp - torch.logsumexp(lp, dim=-1, keepdim=True)) * rs * gs

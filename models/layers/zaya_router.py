@@ -66,14 +66,14 @@ class ZayaRouter(nn.Module):
         r = self.down_proj(x)
         B, R = self.router_state.shape[0], r.shape[-1]  # (B: a batch widens the state, batched_state)
         if self.use_eda and self.passed and self._source and self.reads and pos is not None:
-            prev = self._source[0].router_state[:, pos].reshape(-1, R)
+            prev = self._source[0].read_state(pos).reshape(-1, R)
             r = r + (prev * self.router_states_scale if self.scaled else prev)
         if self.writes and pos is not None:
             new = r.reshape(B, -1, R)
             if self.writes == "fill":  # (only where its router row has not written)
-                old = self.router_state[:, pos]
+                old = self.read_state(pos)
                 new = torch.where((old != 0).any(-1, keepdim=True), old, new)
-            self.router_state[:, pos] = new
+            self.write_state(new, pos)
         logits = tap("logits", self.router_mlp(r))
         probs = tap("scores", torch.softmax(logits, dim=-1))
         choice = tap("selection", probs.float() + self.balancing_biases.float())
@@ -82,6 +82,13 @@ class ZayaRouter(nn.Module):
         if not self.skip_weighted:
             w = w.masked_fill(idx == self.skip, 0.0)
         return tap("weights", w), idx.clone()
+
+
+    def read_state(self, pos):  # [B, T, R] at the call's positions (an exporter's own state layout overrides these)
+        return self.router_state[:, pos]
+
+    def write_state(self, new, pos):  # new [B, T, R]
+        self.router_state[:, pos] = new
 
 
 class ZayaMoE(SparseMoE):

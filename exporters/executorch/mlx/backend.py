@@ -248,8 +248,12 @@ class MlxCandidate(Candidate):
     def last_routes(self):
         return self.routes
 
+    not_isolated: dict = {}  # (layer, kind) -> why its block method cannot run it alone (the row's n/a): not_isolated()
+
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
+        if (layer, kind) in self.not_isolated:
+            return None
         name = {"router": f"moe_{layer}", "moe": f"moe_{layer}", "mlp": f"mlp_{layer}",
                 "attention": f"attention_{layer}", "layer": f"layer_{layer}"}.get(kind, kind)
         if name not in self.program.method_names:
@@ -298,6 +302,25 @@ class MlxCandidate(Candidate):
 
     def structures(self):
         return {"mlx_nodes": histogram_text(self.hist)}
+
+
+def not_isolated(a) -> dict:
+    """The blocks (layer, kind) whose method reads what the method does not take, and why (as exporters/iree's): the
+    call's token ids (DeepSeek-V4's hash layers, Qwen4-Exp's n-gram embeddings: `call_tokens`), another layer's state
+    (GLM-5's shared DSA layers, ZAYA's routers after the first). The whole model's prefill and decode carry them."""
+    from models.layers.hash_router import token_blocks
+
+    e2e = "(the whole model's prefill and decode carry it: the e2e row)"
+    dsa = a.attention.dsa
+    out = {(i, kind): f"a DSA shared layer attends to the keys an earlier layer's indexer chose, state its block "
+                      f"method does not hold {e2e}"
+           for i, shared in enumerate(dsa.shared if dsa is not None else ()) if shared for kind in ("attention", "layer")}
+    if a.zaya is not None:
+        out.update({(i, kind): f"a ZAYA router after the first adds the previous layer's router state, which its block "
+                               f"method does not hold {e2e}"
+                    for i in range(1, a.num_hidden_layers) for kind in ("router", "moe", "layer")})
+    out.update({key: f"{why}, which its block method does not take {e2e}" for key, why in token_blocks(a).items()})
+    return out
 
 
 class MlxSamplingCandidate(MlxCandidate):
@@ -458,7 +481,13 @@ class ExecutorchMlxBackend(Backend):
         executor = executor_of(spec)
         kernel = uses_kernel(model.args)
         run_kernel = kernel and executor == "runtime" and metal_here()
-        check = self.artifact(model, spec, True, run_kernel)
+        from exporters.executorch.mlx.interpreter import NotDelegated
+        from oracle.backend import InputError
+
+        try:
+            check = self.artifact(model, spec, True, run_kernel)
+        except NotDelegated as e:  # the lowering fails where a method is delegated in part (export.lower): refused
+            raise InputError(f"executorch-mlx cannot lower {spec.family}: {e}") from None
         arts = [check]
         prod = check
         if run_kernel != kernel:  # the production graph differs from the executed one (Metal kernel)
@@ -471,8 +500,7 @@ class ExecutorchMlxBackend(Backend):
             program = runtime().load_program(check.path)
             how = f"executorch {importlib.metadata.version('executorch')} runtime (MLX delegate)"
         else:
-            from exporters.executorch.mlx.interpreter import NotDelegated, Program
-            from oracle.backend import InputError
+            from exporters.executorch.mlx.interpreter import Program
 
             try:
                 program = Program.load(check.path)
@@ -493,6 +521,7 @@ class ExecutorchMlxBackend(Backend):
         sparse = tuple(i for i in range(model.args.num_hidden_layers) if mlp_type(model.args, i) == SPARSE)
         cand = cls(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None, sparse)
         cand.points_program = functools.partial(self.points_program, model, spec, executor, run_kernel)
+        cand.not_isolated = not_isolated(model.args)
         return cand
 
     def export(self, model, spec, output_dir) -> list[Path]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import types
 
 import torch
@@ -43,7 +44,9 @@ from models.layers.experts import Experts
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.mla import LatentAttention
 from models.layers.norms import RMSNorm
+from models.layers.relative_logits import RelativeAttention
 from models.layers.router import Router
+from models.layers.zaya_router import ZayaRouter
 from models.layers.moe import SparseMoE
 from models.layers.transformer import Transformer
 from models.layers.taps import tap
@@ -75,7 +78,8 @@ def gated_rms_norm_forward(self, x, z):
 
 
 def transform_norm(norm: RMSNorm) -> None:
-    if "forward" in norm.__dict__:
+    # a subclass's own forward (Qwen4-Exp's per-group norm, Muse Spark's centered norm) is not the plain RMSNorm
+    if "forward" in norm.__dict__ or type(norm).forward is not RMSNorm.forward:
         return
     w = norm.weight.detach().float()
     norm.register_buffer("mlx_weight", ((1.0 + w) if norm.offset else w).to(norm.weight.dtype))
@@ -170,6 +174,7 @@ def attend(self, q, kc, vc, pos):  # pos: what `mask_positions` returned
 
 def transform_attention(attn: Attention, theta: float) -> None:
     S = attn.k_cache.shape[2]
+    transform_indexer(getattr(attn, "indexer", None))  # (Qwen4-Exp's QSA)
     # mlx's rope op: rotate-half with plain frequencies (interleaved pairs, YaRN's cos/sin factor
     # or LongRoPE's scale stay the production model's torch code)
     rope = attn.rope  # (and Gemma 4's proportional RoPE, whose unrotated slots have frequency 0)
@@ -210,16 +215,52 @@ def update_index_cache(self, k, pos):
     return self.index_key_cache[:, 0]
 
 
-def transform_latent_attention(attn: LatentAttention) -> None:
-    ix = getattr(attn, "indexer", None)
-    if ix is not None and "update_cache" not in ix.__dict__:  # (a seeded fault's own cache write: kept as it is)
+def transform_indexer(ix) -> None:
+    """An indexer's key cache [1, S, d] with update_cache(key, pos) (DeepSeek's DSA, Qwen4-Exp's QSA) -> the
+    delegate's KV cache op."""
+    if torch.is_tensor(getattr(ix, "index_key_cache", None)) and "update_cache" not in ix.__dict__:
+        # (another indexer, Doge's dynamic mask, has no key cache; a seeded fault's own cache write: kept as it is)
         ix.index_key_cache = ix.index_key_cache[:, None].clone()
         swap(ix, "update_cache", update_index_cache)
+
+
+def transform_latent_attention(attn: LatentAttention) -> None:
+    transform_indexer(getattr(attn, "indexer", None))
     if "update_cache" in attn.__dict__:  # a seeded fault's own cache write: kept as it is
         return
     for name in ("latent_cache", "rope_key_cache"):  # [B, S, d] -> [B, 1, S, d], the op's layout
         setattr(attn, name, getattr(attn, name)[:, None].clone())
     swap(attn, "update_cache", update_latent_cache)
+
+
+# ---------------------------------------------------------------- Inkling's relative attention, ZAYA's router state
+def pick_one_hot(self, rel, index):  # rel [B, nh, T, E] at index [B, nh, T, S]: a one-hot matmul (exact: one term)
+    one_hot = (index[..., None] == torch.arange(rel.shape[-1])).to(rel.dtype)  # [B, nh, T, S, E]
+    return (one_hot @ rel[..., None])[..., 0]
+
+
+def transform_relative_attention(attn: RelativeAttention) -> None:
+    """The KV cache write in the delegate's KV cache op, the relative bias's gather (the delegate takes none) as a
+    one-hot matmul."""
+    swap(attn, "update_cache", update_cache)
+    swap(attn.rel_logits_proj, "pick", pick_one_hot)
+
+
+def read_router_state(self, pos):  # the state held as one head [B, 1, S, R] -> [B, T, R]
+    return self.router_state[:, 0][:, pos]
+
+
+def write_router_state(self, new, pos):  # new [B, T, R]
+    torch.ops.mlx.kv_cache_update(self.router_state, new[:, None], start_of(pos, self.router_state.shape[2]))
+
+
+def transform_zaya_router(router: ZayaRouter) -> None:
+    """ZAYA's cross-layer router state [B, S, R] written in the delegate's KV cache op (index_put is not lowered)."""
+    if "read_state" in router.__dict__ or "write_state" in router.__dict__:
+        return
+    router.router_state = router.router_state[:, None].clone()
+    swap(router, "read_state", read_router_state)
+    swap(router, "write_state", write_router_state)
 
 
 # seeded faults (models/faults/) whose torch code the MLX delegate cannot lower, in this
@@ -311,6 +352,10 @@ def mlx_source_transformations(model: Transformer, use_custom_kernel: bool = Tru
             transform_latent_attention(m)
         elif isinstance(m, GatedDeltaNet):
             transform_gdn(m, dtype, use_custom_kernel)
+        elif isinstance(m, RelativeAttention):
+            transform_relative_attention(m)
+        elif isinstance(m, ZayaRouter):
+            transform_zaya_router(m)
     return model
 
 
@@ -432,6 +477,21 @@ def _unsupported_only(record) -> bool:
     return record.levelno > logging.INFO or "[UNSUPPORTED" in record.getMessage() or bool(os.environ.get("ET_MLX_DEBUG"))
 
 
+class Unsupported(logging.Filter):
+    """Records the ops the MLX partitioner reports it does not take (`[UNSUPPORTED xN] <EdgeOpOverload: ns.op.overload>`)
+    as ExecuTorch names operators (`ns::op`), while it is a filter of the delegate's logger."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def filter(self, record) -> bool:
+        m = re.search(r"\[UNSUPPORTED x\d+\] (?:<EdgeOpOverload: )?(\w+)\.(\w+)", record.getMessage())
+        if m:
+            self.ops.add(f"{m.group(1)}::{m.group(2)}")
+        return True
+
+
 def lower(methods: dict, constant_methods: dict | None = None):
     """MLX partitioner with the delegate's default passes, as ExecuTorch's MLX LLM exports lower; each method
     once per process (exporters.executorch.lower.lowered_methods: a seeded fault's program takes the block methods
@@ -447,8 +507,25 @@ def lower(methods: dict, constant_methods: dict | None = None):
     if _unsupported_only not in logger.filters:
         logger.addFilter(_unsupported_only)
 
-    programs = lowered_methods(methods, "mlx", lambda todo: to_edge_transform_and_lower(
-        todo, transform_passes=get_default_passes(), partitioner=[MLXPartitioner()],
-        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True)))
+    from torch._export.verifier import SpecViolationError
+
+    from exporters.executorch.mlx.interpreter import NotDelegated
+
+    seen = Unsupported()
+    logger.addFilter(seen)
+    try:
+        programs = lowered_methods(methods, "mlx", lambda todo: to_edge_transform_and_lower(
+            todo, transform_passes=get_default_passes(), partitioner=[MLXPartitioner()],
+            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True)))
+    except SpecViolationError as e:
+        # ExecuTorch 1.5.1's to_backend fails its own verifier where a method is delegated in part and the delegate
+        # writes state buffers ("Buffer output ... does not point to a buffer that exists"): the ops left outside
+        # are what the delegate lacks, what the interpreter would name (interpreter.Method) had it lowered
+        if not seen.ops:
+            raise
+        raise NotDelegated(f"the MLX delegate did not take {', '.join(sorted(seen.ops))} (ExecuTorch's to_backend "
+                           f"then fails on the state the delegate writes: {str(e).splitlines()[0]})") from None
+    finally:
+        logger.removeFilter(seen)
     return edge_manager(programs, constant_methods).to_executorch(ExecutorchBackendConfig(
         extract_delegate_segments=True, memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False)))

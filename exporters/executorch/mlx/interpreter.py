@@ -251,14 +251,16 @@ def _gather_mm(n, s):
     s.set(n["out"], y.astype(dtype))
 
 
-def _full(n, s):
-    s.set(n["out"], mx().full(s.ints(n["shape"]), s.f(n["v"]), dtype_of(n["scalar_type"])))
+def _full(n, s):  # (the value as an array of the dtype, as the runtime's C++ full(shape, array(v, dtype)): mlx's
+    # Python full(shape, 255.0, int64) gives float32, which fed an int64 n-gram hash (Qwen4-Exp's PLE) to bitwise_xor)
+    dt = dtype_of(n["scalar_type"])
+    s.set(n["out"], mx().full(s.ints(n["shape"]), mx().array(s.f(n["v"]), dtype=dt)))
 
 
 def _full_like(n, s):
     x = s.t(n["x"])
     dt = dtype_of(n["scalar_type"]) if "scalar_type" in n else x.dtype
-    s.set(n["out"], mx().full(x.shape, s.f(n["v"]), dt))
+    s.set(n["out"], mx().full(x.shape, mx().array(s.f(n["v"]), dtype=dt)))
 
 
 def _arange(n, s):
@@ -289,6 +291,7 @@ def _metal_kernel(n, s):
 OPS = {
     "NoopNode": lambda n, s: None,
     "IdCopyNode": lambda n, s: s.set(n["out"], s.t(n["x"])),
+    "ContiguousNode": lambda n, s: s.set(n["out"], mx().contiguous(s.t(n["x"]))),
     "AddmmNode": _addmm,
     "ItemIntNode": lambda n, s: s.values.__setitem__(n["out"]["vid"], int(s.t(n["x"]).item())),
     "SymSizeNode": lambda n, s: s.values.__setitem__(n["out"]["vid"], s.t(n["a"]).shape[n["dim"]]),
@@ -350,6 +353,12 @@ OPS = {
     "MeanNode": _reduce("mean"),
     "MaxNode": _reduce("max"),
     "MinNode": _reduce("min"),
+    "LogSumExpNode": _reduce("logsumexp"),
+    "AnyNode": _reduce("any"),
+    "AllNode": _reduce("all"),
+    "SignNode": _unary(lambda m: m.sign),
+    "ReciprocalNode": _unary(lambda m: m.reciprocal),
+    "BitwiseOrNode": _binary(lambda m: m.bitwise_or),
     "ClipNode": lambda n, s: s.set(n["out"], mx().clip(s.t(n["x"]), s.t(n["a_min"]) if n.get("a_min") else None,
                                                        s.t(n["a_max"]) if n.get("a_max") else None)),
     "ReshapeNode": lambda n, s: s.set(n["out"], mx().reshape(s.t(n["x"]), s.ints(n["shape"]))),
