@@ -69,15 +69,17 @@ class QSAIndexer(nn.Module):
         return scores.topk(self.k, dim=-1).indices
 
 
-def visible_keys(chosen, pos, cache_pos, r: int):
+def visible_keys(chosen, pos, cache_pos, r: int, causal=None):
     """[B, T, S] bool: the keys a query sees, those of its chosen complete blocks and the causal ones after its last
-    complete block."""
+    complete block, all within `causal` [T, S] (the attention's own mask, Attention.mask; None: key <= query). A
+    complete block's keys are all causal: the bound changes nothing in this model, and holds every key to the mask a
+    port (or a seeded fault) computes."""
     block = cache_pos // r  # [S]
     complete = block[None, :] < ((pos + 1) // r)[:, None]  # [T, S]: the key's block is complete for the query
-    causal = cache_pos[None, :] <= pos[:, None]
+    causal = cache_pos[None, :] <= pos[:, None] if causal is None else causal
     # (a sum, not any(); a where, not a boolean and/or: the lowerings' limits, as models/layers/dsa.py)
     in_chosen = (chosen[..., None] == block).sum(dim=-2) > 0  # [B, T, S]
-    return torch.where(complete, in_chosen, causal)
+    return torch.where(complete, torch.where(causal, in_chosen, False), causal)
 
 
 class QSAAttention(Attention):
@@ -92,7 +94,7 @@ class QSAAttention(Attention):
         chosen = self.indexer(x, pos)
         q, k, v, gate = self.project(x, pos)
         kc, vc = self.update_cache(k, v, pos)
-        y = self.attend(q, kc, vc, visible_keys(chosen, pos, self.cache_pos, self.r)[:, None])  # [B, 1, T, S]
+        y = self.attend(q, kc, vc, visible_keys(chosen, pos, self.cache_pos, self.r, self.mask(pos))[:, None])
         if self.gated:
             y = y * torch.sigmoid(gate)
         return self.o_proj(y)
