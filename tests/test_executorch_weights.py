@@ -234,7 +234,8 @@ class DepthwiseConv(torch.nn.Module):
         return self.conv(x)
 
 
-def lowered_conv(m: DepthwiseConv, path: Path) -> Path:
+def lowered_conv(m: torch.nn.Module, path: Path) -> Path:
+    """`m` (x [1, 8, 16] -> ...) lowered by the backend's lowering (XNNPACK) at `path`."""
     from types import SimpleNamespace
 
     ep = torch.export.export(m, (torch.zeros(1, 8, 16),), strict=True)
@@ -271,3 +272,43 @@ def test_a_weight_the_delegate_laid_out_in_another_axis_order_is_rebound(tmp_pat
     prog = Runtime.get().load_program(str(dest), data_path=str(dest.with_name("model.ptd")))
     with torch.no_grad():
         assert torch.allclose(prog.load_method("forward").execute([x])[0], m1(x), atol=1e-5)
+
+
+class TwoLinears(torch.nn.Module):
+    """Two weights of one shape, each its own XNNPACK entry keyed by the sha256 of its bytes."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):  # [1, 8, 16] -> [1, 8, 16]
+        return self.b(torch.relu(self.a(x)))
+
+
+@needs_executorch
+def test_rebind_where_a_new_weight_is_another_entrys_old_one(tmp_path):
+    """DeepSeek-V4's check program rebound from the one lowered for its tiny checkpoint before 580bffb failed
+    (logits 3.33 off): the new draw had old tensors' bytes in other places, and the delegate's keys renamed one
+    after another (a -> b's old key, then that key -> ...) left two entries under one key. Here the two weights
+    swapped: the rebound program is byte for byte the one lowered for the swapped model, and computes it."""
+    m0, m1 = TwoLinears(0), TwoLinears(0)
+    with torch.no_grad():
+        m1.a.weight.copy_(m0.b.weight), m1.b.weight.copy_(m0.a.weight)
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    p0 = lowered_conv(m0, tmp_path / "a" / "model.pte")
+    bound, why = ew.binding(p0.with_name("model.ptd"), ew.tensor_hashes(m0), set(ew.model_tensors(m0)))
+    assert bound is not None, why
+    assert sorted(n for names in bound["content"].values() for n in names) == ["a.weight", "b.weight"]
+    dest = tmp_path / "c" / "model.pte"
+    assert ew.rebind(p0, bound, m1, dest, ()) is None
+    p1 = lowered_conv(m1, tmp_path / "b" / "model.pte")
+    assert all(filecmp.cmp(p1.with_name(n), dest.with_name(n), shallow=False) for n in ("model.pte", "model.ptd"))
+    from executorch.runtime import Runtime
+
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0))
+    prog = Runtime.get().load_program(str(dest), data_path=str(dest.with_name("model.ptd")))
+    with torch.no_grad():
+        assert torch.allclose(prog.load_method("forward").execute([x])[0], m1(x), atol=1e-5)
+        assert (m1(x) - m0(x)).abs().max() > 1e-2  # the weights are the difference

@@ -189,18 +189,12 @@ def rebind(program: Path, bound: dict, model: nn.Module, dest: Path, keep: tuple
     try:
         shutil.copyfile(src, out)
         with open(out, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-            table = bytes(m[:table_end])
-            for old, new in renames.items():
-                table = table.replace(old, new)
-            m[:table_end] = table
+            m[:table_end] = renamed(bytes(m[:table_end]), renames)
             for off, data in writes:
                 m[off:off + data.nbytes] = data
             m.flush()
         if out != dest:  # the weights beside the program: its delegate payload names the renamed keys
-            pte = program.read_bytes()
-            for old, new in renames.items():
-                pte = pte.replace(old, new)
-            dest.write_bytes(pte)
+            dest.write_bytes(renamed(program.read_bytes(), renames))
         for name in keep:
             if program.with_name(name).is_file():
                 shutil.copyfile(program.with_name(name), dest.with_name(name))
@@ -209,6 +203,18 @@ def rebind(program: Path, bound: dict, model: nn.Module, dest: Path, keep: tuple
             f.unlink(missing_ok=True)
         raise
     return None
+
+
+def renamed(data: bytes, renames: dict[bytes, bytes]) -> bytes:
+    """`data` with every old key of `renames` replaced by its new key, all at once: a new key may be another
+    entry's old one (a checkpoint whose tensors are another's in other places: DeepSeek-V4's tiny draw after
+    580bffb has its shared experts' gate the old up's bytes), which a replacement one key after another would
+    rename twice (two entries with one key: the program read one weight for both, logits 3.33 off)."""
+    import re
+
+    if not renames:
+        return data
+    return re.sub(b"|".join(re.escape(k) for k in renames), lambda hit: renames[hit.group(0)], data)
 
 
 RECORDS = "executorch-programs"  # the cache's records of the first program lowered per identity
