@@ -804,6 +804,26 @@ def test_the_delegate_keeps_a_norm_times_a_per_row_weight():
     torch.testing.assert_close(got, NormThenWeight()(y, w), atol=1e-5, rtol=1e-4)
 
 
+def test_a_lowering_that_fails_its_verifier_on_state_written_inside_the_delegate_is_refused(monkeypatch):
+    """ExecuTorch 1.5.1's to_backend fails its own verifier (SpecViolationError) where a method is delegated in part
+    and the delegate writes state buffers (measured: inkling before its gathers were rewritten, glm5_next): the
+    lowering names the ops the partitioner left out, as the interpreter names a program's (a refusal), not a crash."""
+    import exporters.executorch.lower as lowering
+    from executorch.backends.mlx._logging import logger
+    from torch._export.verifier import SpecViolationError
+
+    from exporters.executorch.mlx.export import lower
+    from exporters.executorch.mlx.interpreter import NotDelegated
+
+    def failing(methods, how, lower_fn):
+        logger.info("  [UNSUPPORTED x2] <EdgeOpOverload: aten.gather.default>: schema = aten::gather(...) -> Tensor")
+        raise SpecViolationError("Buffer output getitem_7 does not point to a buffer that exists. \nDict of buffers")
+
+    monkeypatch.setattr(lowering, "lowered_methods", failing)
+    with pytest.raises(NotDelegated, match=r"did not take aten::gather \(ExecuTorch's to_backend then fails"):
+        lower({})
+
+
 def test_the_relative_bias_as_a_one_hot_matmul_is_the_gather():
     """Inkling's relative bias (a gather: the delegate takes none) as a one-hot matmul: bit for bit the gather's."""
     from exporters.executorch.mlx.export import pick_one_hot, swap
