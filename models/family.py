@@ -75,6 +75,10 @@ class Family:
     # with that selection, what its MoE block then computes (oracle/verdict/replay.py forces a selection); None:
     # the triple's weights and indices replaced
     router_input: Callable = None
+    # (the HF router module, its input hidden states, indices [N, k], ModelArgs) -> its output with that selection,
+    # weighed as the router itself weighs it, where the weights are not a function of the routed logits alone
+    # (Inkling's shared experts share the routed ones' normalisation); None: router_input's
+    router_reweigh: Callable = None
     # config consistency (check_config): the config.json names of the routed-expert count and of
     # top-k, and the family's own rules beside COMMON_RULES (see there)
     experts: str = "num_experts"

@@ -77,9 +77,25 @@ def router_output(out, args: ModelArgs):
 
 def router_input(out, weights, idx, args: ModelArgs):
     """router_output's inverse: the selection forced, the shared experts' weights HF computed kept (the shared
-    logits are not in the router's output to renormalise them with)."""
+    logits are not in the router's output to renormalise them with: a forced selection is weighed by router_reweigh,
+    this form only where the weights are given)."""
     return out[0], weights, idx, out[3]
 
+
+def router_reweigh(router, x, idx, args: ModelArgs):
+    """HF's InklingTopkRouter.forward with the experts `idx` [N, k] given: the chosen routed logits and the shared
+    ones normalised together (logsigmoid, then a softmax over them), so the shared experts' weights follow the
+    choice (router_input keeps HF's own: its output has no shared logits to renormalise with)."""
+    import torch
+    import torch.nn.functional as F
+
+    E, k = router.num_experts, idx.shape[-1]
+    logits = F.linear(x.reshape(-1, router.hidden_dim).float(), router.weight.float())
+    chosen = torch.cat([logits[..., :E].gather(-1, idx.long()), logits[..., E:]], dim=-1)
+    lp = F.logsigmoid(chosen)
+    w = (torch.exp(lp - torch.logsumexp(lp, dim=-1, keepdim=True)) * router.route_scale
+         * router.global_scale.float()).to(x.dtype)
+    return logits[..., :E], w[..., :k].contiguous(), idx, w[..., k:].contiguous()
 
 
 def point_view(points, args: ModelArgs, layer=None):
@@ -93,5 +109,5 @@ FAMILY = Family(
     name="inkling", model_types=("inkling_text",), hf_module="inkling", hf_class_name="InklingForCausalLM",
     hf_config_name="InklingTextConfig", tiny_config=TINY, to_args=to_args, sanitize=sanitize, tiny_std=TINY_STD,
     hf_point_view=point_view,
-    router_output=router_output, router_input=router_input, experts="n_routed_experts",
+    router_output=router_output, router_input=router_input, router_reweigh=router_reweigh, experts="n_routed_experts",
 )

@@ -103,7 +103,6 @@ _LAYOUTS = "the family's checkpoint layouts (fused vs per-expert, or a shipped u
 _PROFILE = ("the trained profile's roles not yet mapped onto the family's tensor names (no Family.hf_profile_view): "
             "axk2's fused q_gate_proj and gated norms, DeepSeek-V4's o_b_proj / q_b_proj, Doge's router_gate, ZAYA's "
             "MLP router and CCA q/k; Muse Spark's stored norm gains not all positive (their offset not read)")
-_FORCED = "HF's forced selection (routing replay's router hooks) not yet wired for the family's router"
 _STREAMED = "the streamed reference (layer by layer from the shards) not yet carrying the family's model-level state"
 _TOWER = "the released composite model (its small vision/audio towers) not yet in tests/test_text_tower.py's RELEASED"
 _MLX_REFUSED = "mlx refuses the family by name (deepseek_v4: mlx-lm's deepseek_v41 is V4.1; muse_spark: Metal-only kernels)"
@@ -119,8 +118,6 @@ OPEN = {
        for f in ("doge", "inkling", "minimax_m3_vl", "muse_spark", "zaya")},
     **{f"test_shipped.py::test_unquantized_directory_maps_back_to_the_original_exactly[{f}]": _LAYOUTS
        for f in ("deepseek_v4", "minimax_m3_vl", "muse_spark")},
-    **{f"test_replay.py::test_forced_selection_in_hf_is_the_production_models[{f}]": _FORCED
-       for f in ("doge", "inkling", "muse_spark", "zaya")},
     "test_text_tower.py::test_every_text_tower_is_checked_against_its_released_model": _TOWER,
     "test_text_tower.py::test_text_positions_rotate_as_the_families_1d_rope[glm5_next]": _TOWER,
     "test_text_tower.py::test_reference_is_the_released_model_on_text[glm5_next]": _TOWER,

@@ -45,7 +45,7 @@ def forced(hf, plan: dict):
 
     from models.layers import routing
 
-    args, reader, writer = hf.args, hf.read_router, hf.family.router_input
+    args, reader, writer, reweigh = hf.args, hf.read_router, hf.family.router_input, hf.family.router_reweigh
     counts: dict = {}
 
     def hook(layer):
@@ -86,6 +86,8 @@ def forced(hf, plan: dict):
                 alt = routing.weight_alternative(scores, i2, args)
                 nearer = ((alt - target).abs().amax(-1) < (w2.float() - target).abs().amax(-1)) & ~given
                 w = torch.where(nearer[:, None], alt.to(weights.dtype), w2).reshape(weights.shape)
+            if reweigh is not None and not bool(given.any()) and not decide:  # the router's own weighing of i
+                return reweigh(mod, a[0] if a else kwargs["hidden_states"], i, args)
             return writer(out, w, i, args) if writer else (out[0], w, i, *out[3:])
         return fn
 
