@@ -84,8 +84,14 @@ class Indexer(nn.Module):
         visible = self.cache_pos[None, :] <= pos[:, None]  # [T, S]
         chosen = self.choose(scores.masked_fill(~visible, float("-inf")))
         if hasattr(self, "index_selection"):
-            self.index_selection[:, pos] = chosen  # (every sequence's: a batch widens the buffer, batched_state)
+            self.keep_selection(chosen, pos)
         return chosen
+
+    def keep_selection(self, chosen, pos):  # (every sequence's: a batch widens the buffer, batched_state)
+        self.index_selection[:, pos] = chosen
+
+    def selection_at(self, pos):  # [B, T, k] (an exporter's own state layout overrides these two)
+        return self.index_selection[:, pos]
 
     def key(self, x):  # [B, T, hd]: LayerNorm(wk(x)) (HY-V4: the norm in fp32, DSA.k_norm_fp32)
         if self.k_norm_fp32:
@@ -124,7 +130,7 @@ def chosen_mask(chosen, cache_pos):
 
 def shared_selection(source: Indexer, pos):
     """A shared layer's choice: its source indexer's, at the call's positions ([1, T, k])."""
-    return source.index_selection[:, pos]
+    return source.selection_at(pos)
 
 
 def link_sources(layers) -> None:

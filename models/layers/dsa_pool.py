@@ -45,11 +45,11 @@ class PooledIndexer(Indexer):
         B, T, _ = x.shape
         q = self.wq_b(q_resid).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         keys = self.update_cache(self.key(x), pos)  # [1, S, hd]
-        self.index_gate_cache[:, pos] = F.linear(x, self.index_kpool_compress_gate)
-        scores = self.index_scores(x, q, self.pool_keys(keys, self.index_gate_cache))  # [B, T, P]
+        gates = self.update_gate_cache(F.linear(x, self.index_kpool_compress_gate), pos)  # [1, S, hd]
+        scores = self.index_scores(x, q, self.pool_keys(keys, gates))  # [B, T, P]
         visible = self.pool_end[None, :] <= pos[:, None]  # [T, P]: the pool complete before the query
         pools = self.choose(scores.masked_fill(~visible, torch.finfo(scores.dtype).min))  # [B, T, k]
-        valid = torch.gather(visible[None].expand(B, -1, -1), -1, pools)
+        valid = self.pick_visible(visible, pools)
         slots = torch.arange(self.kpool, device=x.device)
         chosen = torch.where(valid[..., None], pools[..., None] * self.kpool + slots, -1).flatten(-2)  # [B, T, k kp]
         if self.tail:  # the keys of the query's own incomplete pool
@@ -58,8 +58,15 @@ class PooledIndexer(Indexer):
             chosen = torch.cat((chosen, tail[None].expand(B, -1, -1)), dim=-1)
         chosen = F.pad(chosen, (0, self.width - chosen.shape[-1]), value=-1)
         if hasattr(self, "index_selection"):
-            self.index_selection[:, pos] = chosen
+            self.keep_selection(chosen, pos)
         return chosen
+
+    def update_gate_cache(self, g, pos):  # g [B, T, hd] -> the cache [1, S, hd] (an exporter's own op overrides these)
+        self.index_gate_cache[:, pos] = g
+        return self.index_gate_cache
+
+    def pick_visible(self, visible, pools):  # visible [T, P] at pools [B, T, k] -> [B, T, k] bool
+        return torch.gather(visible[None].expand(pools.shape[0], -1, -1), -1, pools)
 
     def pool_keys(self, keys, gates):  # [1, S, hd] each -> [1, P, hd]: each pool's softmax mix of its keys
         n = self.pools * self.kpool

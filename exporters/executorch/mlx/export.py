@@ -215,13 +215,45 @@ def update_index_cache(self, k, pos):
     return self.index_key_cache[:, 0]
 
 
+def keep_selection(self, chosen, pos):  # DSA's choice [B, T, k] kept for a shared layer, in the cache op
+    torch.ops.mlx.kv_cache_update(self.index_selection, chosen[:, None], start_of(pos, self.index_selection.shape[2]))
+
+
+def selection_at(self, pos):  # [B, T, k] from the selection held as one head [B, 1, S, k]
+    return self.index_selection[:, 0][:, pos]
+
+
+def update_gate_cache(self, g, pos):  # GLM-5.3's pool gate logits [B, T, d] into a cache held as one head
+    torch.ops.mlx.kv_cache_update(self.index_gate_cache, g[:, None], start_of(pos, self.index_gate_cache.shape[2]))
+    return self.index_gate_cache[:, 0]
+
+
+def pick_visible(self, visible, pools):  # visible [T, P] at pools [B, T, k], without a gather (exact)
+    hit = pools[..., None] == torch.arange(visible.shape[-1])  # [B, T, k, P]
+    return torch.where(hit, visible[None, :, None, :], False).sum(dim=-1) > 0
+
+
+def as_head(module, name: str) -> None:
+    """A state buffer [B, S, d] held as one head [B, 1, S, d] (mlx::kv_cache_update's layout)."""
+    setattr(module, name, getattr(module, name)[:, None].clone())
+
+
 def transform_indexer(ix) -> None:
-    """An indexer's key cache [1, S, d] with update_cache(key, pos) (DeepSeek's DSA, Qwen4-Exp's QSA) -> the
-    delegate's KV cache op."""
-    if torch.is_tensor(getattr(ix, "index_key_cache", None)) and "update_cache" not in ix.__dict__:
-        # (another indexer, Doge's dynamic mask, has no key cache; a seeded fault's own cache write: kept as it is)
-        ix.index_key_cache = ix.index_key_cache[:, None].clone()
-        swap(ix, "update_cache", update_index_cache)
+    """An indexer's key cache [1, S, d] with update_cache(key, pos) (DeepSeek's DSA, Qwen4-Exp's QSA, MiniMax-M3's
+    block indexer), DSA's kept choice and GLM-5.3's pool gates -> the delegate's KV cache op; GLM-5.3's gather of
+    the visible pools -> comparisons and a sum."""
+    if not torch.is_tensor(getattr(ix, "index_key_cache", None)):
+        return  # (another indexer, Doge's dynamic mask, has no key cache)
+    # (a seeded fault's own method: kept as it is)
+    for buf, methods in (("index_key_cache", {"update_cache": update_index_cache}),
+                         ("index_selection", {"keep_selection": keep_selection, "selection_at": selection_at}),
+                         ("index_gate_cache", {"update_gate_cache": update_gate_cache})):
+        if torch.is_tensor(getattr(ix, buf, None)) and all(hasattr(ix, m) and m not in ix.__dict__ for m in methods):
+            as_head(ix, buf)
+            for m, fn in methods.items():
+                swap(ix, m, fn)
+    if hasattr(ix, "pick_visible"):
+        swap(ix, "pick_visible", pick_visible)
 
 
 def transform_latent_attention(attn: LatentAttention) -> None:
