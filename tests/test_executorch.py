@@ -127,6 +127,29 @@ def test_probe_methods_run_one_moe_block_on_given_inputs(olmoe_check):
 
 
 @needs_executorch
+def test_zaya_probe_methods_lower_with_the_router_run_once(tmp_path):
+    """ZAYA's check program was refused by XNNPACK's partitioner ("Invalid partition, found dependency cycles", in its
+    probe methods): the probe ran its router MLP twice, beside the block and inside it, and XNNPACK put both reads of
+    its out_proj weight in one partition around the portable topk between them. The probe takes the router's outputs
+    from its one call inside the block: lowered on XNNPACK, each layer's probe is the eager block and its router."""
+    from exporters.executorch.export import export_probes, probe_rows
+    from exporters.executorch.lower import lower_cpu
+    from exporters.executorch.program import save
+
+    src = model_source(CheckSpec(family="zaya", backend="executorch"))
+    m, eager = src.build_production(torch.float32), src.build_production(torch.float32)
+    save(lower_cpu(export_probes(m), m), tmp_path / "model.pte")
+    cand = ExecutorchCandidate(tmp_path / "model.pte", {}, torch.float32, probe_rows(m.args))
+    x = torch.randn(11, m.args.hidden_size, generator=torch.Generator().manual_seed(0))
+    for layer, block in enumerate(eager.layers):
+        (moe, w, idx), = cand.probe(layer, [x])
+        with torch.no_grad():
+            want_w, want_idx = block.mlp.gate(x)
+            assert torch.allclose(moe, block.mlp(x[None]), atol=1e-5)
+        assert torch.equal(idx, want_idx) and torch.allclose(w, want_w, atol=1e-6)
+
+
+@needs_executorch
 def test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatch):
     """A process lowers each method once (exporters.executorch.lower.lowered_methods): with a fault in the last
     layer's experts, layer 0's probe method is the clean program's lowering, and the program (its .pte and

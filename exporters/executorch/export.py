@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 
 import torch
 from torch import nn
@@ -96,17 +97,33 @@ class MoeProbe(nn.Module):
     """One layer's MoE block alone: x [N, H] -> (moe [1, N, H], router weights [N, k], indices [N, k]).
     Its weights keep the model's own names (`layers.{i}.mlp.*`): the external weights file
     holds a weight once per name, so the probe methods share prefill's copy, and two layers'
-    probes never share one name (a name collision would serve one layer another's experts)."""
+    probes never share one name (a name collision would serve one layer another's experts).
+    The router runs once, inside the block (its outputs recorded by a hook while exported: recording),
+    not again beside it: two calls of ZAYA's router MLP read its out_proj weight twice, and XNNPACK's
+    partitioner (ExecuTorch 1.5.1) put both linears in one partition around the portable topk between
+    them ("Invalid partition, found dependency cycles"). A block that calls no router: the router on x."""
 
     def __init__(self, moe: nn.Module, layer: int):
         super().__init__()
         self.key = str(layer)
         self.layers = nn.ModuleDict({self.key: nn.ModuleDict({"mlp": moe})})
+        self.routed = []  # the router's (weights, indices) of this call (while recording)
 
     def forward(self, x):
         moe = self.layers[self.key]["mlp"]
-        w, idx = moe.gate(x)
-        return moe(x[None]), w, idx
+        self.routed.clear()
+        y = moe(x[None])
+        w, idx = self.routed[0] if self.routed else moe.gate(x)
+        return y, w, idx
+
+    @contextlib.contextmanager
+    def recording(self):
+        hook = self.layers[self.key]["mlp"].gate.register_forward_hook(lambda m, args, out: self.routed.append(out))
+        try:
+            yield self
+        finally:
+            hook.remove()
+            self.routed.clear()
 
 
 PROBE_GATHER_BYTES = 256 * 2**20
@@ -129,9 +146,13 @@ def export_probes(model: Transformer) -> dict:
     rows = probe_rows(a)
     dynamic = ({0: Dim("N", min=1, max=rows)},) if rows > 1 else None  # one row: a static shape
     x = torch.zeros(rows, a.hidden_size, dtype=model.embed_tokens.weight.dtype)
+    out = {}
     with torch.no_grad(), parameters_not_cloned():
-        return {f"probe_{i}": export(MoeProbe(model.layers[i].mlp, i), (x,), dynamic_shapes=dynamic, strict=True)
-                for i in sparse_layers(a)}
+        for i in sparse_layers(a):
+            with MoeProbe(model.layers[i].mlp, i).recording() as probe, warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "While compiling, we found certain side effects")  # (routed)
+                out[f"probe_{i}"] = export(probe, (x,), dynamic_shapes=dynamic, strict=True)
+    return out
 
 
 def sparse_layers(args) -> list[int]:
