@@ -118,8 +118,9 @@ def sanitize(weights: dict, args: ModelArgs) -> dict:
 # post_expert_norm_combine, each an mx.fast.metal_kernel with no other path): mlx's CPU backend refuses them
 # ("[metal_kernel] No Metal back-end", measured on this host); it also refuses dense layers (mlp_layer_types)
 MLX = MlxLm(module="muse_spark", config={}, require=(
-    (lambda c: False, "mlx-lm's muse_spark runs its norms, gates and routing as Metal kernels only "
-                      "(mx.fast.metal_kernel: '[metal_kernel] No Metal back-end' on mlx's CPU backend)"),
+    (lambda c: False, "Muse Spark's architecture, whose mlx-lm 0.32.2 model (muse_spark) runs its norms, gates and "
+                      "routing as Metal kernels only (mx.fast.metal_kernel: '[metal_kernel] No Metal back-end' on "
+                      "mlx's CPU backend)"),
 ))
 
 FAMILY = Family(

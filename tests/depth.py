@@ -105,17 +105,11 @@ _PROFILE = ("the trained profile's roles not yet mapped onto the family's tensor
             "MLP router and CCA q/k; Muse Spark's stored norm gains not all positive (their offset not read)")
 _STREAMED = "the streamed reference (layer by layer from the shards) not yet carrying the family's model-level state"
 _TOWER = "the released composite model (its small vision/audio towers) not yet in tests/test_text_tower.py's RELEASED"
-_MLX_REFUSED = "mlx refuses the family by name (deepseek_v4: mlx-lm's deepseek_v41 is V4.1; muse_spark: Metal-only kernels)"
 OPEN = {
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[glm5_next-None]": _STREAMED,
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[qwen4_exp-None]": _STREAMED,
     "test_reference.py::test_streamed_model_holds_every_tensor_as_the_whole_one_does[qwen4_exp]": _STREAMED,
-    "test_mlx.py::test_other_families_pass_fp32[deepseek_v4]": _MLX_REFUSED,
-    "test_mlx.py::test_other_families_pass_fp32[muse_spark]": _MLX_REFUSED,
-    "test_mlx.py::test_router_mirror_is_what_the_block_applies[deepseek_v4]": _MLX_REFUSED,
-    "test_mlx.py::test_router_mirror_is_what_the_block_applies[muse_spark]": _MLX_REFUSED,
-    **{f"test_shipped.py::test_unquantized_directory_maps_back_to_the_original_exactly[{f}]": _LAYOUTS
-       for f in ("deepseek_v4", "minimax_m3_vl", "muse_spark")},
+    "test_shipped.py::test_unquantized_directory_maps_back_to_the_original_exactly[minimax_m3_vl]": _LAYOUTS,
     "test_text_tower.py::test_every_text_tower_is_checked_against_its_released_model": _TOWER,
     "test_text_tower.py::test_text_positions_rotate_as_the_families_1d_rope[glm5_next]": _TOWER,
     "test_text_tower.py::test_reference_is_the_released_model_on_text[glm5_next]": _TOWER,
