@@ -29,11 +29,17 @@ TINY = dict(
     linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=32,
     layer_types=[LINEAR, LINEAR, LINEAR, FULL], max_position_embeddings=256,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    # the release states its interleaved M-RoPE sections ([11, 11, 10] of head_dim 256 x 0.25 = 64 rotated dims); here
+    # [1, 1, 0] of 16 x 0.25 = 4 (on text every axis has the token's position: HF's rotation is the 1-D one whatever
+    # the sections; llama.cpp's converter writes the release's default [11, 11, 10] where none is stated, which its
+    # rope kernel refuses for a rotary width under 64)
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                     "mrope_interleaved": True, "mrope_section": [1, 1, 0]},
     tie_word_embeddings=False, eos_token_id=255, bos_token_id=None, pad_token_id=None,
-    # two streams; per-layer embeddings on the first and third layers (1-based ids), bigrams and trigrams, two
-    # hashed tables each of ~1000 rows (the release: 8 of ~2e7), saved in two shards (the release: 512)
-    hc_count=2, hc_lowrank=16, ple_layer_ids=[1, 3], ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
+    # two streams; per-layer embeddings on one layer, the first (1-based ids; the release has them on one layer too, its
+    # second: ple_layer_ids [2], and llama.cpp's GGUF holds one n-gram table per model), bigrams and trigrams, two
+    # hashed tables each of ~1000 rows (the release: 8 of ~2e7), saved in two shards (the release: 128)
+    hc_count=2, hc_lowrank=16, ple_layer_ids=[1], ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
     ple_conv_kernel_size=4, split_ngram_parts=2,
     # QSA: blocks of 2 keys, 2 of them kept (budget 4): from the sixth query of the 8-token prompt on, complete blocks
     # are left out
