@@ -290,6 +290,43 @@ def test_hy_v4_rotates_consecutive_pairs(llamacpp):
     assert max(rel(out[p], rec["out"][p]) for p in range(len(toks))) < 3e-5
 
 
+def _converted_hparams(llamacpp, family):
+    """(the tiny checkpoint's source, the hyper-parameters llama.cpp's converter wrote into its f32 GGUF)."""
+    from exporters.llamacpp.gguf import _hparams, arch_of, reader
+    from oracle.source.sources import model_source
+
+    spec = CheckSpec(family=family, backend="llamacpp")
+    src = model_source(spec)
+    r = reader(Path(llamacpp.BACKEND.gguf(src, spec).path))
+    return src, _hparams(r, arch_of(r))
+
+
+def test_minimax_m3_vl_is_converted_from_the_release_layout(llamacpp):
+    """minimax_m3_vl's tiny checkpoint is written as released (MiniMaxM3SparseForCausalLM, per-expert w1/w3/w2 under
+    block_sparse_moe, sparse_attention_config, moe_layer_freq: Family.release_config and the release's conversion
+    registered for HF's class), which llama.cpp's converter takes: its indexer is the tiny config's (blocks of 2, 2 kept,
+    one local, 2 heads), the first layer dense."""
+    src, hp = _converted_hparams(llamacpp, "minimax_m3_vl")
+    c = src.config
+    assert (hp["minimax-m3.attention.indexer.block_size"], hp["minimax-m3.attention.indexer.top_k"],
+            hp["minimax-m3.attention.indexer.local_blocks"], hp["minimax-m3.attention.indexer.head_count"]) == (
+        c["index_block_size"], c["index_topk_blocks"], c["index_local_blocks"], c["index_n_heads"]) == (2, 2, 1, 2)
+    assert hp["minimax-m3.leading_dense_block_count"] == 1 and hp["minimax-m3.expert_shared_count"] == 1
+
+
+def test_qwen4_exp_qsa_layers_are_converted_dense(llamacpp):
+    """qwen4_exp's known divergence, its first cause read off the GGUF: llama.cpp's converter writes a QSA layer's
+    compress ratio only where layer_types says full_attention, but it reads config.json through transformers 5.23's
+    AutoConfig, which names that layer indexed_attention: every ratio 0, and llama.cpp's graph attends to every key
+    there (its second cause, the Gated DeltaNet's sigmoid output gate, is in llama.cpp's graph: src/models/qwen4exp.cpp)."""
+    from transformers import AutoConfig
+
+    src, hp = _converted_hparams(llamacpp, "qwen4_exp")
+    assert AutoConfig.from_pretrained(src.model_dir).layer_types[-1] == "indexed_attention"
+    assert hp["qwen4exp.attention.indexer.top_k"] == src.config["indexer_budget"] == 4
+    assert list(hp["qwen4exp.attention.compress_ratios"]) == [0, 0, 0, 0]  # the full layer's would be 2
+
+
 def test_gemma4_check_is_its_known_divergence(llamacpp):
     """The check: an xfail whose routers pass, read on the stream they are fed, its dense MLPs and MoE blocks each
     a row, failing by the GELU alone (test_gemma4_gelu_is_ggml_fp16_table)."""
