@@ -105,8 +105,7 @@ _PROFILE = ("the trained profile's roles not yet mapped onto the family's tensor
             "MLP router and CCA q/k; Muse Spark's stored norm gains not all positive (their offset not read)")
 _STREAMED = ("the streamed reference (layer by layer from the shards): on Qwen4-Exp its header-only key check (meta tensors "
              "through HF's loading step) raises 'Cannot copy out of meta tensor' (not investigated); on GLM-5.3 a decode "
-             "step reads no expert alone (0 of the 16 per-expert reads the test expects: the bytes are right, the "
-             "economy is not)")
+             "step reads no expert alone (0 of the 16 per-expert reads the test expects; its bitwise comparison not reached)")
 OPEN = {
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[glm5_next-None]": _STREAMED,
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[qwen4_exp-None]": _STREAMED,
