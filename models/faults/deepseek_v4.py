@@ -145,9 +145,12 @@ DEEPSEEK_V4: tuple[Fault, ...] = (
           "previous token's id", dsv4_hash_token_shifted, _first_hash),
 )
 
-# the drill's first diverging point (oracle/drill/points.py)
-POINTS = {"dsv4_csa_cache_not_carried": ("indexer", "output"), "dsv4_hca_cache_not_carried": "output",
-          "dsv4_index_topk_off_by_one": ("indexer", "output"), "dsv4_csa_overlap_dropped": ("indexer", "output"),
-          "dsv4_entries_rotated_late": "output", "dsv4_sinks_dropped": "output", "dsv4_output_rope_kept": "output",
-          "dsv4_sliding_rope_compress": ("q_rope", "output"),
+# the drill's first diverging point (oracle/drill/points.py). The attention's core has no point both sides record
+# (HF's q/k rope taps are laid out otherwise: point_view drops them; the context feeds the grouped output projection,
+# no o_proj), so a fault there first shows at o_a_proj, that projection's first stage; the CSA layers' indexer is the
+# compressor's (compressor.indexer)
+POINTS = {"dsv4_csa_cache_not_carried": ("compressor.indexer", "o_a_proj"), "dsv4_hca_cache_not_carried": "o_a_proj",
+          "dsv4_index_topk_off_by_one": ("compressor.indexer", "o_a_proj"),
+          "dsv4_csa_overlap_dropped": ("compressor.indexer", "o_a_proj"), "dsv4_entries_rotated_late": "o_a_proj",
+          "dsv4_sinks_dropped": "o_a_proj", "dsv4_output_rope_kept": "o_a_proj", "dsv4_sliding_rope_compress": "o_a_proj",
           "dsv4_hash_token_shifted": ("topk", "experts", "output")}
