@@ -40,6 +40,8 @@ from torch import nn
 from exporters.shared.blocks import block_rows
 from models.args import SPARSE, layer_kinds, mlp_type
 from models.layers.attention import Attention
+from models.layers.compressed_attention import CompressedAttention
+from models.layers.compressed_kv import WindowCompressor
 from models.layers.experts import Experts
 from models.layers.gated_deltanet import GatedDeltaNet
 from models.layers.mla import LatentAttention
@@ -295,6 +297,30 @@ def transform_zaya_router(router: ZayaRouter) -> None:
     swap(router, "write_state", write_router_state)
 
 
+# ---------------------------------------------------------------- DeepSeek-V4's compressed attention
+def update_compressed_cache(self, kv, pos):  # the sliding keys [B, T, hd] into a cache held as one head
+    torch.ops.mlx.kv_cache_update(self.k_cache, kv[:, None], start_of(pos, self.k_cache.shape[2]))
+    return self.k_cache[:, 0]
+
+
+def update_windows(self, x, pos):  # a compressor's per-position kv and gate [B, T, width], each as one head
+    start = start_of(pos, self.compress_kv.shape[2])
+    torch.ops.mlx.kv_cache_update(self.compress_kv, self.kv_proj(x)[:, None], start)
+    torch.ops.mlx.kv_cache_update(self.compress_gate, self.gate_proj(x)[:, None], start)
+    return self.compress_kv[:, 0], self.compress_gate[:, 0]
+
+
+def transform_compressed(m) -> None:
+    """DeepSeek-V4's sliding key cache and its compressors' series ([B, S, d], index_put) in mlx::kv_cache_update."""
+    if isinstance(m, CompressedAttention) and "update_cache" not in m.__dict__:
+        as_head(m, "k_cache")
+        swap(m, "update_cache", update_compressed_cache)
+    elif isinstance(m, WindowCompressor) and "update" not in m.__dict__:
+        as_head(m, "compress_kv")
+        as_head(m, "compress_gate")
+        swap(m, "update", update_windows)
+
+
 # seeded faults (models/faults/) whose torch code the MLX delegate cannot lower, in this
 # program's own ops: fault name -> apply(module at the fault's target, args)
 MLX_FAULTS = {"kv_cache_write_off_by_one": lambda attn, a: swap(attn, "update_cache", update_cache_off_by_one)}
@@ -388,6 +414,8 @@ def mlx_source_transformations(model: Transformer, use_custom_kernel: bool = Tru
             transform_relative_attention(m)
         elif isinstance(m, ZayaRouter):
             transform_zaya_router(m)
+        elif isinstance(m, (CompressedAttention, WindowCompressor)):
+            transform_compressed(m)
     return model
 
 
