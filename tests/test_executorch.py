@@ -150,6 +150,26 @@ def test_zaya_probe_methods_lower_with_the_router_run_once(tmp_path):
 
 
 @needs_executorch
+def test_deepseek_v4_hash_layer_drill_reads_the_calls_token_ids():
+    """The drill's points program of a hash-routed layer's MoE block (DeepSeek-V4's layer 0: experts by tid2eid of
+    the call's token ids) is given the call's ids in its call_tokens state, as eager writes them (feed_tokens): every
+    point is eager's (before, the state's zeros chose every token's experts from tid2eid[0]: the check's drill of
+    that block failed at `experts`, max_abs 0.586, its shared experts passing)."""
+    from exporters.torch.candidate import TorchCandidate
+
+    spec = CheckSpec(family="deepseek_v4", backend="executorch")
+    cand, model = candidate(spec)
+    eager = TorchCandidate(model, torch.float32)
+    x = torch.randn(1, 8, model.args.hidden_size, generator=torch.Generator().manual_seed(0))
+    calls = [BlockCall(x.numpy(), np.arange(8), [172, 47, 117, 192, 67, 251, 195, 103]),
+             BlockCall(x[:, :1].numpy(), np.array([8]), [106])]
+    got, want = cand.run_block_points(0, "moe", calls), eager.run_block_points(0, "moe", calls)
+    assert "experts" in want and set(got) == set(want)
+    for name in want:
+        assert all(np.allclose(g, w, atol=1e-5) for g, w in zip(got[name], want[name], strict=True)), name
+
+
+@needs_executorch
 def test_probe_methods_lowered_before_are_taken_and_the_program_is_the_same(monkeypatch):
     """A process lowers each method once (exporters.executorch.lower.lowered_methods): with a fault in the last
     layer's experts, layer 0's probe method is the clean program's lowering, and the program (its .pte and

@@ -150,6 +150,9 @@ class ExecutorchCandidate(Candidate):
             if T not in methods:
                 methods[T] = program.load_method(f"points_t{T}")
             pos = c.pos if c.pos.numel() == T else torch.arange(T)
+            if c.tokens:  # the call's token ids where the block reads them (DeepSeek-V4's hash routers), as eager's
+                state = [fed(s, c.tokens) if n.endswith(".call_tokens") else s
+                         for s, n in zip(state, meta.get("state_names", ()))] or state
             outs = [o.clone() for o in methods[T].execute([x, pos, *state])]
             names, end = meta["fired"][str(T)], len(outs) - len(state)
             state = outs[end:]
@@ -203,6 +206,13 @@ class ExecutorchSamplingCandidate(ExecutorchCandidate):
     def sample_logits(self, logits, temperature, top_p, seed) -> int:
         lg = torch.as_tensor(logits).reshape(1, -1).to(self.dtype)
         return int(self.method("sample_logits").execute([lg, *runtime_args(temperature, top_p, seed)])[0][0])
+
+
+def fed(call_tokens: torch.Tensor, tokens) -> torch.Tensor:
+    """A hash router's call_tokens state [B, S] with the call's token ids at [:, :T] (models.layers.hash_router)."""
+    out = call_tokens.clone()
+    out[:, :len(tokens)] = torch.tensor(list(tokens), dtype=out.dtype)
+    return out
 
 
 def block_output(kind: str, tensors: list):

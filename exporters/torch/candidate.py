@@ -287,7 +287,7 @@ class PointsProgram(torch.nn.Module):
     def export(self, lengths: list[int], hidden: int, dtype: torch.dtype) -> tuple[dict, dict]:
         """({f"points_t{T}": the non-strict torch.export at each length}, what running them needs:
         "fired" (per T, the points in output order), "registered" (the block's submodule paths),
-        "state" ([shape, dtype] per state input))."""
+        "state" ([shape, dtype] per state input), "state_names" (their buffer names))."""
         methods, fired = {}, {}
         state = self.state_examples()
         with torch.no_grad():
@@ -297,4 +297,4 @@ class PointsProgram(torch.nn.Module):
                 fired[T] = list(self.call.fired)  # export runs the forward on a copy of the module
                 methods[f"points_t{T}"] = torch.export.export(self, args, strict=False)
         return methods, {"fired": fired, "registered": self.call.registered,
-                         "state": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in state]}
+                         "state": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in state], "state_names": self.state}
