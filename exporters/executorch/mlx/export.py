@@ -11,7 +11,9 @@ The source transformations, in the spirit of ExecuTorch's
 - stacked experts -> `mlx::moe_gather_inputs` + `mlx::gather_mm` (ExecuTorch's SwitchLinear,
   gate / up / down) + `mlx::moe_scatter_outputs`, sorted by expert for prefill
 - RoPE -> `mlx::rope` (base theta; explicit frequencies only when the module's differ from it)
-- KV cache -> `mlx::kv_cache_update`; causal attention -> `mlx::custom_sdpa` (MLX `fast::sdpa`)
+- KV cache -> `mlx::kv_cache_update`; causal attention -> `mlx::custom_sdpa` (MLX `fast::sdpa`); every other state
+  written per position (indexer caches and DSA's kept choice, ZAYA's router state) -> the same op, held as one head
+- gathers the delegate does not take (Inkling's relative bias, GLM-5.3's visible pools) -> exact one-hot forms
 - Gated DeltaNet -> the `mlx::gated_delta_rule` custom op, without fp32 casts, its recurrent
   state in the model's dtype (MetalKernelNode, or ScanNode with `use_custom_kernel=False`)
 
