@@ -157,8 +157,13 @@ def test_deepseek_v4_hash_layer_drill_reads_the_calls_token_ids():
     that block failed at `experts`, max_abs 0.586, its shared experts passing)."""
     from exporters.torch.candidate import TorchCandidate
 
+    import functools
+
     spec = CheckSpec(family="deepseek_v4", backend="executorch")
-    cand, model = candidate(spec)
+    src = model_source(spec)
+    model = src.build_production(torch.float32)
+    cand = object.__new__(ExecutorchCandidate)  # its drill alone: the points program, not the check's program
+    cand.dtype, cand.points_program = torch.float32, functools.partial(BACKEND.points_program, src, spec)
     eager = TorchCandidate(model, torch.float32)
     x = torch.randn(1, 8, model.args.hidden_size, generator=torch.Generator().manual_seed(0))
     calls = [BlockCall(x.numpy(), np.arange(8), [172, 47, 117, 192, 67, 251, 195, 103]),
