@@ -262,16 +262,23 @@ def test_a_weight_the_delegate_laid_out_in_another_axis_order_is_rebound(tmp_pat
     assert held["kind"] == "content" and [n for n, _ in held["tensors"]] == ["conv.weight"]
     order = held["tensors"][0][1]
     assert torch.equal(m0.conv.weight.detach().permute(order).reshape(1, 4, 8), m0.conv.weight.detach()[:, 0].T[None])
+    rebound_is_the_lowered(p0, bound, m1, tmp_path)
+
+
+def rebound_is_the_lowered(p0, bound, m1, tmp_path):
+    """p0 (lowered for another model) rebound to m1's weights in tmp_path/c is byte for byte the program lowered for m1
+    (tmp_path/b) and computes m1 on a seeded input [1, 8, 16], which it returns."""
+    from executorch.runtime import Runtime
+
     dest = tmp_path / "c" / "model.pte"
     assert ew.rebind(p0, bound, m1, dest, ()) is None
     p1 = lowered_conv(m1, tmp_path / "b" / "model.pte")
     assert all(filecmp.cmp(p1.with_name(n), dest.with_name(n), shallow=False) for n in ("model.pte", "model.ptd"))
-    from executorch.runtime import Runtime
-
     x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0))
     prog = Runtime.get().load_program(str(dest), data_path=str(dest.with_name("model.ptd")))
     with torch.no_grad():
         assert torch.allclose(prog.load_method("forward").execute([x])[0], m1(x), atol=1e-5)
+    return x
 
 
 class TwoLinears(torch.nn.Module):
@@ -301,14 +308,6 @@ def test_rebind_where_a_new_weight_is_another_entrys_old_one(tmp_path):
     bound, why = ew.binding(p0.with_name("model.ptd"), ew.tensor_hashes(m0), set(ew.model_tensors(m0)))
     assert bound is not None, why
     assert sorted(n for names in bound["content"].values() for n in names) == ["a.weight", "b.weight"]
-    dest = tmp_path / "c" / "model.pte"
-    assert ew.rebind(p0, bound, m1, dest, ()) is None
-    p1 = lowered_conv(m1, tmp_path / "b" / "model.pte")
-    assert all(filecmp.cmp(p1.with_name(n), dest.with_name(n), shallow=False) for n in ("model.pte", "model.ptd"))
-    from executorch.runtime import Runtime
-
-    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0))
-    prog = Runtime.get().load_program(str(dest), data_path=str(dest.with_name("model.ptd")))
+    x = rebound_is_the_lowered(p0, bound, m1, tmp_path)
     with torch.no_grad():
-        assert torch.allclose(prog.load_method("forward").execute([x])[0], m1(x), atol=1e-5)
         assert (m1(x) - m0(x)).abs().max() > 1e-2  # the weights are the difference
