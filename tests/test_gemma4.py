@@ -121,3 +121,25 @@ def test_iree_gelu_tanh_is_not_torch_s():
     err = [float(np.abs(g - r.numpy()).max()) for g, r in zip(got, M()(x))]
     assert err[0] > 1e-5  # the GeGLU's gelu: measured 5.1e-5
     assert err[1] < 1e-6 and err[2] < 1e-6  # tanh 1.8e-7, silu 4.8e-7
+
+
+def test_xnnpack_gelu_tanh_is_the_erf_gelu(tmp_path):
+    """The cause of gemma4's known divergence on executorch (goldens/known_divergences.toml): ExecuTorch 1.5.1's
+    XNNPACK delegate computes torch's gelu(approximate="tanh") as the exact (erf) gelu: 4.7e-4 from torch's tanh form
+    on [-6, 6], 1e-6 from its erf form."""
+    pytest.importorskip("executorch")
+    import torch.nn.functional as F
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return F.gelu(x, approximate="tanh")
+
+    x = torch.linspace(-6, 6, 4001).reshape(1, -1)
+    lowered = to_edge_transform_and_lower(torch.export.export(M(), (x,)), partitioner=[XnnpackPartitioner()])
+    (tmp_path / "gelu.pte").write_bytes(lowered.to_executorch().buffer)
+    got = Runtime.get().load_program(str(tmp_path / "gelu.pte")).load_method("forward").execute([x])[0]
+    assert (got - F.gelu(x, approximate="tanh")).abs().max() > 1e-4  # measured 4.7e-4
+    assert (got - F.gelu(x)).abs().max() < 1e-5  # measured 9.5e-7: the erf form
