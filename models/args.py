@@ -496,6 +496,18 @@ def mlp_type(a: ModelArgs, layer: int) -> str:
     return a.mlp_types[layer] if a.mlp_types else SPARSE
 
 
+def token_blocks(a: ModelArgs) -> dict[tuple[int, str], str]:
+    """The blocks (layer, kind) that read the call's token ids (a `call_tokens` buffer: DeepSeek-V4's hash routers,
+    Qwen4-Exp's per-layer n-gram embeddings; models/layers/hash_router.py feed_tokens), and why: a compiled block
+    program that takes only the block's input cannot run them alone (the whole model's prefill and decode carry the
+    ids)."""
+    out = {(i, kind): "a hash-routed layer chooses its experts by the call's token ids"
+           for i, hashed in enumerate(a.router.hash_layers) if hashed for kind in ("moe", "layer")}
+    for i in a.ple.layers if a.ple is not None else ():
+        out[(i, "layer")] = "a layer with per-layer n-gram embeddings hashes the call's token ids"
+    return out
+
+
 def layer_kinds(a: ModelArgs, layer: int) -> tuple[str, ...]:
     """The blocks checked in one decoder layer, in program order: the attention (a layer with a mixer), then the
     router and the experts of a sparse layer or the plain MLP of a dense one (a layer with an MLP), then the whole

@@ -17,7 +17,7 @@ import functools
 from models.args import FULL, LINEAR, AttentionArgs, GatedResidualArgs, ModelArgs, NormArgs, PLEArgs, QSAArgs, \
     RopeArgs, RouterArgs
 from models.family import Family
-from models.mapping import hf_args, require, rope_theta, sanitize_hf
+from models.mapping import points_without, hf_args, require, rope_theta, sanitize_hf
 from models.qwen3_5_moe import gated_deltanet
 from models.rules import GATED_DELTANET
 
@@ -175,10 +175,16 @@ def seen_keys(attention_mask):
     return visible[:, 0].sum(dim=-1)
 
 
+def point_view(points, args: ModelArgs, layer=None):
+    """HF's points less its per-layer embeddings' conv1d: HF calls the module on the channels-first [B, C, L + T]
+    inputs with the carried ones (rows the drill cannot line up by token); the production conv is inline."""
+    return points_without(points, lambda n: n == "ple.conv1d")
+
+
 FAMILY = Family(
     # the text-only config, or the multimodal release's composite one (its text_config is read)
     name="qwen4_exp", model_types=("qwen4_exp_text", "qwen4_exp"), hf_module="qwen4_exp",
     hf_class_name="Qwen4ExpForCausalLM", hf_config_name="Qwen4ExpTextConfig", tiny_config=TINY, to_args=to_args,
-    sanitize=sanitize, hf_reference=reference,
+    sanitize=sanitize, hf_reference=reference, hf_point_view=point_view,
     rules=(("positive", "moe_intermediate_size", "hc_count", "hc_lowrank"), *GATED_DELTANET),
 )

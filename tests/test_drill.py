@@ -228,6 +228,9 @@ def test_every_catalogue_fault_declares_the_point_it_breaks():
     # the gated residual streams' mix modules around each block (models/layers/gated_residual.py)
     modules |= {"post_attention_residual_gate", "post_feedforward_layernorm", "pre_expert_norm"}
     modules |= {"attn_hyper_connection", "mlp_hyper_connection"}
+    # ... and its per-layer embeddings' n-gram lookup; DeepSeek-V4's grouped output projection's first stage (its
+    # attention core has no point both sides record) and its CSA layers' indexer (the compressor's)
+    modules |= {"ple.ple_embedding.ngram_embedding", "o_a_proj", "compressor.indexer"}
     assert named <= taps | modules
 
 

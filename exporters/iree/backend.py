@@ -347,8 +347,7 @@ class IreeBackend(Backend):
                 raise
             raise InputError(f"--vmfb {b.vmfb}: the IREE runtime cannot run it ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:300]})") from None
-        from models.args import SPARSE, mlp_type
-        from models.layers.hash_router import token_blocks
+        from models.args import SPARSE, mlp_type, token_blocks
 
         cand.sparse_layers = tuple(i for i in range(src.args.num_hidden_layers) if mlp_type(src.args, i) == SPARSE)
         dsa = src.args.attention.dsa

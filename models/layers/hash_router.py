@@ -45,18 +45,3 @@ def feed_tokens(module: nn.Module, tokens) -> None:
         if name.rsplit(".", 1)[-1] == "call_tokens":
             buf[:, : tokens.shape[-1]] = tokens
 
-
-def reads_tokens(module: nn.Module) -> bool:
-    """Whether `module` reads the call's token ids (a `call_tokens` buffer): a block program that takes only the
-    block's input x cannot run it alone."""
-    return any(name.rsplit(".", 1)[-1] == "call_tokens" for name, _ in module.named_buffers())
-
-
-def token_blocks(a: ModelArgs) -> dict[tuple[int, str], str]:
-    """The blocks (layer, kind) that read the call's token ids (`call_tokens`), and why: a compiled block program that
-    takes only the block's input cannot run them alone (the whole model's prefill and decode carry the ids)."""
-    out = {(i, kind): "a hash-routed layer chooses its experts by the call's token ids"
-           for i, hashed in enumerate(a.router.hash_layers) if hashed for kind in ("moe", "layer")}
-    for i in a.ple.layers if a.ple is not None else ():
-        out[(i, "layer")] = "a layer with per-layer n-gram embeddings hashes the call's token ids"
-    return out

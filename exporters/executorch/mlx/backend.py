@@ -308,7 +308,7 @@ def not_isolated(a) -> dict:
     """The blocks (layer, kind) whose method reads what the method does not take, and why (as exporters/iree's): the
     call's token ids (DeepSeek-V4's hash layers, Qwen4-Exp's n-gram embeddings: `call_tokens`), another layer's state
     (GLM-5's shared DSA layers, ZAYA's routers after the first). The whole model's prefill and decode carry them."""
-    from models.layers.hash_router import token_blocks
+    from models.args import token_blocks
 
     e2e = "(the whole model's prefill and decode carry it: the e2e row)"
     dsa = a.attention.dsa
