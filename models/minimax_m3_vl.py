@@ -176,6 +176,21 @@ def to_mlx(weights: dict) -> dict:
     return out
 
 
+def from_mlx(weights: dict, config: dict) -> dict:
+    """mlx-lm's names (its directory: language_model.*, the experts stacked) -> the release's, the seeded checkpoints'
+    layout: the text model at model.* and lm_head, the experts one by one as w1 / w3 / w2 (gate, up, down)."""
+    from models.checkpoint import unstack_experts
+
+    out = {}
+    for k, v in unstack_experts(weights).items():
+        k = k.removeprefix("language_model.")
+        for hf, release in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+            if ".block_sparse_moe.experts." in k:
+                k = k.replace(hf, release)
+        out[k] = v
+    return out
+
+
 def _text(c) -> dict:
     return dict(rope_parameters(c))
 
@@ -208,7 +223,7 @@ FAMILY = Family(
     name="minimax_m3_vl", model_types=("minimax_m3_vl_text", "minimax_m3"), hf_module="minimax_m3_vl",
     hf_class_name="MiniMaxM3VLForCausalLM", hf_config_name="MiniMaxM3VLTextConfig", tiny_config=TINY,
     to_args=to_args, sanitize=sanitize, router_output=router_output, router_input=router_input,
-    hf_point_view=point_view, mlx=MLX, experts="num_local_experts", hf_reference=reference,
+    hf_point_view=point_view, mlx=MLX, from_mlx=from_mlx, experts="num_local_experts", hf_reference=reference,
     release_config=release_fields(TINY),
     # gate values beyond the clamp at 7 (as gpt_oss's), the experts' outputs kept near the stream's scale (with down_proj
     # at 0.1 the stream reaches RMS ~9 and a 1000x norm eps moves nothing: rmsnorm_eps_wrong, final_norm_eps_wrong missed)

@@ -99,7 +99,6 @@ DEEP = {
 # fixed the same day) and are not fixed yet. Each is an expected failure, strict (a case that passes fails the suite:
 # take it out of here), keyed by node id under tests/ as DEEP is, the value what is known of its cause. The families'
 # own checks (eager, hf and the backends the README's table lists) pass; these are the suite's breadth tests.
-_LAYOUTS = "the family's checkpoint layouts (fused vs per-expert, or a shipped unquantized directory) not yet mapped"
 _PROFILE = ("the trained profile's roles not yet mapped onto the family's tensor names (no Family.hf_profile_view): "
             "axk2's fused q_gate_proj and gated norms, DeepSeek-V4's o_b_proj / q_b_proj, Doge's router_gate, ZAYA's "
             "MLP router and CCA q/k; Muse Spark's stored norm gains not all positive (their offset not read)")
@@ -110,7 +109,6 @@ OPEN = {
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[glm5_next-None]": _STREAMED,
     "test_reference.py::test_streamed_reference_is_bitwise_the_whole_one[qwen4_exp-None]": _STREAMED,
     "test_reference.py::test_streamed_model_holds_every_tensor_as_the_whole_one_does[qwen4_exp]": _STREAMED,
-    "test_shipped.py::test_unquantized_directory_maps_back_to_the_original_exactly[minimax_m3_vl]": _LAYOUTS,
     **{f"test_weights.py::test_profile_statistics_in_the_checkpoint[{f}]": _PROFILE
        for f in ("axk2", "deepseek_v4", "doge", "muse_spark", "zaya")},
 }
