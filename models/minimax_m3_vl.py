@@ -181,14 +181,8 @@ def from_mlx(weights: dict, config: dict) -> dict:
     layout: the text model at model.* and lm_head, the experts one by one as w1 / w3 / w2 (gate, up, down)."""
     from models.checkpoint import unstack_experts
 
-    out = {}
-    for k, v in unstack_experts(weights).items():
-        k = k.removeprefix("language_model.")
-        for hf, release in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
-            if ".block_sparse_moe.experts." in k:
-                k = k.replace(hf, release)
-        out[k] = v
-    return out
+    experts = unstack_experts(weights, {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
+    return {k.removeprefix("language_model."): v for k, v in experts.items()}
 
 
 def _text(c) -> dict:

@@ -209,7 +209,8 @@ class ExecutorchSamplingCandidate(ExecutorchCandidate):
 
 
 def fed(call_tokens: torch.Tensor, tokens) -> torch.Tensor:
-    """A hash router's call_tokens state [B, S] with the call's token ids at [:, :T] (models.layers.hash_router)."""
+    """A `call_tokens` state [B, S] with the call's token ids at [:, :T] (models.layers.hash_router.feed_tokens's, on
+    the points program's state input)."""
     out = call_tokens.clone()
     out[:, :len(tokens)] = torch.tensor(list(tokens), dtype=out.dtype)
     return out

@@ -347,22 +347,11 @@ class IreeBackend(Backend):
                 raise
             raise InputError(f"--vmfb {b.vmfb}: the IREE runtime cannot run it ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:300]})") from None
-        from models.args import SPARSE, mlp_type, token_blocks
+        from exporters.shared.blocks import not_isolated
+        from models.args import SPARSE, mlp_type
 
         cand.sparse_layers = tuple(i for i in range(src.args.num_hidden_layers) if mlp_type(src.args, i) == SPARSE)
-        dsa = src.args.attention.dsa
-        cand.not_isolated = {  # GLM-5's shared DSA layers read another layer's indexer choice (models/layers/dsa.py)
-            (i, kind): "a DSA shared layer attends to the keys an earlier layer's indexer chose, state its block "
-                       "program does not hold (the whole model's prefill and decode carry it: the e2e row)"
-            for i, shared in enumerate(dsa.shared if dsa is not None else ()) if shared for kind in ("attention", "layer")}
-        if src.args.zaya is not None:  # ZAYA's routers after the first read the previous one's state (zaya_router.py)
-            cand.not_isolated.update({
-                (i, kind): "a ZAYA router after the first adds the previous layer's router state, which its block "
-                           "program does not hold (the whole model's prefill and decode carry it: the e2e row)"
-                for i in range(1, src.args.num_hidden_layers) for kind in ("router", "moe", "layer")})
-        cand.not_isolated.update({  # DeepSeek-V4's hash layers, Qwen4-Exp's n-gram embeddings (hash_router.py)
-            key: f"{why}, which its block program does not take (the whole model's prefill and decode carry them: "
-                 "the e2e row)" for key, why in token_blocks(src.args).items()})
+        cand.not_isolated = not_isolated(src.args, "program")
         if spec.artifact:
             cand.no_points = ("a program given with --vmfb: a points program would be this exporter's block, "
                               "not the given program's")

@@ -51,6 +51,7 @@ CHUNK_FROM_START = {
                  "of its decay over the chunk and the cache)",
 }
 
+
 class HFCandidate(Candidate):
     block_mode = "isolated"
 

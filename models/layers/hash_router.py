@@ -44,4 +44,3 @@ def feed_tokens(module: nn.Module, tokens) -> None:
     for name, buf in module.named_buffers():
         if name.rsplit(".", 1)[-1] == "call_tokens":
             buf[:, : tokens.shape[-1]] = tokens
-

@@ -39,6 +39,7 @@ import torch
 from exporters.torch.candidate import DTYPES
 from exporters.executorch.torch_lowering import lowering
 from exporters.executorch.rebind import OneLowering
+from exporters.shared.blocks import not_isolated
 from exporters.shared.identity import production_structure, program_identity
 from models.args import LINEAR
 from models.layers.transformer import Transformer
@@ -248,7 +249,7 @@ class MlxCandidate(Candidate):
     def last_routes(self):
         return self.routes
 
-    not_isolated: dict = {}  # (layer, kind) -> why its block method cannot run it alone (the row's n/a): not_isolated()
+    not_isolated: dict = {}  # (layer, kind) -> why its block method cannot run it alone (the row's n/a)
 
     @torch.no_grad()
     def run_block(self, layer, kind, calls):
@@ -302,25 +303,6 @@ class MlxCandidate(Candidate):
 
     def structures(self):
         return {"mlx_nodes": histogram_text(self.hist)}
-
-
-def not_isolated(a) -> dict:
-    """The blocks (layer, kind) whose method reads what the method does not take, and why (as exporters/iree's): the
-    call's token ids (DeepSeek-V4's hash layers, Qwen4-Exp's n-gram embeddings: `call_tokens`), another layer's state
-    (GLM-5's shared DSA layers, ZAYA's routers after the first). The whole model's prefill and decode carry them."""
-    from models.args import token_blocks
-
-    e2e = "(the whole model's prefill and decode carry it: the e2e row)"
-    dsa = a.attention.dsa
-    out = {(i, kind): f"a DSA shared layer attends to the keys an earlier layer's indexer chose, state its block "
-                      f"method does not hold {e2e}"
-           for i, shared in enumerate(dsa.shared if dsa is not None else ()) if shared for kind in ("attention", "layer")}
-    if a.zaya is not None:
-        out.update({(i, kind): f"a ZAYA router after the first adds the previous layer's router state, which its block "
-                               f"method does not hold {e2e}"
-                    for i in range(1, a.num_hidden_layers) for kind in ("router", "moe", "layer")})
-    out.update({key: f"{why}, which its block method does not take {e2e}" for key, why in token_blocks(a).items()})
-    return out
 
 
 class MlxSamplingCandidate(MlxCandidate):
@@ -521,7 +503,7 @@ class ExecutorchMlxBackend(Backend):
         sparse = tuple(i for i in range(model.args.num_hidden_layers) if mlp_type(model.args, i) == SPARSE)
         cand = cls(program, info, DTYPES[spec.precision], hist, spec.family, spec.model_dir is None, sparse)
         cand.points_program = functools.partial(self.points_program, model, spec, executor, run_kernel)
-        cand.not_isolated = not_isolated(model.args)
+        cand.not_isolated = not_isolated(model.args, "method")
         return cand
 
     def export(self, model, spec, output_dir) -> list[Path]:

@@ -264,8 +264,8 @@ def transform_latent_attention(attn: LatentAttention) -> None:
     transform_indexer(getattr(attn, "indexer", None))
     if "update_cache" in attn.__dict__:  # a seeded fault's own cache write: kept as it is
         return
-    for name in ("latent_cache", "rope_key_cache"):  # [B, S, d] -> [B, 1, S, d], the op's layout
-        setattr(attn, name, getattr(attn, name)[:, None].clone())
+    for name in ("latent_cache", "rope_key_cache"):
+        as_head(attn, name)
     swap(attn, "update_cache", update_latent_cache)
 
 
@@ -294,7 +294,7 @@ def transform_zaya_router(router: ZayaRouter) -> None:
     """ZAYA's cross-layer router state [B, S, R] written in the delegate's KV cache op (index_put is not lowered)."""
     if "read_state" in router.__dict__ or "write_state" in router.__dict__:
         return
-    router.router_state = router.router_state[:, None].clone()
+    as_head(router, "router_state")
     swap(router, "read_state", read_router_state)
     swap(router, "write_state", write_router_state)
 
